@@ -1,0 +1,26 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs, missing_debug_implementations)]
+#![forbid(unsafe_code)]
+
+pub mod algorithm;
+pub mod body;
+mod decision;
+mod future;
+pub mod key;
+mod layer;
+mod policy;
+pub mod response;
+mod service;
+pub mod store;
+
+pub use algorithm::Algorithm;
+pub use decision::Decision;
+pub use future::ResponseFuture;
+pub use key::{Global, Header, Key, KeyError, KeyExtractor, PeerIp};
+pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder};
+pub use policy::{Limit, LimitError, Policy, PolicyError};
+pub use response::{FailureMode, MissingKey};
+pub use service::RateLimit;
+#[cfg(feature = "redis")]
+pub use store::RedisStore;
+pub use store::{MemoryStore, Store, StoreError};

@@ -1,0 +1,390 @@
+//! Limits (`"100/1m"`) and policies (one or more limits under one name).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::algorithm::Algorithm;
+
+/// One rate limit: at most `count` units of cost in any window of `window`.
+///
+/// Parsed from the strings people already write in configuration files:
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_redis_ratelimit::Limit;
+///
+/// let limit: Limit = "100/1m".parse()?;
+/// assert_eq!(limit.count(), 100);
+/// assert_eq!(limit.window(), Duration::from_secs(60));
+///
+/// // Unit words work too, and a missing number means one unit.
+/// assert_eq!("5/minute".parse::<Limit>()?, "5/1m".parse()?);
+/// assert_eq!("10/1d".parse::<Limit>()?.window(), Duration::from_secs(86_400));
+/// assert!("0/1m".parse::<Limit>().is_err());
+/// # Ok::<(), tower_redis_ratelimit::LimitError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Limit {
+    count: u64,
+    window: Duration,
+}
+
+/// Why a [`Limit`] could not be built; the message names the offending part.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LimitError {
+    /// The text is not of the form `COUNT/WINDOW`.
+    #[error("limit {input:?} is not of the form COUNT/WINDOW, e.g. \"100/1m\"")]
+    Syntax {
+        /// The whole text that was parsed.
+        input: String,
+    },
+    /// The count is not a whole number.
+    #[error("limit count {part:?} is not a whole number")]
+    Count {
+        /// The count part of the text.
+        part: String,
+    },
+    /// The count is zero: a limit that admits nothing is a block, not a rate limit.
+    #[error("limit count must be at least 1")]
+    ZeroCount,
+    /// The window is not a number followed by a known unit.
+    #[error("limit window {part:?} is not a duration such as 10s, 1m, 1h, 1d or minute")]
+    Window {
+        /// The window part of the text.
+        part: String,
+    },
+    /// The window is shorter than one millisecond.
+    #[error("limit window must be at least 1ms")]
+    ZeroWindow,
+}
+
+impl Limit {
+    /// A limit of `count` units per `window`.
+    ///
+    /// Windows are kept with millisecond precision: anything below a millisecond is dropped.
+    pub fn new(count: u64, window: Duration) -> Result<Self, LimitError> {
+        if count == 0 {
+            return Err(LimitError::ZeroCount);
+        }
+        let window = Duration::from_millis(window.as_millis().min(u64::MAX as u128) as u64);
+        if window.is_zero() {
+            return Err(LimitError::ZeroWindow);
+        }
+        Ok(Limit { count, window })
+    }
+
+    /// The number of units admitted per window.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// The length of the window.
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// A short label for the window: `10s`, `1m`, `1h`, `1d` or `500ms`.
+    pub(crate) fn window_label(&self) -> String {
+        let ms = self.window.as_millis();
+        const UNITS: [(u128, &str); 4] = [
+            (86_400_000, "d"),
+            (3_600_000, "h"),
+            (60_000, "m"),
+            (1_000, "s"),
+        ];
+        for (size, unit) in UNITS {
+            if ms % size == 0 {
+                return format!("{}{unit}", ms / size);
+            }
+        }
+        format!("{ms}ms")
+    }
+}
+
+impl fmt::Display for Limit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.count, self.window_label())
+    }
+}
+
+impl FromStr for Limit {
+    type Err = LimitError;
+
+    fn from_str(input: &str) -> Result<Self, Self::Err> {
+        let (count, window) = input.split_once('/').ok_or_else(|| LimitError::Syntax {
+            input: input.to_owned(),
+        })?;
+        let count = count.trim();
+        let count: u64 = count.parse().map_err(|_| LimitError::Count {
+            part: count.to_owned(),
+        })?;
+        Limit::new(count, parse_window(window.trim())?)
+    }
+}
+
+fn parse_window(part: &str) -> Result<Duration, LimitError> {
+    let bad = || LimitError::Window {
+        part: part.to_owned(),
+    };
+    let split = part.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+    let (number, unit) = part.split_at(split);
+    let number: u64 = match number {
+        "" => 1,
+        n => n.parse().map_err(|_| bad())?,
+    };
+    let unit_ms: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "ms" | "millisecond" | "milliseconds" => 1,
+        "s" | "sec" | "secs" | "second" | "seconds" => 1_000,
+        "m" | "min" | "mins" | "minute" | "minutes" => 60_000,
+        "h" | "hr" | "hrs" | "hour" | "hours" => 3_600_000,
+        "d" | "day" | "days" => 86_400_000,
+        _ => return Err(bad()),
+    };
+    let ms = number.checked_mul(unit_ms).ok_or_else(bad)?;
+    if ms == 0 {
+        return Err(LimitError::ZeroWindow);
+    }
+    Ok(Duration::from_millis(ms))
+}
+
+/// A named set of limits that all apply to the same key, decided together.
+///
+/// A request is admitted only if every limit admits it; then it counts against all of them.
+/// The name appears in the `RateLimit-Policy` header and in store keys, so it is restricted to
+/// ASCII letters, digits, `-`, `_` and `.`.
+///
+/// ```
+/// use tower_redis_ratelimit::{Limit, Policy};
+///
+/// // "at most 1 per minute, 5 per hour and 10 per day"
+/// let policy: Policy = "1/1m + 5/1h + 10/1d".parse()?;
+/// assert_eq!(policy.name(), "default");
+/// assert_eq!(policy.limits().len(), 3);
+///
+/// let api = Policy::new("api", ["100/1m".parse::<Limit>()?])?;
+/// assert_eq!(api.name(), "api");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    name: String,
+    /// Sorted by window, shortest first; no two share a window.
+    limits: Vec<Limit>,
+    algorithm: Algorithm,
+}
+
+/// Why a [`Policy`] could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PolicyError {
+    /// One of the limits is invalid.
+    #[error(transparent)]
+    Limit(#[from] LimitError),
+    /// The policy has no limit.
+    #[error("a policy needs at least one limit")]
+    NoLimits,
+    /// Two limits have the same window; only the smaller count could ever matter.
+    #[error("two limits share the window {window}; keep the smaller count")]
+    DuplicateWindow {
+        /// The shared window, e.g. `1m`.
+        window: String,
+    },
+    /// The name is empty, longer than 64 bytes, or has a character outside `[A-Za-z0-9_.-]`.
+    #[error("policy name {name:?} must be 1 to 64 characters of A-Z a-z 0-9 _ . -")]
+    Name {
+        /// The rejected name.
+        name: String,
+    },
+}
+
+impl Policy {
+    /// The name [`Policy::from_str`] gives a policy.
+    pub const DEFAULT_NAME: &'static str = "default";
+
+    /// A policy named `name` made of `limits` (in any order), using the sliding-window log.
+    pub fn new(
+        name: impl Into<String>,
+        limits: impl IntoIterator<Item = Limit>,
+    ) -> Result<Self, PolicyError> {
+        let name = name.into();
+        let name_ok = (1..=64).contains(&name.len())
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+        if !name_ok {
+            return Err(PolicyError::Name { name });
+        }
+        let mut limits: Vec<Limit> = limits.into_iter().collect();
+        if limits.is_empty() {
+            return Err(PolicyError::NoLimits);
+        }
+        limits.sort_by_key(|l| (l.window, l.count));
+        if let Some(pair) = limits.windows(2).find(|p| p[0].window == p[1].window) {
+            return Err(PolicyError::DuplicateWindow {
+                window: pair[0].window_label(),
+            });
+        }
+        Ok(Policy {
+            name,
+            limits,
+            algorithm: Algorithm::SlidingLog,
+        })
+    }
+
+    /// The same limits under another name.
+    pub fn named(self, name: impl Into<String>) -> Result<Self, PolicyError> {
+        Policy::new(name, self.limits).map(|p| p.with_algorithm(self.algorithm))
+    }
+
+    /// The same limits decided by another algorithm.
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+
+    /// The policy's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The limits, shortest window first.
+    pub fn limits(&self) -> &[Limit] {
+        &self.limits
+    }
+
+    /// The algorithm that decides this policy.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// The longest window: how long a key's state must be kept after its last event.
+    pub fn longest_window(&self) -> Duration {
+        self.limits.last().map(|l| l.window).unwrap_or_default()
+    }
+
+    /// The name of limit `index` in rate-limit headers: the policy name for a one-limit
+    /// policy, otherwise the policy name and the window, e.g. `default-1h`.
+    pub fn limit_name(&self, index: usize) -> String {
+        match (&self.limits[..], self.limits.get(index)) {
+            ([_], _) | (_, None) => self.name.clone(),
+            (_, Some(limit)) => format!("{}-{}", self.name, limit.window_label()),
+        }
+    }
+}
+
+/// Parses `"5/10s"` or `"1/1m + 5/1h + 10/1d"` (limits separated by `+` or `,`) into a policy
+/// named [`Policy::DEFAULT_NAME`].
+impl FromStr for Policy {
+    type Err = PolicyError;
+
+    fn from_str(input: &str) -> Result<Self, Self::Err> {
+        let limits = input
+            .split(['+', ','])
+            .map(str::parse)
+            .collect::<Result<Vec<Limit>, _>>()?;
+        Policy::new(Self::DEFAULT_NAME, limits)
+    }
+}
+
+impl TryFrom<&str> for Policy {
+    type Error = PolicyError;
+
+    fn try_from(input: &str) -> Result<Self, Self::Error> {
+        input.parse()
+    }
+}
+
+impl From<Limit> for Policy {
+    fn from(limit: Limit) -> Self {
+        Policy {
+            name: Self::DEFAULT_NAME.to_owned(),
+            limits: vec![limit],
+            algorithm: Algorithm::SlidingLog,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn parses_common_forms() {
+        let cases = [
+            ("5/10s", 5, ms(10_000)),
+            ("100/1m", 100, ms(60_000)),
+            ("1000/1h", 1000, ms(3_600_000)),
+            ("10/1d", 10, ms(86_400_000)),
+            ("100/minute", 100, ms(60_000)),
+            ("100/second", 100, ms(1_000)),
+            ("3/day", 3, ms(86_400_000)),
+            (" 7 / 250ms ", 7, ms(250)),
+            ("2/2 hours", 2, ms(7_200_000)),
+        ];
+        for (text, count, window) in cases {
+            let limit: Limit = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!((limit.count(), limit.window()), (count, window), "{text}");
+        }
+    }
+
+    #[test]
+    fn errors_name_the_bad_part() {
+        assert_eq!("0/1m".parse::<Limit>(), Err(LimitError::ZeroCount));
+        assert_eq!("5/0s".parse::<Limit>(), Err(LimitError::ZeroWindow));
+        assert_eq!(
+            "five/1m".parse::<Limit>(),
+            Err(LimitError::Count {
+                part: "five".into()
+            })
+        );
+        assert_eq!(
+            "5/1fortnight".parse::<Limit>(),
+            Err(LimitError::Window {
+                part: "1fortnight".into()
+            })
+        );
+        assert_eq!(
+            "5/10".parse::<Limit>(),
+            Err(LimitError::Window { part: "10".into() })
+        );
+        assert_eq!(
+            "garbage".parse::<Limit>(),
+            Err(LimitError::Syntax {
+                input: "garbage".into()
+            })
+        );
+        let msg = "5/1fortnight".parse::<Limit>().unwrap_err().to_string();
+        assert!(msg.contains("1fortnight"), "{msg}");
+    }
+
+    #[test]
+    fn policy_sorts_and_validates() {
+        let p: Policy = "10/1d + 1/1m, 5/1h".parse().unwrap();
+        let windows: Vec<_> = p.limits().iter().map(|l| l.window_label()).collect();
+        assert_eq!(windows, ["1m", "1h", "1d"]);
+        assert_eq!(p.longest_window(), ms(86_400_000));
+        assert_eq!(p.limit_name(1), "default-1h");
+        assert_eq!(
+            "1/1m + 2/60s".parse::<Policy>(),
+            Err(PolicyError::DuplicateWindow {
+                window: "1m".into()
+            })
+        );
+        assert!(matches!(
+            Policy::new("has space", [p.limits()[0]]),
+            Err(PolicyError::Name { .. })
+        ));
+        assert_eq!(
+            Policy::new("x", std::iter::empty()),
+            Err(PolicyError::NoLimits)
+        );
+        let single: Policy = "5/10s".parse().unwrap();
+        assert_eq!(single.limit_name(0), "default");
+    }
+}

@@ -1,0 +1,222 @@
+//! The responses and header fields the layer writes.
+//!
+//! Header syntax follows draft-ietf-httpapi-ratelimit-headers-10:
+//!
+//! ```text
+//! RateLimit-Policy: "default";q=5;w=10
+//! RateLimit: "default";r=0;t=7
+//! Retry-After: 7
+//! ```
+//!
+//! `RateLimit-Policy` lists every limit of the policy (a multi-limit policy names each limit
+//! `<policy>-<window>`, e.g. `"api-1h"`); `RateLimit` describes the limit of the
+//! [`Decision`]: the one that refused, or the tightest after admitting. Seconds are rounded
+//! up, so `Retry-After` is never 0 while a client is refused.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderMap, Response, StatusCode};
+use http_body_util::Full;
+
+use crate::{Decision, KeyError, Policy};
+
+/// The `RateLimit-Policy` header field name.
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// The `RateLimit` header field name.
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// Builds the response for a refused request; see
+/// [`RateLimitLayerBuilder::on_rejection`](crate::RateLimitLayerBuilder::on_rejection).
+pub(crate) type RejectionFn = dyn Fn(&Decision) -> Response<Bytes> + Send + Sync;
+
+/// What the layer does when a request yields no key.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MissingKey {
+    /// Answer at once, without calling the service: `500 Internal Server Error` when the peer
+    /// address is missing (a server set-up fault; the body says how to fix it), `400 Bad
+    /// Request` when the request itself lacks the key (e.g. an absent API-key header).
+    #[default]
+    Reject,
+    /// Call the service without limiting the request.
+    Allow,
+    /// Count the request under this one shared key.
+    Use(crate::Key),
+}
+
+/// What the layer does when the store cannot decide (Redis unreachable or too slow).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FailureMode {
+    /// Admit the request: the limiter never becomes the outage.
+    #[default]
+    Open,
+    /// Refuse with `503 Service Unavailable` and `Retry-After: 1`.
+    Closed,
+}
+
+/// The layer's choices, set through [`RateLimitLayerBuilder`](crate::RateLimitLayerBuilder).
+#[derive(Clone, Default)]
+pub(crate) struct Options {
+    pub(crate) hide_allowed_headers: bool,
+    pub(crate) on_rejection: Option<Arc<RejectionFn>>,
+    pub(crate) failure_mode: FailureMode,
+    pub(crate) missing_key: MissingKey,
+}
+
+/// Everything a response needs, shared by the layer, its services and their futures.
+pub(crate) struct Responder {
+    pub(crate) policy: Policy,
+    pub(crate) policy_header: HeaderValue,
+    pub(crate) options: Options,
+}
+
+impl Responder {
+    pub(crate) fn new(policy: Policy, options: Options) -> Self {
+        let items: Vec<String> = policy
+            .limits()
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                format!(
+                    "\"{}\";q={};w={}",
+                    policy.limit_name(i),
+                    l.count(),
+                    ceil_secs(l.window())
+                )
+            })
+            .collect();
+        Responder {
+            policy_header: value(items.join(", ")),
+            policy,
+            options,
+        }
+    }
+
+    /// Adds `RateLimit-Policy` and `RateLimit` for `decision`.
+    pub(crate) fn add_headers(&self, headers: &mut HeaderMap, decision: &Decision) {
+        let name = self.policy.limit_name(decision.limit_index());
+        let state = format!(
+            "\"{name}\";r={};t={}",
+            decision.remaining(),
+            decision.reset_after().as_micros().div_ceil(1_000_000)
+        );
+        headers.insert(RATELIMIT_POLICY, self.policy_header.clone());
+        headers.insert(RATELIMIT, value(state));
+    }
+
+    /// The `429 Too Many Requests` answer to a refused request.
+    pub(crate) fn rejection(&self, decision: &Decision) -> Response<Full<Bytes>> {
+        let retry = decision.retry_after().map(ceil_secs);
+        let mut response = match &self.options.on_rejection {
+            Some(custom) => custom(decision),
+            None => {
+                let text = match retry {
+                    Some(secs) => format!("Too Many Requests: retry in {secs} s\n"),
+                    None => "Too Many Requests: this request exceeds the limit itself\n".into(),
+                };
+                let mut response = Response::new(Bytes::from(text));
+                *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+                response.headers_mut().insert(
+                    CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; charset=utf-8"),
+                );
+                response
+            }
+        };
+        let headers = response.headers_mut();
+        if let Some(secs) = retry {
+            headers
+                .entry(RETRY_AFTER)
+                .or_insert_with(|| HeaderValue::from(secs));
+        }
+        if !headers.contains_key(RATELIMIT) {
+            self.add_headers(headers, decision);
+        }
+        response.map(Full::new)
+    }
+
+    /// The answer when no key could be extracted and [`MissingKey::Reject`] applies.
+    pub(crate) fn missing_key(&self, error: &KeyError) -> Response<Full<Bytes>> {
+        let status = match error {
+            KeyError::MissingPeerAddr => StatusCode::INTERNAL_SERVER_ERROR,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        plain(status, format!("rate limiter: {error}\n"), None)
+    }
+
+    /// The answer when the store failed and [`FailureMode::Closed`] applies.
+    pub(crate) fn unavailable(&self) -> Response<Full<Bytes>> {
+        plain(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Service Unavailable: rate limiter store is unreachable\n".into(),
+            Some(1),
+        )
+    }
+}
+
+fn plain(status: StatusCode, text: String, retry_after: Option<u64>) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(text)));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    if let Some(secs) = retry_after {
+        headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+    }
+    response
+}
+
+/// Whole seconds, rounded up, and at least 1.
+pub(crate) fn ceil_secs(d: Duration) -> u64 {
+    d.as_micros().div_ceil(1_000_000).max(1) as u64
+}
+
+/// Our header texts are built from policy names limited to visible ASCII, and numbers.
+fn value(text: String) -> HeaderValue {
+    HeaderValue::try_from(text).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Outcome;
+
+    #[test]
+    fn renders_draft_10_fields() {
+        let policy: Policy = "2/2s + 3/10s".parse().unwrap();
+        let responder = Responder::new(policy.clone(), Options::default());
+        assert_eq!(
+            responder.policy_header,
+            "\"default-2s\";q=2;w=2, \"default-10s\";q=3;w=10"
+        );
+        let denied = Decision::from_outcome(
+            Outcome {
+                allowed: false,
+                index: 1,
+                remaining: 0,
+                reset_after: 7_800_000,
+                retry_after: Some(7_800_000),
+            },
+            &policy,
+        );
+        let response = responder.rejection(&denied);
+        assert_eq!(response.status(), 429);
+        let h = response.headers();
+        assert_eq!(h[RETRY_AFTER], "8");
+        assert_eq!(h[RATELIMIT], "\"default-10s\";r=0;t=8");
+    }
+
+    #[test]
+    fn rounds_up_and_never_zero() {
+        assert_eq!(ceil_secs(Duration::ZERO), 1);
+        assert_eq!(ceil_secs(Duration::from_micros(1)), 1);
+        assert_eq!(ceil_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(ceil_secs(Duration::from_millis(1001)), 2);
+    }
+}

@@ -1,0 +1,101 @@
+//! [`RateLimit`]: the service the layer wraps around yours.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use tower_service::Service;
+
+use crate::body::ResponseBody;
+use crate::future::ResponseFuture;
+use crate::layer::Config;
+use crate::response::MissingKey;
+use crate::{KeyExtractor, Store};
+
+/// Rate-limits requests to the inner service `S`; made by
+/// [`RateLimitLayer`](crate::RateLimitLayer).
+///
+/// For each request it extracts a key, asks the store, and then calls `S` or answers itself
+/// (`429` with `Retry-After`). Readiness is `S`'s: `poll_ready` asks `S`, and `call` moves the
+/// service that was made ready into the response future, leaving a clone in its place, so the
+/// readiness is not lost while the store decides.
+pub struct RateLimit<S, K, St> {
+    inner: S,
+    config: Arc<Config<K, St>>,
+}
+
+impl<S, K, St> RateLimit<S, K, St> {
+    pub(crate) fn new(inner: S, config: Arc<Config<K, St>>) -> Self {
+        RateLimit { inner, config }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, K, St> Clone for RateLimit<S, K, St> {
+    fn clone(&self) -> Self {
+        RateLimit {
+            inner: self.inner.clone(),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, K, St> std::fmt::Debug for RateLimit<S, K, St> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateLimit")
+            .field("inner", &self.inner)
+            .field("policy", &self.config.responder.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, St, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, St>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+    K: KeyExtractor<ReqB>,
+    St: Store,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqB, St::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        let config = &self.config;
+        let responder = Arc::clone(&config.responder);
+        let key = match config.key.extract(&request) {
+            Ok(key) => key,
+            Err(error) => match &responder.options.missing_key {
+                MissingKey::Use(key) => key.clone(),
+                MissingKey::Allow => {
+                    return ResponseFuture::calling(self.inner.call(request), None, responder)
+                }
+                MissingKey::Reject => {
+                    let response = responder.missing_key(&error);
+                    return ResponseFuture::answer(response, responder);
+                }
+            },
+        };
+        let check = config.store.check(&key, &responder.policy, 1);
+        let clone = self.inner.clone();
+        let ready = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::checking(check, ready, request, responder)
+    }
+}

@@ -1,0 +1,206 @@
+//! The Redis store, over the `fred` client.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fred::prelude::{ClientLike, Config, ReconnectPolicy};
+use fred::types::scripts::Script;
+
+use super::{Store, StoreError};
+use crate::algorithm::{Algorithm, Outcome, Window};
+use crate::{Decision, Key, Policy};
+
+const SLIDING_LOG: &str = include_str!("scripts/sliding_log.lua");
+
+/// Rate-limit state in Redis, shared by every instance of a service.
+///
+/// Each decision is one `EVALSHA` of the algorithm's Lua script: the script reads the time
+/// from Redis `TIME` (so that app servers whose clocks disagree still share one timeline),
+/// trims, counts and records in one atomic step. If Redis has lost the script (`SCRIPT FLUSH`,
+/// a restart, a failover) it is loaded again and the call retried once.
+///
+/// Keys are `<prefix>:{<policy>:<key>}`; the braces make every key of one decision fall in one
+/// Redis Cluster hash slot. Each key expires once its policy's longest window has passed
+/// without an admitted request.
+///
+/// Clones share one connection pool.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), tower_redis_ratelimit::StoreError> {
+/// use tower_redis_ratelimit::RedisStore;
+///
+/// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: fred::clients::Pool,
+    prefix: String,
+    sliding_log: Script,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.inner.prefix)
+            .field("pool_size", &self.inner.pool.size())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Key prefix used unless another is set.
+    pub const DEFAULT_PREFIX: &'static str = "ratelimit";
+
+    /// Connects to the Redis at `url` (`redis://[user:password@]host:port[/db]`) with the
+    /// default settings of [`RedisStoreBuilder`].
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        RedisStore::builder(url).connect().await
+    }
+
+    /// Configures a store for the Redis at `url`.
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            url: url.into(),
+            pool_size: 4,
+            prefix: Self::DEFAULT_PREFIX.to_owned(),
+            timeout: Duration::from_millis(500),
+        }
+    }
+
+    /// The Redis key holding the state of `key` under `policy`.
+    ///
+    /// Useful to inspect or clear state by hand.
+    pub fn redis_key(&self, key: &Key, policy: &Policy) -> String {
+        format!("{}:{{{}:{}}}", self.inner.prefix, policy.name(), key)
+    }
+
+    /// The fred connection pool, e.g. to inspect keys in tests.
+    pub fn pool(&self) -> &fred::clients::Pool {
+        &self.inner.pool
+    }
+}
+
+/// Configures a [`RedisStore`].
+#[derive(Debug, Clone)]
+pub struct RedisStoreBuilder {
+    url: String,
+    pool_size: usize,
+    prefix: String,
+    timeout: Duration,
+}
+
+impl RedisStoreBuilder {
+    /// Connections in the pool (default 4). Commands are pipelined on each connection, so a
+    /// few connections carry many concurrent requests.
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size;
+        self
+    }
+
+    /// The first part of every key (default [`RedisStore::DEFAULT_PREFIX`]), to keep several
+    /// applications apart on one Redis.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// How long one decision may wait for Redis (default 500 ms) before it fails with
+    /// [`StoreError::Redis`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Connects the pool and loads the scripts.
+    pub async fn connect(self) -> Result<RedisStore, StoreError> {
+        if self.pool_size == 0 {
+            return Err(StoreError::Config("pool size must be at least 1".into()));
+        }
+        if self.prefix.is_empty() || self.prefix.contains(['{', '}']) {
+            return Err(StoreError::Config(format!(
+                "key prefix {:?} must be non-empty and free of braces",
+                self.prefix
+            )));
+        }
+        let config = Config::from_url(&self.url)?;
+        let pool = fred::types::Builder::from_config(config)
+            .with_performance_config(|p| p.default_command_timeout = self.timeout)
+            .with_connection_config(|c| {
+                c.connection_timeout = self.timeout.max(Duration::from_secs(1))
+            })
+            .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
+            .build_pool(self.pool_size)?;
+        pool.init().await?;
+        let sliding_log = Script::from_lua(SLIDING_LOG);
+        sliding_log.load(pool.next()).await?;
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                pool,
+                prefix: self.prefix,
+                sliding_log,
+            }),
+        })
+    }
+}
+
+impl Store for RedisStore {
+    type Future = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send + 'static>>;
+
+    fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        let inner = Arc::clone(&self.inner);
+        let redis_key = self.redis_key(key, policy);
+        let mut args: Vec<i64> = Vec::with_capacity(1 + 2 * policy.limits().len());
+        args.push(i64::from(cost));
+        for w in Window::of(policy) {
+            args.push(clamp(w.count));
+            args.push(clamp(w.micros));
+        }
+        let policy = policy.clone();
+        Box::pin(async move {
+            let script = match policy.algorithm() {
+                Algorithm::SlidingLog => &inner.sliding_log,
+            };
+            let reply: Vec<i64> = script
+                .evalsha_with_reload(inner.pool.next(), redis_key, args)
+                .await?;
+            Ok(Decision::from_outcome(
+                parse_reply(&reply, &policy)?,
+                &policy,
+            ))
+        })
+    }
+}
+
+fn clamp(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// Reads `{allowed, index, remaining, reset_after, retry_after}`.
+fn parse_reply(reply: &[i64], policy: &Policy) -> Result<Outcome, StoreError> {
+    let bad = || StoreError::Reply(format!("{reply:?}"));
+    let &[allowed, index, remaining, reset_after, retry_after] = reply else {
+        return Err(bad());
+    };
+    let index = usize::try_from(index)
+        .ok()
+        .filter(|&i| i < policy.limits().len())
+        .ok_or_else(bad)?;
+    let non_negative = |v: i64| u64::try_from(v).map_err(|_| bad());
+    Ok(Outcome {
+        allowed: allowed == 1,
+        index,
+        remaining: non_negative(remaining)?,
+        reset_after: non_negative(reset_after)?,
+        retry_after: match retry_after {
+            -1 | -2 => None,
+            v => Some(non_negative(v)?),
+        },
+    })
+}
