@@ -131,6 +131,12 @@ impl MemoryStore {
             .map_or(0, |e| e.log.lock().map_or(0, |l| l.len()))
     }
 
+    /// The number of keys held, after pending evictions have run.
+    pub fn key_count(&self) -> u64 {
+        self.entries.run_pending_tasks();
+        self.entries.entry_count()
+    }
+
     fn now_micros(&self) -> u64 {
         self.clock.now().as_micros().min(u64::MAX as u128) as u64
     }

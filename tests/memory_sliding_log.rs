@@ -1,0 +1,106 @@
+//! The sliding-window log in the embedded store, on tokio's paused (virtual) clock.
+
+mod common;
+
+use std::time::Duration;
+
+use common::scenarios::{self, check};
+use tower_redis_ratelimit::store::ManualClock;
+use tower_redis_ratelimit::{Key, MemoryStore, Policy};
+
+#[tokio::test(start_paused = true)]
+async fn multi_limit_policy() {
+    scenarios::multi_limit(MemoryStore::new(), Duration::ZERO).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn concurrent_handles_admit_exactly_the_limit() {
+    let store = MemoryStore::new();
+    scenarios::concurrent_exact(&[store.clone(), store], 200, 50).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn threads_admit_exactly_the_limit() {
+    let store = MemoryStore::new();
+    let policy: Policy = "50/10s".parse().unwrap();
+    let tasks: Vec<_> = (0..200)
+        .map(|_| {
+            let (store, policy) = (store.clone(), policy.clone());
+            tokio::spawn(async move { check(&store, "crowd", &policy).await.is_allowed() })
+        })
+        .collect();
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += usize::from(task.await.unwrap());
+    }
+    assert_eq!(admitted, 50);
+}
+
+#[tokio::test(start_paused = true)]
+async fn retrying_client_is_not_locked_out() {
+    scenarios::retrying_client_is_not_locked_out(MemoryStore::new(), Duration::ZERO).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn cost_and_keys() {
+    scenarios::cost_and_keys(MemoryStore::new()).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_event_per_admitted_request_and_none_per_denied() {
+    let store = MemoryStore::new();
+    let policy = Policy::new("burst", ["100/10s".parse().unwrap()]).unwrap();
+    scenarios::concurrent_exact(std::slice::from_ref(&store), 150, 100).await;
+    assert_eq!(store.events(&Key::from("crowd"), &policy), 100);
+    for _ in 0..20 {
+        assert!(!check(&store, "crowd", &policy).await.is_allowed());
+    }
+    assert_eq!(store.events(&Key::from("crowd"), &policy), 100);
+}
+
+#[test]
+fn injected_clock_drives_the_windows() {
+    let clock = ManualClock::default();
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let policy: Policy = "1/1m".parse().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    rt.block_on(async {
+        assert!(check(&store, "k", &policy).await.is_allowed());
+        clock.advance(Duration::from_secs(59));
+        let d = check(&store, "k", &policy).await;
+        assert_eq!(d.retry_after(), Some(Duration::from_secs(1)));
+        clock.advance(Duration::from_secs(1));
+        assert!(check(&store, "k", &policy).await.is_allowed());
+    });
+}
+
+/// Idle keys leave the store once their longest window has passed. Expiry runs on the
+/// cache's own (real) clock, whose timer wheel removes entries in steps of about a second, so
+/// this test uses a short window and waits for the count to drain, up to a generous deadline.
+#[tokio::test]
+async fn idle_keys_are_evicted() {
+    let store = MemoryStore::builder().max_keys(1_000).build();
+    let policy: Policy = "5/100ms".parse().unwrap();
+    for i in 0..100 {
+        check(&store, &format!("client-{i}"), &policy).await;
+    }
+    assert_eq!(store.key_count(), 100);
+    assert_eq!(store.events(&Key::from("client-7"), &policy), 1);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(store.events(&Key::from("client-7"), &policy), 0);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while store.key_count() > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "{} keys left", store.key_count());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn key_count_is_bounded() {
+    let store = MemoryStore::builder().max_keys(1_000).build();
+    let policy: Policy = "5/1h".parse().unwrap();
+    for i in 0..20_000 {
+        check(&store, &format!("client-{i}"), &policy).await;
+    }
+    assert!(store.key_count() <= 1_000, "{} keys", store.key_count());
+}
