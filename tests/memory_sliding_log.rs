@@ -63,7 +63,9 @@ fn injected_clock_drives_the_windows() {
     let clock = ManualClock::default();
     let store = MemoryStore::builder().clock(clock.clone()).build();
     let policy: Policy = "1/1m".parse().unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
     rt.block_on(async {
         assert!(check(&store, "k", &policy).await.is_allowed());
         clock.advance(Duration::from_secs(59));
@@ -90,7 +92,11 @@ async fn idle_keys_are_evicted() {
     assert_eq!(store.events(&Key::from("client-7"), &policy), 0);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while store.key_count() > 0 {
-        assert!(tokio::time::Instant::now() < deadline, "{} keys left", store.key_count());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} keys left",
+            store.key_count()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

@@ -64,7 +64,10 @@ async fn key_expires_after_the_longest_window() {
         check(&store, "idle", &policy).await;
     }
     let ttl: i64 = redis.pttl(&zset).await.unwrap();
-    assert!((1..=1000).contains(&ttl), "expiry set to the longest window, got {ttl} ms");
+    assert!(
+        (1..=1000).contains(&ttl),
+        "expiry set to the longest window, got {ttl} ms"
+    );
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let exists: u32 = redis.exists(&zset).await.unwrap();
     assert_eq!(exists, 0, "key left behind after its longest window");

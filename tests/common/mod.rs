@@ -1,6 +1,7 @@
 //! Test harness: real `redis-server` processes on free loopback ports, stopped on drop.
 #![allow(dead_code)]
 
+pub mod http;
 pub mod scenarios;
 
 use std::net::{TcpListener, TcpStream};
@@ -57,7 +58,9 @@ impl RedisServer {
 
     /// A store connected to this server.
     pub async fn store(&self) -> RedisStore {
-        RedisStore::connect(&self.url()).await.expect("connect store")
+        RedisStore::connect(&self.url())
+            .await
+            .expect("connect store")
     }
 
     /// A plain fred client, to inspect what the store wrote.

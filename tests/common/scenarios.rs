@@ -66,7 +66,7 @@ pub async fn multi_limit<St: Store>(store: St, margin: Duration) {
         .key(|_: &Request<()>| Some("multi"))
         .build()
         .unwrap();
-    let response = layer.layer_service().oneshot(Request::new(())).await.unwrap();
+    let response = layered(&layer).oneshot(Request::new(())).await.unwrap();
     assert_eq!(response.status(), 429);
     let h = response.headers();
     assert_eq!(h["retry-after"], "8");
@@ -129,31 +129,29 @@ pub async fn cost_and_keys<St: Store>(store: St) {
     // Another key, and the same key under another policy, have budgets of their own.
     assert!(check(&store, "other", &policy).await.is_allowed());
     let other_policy = policy.clone().named("other").unwrap();
-    assert!(store.check(&key, &other_policy, 5).await.unwrap().is_allowed());
+    assert!(store
+        .check(&key, &other_policy, 5)
+        .await
+        .unwrap()
+        .is_allowed());
 }
 
-/// A `RateLimitLayer` over a trivial service, for scenarios that look at HTTP.
-pub trait LayerExt {
-    fn layer_service(
-        &self,
-    ) -> impl Service<Request<()>, Response = Response<tower_redis_ratelimit::body::ResponseBody<Full<Bytes>>>, Error = Infallible>;
-}
+type Reply = Response<tower_redis_ratelimit::body::ResponseBody<Full<Bytes>>>;
 
-impl<K, St> LayerExt for RateLimitLayer<K, St>
+/// `layer` around a service that answers `ok`, for scenarios that look at HTTP.
+pub fn layered<K, St>(
+    layer: &RateLimitLayer<K, St>,
+) -> impl Service<Request<()>, Response = Reply, Error = Infallible> + Clone
 where
-    K: tower_redis_ratelimit::KeyExtractor<()> + Send + Sync + 'static,
+    K: tower_redis_ratelimit::KeyExtractor<()>,
     St: Store,
 {
-    fn layer_service(
-        &self,
-    ) -> impl Service<Request<()>, Response = Response<tower_redis_ratelimit::body::ResponseBody<Full<Bytes>>>, Error = Infallible> {
-        tower::Layer::layer(
-            self,
-            service_fn(|_req: Request<()>| async {
-                Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
-            }),
-        )
-    }
+    tower::Layer::layer(
+        layer,
+        service_fn(|_req: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+        }),
+    )
 }
 
 /// A request from `ip`, as a server that inserts the peer address would pass it on.
