@@ -203,4 +203,77 @@ mod tests {
         log.check(10 * S, &w, 1);
         assert_eq!(log.len(), 1);
     }
+
+    /// The definition, computed the slow way: every admitted event is kept with its cost.
+    struct Reference {
+        admitted: Vec<(u64, u64)>,
+    }
+
+    impl Reference {
+        fn used(&self, at: u64, w: &Window) -> u64 {
+            self.admitted
+                .iter()
+                .filter(|&&(t, _)| at < t + w.micros)
+                .map(|&(_, c)| c)
+                .sum()
+        }
+
+        fn fits(&self, at: u64, windows: &[Window], cost: u64) -> bool {
+            windows.iter().all(|w| self.used(at, w) + cost <= w.count)
+        }
+
+        /// Admits or not; when not, the least wait after which the request would fit.
+        fn check(&mut self, now: u64, windows: &[Window], cost: u64) -> (bool, Option<u64>) {
+            if self.fits(now, windows, cost) {
+                self.admitted.push((now, cost));
+                return (true, None);
+            }
+            // The count of a window only drops when an event leaves it.
+            let mut waits: Vec<u64> = self
+                .admitted
+                .iter()
+                .flat_map(|&(t, _)| windows.iter().map(move |w| t + w.micros))
+                .filter(|&leave| leave > now)
+                .map(|leave| leave - now)
+                .collect();
+            waits.sort_unstable();
+            let retry = waits
+                .into_iter()
+                .find(|&d| self.fits(now + d, windows, cost));
+            (false, retry)
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn agrees_with_the_definition(
+            limits in proptest::collection::vec((1u64..6, 1u64..20), 1..4),
+            steps in proptest::collection::vec((0u64..4, 0u64..4), 1..120),
+        ) {
+            // Windows in units of 100 ms, distinct and sorted as a Policy keeps them.
+            let mut windows: Vec<Window> = limits
+                .iter()
+                .map(|&(count, w)| Window { count, micros: w * 100_000 })
+                .collect();
+            windows.sort_by_key(|w| w.micros);
+            windows.dedup_by_key(|w| w.micros);
+
+            let (mut log, mut reference, mut now) =
+                (SlidingLog::default(), Reference { admitted: vec![] }, 0u64);
+            for (gap, cost) in steps {
+                now += gap * 50_000;
+                let got = log.check(now, &windows, cost);
+                let (allowed, retry) = reference.check(now, &windows, cost);
+                proptest::prop_assert_eq!(got.allowed, allowed, "at {}", now);
+                if !allowed {
+                    proptest::prop_assert_eq!(got.retry_after, retry, "at {}", now);
+                }
+                let w = &windows[got.index];
+                proptest::prop_assert_eq!(
+                    got.remaining,
+                    w.count.saturating_sub(reference.used(now, w))
+                );
+            }
+        }
+    }
 }
