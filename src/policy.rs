@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algorithm::Algorithm;
@@ -169,9 +170,10 @@ fn parse_window(part: &str) -> Result<Duration, LimitError> {
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
-    name: String,
+    // Shared, so that cloning a policy into a request's future does not allocate.
+    name: Arc<str>,
     /// Sorted by window, shortest first; no two share a window.
-    limits: Vec<Limit>,
+    limits: Arc<[Limit]>,
     algorithm: Algorithm,
 }
 
@@ -227,15 +229,15 @@ impl Policy {
             });
         }
         Ok(Policy {
-            name,
-            limits,
+            name: name.into(),
+            limits: limits.into(),
             algorithm: Algorithm::SlidingLog,
         })
     }
 
     /// The same limits under another name.
     pub fn named(self, name: impl Into<String>) -> Result<Self, PolicyError> {
-        Policy::new(name, self.limits).map(|p| p.with_algorithm(self.algorithm))
+        Policy::new(name, self.limits.iter().copied()).map(|p| p.with_algorithm(self.algorithm))
     }
 
     /// The same limits decided by another algorithm.
@@ -247,6 +249,11 @@ impl Policy {
     /// The policy's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The name, shared.
+    pub(crate) fn shared_name(&self) -> Arc<str> {
+        Arc::clone(&self.name)
     }
 
     /// The limits, shortest window first.
@@ -268,7 +275,7 @@ impl Policy {
     /// policy, otherwise the policy name and the window, e.g. `default-1h`.
     pub fn limit_name(&self, index: usize) -> String {
         match (&self.limits[..], self.limits.get(index)) {
-            ([_], _) | (_, None) => self.name.clone(),
+            ([_], _) | (_, None) => self.name.to_string(),
             (_, Some(limit)) => format!("{}-{}", self.name, limit.window_label()),
         }
     }
@@ -299,8 +306,8 @@ impl TryFrom<&str> for Policy {
 impl From<Limit> for Policy {
     fn from(limit: Limit) -> Self {
         Policy {
-            name: Self::DEFAULT_NAME.to_owned(),
-            limits: vec![limit],
+            name: Self::DEFAULT_NAME.into(),
+            limits: Arc::new([limit]),
             algorithm: Algorithm::SlidingLog,
         }
     }

@@ -127,7 +127,7 @@ impl MemoryStore {
     /// Meant for tests and diagnostics.
     pub fn events(&self, key: &Key, policy: &Policy) -> usize {
         self.entries
-            .get(&(Arc::from(policy.name()), key.clone()))
+            .get(&(policy.shared_name(), key.clone()))
             .map_or(0, |e| e.log.lock().map_or(0, |l| l.len()))
     }
 
@@ -216,7 +216,7 @@ impl Store for MemoryStore {
     fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
         let entry = self
             .entries
-            .get_with((Arc::from(policy.name()), key.clone()), || {
+            .get_with((policy.shared_name(), key.clone()), || {
                 Arc::new(Entry {
                     log: Mutex::new(SlidingLog::default()),
                     idle: policy.longest_window(),
