@@ -2,18 +2,71 @@
 //!
 //! [`MemoryStore`](crate::MemoryStore) runs these functions directly; the Redis store runs a Lua
 //! port of each (`src/store/redis/scripts/`), written step for step after the Rust so that the
-//! two can be read side by side. Times are whole microseconds on the store's clock.
+//! two can be read side by side. Times are whole microseconds since the UNIX epoch, on the
+//! store's clock.
+//!
+//! Every algorithm keeps state per limit and answers three questions about limit `i`:
+//! does a request of `cost` fit now (and if not, after how long would it), record it, and how
+//! many units are left and when the limit resets. [`decide`] combines them the same way for
+//! all algorithms, which is what makes a multi-limit policy atomic: every limit admits and
+//! all record, or none records.
 
+pub(crate) mod fixed_window;
+pub(crate) mod gcra;
 pub(crate) mod sliding_log;
+pub(crate) mod sliding_window;
 
 /// How a [`Policy`](crate::Policy) is decided.
+///
+/// | algorithm | state per key and limit | exact? |
+/// |---|---|---|
+/// | [`SlidingLog`](Algorithm::SlidingLog) | one entry per admitted unit | exact in every window |
+/// | [`SlidingWindow`](Algorithm::SlidingWindow) | two counters | approximate: weights the previous window |
+/// | [`FixedWindow`](Algorithm::FixedWindow) | one counter | exact per window, bursts at edges |
+/// | [`Gcra`](Algorithm::Gcra) | one timestamp | exact leaky bucket |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Algorithm {
     /// An exact sliding-window log: one entry per admitted unit of cost, kept for the longest
-    /// window. Exact for every window, at a memory cost that grows with the limit.
+    /// window. Exact for every window, at a memory cost that grows with the limit. The only
+    /// algorithm that takes event times ([`Store::check_at`](crate::Store::check_at)).
     #[default]
     SlidingLog,
+    /// The sliding window counter: the count of the current fixed window plus the previous
+    /// window's count weighted by how much of it the sliding window still covers. O(1) memory.
+    /// It never admits more than the limit in any fixed window, and fewer than twice the limit
+    /// in any sliding window.
+    SlidingWindow,
+    /// Fixed windows aligned to the UNIX epoch, one counter each (`INCR` + expiry). O(1)
+    /// memory; up to twice the limit can pass around a window boundary.
+    FixedWindow,
+    /// The generic cell rate algorithm: a leaky bucket (funnel) of capacity `count` that
+    /// drains `count` units per window, kept as one timestamp (the theoretical arrival time).
+    /// Allows a burst of `count`, then one unit every `window / count`; the answer carries what
+    /// redis-cell's `CL.THROTTLE` returns.
+    Gcra,
+}
+
+impl Algorithm {
+    /// How long a key's state matters after its last request, for a policy whose longest
+    /// window is `longest`: twice that for the sliding window counter, whose previous window
+    /// still weighs during the next one.
+    pub(crate) fn retention(self, longest: std::time::Duration) -> std::time::Duration {
+        match self {
+            Algorithm::SlidingWindow => longest * 2,
+            _ => longest,
+        }
+    }
+
+    /// A short name, used in store keys.
+    pub(crate) fn tag(self) -> &'static str {
+        match self {
+            Algorithm::SlidingLog => "log",
+            Algorithm::SlidingWindow => "sw",
+            Algorithm::FixedWindow => "fw",
+            Algorithm::Gcra => "gcra",
+        }
+    }
 }
 
 /// A limit in the units the algorithms use.
@@ -40,6 +93,87 @@ pub(crate) struct Outcome {
     pub index: usize,
     pub remaining: u64,
     pub reset_after: u64,
-    /// `Some` when denied; `None` when denied because the cost exceeds the limit itself.
+    /// `Some` when denied with a known wait; `None` when admitted, or when no wait helps.
     pub retry_after: Option<u64>,
+}
+
+/// A limit's answer to "does it fit?".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fit {
+    Yes,
+    /// No; it would after this many microseconds (`None`: waiting does not help).
+    No(Option<u64>),
+}
+
+/// The per-limit state of one key under one algorithm.
+pub(crate) trait Limiter {
+    /// Does a request of `cost` at `now` fit limit `i`?
+    fn fits(&self, now: u64, i: usize, w: &Window, cost: u64) -> Fit;
+    /// Records an admitted request of `cost` at `now` against every limit.
+    fn record(&mut self, now: u64, windows: &[Window], cost: u64);
+    /// Units left in limit `i` and microseconds until it resets.
+    fn report(&self, now: u64, i: usize, w: &Window) -> (u64, u64);
+}
+
+/// Decides a request against every limit, recording it (if `record`) only when all admit.
+///
+/// Reported limit: when denied, the one that denies with the latest retry (a retry that no wait
+/// helps counts as latest); when admitted, the one with the fewest units left. Ties go to the
+/// shorter window. `scripts/common.lua` is the same procedure.
+pub(crate) fn decide<L: Limiter>(
+    state: &mut L,
+    now: u64,
+    windows: &[Window],
+    cost: u64,
+    record: bool,
+) -> Outcome {
+    let mut denied: Option<(usize, Option<u64>)> = None;
+    for (i, w) in windows.iter().enumerate() {
+        if let Fit::No(retry) = state.fits(now, i, w, cost) {
+            let later = match (denied, retry) {
+                (None, _) | (Some((_, Some(_))), None) => true,
+                (Some((_, None)), _) => false,
+                (Some((_, Some(a))), Some(b)) => b > a,
+            };
+            if later {
+                denied = Some((i, retry));
+            }
+        }
+    }
+    if let Some((index, retry_after)) = denied {
+        let (remaining, reset_after) = state.report(now, index, &windows[index]);
+        return Outcome {
+            allowed: false,
+            index,
+            remaining,
+            reset_after,
+            retry_after,
+        };
+    }
+    if record {
+        state.record(now, windows, cost);
+    }
+    let (index, (remaining, reset_after)) = windows
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (i, state.report(now, i, w)))
+        .min_by_key(|(_, (remaining, _))| *remaining)
+        .unwrap_or((0, (0, 0)));
+    Outcome {
+        allowed: true,
+        index,
+        remaining,
+        reset_after,
+        retry_after: None,
+    }
+}
+
+/// `ceil(a / b)` for `b > 0`.
+pub(crate) fn div_ceil(a: u128, b: u128) -> u64 {
+    a.div_ceil(b).min(u64::MAX as u128) as u64
+}
+
+/// The start of the fixed window of length `w` that holds `now` (windows aligned to the epoch).
+pub(crate) fn window_start(now: u64, w: u64) -> u64 {
+    now - now % w
 }

@@ -3,33 +3,47 @@
 use std::future::{ready, Ready};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use moka::sync::Cache;
 
 use super::{Store, StoreError};
-use crate::algorithm::sliding_log::SlidingLog;
-use crate::algorithm::{Algorithm, Window};
+use crate::algorithm::{
+    decide, fixed_window::FixedWindow, gcra::Gcra, sliding_log::SlidingLog,
+    sliding_window::SlidingWindow, Algorithm, Outcome, Window,
+};
 use crate::{Decision, Key, Policy};
 
-/// A monotonic clock for [`MemoryStore`], in time elapsed since an arbitrary origin.
+/// The time for [`MemoryStore`]: elapsed since the UNIX epoch.
 ///
-/// Inject one to test with virtual time; see [`ManualClock`] and [`TokioClock`].
+/// Wall-clock based, so that event times ([`Store::check_at`]) and fixed windows (aligned to
+/// the epoch) mean the same as in Redis. Must not go backwards. Inject one to test with virtual
+/// time; see [`ManualClock`] and [`TokioClock`].
 pub trait Clock: Send + Sync + 'static {
-    /// The time elapsed since this clock's origin. Must never decrease.
+    /// The time elapsed since the UNIX epoch.
     fn now(&self) -> Duration;
 }
 
-/// The default clock: tokio's `Instant`, which follows tokio's paused test clock
-/// (`#[tokio::test(start_paused = true)]`, `tokio::time::advance`) when there is one.
+/// The default clock: the system time when the clock is made, advanced by tokio's monotonic
+/// `Instant`. It follows tokio's paused test clock (`#[tokio::test(start_paused = true)]`,
+/// `tokio::time::advance`) when there is one, and never goes backwards.
 #[derive(Debug, Clone)]
 pub struct TokioClock {
+    start: Duration,
     origin: tokio::time::Instant,
 }
 
 impl Default for TokioClock {
     fn default() -> Self {
+        TokioClock::starting_at(SystemTime::now())
+    }
+}
+
+impl TokioClock {
+    /// A clock that reads `start` now and advances with tokio's clock.
+    pub fn starting_at(start: SystemTime) -> Self {
         TokioClock {
+            start: since_epoch(start),
             origin: tokio::time::Instant::now(),
         }
     }
@@ -37,11 +51,11 @@ impl Default for TokioClock {
 
 impl Clock for TokioClock {
     fn now(&self) -> Duration {
-        tokio::time::Instant::now().saturating_duration_since(self.origin)
+        self.start + tokio::time::Instant::now().saturating_duration_since(self.origin)
     }
 }
 
-/// A clock that moves only when told to; clones share one time.
+/// A clock that moves only when told to; clones share one time. Starts at the UNIX epoch.
 ///
 /// ```
 /// use std::time::Duration;
@@ -57,10 +71,16 @@ pub struct ManualClock {
 }
 
 impl ManualClock {
+    /// A clock that reads `start`.
+    pub fn starting_at(start: SystemTime) -> Self {
+        let clock = ManualClock::default();
+        clock.advance(since_epoch(start));
+        clock
+    }
+
     /// Moves the clock forward by `by`.
     pub fn advance(&self, by: Duration) {
-        let by = by.as_micros().min(u64::MAX as u128) as u64;
-        self.micros.fetch_add(by, Ordering::SeqCst);
+        self.micros.fetch_add(micros(by), Ordering::SeqCst);
     }
 }
 
@@ -70,15 +90,24 @@ impl Clock for ManualClock {
     }
 }
 
+fn since_epoch(t: SystemTime) -> Duration {
+    t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default()
+}
+
+fn micros(d: Duration) -> u64 {
+    d.as_micros().min(u64::MAX as u128) as u64
+}
+
 /// Rate-limit state kept in this process.
 ///
 /// Bounded: it holds at most [`max_keys`](MemoryStoreBuilder::max_keys) keys, and a key is
-/// dropped once its policy's longest window has passed without a request, since its log would
-/// be empty by then. When the bound is reached the least useful keys are evicted (moka's
+/// dropped once its policy's longest window has passed without a request, since its state
+/// would be empty by then. When the bound is reached the least useful keys are evicted (moka's
 /// TinyLFU policy), which forgets their history: size the bound above the number of clients
 /// you expect within the longest window.
 ///
-/// Clones share state.
+/// Runs the same algorithms as [`RedisStore`](crate::RedisStore), decided under one lock per
+/// key. Clones share state.
 #[derive(Clone)]
 pub struct MemoryStore {
     entries: Cache<(Arc<str>, Key), Arc<Entry>>,
@@ -86,9 +115,46 @@ pub struct MemoryStore {
 }
 
 struct Entry {
-    log: Mutex<SlidingLog>,
-    /// The policy's longest window: how long the entry is worth keeping after a request.
+    state: Mutex<State>,
+    /// How long the entry is worth keeping after a request (see `Algorithm::retention`).
     idle: Duration,
+}
+
+/// One key's state under the algorithm of its policy.
+enum State {
+    Log(SlidingLog),
+    Sliding(SlidingWindow),
+    Fixed(FixedWindow),
+    Gcra(Gcra),
+}
+
+impl State {
+    fn new(algorithm: Algorithm) -> State {
+        match algorithm {
+            Algorithm::SlidingLog => State::Log(SlidingLog::default()),
+            Algorithm::SlidingWindow => State::Sliding(SlidingWindow::default()),
+            Algorithm::FixedWindow => State::Fixed(FixedWindow::default()),
+            Algorithm::Gcra => State::Gcra(Gcra::default()),
+        }
+    }
+
+    fn algorithm(&self) -> Algorithm {
+        match self {
+            State::Log(_) => Algorithm::SlidingLog,
+            State::Sliding(_) => Algorithm::SlidingWindow,
+            State::Fixed(_) => Algorithm::FixedWindow,
+            State::Gcra(_) => Algorithm::Gcra,
+        }
+    }
+
+    fn decide(&mut self, t: u64, windows: &[Window], cost: u64, record: bool) -> Outcome {
+        match self {
+            State::Log(s) => decide(s, t, windows, cost, record),
+            State::Sliding(s) => decide(s, t, windows, cost, record),
+            State::Fixed(s) => decide(s, t, windows, cost, record),
+            State::Gcra(s) => decide(s, t, windows, cost, record),
+        }
+    }
 }
 
 impl std::fmt::Debug for MemoryStore {
@@ -122,13 +188,18 @@ impl MemoryStore {
         }
     }
 
-    /// The number of events (admitted units) held for `key` under `policy`.
+    /// The number of events (admitted units) a sliding log holds for `key` under `policy`.
     ///
-    /// Meant for tests and diagnostics.
+    /// Meant for tests and diagnostics; 0 for other algorithms.
     pub fn events(&self, key: &Key, policy: &Policy) -> usize {
-        self.entries
-            .get(&(policy.shared_name(), key.clone()))
-            .map_or(0, |e| e.log.lock().map_or(0, |l| l.len()))
+        let Some(entry) = self.entries.get(&(policy.shared_name(), key.clone())) else {
+            return 0;
+        };
+        let state = entry.state.lock().unwrap_or_else(|p| p.into_inner());
+        match &*state {
+            State::Log(log) => log.len(),
+            _ => 0,
+        }
     }
 
     /// The number of keys held, after pending evictions have run.
@@ -137,8 +208,49 @@ impl MemoryStore {
         self.entries.entry_count()
     }
 
-    fn now_micros(&self) -> u64 {
-        self.clock.now().as_micros().min(u64::MAX as u128) as u64
+    /// Decides at event time `at` (µs since the epoch; `None`: now).
+    fn decide(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        at: Option<SystemTime>,
+        record: bool,
+    ) -> Ready<Result<Decision, StoreError>> {
+        let algorithm = policy.algorithm();
+        if at.is_some() && algorithm != Algorithm::SlidingLog {
+            return ready(Err(StoreError::Unsupported(
+                "event times need the sliding log algorithm",
+            )));
+        }
+        let cache_key = (policy.shared_name(), key.clone());
+        let fresh = || {
+            Arc::new(Entry {
+                state: Mutex::new(State::new(algorithm)),
+                idle: algorithm.retention(policy.longest_window()),
+            })
+        };
+        let entry = if record {
+            self.entries.get_with(cache_key, fresh)
+        } else {
+            self.entries.get(&cache_key).unwrap_or_else(fresh)
+        };
+        let windows: Vec<Window> = Window::of(policy).collect();
+        let now = micros(self.clock.now());
+        let t = at.map_or(now, |at| micros(since_epoch(at)));
+        // A poisoned lock only means another thread panicked mid-update; every state is
+        // valid between two field writes, so keep using it.
+        let mut state = entry.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.algorithm() != algorithm {
+            *state = State::new(algorithm);
+        }
+        if let State::Log(log) = &mut *state {
+            if let Some(cutoff) = now.min(t).checked_sub(micros(policy.longest_window())) {
+                log.trim(cutoff);
+            }
+        }
+        let outcome = state.decide(t, &windows, u64::from(cost), record);
+        ready(Ok(Decision::from_outcome(outcome, policy)))
     }
 }
 
@@ -212,24 +324,23 @@ impl moka::Expiry<(Arc<str>, Key), Arc<Entry>> for IdleFor {
 
 impl Store for MemoryStore {
     type Future = Ready<Result<Decision, StoreError>>;
+    type ResetFuture = Ready<Result<(), StoreError>>;
 
     fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        let entry = self
-            .entries
-            .get_with((policy.shared_name(), key.clone()), || {
-                Arc::new(Entry {
-                    log: Mutex::new(SlidingLog::default()),
-                    idle: policy.longest_window(),
-                })
-            });
-        let windows: Vec<Window> = Window::of(policy).collect();
-        let now = self.now_micros();
-        // A poisoned lock only means another thread panicked mid-update; the log is still a
-        // sorted list of times, so keep using it.
-        let mut log = entry.log.lock().unwrap_or_else(|p| p.into_inner());
-        let outcome = match policy.algorithm() {
-            Algorithm::SlidingLog => log.check(now, &windows, u64::from(cost)),
-        };
-        ready(Ok(Decision::from_outcome(outcome, policy)))
+        self.decide(key, policy, cost, None, true)
+    }
+
+    fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
+        self.decide(key, policy, cost, Some(at), true)
+    }
+
+    fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        self.decide(key, policy, cost, None, false)
+    }
+
+    fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
+        self.entries
+            .invalidate(&(policy.shared_name(), key.clone()));
+        ready(Ok(()))
     }
 }

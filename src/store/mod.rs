@@ -5,6 +5,7 @@
 //! service shares one limit.
 
 use std::future::Future;
+use std::time::SystemTime;
 
 use crate::{Decision, Key, Policy};
 
@@ -19,16 +20,37 @@ pub use redis::{RedisStore, RedisStoreBuilder};
 /// Decides whether a request fits a policy, and records it if it does, in one atomic step.
 ///
 /// Implementations take the time from their own clock, never from the caller, so that all
-/// instances sharing a store agree on it.
+/// instances sharing a store agree on it. The policy's [`Algorithm`](crate::Algorithm)
+/// chooses how the decision is made; every store implements every algorithm the same way.
 pub trait Store: Clone + Send + Sync + 'static {
     /// The future of one decision.
     type Future: Future<Output = Result<Decision, StoreError>> + Send + 'static;
+    /// The future of a [`reset`](Store::reset).
+    type ResetFuture: Future<Output = Result<(), StoreError>> + Send + 'static;
 
-    /// Decides a request of `cost` units (usually 1) for `key` under `policy`.
+    /// Decides a request of `cost` units (usually 1) for `key` under `policy`, now.
     ///
     /// Admitted requests are recorded against every limit of the policy; denied ones are not
     /// recorded at all.
     fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future;
+
+    /// Decides an event at time `at` (past or future, in any order), for scheduled work such
+    /// as "send this push at 11:11:11, at most 1 per minute, 5 per hour and 10 per day".
+    ///
+    /// The event is admitted, and recorded, if every window of every limit that contains `at`
+    /// would hold at most its count. Only [`Algorithm::SlidingLog`](crate::Algorithm) keeps
+    /// event times; other algorithms answer [`StoreError::Unsupported`]. State older than the
+    /// policy's longest window before now is not kept, so times further in the past are
+    /// decided against what is left.
+    fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future;
+
+    /// The decision a request of `cost` would get now, without recording anything.
+    ///
+    /// `remaining` then counts the units left before this request.
+    fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future;
+
+    /// Forgets everything recorded for `key` under `policy`.
+    fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture;
 }
 
 /// A store could not decide.
@@ -47,4 +69,7 @@ pub enum StoreError {
     /// The store was configured wrongly (e.g. a bad URL or key prefix).
     #[error("store configuration: {0}")]
     Config(String),
+    /// The operation does not apply to the policy's algorithm.
+    #[error("unsupported: {0}")]
+    Unsupported(&'static str),
 }

@@ -3,16 +3,31 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use fred::prelude::{ClientLike, Config, ReconnectPolicy};
+use fred::prelude::{ClientLike, Config, KeysInterface, ReconnectPolicy};
 use fred::types::scripts::Script;
 
 use super::{Store, StoreError};
 use crate::algorithm::{Algorithm, Outcome, Window};
 use crate::{Decision, Key, Policy};
 
-const SLIDING_LOG: &str = include_str!("scripts/sliding_log.lua");
+/// Each algorithm's script: the shared prelude followed by the algorithm's own file.
+macro_rules! script {
+    ($file:literal) => {
+        concat!(include_str!("scripts/common.lua"), include_str!($file))
+    };
+}
+
+const SCRIPTS: [(Algorithm, &str); 4] = [
+    (Algorithm::SlidingLog, script!("scripts/sliding_log.lua")),
+    (
+        Algorithm::SlidingWindow,
+        script!("scripts/sliding_window.lua"),
+    ),
+    (Algorithm::FixedWindow, script!("scripts/fixed_window.lua")),
+    (Algorithm::Gcra, script!("scripts/gcra.lua")),
+];
 
 /// Rate-limit state in Redis, shared by every instance of a service.
 ///
@@ -21,9 +36,10 @@ const SLIDING_LOG: &str = include_str!("scripts/sliding_log.lua");
 /// trims, counts and records in one atomic step. If Redis has lost the script (`SCRIPT FLUSH`,
 /// a restart, a failover) it is loaded again and the call retried once.
 ///
-/// Keys are `<prefix>:{<policy>:<key>}`; the braces make every key of one decision fall in one
-/// Redis Cluster hash slot. Each key expires once its policy's longest window has passed
-/// without an admitted request.
+/// Keys are `<prefix>:{<policy>:<key>}:<algorithm>` (`log`, `sw`, `fw`, `gcra`); the braces
+/// make every key of one client and policy fall in one Redis Cluster hash slot. Each key
+/// expires once its state no longer matters: the longest window after the last admitted
+/// request (twice that for the sliding window counter).
 ///
 /// Clones share one connection pool.
 ///
@@ -42,7 +58,17 @@ pub struct RedisStore {
 struct Inner {
     pool: fred::clients::Pool,
     prefix: String,
-    sliding_log: Script,
+    scripts: Vec<(Algorithm, Script)>,
+}
+
+impl Inner {
+    fn script(&self, algorithm: Algorithm) -> Result<&Script, StoreError> {
+        self.scripts
+            .iter()
+            .find(|(a, _)| *a == algorithm)
+            .map(|(_, s)| s)
+            .ok_or(StoreError::Unsupported("no script for this algorithm"))
+    }
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -78,7 +104,43 @@ impl RedisStore {
     ///
     /// Useful to inspect or clear state by hand.
     pub fn redis_key(&self, key: &Key, policy: &Policy) -> String {
-        format!("{}:{{{}:{}}}", self.inner.prefix, policy.name(), key)
+        format!(
+            "{}:{{{}:{}}}:{}",
+            self.inner.prefix,
+            policy.name(),
+            key,
+            policy.algorithm().tag()
+        )
+    }
+
+    /// Runs the policy's script; `at` is an event time in µs since the epoch (`-1`: now).
+    fn run(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        at: i64,
+        record: bool,
+    ) -> <Self as Store>::Future {
+        let inner = Arc::clone(&self.inner);
+        let redis_key = self.redis_key(key, policy);
+        let mut args: Vec<i64> = Vec::with_capacity(3 + 2 * policy.limits().len());
+        args.extend([i64::from(cost), i64::from(record), at]);
+        for w in Window::of(policy) {
+            args.push(clamp(w.count));
+            args.push(clamp(w.micros));
+        }
+        let policy = policy.clone();
+        Box::pin(async move {
+            let script = inner.script(policy.algorithm())?;
+            let reply: Vec<i64> = script
+                .evalsha_with_reload(inner.pool.next(), redis_key, args)
+                .await?;
+            Ok(Decision::from_outcome(
+                parse_reply(&reply, &policy)?,
+                &policy,
+            ))
+        })
     }
 
     /// The fred connection pool, e.g. to inspect keys in tests.
@@ -138,42 +200,60 @@ impl RedisStoreBuilder {
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
             .build_pool(self.pool_size)?;
         pool.init().await?;
-        let sliding_log = Script::from_lua(SLIDING_LOG);
-        sliding_log.load(pool.next()).await?;
+        let mut scripts = Vec::with_capacity(SCRIPTS.len());
+        for (algorithm, lua) in SCRIPTS {
+            let script = Script::from_lua(lua);
+            script.load(pool.next()).await?;
+            scripts.push((algorithm, script));
+        }
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 pool,
                 prefix: self.prefix,
-                sliding_log,
+                scripts,
             }),
         })
     }
 }
 
+type BoxFuture<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'static>>;
+
 impl Store for RedisStore {
-    type Future = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send + 'static>>;
+    type Future = BoxFuture<Decision>;
+    type ResetFuture = BoxFuture<()>;
 
     fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        self.run(key, policy, cost, -1, true)
+    }
+
+    fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
+        if policy.algorithm() != Algorithm::SlidingLog {
+            let unsupported = StoreError::Unsupported("event times need the sliding log algorithm");
+            return Box::pin(std::future::ready(Err(unsupported)));
+        }
+        let micros = at
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_micros();
+        self.run(
+            key,
+            policy,
+            cost,
+            i64::try_from(micros).unwrap_or(i64::MAX),
+            true,
+        )
+    }
+
+    fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        self.run(key, policy, cost, -1, false)
+    }
+
+    fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
         let inner = Arc::clone(&self.inner);
         let redis_key = self.redis_key(key, policy);
-        let mut args: Vec<i64> = Vec::with_capacity(1 + 2 * policy.limits().len());
-        args.push(i64::from(cost));
-        for w in Window::of(policy) {
-            args.push(clamp(w.count));
-            args.push(clamp(w.micros));
-        }
-        let policy = policy.clone();
         Box::pin(async move {
-            let script = match policy.algorithm() {
-                Algorithm::SlidingLog => &inner.sliding_log,
-            };
-            let reply: Vec<i64> = script
-                .evalsha_with_reload(inner.pool.next(), redis_key, args)
-                .await?;
-            Ok(Decision::from_outcome(
-                parse_reply(&reply, &policy)?,
-                &policy,
-            ))
+            inner.pool.next().del::<(), _>(redis_key).await?;
+            Ok(())
         })
     }
 }

@@ -1,0 +1,98 @@
+//! GCRA: the generic cell rate algorithm, i.e. a leaky bucket (funnel).
+//!
+//! A limit of `c` per `w` is a bucket of capacity `c` that drains one unit every
+//! `T = w / c`. GCRA keeps, instead of a level, the bucket's backlog as a time: how long until
+//! it is empty. To keep `T` exact, time inside this module is scaled by `c` (one scaled unit is
+//! `1/c` µs), so a unit of cost adds exactly `w` scaled units. Per limit the state is the time
+//! `at` of the last admission and the backlog `b` it left (scaled). At `now`:
+//!
+//! ```text
+//! backlog = max(0, b - (now - at) * c)          what is still queued
+//! new     = backlog + cost * w                  the backlog if admitted
+//! fits   <=> new <= w * c                        the bucket holds at most w (c units)
+//! retry   = ceil((new - w * c) / c)             until enough has drained
+//! remaining = floor((w * c - backlog) / w)      whole units that fit now
+//! reset   = ceil(backlog / c)                   until the bucket is empty
+//! ```
+//!
+//! So `c` requests pass at once, then one per `T`. This is what redis-cell's `CL.THROTTLE`
+//! computes (limited, limit, remaining, retry-after, reset-after), with `c` as the capacity.
+//! `scripts/gcra.lua` is the same procedure; it stores `at` and `b` in a hash, which keeps its
+//! floating-point arithmetic exact while `w * c` (in µs) stays below 2^53.
+
+use super::{div_ceil, Fit, Limiter, Window};
+
+/// Per limit: (time of last admission, backlog scaled by count).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Gcra {
+    slots: Vec<(u64, u128)>,
+}
+
+impl Gcra {
+    fn backlog(&self, now: u64, i: usize, w: &Window) -> u128 {
+        match self.slots.get(i) {
+            Some(&(at, b)) => {
+                let drained = u128::from(now.saturating_sub(at)) * u128::from(w.count);
+                b.saturating_sub(drained)
+            }
+            None => 0,
+        }
+    }
+}
+
+impl Limiter for Gcra {
+    fn fits(&self, now: u64, i: usize, w: &Window, cost: u64) -> Fit {
+        let capacity = u128::from(w.micros) * u128::from(w.count);
+        let new = self.backlog(now, i, w) + u128::from(cost) * u128::from(w.micros);
+        if new <= capacity {
+            Fit::Yes
+        } else if cost > w.count {
+            Fit::No(None)
+        } else {
+            Fit::No(Some(div_ceil(new - capacity, u128::from(w.count))))
+        }
+    }
+
+    fn record(&mut self, now: u64, windows: &[Window], cost: u64) {
+        self.slots.resize(windows.len(), (0, 0));
+        for (i, w) in windows.iter().enumerate() {
+            let new = self.backlog(now, i, w) + u128::from(cost) * u128::from(w.micros);
+            self.slots[i] = (now, new);
+        }
+    }
+
+    fn report(&self, now: u64, i: usize, w: &Window) -> (u64, u64) {
+        let capacity = u128::from(w.micros) * u128::from(w.count);
+        let backlog = self.backlog(now, i, w);
+        let remaining = capacity.saturating_sub(backlog) / u128::from(w.micros);
+        (remaining as u64, div_ceil(backlog, u128::from(w.count)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::decide;
+
+    #[test]
+    fn burst_then_steady_rate() {
+        // 3 per second: a burst of 3, then one every 333 333.3 µs.
+        let w = [Window {
+            count: 3,
+            micros: 1_000_000,
+        }];
+        let mut s = Gcra::default();
+        for left in [2, 1, 0] {
+            let d = decide(&mut s, 0, &w, 1, true);
+            assert!(d.allowed);
+            assert_eq!(d.remaining, left);
+        }
+        let d = decide(&mut s, 0, &w, 1, true);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(333_334));
+        assert_eq!(d.reset_after, 1_000_000);
+        assert!(!decide(&mut s, 333_333, &w, 1, true).allowed);
+        assert!(decide(&mut s, 333_334, &w, 1, true).allowed);
+        assert_eq!(decide(&mut s, 333_334, &w, 4, true).retry_after, None);
+    }
+}

@@ -1,0 +1,43 @@
+-- Fixed window (appended to common.lua); src/algorithm/fixed_window.rs is the same procedure.
+--
+-- KEYS[1]   hash; for limit i, field "<i>s" = start of the window counted (us, a multiple of
+--           the window since the epoch) and "<i>c" = units counted in it
+-- ARGV      as common.lua (ARGV[3] is -1: fixed windows take no event times)
+-- Reply     as common.lua
+--
+-- Writes: an admitted request adds its cost to every limit's current window and sets the key
+-- to expire after the longest window.
+
+local SUFFIXES = { 's', 'c' }
+local state = load_fields(SUFFIXES)
+
+local function used(i)
+  local s = state[i]
+  if s.s == window_start(t, windows[i]) then
+    return s.c or 0
+  end
+  return 0
+end
+
+local function fits(i)
+  if used(i) + cost <= counts[i] then
+    return nil
+  end
+  if cost > counts[i] then
+    return -2
+  end
+  return window_start(t, windows[i]) + windows[i] - t
+end
+
+local function apply()
+  for i = 1, n do
+    state[i] = { s = window_start(t, windows[i]), c = used(i) + cost }
+  end
+  store_fields(state, SUFFIXES, longest)
+end
+
+local function report(i)
+  return math.max(counts[i] - used(i), 0), window_start(t, windows[i]) + windows[i] - t
+end
+
+return decide(fits, apply, report)

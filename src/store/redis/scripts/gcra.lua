@@ -1,0 +1,52 @@
+-- GCRA, the leaky bucket (appended to common.lua); src/algorithm/gcra.rs is the same procedure
+-- and explains the math.
+--
+-- KEYS[1]   hash; for limit i, field "<i>t" = time of the last admission (us) and "<i>b" = the
+--           backlog it left, in us scaled by the count (so one unit of cost is exactly `window`)
+-- ARGV      as common.lua (ARGV[3] is -1: no event times)
+-- Reply     as common.lua
+--
+-- Writes: an admitted request stores every limit's new backlog and sets the key to expire
+-- after the longest window, by which time every bucket has drained.
+
+local SUFFIXES = { 't', 'b' }
+local state = load_fields(SUFFIXES)
+
+local function backlog(i)
+  local s = state[i]
+  if s.t == nil then
+    return 0
+  end
+  local elapsed = math.max(t - s.t, 0)
+  if elapsed >= windows[i] then
+    return 0
+  end
+  return math.max(s.b - elapsed * counts[i], 0)
+end
+
+local function fits(i)
+  local c, w = counts[i], windows[i]
+  local new = backlog(i) + cost * w
+  if new <= w * c then
+    return nil
+  end
+  if cost > c then
+    return -2
+  end
+  return math.ceil((new - w * c) / c)
+end
+
+local function apply()
+  for i = 1, n do
+    state[i] = { t = t, b = backlog(i) + cost * windows[i] }
+  end
+  store_fields(state, SUFFIXES, longest)
+end
+
+local function report(i)
+  local c, w = counts[i], windows[i]
+  local b = backlog(i)
+  return math.floor((w * c - b) / w), math.ceil(b / c)
+end
+
+return decide(fits, apply, report)
