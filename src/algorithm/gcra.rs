@@ -95,4 +95,53 @@ mod tests {
         assert!(decide(&mut s, 333_334, &w, 1, true).allowed);
         assert_eq!(decide(&mut s, 333_334, &w, 4, true).retry_after, None);
     }
+
+    /// A leaky bucket of capacity `c` draining one unit per `w / c` admits a request at `t`
+    /// iff, for every earlier admission time `s` (and `s = t`), the units admitted in `[s, t]`
+    /// with this one drain within `(t - s) + w`: `units * w <= c * (t - s + w)`. This checks
+    /// that condition over the whole history, independently of the algorithm's state.
+    fn reference(history: &[(u64, u64)], t: u64, w: &Window, cost: u64) -> (bool, Option<u64>) {
+        let (c, wu) = (u128::from(w.count), u128::from(w.micros));
+        let mut wait: u128 = 0;
+        let starts = history.iter().map(|&(s, _)| s).chain([t]);
+        for s in starts {
+            let units: u128 = history
+                .iter()
+                .filter(|&&(e, _)| e >= s)
+                .map(|&(_, k)| u128::from(k))
+                .sum::<u128>()
+                + u128::from(cost);
+            // Smallest d with units * w <= c * (t + d - s + w).
+            let need = (units * wu).div_ceil(c);
+            let have = u128::from(t - s) + wu;
+            wait = wait.max(need.saturating_sub(have));
+        }
+        if cost > w.count {
+            return (false, None);
+        }
+        (wait == 0, (wait > 0).then_some(wait as u64))
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn agrees_with_the_leaky_bucket_definition(
+            count in 1u64..8,
+            window_ms in 1u64..30,
+            steps in proptest::collection::vec((0u64..400_000, 0u64..4), 1..80),
+        ) {
+            let w = Window { count, micros: window_ms * 100_000 };
+            let (mut state, mut history, mut now) = (Gcra::default(), vec![], 0u64);
+            for (gap, cost) in steps {
+                now += gap;
+                let got = decide(&mut state, now, &[w], cost, true);
+                let (allowed, retry) = reference(&history, now, &w, cost);
+                proptest::prop_assert_eq!(got.allowed, allowed, "at {}", now);
+                if allowed {
+                    history.push((now, cost));
+                } else {
+                    proptest::prop_assert_eq!(got.retry_after, retry, "at {}", now);
+                }
+            }
+        }
+    }
 }

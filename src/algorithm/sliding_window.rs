@@ -132,4 +132,39 @@ mod tests {
         assert!(!decide(&mut s, 12_499_999, &w, 1, true).allowed);
         assert!(decide(&mut s, 12_500_000, &w, 1, true).allowed);
     }
+
+    proptest::proptest! {
+        /// The documented bounds: at most `c` in any fixed window, fewer than `2c` in any
+        /// sliding window (the exact log's bound is `c`).
+        #[test]
+        fn stays_within_its_bounds(
+            count in 1u64..10,
+            window_ms in 1u64..20,
+            steps in proptest::collection::vec((0u64..150_000, 1u64..3), 1..300),
+        ) {
+            let w = Window { count, micros: window_ms * 100_000 };
+            let (mut state, mut admitted, mut now) = (SlidingWindow::default(), vec![], 0u64);
+            for (gap, cost) in steps {
+                now += gap;
+                if decide(&mut state, now, &[w], cost, true).allowed {
+                    admitted.push((now, cost));
+                }
+            }
+            for &(t, _) in &admitted {
+                let start = t - t % w.micros;
+                let fixed: u64 = admitted
+                    .iter()
+                    .filter(|&&(e, _)| e >= start && e < start + w.micros)
+                    .map(|&(_, k)| k)
+                    .sum();
+                proptest::prop_assert!(fixed <= count, "fixed window at {} holds {}", start, fixed);
+                let sliding: u64 = admitted
+                    .iter()
+                    .filter(|&&(e, _)| e <= t && e + w.micros > t)
+                    .map(|&(_, k)| k)
+                    .sum();
+                proptest::prop_assert!(sliding < 2 * count, "window ending {} holds {}", t, sliding);
+            }
+        }
+    }
 }
