@@ -9,7 +9,8 @@ use tower_layer::Layer;
 
 use crate::response::{Options, Responder};
 use crate::{
-    Decision, FailureMode, MemoryStore, MissingKey, PeerIp, Policy, PolicyError, RateLimit, Store,
+    Algorithm, Decision, FailureMode, MemoryStore, MissingKey, PeerIp, Policy, PolicyError,
+    RateLimit, Store,
 };
 
 /// Applies a rate-limit [`Policy`] to every request of the wrapped service.
@@ -60,6 +61,7 @@ impl RateLimitLayer {
             key: PeerIp,
             store: MemoryStore::new(),
             policy: None,
+            algorithm: None,
             options: Options::default(),
         }
     }
@@ -103,6 +105,7 @@ pub struct RateLimitLayerBuilder<K = PeerIp, St = MemoryStore> {
     key: K,
     store: St,
     policy: Option<Result<Policy, BuildError>>,
+    algorithm: Option<Algorithm>,
     options: Options,
 }
 
@@ -126,12 +129,32 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         self
     }
 
+    /// The algorithm that decides the policy, overriding the policy's own (whose default is
+    /// [`Algorithm::SlidingLog`]).
+    ///
+    /// ```
+    /// use tower_redis_ratelimit::{Algorithm, RateLimitLayer};
+    ///
+    /// // A million per minute is out of the log's reach; GCRA keeps one timestamp per key.
+    /// let layer = RateLimitLayer::builder()
+    ///     .policy("1000000/1m")
+    ///     .algorithm(Algorithm::Gcra)
+    ///     .build()?;
+    /// assert_eq!(layer.policy().algorithm(), Algorithm::Gcra);
+    /// # Ok::<(), tower_redis_ratelimit::BuildError>(())
+    /// ```
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = Some(algorithm);
+        self
+    }
+
     /// How requests are told apart (default [`PeerIp`]).
     pub fn key<K2>(self, key: K2) -> RateLimitLayerBuilder<K2, St> {
         RateLimitLayerBuilder {
             key,
             store: self.store,
             policy: self.policy,
+            algorithm: self.algorithm,
             options: self.options,
         }
     }
@@ -142,6 +165,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             key: self.key,
             store,
             policy: self.policy,
+            algorithm: self.algorithm,
             options: self.options,
         }
     }
@@ -195,7 +219,10 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
 
     /// Checks the configuration and builds the layer.
     pub fn build(self) -> Result<RateLimitLayer<K, St>, BuildError> {
-        let policy = self.policy.ok_or(BuildError::NoPolicy)??;
+        let mut policy = self.policy.ok_or(BuildError::NoPolicy)??;
+        if let Some(algorithm) = self.algorithm {
+            policy = policy.with_algorithm(algorithm);
+        }
         let responder = Responder::new(policy, self.options);
         Ok(RateLimitLayer {
             config: Arc::new(Config {

@@ -2,7 +2,7 @@
 #![warn(missing_docs, missing_debug_implementations)]
 #![forbid(unsafe_code)]
 
-pub mod algorithm;
+mod algorithm;
 pub mod body;
 mod decision;
 mod future;
