@@ -275,3 +275,23 @@ async fn failure_modes_when_redis_is_gone() {
         started.elapsed()
     );
 }
+
+/// The layer calls the very service that `poll_ready` made ready: a `ConcurrencyLimit` inside
+/// panics if a clone that was never made ready is called instead.
+#[tokio::test]
+async fn readiness_of_the_inner_service_is_kept() {
+    use tower::Service;
+
+    let layer = RateLimitLayer::builder().policy("2/1m").build().unwrap();
+    let mut service = ServiceBuilder::new()
+        .layer(layer)
+        .concurrency_limit(1)
+        .service_fn(|_: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(Full::<Bytes>::from("ok")))
+        });
+    for expected in [200, 200, 429] {
+        let ready = service.ready().await.unwrap();
+        let response = ready.call(request_from("192.0.2.5")).await.unwrap();
+        assert_eq!(response.status(), expected);
+    }
+}
