@@ -12,15 +12,17 @@ use std::net::SocketAddr;
 
 use axum::routing::get;
 use axum::Router;
-use tower_redis_ratelimit::{RateLimitLayer, RedisStore, Store};
+use tower_redis_ratelimit::{Policy, RateLimitLayer, RedisStore, Store};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 #[tokio::main]
 async fn main() -> Result<(), Error> {
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let policy = std::env::var("RATE_LIMIT").unwrap_or_else(|_| "5/10s".into());
-    let builder = RateLimitLayer::builder().policy(policy.as_str());
+    let policy: Policy = std::env::var("RATE_LIMIT")
+        .unwrap_or_else(|_| "5/10s".into())
+        .parse()?;
+    let builder = RateLimitLayer::builder().policy(policy);
     match std::env::var("REDIS_URL") {
         Ok(url) => {
             let store = RedisStore::connect(&url).await?;
@@ -40,12 +42,16 @@ async fn serve<St: Store>(
     layer: RateLimitLayer<tower_redis_ratelimit::PeerIp, St>,
     store: &str,
 ) -> Result<(), Error> {
-    let policy = layer.policy().clone();
+    let limits: Vec<String> = layer
+        .policy()
+        .into_iter()
+        .flat_map(|p| p.limits())
+        .map(|l| l.to_string())
+        .collect();
     let app = Router::new()
         .route("/", get(|| async { "hello\n" }))
         .layer(layer);
     let listener = tokio::net::TcpListener::bind(bind).await?;
-    let limits: Vec<String> = policy.limits().iter().map(|l| l.to_string()).collect();
     println!(
         "listening on http://{} with limit {} per client IP, store: {store}",
         listener.local_addr()?,

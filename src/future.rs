@@ -13,7 +13,14 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::response::{FailureMode, Responder};
-use crate::{Decision, StoreError};
+use crate::{Decision, Key, StoreError};
+
+/// What a pending decision is about.
+pub(crate) struct Check {
+    pub(crate) responder: Arc<Responder>,
+    pub(crate) key: Key,
+    pub(crate) grpc: bool,
+}
 
 pin_project! {
     /// Response future of [`RateLimit`](crate::RateLimit): `Checking` (the store decides) →
@@ -24,7 +31,6 @@ pin_project! {
     {
         #[pin]
         state: State<S, B, F>,
-        responder: Arc<Responder>,
     }
 }
 
@@ -36,13 +42,15 @@ pin_project! {
     {
         Checking {
             #[pin]
-            check: F,
+            decision: F,
+            check: Check,
             call: Option<(S, Request<B>)>,
         },
         Calling {
             #[pin]
             future: S::Future,
-            decision: Option<Decision>,
+            // Set when the response gets the rate-limit fields.
+            fields: Option<(Decision, Arc<Responder>)>,
         },
         Answer {
             response: Option<Response<Full<Bytes>>>,
@@ -54,36 +62,28 @@ impl<S, B, F> ResponseFuture<S, B, F>
 where
     S: Service<Request<B>>,
 {
-    pub(crate) fn checking(
-        check: F,
-        service: S,
-        request: Request<B>,
-        responder: Arc<Responder>,
-    ) -> Self {
+    pub(crate) fn checking(decision: F, check: Check, service: S, request: Request<B>) -> Self {
         let call = Some((service, request));
         ResponseFuture {
-            state: State::Checking { check, call },
-            responder,
+            state: State::Checking {
+                decision,
+                check,
+                call,
+            },
         }
     }
 
-    pub(crate) fn calling(
-        future: S::Future,
-        decision: Option<Decision>,
-        responder: Arc<Responder>,
-    ) -> Self {
+    pub(crate) fn calling(future: S::Future, fields: Option<(Decision, Arc<Responder>)>) -> Self {
         ResponseFuture {
-            state: State::Calling { future, decision },
-            responder,
+            state: State::Calling { future, fields },
         }
     }
 
-    pub(crate) fn answer(response: Response<Full<Bytes>>, responder: Arc<Responder>) -> Self {
+    pub(crate) fn answer(response: Response<Full<Bytes>>) -> Self {
         ResponseFuture {
             state: State::Answer {
                 response: Some(response),
             },
-            responder,
         }
     }
 }
@@ -99,31 +99,56 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Checking { check, call } => {
-                    let outcome = ready!(check.poll(cx));
-                    let decision = match outcome {
-                        Ok(d) if !d.is_allowed() => {
-                            let response = this.responder.rejection(&d);
+                StateProj::Checking {
+                    decision,
+                    check,
+                    call,
+                } => {
+                    let outcome = ready!(decision.poll(cx));
+                    let policy = check.responder.policy.name();
+                    let options = &check.responder.options;
+                    let fields = match outcome {
+                        Ok(d) if d.is_allowed() => {
+                            (!options.hide_allowed_headers).then(|| (d, check.responder.clone()))
+                        }
+                        Ok(d) if options.shadow => {
+                            tracing::info!(
+                                target: "tower_redis_ratelimit",
+                                policy,
+                                key = check.key.as_str(),
+                                retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
+                                "rate limit exceeded; passed on (shadow mode)"
+                            );
+                            Some((d, check.responder.clone()))
+                        }
+                        Ok(d) => {
+                            let response = check.responder.rejection(&d, check.grpc);
                             return Poll::Ready(Ok(response.map(ResponseBody::own)));
                         }
-                        Ok(d) => Some(d),
-                        Err(_) if this.responder.options.failure_mode == FailureMode::Closed => {
-                            let response = this.responder.unavailable();
-                            return Poll::Ready(Ok(response.map(ResponseBody::own)));
+                        Err(error) => {
+                            tracing::warn!(
+                                target: "tower_redis_ratelimit",
+                                policy,
+                                %error,
+                                mode = ?options.failure_mode,
+                                "rate-limit store failed"
+                            );
+                            if options.failure_mode == FailureMode::Closed {
+                                let response = Responder::unavailable(check.grpc);
+                                return Poll::Ready(Ok(response.map(ResponseBody::own)));
+                            }
+                            None
                         }
-                        Err(_) => None,
                     };
                     let (mut service, request) =
                         call.take().expect("ResponseFuture polled after completion");
                     let future = service.call(request);
-                    this.state.set(State::Calling { future, decision });
+                    this.state.set(State::Calling { future, fields });
                 }
-                StateProj::Calling { future, decision } => {
+                StateProj::Calling { future, fields } => {
                     let mut response = ready!(future.poll(cx))?;
-                    if let Some(d) = decision {
-                        if !this.responder.options.hide_allowed_headers {
-                            this.responder.add_headers(response.headers_mut(), d);
-                        }
+                    if let Some((decision, responder)) = fields.take() {
+                        responder.add_headers(response.headers_mut(), &decision);
                     }
                     return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }

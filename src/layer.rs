@@ -1,19 +1,23 @@
 //! [`RateLimitLayer`] and its builder.
 
+use std::collections::HashSet;
 use std::convert::Infallible;
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use http::Response;
+use ipnet::IpNet;
 use tower_layer::Layer;
 
 use crate::response::{Options, Responder};
+use crate::rule::{Matcher, RequestHead};
 use crate::{
-    Algorithm, Decision, FailureMode, MemoryStore, MissingKey, PeerIp, Policy, PolicyError,
-    RateLimit, Store,
+    Algorithm, Decision, FailureMode, Key, MemoryStore, MissingKey, PeerIp, Policy, PolicyError,
+    RateLimit, Rule, Store,
 };
 
-/// Applies a rate-limit [`Policy`] to every request of the wrapped service.
+/// Applies rate-limit policies to the requests of the wrapped service.
 ///
 /// Build one with [`RateLimitLayer::builder`]; clones share the store.
 ///
@@ -32,10 +36,54 @@ pub struct RateLimitLayer<K = PeerIp, St = MemoryStore> {
     config: Arc<Config<K, St>>,
 }
 
+pub(crate) type CostFn = dyn Fn(&RequestHead<'_>) -> u32 + Send + Sync;
+
 pub(crate) struct Config<K, St> {
     pub(crate) key: K,
     pub(crate) store: St,
-    pub(crate) responder: Arc<Responder>,
+    /// First match wins; then `default`; no policy at all means the request is not limited.
+    pub(crate) rules: Vec<(Matcher, Arc<Responder>)>,
+    pub(crate) default: Option<Arc<Responder>>,
+    pub(crate) allow: AllowList,
+    pub(crate) cost: Option<Arc<CostFn>>,
+    pub(crate) missing_key: MissingKey,
+}
+
+impl<K, St> Config<K, St> {
+    /// The responder of the policy that applies to `head`, if any.
+    pub(crate) fn responder(&self, head: &RequestHead<'_>) -> Option<&Arc<Responder>> {
+        self.rules
+            .iter()
+            .find(|(matcher, _)| matcher.matches(head))
+            .map(|(_, responder)| responder)
+            .or(self.default.as_ref())
+    }
+}
+
+/// Keys and networks that are never limited.
+#[derive(Debug, Default)]
+pub(crate) struct AllowList {
+    keys: HashSet<Key>,
+    networks: Vec<IpNet>,
+}
+
+impl AllowList {
+    /// Whether `key` is listed, or is an address or network (as [`ClientIp`](crate::ClientIp)
+    /// makes them) inside a listed network.
+    pub(crate) fn contains(&self, key: &Key) -> bool {
+        if self.keys.contains(key) {
+            return true;
+        }
+        if self.networks.is_empty() {
+            return false;
+        }
+        let text = key.as_str();
+        let net = text
+            .parse::<IpNet>()
+            .ok()
+            .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from));
+        net.is_some_and(|net| self.networks.iter().any(|allowed| allowed.contains(&net)))
+    }
 }
 
 impl<K, St> Clone for RateLimitLayer<K, St> {
@@ -49,7 +97,8 @@ impl<K, St> Clone for RateLimitLayer<K, St> {
 impl<K, St> std::fmt::Debug for RateLimitLayer<K, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimitLayer")
-            .field("policy", &self.config.responder.policy)
+            .field("default", &self.policy())
+            .field("rules", &self.config.rules.len())
             .finish_non_exhaustive()
     }
 }
@@ -60,17 +109,15 @@ impl RateLimitLayer {
         RateLimitLayerBuilder {
             key: PeerIp,
             store: MemoryStore::new(),
-            policy: None,
-            algorithm: None,
-            options: Options::default(),
+            settings: Settings::default(),
         }
     }
 }
 
 impl<K, St> RateLimitLayer<K, St> {
-    /// The policy this layer applies.
-    pub fn policy(&self) -> &Policy {
-        &self.config.responder.policy
+    /// The default policy: the one for requests that no rule matches.
+    pub fn policy(&self) -> Option<&Policy> {
+        self.config.default.as_ref().map(|r| &r.policy)
     }
 }
 
@@ -86,12 +133,26 @@ impl<S, K, St> Layer<S> for RateLimitLayer<K, St> {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum BuildError {
-    /// No policy was given.
-    #[error("no policy: call .policy(\"100/1m\") or .policy(Policy::new(..))")]
+    /// Neither a default policy nor a rule was given.
+    #[error("no policy: call .policy(\"100/1m\") or .rule(Rule::new(..))")]
     NoPolicy,
-    /// The policy is invalid.
+    /// A policy is invalid.
     #[error("invalid policy: {0}")]
     Policy(#[from] PolicyError),
+    /// Two different policies share a name, and so would share store keys.
+    #[error("two different policies are named {0:?}; give each its own name")]
+    PolicyConflict(String),
+    /// A rule's path pattern is invalid.
+    #[error("path pattern {pattern:?}: {why}")]
+    Pattern {
+        /// The pattern as given.
+        pattern: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// An allow-listed network is not in CIDR notation.
+    #[error("allow-listed network {0:?} is not an address or CIDR network")]
+    Network(String),
 }
 
 impl From<Infallible> for BuildError {
@@ -100,37 +161,57 @@ impl From<Infallible> for BuildError {
     }
 }
 
+/// Everything the builder holds but the key extractor and the store.
+#[derive(Default)]
+struct Settings {
+    policy: Option<Result<Policy, BuildError>>,
+    rules: Vec<Rule>,
+    algorithm: Option<Algorithm>,
+    allow_keys: Vec<Key>,
+    allow_networks: Vec<String>,
+    cost: Option<Arc<CostFn>>,
+    missing_key: MissingKey,
+    options: Options,
+}
+
 /// Configures a [`RateLimitLayer`]; checks everything in [`build`](Self::build).
 pub struct RateLimitLayerBuilder<K = PeerIp, St = MemoryStore> {
     key: K,
     store: St,
-    policy: Option<Result<Policy, BuildError>>,
-    algorithm: Option<Algorithm>,
-    options: Options,
+    settings: Settings,
 }
 
 impl<K, St> std::fmt::Debug for RateLimitLayerBuilder<K, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimitLayerBuilder")
-            .field("policy", &self.policy)
+            .field("policy", &self.settings.policy)
+            .field("rules", &self.settings.rules)
             .finish_non_exhaustive()
     }
 }
 
 impl<K, St> RateLimitLayerBuilder<K, St> {
-    /// The policy to apply: a [`Policy`], or text such as `"5/10s"` or `"1/1m + 5/1h"`.
-    /// Invalid text is reported by [`build`](Self::build).
+    /// The default policy, for requests that no [`rule`](Self::rule) matches: a [`Policy`], or
+    /// text such as `"5/10s"` or `"1/1m + 5/1h"`. Invalid text is reported by
+    /// [`build`](Self::build). Without a default policy, requests that no rule matches are
+    /// not limited.
     pub fn policy<P>(mut self, policy: P) -> Self
     where
         P: TryInto<Policy>,
         P::Error: Into<BuildError>,
     {
-        self.policy = Some(policy.try_into().map_err(Into::into));
+        self.settings.policy = Some(policy.try_into().map_err(Into::into));
         self
     }
 
-    /// The algorithm that decides the policy, overriding the policy's own (whose default is
-    /// [`Algorithm::SlidingLog`]).
+    /// Adds a rule; the first rule that matches a request chooses its policy.
+    pub fn rule(mut self, rule: Rule) -> Self {
+        self.settings.rules.push(rule);
+        self
+    }
+
+    /// The algorithm that decides every policy of the layer, overriding the policies' own
+    /// (whose default is [`Algorithm::SlidingLog`]).
     ///
     /// ```
     /// use tower_redis_ratelimit::{Algorithm, RateLimitLayer};
@@ -140,11 +221,11 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     ///     .policy("1000000/1m")
     ///     .algorithm(Algorithm::Gcra)
     ///     .build()?;
-    /// assert_eq!(layer.policy().algorithm(), Algorithm::Gcra);
+    /// assert_eq!(layer.policy().unwrap().algorithm(), Algorithm::Gcra);
     /// # Ok::<(), tower_redis_ratelimit::BuildError>(())
     /// ```
     pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
-        self.algorithm = Some(algorithm);
+        self.settings.algorithm = Some(algorithm);
         self
     }
 
@@ -153,9 +234,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         RateLimitLayerBuilder {
             key,
             store: self.store,
-            policy: self.policy,
-            algorithm: self.algorithm,
-            options: self.options,
+            settings: self.settings,
         }
     }
 
@@ -164,20 +243,60 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         RateLimitLayerBuilder {
             key: self.key,
             store,
-            policy: self.policy,
-            algorithm: self.algorithm,
-            options: self.options,
+            settings: self.settings,
         }
+    }
+
+    /// Never limits this key (e.g. an internal API key or a monitoring address).
+    pub fn allow_key(mut self, key: impl Into<Key>) -> Self {
+        self.settings.allow_keys.push(key.into());
+        self
+    }
+
+    /// Never limits clients whose key is an address, or an IPv6 prefix, inside `network`
+    /// (`10.0.0.0/8`, `2001:db8::/32` or one address); checked by [`build`](Self::build).
+    pub fn allow_network(mut self, network: impl Into<String>) -> Self {
+        self.settings.allow_networks.push(network.into());
+        self
+    }
+
+    /// How many units a request costs (default 1), e.g. 10 for a bulk endpoint. A request
+    /// that costs 0 is admitted without being counted.
+    ///
+    /// ```
+    /// use tower_redis_ratelimit::RateLimitLayer;
+    ///
+    /// let layer = RateLimitLayer::builder()
+    ///     .policy("100/1m")
+    ///     .cost(|head| if head.uri.path().starts_with("/bulk") { 10 } else { 1 })
+    ///     .build();
+    /// assert!(layer.is_ok());
+    /// ```
+    pub fn cost<F>(mut self, cost: F) -> Self
+    where
+        F: Fn(&RequestHead<'_>) -> u32 + Send + Sync + 'static,
+    {
+        self.settings.cost = Some(Arc::new(cost));
+        self
+    }
+
+    /// Shadow mode, for a safe roll-out: requests are counted and their responses carry the
+    /// `RateLimit` fields, but a request over the limit is passed on instead of refused, and a
+    /// `tracing` event (target `tower_redis_ratelimit`, level INFO) reports it.
+    pub fn shadow(mut self, enabled: bool) -> Self {
+        self.settings.options.shadow = enabled;
+        self
     }
 
     /// Whether admitted responses carry the `RateLimit-Policy` and `RateLimit` fields
     /// (default `true`). Rejections always carry them.
     pub fn headers_on_allowed(mut self, enabled: bool) -> Self {
-        self.options.hide_allowed_headers = !enabled;
+        self.settings.options.hide_allowed_headers = !enabled;
         self
     }
 
     /// Builds the response to a refused request instead of the default plain-text 429.
+    /// gRPC requests are still refused the gRPC way.
     ///
     /// The layer adds `Retry-After`, `RateLimit-Policy` and `RateLimit` unless the response
     /// already has them.
@@ -201,34 +320,81 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     where
         F: Fn(&Decision) -> Response<Bytes> + Send + Sync + 'static,
     {
-        self.options.on_rejection = Some(Arc::new(rejection));
+        self.settings.options.on_rejection = Some(Arc::new(rejection));
         self
     }
 
     /// What to do with a request that yields no key (default [`MissingKey::Reject`]).
     pub fn on_missing_key(mut self, missing_key: MissingKey) -> Self {
-        self.options.missing_key = missing_key;
+        self.settings.missing_key = missing_key;
         self
     }
 
     /// What to do when the store cannot decide (default [`FailureMode::Open`]).
     pub fn failure_mode(mut self, mode: FailureMode) -> Self {
-        self.options.failure_mode = mode;
+        self.settings.options.failure_mode = mode;
         self
     }
 
     /// Checks the configuration and builds the layer.
     pub fn build(self) -> Result<RateLimitLayer<K, St>, BuildError> {
-        let mut policy = self.policy.ok_or(BuildError::NoPolicy)??;
-        if let Some(algorithm) = self.algorithm {
-            policy = policy.with_algorithm(algorithm);
+        let Settings {
+            policy,
+            rules,
+            algorithm,
+            allow_keys,
+            allow_networks,
+            cost,
+            missing_key,
+            options,
+        } = self.settings;
+        if policy.is_none() && rules.is_empty() {
+            return Err(BuildError::NoPolicy);
         }
-        let responder = Responder::new(policy, self.options);
+        let mut seen: Vec<Policy> = Vec::new();
+        let mut responder = |policy: Policy| -> Result<Arc<Responder>, BuildError> {
+            let policy = match algorithm {
+                Some(a) => policy.with_algorithm(a),
+                None => policy,
+            };
+            match seen.iter().find(|p| p.name() == policy.name()) {
+                Some(same) if *same != policy => {
+                    return Err(BuildError::PolicyConflict(policy.name().to_owned()))
+                }
+                Some(_) => {}
+                None => seen.push(policy.clone()),
+            }
+            Ok(Arc::new(Responder::new(policy, options.clone())))
+        };
+        let rules = rules
+            .into_iter()
+            .map(|rule| {
+                let (matcher, policy) = rule.build()?;
+                Ok((matcher, responder(policy)?))
+            })
+            .collect::<Result<Vec<_>, BuildError>>()?;
+        let default = policy.transpose()?.map(&mut responder).transpose()?;
+        let networks = allow_networks
+            .iter()
+            .map(|n| {
+                n.parse::<IpNet>()
+                    .or_else(|_| n.parse::<IpAddr>().map(IpNet::from))
+                    .map(|net| net.trunc())
+                    .map_err(|_| BuildError::Network(n.clone()))
+            })
+            .collect::<Result<_, _>>()?;
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 key: self.key,
                 store: self.store,
-                responder: Arc::new(responder),
+                rules,
+                default,
+                allow: AllowList {
+                    keys: allow_keys.into_iter().collect(),
+                    networks,
+                },
+                cost,
+                missing_key,
             }),
         })
     }
@@ -250,7 +416,44 @@ mod tests {
             .unwrap_err();
         assert!(err.to_string().contains("10parsecs"), "{err}");
         let layer = RateLimitLayer::builder().policy("5/10s").build().unwrap();
-        assert_eq!(layer.policy().limits()[0].count(), 5);
+        assert_eq!(layer.policy().unwrap().limits()[0].count(), 5);
+        let conflict = RateLimitLayer::builder()
+            .rule(Rule::new("5/1m").path("/a"))
+            .policy("6/1m")
+            .build();
+        assert_eq!(
+            conflict.unwrap_err(),
+            BuildError::PolicyConflict("default".into())
+        );
+        let pattern = RateLimitLayer::builder()
+            .rule(Rule::new("5/1m").path("nope"))
+            .build();
+        assert!(matches!(pattern, Err(BuildError::Pattern { .. })));
+        let network = RateLimitLayer::builder()
+            .policy("5/1m")
+            .allow_network("10.0.0.0/99")
+            .build();
+        assert_eq!(
+            network.unwrap_err(),
+            BuildError::Network("10.0.0.0/99".into())
+        );
+    }
+
+    #[test]
+    fn allow_list_matches_keys_addresses_and_prefixes() {
+        let allow = AllowList {
+            keys: [Key::from("internal")].into_iter().collect(),
+            networks: vec![
+                "10.0.0.0/8".parse().unwrap(),
+                "2001:db8::/32".parse().unwrap(),
+            ],
+        };
+        assert!(allow.contains(&Key::from("internal")));
+        assert!(allow.contains(&Key::from("10.1.2.3")));
+        assert!(allow.contains(&Key::from("2001:db8:1:2::/64")));
+        assert!(!allow.contains(&Key::from("11.1.2.3")));
+        assert!(!allow.contains(&Key::from("2001:db9::/64")));
+        assert!(!allow.contains(&Key::from("someone")));
     }
 
     #[test]

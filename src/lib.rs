@@ -10,16 +10,18 @@ pub mod key;
 mod layer;
 mod policy;
 pub mod response;
+mod rule;
 mod service;
 pub mod store;
 
 pub use algorithm::Algorithm;
 pub use decision::Decision;
 pub use future::ResponseFuture;
-pub use key::{Global, Header, Key, KeyError, KeyExtractor, PeerIp};
+pub use key::{ClientIp, Global, Header, Key, KeyError, KeyExtractor, PeerIp};
 pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder};
 pub use policy::{Limit, LimitError, Policy, PolicyError};
 pub use response::{FailureMode, MissingKey};
+pub use rule::{RequestHead, Rule};
 pub use service::RateLimit;
 #[cfg(feature = "redis")]
 pub use store::RedisStore;

@@ -12,6 +12,12 @@
 //! `<policy>-<window>`, e.g. `"api-1h"`); `RateLimit` describes the limit of the
 //! [`Decision`]: the one that refused, or the tightest after admitting. Seconds are rounded
 //! up, so `Retry-After` is never 0 while a client is refused.
+//!
+//! gRPC requests (`content-type: application/grpc*`) are answered the gRPC way: HTTP 200 with
+//! no body and the status in `grpc-status` (8 `RESOURCE_EXHAUSTED` for a refusal, 14
+//! `UNAVAILABLE`, 13 `INTERNAL`, 3 `INVALID_ARGUMENT` for the other answers), a `grpc-message`,
+//! and the delay in `retry-after` (seconds) and `grpc-retry-pushback-ms` (milliseconds), the
+//! metadata gRPC clients read for retry throttling.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,9 +68,9 @@ pub enum FailureMode {
 #[derive(Clone, Default)]
 pub(crate) struct Options {
     pub(crate) hide_allowed_headers: bool,
+    pub(crate) shadow: bool,
     pub(crate) on_rejection: Option<Arc<RejectionFn>>,
     pub(crate) failure_mode: FailureMode,
-    pub(crate) missing_key: MissingKey,
 }
 
 /// Everything a response needs, shared by the layer, its services and their futures.
@@ -109,9 +115,13 @@ impl Responder {
     }
 
     /// The `429 Too Many Requests` answer to a refused request.
-    pub(crate) fn rejection(&self, decision: &Decision) -> Response<Full<Bytes>> {
+    pub(crate) fn rejection(&self, decision: &Decision, grpc: bool) -> Response<Full<Bytes>> {
         let retry = decision.retry_after().map(ceil_secs);
         let mut response = match &self.options.on_rejection {
+            _ if grpc => {
+                let message = format!("rate limit {} exceeded", self.policy.name());
+                grpc_status(8, &message, decision.retry_after()).map(|_| Bytes::new())
+            }
             Some(custom) => custom(decision),
             None => {
                 let text = match retry {
@@ -140,22 +150,53 @@ impl Responder {
     }
 
     /// The answer when no key could be extracted and [`MissingKey::Reject`] applies.
-    pub(crate) fn missing_key(&self, error: &KeyError) -> Response<Full<Bytes>> {
-        let status = match error {
-            KeyError::MissingPeerAddr => StatusCode::INTERNAL_SERVER_ERROR,
-            _ => StatusCode::BAD_REQUEST,
+    pub(crate) fn missing_key(error: &KeyError, grpc: bool) -> Response<Full<Bytes>> {
+        let (status, code) = match error {
+            KeyError::MissingPeerAddr => (StatusCode::INTERNAL_SERVER_ERROR, 13),
+            _ => (StatusCode::BAD_REQUEST, 3),
         };
-        plain(status, format!("rate limiter: {error}\n"), None)
+        let text = format!("rate limiter: {error}");
+        match grpc {
+            true => grpc_status(code, &text, None),
+            false => plain(status, text + "\n", None),
+        }
     }
 
     /// The answer when the store failed and [`FailureMode::Closed`] applies.
-    pub(crate) fn unavailable(&self) -> Response<Full<Bytes>> {
-        plain(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "Service Unavailable: rate limiter store is unreachable\n".into(),
-            Some(1),
-        )
+    pub(crate) fn unavailable(grpc: bool) -> Response<Full<Bytes>> {
+        let text = "Service Unavailable: rate limiter store is unreachable";
+        match grpc {
+            true => grpc_status(14, text, Some(Duration::from_secs(1))),
+            false => plain(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("{text}\n"),
+                Some(1),
+            ),
+        }
     }
+}
+
+/// Whether a request is gRPC, by its content type.
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// A trailers-only gRPC answer: HTTP 200, no body, the status in the headers.
+fn grpc_status(code: u8, message: &str, retry: Option<Duration>) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::new()));
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    headers.insert("grpc-status", HeaderValue::from(u16::from(code)));
+    // Our messages are printable ASCII without '%', which grpc-message carries as is.
+    headers.insert("grpc-message", value(message.to_owned()));
+    if let Some(retry) = retry {
+        headers.insert(RETRY_AFTER, HeaderValue::from(ceil_secs(retry)));
+        let ms = retry.as_micros().div_ceil(1000).max(1) as u64;
+        headers.insert("grpc-retry-pushback-ms", HeaderValue::from(ms));
+    }
+    response
 }
 
 fn plain(status: StatusCode, text: String, retry_after: Option<u64>) -> Response<Full<Bytes>> {
@@ -205,11 +246,18 @@ mod tests {
             },
             &policy,
         );
-        let response = responder.rejection(&denied);
+        let response = responder.rejection(&denied, false);
         assert_eq!(response.status(), 429);
         let h = response.headers();
         assert_eq!(h[RETRY_AFTER], "8");
         assert_eq!(h[RATELIMIT], "\"default-10s\";r=0;t=8");
+
+        let grpc = responder.rejection(&denied, true);
+        assert_eq!(grpc.status(), 200);
+        let h = grpc.headers();
+        assert_eq!(h["grpc-status"], "8");
+        assert_eq!(h["grpc-retry-pushback-ms"], "7800");
+        assert_eq!(h[RETRY_AFTER], "8");
     }
 
     #[test]

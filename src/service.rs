@@ -7,9 +7,11 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
+use crate::future::Check;
 use crate::future::ResponseFuture;
 use crate::layer::Config;
-use crate::response::MissingKey;
+use crate::response::{is_grpc, MissingKey, Responder};
+use crate::rule::RequestHead;
 use crate::{KeyExtractor, Store};
 
 /// Rate-limits requests to the inner service `S`; made by
@@ -58,7 +60,7 @@ impl<S: std::fmt::Debug, K, St> std::fmt::Debug for RateLimit<S, K, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("policy", &self.config.responder.policy)
+            .field("rules", &self.config.rules.len())
             .finish_non_exhaustive()
     }
 }
@@ -79,23 +81,35 @@ where
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
         let config = &self.config;
-        let responder = Arc::clone(&config.responder);
+        let head = RequestHead::of(&request);
+        let grpc = is_grpc(head.headers);
+        let Some(responder) = config.responder(&head) else {
+            return ResponseFuture::calling(self.inner.call(request), None);
+        };
         let key = match config.key.extract(&request) {
             Ok(key) => key,
-            Err(error) => match &responder.options.missing_key {
+            Err(error) => match &config.missing_key {
                 MissingKey::Use(key) => key.clone(),
                 MissingKey::Allow => {
-                    return ResponseFuture::calling(self.inner.call(request), None, responder)
+                    return ResponseFuture::calling(self.inner.call(request), None)
                 }
                 MissingKey::Reject => {
-                    let response = responder.missing_key(&error);
-                    return ResponseFuture::answer(response, responder);
+                    return ResponseFuture::answer(Responder::missing_key(&error, grpc))
                 }
             },
         };
-        let check = config.store.check(&key, &responder.policy, 1);
+        if config.allow.contains(&key) {
+            return ResponseFuture::calling(self.inner.call(request), None);
+        }
+        let cost = config.cost.as_ref().map_or(1, |cost| cost(&head));
+        let decision = config.store.check(&key, &responder.policy, cost);
+        let check = Check {
+            responder: Arc::clone(responder),
+            key,
+            grpc,
+        };
         let clone = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::checking(check, ready, request, responder)
+        ResponseFuture::checking(decision, check, ready, request)
     }
 }

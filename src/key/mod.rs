@@ -5,6 +5,8 @@
 //! header), [`Global`] (one budget for everybody), and any closure
 //! `Fn(&http::Request<B>) -> Option<impl Into<Key>>`.
 
+mod client_ip;
+mod forwarded;
 mod header;
 mod peer;
 
@@ -13,17 +15,58 @@ use std::net::IpAddr;
 
 use http::Request;
 
+pub use client_ip::{ClientIp, ClientIpBuilder, ClientIpError};
 pub use header::Header;
 pub use peer::PeerIp;
 
 /// The identity a request is counted under, e.g. `203.0.113.7` or an API key.
+///
+/// Keys become part of store keys, and many come from request headers that an attacker
+/// controls, so a key is kept as given only if it is at most [`Key::MAX_LEN`] bytes of visible
+/// ASCII other than `{` and `}` (which would disturb Redis Cluster hash tags). Anything else is
+/// replaced by `#` and 32 hex digits of its BLAKE3 hash: fixed length, the same on every
+/// instance, and distinct for distinct inputs in practice.
+///
+/// ```
+/// use tower_redis_ratelimit::Key;
+///
+/// assert_eq!(Key::from("api-key-123").as_str(), "api-key-123");
+/// let long = Key::from("x".repeat(8192));
+/// assert_eq!(long.as_str().len(), 33);
+/// assert!(long.as_str().starts_with('#'));
+/// assert_eq!(Key::from_bytes(b"\xff\xfe"), Key::from_bytes(b"\xff\xfe"));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Key(String);
 
 impl Key {
+    /// The longest key kept as given; longer ones are hashed.
+    pub const MAX_LEN: usize = 128;
+
+    /// A key from raw bytes, such as a header value that is not UTF-8.
+    pub fn from_bytes(bytes: &[u8]) -> Key {
+        let plain = bytes.len() <= Self::MAX_LEN
+            && bytes
+                .iter()
+                .all(|&b| b.is_ascii_graphic() && b != b'{' && b != b'}' && b != b'#');
+        match std::str::from_utf8(bytes) {
+            Ok(text) if plain => Key(text.to_owned()),
+            _ => {
+                let hash = blake3::hash(bytes);
+                let hex = hash.to_hex();
+                Key(format!("#{}", &hex[..32]))
+            }
+        }
+    }
+
     /// The key as text.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// Whether the key is empty (no extractor produces one; see [`KeyError::NotFound`]).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -35,13 +78,13 @@ impl fmt::Display for Key {
 
 impl From<String> for Key {
     fn from(s: String) -> Self {
-        Key(s)
+        Key::from_bytes(s.as_bytes())
     }
 }
 
 impl From<&str> for Key {
     fn from(s: &str) -> Self {
-        Key(s.to_owned())
+        Key::from_bytes(s.as_bytes())
     }
 }
 
@@ -68,8 +111,8 @@ pub enum KeyError {
     /// The configured header is absent.
     #[error("header {0:?} is missing")]
     MissingHeader(http::HeaderName),
-    /// The configured header is present but empty or not visible ASCII.
-    #[error("header {0:?} is empty or not visible ASCII")]
+    /// The configured header is present but empty.
+    #[error("header {0:?} is empty")]
     InvalidHeader(http::HeaderName),
     /// A closure extractor returned `None`, or an empty key.
     #[error("the key extractor found no key")]
@@ -112,6 +155,19 @@ where
             Some(key) if !key.0.is_empty() => Ok(key),
             _ => Err(KeyError::NotFound),
         }
+    }
+}
+
+/// Two extractors together, e.g. `(Header::new(..), ClientIp::new())`: the key is both keys
+/// joined by `|` (hashed if that is too long). Fails if either fails.
+impl<B, K1, K2> KeyExtractor<B> for (K1, K2)
+where
+    K1: KeyExtractor<B>,
+    K2: KeyExtractor<B>,
+{
+    fn extract(&self, request: &Request<B>) -> Result<Key, KeyError> {
+        let (a, b) = (self.0.extract(request)?, self.1.extract(request)?);
+        Ok(Key::from(format!("{}|{}", a.0, b.0)))
     }
 }
 

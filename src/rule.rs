@@ -1,0 +1,216 @@
+//! Rules: which policy applies to which request.
+//!
+//! A [`RateLimitLayer`](crate::RateLimitLayer) can hold several policies, each behind a
+//! [`Rule`]; the first rule that matches a request decides its policy, and the layer's default
+//! policy (if any) takes the rest. Each policy keeps its own budget (store keys carry the
+//! policy name), and the `RateLimit-Policy` field names the policy that applied.
+
+use std::sync::Arc;
+
+use http::{Extensions, HeaderMap, Method, Request, Uri};
+
+use crate::{BuildError, Policy};
+
+/// What rule predicates and cost functions see of a request: everything but the body.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestHead<'a> {
+    /// The request method.
+    pub method: &'a Method,
+    /// The request URI.
+    pub uri: &'a Uri,
+    /// The request headers.
+    pub headers: &'a HeaderMap,
+    /// The request extensions.
+    pub extensions: &'a Extensions,
+}
+
+impl<'a> RequestHead<'a> {
+    pub(crate) fn of<B>(request: &'a Request<B>) -> Self {
+        RequestHead {
+            method: request.method(),
+            uri: request.uri(),
+            headers: request.headers(),
+            extensions: request.extensions(),
+        }
+    }
+}
+
+pub(crate) type Predicate = dyn Fn(&RequestHead<'_>) -> bool + Send + Sync;
+
+/// A policy and the requests it applies to: a method, a path pattern, a predicate, or any
+/// combination (all must match); a rule with none matches every request.
+///
+/// Path patterns are matched segment by segment: a literal matches itself, `{name}` or `*`
+/// matches any one segment, and a last segment `{*name}` or `**` matches the rest of the
+/// path, including nothing.
+///
+/// ```
+/// use http::Method;
+/// use tower_redis_ratelimit::{Policy, RateLimitLayer, Rule};
+///
+/// let layer = RateLimitLayer::builder()
+///     .rule(Rule::new(Policy::new("login", ["5/1m".parse()?])?).method(Method::POST).path("/login"))
+///     .rule(Rule::new(Policy::new("search", ["30/1m".parse()?])?).path("/search/{*rest}"))
+///     .policy(Policy::new("default", ["300/1m".parse()?])?)
+///     .build()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct Rule {
+    policy: Result<Policy, BuildError>,
+    method: Option<Method>,
+    path: Option<String>,
+    predicate: Option<Arc<Predicate>>,
+}
+
+impl std::fmt::Debug for Rule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rule")
+            .field("policy", &self.policy)
+            .field("method", &self.method)
+            .field("path", &self.path)
+            .field("predicate", &self.predicate.is_some())
+            .finish()
+    }
+}
+
+impl Rule {
+    /// A rule for `policy` (a [`Policy`] or text such as `"5/1m"`, reported by `build()` if
+    /// invalid) that matches every request until narrowed.
+    pub fn new<P>(policy: P) -> Self
+    where
+        P: TryInto<Policy>,
+        P::Error: Into<BuildError>,
+    {
+        Rule {
+            policy: policy.try_into().map_err(Into::into),
+            method: None,
+            path: None,
+            predicate: None,
+        }
+    }
+
+    /// Only requests with this method.
+    pub fn method(mut self, method: Method) -> Self {
+        self.method = Some(method);
+        self
+    }
+
+    /// Only requests whose path matches `pattern`.
+    pub fn path(mut self, pattern: impl Into<String>) -> Self {
+        self.path = Some(pattern.into());
+        self
+    }
+
+    /// Only requests for which `predicate` holds.
+    pub fn when<F>(mut self, predicate: F) -> Self
+    where
+        F: Fn(&RequestHead<'_>) -> bool + Send + Sync + 'static,
+    {
+        self.predicate = Some(Arc::new(predicate));
+        self
+    }
+
+    /// Checks the rule: its policy and its path pattern.
+    pub(crate) fn build(self) -> Result<(Matcher, Policy), BuildError> {
+        let path = self.path.as_deref().map(PathPattern::parse).transpose()?;
+        let matcher = Matcher {
+            method: self.method,
+            path,
+            predicate: self.predicate,
+        };
+        Ok((matcher, self.policy?))
+    }
+}
+
+/// The checked form of a rule's conditions.
+#[derive(Clone)]
+pub(crate) struct Matcher {
+    method: Option<Method>,
+    path: Option<PathPattern>,
+    predicate: Option<Arc<Predicate>>,
+}
+
+impl Matcher {
+    pub(crate) fn matches(&self, head: &RequestHead<'_>) -> bool {
+        self.method.as_ref().is_none_or(|m| m == head.method)
+            && self
+                .path
+                .as_ref()
+                .is_none_or(|p| p.matches(head.uri.path()))
+            && self.predicate.as_ref().is_none_or(|p| p(head))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Literal(String),
+    Any,
+    Rest,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PathPattern(Vec<Segment>);
+
+impl PathPattern {
+    fn parse(pattern: &str) -> Result<Self, BuildError> {
+        let bad = |why: &str| BuildError::Pattern {
+            pattern: pattern.to_owned(),
+            why: why.to_owned(),
+        };
+        let rest = pattern
+            .strip_prefix('/')
+            .ok_or_else(|| bad("must start with /"))?;
+        let segments: Vec<Segment> = rest
+            .split('/')
+            .map(|s| match s {
+                "*" => Ok(Segment::Any),
+                "**" => Ok(Segment::Rest),
+                s if s.starts_with("{*") && s.ends_with('}') => Ok(Segment::Rest),
+                s if s.starts_with('{') && s.ends_with('}') => Ok(Segment::Any),
+                s if s.contains(['{', '}', '*']) => {
+                    Err(bad("a segment is a literal, {name}, *, {*name} or **"))
+                }
+                s => Ok(Segment::Literal(s.to_owned())),
+            })
+            .collect::<Result<_, _>>()?;
+        if segments[..segments.len() - 1].contains(&Segment::Rest) {
+            return Err(bad("{*name} or ** must be the last segment"));
+        }
+        Ok(PathPattern(segments))
+    }
+
+    fn matches(&self, path: &str) -> bool {
+        let mut parts = path.strip_prefix('/').unwrap_or(path).split('/');
+        for segment in &self.0 {
+            match (segment, parts.next()) {
+                (Segment::Rest, _) => return true,
+                (Segment::Any, Some(_)) => {}
+                (Segment::Literal(l), Some(p)) if l == p => {}
+                _ => return false,
+            }
+        }
+        parts.next().is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_patterns() {
+        let p = |s| PathPattern::parse(s).unwrap();
+        assert!(p("/users/{id}").matches("/users/42"));
+        assert!(!p("/users/{id}").matches("/users/42/posts"));
+        assert!(!p("/users/{id}").matches("/users"));
+        assert!(p("/static/{*rest}").matches("/static/css/site.css"));
+        assert!(p("/static/**").matches("/static/"));
+        assert!(p("/a/*/c").matches("/a/b/c"));
+        assert!(p("/").matches("/"));
+        assert!(!p("/").matches("/x"));
+        assert!(PathPattern::parse("users").is_err());
+        assert!(PathPattern::parse("/a/{*rest}/b").is_err());
+        assert!(PathPattern::parse("/a{b").is_err());
+    }
+}
