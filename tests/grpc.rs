@@ -1,0 +1,75 @@
+#![cfg(feature = "tonic")]
+//! gRPC: a real tonic server behind the layer, and a real tonic client that sees
+//! `RESOURCE_EXHAUSTED` with the retry delay in its metadata.
+
+use std::time::Duration;
+
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Server};
+use tonic::Code;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::ServingStatus;
+use tower_redis_ratelimit::{ClientIp, RateLimitLayer};
+
+#[tokio::test]
+async fn tonic_client_sees_resource_exhausted() {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("", ServingStatus::Serving)
+        .await;
+
+    // Keyed by the peer address tonic puts in `TcpConnectInfo`.
+    let layer = RateLimitLayer::builder()
+        .policy("2/1m")
+        .key(ClientIp::new())
+        .build()
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        Server::builder()
+            .layer(layer)
+            .add_service(health)
+            .serve_with_incoming(TcpIncoming::from(listener)),
+    );
+
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = HealthClient::new(channel);
+    let ask = || HealthCheckRequest {
+        service: String::new(),
+    };
+    for _ in 0..2 {
+        let reply = client.check(ask()).await.expect("admitted");
+        assert_eq!(reply.get_ref().status, ServingStatus::Serving as i32);
+    }
+    let status = client.check(ask()).await.expect_err("refused");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert_eq!(status.message(), "rate limit default exceeded");
+    let metadata = status.metadata();
+    let pushback: u64 = metadata
+        .get("grpc-retry-pushback-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .expect("retry delay in metadata");
+    assert!(
+        (1..=60_000).contains(&pushback),
+        "pushback {pushback} ms within the window"
+    );
+    let retry_after: u64 = metadata
+        .get("retry-after")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        retry_after,
+        Duration::from_millis(pushback).as_secs_f64().ceil() as u64
+    );
+    assert!(metadata.get("ratelimit").is_some());
+}
