@@ -12,14 +12,17 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
+use crate::deny_cache::DenyCache;
 use crate::response::{FailureMode, Responder};
-use crate::{Decision, Key, StoreError};
+use crate::{Decision, Key, Store, StoreError};
 
 /// What a pending decision is about.
 pub(crate) struct Check {
     pub(crate) responder: Arc<Responder>,
     pub(crate) key: Key,
+    pub(crate) cost: u32,
     pub(crate) grpc: bool,
+    pub(crate) deny_cache: Option<DenyCache>,
 }
 
 pin_project! {
@@ -107,6 +110,19 @@ where
                     let outcome = ready!(decision.poll(cx));
                     let policy = check.responder.policy.name();
                     let options = &check.responder.options;
+                    let outcome = match (outcome, &options.failure_mode) {
+                        (Err(error), FailureMode::Fallback(local)) => {
+                            tracing::warn!(
+                                target: "tower_redis_ratelimit",
+                                policy,
+                                %error,
+                                "rate-limit store failed; deciding locally"
+                            );
+                            let policy = &check.responder.policy;
+                            local.check(&check.key, policy, check.cost).into_inner()
+                        }
+                        (outcome, _) => outcome,
+                    };
                     let fields = match outcome {
                         Ok(d) if d.is_allowed() => {
                             (!options.hide_allowed_headers).then(|| (d, check.responder.clone()))
@@ -122,6 +138,9 @@ where
                             Some((d, check.responder.clone()))
                         }
                         Ok(d) => {
+                            if let Some(cache) = &check.deny_cache {
+                                cache.remember(&check.key, &check.responder.policy, check.cost, d);
+                            }
                             let response = check.responder.rejection(&d, check.grpc);
                             return Poll::Ready(Ok(response.map(ResponseBody::own)));
                         }
@@ -133,7 +152,7 @@ where
                                 mode = ?options.failure_mode,
                                 "rate-limit store failed"
                             );
-                            if options.failure_mode == FailureMode::Closed {
+                            if let FailureMode::Closed = options.failure_mode {
                                 let response = Responder::unavailable(check.grpc);
                                 return Poll::Ready(Ok(response.map(ResponseBody::own)));
                             }

@@ -10,6 +10,7 @@ use http::Response;
 use ipnet::IpNet;
 use tower_layer::Layer;
 
+use crate::deny_cache::DenyCache;
 use crate::response::{Options, Responder};
 use crate::rule::{Matcher, RequestHead};
 use crate::{
@@ -36,6 +37,9 @@ pub struct RateLimitLayer<K = PeerIp, St = MemoryStore> {
     config: Arc<Config<K, St>>,
 }
 
+/// Entries the local deny cache holds unless told otherwise.
+pub const DEFAULT_DENY_CACHE: u64 = 100_000;
+
 pub(crate) type CostFn = dyn Fn(&RequestHead<'_>) -> u32 + Send + Sync;
 
 pub(crate) struct Config<K, St> {
@@ -47,6 +51,7 @@ pub(crate) struct Config<K, St> {
     pub(crate) allow: AllowList,
     pub(crate) cost: Option<Arc<CostFn>>,
     pub(crate) missing_key: MissingKey,
+    pub(crate) deny_cache: Option<DenyCache>,
 }
 
 impl<K, St> Config<K, St> {
@@ -171,6 +176,8 @@ struct Settings {
     allow_networks: Vec<String>,
     cost: Option<Arc<CostFn>>,
     missing_key: MissingKey,
+    /// `None`: the default capacity; `Some(0)`: no deny cache.
+    deny_cache: Option<u64>,
     options: Options,
 }
 
@@ -330,6 +337,15 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         self
     }
 
+    /// The local deny cache (default on, [`DEFAULT_DENY_CACHE`] entries): after the store
+    /// refuses a key with a retry-after, requests for that key and policy are refused locally,
+    /// with no store call, until the retry-after has passed. `0` turns it off. It never admits
+    /// anything the store would refuse, and shadow mode does not use it.
+    pub fn deny_cache(mut self, capacity: u64) -> Self {
+        self.settings.deny_cache = Some(capacity);
+        self
+    }
+
     /// What to do when the store cannot decide (default [`FailureMode::Open`]).
     pub fn failure_mode(mut self, mode: FailureMode) -> Self {
         self.settings.options.failure_mode = mode;
@@ -346,6 +362,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             allow_networks,
             cost,
             missing_key,
+            deny_cache,
             options,
         } = self.settings;
         if policy.is_none() && rules.is_empty() {
@@ -395,6 +412,10 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
                 },
                 cost,
                 missing_key,
+                deny_cache: match deny_cache.unwrap_or(DEFAULT_DENY_CACHE) {
+                    0 => None,
+                    capacity => Some(DenyCache::new(capacity)),
+                },
             }),
         })
     }

@@ -5,6 +5,7 @@
 mod algorithm;
 pub mod body;
 mod decision;
+mod deny_cache;
 mod future;
 pub mod key;
 mod layer;
@@ -18,7 +19,7 @@ pub use algorithm::Algorithm;
 pub use decision::Decision;
 pub use future::ResponseFuture;
 pub use key::{ClientIp, Global, Header, Key, KeyError, KeyExtractor, PeerIp};
-pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder};
+pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder, DEFAULT_DENY_CACHE};
 pub use policy::{Limit, LimitError, Policy, PolicyError};
 pub use response::{FailureMode, MissingKey};
 pub use rule::{RequestHead, Rule};

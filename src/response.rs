@@ -54,7 +54,7 @@ pub enum MissingKey {
 }
 
 /// What the layer does when the store cannot decide (Redis unreachable or too slow).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 #[non_exhaustive]
 pub enum FailureMode {
     /// Admit the request: the limiter never becomes the outage.
@@ -62,6 +62,10 @@ pub enum FailureMode {
     Open,
     /// Refuse with `503 Service Unavailable` and `Retry-After: 1`.
     Closed,
+    /// Decide with this local store while the main one is unavailable: every instance then
+    /// limits on its own, so a client may get up to one budget per instance until Redis is
+    /// back.
+    Fallback(crate::MemoryStore),
 }
 
 /// The layer's choices, set through [`RateLimitLayerBuilder`](crate::RateLimitLayerBuilder).

@@ -102,11 +102,20 @@ where
             return ResponseFuture::calling(self.inner.call(request), None);
         }
         let cost = config.cost.as_ref().map_or(1, |cost| cost(&head));
+        let deny_cache = config
+            .deny_cache
+            .as_ref()
+            .filter(|_| !responder.options.shadow);
+        if let Some(refusal) = deny_cache.and_then(|c| c.refusal(&key, &responder.policy, cost)) {
+            return ResponseFuture::answer(responder.rejection(&refusal, grpc));
+        }
         let decision = config.store.check(&key, &responder.policy, cost);
         let check = Check {
             responder: Arc::clone(responder),
             key,
+            cost,
             grpc,
+            deny_cache: deny_cache.cloned(),
         };
         let clone = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, clone);

@@ -63,6 +63,13 @@ pub enum StoreError {
     #[cfg(feature = "redis")]
     #[error("redis: {0}")]
     Redis(#[from] fred::error::Error),
+    /// The decision took longer than the store's time budget.
+    #[error("no decision within {0:?}")]
+    Timeout(std::time::Duration),
+    /// The store was found unreachable moments ago; decisions fail at once until it is tried
+    /// again.
+    #[error("store unavailable")]
+    Unavailable,
     /// The store answered something this crate does not understand.
     #[error("unexpected store reply: {0}")]
     Reply(String),

@@ -8,6 +8,10 @@ use std::time::{Duration, SystemTime};
 use fred::prelude::{ClientLike, Config, KeysInterface, ReconnectPolicy};
 use fred::types::scripts::Script;
 
+mod health;
+
+use health::{is_outage, Breaker};
+
 use super::{Store, StoreError};
 use crate::algorithm::{Algorithm, Outcome, Window};
 use crate::{Decision, Key, Policy};
@@ -59,6 +63,8 @@ struct Inner {
     pool: fred::clients::Pool,
     prefix: String,
     scripts: Vec<(Algorithm, Script)>,
+    timeout: Duration,
+    breaker: Breaker,
 }
 
 impl Inner {
@@ -84,6 +90,9 @@ impl RedisStore {
     /// Key prefix used unless another is set.
     pub const DEFAULT_PREFIX: &'static str = "ratelimit";
 
+    /// How long a decision may take unless told otherwise.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
+
     /// Connects to the Redis at `url` (`redis://[user:password@]host:port[/db]`) with the
     /// default settings of [`RedisStoreBuilder`].
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
@@ -96,7 +105,8 @@ impl RedisStore {
             url: url.into(),
             pool_size: 4,
             prefix: Self::DEFAULT_PREFIX.to_owned(),
-            timeout: Duration::from_millis(500),
+            timeout: Self::DEFAULT_TIMEOUT,
+            retry_interval: Duration::from_millis(500),
         }
     }
 
@@ -132,10 +142,26 @@ impl RedisStore {
         }
         let policy = policy.clone();
         Box::pin(async move {
+            if inner.breaker.is_open() {
+                return Err(StoreError::Unavailable);
+            }
             let script = inner.script(policy.algorithm())?;
-            let reply: Vec<i64> = script
-                .evalsha_with_reload(inner.pool.next(), redis_key, args)
-                .await?;
+            // The budget covers the whole decision, including a reload after NOSCRIPT.
+            let call = script.evalsha_with_reload(inner.pool.next(), redis_key, args);
+            let reply: Vec<i64> = match tokio::time::timeout(inner.timeout, call).await {
+                Ok(Ok(reply)) => reply,
+                Ok(Err(error)) => {
+                    if is_outage(&error) {
+                        inner.breaker.trip();
+                    }
+                    return Err(error.into());
+                }
+                Err(_) => {
+                    inner.breaker.trip();
+                    return Err(StoreError::Timeout(inner.timeout));
+                }
+            };
+            inner.breaker.close();
             Ok(Decision::from_outcome(
                 parse_reply(&reply, &policy)?,
                 &policy,
@@ -147,6 +173,14 @@ impl RedisStore {
     pub fn pool(&self) -> &fred::clients::Pool {
         &self.inner.pool
     }
+
+    /// Whether Redis answered the last decision. `false` after a decision found Redis
+    /// unreachable or slower than the timeout, until a later one reaches it again; in between,
+    /// decisions fail at once (see [`RedisStoreBuilder::retry_interval`]) and the layer
+    /// follows its [`FailureMode`](crate::FailureMode).
+    pub fn is_healthy(&self) -> bool {
+        !self.inner.breaker.is_down()
+    }
 }
 
 /// Configures a [`RedisStore`].
@@ -156,6 +190,7 @@ pub struct RedisStoreBuilder {
     pool_size: usize,
     prefix: String,
     timeout: Duration,
+    retry_interval: Duration,
 }
 
 impl RedisStoreBuilder {
@@ -173,10 +208,20 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// How long one decision may wait for Redis (default 500 ms) before it fails with
-    /// [`StoreError::Redis`].
+    /// The time budget of one decision (default [`RedisStore::DEFAULT_TIMEOUT`], 250 ms),
+    /// including a script reload. A decision that takes longer fails with
+    /// [`StoreError::Timeout`], and the layer follows its [`FailureMode`](crate::FailureMode).
+    /// fred itself would wait forever.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// After Redis was found unreachable or too slow, decisions fail at once for this long
+    /// (default 500 ms) instead of each waiting out the timeout; then the next decision tries
+    /// Redis again. Meanwhile fred reconnects in the background, with exponential backoff.
+    pub fn retry_interval(mut self, interval: Duration) -> Self {
+        self.retry_interval = interval;
         self
     }
 
@@ -211,6 +256,8 @@ impl RedisStoreBuilder {
                 pool,
                 prefix: self.prefix,
                 scripts,
+                timeout: self.timeout,
+                breaker: Breaker::new(self.retry_interval),
             }),
         })
     }

@@ -1,0 +1,88 @@
+//! How the Redis store knows Redis is unreachable, and stops waiting for it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use fred::error::{Error, ErrorKind};
+
+/// A circuit breaker: after a failure that says Redis is unreachable or too slow, decisions
+/// fail at once for `retry` instead of each waiting out the timeout; then the next decision
+/// tries Redis again, and its success closes the breaker.
+#[derive(Debug)]
+pub(crate) struct Breaker {
+    origin: Instant,
+    /// Microseconds after `origin` until which Redis counts as down; 0 when up.
+    down_until: AtomicU64,
+    retry: Duration,
+}
+
+impl Breaker {
+    pub(crate) fn new(retry: Duration) -> Self {
+        Breaker {
+            origin: Instant::now(),
+            down_until: AtomicU64::new(0),
+            retry,
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.origin.elapsed().as_micros() as u64
+    }
+
+    /// Whether decisions should skip Redis now.
+    pub(crate) fn is_open(&self) -> bool {
+        self.now() < self.down_until.load(Ordering::Relaxed)
+    }
+
+    /// Whether the last decision found Redis unreachable (and no later one reached it).
+    pub(crate) fn is_down(&self) -> bool {
+        self.down_until.load(Ordering::Relaxed) != 0
+    }
+
+    pub(crate) fn trip(&self) {
+        let until = self.now() + self.retry.as_micros() as u64;
+        self.down_until.store(until.max(1), Ordering::Relaxed);
+    }
+
+    pub(crate) fn close(&self) {
+        if self.down_until.load(Ordering::Relaxed) != 0 {
+            self.down_until.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Whether `error` means Redis could not be reached or did not answer in time, as opposed to
+/// an answer that was an error (a wrong key type, a script error, refused credentials).
+pub(crate) fn is_outage(error: &Error) -> bool {
+    matches!(
+        error.kind(),
+        ErrorKind::IO
+            | ErrorKind::Timeout
+            | ErrorKind::Canceled
+            | ErrorKind::Routing
+            | ErrorKind::Cluster
+    ) || error.details().starts_with("LOADING")
+        || error.details().starts_with("MASTERDOWN")
+        || error.details().starts_with("CLUSTERDOWN")
+        || error.details().starts_with("TRYAGAIN")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trips_for_a_while_then_lets_a_probe_through() {
+        let breaker = Breaker::new(Duration::from_millis(30));
+        assert!(!breaker.is_open() && !breaker.is_down());
+        breaker.trip();
+        assert!(breaker.is_open() && breaker.is_down());
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(!breaker.is_open(), "a probe may go");
+        assert!(breaker.is_down(), "still down until a probe succeeds");
+        breaker.close();
+        assert!(!breaker.is_down());
+        assert!(is_outage(&Error::new(ErrorKind::IO, "refused")));
+        assert!(!is_outage(&Error::new(ErrorKind::Unknown, "WRONGTYPE")));
+    }
+}
