@@ -21,7 +21,8 @@ pub(crate) struct Check {
     pub(crate) responder: Arc<Responder>,
     pub(crate) key: Key,
     pub(crate) cost: u32,
-    pub(crate) grpc: bool,
+    /// The request's gRPC content type, for a gRPC request.
+    pub(crate) grpc: Option<http::HeaderValue>,
     pub(crate) deny_cache: Option<DenyCache>,
 }
 
@@ -141,7 +142,7 @@ where
                             if let Some(cache) = &check.deny_cache {
                                 cache.remember(&check.key, &check.responder.policy, check.cost, d);
                             }
-                            let response = check.responder.rejection(&d, check.grpc);
+                            let response = check.responder.rejection(&d, check.grpc.as_ref());
                             return Poll::Ready(Ok(response.map(ResponseBody::own)));
                         }
                         Err(error) => {
@@ -153,7 +154,7 @@ where
                                 "rate-limit store failed"
                             );
                             if let FailureMode::Closed = options.failure_mode {
-                                let response = Responder::unavailable(check.grpc);
+                                let response = Responder::unavailable(check.grpc.as_ref());
                                 return Poll::Ready(Ok(response.map(ResponseBody::own)));
                             }
                             None

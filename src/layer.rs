@@ -73,21 +73,13 @@ pub(crate) struct AllowList {
 }
 
 impl AllowList {
-    /// Whether `key` is listed, or is an address or network (as [`ClientIp`](crate::ClientIp)
-    /// makes them) inside a listed network.
+    /// Whether `key` is listed, or is an address or IPv6 prefix that an IP extractor
+    /// ([`PeerIp`], [`ClientIp`](crate::ClientIp)) made, inside a listed network.
     pub(crate) fn contains(&self, key: &Key) -> bool {
-        if self.keys.contains(key) {
-            return true;
-        }
-        if self.networks.is_empty() {
-            return false;
-        }
-        let text = key.as_str();
-        let net = text
-            .parse::<IpNet>()
-            .ok()
-            .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from));
-        net.is_some_and(|net| self.networks.iter().any(|allowed| allowed.contains(&net)))
+        self.keys.contains(key)
+            || key
+                .network()
+                .is_some_and(|net| self.networks.iter().any(|allowed| allowed.contains(&net)))
     }
 }
 
@@ -260,8 +252,10 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// Never limits clients whose key is an address, or an IPv6 prefix, inside `network`
-    /// (`10.0.0.0/8`, `2001:db8::/32` or one address); checked by [`build`](Self::build).
+    /// Never limits clients whose address (or IPv6 prefix) is inside `network` (`10.0.0.0/8`,
+    /// `2001:db8::/32` or one address); checked by [`build`](Self::build). Applies to keys made
+    /// by [`PeerIp`] and [`ClientIp`](crate::ClientIp): a header value that looks like an
+    /// address is not one.
     pub fn allow_network(mut self, network: impl Into<String>) -> Self {
         self.settings.allow_networks.push(network.into());
         self
@@ -469,12 +463,16 @@ mod tests {
                 "2001:db8::/32".parse().unwrap(),
             ],
         };
+        let ip = |s: &str| Key::from(s.parse::<IpAddr>().unwrap());
+        let net = |s: &str| Key::from_network(s.parse().unwrap());
         assert!(allow.contains(&Key::from("internal")));
-        assert!(allow.contains(&Key::from("10.1.2.3")));
-        assert!(allow.contains(&Key::from("2001:db8:1:2::/64")));
-        assert!(!allow.contains(&Key::from("11.1.2.3")));
-        assert!(!allow.contains(&Key::from("2001:db9::/64")));
+        assert!(allow.contains(&ip("10.1.2.3")));
+        assert!(allow.contains(&net("2001:db8:1:2::/64")));
+        assert!(!allow.contains(&ip("11.1.2.3")));
+        assert!(!allow.contains(&net("2001:db9::/64")));
         assert!(!allow.contains(&Key::from("someone")));
+        // Text that looks like an address, e.g. an API key header, is not an address.
+        assert!(!allow.contains(&Key::from("10.1.2.3")));
     }
 
     #[test]

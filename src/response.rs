@@ -13,11 +13,11 @@
 //! [`Decision`]: the one that refused, or the tightest after admitting. Seconds are rounded
 //! up, so `Retry-After` is never 0 while a client is refused.
 //!
-//! gRPC requests (`content-type: application/grpc*`) are answered the gRPC way: HTTP 200 with
-//! no body and the status in `grpc-status` (8 `RESOURCE_EXHAUSTED` for a refusal, 14
+//! gRPC requests (`content-type: application/grpc*`, any case) are answered the gRPC way, in
+//! their own content type: HTTP 200 with no body and the status in `grpc-status` (8 `RESOURCE_EXHAUSTED` for a refusal, 14
 //! `UNAVAILABLE`, 13 `INTERNAL`, 3 `INVALID_ARGUMENT` for the other answers), a `grpc-message`,
-//! and the delay in `retry-after` (seconds) and `grpc-retry-pushback-ms` (milliseconds), the
-//! metadata gRPC clients read for retry throttling.
+//! and the delay in `retry-after` (seconds) and `grpc-retry-pushback-ms` (milliseconds, or
+//! `-1` when no wait helps), the metadata gRPC clients read for retry throttling.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -119,15 +119,19 @@ impl Responder {
     }
 
     /// The `429 Too Many Requests` answer to a refused request.
-    pub(crate) fn rejection(&self, decision: &Decision, grpc: bool) -> Response<Full<Bytes>> {
+    pub(crate) fn rejection(
+        &self,
+        decision: &Decision,
+        grpc: Option<&HeaderValue>,
+    ) -> Response<Full<Bytes>> {
         let retry = decision.retry_after().map(ceil_secs);
-        let mut response = match &self.options.on_rejection {
-            _ if grpc => {
+        let mut response = match (&self.options.on_rejection, grpc) {
+            (_, Some(content_type)) => {
                 let message = format!("rate limit {} exceeded", self.policy.name());
-                grpc_status(8, &message, decision.retry_after()).map(|_| Bytes::new())
+                grpc_status(content_type, 8, &message, decision.retry_after()).map(|_| Bytes::new())
             }
-            Some(custom) => custom(decision),
-            None => {
+            (Some(custom), None) => custom(decision),
+            (None, None) => {
                 let text = match retry {
                     Some(secs) => format!("Too Many Requests: retry in {secs} s\n"),
                     None => "Too Many Requests: this request exceeds the limit itself\n".into(),
@@ -154,24 +158,27 @@ impl Responder {
     }
 
     /// The answer when no key could be extracted and [`MissingKey::Reject`] applies.
-    pub(crate) fn missing_key(error: &KeyError, grpc: bool) -> Response<Full<Bytes>> {
+    pub(crate) fn missing_key(
+        error: &KeyError,
+        grpc: Option<&HeaderValue>,
+    ) -> Response<Full<Bytes>> {
         let (status, code) = match error {
             KeyError::MissingPeerAddr => (StatusCode::INTERNAL_SERVER_ERROR, 13),
             _ => (StatusCode::BAD_REQUEST, 3),
         };
         let text = format!("rate limiter: {error}");
         match grpc {
-            true => grpc_status(code, &text, None),
-            false => plain(status, text + "\n", None),
+            Some(content_type) => grpc_status(content_type, code, &text, None),
+            None => plain(status, text + "\n", None),
         }
     }
 
     /// The answer when the store failed and [`FailureMode::Closed`] applies.
-    pub(crate) fn unavailable(grpc: bool) -> Response<Full<Bytes>> {
+    pub(crate) fn unavailable(grpc: Option<&HeaderValue>) -> Response<Full<Bytes>> {
         let text = "Service Unavailable: rate limiter store is unreachable";
         match grpc {
-            true => grpc_status(14, text, Some(Duration::from_secs(1))),
-            false => plain(
+            Some(content_type) => grpc_status(content_type, 14, text, Some(Duration::from_secs(1))),
+            None => plain(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("{text}\n"),
                 Some(1),
@@ -180,25 +187,42 @@ impl Responder {
     }
 }
 
-/// Whether a request is gRPC, by its content type.
-pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+/// The content type of a gRPC request (`application/grpc`, `application/grpc+proto`,
+/// `application/grpc-web`, ...), which its answer repeats; `None` for other requests.
+pub(crate) fn grpc_content_type(headers: &HeaderMap) -> Option<HeaderValue> {
     headers
         .get(CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+        .filter(|v| {
+            v.as_bytes()
+                .get(..16)
+                .is_some_and(|p| p.eq_ignore_ascii_case(b"application/grpc"))
+        })
+        .cloned()
 }
 
 /// A trailers-only gRPC answer: HTTP 200, no body, the status in the headers.
-fn grpc_status(code: u8, message: &str, retry: Option<Duration>) -> Response<Full<Bytes>> {
+fn grpc_status(
+    content_type: &HeaderValue,
+    code: u8,
+    message: &str,
+    retry: Option<Duration>,
+) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(Bytes::new()));
     let headers = response.headers_mut();
-    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    headers.insert(CONTENT_TYPE, content_type.clone());
     headers.insert("grpc-status", HeaderValue::from(u16::from(code)));
     // Our messages are printable ASCII without '%', which grpc-message carries as is.
     headers.insert("grpc-message", value(message.to_owned()));
-    if let Some(retry) = retry {
-        headers.insert(RETRY_AFTER, HeaderValue::from(ceil_secs(retry)));
-        let ms = retry.as_micros().div_ceil(1000).max(1) as u64;
-        headers.insert("grpc-retry-pushback-ms", HeaderValue::from(ms));
+    match retry {
+        Some(retry) => {
+            headers.insert(RETRY_AFTER, HeaderValue::from(ceil_secs(retry)));
+            let ms = retry.as_micros().div_ceil(1000).max(1) as u64;
+            headers.insert("grpc-retry-pushback-ms", HeaderValue::from(ms));
+        }
+        // gRFC A6: a negative pushback tells the client not to retry.
+        None => {
+            headers.insert("grpc-retry-pushback-ms", HeaderValue::from_static("-1"));
+        }
     }
     response
 }
@@ -250,15 +274,17 @@ mod tests {
             },
             &policy,
         );
-        let response = responder.rejection(&denied, false);
+        let response = responder.rejection(&denied, None);
         assert_eq!(response.status(), 429);
         let h = response.headers();
         assert_eq!(h[RETRY_AFTER], "8");
         assert_eq!(h[RATELIMIT], "\"default-10s\";r=0;t=8");
 
-        let grpc = responder.rejection(&denied, true);
+        let web = HeaderValue::from_static("application/grpc-web+proto");
+        let grpc = responder.rejection(&denied, Some(&web));
         assert_eq!(grpc.status(), 200);
         let h = grpc.headers();
+        assert_eq!(h[CONTENT_TYPE], web);
         assert_eq!(h["grpc-status"], "8");
         assert_eq!(h["grpc-retry-pushback-ms"], "7800");
         assert_eq!(h[RETRY_AFTER], "8");

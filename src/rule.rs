@@ -42,7 +42,9 @@ pub(crate) type Predicate = dyn Fn(&RequestHead<'_>) -> bool + Send + Sync;
 ///
 /// Path patterns are matched segment by segment: a literal matches itself, `{name}` or `*`
 /// matches any one segment, and a last segment `{*name}` or `**` matches the rest of the
-/// path, including nothing.
+/// path, including nothing. Empty segments are ignored on both sides, so `/login`, `/login/`
+/// and `//login` are one path; paths are compared as sent, without percent-decoding, as
+/// routers match them. A `GET` rule also matches `HEAD`.
 ///
 /// ```
 /// use http::Method;
@@ -133,7 +135,10 @@ pub(crate) struct Matcher {
 
 impl Matcher {
     pub(crate) fn matches(&self, head: &RequestHead<'_>) -> bool {
-        self.method.as_ref().is_none_or(|m| m == head.method)
+        // A GET handler answers HEAD too (axum's `get` does), so a GET rule covers it.
+        let method =
+            |m: &Method| m == head.method || (m == Method::GET && head.method == Method::HEAD);
+        self.method.as_ref().is_none_or(method)
             && self
                 .path
                 .as_ref()
@@ -163,6 +168,7 @@ impl PathPattern {
             .ok_or_else(|| bad("must start with /"))?;
         let segments: Vec<Segment> = rest
             .split('/')
+            .filter(|s| !s.is_empty())
             .map(|s| match s {
                 "*" => Ok(Segment::Any),
                 "**" => Ok(Segment::Rest),
@@ -174,14 +180,14 @@ impl PathPattern {
                 s => Ok(Segment::Literal(s.to_owned())),
             })
             .collect::<Result<_, _>>()?;
-        if segments[..segments.len() - 1].contains(&Segment::Rest) {
+        if segments.iter().rev().skip(1).any(|s| *s == Segment::Rest) {
             return Err(bad("{*name} or ** must be the last segment"));
         }
         Ok(PathPattern(segments))
     }
 
     fn matches(&self, path: &str) -> bool {
-        let mut parts = path.strip_prefix('/').unwrap_or(path).split('/');
+        let mut parts = path.split('/').filter(|s| !s.is_empty());
         for segment in &self.0 {
             match (segment, parts.next()) {
                 (Segment::Rest, _) => return true,
@@ -209,6 +215,8 @@ mod tests {
         assert!(p("/a/*/c").matches("/a/b/c"));
         assert!(p("/").matches("/"));
         assert!(!p("/").matches("/x"));
+        assert!(p("/login").matches("/login/"));
+        assert!(p("/login").matches("//login"));
         assert!(PathPattern::parse("users").is_err());
         assert!(PathPattern::parse("/a/{*rest}/b").is_err());
         assert!(PathPattern::parse("/a{b").is_err());

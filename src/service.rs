@@ -10,7 +10,7 @@ use crate::body::ResponseBody;
 use crate::future::Check;
 use crate::future::ResponseFuture;
 use crate::layer::Config;
-use crate::response::{is_grpc, MissingKey, Responder};
+use crate::response::{grpc_content_type, MissingKey, Responder};
 use crate::rule::RequestHead;
 use crate::{KeyExtractor, Store};
 
@@ -82,7 +82,7 @@ where
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
         let config = &self.config;
         let head = RequestHead::of(&request);
-        let grpc = is_grpc(head.headers);
+        let grpc = grpc_content_type(head.headers);
         let Some(responder) = config.responder(&head) else {
             return ResponseFuture::calling(self.inner.call(request), None);
         };
@@ -94,7 +94,7 @@ where
                     return ResponseFuture::calling(self.inner.call(request), None)
                 }
                 MissingKey::Reject => {
-                    return ResponseFuture::answer(Responder::missing_key(&error, grpc))
+                    return ResponseFuture::answer(Responder::missing_key(&error, grpc.as_ref()))
                 }
             },
         };
@@ -107,7 +107,7 @@ where
             .as_ref()
             .filter(|_| !responder.options.shadow);
         if let Some(refusal) = deny_cache.and_then(|c| c.refusal(&key, &responder.policy, cost)) {
-            return ResponseFuture::answer(responder.rejection(&refusal, grpc));
+            return ResponseFuture::answer(responder.rejection(&refusal, grpc.as_ref()));
         }
         let decision = config.store.check(&key, &responder.policy, cost);
         let check = Check {

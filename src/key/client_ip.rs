@@ -4,7 +4,8 @@ use std::sync::Arc;
 use http::Request;
 use ipnet::IpNet;
 
-use super::{forwarded, peer, Key, KeyError, KeyExtractor};
+use super::forwarded::{self, ForwardedHeader};
+use super::{peer, Key, KeyError, KeyExtractor};
 
 /// The client's IP address, also behind trusted proxies and load balancers.
 ///
@@ -16,8 +17,10 @@ use super::{forwarded, peer, Key, KeyError, KeyExtractor};
 /// client can prepend whatever it likes; the proxies append the address they saw, and that is
 /// what is found.
 ///
-/// The chain is read from `Forwarded` (RFC 7239) if present, else `X-Forwarded-For`, else
-/// `X-Real-IP`. If the walk meets an entry that is not an address (`unknown`, an obfuscated
+/// The chain is read from exactly one header, the one the proxies set:
+/// [`ForwardedHeader::XForwardedFor`] by default, or `Forwarded` (RFC 7239) or `X-Real-IP`.
+/// Never several: a proxy passes the headers it does not set through from the client. If the
+/// walk meets an entry that is not an address (`unknown`, an obfuscated
 /// identifier, garbage), or looks at more than 64 hops, the client is taken to be the last
 /// trusted hop reached: the proxy that passed on the unusable header, so such requests share
 /// that proxy's budget rather than choose one. If every hop is trusted, the leftmost is the
@@ -38,6 +41,7 @@ use super::{forwarded, peer, Key, KeyError, KeyExtractor};
 pub struct ClientIp {
     trusted: Arc<[IpNet]>,
     ipv6_prefix: u8,
+    header: ForwardedHeader,
 }
 
 /// Why a [`ClientIp`] could not be built.
@@ -57,6 +61,7 @@ pub enum ClientIpError {
 pub struct ClientIpBuilder {
     trusted: Vec<IpNet>,
     ipv6_prefix: u8,
+    header: ForwardedHeader,
 }
 
 impl Default for ClientIp {
@@ -71,6 +76,7 @@ impl ClientIp {
         ClientIp {
             trusted: Arc::new([]),
             ipv6_prefix: 64,
+            header: ForwardedHeader::default(),
         }
     }
 
@@ -79,6 +85,7 @@ impl ClientIp {
         ClientIpBuilder {
             trusted: Vec::new(),
             ipv6_prefix: 64,
+            header: ForwardedHeader::default(),
         }
     }
 
@@ -88,10 +95,12 @@ impl ClientIp {
 
     /// The client address: see the type's documentation for the walk.
     fn client(&self, peer: IpAddr, headers: &http::HeaderMap) -> IpAddr {
+        // A dual-stack socket shows an IPv4 proxy as ::ffff:a.b.c.d.
+        let peer = peer.to_canonical();
         if self.trusted.is_empty() || !self.trusts(peer) {
             return peer;
         }
-        let Some(hops) = forwarded::chain(headers) else {
+        let Some(hops) = forwarded::chain(headers, self.header) else {
             return peer;
         };
         let mut last_trusted = peer;
@@ -108,10 +117,10 @@ impl ClientIp {
     fn key(&self, ip: IpAddr) -> Key {
         match ip.to_canonical() {
             IpAddr::V6(v6) if self.ipv6_prefix < 128 => {
-                let net = ipnet::Ipv6Net::new(v6, self.ipv6_prefix)
-                    .map(|n| n.trunc())
-                    .map_or_else(|_| v6.to_string(), |n| n.to_string());
-                Key::from(net)
+                match ipnet::Ipv6Net::new(v6, self.ipv6_prefix) {
+                    Ok(net) => Key::from_network(IpNet::V6(net.trunc())),
+                    Err(_) => Key::from(ip),
+                }
             }
             ip => Key::from(ip),
         }
@@ -129,6 +138,12 @@ impl ClientIpBuilder {
         Ok(self)
     }
 
+    /// The header the trusted proxies set (default `X-Forwarded-For`).
+    pub fn header(mut self, header: ForwardedHeader) -> Self {
+        self.header = header;
+        self
+    }
+
     /// Keys IPv6 clients by this prefix length (default 64; 128 keys each address).
     pub fn ipv6_prefix(mut self, len: u8) -> Self {
         self.ipv6_prefix = len;
@@ -143,6 +158,7 @@ impl ClientIpBuilder {
         Ok(ClientIp {
             trusted: self.trusted.into(),
             ipv6_prefix: self.ipv6_prefix,
+            header: self.header,
         })
     }
 }
@@ -206,8 +222,35 @@ mod tests {
         let bad = [("x-forwarded-for", "198.51.100.7, garbage, 10.1.1.1")];
         assert_eq!(key(&ip, "10.0.0.1", &bad), "10.1.1.1");
         // All hops trusted: the left-most.
-        let internal = [("forwarded", "for=10.9.9.9, for=\"10.1.1.1:80\"")];
+        let internal = [("x-forwarded-for", "10.9.9.9, 10.1.1.1")];
         assert_eq!(key(&ip, "10.0.0.1", &internal), "10.9.9.9");
+        // A dual-stack socket's view of the proxy is trusted too.
+        assert_eq!(key(&ip, "::ffff:10.0.0.1", &xff), "198.51.100.7");
+    }
+
+    #[test]
+    fn only_the_configured_header_counts() {
+        let xff = ClientIp::builder()
+            .trust("10.0.0.0/8")
+            .unwrap()
+            .build()
+            .unwrap();
+        let headers = [
+            ("forwarded", "for=6.6.6.6"),
+            ("x-forwarded-for", "198.51.100.7"),
+        ];
+        assert_eq!(key(&xff, "10.0.0.1", &headers), "198.51.100.7");
+        let real = ClientIp::builder()
+            .trust("10.0.0.0/8")
+            .unwrap()
+            .header(ForwardedHeader::XRealIp)
+            .build()
+            .unwrap();
+        let headers = [
+            ("x-forwarded-for", "6.6.6.6"),
+            ("x-real-ip", "198.51.100.8"),
+        ];
+        assert_eq!(key(&real, "10.0.0.1", &headers), "198.51.100.8");
     }
 
     #[test]

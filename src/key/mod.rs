@@ -13,9 +13,12 @@ mod peer;
 use std::fmt;
 use std::net::IpAddr;
 
+use ipnet::IpNet;
+
 use http::Request;
 
 pub use client_ip::{ClientIp, ClientIpBuilder, ClientIpError};
+pub use forwarded::ForwardedHeader;
 pub use header::Header;
 pub use peer::PeerIp;
 
@@ -36,8 +39,23 @@ pub use peer::PeerIp;
 /// assert!(long.as_str().starts_with('#'));
 /// assert_eq!(Key::from_bytes(b"\xff\xfe"), Key::from_bytes(b"\xff\xfe"));
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Key(String);
+#[derive(Debug, Clone)]
+pub struct Key(String, Option<IpNet>);
+
+// Keys are their text; where a key came from does not make it another key.
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
+
+impl Eq for Key {}
+
+impl std::hash::Hash for Key {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+    }
+}
 
 impl Key {
     /// The longest key kept as given; longer ones are hashed.
@@ -50,13 +68,29 @@ impl Key {
                 .iter()
                 .all(|&b| b.is_ascii_graphic() && b != b'{' && b != b'}' && b != b'#');
         match std::str::from_utf8(bytes) {
-            Ok(text) if plain => Key(text.to_owned()),
+            Ok(text) if plain => Key(text.to_owned(), None),
             _ => {
                 let hash = blake3::hash(bytes);
                 let hex = hash.to_hex();
-                Key(format!("#{}", &hex[..32]))
+                Key(format!("#{}", &hex[..32]), None)
             }
         }
+    }
+
+    /// The key of a client network (an IPv6 prefix, or one address).
+    pub(crate) fn from_network(net: IpNet) -> Key {
+        let text = match net {
+            IpNet::V4(n) if n.prefix_len() == 32 => n.addr().to_string(),
+            IpNet::V6(n) if n.prefix_len() == 128 => n.addr().to_string(),
+            net => net.to_string(),
+        };
+        Key(text, Some(net))
+    }
+
+    /// The client address or network, when an IP extractor ([`PeerIp`], [`ClientIp`]) made the
+    /// key. Allow-listed networks match only these, never text that merely looks like one.
+    pub fn network(&self) -> Option<IpNet> {
+        self.1
     }
 
     /// The key as text.
@@ -90,7 +124,7 @@ impl From<&str> for Key {
 
 impl From<IpAddr> for Key {
     fn from(ip: IpAddr) -> Self {
-        Key(ip.to_canonical().to_string())
+        Key::from_network(IpNet::from(ip.to_canonical()))
     }
 }
 
@@ -158,8 +192,8 @@ where
     }
 }
 
-/// Two extractors together, e.g. `(Header::new(..), ClientIp::new())`: the key is both keys
-/// joined by `|` (hashed if that is too long). Fails if either fails.
+/// Two extractors together, e.g. `(Header::new(..), ClientIp::new())`: the key is both keys,
+/// the first prefixed by its length (hashed if that is too long). Fails if either fails.
 impl<B, K1, K2> KeyExtractor<B> for (K1, K2)
 where
     K1: KeyExtractor<B>,
@@ -167,7 +201,8 @@ where
 {
     fn extract(&self, request: &Request<B>) -> Result<Key, KeyError> {
         let (a, b) = (self.0.extract(request)?, self.1.extract(request)?);
-        Ok(Key::from(format!("{}|{}", a.0, b.0)))
+        // The length keeps ("x|y", "z") apart from ("x", "y|z").
+        Ok(Key::from(format!("{}:{}|{}", a.0.len(), a.0, b.0)))
     }
 }
 

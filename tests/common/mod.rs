@@ -14,35 +14,73 @@ use tower_redis_ratelimit::RedisStore;
 
 /// A `redis-server` child process, killed when dropped.
 pub struct RedisServer {
-    child: Child,
+    child: Option<Child>,
     port: u16,
+    args: Vec<String>,
 }
 
 impl RedisServer {
     /// Starts a server on a free port (the binary is `$REDIS_SERVER` or `redis-server`).
     pub fn start() -> RedisServer {
-        let binary = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+        RedisServer::start_with(&[])
+    }
+
+    /// Starts a server with extra command-line arguments, e.g. `["--requirepass", "s3cret"]`.
+    pub fn start_with(args: &[&str]) -> RedisServer {
         for _ in 0..5 {
-            let port = free_port();
-            let child = Command::new(&binary)
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap_or_else(|e| panic!("cannot start {binary}: {e}; install redis-server"));
-            let mut server = RedisServer { child, port };
-            if server.wait_until_up() {
+            let mut server = RedisServer {
+                child: None,
+                port: free_port(),
+                args: args.iter().map(|a| a.to_string()).collect(),
+            };
+            if server.spawn() {
                 return server;
             }
         }
         panic!("redis-server did not come up on a free port");
     }
 
+    fn spawn(&mut self) -> bool {
+        let binary = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+        let child = Command::new(&binary)
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {binary}: {e}; install redis-server"));
+        self.child = Some(child);
+        self.wait_until_up()
+    }
+
+    /// Kills the server (as a crash would: no shutdown).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port, empty.
+    pub fn restart(&mut self) {
+        self.kill();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.spawn() {
+            assert!(Instant::now() < deadline, "redis-server did not restart");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     fn wait_until_up(&mut self) -> bool {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
+            let exited = self.child.as_mut().map(|c| c.try_wait());
+            if let Some(Ok(Some(_))) = exited {
                 return false; // exited, e.g. the port was taken meanwhile
             }
             if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
@@ -74,8 +112,7 @@ impl RedisServer {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill();
     }
 }
 
