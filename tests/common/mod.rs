@@ -3,6 +3,7 @@
 
 pub mod conformance;
 pub mod http;
+pub mod load;
 pub mod scenarios;
 
 use std::net::{TcpListener, TcpStream};

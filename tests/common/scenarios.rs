@@ -136,7 +136,7 @@ pub async fn cost_and_keys<St: Store>(store: St) {
         .is_allowed());
 }
 
-type Reply = Response<tower_redis_ratelimit::body::ResponseBody<Full<Bytes>>>;
+pub type Reply = Response<tower_redis_ratelimit::body::ResponseBody<Full<Bytes>>>;
 
 /// `layer` around a service that answers `ok`, for scenarios that look at HTTP.
 pub fn layered<K, St>(

@@ -7,12 +7,16 @@ use fred::error::{Error, ErrorKind};
 
 /// A circuit breaker: after a failure that says Redis is unreachable or too slow, decisions
 /// fail at once for `retry` instead of each waiting out the timeout; then the next decision
-/// tries Redis again, and its success closes the breaker.
+/// tries Redis again, and its success closes the breaker. A failure trips it only if no
+/// decision succeeded while the failed one was under way: while connections come back one by
+/// one, one slow connection must not cut off the others.
 #[derive(Debug)]
 pub(crate) struct Breaker {
     origin: Instant,
     /// Microseconds after `origin` until which Redis counts as down; 0 when up.
     down_until: AtomicU64,
+    /// Microseconds after `origin` of the latest success.
+    last_ok: AtomicU64,
     retry: Duration,
 }
 
@@ -21,11 +25,13 @@ impl Breaker {
         Breaker {
             origin: Instant::now(),
             down_until: AtomicU64::new(0),
+            last_ok: AtomicU64::new(0),
             retry,
         }
     }
 
-    fn now(&self) -> u64 {
+    /// The time to pass to [`trip`](Self::trip) for a decision starting now.
+    pub(crate) fn now(&self) -> u64 {
         self.origin.elapsed().as_micros() as u64
     }
 
@@ -39,12 +45,18 @@ impl Breaker {
         self.down_until.load(Ordering::Relaxed) != 0
     }
 
-    pub(crate) fn trip(&self) {
+    /// Records the failure of a decision that started at `started`.
+    pub(crate) fn trip(&self, started: u64) {
+        if self.last_ok.load(Ordering::Relaxed) > started {
+            return;
+        }
         let until = self.now() + self.retry.as_micros() as u64;
         self.down_until.store(until.max(1), Ordering::Relaxed);
     }
 
+    /// Records a success.
     pub(crate) fn close(&self) {
+        self.last_ok.fetch_max(self.now().max(1), Ordering::Relaxed);
         if self.down_until.load(Ordering::Relaxed) != 0 {
             self.down_until.store(0, Ordering::Relaxed);
         }
@@ -75,12 +87,16 @@ mod tests {
     fn trips_for_a_while_then_lets_a_probe_through() {
         let breaker = Breaker::new(Duration::from_millis(30));
         assert!(!breaker.is_open() && !breaker.is_down());
-        breaker.trip();
+        let started = breaker.now();
+        breaker.trip(started);
         assert!(breaker.is_open() && breaker.is_down());
         std::thread::sleep(Duration::from_millis(60));
         assert!(!breaker.is_open(), "a probe may go");
         assert!(breaker.is_down(), "still down until a probe succeeds");
         breaker.close();
+        assert!(!breaker.is_down());
+        // A failure that overlapped a success does not trip it.
+        breaker.trip(started);
         assert!(!breaker.is_down());
         assert!(is_outage(&Error::new(ErrorKind::IO, "refused")));
         assert!(!is_outage(&Error::new(ErrorKind::Unknown, "WRONGTYPE")));

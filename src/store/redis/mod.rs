@@ -146,18 +146,19 @@ impl RedisStore {
                 return Err(StoreError::Unavailable);
             }
             let script = inner.script(policy.algorithm())?;
+            let started = inner.breaker.now();
             // The budget covers the whole decision, including a reload after NOSCRIPT.
-            let call = script.evalsha_with_reload(inner.pool.next(), redis_key, args);
+            let call = script.evalsha_with_reload(inner.pool.next_connected(), redis_key, args);
             let reply: Vec<i64> = match tokio::time::timeout(inner.timeout, call).await {
                 Ok(Ok(reply)) => reply,
                 Ok(Err(error)) => {
                     if is_outage(&error) {
-                        inner.breaker.trip();
+                        inner.breaker.trip(started);
                     }
                     return Err(error.into());
                 }
                 Err(_) => {
-                    inner.breaker.trip();
+                    inner.breaker.trip(started);
                     return Err(StoreError::Timeout(inner.timeout));
                 }
             };

@@ -1,0 +1,330 @@
+//! When Redis is gone, slow, flushed or restarted: every request is answered within the time
+//! budget, as the failure mode says, and the limiter returns to Redis by itself.
+
+mod common;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::load::{self, Sample};
+use common::scenarios::{layered, request_from};
+use common::RedisServer;
+use fred::prelude::*;
+use tower::ServiceExt;
+use tower_redis_ratelimit::{FailureMode, Key, MemoryStore, Policy, RateLimitLayer, RedisStore};
+
+const BUDGET: Duration = Duration::from_millis(200);
+/// Scheduling slack on a shared two-core machine.
+const MARGIN: Duration = Duration::from_millis(300);
+
+async fn store(server: &RedisServer) -> RedisStore {
+    RedisStore::builder(server.url())
+        .timeout(BUDGET)
+        .retry_interval(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn layer(
+    store: RedisStore,
+    mode: FailureMode,
+) -> RateLimitLayer<tower_redis_ratelimit::PeerIp, RedisStore> {
+    RateLimitLayer::builder()
+        .policy("1000000/1m")
+        .store(store)
+        .failure_mode(mode)
+        .build()
+        .unwrap()
+}
+
+fn assert_within_budget(samples: &[Sample]) {
+    let slowest = samples.iter().map(|s| s.latency).max().unwrap();
+    assert!(
+        slowest <= BUDGET + MARGIN,
+        "slowest of {} requests took {slowest:?}",
+        samples.len()
+    );
+}
+
+/// Kills Redis 1 s into a 5 s load and restarts it on the same port at 2 s.
+async fn kill_and_restart(mode: FailureMode) -> (Vec<Sample>, RedisStore, Arc<Mutex<RedisServer>>) {
+    let server = Arc::new(Mutex::new(RedisServer::start()));
+    let store = store(&server.lock().unwrap()).await;
+    let service = layered(&layer(store.clone(), mode));
+    let chaos = {
+        let server = Arc::clone(&server);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let s = Arc::clone(&server);
+            tokio::task::spawn_blocking(move || s.lock().unwrap().kill())
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            tokio::task::spawn_blocking(move || server.lock().unwrap().restart())
+                .await
+                .unwrap();
+        })
+    };
+    let samples = load::run(service, 8, Duration::from_secs(5), Duration::from_millis(5)).await;
+    chaos.await.unwrap();
+    assert_within_budget(&samples);
+    (samples, store, server)
+}
+
+/// When decisions came from Redis again for good: the first request after the restart (at 2 s)
+/// that `decided_by_redis` with none failing after it. It must be within a few seconds.
+fn recovered_at(samples: &[Sample], decided_by_redis: impl Fn(&Sample) -> bool) -> Duration {
+    let after_restart: Vec<_> = samples
+        .iter()
+        .filter(|s| s.at > Duration::from_secs(2))
+        .collect();
+    let last_failure = after_restart.iter().rposition(|s| !decided_by_redis(s));
+    let recovered = after_restart
+        .get(last_failure.map_or(0, |i| i + 1))
+        .expect("Redis decides again after the restart");
+    let late = recovered.at - Duration::from_secs(2);
+    assert!(
+        late < Duration::from_secs(3),
+        "back to Redis only {late:?} after the restart"
+    );
+    let failed = after_restart
+        .iter()
+        .filter(|s| !decided_by_redis(s))
+        .count();
+    eprintln!(
+        "back to Redis {late:?} after the restart; {failed} of {} requests after the restart \
+         were not decided by Redis",
+        after_restart.len()
+    );
+    late
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_redis_open_mode_admits_then_recovers() {
+    let (samples, store, _server) = kill_and_restart(FailureMode::Open).await;
+    assert!(
+        samples.iter().all(|s| s.status == 200),
+        "Open admits everything"
+    );
+    let outage: Vec<_> = samples
+        .iter()
+        .filter(|s| s.at > Duration::from_millis(1100) && s.at < Duration::from_millis(1900))
+        .collect();
+    assert!(
+        !outage.is_empty() && outage.iter().all(|s| !s.decided),
+        "no decisions while down"
+    );
+    recovered_at(&samples, |s| s.decided);
+    assert!(store.is_healthy());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_redis_closed_mode_refuses_then_recovers() {
+    let (samples, _store, _server) = kill_and_restart(FailureMode::Closed).await;
+    let outage: Vec<_> = samples
+        .iter()
+        .filter(|s| s.at > Duration::from_millis(1100) && s.at < Duration::from_millis(1900))
+        .collect();
+    assert!(!outage.is_empty() && outage.iter().all(|s| s.status == 503));
+    assert!(samples.iter().all(|s| s.status == 200 || s.status == 503));
+    recovered_at(&samples, |s| s.status == 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_redis_fallback_mode_decides_locally_then_returns() {
+    let local = MemoryStore::new();
+    let (samples, store, server) = kill_and_restart(FailureMode::Fallback(local.clone())).await;
+    assert!(
+        samples.iter().all(|s| s.status == 200 && s.decided),
+        "every request decided"
+    );
+    let policy: Policy = "1000000/1m".parse().unwrap();
+    let key = Key::from("192.0.2.1".parse::<std::net::IpAddr>().unwrap());
+    assert!(
+        local.events(&key, &policy) > 0,
+        "the local store decided during the outage"
+    );
+    // Decisions come from Redis again: each request now adds one member there.
+    assert!(store.is_healthy());
+    let redis = server.lock().unwrap().url();
+    let client = Client::new(Config::from_url(&redis).unwrap(), None, None, None);
+    client.init().await.unwrap();
+    let zset = store.redis_key(&key, &policy);
+    let before: u64 = client.zcard(&zset).await.unwrap();
+    let service = layered(&layer(store.clone(), FailureMode::Fallback(local)));
+    for _ in 0..20 {
+        service
+            .clone()
+            .oneshot(request_from("192.0.2.1"))
+            .await
+            .unwrap();
+    }
+    let after: u64 = client.zcard(&zset).await.unwrap();
+    assert_eq!(after - before, 20);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_redis_is_answered_within_the_budget() {
+    let server = RedisServer::start();
+    let store = store(&server).await;
+    let admin = server.client().await;
+    let service = layered(&layer(store.clone(), FailureMode::Open));
+    let pause = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let _: () = admin
+            .custom(fred::cmd!("CLIENT"), vec!["PAUSE", "1500", "ALL"])
+            .await
+            .unwrap();
+    });
+    let samples = load::run(service, 8, Duration::from_secs(3), Duration::from_millis(5)).await;
+    pause.await.unwrap();
+    assert_within_budget(&samples);
+    assert!(samples.iter().all(|s| s.status == 200));
+    let paused = samples
+        .iter()
+        .filter(|s| s.at > Duration::from_millis(700) && s.at < Duration::from_millis(1800));
+    assert!(paused.clone().count() > 0 && paused.clone().all(|s| !s.decided));
+    let last = samples.last().unwrap();
+    assert!(last.decided, "decisions resume after the pause");
+}
+
+/// Captures the text of tracing events.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_and_restart_never_fail_a_request_with_noscript() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_global_default(subscriber);
+
+    let server = Arc::new(Mutex::new(RedisServer::start()));
+    let store = store(&server.lock().unwrap()).await;
+    let admin = server.lock().unwrap().client().await;
+    let service = layered(&layer(store, FailureMode::Closed));
+
+    // SCRIPT FLUSH twice under load: every request is still decided by Redis.
+    let flushes = tokio::spawn(async move {
+        for _ in 0..2 {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            let _: () = admin.script_flush(false).await.unwrap();
+        }
+    });
+    let samples = load::run(
+        service.clone(),
+        8,
+        Duration::from_millis(1200),
+        Duration::from_millis(2),
+    )
+    .await;
+    flushes.await.unwrap();
+    assert!(
+        samples.iter().all(|s| s.status == 200),
+        "a request failed across SCRIPT FLUSH"
+    );
+
+    // A restart loses the scripts too; requests fail only while Redis is down.
+    // The closure gets its own handle: dropping the last one would stop the server again.
+    let handle = Arc::clone(&server);
+    let restart = tokio::task::spawn_blocking(move || handle.lock().unwrap().restart());
+    let samples = load::run(service, 8, Duration::from_secs(3), Duration::from_millis(5)).await;
+    restart.await.unwrap();
+    assert_within_budget(&samples);
+    assert_eq!(samples.last().unwrap().status, 200);
+    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert!(!log.contains("NOSCRIPT"), "{log}");
+}
+
+async fn evalsha_calls(client: &Client) -> u64 {
+    let info: String = client
+        .info(Some(fred::types::InfoKind::CommandStats))
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn deny_cache_spares_redis_until_retry_after() {
+    let server = RedisServer::start();
+    let store = store(&server).await;
+    let admin = server.client().await;
+    let cached = RateLimitLayer::builder()
+        .policy("1/2s")
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let service = layered(&cached);
+    let send = || async {
+        service
+            .clone()
+            .oneshot(request_from("192.0.2.1"))
+            .await
+            .unwrap()
+    };
+
+    assert_eq!(send().await.status(), 200);
+    assert_eq!(send().await.status(), 429);
+    let asked = evalsha_calls(&admin).await;
+    assert_eq!(asked, 2);
+    let started = tokio::time::Instant::now();
+    let mut last_retry = 0;
+    for _ in 0..200 {
+        let reply = send().await;
+        assert_eq!(reply.status(), 429);
+        last_retry = reply.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(last_retry >= 1);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        evalsha_calls(&admin).await,
+        asked,
+        "hammering cost no Redis command"
+    );
+    // Once the retry-after has passed, Redis is asked again and admits.
+    tokio::time::sleep(Duration::from_millis(2100).saturating_sub(started.elapsed())).await;
+    assert_eq!(send().await.status(), 200);
+    assert_eq!(evalsha_calls(&admin).await, asked + 1);
+    assert!(last_retry <= 2);
+
+    // Without the cache, every refused request is a Redis command.
+    let uncached = RateLimitLayer::builder()
+        .policy(Policy::new("uncached", ["1/2s".parse().unwrap()]).unwrap())
+        .store(store)
+        .deny_cache(0)
+        .build()
+        .unwrap();
+    let service = layered(&uncached);
+    let before = evalsha_calls(&admin).await;
+    for _ in 0..10 {
+        service
+            .clone()
+            .oneshot(request_from("192.0.2.1"))
+            .await
+            .unwrap();
+    }
+    assert_eq!(evalsha_calls(&admin).await, before + 10);
+}
