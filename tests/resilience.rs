@@ -18,8 +18,8 @@ const BUDGET: Duration = Duration::from_millis(200);
 /// Scheduling slack on a shared two-core machine.
 const MARGIN: Duration = Duration::from_millis(300);
 
-async fn store(server: &RedisServer) -> RedisStore {
-    RedisStore::builder(server.url())
+async fn store(url: String) -> RedisStore {
+    RedisStore::builder(url)
         .timeout(BUDGET)
         .retry_interval(Duration::from_millis(200))
         .connect()
@@ -51,7 +51,8 @@ fn assert_within_budget(samples: &[Sample]) {
 /// Kills Redis 1 s into a 5 s load and restarts it on the same port at 2 s.
 async fn kill_and_restart(mode: FailureMode) -> (Vec<Sample>, RedisStore, Arc<Mutex<RedisServer>>) {
     let server = Arc::new(Mutex::new(RedisServer::start()));
-    let store = store(&server.lock().unwrap()).await;
+    let url = server.lock().unwrap().url();
+    let store = store(url).await;
     let service = layered(&layer(store.clone(), mode));
     let chaos = {
         let server = Arc::clone(&server);
@@ -148,9 +149,8 @@ async fn killed_redis_fallback_mode_decides_locally_then_returns() {
     );
     // Decisions come from Redis again: each request now adds one member there.
     assert!(store.is_healthy());
-    let redis = server.lock().unwrap().url();
-    let client = Client::new(Config::from_url(&redis).unwrap(), None, None, None);
-    client.init().await.unwrap();
+    let url = server.lock().unwrap().url();
+    let client = common::client(&url).await;
     let zset = store.redis_key(&key, &policy);
     let before: u64 = client.zcard(&zset).await.unwrap();
     let service = layered(&layer(store.clone(), FailureMode::Fallback(local)));
@@ -168,7 +168,7 @@ async fn killed_redis_fallback_mode_decides_locally_then_returns() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_redis_is_answered_within_the_budget() {
     let server = RedisServer::start();
-    let store = store(&server).await;
+    let store = store(server.url()).await;
     let admin = server.client().await;
     let service = layered(&layer(store.clone(), FailureMode::Open));
     let pause = tokio::spawn(async move {
@@ -215,8 +215,10 @@ async fn script_flush_and_restart_never_fail_a_request_with_noscript() {
     let _guard = tracing::subscriber::set_global_default(subscriber);
 
     let server = Arc::new(Mutex::new(RedisServer::start()));
-    let store = store(&server.lock().unwrap()).await;
-    let admin = server.lock().unwrap().client().await;
+    let url = server.lock().unwrap().url();
+    let store = store(url).await;
+    let url = server.lock().unwrap().url();
+    let admin = common::client(&url).await;
     let service = layered(&layer(store, FailureMode::Closed));
 
     // SCRIPT FLUSH twice under load: every request is still decided by Redis.
@@ -266,7 +268,7 @@ async fn evalsha_calls(client: &Client) -> u64 {
 #[tokio::test]
 async fn deny_cache_spares_redis_until_retry_after() {
     let server = RedisServer::start();
-    let store = store(&server).await;
+    let store = store(server.url()).await;
     let admin = server.client().await;
     let cached = RateLimitLayer::builder()
         .policy("1/2s")

@@ -105,9 +105,7 @@ impl RedisServer {
 
     /// A plain fred client, to inspect what the store wrote.
     pub async fn client(&self) -> Client {
-        let client = Client::new(Config::from_url(&self.url()).unwrap(), None, None, None);
-        client.init().await.expect("connect client");
-        client
+        client(&self.url()).await
     }
 }
 
@@ -115,6 +113,13 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A plain fred client for `url`.
+pub async fn client(url: &str) -> Client {
+    let client = Client::new(Config::from_url(url).unwrap(), None, None, None);
+    client.init().await.expect("connect client");
+    client
 }
 
 fn free_port() -> u16 {
