@@ -1,6 +1,7 @@
 //! Test harness: real `redis-server` processes on free loopback ports, stopped on drop.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod conformance;
 pub mod http;
 pub mod load;
