@@ -173,7 +173,7 @@ impl Default for MemoryStore {
 
 impl MemoryStore {
     /// The number of keys a store holds at most unless told otherwise.
-    pub const DEFAULT_MAX_KEYS: u64 = 1_000_000;
+    pub const DEFAULT_MAX_KEYS: u64 = 100_000;
 
     /// A store with the default bound and clock.
     pub fn new() -> Self {
