@@ -27,7 +27,8 @@ impl RedisServer {
         RedisServer::start_with(&[])
     }
 
-    /// Starts a server with extra command-line arguments, e.g. `["--requirepass", "s3cret"]`.
+    /// Starts a server with extra command-line arguments, e.g. `["--requirepass", "s3cret"]`;
+    /// `{port}` in an argument stands for the server's port.
     pub fn start_with(args: &[&str]) -> RedisServer {
         for _ in 0..5 {
             let mut server = RedisServer {
@@ -47,7 +48,11 @@ impl RedisServer {
         let child = Command::new(&binary)
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
-            .args(&self.args)
+            .args(
+                self.args
+                    .iter()
+                    .map(|a| a.replace("{port}", &self.port.to_string())),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

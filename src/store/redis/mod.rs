@@ -107,6 +107,8 @@ impl RedisStore {
             prefix: Self::DEFAULT_PREFIX.to_owned(),
             timeout: Self::DEFAULT_TIMEOUT,
             retry_interval: Duration::from_millis(500),
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 
@@ -192,6 +194,8 @@ pub struct RedisStoreBuilder {
     prefix: String,
     timeout: Duration,
     retry_interval: Duration,
+    #[cfg(feature = "tls")]
+    tls: Option<fred::types::config::TlsConnector>,
 }
 
 impl RedisStoreBuilder {
@@ -226,6 +230,15 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// TLS with this connector, e.g. one built from a rustls `ClientConfig` that trusts a
+    /// private CA (`TlsConnector::from(config)`). A `rediss://` URL alone uses TLS with the
+    /// system's root certificates. Feature `tls`.
+    #[cfg(feature = "tls")]
+    pub fn tls(mut self, connector: fred::types::config::TlsConnector) -> Self {
+        self.tls = Some(connector);
+        self
+    }
+
     /// Connects the pool and loads the scripts.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
         if self.pool_size == 0 {
@@ -237,7 +250,12 @@ impl RedisStoreBuilder {
                 self.prefix
             )));
         }
-        let config = Config::from_url(&self.url)?;
+        #[allow(unused_mut)]
+        let mut config = Config::from_url(&self.url)?;
+        #[cfg(feature = "tls")]
+        if let Some(connector) = self.tls {
+            config.tls = Some(connector.into());
+        }
         let pool = fred::types::Builder::from_config(config)
             .with_performance_config(|p| p.default_command_timeout = self.timeout)
             .with_connection_config(|c| {
