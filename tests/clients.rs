@@ -3,14 +3,13 @@
 mod common;
 
 use std::convert::Infallible;
-use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 
 use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
 use common::http::{get as fetch, serve_axum};
+use common::Captured;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use tower::{service_fn, Layer, Service, ServiceExt};
@@ -301,28 +300,10 @@ async fn cost_comes_from_the_request() {
     assert_eq!(fresh, [429, 429], "the key's budget is spent");
 }
 
-/// Captures what tracing events print, for the duration of a test.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[tokio::test]
 async fn shadow_mode_counts_and_reports_but_never_rejects() {
     let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
+    let subscriber = captured.subscriber();
     let _guard = tracing::subscriber::set_default(subscriber);
 
     let layer = RateLimitLayer::builder()
@@ -338,7 +319,7 @@ async fn shadow_mode_counts_and_reports_but_never_rejects() {
     }
     assert_eq!(remaining[1], "\"default\";r=0;t=60");
     assert!(remaining[3].starts_with("\"default\";r=0;"));
-    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let log = captured.text();
     assert_eq!(log.matches("rate limit exceeded").count(), 2, "{log}");
     assert!(
         log.contains("policy=\"default\"") || log.contains("policy=default"),

@@ -3,13 +3,12 @@
 
 mod common;
 
-use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::load::{self, Sample};
 use common::scenarios::{layered, request_from};
-use common::RedisServer;
+use common::{Captured, RedisServer};
 use fred::prelude::*;
 use tower::ServiceExt;
 use tower_redis_ratelimit::{FailureMode, Key, MemoryStore, Policy, RateLimitLayer, RedisStore};
@@ -190,28 +189,10 @@ async fn paused_redis_is_answered_within_the_budget() {
     assert!(last.decided, "decisions resume after the pause");
 }
 
-/// Captures the text of tracing events.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn script_flush_and_restart_never_fail_a_request_with_noscript() {
     let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
+    let subscriber = captured.subscriber();
     let _guard = tracing::subscriber::set_global_default(subscriber);
 
     let server = Arc::new(Mutex::new(RedisServer::start()));
@@ -249,7 +230,7 @@ async fn script_flush_and_restart_never_fail_a_request_with_noscript() {
     restart.await.unwrap();
     assert_within_budget(&samples);
     assert_eq!(samples.last().unwrap().status, 200);
-    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let log = captured.text();
     assert!(!log.contains("NOSCRIPT"), "{log}");
 }
 
