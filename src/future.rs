@@ -77,9 +77,13 @@ where
         }
     }
 
-    pub(crate) fn calling(future: S::Future, fields: Option<(Decision, Arc<Responder>)>) -> Self {
+    /// Calls the inner service with no decision to report (not limited, or allow-listed).
+    pub(crate) fn calling(future: S::Future) -> Self {
         ResponseFuture {
-            state: State::Calling { future, fields },
+            state: State::Calling {
+                future,
+                fields: None,
+            },
         }
     }
 

@@ -84,22 +84,20 @@ where
         let head = RequestHead::of(&request);
         let grpc = grpc_content_type(head.headers);
         let Some(responder) = config.responder(&head) else {
-            return ResponseFuture::calling(self.inner.call(request), None);
+            return ResponseFuture::calling(self.inner.call(request));
         };
         let key = match config.key.extract(&request) {
             Ok(key) => key,
             Err(error) => match &config.missing_key {
                 MissingKey::Use(key) => key.clone(),
-                MissingKey::Allow => {
-                    return ResponseFuture::calling(self.inner.call(request), None)
-                }
+                MissingKey::Allow => return ResponseFuture::calling(self.inner.call(request)),
                 MissingKey::Reject => {
                     return ResponseFuture::answer(Responder::missing_key(&error, grpc.as_ref()))
                 }
             },
         };
         if config.allow.contains(&key) {
-            return ResponseFuture::calling(self.inner.call(request), None);
+            return ResponseFuture::calling(self.inner.call(request));
         }
         let cost = config.cost.as_ref().map_or(1, |cost| cost(&head));
         let deny_cache = config
