@@ -81,26 +81,25 @@ pub(crate) struct Options {
 pub(crate) struct Responder {
     pub(crate) policy: Policy,
     pub(crate) policy_header: HeaderValue,
+    /// The header name of each limit, computed once rather than per response.
+    limit_names: Vec<String>,
     pub(crate) options: Options,
 }
 
 impl Responder {
     pub(crate) fn new(policy: Policy, options: Options) -> Self {
+        let limit_names: Vec<String> = (0..policy.limits().len())
+            .map(|i| policy.limit_name(i))
+            .collect();
         let items: Vec<String> = policy
             .limits()
             .iter()
-            .enumerate()
-            .map(|(i, l)| {
-                format!(
-                    "\"{}\";q={};w={}",
-                    policy.limit_name(i),
-                    l.count(),
-                    ceil_secs(l.window())
-                )
-            })
+            .zip(&limit_names)
+            .map(|(l, name)| format!("\"{name}\";q={};w={}", l.count(), ceil_secs(l.window())))
             .collect();
         Responder {
             policy_header: value(items.join(", ")),
+            limit_names,
             policy,
             options,
         }
@@ -108,7 +107,10 @@ impl Responder {
 
     /// Adds `RateLimit-Policy` and `RateLimit` for `decision`.
     pub(crate) fn add_headers(&self, headers: &mut HeaderMap, decision: &Decision) {
-        let name = self.policy.limit_name(decision.limit_index());
+        let name = self
+            .limit_names
+            .get(decision.limit_index())
+            .map_or(self.policy.name(), String::as_str);
         let state = format!(
             "\"{name}\";r={};t={}",
             decision.remaining(),
