@@ -4,83 +4,79 @@
 //! policy that costs at least as much is refused locally until `T` has passed: a client that
 //! hammers a refused key costs no Redis command, and is asked about again once it could be
 //! admitted. Nothing is admitted locally, so the cache never loosens a limit. Entries expire
-//! with their retry-after; the cache holds a bounded number of them (moka's eviction).
+//! with their retry-after; the cache holds a bounded number of them, evicting the least
+//! recently used.
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use moka::sync::Cache;
-
+use crate::shards::Shards;
 use crate::{Decision, Key, Policy};
 
-/// One remembered refusal.
+/// One remembered refusal; its slot expires when the retry-after has passed.
 #[derive(Clone, Copy)]
 struct Denial {
     decision: Decision,
     cost: u32,
-    /// When it was made, on tokio's clock, so that it follows paused test time.
-    at: tokio::time::Instant,
-    retry: Duration,
 }
 
 /// Refusals by (policy, key). Clones share entries.
 #[derive(Clone)]
 pub(crate) struct DenyCache {
-    entries: Cache<(Arc<str>, Key), Denial>,
+    entries: std::sync::Arc<Shards<Denial>>,
+    /// Times are µs since this instant, on tokio's clock, so that they follow paused test time.
+    origin: tokio::time::Instant,
 }
 
 impl DenyCache {
     pub(crate) fn new(capacity: u64) -> Self {
         DenyCache {
-            entries: Cache::builder()
-                .max_capacity(capacity)
-                .expire_after(UntilRetry)
-                .build(),
+            entries: std::sync::Arc::new(Shards::new(capacity)),
+            origin: tokio::time::Instant::now(),
         }
+    }
+
+    fn now(&self) -> u64 {
+        micros(self.origin.elapsed())
     }
 
     /// Remembers a refusal that says when to retry.
     pub(crate) fn remember(&self, key: &Key, policy: &Policy, cost: u32, decision: Decision) {
-        if let Some(retry) = decision.retry_after() {
-            let denial = Denial {
-                decision,
-                cost,
-                at: tokio::time::Instant::now(),
-                retry,
-            };
-            self.entries
-                .insert((policy.shared_name(), key.clone()), denial);
+        let Some(retry) = decision.retry_after() else {
+            return;
+        };
+        let now = self.now();
+        let expires = now.saturating_add(micros(retry));
+        let denial = Denial { decision, cost };
+        let mut shard = self.entries.lock(key, policy);
+        match shard.get(key, policy, now) {
+            Some(slot) => {
+                slot.expires = expires;
+                slot.value = denial;
+            }
+            None => shard.insert(key, policy, now, expires, denial),
         }
     }
 
     /// The refusal still in force for a request of `cost`, with its times brought up to now.
     pub(crate) fn refusal(&self, key: &Key, policy: &Policy, cost: u32) -> Option<Decision> {
-        let denial = self.entries.get(&(policy.shared_name(), key.clone()))?;
-        let elapsed = denial.at.elapsed();
-        if cost < denial.cost || elapsed >= denial.retry {
+        let now = self.now();
+        let mut shard = self.entries.lock(key, policy);
+        let slot = shard.get(key, policy, now)?;
+        if !slot.is_live(now) || cost < slot.value.cost {
             return None;
         }
-        let mut decision = denial.decision;
-        decision.retry_after = Some(denial.retry - elapsed);
+        let left = Duration::from_micros(slot.expires - now);
+        let mut decision = slot.value.decision;
+        let elapsed = decision
+            .retry_after
+            .unwrap_or_default()
+            .saturating_sub(left);
+        decision.retry_after = Some(left);
         decision.reset_after = decision.reset_after.saturating_sub(elapsed);
         Some(decision)
     }
 }
 
-struct UntilRetry;
-
-impl moka::Expiry<(Arc<str>, Key), Denial> for UntilRetry {
-    fn expire_after_create(&self, _: &(Arc<str>, Key), d: &Denial, _: Instant) -> Option<Duration> {
-        Some(d.retry)
-    }
-
-    fn expire_after_update(
-        &self,
-        _: &(Arc<str>, Key),
-        d: &Denial,
-        _: Instant,
-        _: Option<Duration>,
-    ) -> Option<Duration> {
-        Some(d.retry)
-    }
+fn micros(d: Duration) -> u64 {
+    d.as_micros().min(u128::from(u64::MAX)) as u64
 }

@@ -331,10 +331,12 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         self
     }
 
-    /// The local deny cache (default on, [`DEFAULT_DENY_CACHE`] entries): after the store
-    /// refuses a key with a retry-after, requests for that key and policy are refused locally,
-    /// with no store call, until the retry-after has passed. `0` turns it off. It never admits
-    /// anything the store would refuse, and shadow mode does not use it.
+    /// The local deny cache: after the store refuses a key with a retry-after, requests for
+    /// that key and policy are refused locally, with no store call, until the retry-after has
+    /// passed. `0` turns it off. It never admits anything the store would refuse, and shadow
+    /// mode does not use it. Default: [`DEFAULT_DENY_CACHE`] entries for a remote store such
+    /// as [`RedisStore`](crate::RedisStore), off for a local one
+    /// ([`Store::is_local`](crate::Store::is_local)).
     pub fn deny_cache(mut self, capacity: u64) -> Self {
         self.settings.deny_cache = Some(capacity);
         self
@@ -347,7 +349,10 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     }
 
     /// Checks the configuration and builds the layer.
-    pub fn build(self) -> Result<RateLimitLayer<K, St>, BuildError> {
+    pub fn build(self) -> Result<RateLimitLayer<K, St>, BuildError>
+    where
+        St: Store,
+    {
         let Settings {
             policy,
             rules,
@@ -362,6 +367,11 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         if policy.is_none() && rules.is_empty() {
             return Err(BuildError::NoPolicy);
         }
+        let default_deny_cache = if self.store.is_local() {
+            0
+        } else {
+            DEFAULT_DENY_CACHE
+        };
         let mut seen: Vec<Policy> = Vec::new();
         let mut responder = |policy: Policy| -> Result<Arc<Responder>, BuildError> {
             let policy = match algorithm {
@@ -406,7 +416,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
                 },
                 cost,
                 missing_key,
-                deny_cache: match deny_cache.unwrap_or(DEFAULT_DENY_CACHE) {
+                deny_cache: match deny_cache.unwrap_or(default_deny_cache) {
                     0 => None,
                     capacity => Some(DenyCache::new(capacity)),
                 },

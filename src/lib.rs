@@ -13,6 +13,7 @@ mod policy;
 pub mod response;
 mod rule;
 mod service;
+mod shards;
 pub mod store;
 
 pub use algorithm::Algorithm;

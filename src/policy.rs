@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::algorithm::Algorithm;
+use crate::algorithm::{Algorithm, Window};
 
 /// One rate limit: at most `count` units of cost in any window of `window`.
 ///
@@ -174,6 +174,8 @@ pub struct Policy {
     name: Arc<str>,
     /// Sorted by window, shortest first; no two share a window.
     limits: Arc<[Limit]>,
+    /// The limits in the algorithms' units, computed once rather than per decision.
+    windows: Arc<[Window]>,
     algorithm: Algorithm,
 }
 
@@ -228,9 +230,11 @@ impl Policy {
                 window: pair[0].window_label(),
             });
         }
+        let windows = limits.iter().map(Window::of).collect();
         Ok(Policy {
             name: name.into(),
             limits: limits.into(),
+            windows,
             algorithm: Algorithm::SlidingLog,
         })
     }
@@ -259,6 +263,11 @@ impl Policy {
     /// The limits, shortest window first.
     pub fn limits(&self) -> &[Limit] {
         &self.limits
+    }
+
+    /// The limits as the algorithms take them, in the same order.
+    pub(crate) fn windows(&self) -> &[Window] {
+        &self.windows
     }
 
     /// The algorithm that decides this policy.
@@ -308,6 +317,7 @@ impl From<Limit> for Policy {
         Policy {
             name: Self::DEFAULT_NAME.into(),
             limits: Arc::new([limit]),
+            windows: Arc::new([Window::of(&limit)]),
             algorithm: Algorithm::SlidingLog,
         }
     }

@@ -76,10 +76,8 @@ fn injected_clock_drives_the_windows() {
     });
 }
 
-/// Idle keys leave the store once their longest window has passed. Expiry runs on the
-/// cache's own (real) clock, whose timer wheel removes entries in steps of about a second, so
-/// this test uses a short window and waits for the count to drain, up to a generous deadline.
-#[tokio::test]
+/// Idle keys leave the store once their longest window has passed, on the store's clock.
+#[tokio::test(start_paused = true)]
 async fn idle_keys_are_evicted() {
     let store = MemoryStore::builder().max_keys(1_000).build();
     let policy: Policy = "5/100ms".parse().unwrap();
@@ -88,25 +86,56 @@ async fn idle_keys_are_evicted() {
     }
     assert_eq!(store.key_count(), 100);
     assert_eq!(store.events(&Key::from("client-7"), &policy), 1);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(store.events(&Key::from("client-7"), &policy), 0);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while store.key_count() > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{} keys left",
-            store.key_count()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    tokio::time::advance(Duration::from_millis(99)).await;
+    check(&store, "client-7", &policy).await;
+    tokio::time::advance(Duration::from_millis(2)).await;
+    assert_eq!(store.key_count(), 1, "only client-7 was used within 100ms");
+    assert_eq!(store.events(&Key::from("client-7"), &policy), 1);
+    tokio::time::advance(Duration::from_millis(100)).await;
+    assert_eq!(store.key_count(), 0);
 }
 
-#[tokio::test]
-async fn key_count_is_bounded() {
+/// A flood of new keys past the bound evicts the keys idle the longest, never the one in use.
+#[tokio::test(start_paused = true)]
+async fn key_count_is_bounded_and_busy_keys_stay() {
     let store = MemoryStore::builder().max_keys(1_000).build();
     let policy: Policy = "5/1h".parse().unwrap();
+    for _ in 0..5 {
+        assert!(check(&store, "busy", &policy).await.is_allowed());
+    }
     for i in 0..20_000 {
+        tokio::time::advance(Duration::from_millis(1)).await;
         check(&store, &format!("client-{i}"), &policy).await;
+        if i % 100 == 0 {
+            // The busy client keeps asking and keeps being refused: its state survives.
+            assert!(!check(&store, "busy", &policy).await.is_allowed(), "at {i}");
+        }
+        if i % 100 == 50 {
+            assert!(store.key_count() <= 1_000, "{} keys", store.key_count());
+        }
     }
     assert!(store.key_count() <= 1_000, "{} keys", store.key_count());
+}
+
+/// A scheduled event far ahead keeps its key beyond the window after now.
+#[tokio::test(start_paused = true)]
+async fn future_events_keep_their_key() {
+    let store = MemoryStore::new();
+    let policy: Policy = "1/1m".parse().unwrap();
+    let key = Key::from("scheduled");
+    let in_an_hour = std::time::SystemTime::now() + Duration::from_secs(3600);
+    let at = |offset: u64| in_an_hour + Duration::from_secs(offset);
+    use tower_redis_ratelimit::Store;
+    assert!(store
+        .check_at(&key, &policy, 1, at(0))
+        .await
+        .unwrap()
+        .is_allowed());
+    tokio::time::advance(Duration::from_secs(600)).await;
+    assert_eq!(store.key_count(), 1);
+    assert!(!store
+        .check_at(&key, &policy, 1, at(30))
+        .await
+        .unwrap()
+        .is_allowed());
 }

@@ -78,11 +78,11 @@ pub(crate) struct Window {
 }
 
 impl Window {
-    pub(crate) fn of(policy: &crate::Policy) -> impl Iterator<Item = Window> + '_ {
-        policy.limits().iter().map(|l| Window {
-            count: l.count(),
-            micros: l.window().as_micros().min(u64::MAX as u128) as u64,
-        })
+    pub(crate) fn of(limit: &crate::Limit) -> Window {
+        Window {
+            count: limit.count(),
+            micros: limit.window().as_micros().min(u64::MAX as u128) as u64,
+        }
     }
 }
 

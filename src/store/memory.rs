@@ -2,16 +2,15 @@
 
 use std::future::{ready, Ready};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
-
-use moka::sync::Cache;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use super::{Store, StoreError};
 use crate::algorithm::{
     decide, fixed_window::FixedWindow, gcra::Gcra, sliding_log::SlidingLog,
-    sliding_window::SlidingWindow, Algorithm, Outcome, Window,
+    sliding_window::SlidingWindow, Algorithm, Outcome,
 };
+use crate::shards::Shards;
 use crate::{Decision, Key, Policy};
 
 /// The time for [`MemoryStore`]: elapsed since the UNIX epoch.
@@ -100,24 +99,24 @@ fn micros(d: Duration) -> u64 {
 
 /// Rate-limit state kept in this process.
 ///
-/// Bounded: it holds at most [`max_keys`](MemoryStoreBuilder::max_keys) keys, and a key is
-/// dropped once its policy's longest window has passed without a request, since its state
-/// would be empty by then. When the bound is reached the least useful keys are evicted (moka's
-/// TinyLFU policy), which forgets their history: size the bound above the number of clients
-/// you expect within the longest window.
+/// Bounded: it holds at most [`max_keys`](MemoryStoreBuilder::max_keys) keys (client ×
+/// policy), and forgets a key once its policy's longest window has passed without a request,
+/// since its state would be empty by then. When the bound is reached, expired keys are dropped
+/// first, then the least recently used ones (a refused request counts as use); an evicted key starts
+/// again with a full budget, so size the bound above the number of clients you expect within
+/// the longest window.
 ///
-/// Runs the same algorithms as [`RedisStore`](crate::RedisStore), decided under one lock per
-/// key. Clones share state.
+/// Keys are spread over independently locked shards, and a decision holds one shard's lock for
+/// the few arithmetic steps it takes, so concurrent requests rarely wait on each other. Runs
+/// the same algorithms as [`RedisStore`](crate::RedisStore). Clones share state.
 #[derive(Clone)]
 pub struct MemoryStore {
-    entries: Cache<(Arc<str>, Key), Arc<Entry>>,
-    clock: Arc<dyn Clock>,
+    shared: Arc<Shared>,
 }
 
-struct Entry {
-    state: Mutex<State>,
-    /// How long the entry is worth keeping after a request (see `Algorithm::retention`).
-    idle: Duration,
+struct Shared {
+    entries: Shards<State>,
+    clock: Arc<dyn Clock>,
 }
 
 /// One key's state under the algorithm of its policy.
@@ -147,9 +146,14 @@ impl State {
         }
     }
 
-    fn decide(&mut self, t: u64, windows: &[Window], cost: u64, record: bool) -> Outcome {
+    /// Decides at `t` (µs); `now` is the store's time, which may differ for event times.
+    fn decide(&mut self, now: u64, t: u64, policy: &Policy, cost: u64, record: bool) -> Outcome {
+        let windows = policy.windows();
         match self {
-            State::Log(s) => decide(s, t, windows, cost, record),
+            State::Log(log) => {
+                trim(log, now.min(t), policy);
+                decide(log, t, windows, cost, record)
+            }
             State::Sliding(s) => decide(s, t, windows, cost, record),
             State::Fixed(s) => decide(s, t, windows, cost, record),
             State::Gcra(s) => decide(s, t, windows, cost, record),
@@ -157,11 +161,16 @@ impl State {
     }
 }
 
+/// Drops the events no window around `t` or later can hold.
+fn trim(log: &mut SlidingLog, t: u64, policy: &Policy) {
+    if let Some(cutoff) = t.checked_sub(micros(policy.longest_window())) {
+        log.trim(cutoff);
+    }
+}
+
 impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryStore")
-            .field("keys", &self.entries.entry_count())
-            .finish_non_exhaustive()
+        f.debug_struct("MemoryStore").finish_non_exhaustive()
     }
 }
 
@@ -188,27 +197,35 @@ impl MemoryStore {
         }
     }
 
-    /// The number of events (admitted units) a sliding log holds for `key` under `policy`.
+    /// The number of events (admitted units) a sliding log holds for `key` under `policy`
+    /// that are younger than its longest window.
     ///
-    /// Meant for tests and diagnostics; 0 for other algorithms.
+    /// Meant for tests and diagnostics; 0 for other algorithms and expired keys.
     pub fn events(&self, key: &Key, policy: &Policy) -> usize {
-        let Some(entry) = self.entries.get(&(policy.shared_name(), key.clone())) else {
-            return 0;
-        };
-        let state = entry.state.lock().unwrap_or_else(|p| p.into_inner());
-        match &*state {
-            State::Log(log) => log.len(),
+        let now = self.now();
+        let mut shard = self.shared.entries.lock(key, policy);
+        match shard.get(key, policy, now) {
+            Some(slot) if slot.is_live(now) => match &mut slot.value {
+                State::Log(log) => {
+                    trim(log, now, policy);
+                    log.len()
+                }
+                _ => 0,
+            },
             _ => 0,
         }
     }
 
-    /// The number of keys held, after pending evictions have run.
+    /// The number of keys held, once expired ones are dropped.
     pub fn key_count(&self) -> u64 {
-        self.entries.run_pending_tasks();
-        self.entries.entry_count()
+        self.shared.entries.len(self.now())
     }
 
-    /// Decides at event time `at` (µs since the epoch; `None`: now).
+    fn now(&self) -> u64 {
+        micros(self.shared.clock.now())
+    }
+
+    /// Decides at event time `at` (`None`: now).
     fn decide(
         &self,
         key: &Key,
@@ -223,35 +240,40 @@ impl MemoryStore {
                 "event times need the sliding log algorithm",
             )));
         }
-        let cache_key = (policy.shared_name(), key.clone());
-        let fresh = || {
-            Arc::new(Entry {
-                state: Mutex::new(State::new(algorithm)),
-                idle: algorithm.retention(policy.longest_window()),
-            })
-        };
-        let entry = if record {
-            self.entries.get_with(cache_key, fresh)
-        } else {
-            self.entries.get(&cache_key).unwrap_or_else(fresh)
-        };
-        let windows: Vec<Window> = Window::of(policy).collect();
-        let now = micros(self.clock.now());
+        let now = self.now();
         let t = at.map_or(now, |at| micros(since_epoch(at)));
-        // A poisoned lock only means another thread panicked mid-update; every state is
-        // valid between two field writes, so keep using it.
-        let mut state = entry.state.lock().unwrap_or_else(|p| p.into_inner());
-        if state.algorithm() != algorithm {
-            *state = State::new(algorithm);
-        }
-        if let State::Log(log) = &mut *state {
-            if let Some(cutoff) = now.min(t).checked_sub(micros(policy.longest_window())) {
-                log.trim(cutoff);
+        let cost = u64::from(cost);
+        let mut shard = self.shared.entries.lock(key, policy);
+        let outcome = match shard.get(key, policy, now) {
+            Some(slot) => {
+                if !slot.is_live(now) || slot.value.algorithm() != algorithm {
+                    slot.value = State::new(algorithm);
+                }
+                let outcome = slot.value.decide(now, t, policy, cost, record);
+                if outcome.allowed && record {
+                    slot.expires = slot.expires.max(expiry(policy, now, t));
+                }
+                outcome
             }
-        }
-        let outcome = state.decide(t, &windows, u64::from(cost), record);
+            None => {
+                let mut state = State::new(algorithm);
+                let outcome = state.decide(now, t, policy, cost, record);
+                if outcome.allowed && record {
+                    shard.insert(key, policy, now, expiry(policy, now, t), state);
+                }
+                outcome
+            }
+        };
+        drop(shard);
         ready(Ok(Decision::from_outcome(outcome, policy)))
     }
+}
+
+/// When the state left by an event at `t`, decided at `now`, stops mattering: a window after
+/// the later of the two (a future event counts until its window has passed).
+fn expiry(policy: &Policy, now: u64, t: u64) -> u64 {
+    let retention = micros(policy.algorithm().retention(policy.longest_window()));
+    now.max(t).saturating_add(retention)
 }
 
 /// Configures a [`MemoryStore`].
@@ -270,7 +292,7 @@ impl std::fmt::Debug for MemoryStoreBuilder {
 
 impl MemoryStoreBuilder {
     /// The most keys (client × policy) held at once; default
-    /// [`MemoryStore::DEFAULT_MAX_KEYS`].
+    /// [`MemoryStore::DEFAULT_MAX_KEYS`]. At least one key per shard is always held.
     pub fn max_keys(mut self, max_keys: u64) -> Self {
         self.max_keys = max_keys;
         self
@@ -284,41 +306,14 @@ impl MemoryStoreBuilder {
 
     /// Builds the store.
     pub fn build(self) -> MemoryStore {
-        let entries = Cache::builder()
-            .max_capacity(self.max_keys)
-            .expire_after(IdleFor)
-            .build();
         MemoryStore {
-            entries,
-            clock: self
-                .clock
-                .unwrap_or_else(|| Arc::new(TokioClock::default())),
+            shared: Arc::new(Shared {
+                entries: Shards::new(self.max_keys),
+                clock: self
+                    .clock
+                    .unwrap_or_else(|| Arc::new(TokioClock::default())),
+            }),
         }
-    }
-}
-
-/// Expires an entry once its policy's longest window has passed since it was last used.
-struct IdleFor;
-
-impl moka::Expiry<(Arc<str>, Key), Arc<Entry>> for IdleFor {
-    fn expire_after_create(
-        &self,
-        _: &(Arc<str>, Key),
-        e: &Arc<Entry>,
-        _: Instant,
-    ) -> Option<Duration> {
-        Some(e.idle)
-    }
-
-    fn expire_after_read(
-        &self,
-        _: &(Arc<str>, Key),
-        e: &Arc<Entry>,
-        _: Instant,
-        _: Option<Duration>,
-        _: Instant,
-    ) -> Option<Duration> {
-        Some(e.idle)
     }
 }
 
@@ -339,8 +334,11 @@ impl Store for MemoryStore {
     }
 
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
-        self.entries
-            .invalidate(&(policy.shared_name(), key.clone()));
+        self.shared.entries.lock(key, policy).remove(key, policy);
         ready(Ok(()))
+    }
+
+    fn is_local(&self) -> bool {
+        true
     }
 }

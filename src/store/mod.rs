@@ -51,6 +51,13 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Forgets everything recorded for `key` under `policy`.
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture;
+
+    /// Whether decisions are made in this process, without I/O. The layer's deny cache is off
+    /// by default for such a store, where it would only repeat what the store answers as
+    /// quickly.
+    fn is_local(&self) -> bool {
+        false
+    }
 }
 
 /// A store could not decide.

@@ -13,7 +13,7 @@ mod health;
 use health::{is_outage, Breaker};
 
 use super::{Store, StoreError};
-use crate::algorithm::{Algorithm, Outcome, Window};
+use crate::algorithm::{Algorithm, Outcome};
 use crate::{Decision, Key, Policy};
 
 /// Each algorithm's script: the shared prelude followed by the algorithm's own file.
@@ -138,7 +138,7 @@ impl RedisStore {
         let redis_key = self.redis_key(key, policy);
         let mut args: Vec<i64> = Vec::with_capacity(3 + 2 * policy.limits().len());
         args.extend([i64::from(cost), i64::from(record), at]);
-        for w in Window::of(policy) {
+        for w in policy.windows() {
             args.push(clamp(w.count));
             args.push(clamp(w.micros));
         }

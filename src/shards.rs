@@ -1,0 +1,216 @@
+//! A bounded map from (policy, key) to what is kept about that client, split into shards that
+//! are locked independently.
+//!
+//! [`MemoryStore`](crate::MemoryStore) keeps its rate-limit state here and the deny cache its
+//! refusals. Both are on the path of every request, so a lookup borrows the key instead of
+//! cloning it, hashes it once (foldhash, seeded per map), and holds one shard's lock for a few
+//! arithmetic steps; two cores rarely meet on one lock. Every slot carries the time its value
+//! stops mattering, and the time it was last used. Times are whole microseconds on a clock
+//! the owner chooses.
+
+use std::hash::BuildHasher;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use foldhash::fast::RandomState;
+use hashbrown::HashTable;
+
+use crate::{Key, Policy};
+
+/// How often a shard drops expired slots while new keys arrive, at most (µs).
+const SWEEP_INTERVAL: u64 = 1_000_000;
+
+/// The map. `max_keys` bounds the slots of all shards together.
+pub(crate) struct Shards<V> {
+    shards: Box<[Mutex<Shard<V>>]>,
+    /// Seeded per map, so that clients cannot choose keys that collide.
+    hasher: RandomState,
+    /// The most slots one shard holds.
+    capacity: usize,
+}
+
+struct Shard<V> {
+    slots: HashTable<Slot<V>>,
+    /// When expired slots are next swept out.
+    next_sweep: u64,
+}
+
+/// What is kept about one key under one policy.
+pub(crate) struct Slot<V> {
+    hash: u64,
+    policy: Arc<str>,
+    key: Key,
+    /// When the value stops mattering; the slot is dead from then on.
+    pub(crate) expires: u64,
+    /// When the key was last looked up. When a shard is full, the slots used least recently
+    /// are evicted first.
+    used: u64,
+    pub(crate) value: V,
+}
+
+/// One shard, locked, for one key.
+pub(crate) struct Locked<'a, V> {
+    hash: u64,
+    shard: MutexGuard<'a, Shard<V>>,
+    capacity: usize,
+}
+
+impl<V> Shards<V> {
+    /// A map of at most `max_keys` slots (at least one per shard).
+    pub(crate) fn new(max_keys: u64) -> Self {
+        let max_keys = usize::try_from(max_keys).unwrap_or(usize::MAX);
+        // Enough shards that two cores rarely meet on one lock, few enough that small bounds
+        // still split evenly: one shard per 256 keys, at most 64, a power of two.
+        let shards = (max_keys / 256).clamp(1, 64).next_power_of_two().min(64);
+        Shards {
+            shards: (0..shards)
+                .map(|_| {
+                    Mutex::new(Shard {
+                        slots: HashTable::new(),
+                        next_sweep: 0,
+                    })
+                })
+                .collect(),
+            hasher: RandomState::default(),
+            capacity: (max_keys / shards).max(1),
+        }
+    }
+
+    /// Locks the shard of `key` under `policy`.
+    pub(crate) fn lock(&self, key: &Key, policy: &Policy) -> Locked<'_, V> {
+        let hash = self.hasher.hash_one((policy.name(), key.as_str()));
+        // Bits 32 and up pick the shard: the table inside uses the lowest bits for the bucket
+        // and the top seven as a tag, so this choice leaves both evenly spread.
+        let index = (hash >> 32) as usize & (self.shards.len() - 1);
+        Locked {
+            hash,
+            shard: lock(&self.shards[index]),
+            capacity: self.capacity,
+        }
+    }
+
+    /// The number of live slots at `now`, once expired ones are dropped.
+    pub(crate) fn len(&self, now: u64) -> u64 {
+        self.shards
+            .iter()
+            .map(|shard| {
+                let mut shard = lock(shard);
+                shard.sweep(now);
+                shard.slots.len() as u64
+            })
+            .sum()
+    }
+}
+
+impl<V> Locked<'_, V> {
+    /// The slot of `key` under `policy`, live or expired, marked as used at `now`.
+    pub(crate) fn get(&mut self, key: &Key, policy: &Policy, now: u64) -> Option<&mut Slot<V>> {
+        let slot = self.shard.slots.find_mut(self.hash, matches(key, policy))?;
+        slot.used = now;
+        Some(slot)
+    }
+
+    /// Adds a slot for `key` under `policy`, which [`get`](Self::get) just did not find,
+    /// making room first if the shard is full.
+    pub(crate) fn insert(&mut self, key: &Key, policy: &Policy, now: u64, expires: u64, value: V) {
+        self.shard.make_room(now, self.capacity);
+        let slot = Slot {
+            hash: self.hash,
+            policy: policy.shared_name(),
+            key: key.clone(),
+            expires,
+            used: now,
+            value,
+        };
+        self.shard.slots.insert_unique(self.hash, slot, |s| s.hash);
+    }
+
+    /// Forgets `key` under `policy`.
+    pub(crate) fn remove(&mut self, key: &Key, policy: &Policy) {
+        if let Ok(slot) = self.shard.slots.find_entry(self.hash, matches(key, policy)) {
+            slot.remove();
+        }
+    }
+}
+
+impl<V> Slot<V> {
+    /// Whether the value still matters at `now`.
+    pub(crate) fn is_live(&self, now: u64) -> bool {
+        self.expires > now
+    }
+}
+
+fn matches<'a, V>(key: &'a Key, policy: &'a Policy) -> impl Fn(&Slot<V>) -> bool + 'a {
+    move |slot| slot.key == *key && *slot.policy == *policy.name()
+}
+
+/// A poisoned lock only means another thread panicked while holding it; every slot is valid
+/// between two field writes, so keep using it.
+fn lock<V>(shard: &Mutex<Shard<V>>) -> MutexGuard<'_, Shard<V>> {
+    shard.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<V> Shard<V> {
+    /// Drops expired slots.
+    fn sweep(&mut self, now: u64) {
+        self.slots.retain(|s| s.is_live(now));
+        self.next_sweep = now.saturating_add(SWEEP_INTERVAL);
+    }
+
+    /// Before a new slot goes in: sweeps now and then, and when the shard is full, drops
+    /// expired slots and then the eighth of the rest used least recently, so that the work of
+    /// evicting is spread over many insertions.
+    fn make_room(&mut self, now: u64, capacity: usize) {
+        if now >= self.next_sweep || self.slots.len() >= capacity {
+            self.sweep(now);
+        }
+        if self.slots.len() < capacity {
+            return;
+        }
+        let mut used: Vec<u64> = self.slots.iter().map(|s| s.used).collect();
+        let evict = (used.len() / 8).max(1);
+        let (_, &mut threshold, _) = used.select_nth_unstable(evict - 1);
+        self.slots.retain(|s| s.used > threshold);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> Policy {
+        "1/1s".parse().unwrap()
+    }
+
+    #[test]
+    fn finds_inserts_and_removes() {
+        let map = Shards::new(1_000);
+        let (a, b, p) = (Key::from("a"), Key::from("b"), policy());
+        let other = p.clone().named("other").unwrap();
+        map.lock(&a, &p).insert(&a, &p, 0, 10, 'a');
+        assert_eq!(map.lock(&a, &p).get(&a, &p, 1).map(|s| s.value), Some('a'));
+        assert!(map.lock(&b, &p).get(&b, &p, 1).is_none());
+        assert!(map.lock(&a, &other).get(&a, &other, 1).is_none());
+        assert_eq!(map.len(5), 1);
+        assert_eq!(map.len(10), 0, "expired at 10");
+        map.lock(&b, &p).insert(&b, &p, 0, 10, 'b');
+        map.lock(&b, &p).remove(&b, &p);
+        assert_eq!(map.len(0), 0);
+    }
+
+    #[test]
+    fn full_shards_evict_the_least_recently_used() {
+        let map = Shards::new(8);
+        let p = policy();
+        let keys: Vec<Key> = (0..8).map(|i| Key::from(format!("k{i}"))).collect();
+        for (t, key) in keys.iter().enumerate() {
+            map.lock(key, &p).insert(key, &p, t as u64, u64::MAX, ());
+        }
+        // k0 is the oldest insertion but was used last.
+        assert!(map.lock(&keys[0], &p).get(&keys[0], &p, 100).is_some());
+        let new = Key::from("new");
+        map.lock(&new, &p).insert(&new, &p, 101, u64::MAX, ());
+        assert_eq!(map.len(101), 8);
+        assert!(map.lock(&keys[0], &p).get(&keys[0], &p, 102).is_some());
+        assert!(map.lock(&keys[1], &p).get(&keys[1], &p, 102).is_none());
+    }
+}
