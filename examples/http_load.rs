@@ -1,0 +1,1091 @@
+//! What a rate limiter costs an HTTP service: the same axum hello-world route, bare and behind
+//! each limiter, under the same keep-alive load, all in one run.
+//!
+//! ```text
+//! cargo run --release --example http_load -- --duration 5 --rounds 3
+//! ```
+//!
+//! Configurations (`--only` takes a comma-separated list of these names):
+//!
+//! | name | limiter |
+//! |---|---|
+//! | `bare` | none |
+//! | `memory` | this crate, the default `MemoryStore` (sliding log), `1000000/1s` per key |
+//! | `tower_governor` | `tower_governor`, 1 000 000 per second per key |
+//! | `redis_log` | this crate, `RedisStore`, sliding log, `100000/1s` per key |
+//! | `redis_gcra` | this crate, `RedisStore`, GCRA, `1000000/1s` per key |
+//! | `fred_peer` | `tower-rate-limit-fred` (GCRA in Redis), capacity 65 535, 1 per ms |
+//! | `flood_nocache` | this crate, `RedisStore`, every request on one key already over `1/1h`, no deny cache |
+//! | `flood_cache` | the same flood with the default deny cache |
+//!
+//! Every request carries `x-client: c<n>`, `n` cycling over `--keys` values (one key for the
+//! floods), and every limit is high enough that no request of the other configurations is
+//! refused; the run counts the answers other than 200 to show it. Each worker of the load
+//! keeps one HTTP/1.1 connection and sends its next request when the previous one is answered.
+//!
+//! The harness starts its own `redis-server` (`$REDIS_SERVER` or `redis-server` from `PATH`)
+//! on a free loopback port and stops it on exit, unless `REDIS_URL` is set; it sends `FLUSHALL`
+//! before each configuration, so point `REDIS_URL` only at a scratch Redis. Redis commands per request come from `INFO commandstats` read
+//! before and after the measured phase (the `INFO` calls themselves left out). Redis counts the
+//! commands a Lua script runs as well as the `EVALSHA` that runs it, so `cmds/req` is
+//! the work Redis does and `evals/req` the round trips (every store here only sends scripts).
+//! `cpu app` and `cpu redis` are the cores this process and Redis kept busy.
+//!
+//! Configurations run interleaved (round 1 runs each once, then round 2, ...); the table shows
+//! each one's median over rounds, and its throughput ratio to the bare route of the same
+//! round (median of the per-round ratios).
+//!
+//! Flags: `--duration SECS` (measured time per configuration and round, default 5),
+//! `--warmup SECS` (default 1), `--concurrency N` (default 32), `--keys N` (default 1000),
+//! `--rounds R` (default 3), `--pool N` (Redis connections of each Redis limiter, default 4),
+//! `--out DIR` (default `target/http_load`), `--only a,b`.
+//!
+//! Writes `DIR/results.csv` (one row per configuration and round), `DIR/summary.csv` (the
+//! medians) and `DIR/throughput.svg` (throughput relative to bare, and p99 latency).
+
+use std::fmt::Write as _;
+use std::net::{SocketAddr, TcpListener as StdTcpListener, TcpStream as StdTcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use bytes::Bytes;
+use fred::clients::{Client as FredClient, Pool};
+use fred::prelude::{ClientLike, Config as FredConfig};
+use fred::types::{Builder as FredBuilder, InfoKind};
+use governor::middleware::NoOpMiddleware;
+use hdrhistogram::Histogram;
+use http::header::HOST;
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::key_extractor::KeyExtractor;
+use tower_governor::{GovernorError, GovernorLayer};
+use tower_rate_limit_fred::KeyResolver;
+use tower_redis_ratelimit::{Algorithm, Header, RateLimitLayer, RedisStore};
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// The header every request is keyed by.
+const CLIENT_HEADER: &str = "x-client";
+/// High enough that no key of the load is ever refused.
+const HIGH_LIMIT: &str = "1000000/1s";
+/// The sliding log keeps one entry per admitted request: a short window bounds its memory.
+const LOG_LIMIT: &str = "100000/1s";
+/// The flood's key is over this limit after its first request.
+const FLOOD_LIMIT: &str = "1/1h";
+/// The one key of the floods.
+const FLOOD_KEY: &str = "flood";
+
+#[tokio::main]
+async fn main() -> Result<(), Error> {
+    let args = Args::parse(std::env::args().skip(1))?;
+    tokio::select! {
+        result = run(args) => result,
+        _ = tokio::signal::ctrl_c() => Err("interrupted".into()),
+    }
+}
+
+/// Runs every round, then reports; a `redis-server` started here stops when this returns.
+async fn run(args: Args) -> Result<(), Error> {
+    let redis = match args.only.iter().any(|s| s.uses_redis()) {
+        true => Some(RedisBackend::start(args.pool).await?),
+        false => None,
+    };
+    println!("{}", args.describe(redis.as_ref()));
+    let mut results = Vec::new();
+    for round in 1..=args.rounds {
+        let mut this_round = Vec::new();
+        for &scenario in &args.only {
+            let measurement = measure(scenario, round, &args, redis.as_ref()).await?;
+            eprintln!("{}", measurement.progress_line());
+            this_round.push(measurement);
+        }
+        set_ratios(&mut this_round);
+        results.extend(this_round);
+    }
+    let summaries: Vec<Summary> = args
+        .only
+        .iter()
+        .map(|&s| Summary::of(s, &results))
+        .collect();
+    println!("\n{}", table(&summaries));
+    write_outputs(&args.out, &results, &summaries)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flags
+
+struct Args {
+    duration: Duration,
+    warmup: Duration,
+    concurrency: usize,
+    keys: usize,
+    rounds: usize,
+    pool: usize,
+    out: PathBuf,
+    only: Vec<Scenario>,
+}
+
+impl Args {
+    fn parse(mut flags: impl Iterator<Item = String>) -> Result<Args, Error> {
+        let mut args = Args {
+            duration: Duration::from_secs(5),
+            warmup: Duration::from_secs(1),
+            concurrency: 32,
+            keys: 1000,
+            rounds: 3,
+            pool: 4,
+            out: PathBuf::from("target/http_load"),
+            only: Scenario::ALL.to_vec(),
+        };
+        while let Some(flag) = flags.next() {
+            let mut value = || flags.next().ok_or(format!("{flag} needs a value"));
+            match flag.as_str() {
+                "--duration" => args.duration = seconds(&value()?)?,
+                "--warmup" => args.warmup = seconds(&value()?)?,
+                "--concurrency" => args.concurrency = positive(&flag, &value()?)?,
+                "--keys" => args.keys = positive(&flag, &value()?)?,
+                "--rounds" => args.rounds = positive(&flag, &value()?)?,
+                "--pool" => args.pool = positive(&flag, &value()?)?,
+                "--out" => args.out = PathBuf::from(value()?),
+                "--only" => {
+                    args.only = value()?
+                        .split(',')
+                        .map(str::parse)
+                        .collect::<Result<_, _>>()?
+                }
+                other => {
+                    return Err(format!("unknown flag {other:?}; see the example's doc").into())
+                }
+            }
+        }
+        Ok(args)
+    }
+
+    fn describe(&self, redis: Option<&RedisBackend>) -> String {
+        let redis = redis.map_or("no Redis".to_owned(), |r| {
+            format!("Redis at {} (pool {} each)", r.url, self.pool)
+        });
+        format!(
+            "{} workers, {} keys, {} round(s) of {:.1} s per configuration after {:.1} s of warm-up; {redis}",
+            self.concurrency,
+            self.keys,
+            self.rounds,
+            self.duration.as_secs_f64(),
+            self.warmup.as_secs_f64(),
+        )
+    }
+}
+
+fn seconds(text: &str) -> Result<Duration, Error> {
+    let secs: f64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not seconds"))?;
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("{text:?} is not seconds").into())
+}
+
+fn positive(flag: &str, text: &str) -> Result<usize, Error> {
+    match text.parse() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{flag} takes a whole number above 0, not {text:?}").into()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Configurations
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    Bare,
+    Memory,
+    TowerGovernor,
+    RedisLog,
+    RedisGcra,
+    FredPeer,
+    FloodNocache,
+    FloodCache,
+}
+
+impl Scenario {
+    const ALL: [Scenario; 8] = [
+        Scenario::Bare,
+        Scenario::Memory,
+        Scenario::TowerGovernor,
+        Scenario::RedisLog,
+        Scenario::RedisGcra,
+        Scenario::FredPeer,
+        Scenario::FloodNocache,
+        Scenario::FloodCache,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Bare => "bare",
+            Scenario::Memory => "memory",
+            Scenario::TowerGovernor => "tower_governor",
+            Scenario::RedisLog => "redis_log",
+            Scenario::RedisGcra => "redis_gcra",
+            Scenario::FredPeer => "fred_peer",
+            Scenario::FloodNocache => "flood_nocache",
+            Scenario::FloodCache => "flood_cache",
+        }
+    }
+
+    fn uses_redis(self) -> bool {
+        !matches!(
+            self,
+            Scenario::Bare | Scenario::Memory | Scenario::TowerGovernor
+        )
+    }
+
+    fn is_flood(self) -> bool {
+        matches!(self, Scenario::FloodNocache | Scenario::FloodCache)
+    }
+
+    /// The hello-world route behind this configuration's limiter, with fresh limiter state.
+    fn app(self, redis: Option<&RedisBackend>) -> Result<Router, Error> {
+        let route = Router::new().route("/", get(|| async { "hello" }));
+        let redis = || redis.ok_or("this configuration needs Redis");
+        let ours = || RateLimitLayer::builder().key(client_key());
+        let ours_on_redis = || Ok::<_, &str>(ours().store(redis()?.store.clone()));
+        Ok(match self {
+            Scenario::Bare => route,
+            Scenario::Memory => route.layer(ours().policy(HIGH_LIMIT).build()?),
+            Scenario::TowerGovernor => route.layer(governor_layer()?),
+            Scenario::RedisLog => {
+                let ours = ours_on_redis()?.algorithm(Algorithm::SlidingLog);
+                route.layer(ours.policy(LOG_LIMIT).build()?)
+            }
+            Scenario::RedisGcra => {
+                let ours = ours_on_redis()?.algorithm(Algorithm::Gcra);
+                route.layer(ours.policy(HIGH_LIMIT).build()?)
+            }
+            Scenario::FredPeer => route.layer(peer_layer(redis()?.peer_pool.clone())),
+            Scenario::FloodNocache => {
+                let ours = ours_on_redis()?.deny_cache(0);
+                route.layer(ours.policy(FLOOD_LIMIT).build()?)
+            }
+            Scenario::FloodCache => route.layer(ours_on_redis()?.policy(FLOOD_LIMIT).build()?),
+        })
+    }
+}
+
+impl FromStr for Scenario {
+    type Err = Error;
+
+    fn from_str(name: &str) -> Result<Self, Error> {
+        Scenario::ALL
+            .into_iter()
+            .find(|s| s.name() == name.trim())
+            .ok_or_else(|| format!("no configuration named {name:?}").into())
+    }
+}
+
+fn client_key() -> Header {
+    Header::new(HeaderName::from_static(CLIENT_HEADER))
+}
+
+/// `tower_governor` keyed by the same header: one element per microsecond, bursts of a million.
+fn governor_layer() -> Result<GovernorLayer<GovernorHeader, NoOpMiddleware, Body>, Error> {
+    let config = GovernorConfigBuilder::default()
+        .key_extractor(GovernorHeader)
+        .period(Duration::from_micros(1))
+        .burst_size(1_000_000)
+        .finish()
+        .ok_or("tower_governor refused the configuration")?;
+    Ok(GovernorLayer::new(config))
+}
+
+#[derive(Debug, Clone, Copy)]
+struct GovernorHeader;
+
+impl KeyExtractor for GovernorHeader {
+    type Key = HeaderValue;
+
+    fn extract<T>(&self, request: &Request<T>) -> Result<HeaderValue, GovernorError> {
+        let value = request.headers().get(CLIENT_HEADER);
+        value.cloned().ok_or(GovernorError::UnableToExtractKey)
+    }
+}
+
+/// `tower-rate-limit-fred` keyed by the same header: bursts of 65 535, then one per ms.
+fn peer_layer(pool: Pool) -> tower_rate_limit_fred::RateLimitLayer<Pool, PeerHeader> {
+    tower_rate_limit_fred::RateLimitLayer::builder()
+        .conn(pool)
+        .key_resolver(PeerHeader)
+        .capacity(u16::MAX)
+        .emission_interval(Duration::from_millis(1))
+        .build()
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PeerHeader;
+
+impl KeyResolver for PeerHeader {
+    type ErrorBody = Body;
+
+    fn key<T>(&self, request: &Request<T>) -> Result<Option<fred::types::Key>, Response<Body>> {
+        match request.headers().get(CLIENT_HEADER) {
+            Some(value) => Ok(Some(value.as_bytes().into())),
+            None => Err(StatusCode::BAD_REQUEST.into_response()),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Redis
+
+/// The Redis every Redis limiter shares, and what the harness uses to inspect it.
+struct RedisBackend {
+    url: String,
+    /// Our store; clones share its pool.
+    store: RedisStore,
+    /// `tower-rate-limit-fred`'s connections, as many as ours.
+    peer_pool: Pool,
+    /// A separate client for `FLUSHALL` and `INFO`.
+    admin: FredClient,
+    /// Our own `redis-server`, stopped when dropped; `None` under `REDIS_URL`.
+    _server: Option<RedisServer>,
+}
+
+impl RedisBackend {
+    async fn start(pool: usize) -> Result<RedisBackend, Error> {
+        let (url, server) = match std::env::var("REDIS_URL") {
+            Ok(url) => (url, None),
+            Err(_) => {
+                let server = tokio::task::spawn_blocking(RedisServer::start).await??;
+                (server.url(), Some(server))
+            }
+        };
+        let store = RedisStore::builder(&url).pool_size(pool).connect().await?;
+        let peer_pool = FredBuilder::from_config(FredConfig::from_url(&url)?)
+            .with_performance_config(|config| {
+                // What tower-rate-limit-fred advises; ours times out after 250 ms by default.
+                config.default_command_timeout = Duration::from_millis(300);
+            })
+            .build_pool(pool)?;
+        peer_pool.init().await?;
+        let admin = FredBuilder::from_config(FredConfig::from_url(&url)?).build()?;
+        admin.init().await?;
+        Ok(RedisBackend {
+            url,
+            store,
+            peer_pool,
+            admin,
+            _server: server,
+        })
+    }
+
+    async fn flush(&self) -> Result<(), Error> {
+        self.admin.flushall::<()>(false).await?;
+        Ok(())
+    }
+
+    /// Commands Redis has run so far, and the CPU time it has used.
+    async fn counters(&self) -> Result<RedisCounters, Error> {
+        let stats: String = self.admin.info(Some(InfoKind::CommandStats)).await?;
+        let cpu: String = self.admin.info(Some(InfoKind::Cpu)).await?;
+        Ok(RedisCounters::parse(&stats, &cpu))
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct RedisCounters {
+    /// Every command but `INFO`, including those Lua scripts run.
+    commands: u64,
+    /// `EVAL` and `EVALSHA`: one round trip each.
+    evals: u64,
+    cpu_seconds: f64,
+}
+
+impl RedisCounters {
+    fn parse(commandstats: &str, cpu: &str) -> RedisCounters {
+        let mut counters = RedisCounters::default();
+        for line in commandstats.lines() {
+            let Some(stat) = line.trim().strip_prefix("cmdstat_") else {
+                continue;
+            };
+            let Some((command, fields)) = stat.split_once(':') else {
+                continue;
+            };
+            let calls = fields
+                .split(',')
+                .find_map(|field| field.strip_prefix("calls="))
+                .and_then(|calls| calls.parse::<u64>().ok())
+                .unwrap_or(0);
+            match command {
+                "info" => {}
+                "eval" | "evalsha" => {
+                    counters.commands += calls;
+                    counters.evals += calls;
+                }
+                _ => counters.commands += calls,
+            }
+        }
+        counters.cpu_seconds = cpu
+            .lines()
+            .filter_map(|line| line.trim().split_once(':'))
+            .filter(|(name, _)| matches!(*name, "used_cpu_sys" | "used_cpu_user"))
+            .filter_map(|(_, value)| value.parse::<f64>().ok())
+            .sum();
+        counters
+    }
+}
+
+/// A `redis-server` child process on a free loopback port, killed when dropped.
+struct RedisServer {
+    child: Child,
+    port: u16,
+}
+
+impl RedisServer {
+    fn start() -> Result<RedisServer, Error> {
+        let binary = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+        for _ in 0..5 {
+            let port = free_port()?;
+            let child = Command::new(&binary)
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| format!("cannot start {binary}: {e}; install redis-server"))?;
+            let mut server = RedisServer { child, port };
+            if server.wait_until_up() {
+                return Ok(server);
+            }
+        }
+        Err("redis-server did not come up on a free port".into())
+    }
+
+    /// Whether the server accepts connections within 10 s (not if it exited, e.g. because
+    /// the port was taken meanwhile).
+    fn wait_until_up(&mut self) -> bool {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return false;
+            }
+            if StdTcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> Result<u16, Error> {
+    Ok(StdTcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+// ---------------------------------------------------------------------------------------------
+// One measurement
+
+/// Serves `scenario`, loads it for the warm-up and the measured phase, and stops it.
+async fn measure(
+    scenario: Scenario,
+    round: usize,
+    args: &Args,
+    redis: Option<&RedisBackend>,
+) -> Result<Measurement, Error> {
+    if let Some(redis) = redis {
+        redis.flush().await?;
+    }
+    let server = Server::start(scenario.app(redis)?).await?;
+    let keys = match scenario.is_flood() {
+        true => vec![HeaderValue::from_static(FLOOD_KEY)],
+        false => (0..args.keys)
+            .map(|n| HeaderValue::try_from(format!("c{n}")))
+            .collect::<Result<_, _>>()?,
+    };
+    if scenario.is_flood() {
+        // The first request is admitted and puts the key over its limit.
+        Connection::open(server.addr).await?.get(&keys[0]).await?;
+    }
+    let start = Instant::now() + args.warmup;
+    let window = Window {
+        start,
+        end: start + args.duration,
+    };
+    let workers = spawn_workers(server.addr, keys.into(), args.concurrency, window);
+
+    let inspected = redis.filter(|_| scenario.uses_redis());
+    tokio::time::sleep_until(window.start).await;
+    let before = Counters::read(inspected).await?;
+    let mut load = Load::default();
+    for worker in workers {
+        load.add(worker.await??);
+    }
+    let after = Counters::read(inspected).await?;
+    server.stop().await;
+    Ok(Measurement::new(
+        scenario,
+        round,
+        args.duration,
+        load,
+        before,
+        after,
+    ))
+}
+
+/// When requests count: those sent in `start..end`.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    start: Instant,
+    end: Instant,
+}
+
+/// The hello-world app on a free loopback port.
+struct Server {
+    addr: SocketAddr,
+    shutdown: oneshot::Sender<()>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl Server {
+    async fn start(app: Router) -> Result<Server, Error> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (shutdown, stopped) = oneshot::channel();
+        let serve = axum::serve(listener, app).with_graceful_shutdown(async {
+            let _ = stopped.await;
+        });
+        let task = tokio::spawn(async move { serve.await });
+        Ok(Server {
+            addr,
+            shutdown,
+            task,
+        })
+    }
+
+    /// Stops accepting, and returns once the connections the load opened are closed.
+    async fn stop(self) {
+        let _ = self.shutdown.send(());
+        let _ = self.task.await;
+    }
+}
+
+/// One keep-alive HTTP/1.1 connection.
+struct Connection {
+    sender: SendRequest<Empty<Bytes>>,
+}
+
+impl Connection {
+    async fn open(addr: SocketAddr) -> Result<Connection, Error> {
+        let stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        let (sender, connection) = http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(connection);
+        Ok(Connection { sender })
+    }
+
+    /// `GET /` as client `key`; reads the whole answer.
+    async fn get(&mut self, key: &HeaderValue) -> Result<StatusCode, Error> {
+        let request = Request::get("/")
+            .header(HOST, "127.0.0.1")
+            .header(CLIENT_HEADER, key)
+            .body(Empty::new())?;
+        self.sender.ready().await?;
+        let response = self.sender.send_request(request).await?;
+        let status = response.status();
+        response.into_body().collect().await?;
+        Ok(status)
+    }
+}
+
+/// `concurrency` workers, each on its own connection; worker `w` sends keys `w`, `w +
+/// concurrency`, ... (modulo the number of keys), so together they cycle over all of them.
+fn spawn_workers(
+    addr: SocketAddr,
+    keys: Arc<[HeaderValue]>,
+    concurrency: usize,
+    window: Window,
+) -> Vec<JoinHandle<Result<Load, Error>>> {
+    (0..concurrency)
+        .map(|first| {
+            let keys = Arc::clone(&keys);
+            tokio::spawn(async move {
+                let mut connection = Connection::open(addr).await?;
+                let mut load = Load::default();
+                for n in (first..).step_by(concurrency) {
+                    let sent = Instant::now();
+                    if sent >= window.end {
+                        break;
+                    }
+                    let status = connection.get(&keys[n % keys.len()]).await?;
+                    if sent >= window.start {
+                        load.record(status, sent.elapsed());
+                    }
+                }
+                Ok(load)
+            })
+        })
+        .collect()
+}
+
+/// What the measured phase sent and got back.
+struct Load {
+    requests: u64,
+    non_ok: u64,
+    too_many: u64,
+    /// Microseconds.
+    latency: Histogram<u64>,
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Load {
+            requests: 0,
+            non_ok: 0,
+            too_many: 0,
+            latency: Histogram::new_with_bounds(1, 60_000_000, 3)
+                .expect("1 µs to 60 s at 3 digits is a valid histogram"),
+        }
+    }
+}
+
+impl Load {
+    fn record(&mut self, status: StatusCode, latency: Duration) {
+        self.requests += 1;
+        self.non_ok += u64::from(status != StatusCode::OK);
+        self.too_many += u64::from(status == StatusCode::TOO_MANY_REQUESTS);
+        let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        self.latency.saturating_record(micros.max(1));
+    }
+
+    fn add(&mut self, other: Load) {
+        self.requests += other.requests;
+        self.non_ok += other.non_ok;
+        self.too_many += other.too_many;
+        self.latency
+            .add(other.latency)
+            .expect("histograms of the same bounds add up");
+    }
+}
+
+/// CPU time of this process and, for the Redis configurations, Redis's counters.
+struct Counters {
+    app_cpu_seconds: Option<f64>,
+    redis: Option<RedisCounters>,
+}
+
+impl Counters {
+    async fn read(redis: Option<&RedisBackend>) -> Result<Counters, Error> {
+        let redis = match redis {
+            Some(redis) => Some(redis.counters().await?),
+            None => None,
+        };
+        Ok(Counters {
+            app_cpu_seconds: process_cpu_seconds(),
+            redis,
+        })
+    }
+}
+
+/// User and system CPU time of this process, from `/proc/self/stat` (Linux only).
+fn process_cpu_seconds() -> Option<f64> {
+    /// `sysconf(_SC_CLK_TCK)`, which is 100 on every Linux this runs on.
+    const TICKS_PER_SECOND: f64 = 100.0;
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) may hold spaces; the fields after it don't.
+    let after_name = &stat[stat.rfind(')')? + 2..];
+    let mut fields = after_name.split(' ').skip(11); // utime is field 14, the 12th after the name
+    let user: f64 = fields.next()?.parse().ok()?;
+    let system: f64 = fields.next()?.parse().ok()?;
+    Some((user + system) / TICKS_PER_SECOND)
+}
+
+/// One configuration in one round.
+struct Measurement {
+    scenario: Scenario,
+    round: usize,
+    requests: u64,
+    non_ok: u64,
+    too_many: u64,
+    seconds: f64,
+    rps: f64,
+    p50_us: u64,
+    p99_us: u64,
+    redis_per_request: Option<RedisPerRequest>,
+    app_cores: Option<f64>,
+    redis_cores: Option<f64>,
+    ratio_to_bare: Option<f64>,
+}
+
+impl Measurement {
+    fn new(
+        scenario: Scenario,
+        round: usize,
+        duration: Duration,
+        load: Load,
+        before: Counters,
+        after: Counters,
+    ) -> Measurement {
+        let seconds = duration.as_secs_f64();
+        let requests = load.requests.max(1) as f64;
+        let redis = before.redis.zip(after.redis);
+        Measurement {
+            scenario,
+            round,
+            requests: load.requests,
+            non_ok: load.non_ok,
+            too_many: load.too_many,
+            seconds,
+            rps: load.requests as f64 / seconds,
+            p50_us: load.latency.value_at_quantile(0.5),
+            p99_us: load.latency.value_at_quantile(0.99),
+            redis_per_request: redis.map(|(b, a)| RedisPerRequest {
+                commands: a.commands.saturating_sub(b.commands) as f64 / requests,
+                evals: a.evals.saturating_sub(b.evals) as f64 / requests,
+            }),
+            app_cores: before
+                .app_cpu_seconds
+                .zip(after.app_cpu_seconds)
+                .map(|(b, a)| (a - b) / seconds),
+            redis_cores: redis.map(|(b, a)| (a.cpu_seconds - b.cpu_seconds) / seconds),
+            ratio_to_bare: None,
+        }
+    }
+
+    fn progress_line(&self) -> String {
+        format!(
+            "round {} {:<15} {:>9.0} req/s  p50 {:>6} µs  p99 {:>6} µs  non-200 {}",
+            self.round,
+            self.scenario.name(),
+            self.rps,
+            self.p50_us,
+            self.p99_us,
+            self.non_ok
+        )
+    }
+}
+
+/// What Redis did per request sent.
+#[derive(Debug, Clone, Copy)]
+struct RedisPerRequest {
+    /// Every command, including those the limiter's Lua script ran.
+    commands: f64,
+    /// `EVAL`/`EVALSHA` calls: round trips.
+    evals: f64,
+}
+
+/// Each measurement's throughput over the same round's bare route's, when that ran.
+fn set_ratios(round: &mut [Measurement]) {
+    let bare = round
+        .iter()
+        .find(|m| m.scenario == Scenario::Bare)
+        .map(|m| m.rps);
+    for measurement in round {
+        measurement.ratio_to_bare = bare.map(|bare| measurement.rps / bare);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reporting
+
+/// A configuration's medians over rounds; answer counts are totals.
+struct Summary {
+    scenario: Scenario,
+    rounds: usize,
+    requests: u64,
+    non_ok: u64,
+    too_many: u64,
+    rps: f64,
+    p50_us: f64,
+    p99_us: f64,
+    ratio_to_bare: Option<f64>,
+    redis_cmds_per_req: Option<f64>,
+    redis_evals_per_req: Option<f64>,
+    app_cores: Option<f64>,
+    redis_cores: Option<f64>,
+}
+
+impl Summary {
+    fn of(scenario: Scenario, results: &[Measurement]) -> Summary {
+        let rounds: Vec<&Measurement> = results.iter().filter(|m| m.scenario == scenario).collect();
+        let median_of = |f: &dyn Fn(&Measurement) -> Option<f64>| {
+            median(rounds.iter().filter_map(|m| f(m)).collect())
+        };
+        Summary {
+            scenario,
+            rounds: rounds.len(),
+            requests: rounds.iter().map(|m| m.requests).sum(),
+            non_ok: rounds.iter().map(|m| m.non_ok).sum(),
+            too_many: rounds.iter().map(|m| m.too_many).sum(),
+            rps: median_of(&|m| Some(m.rps)).unwrap_or(0.0),
+            p50_us: median_of(&|m| Some(m.p50_us as f64)).unwrap_or(0.0),
+            p99_us: median_of(&|m| Some(m.p99_us as f64)).unwrap_or(0.0),
+            ratio_to_bare: median_of(&|m| m.ratio_to_bare),
+            redis_cmds_per_req: median_of(&|m| m.redis_per_request.map(|r| r.commands)),
+            redis_evals_per_req: median_of(&|m| m.redis_per_request.map(|r| r.evals)),
+            app_cores: median_of(&|m| m.app_cores),
+            redis_cores: median_of(&|m| m.redis_cores),
+        }
+    }
+
+    /// Share of answers that were 429, in percent.
+    fn too_many_percent(&self) -> f64 {
+        100.0 * self.too_many as f64 / self.requests.max(1) as f64
+    }
+}
+
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    match values.len() {
+        0 => None,
+        n if n % 2 == 1 => Some(values[mid]),
+        _ => Some((values[mid - 1] + values[mid]) / 2.0),
+    }
+}
+
+/// `value` with `digits` decimals, or `-` when there is none.
+fn or_dash(value: Option<f64>, digits: usize) -> String {
+    value.map_or("-".to_owned(), |v| format!("{v:.digits$}"))
+}
+
+fn table(summaries: &[Summary]) -> String {
+    let mut out = format!(
+        "{:<15} {:>9} {:>6} {:>8} {:>8} {:>8} {:>6} {:>8} {:>9} {:>7} {:>9}\n",
+        "config",
+        "req/s",
+        "×bare",
+        "p50 µs",
+        "p99 µs",
+        "non-200",
+        "429 %",
+        "cmds/req",
+        "evals/req",
+        "cpu app",
+        "cpu redis"
+    );
+    for s in summaries {
+        let _ = writeln!(
+            out,
+            "{:<15} {:>9.0} {:>6} {:>8.0} {:>8.0} {:>8} {:>6.1} {:>8} {:>9} {:>7} {:>9}",
+            s.scenario.name(),
+            s.rps,
+            or_dash(s.ratio_to_bare, 2),
+            s.p50_us,
+            s.p99_us,
+            s.non_ok,
+            s.too_many_percent(),
+            or_dash(s.redis_cmds_per_req, 2),
+            or_dash(s.redis_evals_per_req, 2),
+            or_dash(s.app_cores, 2),
+            or_dash(s.redis_cores, 2),
+        );
+    }
+    out.push_str(
+        "\nMedians over rounds; non-200 and 429 % over all rounds. cmds/req counts the commands \
+         Lua scripts run,\nevals/req the EVALSHA round trips; cpu: cores busy (app: this \
+         process, server and load together).\n",
+    );
+    out
+}
+
+fn write_outputs(dir: &Path, results: &[Measurement], summaries: &[Summary]) -> Result<(), Error> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("results.csv"), results_csv(results))?;
+    std::fs::write(dir.join("summary.csv"), summary_csv(summaries))?;
+    chart(&dir.join("throughput.svg"), summaries)?;
+    println!(
+        "wrote {}/{{results.csv,summary.csv,throughput.svg}}",
+        dir.display()
+    );
+    Ok(())
+}
+
+fn results_csv(results: &[Measurement]) -> String {
+    let mut csv = "config,round,requests,non_ok,seconds,rps,p50_us,p99_us,redis_cmds_per_req,\
+                   ratio_to_bare,status_429,redis_evals_per_req,app_cores,redis_cores\n"
+        .to_owned();
+    for m in results {
+        let _ = writeln!(
+            csv,
+            "{},{},{},{},{:.3},{:.1},{},{},{},{},{},{},{},{}",
+            m.scenario.name(),
+            m.round,
+            m.requests,
+            m.non_ok,
+            m.seconds,
+            m.rps,
+            m.p50_us,
+            m.p99_us,
+            or_empty(m.redis_per_request.map(|r| r.commands), 4),
+            or_empty(m.ratio_to_bare, 4),
+            m.too_many,
+            or_empty(m.redis_per_request.map(|r| r.evals), 4),
+            or_empty(m.app_cores, 3),
+            or_empty(m.redis_cores, 3),
+        );
+    }
+    csv
+}
+
+fn summary_csv(summaries: &[Summary]) -> String {
+    let mut csv = "config,rounds,requests,non_ok,status_429,rps,p50_us,p99_us,\
+                   redis_cmds_per_req,ratio_to_bare,redis_evals_per_req,app_cores,redis_cores\n"
+        .to_owned();
+    for s in summaries {
+        let _ = writeln!(
+            csv,
+            "{},{},{},{},{},{:.1},{:.0},{:.0},{},{},{},{},{}",
+            s.scenario.name(),
+            s.rounds,
+            s.requests,
+            s.non_ok,
+            s.too_many,
+            s.rps,
+            s.p50_us,
+            s.p99_us,
+            or_empty(s.redis_cmds_per_req, 4),
+            or_empty(s.ratio_to_bare, 4),
+            or_empty(s.redis_evals_per_req, 4),
+            or_empty(s.app_cores, 3),
+            or_empty(s.redis_cores, 3),
+        );
+    }
+    csv
+}
+
+/// `value` with `digits` decimals, or nothing (an empty CSV field).
+fn or_empty(value: Option<f64>, digits: usize) -> String {
+    value.map_or(String::new(), |v| format!("{v:.digits$}"))
+}
+
+/// Two horizontal bar charts, one above the other: median throughput relative to bare (or in
+/// req/s when bare did not run), and median p99 latency.
+fn chart(path: &Path, summaries: &[Summary]) -> Result<(), Error> {
+    let height = 200 + 80 * summaries.len() as u32;
+    let root = SVGBackend::new(path, (900, height)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (top, bottom) = root.split_vertically(height / 2);
+    let names = || summaries.iter().map(|s| s.scenario.name());
+    let relative = summaries.iter().all(|s| s.ratio_to_bare.is_some());
+    let throughput = match relative {
+        true => Bars {
+            title: "Throughput relative to bare (median over rounds)",
+            rows: names()
+                .zip(summaries.iter().filter_map(|s| s.ratio_to_bare))
+                .collect(),
+            label: |v| format!("{v:.2}×"),
+            axis_digits: 1,
+            reference: Some(1.0),
+            color: BLUE.mix(0.7),
+        },
+        false => Bars {
+            title: "Throughput, req/s (median over rounds)",
+            rows: names().zip(summaries.iter().map(|s| s.rps)).collect(),
+            label: |v| format!("{v:.0}"),
+            axis_digits: 0,
+            reference: None,
+            color: BLUE.mix(0.7),
+        },
+    };
+    throughput.draw(&top)?;
+    let p99 = Bars {
+        title: "p99 latency, µs (median over rounds)",
+        rows: names().zip(summaries.iter().map(|s| s.p99_us)).collect(),
+        label: |v| format!("{v:.0} µs"),
+        axis_digits: 0,
+        reference: None,
+        color: RED.mix(0.7),
+    };
+    p99.draw(&bottom)?;
+    root.present()?;
+    Ok(())
+}
+
+/// A horizontal bar chart: one bar per row, top to bottom, each labelled with its value.
+struct Bars<'a> {
+    title: &'a str,
+    rows: Vec<(&'a str, f64)>,
+    label: fn(f64) -> String,
+    axis_digits: usize,
+    /// Where to draw a vertical line, e.g. at 1 for ratios.
+    reference: Option<f64>,
+    color: RGBAColor,
+}
+
+impl Bars<'_> {
+    fn draw<DB>(&self, area: &DrawingArea<DB, plotters::coord::Shift>) -> Result<(), Error>
+    where
+        DB: DrawingBackend,
+        DB::ErrorType: 'static,
+    {
+        let count = self.rows.len() as i32;
+        // Row 0 is the top segment; one row still gets an empty one above it.
+        let y = |row: usize| count - 1 - row as i32;
+        let max = self.rows.iter().map(|&(_, v)| v).fold(0.0, f64::max);
+        let max = max
+            .max(self.reference.unwrap_or(0.0))
+            .max(f64::MIN_POSITIVE);
+        let name = |segment: &SegmentValue<i32>| match *segment {
+            SegmentValue::CenterOf(s) => usize::try_from(count - 1 - s)
+                .ok()
+                .and_then(|row| self.rows.get(row))
+                .map_or(String::new(), |&(name, _)| name.to_owned()),
+            _ => String::new(),
+        };
+        let axis = |v: &f64| format!("{v:.digits$}", digits = self.axis_digits);
+        let mut chart = ChartBuilder::on(area)
+            .caption(self.title, ("sans-serif", 20))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(130)
+            .build_cartesian_2d(0.0..max * 1.2, (0..(count - 1).max(1)).into_segmented())?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .label_style(("sans-serif", 13))
+            .y_labels(self.rows.len())
+            .y_label_formatter(&name)
+            .x_label_formatter(&axis)
+            .draw()?;
+        chart.draw_series(self.rows.iter().enumerate().map(|(row, &(_, value))| {
+            let (bottom, top) = (SegmentValue::Exact(y(row)), SegmentValue::Exact(y(row) + 1));
+            let mut bar = Rectangle::new([(0.0, bottom), (value, top)], self.color.filled());
+            bar.set_margin(6, 6, 0, 0);
+            bar
+        }))?;
+        let style =
+            TextStyle::from(("sans-serif", 14).into_font()).pos(Pos::new(HPos::Left, VPos::Center));
+        chart.draw_series(self.rows.iter().enumerate().map(|(row, &(_, value))| {
+            let at = (value, SegmentValue::CenterOf(y(row)));
+            EmptyElement::at(at) + Text::new((self.label)(value), (5, 0), style.clone())
+        }))?;
+        if let Some(x) = self.reference {
+            let line = [(x, SegmentValue::Exact(0)), (x, SegmentValue::Exact(count))];
+            chart.draw_series([PathElement::new(line, BLACK.stroke_width(1))])?;
+        }
+        Ok(())
+    }
+}
