@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::load::{self, Sample};
 use common::scenarios::{layered, request_from};
-use common::{Captured, RedisServer};
+use common::{evalsha_calls, Captured, RedisServer};
 use fred::prelude::*;
 use tower::ServiceExt;
 use tower_redis_ratelimit::{FailureMode, Key, MemoryStore, Policy, RateLimitLayer, RedisStore};
@@ -232,18 +232,6 @@ async fn script_flush_and_restart_never_fail_a_request_with_noscript() {
     assert_eq!(samples.last().unwrap().status, 200);
     let log = captured.text();
     assert!(!log.contains("NOSCRIPT"), "{log}");
-}
-
-async fn evalsha_calls(client: &Client) -> u64 {
-    let info: String = client
-        .info(Some(fred::types::InfoKind::CommandStats))
-        .await
-        .unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
 }
 
 #[tokio::test]

@@ -128,6 +128,19 @@ pub async fn client(url: &str) -> Client {
     client
 }
 
+/// How many `EVALSHA` commands the server behind `client` has run (`INFO commandstats`).
+pub async fn evalsha_calls(client: &Client) -> u64 {
+    let info: String = client
+        .info(Some(fred::types::InfoKind::CommandStats))
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
 /// Collects what `tracing` events print, to check what an operator would see in the logs.
 #[derive(Clone, Default)]
 pub struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);

@@ -7,9 +7,12 @@ use std::time::{Duration, SystemTime};
 
 use fred::prelude::{ClientLike, Config, KeysInterface, ReconnectPolicy};
 use fred::types::scripts::Script;
+use tokio::sync::oneshot;
 
+mod batch;
 mod health;
 
+use batch::{Batcher, Job};
 use health::{is_outage, Breaker};
 
 use super::{Store, StoreError};
@@ -62,19 +65,9 @@ pub struct RedisStore {
 struct Inner {
     pool: fred::clients::Pool,
     prefix: String,
-    scripts: Vec<(Algorithm, Script)>,
+    batcher: Batcher,
     timeout: Duration,
     breaker: Breaker,
-}
-
-impl Inner {
-    fn script(&self, algorithm: Algorithm) -> Result<&Script, StoreError> {
-        self.scripts
-            .iter()
-            .find(|(a, _)| *a == algorithm)
-            .map(|(_, s)| s)
-            .ok_or(StoreError::Unsupported("no script for this algorithm"))
-    }
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -90,6 +83,9 @@ impl RedisStore {
     /// Key prefix used unless another is set.
     pub const DEFAULT_PREFIX: &'static str = "ratelimit";
 
+    /// The most requests one script call decides unless told otherwise.
+    pub const DEFAULT_MAX_BATCH: usize = 32;
+
     /// How long a decision may take unless told otherwise.
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
 
@@ -104,6 +100,7 @@ impl RedisStore {
         RedisStoreBuilder {
             url: url.into(),
             pool_size: 4,
+            max_batch: Self::DEFAULT_MAX_BATCH,
             prefix: Self::DEFAULT_PREFIX.to_owned(),
             timeout: Self::DEFAULT_TIMEOUT,
             retry_interval: Duration::from_millis(500),
@@ -135,30 +132,39 @@ impl RedisStore {
         record: bool,
     ) -> <Self as Store>::Future {
         let inner = Arc::clone(&self.inner);
-        let redis_key = self.redis_key(key, policy);
-        let mut args: Vec<i64> = Vec::with_capacity(3 + 2 * policy.limits().len());
-        args.extend([i64::from(cost), i64::from(record), at]);
-        for w in policy.windows() {
+        let windows = policy.windows();
+        let mut args: Vec<i64> = Vec::with_capacity(4 + 2 * windows.len());
+        args.extend([windows.len() as i64, i64::from(cost), i64::from(record), at]);
+        for w in windows {
             args.push(clamp(w.count));
             args.push(clamp(w.micros));
         }
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            algorithm: policy.algorithm(),
+            key: self.redis_key(key, policy),
+            args,
+            reply,
+        };
         let policy = policy.clone();
         Box::pin(async move {
             if inner.breaker.is_open() {
                 return Err(StoreError::Unavailable);
             }
-            let script = inner.script(policy.algorithm())?;
             let started = inner.breaker.now();
-            // The budget covers the whole decision, including a reload after NOSCRIPT.
-            let call = script.evalsha_with_reload(inner.pool.next_connected(), redis_key, args);
-            let reply: Vec<i64> = match tokio::time::timeout(inner.timeout, call).await {
-                Ok(Ok(reply)) => reply,
-                Ok(Err(error)) => {
+            if inner.batcher.submit(job).is_err() {
+                return Err(StoreError::Unavailable);
+            }
+            // The budget covers the whole decision: the queue, the call and a script reload.
+            let reply = match tokio::time::timeout(inner.timeout, answer).await {
+                Ok(Ok(Ok(reply))) => reply,
+                Ok(Ok(Err(error))) => {
                     if is_outage(&error) {
                         inner.breaker.trip(started);
                     }
                     return Err(error.into());
                 }
+                Ok(Err(_)) => return Err(StoreError::Unavailable),
                 Err(_) => {
                     inner.breaker.trip(started);
                     return Err(StoreError::Timeout(inner.timeout));
@@ -191,6 +197,7 @@ impl RedisStore {
 pub struct RedisStoreBuilder {
     url: String,
     pool_size: usize,
+    max_batch: usize,
     prefix: String,
     timeout: Duration,
     retry_interval: Duration,
@@ -203,6 +210,16 @@ impl RedisStoreBuilder {
     /// few connections carry many concurrent requests.
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size;
+        self
+    }
+
+    /// The most requests decided by one script call (default
+    /// [`RedisStore::DEFAULT_MAX_BATCH`]). At most [`pool_size`](Self::pool_size) calls are
+    /// under way at once; requests that arrive meanwhile leave together when a call returns,
+    /// which saves Redis and the client a command's fixed cost per request. A lone request is
+    /// sent at once. `1` sends every request in its own call.
+    pub fn max_batch(mut self, max_batch: usize) -> Self {
+        self.max_batch = max_batch;
         self
     }
 
@@ -244,6 +261,11 @@ impl RedisStoreBuilder {
         if self.pool_size == 0 {
             return Err(StoreError::Config("pool size must be at least 1".into()));
         }
+        if self.max_batch == 0 {
+            return Err(StoreError::Config(
+                "batches need room for one request".into(),
+            ));
+        }
         if self.prefix.is_empty() || self.prefix.contains(['{', '}']) {
             return Err(StoreError::Config(format!(
                 "key prefix {:?} must be non-empty and free of braces",
@@ -270,11 +292,18 @@ impl RedisStoreBuilder {
             script.load(pool.next()).await?;
             scripts.push((algorithm, script));
         }
+        let batcher = Batcher::spawn(batch::Settings {
+            pool: pool.clone(),
+            scripts,
+            max_batch: self.max_batch,
+            in_flight: self.pool_size,
+            timeout: self.timeout,
+        });
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 pool,
                 prefix: self.prefix,
-                scripts,
+                batcher,
                 timeout: self.timeout,
                 breaker: Breaker::new(self.retry_interval),
             }),
@@ -329,11 +358,9 @@ fn clamp(v: u64) -> i64 {
 }
 
 /// Reads `{allowed, index, remaining, reset_after, retry_after}`.
-fn parse_reply(reply: &[i64], policy: &Policy) -> Result<Outcome, StoreError> {
+fn parse_reply(reply: &[i64; 5], policy: &Policy) -> Result<Outcome, StoreError> {
     let bad = || StoreError::Reply(format!("{reply:?}"));
-    let &[allowed, index, remaining, reset_after, retry_after] = reply else {
-        return Err(bad());
-    };
+    let &[allowed, index, remaining, reset_after, retry_after] = reply;
     let index = usize::try_from(index)
         .ok()
         .filter(|&i| i < policy.limits().len())

@@ -1,36 +1,63 @@
 -- Shared prelude of every rate-limit script; each algorithm's file is appended to it.
--- It reads the arguments, takes the time from Redis, and combines the per-limit answers
--- exactly as `decide` in src/algorithm/mod.rs does.
+-- One call decides a batch of requests, one after the other, exactly as if each were its own
+-- call: the algorithm's file defines `run()` for the request at hand and ends with
+-- `return each_request(run)`. Per-limit answers are combined exactly as `decide` in
+-- src/algorithm/mod.rs does.
 --
--- KEYS[1]   the key's state (the algorithm's file says its type)
--- ARGV[1]   cost: units this request uses (integer >= 0)
--- ARGV[2]   1 to record an admitted request, 0 to only look (peek)
--- ARGV[3]   event time in microseconds since the epoch, or -1 for now (Redis TIME)
--- ARGV[2k+2], ARGV[2k+3]  count and window (microseconds) of limit k = 1..n, shortest first
+-- KEYS[k]   the state of request k (the algorithm's file says its format); in Redis Cluster
+--           all keys of one call are in one hash slot
+-- ARGV      for each request k in turn: n (its number of limits), cost (units, integer >= 0),
+--           record (1 to record an admitted request, 0 to only look), event time in
+--           microseconds since the epoch or -1 for now (Redis TIME), then count and window
+--           (microseconds) of limits 1..n, shortest first
 --
--- Reply: { allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
---          retry_after (us; -1 when admitted, -2 when no wait helps) }
+-- Reply: for each request in turn, five integers: allowed (1 or 0), limit index (0-based),
+--        remaining, reset_after (us), retry_after (us; -1 when admitted, -2 when no wait
+--        helps)
 
 if redis.replicate_commands then
   redis.replicate_commands()
 end
 
-local key = KEYS[1]
-local cost = tonumber(ARGV[1])
-local record = ARGV[2] == '1'
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local t = tonumber(ARGV[3])
-if t < 0 then
-  t = now
-end
-local n = (#ARGV - 3) / 2
+
+-- The request being decided: its key, cost, record flag, time and limits.
+local key, cost, record, t, n, longest
 local counts, windows = {}, {}
-for i = 1, n do
-  counts[i] = tonumber(ARGV[2 * i + 2])
-  windows[i] = tonumber(ARGV[2 * i + 3])
+local next_arg = 1
+
+-- Reads request k's arguments into the variables above.
+local function load_request(k)
+  key = KEYS[k]
+  n = tonumber(ARGV[next_arg])
+  cost = tonumber(ARGV[next_arg + 1])
+  record = ARGV[next_arg + 2] == '1'
+  t = tonumber(ARGV[next_arg + 3])
+  if t < 0 then
+    t = now
+  end
+  counts, windows = {}, {}
+  for i = 1, n do
+    counts[i] = tonumber(ARGV[next_arg + 2 * i + 2])
+    windows[i] = tonumber(ARGV[next_arg + 2 * i + 3])
+  end
+  longest = windows[n]
+  next_arg = next_arg + 4 + 2 * n
 end
-local longest = windows[n]
+
+-- Decides every request of the call with `run`, and concatenates the answers.
+local function each_request(run)
+  local reply = {}
+  for k = 1, #KEYS do
+    load_request(k)
+    local answer = run()
+    for j = 1, 5 do
+      reply[#reply + 1] = answer[j]
+    end
+  end
+  return reply
+end
 
 -- fits(i): nil if the request fits limit i, else the retry in us (-2: no wait helps).
 -- apply(): records the request against every limit.
@@ -69,35 +96,34 @@ local function window_start(x, w)
   return x - math.fmod(x, w)
 end
 
--- HMGET of fields "<i><suffix>" for every limit and suffix: values[i][suffix] (numbers or nil).
+-- The state of every limit, kept as one string of integers "v1 v2 ...", limit by limit and
+-- in the order of `suffixes` within a limit: values[i][suffix] (numbers, or nil when absent).
 local function load_fields(suffixes)
-  local names = {}
-  for i = 1, n do
-    for _, s in ipairs(suffixes) do
-      names[#names + 1] = i .. s
+  local raw = redis.call('GET', key)
+  local numbers = {}
+  if raw then
+    for v in string.gmatch(raw, '%S+') do
+      numbers[#numbers + 1] = tonumber(v)
     end
   end
-  local raw = redis.call('HMGET', key, unpack(names))
   local values, j = {}, 1
   for i = 1, n do
     values[i] = {}
     for _, s in ipairs(suffixes) do
-      values[i][s] = tonumber(raw[j])
+      values[i][s] = numbers[j]
       j = j + 1
     end
   end
   return values
 end
 
--- HSET of values[i][suffix] for every limit, then an expiry of `ttl` microseconds.
+-- Stores values[i][suffix] for every limit, to expire after `ttl` microseconds.
 local function store_fields(values, suffixes, ttl)
-  local args = {}
+  local parts = {}
   for i = 1, n do
     for _, s in ipairs(suffixes) do
-      args[#args + 1] = i .. s
-      args[#args + 1] = string.format('%d', values[i][s])
+      parts[#parts + 1] = string.format('%d', values[i][s])
     end
   end
-  redis.call('HSET', key, unpack(args))
-  redis.call('PEXPIRE', key, math.ceil(ttl / 1000))
+  redis.call('SET', key, table.concat(parts, ' '), 'PX', math.ceil(ttl / 1000))
 end

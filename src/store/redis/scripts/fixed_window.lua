@@ -1,15 +1,15 @@
 -- Fixed window (appended to common.lua); src/algorithm/fixed_window.rs is the same procedure.
 --
--- KEYS[1]   hash; for limit i, field "<i>s" = start of the window counted (us, a multiple of
---           the window since the epoch) and "<i>c" = units counted in it
--- ARGV      as common.lua (ARGV[3] is -1: fixed windows take no event times)
+-- KEYS[k]   string "s1 c1 s2 c2 ...": for limit i, the start of the window counted (us, a
+--           multiple of the window since the epoch) and the units counted in it
+-- ARGV      as common.lua (event times are -1: fixed windows take none)
 -- Reply     as common.lua
 --
 -- Writes: an admitted request adds its cost to every limit's current window and sets the key
 -- to expire after the longest window.
 
 local SUFFIXES = { 's', 'c' }
-local state = load_fields(SUFFIXES)
+local state
 
 local function used(i)
   local s = state[i]
@@ -40,4 +40,9 @@ local function report(i)
   return math.max(counts[i] - used(i), 0), window_start(t, windows[i]) + windows[i] - t
 end
 
-return decide(fits, apply, report)
+local function run()
+  state = load_fields(SUFFIXES)
+  return decide(fits, apply, report)
+end
+
+return each_request(run)

@@ -1,16 +1,16 @@
 -- GCRA, the leaky bucket (appended to common.lua); src/algorithm/gcra.rs is the same procedure
 -- and explains the math.
 --
--- KEYS[1]   hash; for limit i, field "<i>t" = time of the last admission (us) and "<i>b" = the
+-- KEYS[k]   string "t1 b1 t2 b2 ...": for limit i, the time of the last admission (us) and the
 --           backlog it left, in us scaled by the count (so one unit of cost is exactly `window`)
--- ARGV      as common.lua (ARGV[3] is -1: no event times)
+-- ARGV      as common.lua (event times are -1: GCRA takes none)
 -- Reply     as common.lua
 --
 -- Writes: an admitted request stores every limit's new backlog and sets the key to expire
 -- after the longest window, by which time every bucket has drained.
 
 local SUFFIXES = { 't', 'b' }
-local state = load_fields(SUFFIXES)
+local state
 
 local function backlog(i)
   local s = state[i]
@@ -49,4 +49,9 @@ local function report(i)
   return math.floor((w * c - b) / w), math.ceil(b / c)
 end
 
-return decide(fits, apply, report)
+local function run()
+  state = load_fields(SUFFIXES)
+  return decide(fits, apply, report)
+end
+
+return each_request(run)

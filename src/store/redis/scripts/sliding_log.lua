@@ -1,20 +1,15 @@
 -- Sliding-window log (appended to common.lua); src/algorithm/sliding_log.rs is the same
 -- procedure and explains the math.
 --
--- KEYS[1]   sorted set; one member per admitted unit of cost, score = event time in us,
+-- KEYS[k]   sorted set; one member per admitted unit of cost, score = event time in us,
 --           member = "<time>:<n>" (n counts the units sharing that microsecond, so members
 --           never collide)
--- ARGV      as common.lua; ARGV[3] may be any event time, past or future
+-- ARGV      as common.lua; the event time may be any, past or future
 -- Reply     as common.lua
 --
 -- Writes: members older than the longest window before min(now, t) are trimmed; an admitted
 -- request adds `cost` members and sets the key to expire a longest window after its latest
 -- event.
-
-local cutoff = math.min(now, t) - longest
-if cutoff >= 0 then
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', cutoff)
-end
 
 -- Events in (e - w, e].
 local function count(e, w)
@@ -81,4 +76,12 @@ local function report(i)
   return math.max(c - fullest, 0), reset
 end
 
-return decide(fits, apply, report)
+local function run()
+  local cutoff = math.min(now, t) - longest
+  if cutoff >= 0 then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', cutoff)
+  end
+  return decide(fits, apply, report)
+end
+
+return each_request(run)

@@ -1,16 +1,16 @@
 -- Sliding window counter (appended to common.lua); src/algorithm/sliding_window.rs is the same
 -- procedure and explains the math and its bounds.
 --
--- KEYS[1]   hash; for limit i, field "<i>s" = start of the current window (us, a multiple of
---           the window since the epoch), "<i>c" = its count, "<i>p" = the previous window's
--- ARGV      as common.lua (ARGV[3] is -1: no event times)
+-- KEYS[k]   string "s1 c1 p1 s2 c2 p2 ...": for limit i, the start of the current window (us, a
+--           multiple of the window since the epoch), its count and the previous window's count
+-- ARGV      as common.lua (event times are -1: the counter takes none)
 -- Reply     as common.lua
 --
 -- Writes: an admitted request adds its cost to every limit's current window and sets the key
 -- to expire after twice the longest window (the previous window still weighs until then).
 
 local SUFFIXES = { 's', 'c', 'p' }
-local state = load_fields(SUFFIXES)
+local state
 
 -- Elapsed time in the current window, its count and the previous window's.
 local function current(i)
@@ -60,4 +60,9 @@ local function report(i)
   return remaining, reset
 end
 
-return decide(fits, apply, report)
+local function run()
+  state = load_fields(SUFFIXES)
+  return decide(fits, apply, report)
+end
+
+return each_request(run)
