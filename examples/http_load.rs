@@ -11,6 +11,7 @@
 //! |---|---|
 //! | `bare` | none |
 //! | `memory` | this crate, the default `MemoryStore` (sliding log), `1000000/1s` per key |
+//! | `memory_gcra` | the same with GCRA and no rate-limit headers on admitted answers, which is what `tower_governor` does |
 //! | `tower_governor` | `tower_governor`, 1 000 000 per second per key |
 //! | `redis_log` | this crate, `RedisStore`, sliding log, `100000/1s` per key |
 //! | `redis_gcra` | this crate, `RedisStore`, GCRA, `1000000/1s` per key |
@@ -213,6 +214,7 @@ fn positive(flag: &str, text: &str) -> Result<usize, Error> {
 enum Scenario {
     Bare,
     Memory,
+    MemoryGcra,
     TowerGovernor,
     RedisLog,
     RedisGcra,
@@ -222,9 +224,10 @@ enum Scenario {
 }
 
 impl Scenario {
-    const ALL: [Scenario; 8] = [
+    const ALL: [Scenario; 9] = [
         Scenario::Bare,
         Scenario::Memory,
+        Scenario::MemoryGcra,
         Scenario::TowerGovernor,
         Scenario::RedisLog,
         Scenario::RedisGcra,
@@ -237,6 +240,7 @@ impl Scenario {
         match self {
             Scenario::Bare => "bare",
             Scenario::Memory => "memory",
+            Scenario::MemoryGcra => "memory_gcra",
             Scenario::TowerGovernor => "tower_governor",
             Scenario::RedisLog => "redis_log",
             Scenario::RedisGcra => "redis_gcra",
@@ -249,7 +253,7 @@ impl Scenario {
     fn uses_redis(self) -> bool {
         !matches!(
             self,
-            Scenario::Bare | Scenario::Memory | Scenario::TowerGovernor
+            Scenario::Bare | Scenario::Memory | Scenario::MemoryGcra | Scenario::TowerGovernor
         )
     }
 
@@ -266,6 +270,10 @@ impl Scenario {
         Ok(match self {
             Scenario::Bare => route,
             Scenario::Memory => route.layer(ours().policy(HIGH_LIMIT).build()?),
+            Scenario::MemoryGcra => {
+                let ours = ours().algorithm(Algorithm::Gcra).headers_on_allowed(false);
+                route.layer(ours.policy(HIGH_LIMIT).build()?)
+            }
             Scenario::TowerGovernor => route.layer(governor_layer()?),
             Scenario::RedisLog => {
                 let ours = ours_on_redis()?.algorithm(Algorithm::SlidingLog);

@@ -26,6 +26,72 @@ pub(crate) struct Check {
     pub(crate) deny_cache: Option<DenyCache>,
 }
 
+/// What to do with a request once its decision is in.
+pub(crate) enum Verdict {
+    /// Call the inner service, adding these rate-limit fields to its response.
+    Call(Option<(Decision, Arc<Responder>)>),
+    /// Answer with the layer's own response (a refusal, or the store failed in closed mode).
+    Answer(Response<Full<Bytes>>),
+}
+
+impl Check {
+    /// Applies the layer's options to the store's answer: fallback, shadow mode, the deny
+    /// cache, the failure mode; logs what an operator should see.
+    pub(crate) fn settle(&self, outcome: Result<Decision, StoreError>) -> Verdict {
+        let policy = self.responder.policy.name();
+        let options = &self.responder.options;
+        let outcome = match (outcome, &options.failure_mode) {
+            (Err(error), FailureMode::Fallback(local)) => {
+                tracing::warn!(
+                    target: "tower_redis_ratelimit",
+                    policy,
+                    %error,
+                    "rate-limit store failed; deciding locally"
+                );
+                let policy = &self.responder.policy;
+                local.check(&self.key, policy, self.cost).into_inner()
+            }
+            (outcome, _) => outcome,
+        };
+        match outcome {
+            Ok(d) if d.is_allowed() => {
+                Verdict::Call((!options.hide_allowed_headers).then(|| (d, self.responder.clone())))
+            }
+            Ok(d) if options.shadow => {
+                tracing::info!(
+                    target: "tower_redis_ratelimit",
+                    policy,
+                    key = self.key.as_str(),
+                    retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
+                    "rate limit exceeded; passed on (shadow mode)"
+                );
+                Verdict::Call(Some((d, self.responder.clone())))
+            }
+            Ok(d) => {
+                if let Some(cache) = &self.deny_cache {
+                    cache.remember(&self.key, &self.responder.policy, self.cost, d);
+                }
+                Verdict::Answer(self.responder.rejection(&d, self.grpc.as_ref()))
+            }
+            Err(error) => {
+                tracing::warn!(
+                    target: "tower_redis_ratelimit",
+                    policy,
+                    %error,
+                    mode = ?options.failure_mode,
+                    "rate-limit store failed"
+                );
+                match options.failure_mode {
+                    FailureMode::Closed => {
+                        Verdict::Answer(Responder::unavailable(self.grpc.as_ref()))
+                    }
+                    _ => Verdict::Call(None),
+                }
+            }
+        }
+    }
+}
+
 pin_project! {
     /// Response future of [`RateLimit`](crate::RateLimit): `Checking` (the store decides) →
     /// `Calling` (the inner service answers) or an answer of the layer's own.
@@ -79,11 +145,13 @@ where
 
     /// Calls the inner service with no decision to report (not limited, or allow-listed).
     pub(crate) fn calling(future: S::Future) -> Self {
+        ResponseFuture::reporting(future, None)
+    }
+
+    /// Calls the inner service, adding rate-limit fields (if any) to its response.
+    pub(crate) fn reporting(future: S::Future, fields: Option<(Decision, Arc<Responder>)>) -> Self {
         ResponseFuture {
-            state: State::Calling {
-                future,
-                fields: None,
-            },
+            state: State::Calling { future, fields },
         }
     }
 
@@ -113,55 +181,10 @@ where
                     call,
                 } => {
                     let outcome = ready!(decision.poll(cx));
-                    let policy = check.responder.policy.name();
-                    let options = &check.responder.options;
-                    let outcome = match (outcome, &options.failure_mode) {
-                        (Err(error), FailureMode::Fallback(local)) => {
-                            tracing::warn!(
-                                target: "tower_redis_ratelimit",
-                                policy,
-                                %error,
-                                "rate-limit store failed; deciding locally"
-                            );
-                            let policy = &check.responder.policy;
-                            local.check(&check.key, policy, check.cost).into_inner()
-                        }
-                        (outcome, _) => outcome,
-                    };
-                    let fields = match outcome {
-                        Ok(d) if d.is_allowed() => {
-                            (!options.hide_allowed_headers).then(|| (d, check.responder.clone()))
-                        }
-                        Ok(d) if options.shadow => {
-                            tracing::info!(
-                                target: "tower_redis_ratelimit",
-                                policy,
-                                key = check.key.as_str(),
-                                retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
-                                "rate limit exceeded; passed on (shadow mode)"
-                            );
-                            Some((d, check.responder.clone()))
-                        }
-                        Ok(d) => {
-                            if let Some(cache) = &check.deny_cache {
-                                cache.remember(&check.key, &check.responder.policy, check.cost, d);
-                            }
-                            let response = check.responder.rejection(&d, check.grpc.as_ref());
-                            return Poll::Ready(Ok(response.map(ResponseBody::own)));
-                        }
-                        Err(error) => {
-                            tracing::warn!(
-                                target: "tower_redis_ratelimit",
-                                policy,
-                                %error,
-                                mode = ?options.failure_mode,
-                                "rate-limit store failed"
-                            );
-                            if let FailureMode::Closed = options.failure_mode {
-                                let response = Responder::unavailable(check.grpc.as_ref());
-                                return Poll::Ready(Ok(response.map(ResponseBody::own)));
-                            }
-                            None
+                    let fields = match check.settle(outcome) {
+                        Verdict::Call(fields) => fields,
+                        Verdict::Answer(response) => {
+                            return Poll::Ready(Ok(response.map(ResponseBody::own)))
                         }
                     };
                     let (mut service, request) =

@@ -7,8 +7,8 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::future::Check;
 use crate::future::ResponseFuture;
+use crate::future::{Check, Verdict};
 use crate::layer::Config;
 use crate::response::{grpc_content_type, MissingKey, Responder};
 use crate::rule::RequestHead;
@@ -107,7 +107,6 @@ where
         if let Some(refusal) = deny_cache.and_then(|c| c.refusal(&key, &responder.policy, cost)) {
             return ResponseFuture::answer(responder.rejection(&refusal, grpc.as_ref()));
         }
-        let decision = config.store.check(&key, &responder.policy, cost);
         let check = Check {
             responder: Arc::clone(responder),
             key,
@@ -115,6 +114,22 @@ where
             grpc,
             deny_cache: deny_cache.cloned(),
         };
+        // A store that decides without waiting lets the inner service be called right here,
+        // with no clone of it for a later call.
+        if let Some(outcome) = config
+            .store
+            .check_now(&check.key, &check.responder.policy, cost)
+        {
+            return match check.settle(outcome) {
+                Verdict::Call(fields) => {
+                    ResponseFuture::reporting(self.inner.call(request), fields)
+                }
+                Verdict::Answer(response) => ResponseFuture::answer(response),
+            };
+        }
+        let decision = config
+            .store
+            .check(&check.key, &check.responder.policy, cost);
         let clone = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, clone);
         ResponseFuture::checking(decision, check, ready, request)

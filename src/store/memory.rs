@@ -338,6 +338,15 @@ impl Store for MemoryStore {
         ready(Ok(()))
     }
 
+    fn check_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        Some(self.check(key, policy, cost).into_inner())
+    }
+
     fn is_local(&self) -> bool {
         true
     }

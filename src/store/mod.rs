@@ -52,6 +52,19 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Forgets everything recorded for `key` under `policy`.
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture;
 
+    /// The decision of [`check`](Store::check), when the store can make it without waiting;
+    /// `None` (the default) when it must wait, for I/O for example. The layer then calls the
+    /// inner service at once rather than from its response future.
+    fn check_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        let _ = (key, policy, cost);
+        None
+    }
+
     /// Whether decisions are made in this process, without I/O. The layer's deny cache is off
     /// by default for such a store, where it would only repeat what the store answers as
     /// quickly.

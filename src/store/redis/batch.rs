@@ -27,22 +27,25 @@ use crate::algorithm::Algorithm;
 pub(super) type Reply = Result<[i64; 5], Error>;
 
 /// One request waiting for its decision.
-pub(super) struct Job {
-    pub(super) algorithm: Algorithm,
-    pub(super) key: String,
+struct Job {
+    algorithm: Algorithm,
+    key: String,
     /// The request's arguments: number of limits, cost, record, time, then count and window
     /// of each limit.
-    pub(super) args: Vec<i64>,
-    pub(super) reply: oneshot::Sender<Reply>,
+    args: Vec<i64>,
+    reply: oneshot::Sender<Reply>,
 }
 
-/// The queue of jobs, drained by a task that sends the calls.
+/// Sends decisions: at once while a call slot is free, else through the queue, which a
+/// task drains into batches as slots free up.
 #[derive(Debug)]
 pub(super) struct Batcher {
     queue: mpsc::UnboundedSender<Job>,
+    slots: Arc<Semaphore>,
+    settings: Arc<Settings>,
 }
 
-/// What the sending task needs.
+/// What the calls need.
 pub(super) struct Settings {
     pub(super) pool: Pool,
     pub(super) scripts: Vec<(Algorithm, Script)>,
@@ -52,23 +55,62 @@ pub(super) struct Settings {
     pub(super) timeout: Duration,
 }
 
-impl Batcher {
-    /// Starts the sending task on the current tokio runtime; it ends when the last `Batcher`
-    /// clone is dropped.
-    pub(super) fn spawn(settings: Settings) -> Batcher {
-        let (queue, jobs) = mpsc::unbounded_channel();
-        tokio::spawn(dispatch(jobs, Arc::new(settings)));
-        Batcher { queue }
-    }
-
-    /// Queues a job; gives it back if the sending task is gone (its runtime shut down).
-    pub(super) fn submit(&self, job: Job) -> Result<(), Job> {
-        self.queue.send(job).map_err(|e| e.0)
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("max_batch", &self.max_batch)
+            .field("in_flight", &self.in_flight)
+            .finish_non_exhaustive()
     }
 }
 
-async fn dispatch(mut jobs: mpsc::UnboundedReceiver<Job>, settings: Arc<Settings>) {
-    let slots = Arc::new(Semaphore::new(settings.in_flight.max(1)));
+impl Batcher {
+    /// Starts the queue's task on the current tokio runtime; it ends when the `Batcher` is
+    /// dropped.
+    pub(super) fn spawn(settings: Settings) -> Batcher {
+        let (queue, jobs) = mpsc::unbounded_channel();
+        let slots = Arc::new(Semaphore::new(settings.in_flight.max(1)));
+        let settings = Arc::new(settings);
+        tokio::spawn(dispatch(jobs, Arc::clone(&slots), Arc::clone(&settings)));
+        Batcher {
+            queue,
+            slots,
+            settings,
+        }
+    }
+
+    /// Decides one request: `args` as in [`Job::args`].
+    pub(super) async fn decide(&self, algorithm: Algorithm, key: String, args: Vec<i64>) -> Reply {
+        // A free slot means nothing is waiting: no batch to join, so go at once.
+        if let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() {
+            let reply = call(&self.settings, algorithm, vec![key], args, 1).await;
+            drop(slot);
+            return reply.map(|values| five(&values, 0));
+        }
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            algorithm,
+            key,
+            args,
+            reply,
+        };
+        if self.queue.send(job).is_err() {
+            return Err(Error::new(
+                ErrorKind::Canceled,
+                "the batching task has stopped",
+            ));
+        }
+        answer
+            .await
+            .unwrap_or_else(|_| Err(Error::new(ErrorKind::Canceled, "batch dropped")))
+    }
+}
+
+async fn dispatch(
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+    slots: Arc<Semaphore>,
+    settings: Arc<Settings>,
+) {
     let clustered = settings.pool.next().is_clustered();
     loop {
         // Wait for a free call slot first, so that requests queue up while all are taken.
@@ -118,50 +160,59 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
     let Some(algorithm) = group.first().map(|job| job.algorithm) else {
         return;
     };
-    let Some((_, script)) = settings.scripts.iter().find(|(a, _)| *a == algorithm) else {
-        let error = Error::new(ErrorKind::Unknown, "no script for this algorithm");
-        return answer(group, Err(error));
-    };
     let mut keys = Vec::with_capacity(group.len());
     let mut args = Vec::with_capacity(group.iter().map(|job| job.args.len()).sum());
     for job in &group {
         keys.push(job.key.clone());
         args.extend_from_slice(&job.args);
     }
-    let client = settings.pool.next_connected();
-    let call = script.evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args);
-    let reply = match tokio::time::timeout(settings.timeout, call).await {
-        Ok(reply) => reply,
-        Err(_) => Err(Error::new(
-            ErrorKind::Timeout,
-            "no reply within the time budget",
-        )),
-    };
-    answer(group, reply);
-}
-
-/// Hands each request its five integers of the reply, or the error.
-fn answer(group: Vec<Job>, reply: Result<Vec<i64>, Error>) {
-    let reply = reply.and_then(|values| {
-        if values.len() == 5 * group.len() {
-            Ok(values)
-        } else {
-            let message = format!("{} values for {} requests", values.len(), group.len());
-            Err(Error::new(ErrorKind::Parse, message))
-        }
-    });
+    let reply = call(&settings, algorithm, keys, args, group.len()).await;
     for (i, job) in group.into_iter().enumerate() {
         let result = match &reply {
-            Ok(values) => {
-                let mut five = [0; 5];
-                five.copy_from_slice(&values[5 * i..5 * i + 5]);
-                Ok(five)
-            }
+            Ok(values) => Ok(five(values, i)),
             Err(error) => Err(error.clone()),
         };
         // The requester may have given up (its own timeout); nothing to do then.
         let _ = job.reply.send(result);
     }
+}
+
+/// Runs the algorithm's script for `requests` requests, within the time budget; the reply
+/// has five integers per request.
+async fn call(
+    settings: &Settings,
+    algorithm: Algorithm,
+    keys: Vec<String>,
+    args: Vec<i64>,
+    requests: usize,
+) -> Result<Vec<i64>, Error> {
+    let Some((_, script)) = settings.scripts.iter().find(|(a, _)| *a == algorithm) else {
+        return Err(Error::new(
+            ErrorKind::Unknown,
+            "no script for this algorithm",
+        ));
+    };
+    let client = settings.pool.next_connected();
+    let call = script.evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args);
+    let values = match tokio::time::timeout(settings.timeout, call).await {
+        Ok(reply) => reply?,
+        Err(_) => {
+            let error = Error::new(ErrorKind::Timeout, "no reply within the time budget");
+            return Err(error);
+        }
+    };
+    if values.len() != 5 * requests {
+        let message = format!("{} values for {requests} requests", values.len());
+        return Err(Error::new(ErrorKind::Parse, message));
+    }
+    Ok(values)
+}
+
+/// The five integers of request `i` in a reply of the right length.
+fn five(values: &[i64], i: usize) -> [i64; 5] {
+    let mut five = [0; 5];
+    five.copy_from_slice(&values[5 * i..5 * i + 5]);
+    five
 }
 
 #[cfg(test)]

@@ -7,12 +7,11 @@ use std::time::{Duration, SystemTime};
 
 use fred::prelude::{ClientLike, Config, KeysInterface, ReconnectPolicy};
 use fred::types::scripts::Script;
-use tokio::sync::oneshot;
 
 mod batch;
 mod health;
 
-use batch::{Batcher, Job};
+use batch::Batcher;
 use health::{is_outage, Breaker};
 
 use super::{Store, StoreError};
@@ -139,32 +138,23 @@ impl RedisStore {
             args.push(clamp(w.count));
             args.push(clamp(w.micros));
         }
-        let (reply, answer) = oneshot::channel();
-        let job = Job {
-            algorithm: policy.algorithm(),
-            key: self.redis_key(key, policy),
-            args,
-            reply,
-        };
+        let redis_key = self.redis_key(key, policy);
         let policy = policy.clone();
         Box::pin(async move {
             if inner.breaker.is_open() {
                 return Err(StoreError::Unavailable);
             }
             let started = inner.breaker.now();
-            if inner.batcher.submit(job).is_err() {
-                return Err(StoreError::Unavailable);
-            }
+            let decision = inner.batcher.decide(policy.algorithm(), redis_key, args);
             // The budget covers the whole decision: the queue, the call and a script reload.
-            let reply = match tokio::time::timeout(inner.timeout, answer).await {
-                Ok(Ok(Ok(reply))) => reply,
-                Ok(Ok(Err(error))) => {
+            let reply = match tokio::time::timeout(inner.timeout, decision).await {
+                Ok(Ok(reply)) => reply,
+                Ok(Err(error)) => {
                     if is_outage(&error) {
                         inner.breaker.trip(started);
                     }
                     return Err(error.into());
                 }
-                Ok(Err(_)) => return Err(StoreError::Unavailable),
                 Err(_) => {
                     inner.breaker.trip(started);
                     return Err(StoreError::Timeout(inner.timeout));
