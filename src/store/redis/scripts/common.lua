@@ -22,7 +22,8 @@ end
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
--- The request being decided: its key, cost, record flag, time and limits.
+-- The request being decided: its key, cost, record flag, time and limits (entries past n are
+-- left over from an earlier request and never read).
 local key, cost, record, t, n, longest
 local counts, windows = {}, {}
 local next_arg = 1
@@ -37,7 +38,6 @@ local function load_request(k)
   if t < 0 then
     t = now
   end
-  counts, windows = {}, {}
   for i = 1, n do
     counts[i] = tonumber(ARGV[next_arg + 2 * i + 2])
     windows[i] = tonumber(ARGV[next_arg + 2 * i + 3])
@@ -46,15 +46,16 @@ local function load_request(k)
   next_arg = next_arg + 4 + 2 * n
 end
 
--- Decides every request of the call with `run`, and concatenates the answers.
+-- Decides every request of the call with `run`, which returns the five integers of its answer,
+-- and concatenates the answers.
 local function each_request(run)
-  local reply = {}
+  local reply, r = {}, 0
   for k = 1, #KEYS do
     load_request(k)
-    local answer = run()
-    for j = 1, 5 do
-      reply[#reply + 1] = answer[j]
-    end
+    local allowed, index, remaining, reset, retry = run()
+    reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4], reply[r + 5] =
+      allowed, index, remaining, reset, retry
+    r = r + 5
   end
   return reply
 end
@@ -76,7 +77,7 @@ local function decide(fits, apply, report)
   end
   if denied then
     local remaining, reset = report(denied)
-    return { 0, denied - 1, remaining, reset, denied_retry }
+    return 0, denied - 1, remaining, reset, denied_retry
   end
   if record then
     apply()
@@ -88,7 +89,7 @@ local function decide(fits, apply, report)
       best, best_remaining, best_reset = i, remaining, reset
     end
   end
-  return { 1, best - 1, best_remaining, best_reset, -1 }
+  return 1, best - 1, best_remaining, best_reset, -1
 end
 
 -- The start of the fixed window of length w holding time x (math.fmod is exact).
@@ -96,34 +97,27 @@ local function window_start(x, w)
   return x - math.fmod(x, w)
 end
 
--- The state of every limit, kept as one string of integers "v1 v2 ...", limit by limit and
--- in the order of `suffixes` within a limit: values[i][suffix] (numbers, or nil when absent).
-local function load_fields(suffixes)
+-- The state of every limit, kept as one string of integers "v1 v2 ...": the m values of limit
+-- 1, then those of limit 2, and so on. Returns them as one flat list (value j of limit i at
+-- (i - 1) * m + j; nil where absent).
+local function load_fields()
+  local values = {}
   local raw = redis.call('GET', key)
-  local numbers = {}
   if raw then
+    local j = 0
     for v in string.gmatch(raw, '%S+') do
-      numbers[#numbers + 1] = tonumber(v)
-    end
-  end
-  local values, j = {}, 1
-  for i = 1, n do
-    values[i] = {}
-    for _, s in ipairs(suffixes) do
-      values[i][s] = numbers[j]
       j = j + 1
+      values[j] = tonumber(v)
     end
   end
   return values
 end
 
--- Stores values[i][suffix] for every limit, to expire after `ttl` microseconds.
-local function store_fields(values, suffixes, ttl)
+-- Stores a flat list of integers as load_fields reads it, to expire after `ttl` microseconds.
+local function store_fields(values, ttl)
   local parts = {}
-  for i = 1, n do
-    for _, s in ipairs(suffixes) do
-      parts[#parts + 1] = string.format('%d', values[i][s])
-    end
+  for j = 1, #values do
+    parts[j] = string.format('%d', values[j])
   end
   redis.call('SET', key, table.concat(parts, ' '), 'PX', math.ceil(ttl / 1000))
 end

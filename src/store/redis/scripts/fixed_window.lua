@@ -8,13 +8,12 @@
 -- Writes: an admitted request adds its cost to every limit's current window and sets the key
 -- to expire after the longest window.
 
-local SUFFIXES = { 's', 'c' }
+-- Per limit i: state[2i - 1] = start of the window counted, state[2i] = its count.
 local state
 
 local function used(i)
-  local s = state[i]
-  if s.s == window_start(t, windows[i]) then
-    return s.c or 0
+  if state[2 * i - 1] == window_start(t, windows[i]) then
+    return state[2 * i] or 0
   end
   return 0
 end
@@ -30,10 +29,12 @@ local function fits(i)
 end
 
 local function apply()
+  local new = {}
   for i = 1, n do
-    state[i] = { s = window_start(t, windows[i]), c = used(i) + cost }
+    new[2 * i - 1], new[2 * i] = window_start(t, windows[i]), used(i) + cost
   end
-  store_fields(state, SUFFIXES, longest)
+  state = new
+  store_fields(state, longest)
 end
 
 local function report(i)
@@ -41,7 +42,7 @@ local function report(i)
 end
 
 local function run()
-  state = load_fields(SUFFIXES)
+  state = load_fields()
   return decide(fits, apply, report)
 end
 

@@ -9,19 +9,19 @@
 -- Writes: an admitted request stores every limit's new backlog and sets the key to expire
 -- after the longest window, by which time every bucket has drained.
 
-local SUFFIXES = { 't', 'b' }
+-- Per limit i: state[2i - 1] = time of the last admission, state[2i] = backlog it left.
 local state
 
 local function backlog(i)
-  local s = state[i]
-  if s.t == nil then
+  local at = state[2 * i - 1]
+  if at == nil then
     return 0
   end
-  local elapsed = math.max(t - s.t, 0)
+  local elapsed = math.max(t - at, 0)
   if elapsed >= windows[i] then
     return 0
   end
-  return math.max(s.b - elapsed * counts[i], 0)
+  return math.max(state[2 * i] - elapsed * counts[i], 0)
 end
 
 local function fits(i)
@@ -37,10 +37,12 @@ local function fits(i)
 end
 
 local function apply()
+  local new = {}
   for i = 1, n do
-    state[i] = { t = t, b = backlog(i) + cost * windows[i] }
+    new[2 * i - 1], new[2 * i] = t, backlog(i) + cost * windows[i]
   end
-  store_fields(state, SUFFIXES, longest)
+  state = new
+  store_fields(state, longest)
 end
 
 local function report(i)
@@ -50,7 +52,7 @@ local function report(i)
 end
 
 local function run()
-  state = load_fields(SUFFIXES)
+  state = load_fields()
   return decide(fits, apply, report)
 end
 

@@ -16,24 +16,34 @@ local function count(e, w)
   return redis.call('ZCOUNT', key, e - w + 1, e)
 end
 
--- Events in (t - w, t], and the most any window (a, a + w] containing t holds.
-local function used(w)
-  local past = count(t, w)
-  local fullest, last = past, nil
-  local later = redis.call('ZRANGEBYSCORE', key, t + 1, t + w - 1, 'WITHSCORES')
-  for j = 2, #later, 2 do
-    local e = tonumber(later[j])
-    if e ~= last then
-      fullest = math.max(fullest, count(e, w))
-      last = e
+-- For the request at hand: the time of the newest event (nil: none), and per limit the events
+-- in (t - w, t] and the most any window (a, a + w] containing t holds, computed once.
+local newest, pasts, fullests
+
+local function used(i)
+  if pasts[i] == nil then
+    local w = windows[i]
+    local past = count(t, w)
+    local fullest, last = past, nil
+    -- Only events after t (scheduled ones) can make a later window fuller.
+    if newest ~= nil and newest > t then
+      local later = redis.call('ZRANGEBYSCORE', key, t + 1, t + w - 1, 'WITHSCORES')
+      for j = 2, #later, 2 do
+        local e = tonumber(later[j])
+        if e ~= last then
+          fullest = math.max(fullest, count(e, w))
+          last = e
+        end
+      end
     end
+    pasts[i], fullests[i] = past, fullest
   end
-  return past, fullest
+  return pasts[i], fullests[i]
 end
 
 local function fits(i)
   local c, w = counts[i], windows[i]
-  local past, fullest = used(w)
+  local past, fullest = used(i)
   if fullest + cost <= c then
     return nil
   end
@@ -50,7 +60,10 @@ local function apply()
     return
   end
   local at = string.format('%d', t)
-  local seq = redis.call('ZCOUNT', key, t, t)
+  local seq = 0
+  if newest ~= nil and newest >= t then
+    seq = redis.call('ZCOUNT', key, t, t)
+  end
   local batch = {}
   for u = 1, cost do
     batch[#batch + 1] = t
@@ -60,14 +73,17 @@ local function apply()
       batch = {}
     end
   end
-  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  local expires = math.max(tonumber(newest[2]), now) + longest
-  redis.call('PEXPIREAT', key, math.ceil(expires / 1000))
+  -- Every window containing t now holds `cost` more.
+  for i = 1, n do
+    pasts[i], fullests[i] = pasts[i] + cost, fullests[i] + cost
+  end
+  newest = math.max(newest or t, t)
+  redis.call('PEXPIREAT', key, math.ceil((math.max(newest, now) + longest) / 1000))
 end
 
 local function report(i)
   local c, w = counts[i], windows[i]
-  local _, fullest = used(w)
+  local _, fullest = used(i)
   local oldest = redis.call('ZRANGEBYSCORE', key, t - w + 1, t, 'WITHSCORES', 'LIMIT', 0, 1)
   local reset = 0
   if oldest[2] then
@@ -81,6 +97,9 @@ local function run()
   if cutoff >= 0 then
     redis.call('ZREMRANGEBYSCORE', key, '-inf', cutoff)
   end
+  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  newest = tonumber(last[2])
+  pasts, fullests = {}, {}
   return decide(fits, apply, report)
 end
 

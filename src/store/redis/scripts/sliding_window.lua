@@ -9,17 +9,18 @@
 -- Writes: an admitted request adds its cost to every limit's current window and sets the key
 -- to expire after twice the longest window (the previous window still weighs until then).
 
-local SUFFIXES = { 's', 'c', 'p' }
+-- Per limit i: state[3i - 2] = start of the current window, state[3i - 1] = its count,
+-- state[3i] = the previous window's count.
 local state
 
 -- Elapsed time in the current window, its count and the previous window's.
 local function current(i)
-  local w, s = windows[i], state[i]
-  local start = window_start(t, w)
-  if s.s == start then
-    return t - start, s.c, s.p
-  elseif s.s ~= nil and s.s + w == start then
-    return t - start, 0, s.c
+  local w = windows[i]
+  local start, s = window_start(t, w), state[3 * i - 2]
+  if s == start then
+    return t - start, state[3 * i - 1], state[3 * i]
+  elseif s ~= nil and s + w == start then
+    return t - start, 0, state[3 * i - 1]
   end
   return t - start, 0, 0
 end
@@ -40,11 +41,13 @@ local function fits(i)
 end
 
 local function apply()
+  local new = {}
   for i = 1, n do
     local _, curr, prev = current(i)
-    state[i] = { s = window_start(t, windows[i]), c = curr + cost, p = prev }
+    new[3 * i - 2], new[3 * i - 1], new[3 * i] = window_start(t, windows[i]), curr + cost, prev
   end
-  store_fields(state, SUFFIXES, 2 * longest)
+  state = new
+  store_fields(state, 2 * longest)
 end
 
 local function report(i)
@@ -61,7 +64,7 @@ local function report(i)
 end
 
 local function run()
-  state = load_fields(SUFFIXES)
+  state = load_fields()
   return decide(fits, apply, report)
 end
 
