@@ -113,8 +113,9 @@ pin_project! {
         Checking {
             #[pin]
             decision: F,
-            check: Check,
-            call: Option<(S, Request<B>)>,
+            // Boxed: a request is large, and only a store that waits gets here; every other
+            // state stays small to move.
+            pending: Box<Pending<S, B>>,
         },
         Calling {
             #[pin]
@@ -128,6 +129,12 @@ pin_project! {
     }
 }
 
+/// What waits with a decision: what it is about, and the call to make if it admits.
+struct Pending<S, B> {
+    check: Check,
+    call: Option<(S, Request<B>)>,
+}
+
 impl<S, B, F> ResponseFuture<S, B, F>
 where
     S: Service<Request<B>>,
@@ -137,8 +144,7 @@ where
         ResponseFuture {
             state: State::Checking {
                 decision,
-                check,
-                call,
+                pending: Box::new(Pending { check, call }),
             },
         }
     }
@@ -175,20 +181,18 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Checking {
-                    decision,
-                    check,
-                    call,
-                } => {
+                StateProj::Checking { decision, pending } => {
                     let outcome = ready!(decision.poll(cx));
-                    let fields = match check.settle(outcome) {
+                    let fields = match pending.check.settle(outcome) {
                         Verdict::Call(fields) => fields,
                         Verdict::Answer(response) => {
                             return Poll::Ready(Ok(response.map(ResponseBody::own)))
                         }
                     };
-                    let (mut service, request) =
-                        call.take().expect("ResponseFuture polled after completion");
+                    let (mut service, request) = pending
+                        .call
+                        .take()
+                        .expect("ResponseFuture polled after completion");
                     let future = service.call(request);
                     this.state.set(State::Calling { future, fields });
                 }
