@@ -207,7 +207,8 @@ impl RedisStoreBuilder {
     /// [`RedisStore::DEFAULT_MAX_BATCH`]). At most [`pool_size`](Self::pool_size) calls are
     /// under way at once; requests that arrive meanwhile leave together when a call returns,
     /// which saves Redis and the client a command's fixed cost per request. A lone request is
-    /// sent at once. `1` sends every request in its own call.
+    /// sent at once. `1` sends every request in its own call, at once, with no limit on the
+    /// calls under way.
     pub fn max_batch(mut self, max_batch: usize) -> Self {
         self.max_batch = max_batch;
         self
@@ -286,7 +287,13 @@ impl RedisStoreBuilder {
             pool: pool.clone(),
             scripts,
             max_batch: self.max_batch,
-            in_flight: self.pool_size,
+            // Without batching, waiting for a slot gains nothing: send everything at once, as
+            // fred pipelines it.
+            in_flight: if self.max_batch == 1 {
+                tokio::sync::Semaphore::MAX_PERMITS
+            } else {
+                self.pool_size
+            },
             timeout: self.timeout,
         });
         Ok(RedisStore {
