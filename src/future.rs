@@ -13,6 +13,7 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::deny_cache::DenyCache;
+use crate::metrics::{Report, Started};
 use crate::response::{FailureMode, Responder};
 use crate::{Decision, Key, Store, StoreError};
 
@@ -24,6 +25,8 @@ pub(crate) struct Check {
     /// The request's gRPC content type, for a gRPC request.
     pub(crate) grpc: Option<http::HeaderValue>,
     pub(crate) deny_cache: Option<DenyCache>,
+    /// When the store was asked.
+    pub(crate) started: Started,
 }
 
 /// What to do with a request once its decision is in.
@@ -40,11 +43,17 @@ impl Check {
     pub(crate) fn settle(&self, outcome: Result<Decision, StoreError>) -> Verdict {
         let policy = self.responder.policy.name();
         let options = &self.responder.options;
+        self.started.finish(policy);
+        if outcome.is_err() {
+            Report::store_error(policy);
+        }
         let outcome = match (outcome, &options.failure_mode) {
             (Err(error), FailureMode::Fallback(local)) => {
+                Report::fallback(policy);
                 tracing::warn!(
                     target: "tower_redis_ratelimit",
                     policy,
+                    key = %self.key.loggable(),
                     %error,
                     "rate-limit store failed; deciding locally"
                 );
@@ -55,19 +64,29 @@ impl Check {
         };
         match outcome {
             Ok(d) if d.is_allowed() => {
+                Report::allowed(policy);
                 Verdict::Call((!options.hide_allowed_headers).then(|| (d, self.responder.clone())))
             }
             Ok(d) if options.shadow => {
+                Report::denied(policy, false);
                 tracing::info!(
                     target: "tower_redis_ratelimit",
                     policy,
-                    key = self.key.as_str(),
+                    key = %self.key.loggable(),
                     retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
                     "rate limit exceeded; passed on (shadow mode)"
                 );
                 Verdict::Call(Some((d, self.responder.clone())))
             }
             Ok(d) => {
+                Report::denied(policy, false);
+                tracing::debug!(
+                    target: "tower_redis_ratelimit",
+                    policy,
+                    key = %self.key.loggable(),
+                    retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
+                    "rate limit exceeded; refused"
+                );
                 if let Some(cache) = &self.deny_cache {
                     cache.remember(&self.key, &self.responder.policy, self.cost, d);
                 }
@@ -77,6 +96,7 @@ impl Check {
                 tracing::warn!(
                     target: "tower_redis_ratelimit",
                     policy,
+                    key = %self.key.loggable(),
                     %error,
                     mode = ?options.failure_mode,
                     "rate-limit store failed"

@@ -9,6 +9,8 @@ mod deny_cache;
 mod future;
 pub mod key;
 mod layer;
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub mod metrics;
 mod policy;
 pub mod response;
 mod rule;

@@ -10,6 +10,7 @@ use crate::body::ResponseBody;
 use crate::future::ResponseFuture;
 use crate::future::{Check, Verdict};
 use crate::layer::Config;
+use crate::metrics::{Report, Started};
 use crate::response::{grpc_content_type, MissingKey, Responder};
 use crate::rule::RequestHead;
 use crate::{KeyExtractor, Store};
@@ -105,6 +106,7 @@ where
             .as_ref()
             .filter(|_| !responder.options.shadow);
         if let Some(refusal) = deny_cache.and_then(|c| c.refusal(&key, &responder.policy, cost)) {
+            Report::denied(responder.policy.name(), true);
             return ResponseFuture::answer(responder.rejection(&refusal, grpc.as_ref()));
         }
         let check = Check {
@@ -113,6 +115,7 @@ where
             cost,
             grpc,
             deny_cache: deny_cache.cloned(),
+            started: Started::now(),
         };
         // A store that decides without waiting lets the inner service be called right here,
         // with no clone of it for a later call.

@@ -93,6 +93,27 @@ impl Key {
         self.1
     }
 
+    /// The key as it may appear in logs: a client address or network (from [`PeerIp`] or
+    /// [`ClientIp`]) as is; anything else, such as an API key or a user id, as `#` and 16 hex
+    /// digits of its BLAKE3 hash. Secrets stay out of the logs, and one client's lines can
+    /// still be matched up, on every instance.
+    ///
+    /// ```
+    /// use tower_redis_ratelimit::Key;
+    ///
+    /// let secret = Key::from("sk_live_123");
+    /// assert!(secret.loggable().starts_with('#'));
+    /// assert_eq!(secret.loggable().len(), 17);
+    /// assert!(!secret.loggable().contains("sk_live"));
+    /// ```
+    pub fn loggable(&self) -> std::borrow::Cow<'_, str> {
+        if self.1.is_some() {
+            return std::borrow::Cow::Borrowed(&self.0);
+        }
+        let hash = blake3::hash(self.0.as_bytes());
+        std::borrow::Cow::Owned(format!("#{}", &hash.to_hex()[..16]))
+    }
+
     /// The key as text.
     pub fn as_str(&self) -> &str {
         &self.0

@@ -152,6 +152,7 @@ impl Captured {
         tracing_subscriber::fmt()
             .with_writer(move || writer.clone())
             .with_ansi(false)
+            .with_max_level(tracing::Level::DEBUG)
             .finish()
     }
 

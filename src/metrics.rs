@@ -1,0 +1,80 @@
+//! What the layer reports through the [`metrics`](https://docs.rs/metrics) crate (feature
+//! `metrics`), labelled by policy name. Install any recorder, e.g. a Prometheus exporter, and
+//! these appear:
+//!
+//! | name | kind | labels | counts |
+//! |---|---|---|---|
+//! | `ratelimit_allowed_total` | counter | `policy` | requests the store admitted |
+//! | `ratelimit_denied_total` | counter | `policy`, `source` | requests refused: `source="store"` when the store said no (in shadow mode too), `"deny_cache"` when the deny cache repeated a refusal |
+//! | `ratelimit_store_errors_total` | counter | `policy` | decisions the store could not make (the failure mode then applies) |
+//! | `ratelimit_fallbacks_total` | counter | `policy` | of those, decisions made by the fallback store instead |
+//! | `ratelimit_decision_seconds` | histogram | `policy` | time from asking the store to its answer, failures included |
+//!
+//! Without the feature these functions do nothing and cost nothing.
+
+use std::time::Duration;
+
+/// Request counts and latencies by policy.
+pub(crate) struct Report;
+
+#[cfg(feature = "metrics")]
+impl Report {
+    pub(crate) fn allowed(policy: &str) {
+        ::metrics::counter!("ratelimit_allowed_total", "policy" => policy.to_owned()).increment(1);
+    }
+
+    pub(crate) fn denied(policy: &str, cached: bool) {
+        let source = if cached { "deny_cache" } else { "store" };
+        ::metrics::counter!(
+            "ratelimit_denied_total",
+            "policy" => policy.to_owned(),
+            "source" => source
+        )
+        .increment(1);
+    }
+
+    pub(crate) fn store_error(policy: &str) {
+        ::metrics::counter!("ratelimit_store_errors_total", "policy" => policy.to_owned())
+            .increment(1);
+    }
+
+    pub(crate) fn fallback(policy: &str) {
+        ::metrics::counter!("ratelimit_fallbacks_total", "policy" => policy.to_owned())
+            .increment(1);
+    }
+
+    pub(crate) fn latency(policy: &str, took: Duration) {
+        ::metrics::histogram!("ratelimit_decision_seconds", "policy" => policy.to_owned())
+            .record(took.as_secs_f64());
+    }
+}
+
+#[cfg(not(feature = "metrics"))]
+impl Report {
+    pub(crate) fn allowed(_: &str) {}
+    pub(crate) fn denied(_: &str, _: bool) {}
+    pub(crate) fn store_error(_: &str) {}
+    pub(crate) fn fallback(_: &str) {}
+    pub(crate) fn latency(_: &str, _: Duration) {}
+}
+
+/// When a decision started, kept only when there is a histogram to feed.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Started(#[cfg(feature = "metrics")] std::time::Instant);
+
+impl Started {
+    pub(crate) fn now() -> Self {
+        Started(
+            #[cfg(feature = "metrics")]
+            std::time::Instant::now(),
+        )
+    }
+
+    /// Reports the decision's latency.
+    pub(crate) fn finish(self, policy: &str) {
+        #[cfg(feature = "metrics")]
+        Report::latency(policy, self.0.elapsed());
+        #[cfg(not(feature = "metrics"))]
+        let _ = policy;
+    }
+}

@@ -1,0 +1,193 @@
+//! The counters and histogram an operator scrapes, rendered as Prometheus text after real
+//! allowed, denied and failed decisions. One recorder serves the whole test binary, so each
+//! test uses its own policy name.
+
+mod common;
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use common::scenarios::{layered, request_from};
+use common::RedisServer;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tower::{Service, ServiceExt};
+use tower_redis_ratelimit::{FailureMode, MemoryStore, Policy, RateLimitLayer, RedisStore};
+
+fn prometheus() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::set_global_recorder(recorder).expect("no other recorder in this binary");
+        handle
+    })
+}
+
+/// The value of the sample whose name and labels are exactly `series`, e.g.
+/// `ratelimit_allowed_total{policy="login"}`.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter_map(|line| line.rsplit_once(' '))
+        .find(|(name, _)| *name == series)
+        .and_then(|(_, value)| value.parse().ok())
+}
+
+fn policy(name: &str, limit: &str) -> Policy {
+    limit.parse::<Policy>().unwrap().named(name).unwrap()
+}
+
+async fn send<S>(service: &mut S, ip: &str) -> u16
+where
+    S: Service<http::Request<()>, Response = common::scenarios::Reply>,
+    S::Error: std::fmt::Debug,
+{
+    let reply = service.ready().await.unwrap().call(request_from(ip)).await;
+    reply.unwrap().status().as_u16()
+}
+
+#[tokio::test]
+async fn allowed_and_denied_by_policy() {
+    let handle = prometheus();
+    let login = RateLimitLayer::builder()
+        .policy(policy("login", "2/1m"))
+        .build()
+        .unwrap();
+    let search = RateLimitLayer::builder()
+        .policy(policy("search", "5/1m"))
+        .build()
+        .unwrap();
+    let (mut login, mut search) = (layered(&login), layered(&search));
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(send(&mut login, "192.0.2.1").await);
+    }
+    statuses.push(send(&mut search, "192.0.2.1").await);
+    assert_eq!(statuses, [200, 200, 429, 200]);
+
+    let text = handle.render();
+    let get = |series: &str| sample(&text, series);
+    assert_eq!(
+        get("ratelimit_allowed_total{policy=\"login\"}"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        get("ratelimit_denied_total{policy=\"login\",source=\"store\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        get("ratelimit_allowed_total{policy=\"search\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        get("ratelimit_denied_total{policy=\"search\",source=\"store\"}"),
+        None
+    );
+    assert_eq!(
+        get("ratelimit_decision_seconds_count{policy=\"login\"}"),
+        Some(3.0),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn deny_cache_refusals_are_counted_apart() {
+    let handle = prometheus();
+    let server = RedisServer::start();
+    let layer = RateLimitLayer::builder()
+        .policy(policy("cached", "1/1m"))
+        .store(server.store().await)
+        .build()
+        .unwrap();
+    let mut service = layered(&layer);
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.push(send(&mut service, "192.0.2.2").await);
+    }
+    assert_eq!(statuses, [200, 429, 429, 429]);
+
+    let text = handle.render();
+    let get = |series: &str| sample(&text, series);
+    assert_eq!(
+        get("ratelimit_allowed_total{policy=\"cached\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    let denied = |source: &str| {
+        get(&format!(
+            "ratelimit_denied_total{{policy=\"cached\",source=\"{source}\"}}"
+        ))
+    };
+    assert_eq!(denied("store"), Some(1.0), "{text}");
+    assert_eq!(denied("deny_cache"), Some(2.0), "{text}");
+    // Only the two answers from Redis were timed.
+    assert_eq!(
+        get("ratelimit_decision_seconds_count{policy=\"cached\"}"),
+        Some(2.0),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn store_errors_and_fallbacks() {
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber());
+    let handle = prometheus();
+    let mut server = RedisServer::start();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    server.kill();
+    let layer = RateLimitLayer::builder()
+        .policy(policy("fallback", "1/1m"))
+        .store(store)
+        .failure_mode(FailureMode::Fallback(MemoryStore::new()))
+        .build()
+        .unwrap();
+    let mut service = layered(&layer);
+    let statuses = [
+        send(&mut service, "192.0.2.3").await,
+        send(&mut service, "192.0.2.3").await,
+    ];
+    assert_eq!(statuses, [200, 429], "the fallback store keeps the limit");
+
+    let text = handle.render();
+    let get = |series: &str| sample(&text, series);
+    assert_eq!(
+        get("ratelimit_store_errors_total{policy=\"fallback\"}"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        get("ratelimit_fallbacks_total{policy=\"fallback\"}"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        get("ratelimit_allowed_total{policy=\"fallback\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        get("ratelimit_denied_total{policy=\"fallback\",source=\"store\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    // What the operator reads: the policy, the client, and that it was decided locally.
+    let log = captured.text();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("rate-limit store failed; deciding locally"))
+        .collect();
+    assert_eq!(warnings.len(), 2, "{log}");
+    assert!(
+        warnings.iter().all(|l| l.contains("WARN")
+            && (l.contains("policy=\"fallback\"") || l.contains("policy=fallback"))
+            && l.contains("key=192.0.2.3")),
+        "{log}"
+    );
+}
