@@ -65,10 +65,12 @@ impl Check {
         match outcome {
             Ok(d) if d.is_allowed() => {
                 Report::allowed(policy);
+                options.count_client(&self.responder.policy, &self.key, false);
                 Verdict::Call((!options.hide_allowed_headers).then(|| (d, self.responder.clone())))
             }
             Ok(d) if options.shadow => {
                 Report::denied(policy, false);
+                options.count_client(&self.responder.policy, &self.key, true);
                 tracing::info!(
                     target: "tower_redis_ratelimit",
                     policy,
@@ -80,6 +82,7 @@ impl Check {
             }
             Ok(d) => {
                 Report::denied(policy, false);
+                options.count_client(&self.responder.policy, &self.key, true);
                 tracing::debug!(
                     target: "tower_redis_ratelimit",
                     policy,

@@ -342,6 +342,15 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         self
     }
 
+    /// Counts each decided request's key in Redis HyperLogLogs by minute, hour and day, for
+    /// [`UniqueClients::count`](crate::unique::UniqueClients::count). Recording is queued and
+    /// pipelined; it never delays a response. Feature `redis`.
+    #[cfg(feature = "redis")]
+    pub fn unique_clients(mut self, recorder: crate::unique::UniqueClients) -> Self {
+        self.settings.options.unique = Some(recorder);
+        self
+    }
+
     /// What to do when the store cannot decide (default [`FailureMode::Open`]).
     pub fn failure_mode(mut self, mode: FailureMode) -> Self {
         self.settings.options.failure_mode = mode;

@@ -17,6 +17,8 @@ mod rule;
 mod service;
 mod shards;
 pub mod store;
+#[cfg(feature = "redis")]
+pub mod unique;
 
 pub use algorithm::Algorithm;
 pub use decision::Decision;

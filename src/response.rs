@@ -75,6 +75,20 @@ pub(crate) struct Options {
     pub(crate) shadow: bool,
     pub(crate) on_rejection: Option<Arc<RejectionFn>>,
     pub(crate) failure_mode: FailureMode,
+    #[cfg(feature = "redis")]
+    pub(crate) unique: Option<crate::unique::UniqueClients>,
+}
+
+impl Options {
+    /// Counts a decided request as a unique client of `policy` (with `unique_clients`).
+    pub(crate) fn count_client(&self, policy: &crate::Policy, key: &crate::Key, denied: bool) {
+        #[cfg(feature = "redis")]
+        if let Some(unique) = &self.unique {
+            unique.record(policy.shared_name(), key, denied);
+        }
+        #[cfg(not(feature = "redis"))]
+        let _ = (policy, key, denied);
+    }
 }
 
 /// Everything a response needs, shared by the layer, its services and their futures.

@@ -107,6 +107,9 @@ where
             .filter(|_| !responder.options.shadow);
         if let Some(refusal) = deny_cache.and_then(|c| c.refusal(&key, &responder.policy, cost)) {
             Report::denied(responder.policy.name(), true);
+            responder
+                .options
+                .count_client(&responder.policy, &key, true);
             return ResponseFuture::answer(responder.rejection(&refusal, grpc.as_ref()));
         }
         let check = Check {

@@ -168,6 +168,11 @@ impl RedisStore {
         })
     }
 
+    /// The prefix of every key this store writes.
+    pub fn prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
     /// The fred connection pool, e.g. to inspect keys in tests.
     pub fn pool(&self) -> &fred::clients::Pool {
         &self.inner.pool
