@@ -3,6 +3,8 @@
 #![forbid(unsafe_code)]
 
 mod algorithm;
+#[cfg(feature = "redis")]
+pub mod blocklist;
 pub mod body;
 mod decision;
 mod deny_cache;

@@ -190,6 +190,16 @@ impl Responder {
     }
 
     /// The answer when the store failed and [`FailureMode::Closed`] applies.
+    /// The answer to a blocked client: 403, or gRPC `PERMISSION_DENIED`.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn forbidden(grpc: Option<&HeaderValue>) -> Response<Full<Bytes>> {
+        let text = "Forbidden: this client is blocked";
+        match grpc {
+            Some(content_type) => grpc_status(content_type, 7, text, None),
+            None => plain(StatusCode::FORBIDDEN, format!("{text}\n"), None),
+        }
+    }
+
     pub(crate) fn unavailable(grpc: Option<&HeaderValue>) -> Response<Full<Bytes>> {
         let text = "Service Unavailable: rate limiter store is unreachable";
         match grpc {
