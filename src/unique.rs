@@ -9,7 +9,7 @@
 //!
 //! Recording never delays a response: the layer hands each key to a queue, and a task drains it
 //! into one pipelined round of `PFADD` and `PEXPIRE` per batch. Failed writes are logged and
-//! dropped. Buckets are named after this process's clock, so an instance whose clock is off
+//! dropped, and while Redis is unreachable at most 65 536 keys wait; later ones go uncounted. Buckets are named after this process's clock, so an instance whose clock is off
 //! by seconds files a few requests under the neighbouring minute; spans of minutes or more do
 //! not notice.
 
@@ -28,6 +28,9 @@ const HOURS_KEPT: u64 = 48;
 const DAYS_KEPT: u64 = 32;
 /// The most queued keys written in one round.
 const BATCH: usize = 4096;
+/// The most keys waiting to be written; past that (Redis down or too slow) new ones are
+/// dropped rather than held.
+const QUEUE: usize = 65_536;
 
 /// Which requests a count covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,7 +81,8 @@ pub struct UniqueClients {
 struct Shared {
     pool: Pool,
     prefix: String,
-    queue: mpsc::UnboundedSender<Message>,
+    queue: mpsc::Sender<Message>,
+    dropped: std::sync::atomic::AtomicU64,
 }
 
 enum Message {
@@ -102,11 +106,12 @@ impl UniqueClients {
     /// Counts in the Redis of `store`, under its key prefix. Starts the writing task on the
     /// current tokio runtime.
     pub fn new(store: &RedisStore) -> Self {
-        let (queue, messages) = mpsc::unbounded_channel();
+        let (queue, messages) = mpsc::channel(QUEUE);
         let shared = Arc::new(Shared {
             pool: store.pool().clone(),
             prefix: store.prefix().to_owned(),
             queue,
+            dropped: Default::default(),
         });
         tokio::spawn(write(messages, Arc::clone(&shared)));
         UniqueClients { shared }
@@ -119,14 +124,26 @@ impl UniqueClients {
             key: key.clone(),
             denied,
         };
-        // Only fails once the writing task's runtime is gone; nothing to count then.
-        let _ = self.shared.queue.send(seen);
+        // Fails when the queue is full or the writing task is gone: the count then misses
+        // this request rather than delay it or hold memory without bound.
+        if self.shared.queue.try_send(seen).is_err() {
+            let dropped = &self.shared.dropped;
+            dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// How many requests went uncounted because the queue was full (Redis unreachable or too
+    /// slow).
+    pub fn dropped(&self) -> u64 {
+        self.shared
+            .dropped
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Waits until every request queued before this call has been written.
     pub async fn flush(&self) {
         let (done, written) = oneshot::channel();
-        if self.shared.queue.send(Message::Flush(done)).is_ok() {
+        if self.shared.queue.send(Message::Flush(done)).await.is_ok() {
             let _ = written.await;
         }
     }
@@ -239,7 +256,7 @@ fn now_secs() -> u64 {
 
 /// Drains the queue: each round groups the keys by policy and kind, and writes every bucket
 /// of the current minute, hour and day in one pipeline.
-async fn write(mut messages: mpsc::UnboundedReceiver<Message>, shared: Arc<Shared>) {
+async fn write(mut messages: mpsc::Receiver<Message>, shared: Arc<Shared>) {
     while let Some(first) = messages.recv().await {
         let mut batch = vec![first];
         while batch.len() < BATCH {
