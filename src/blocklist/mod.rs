@@ -116,23 +116,30 @@ impl Blocklist {
         self.add_all(std::slice::from_ref(key)).await
     }
 
-    /// Blocks many keys, a pipeline per thousand.
+    /// Blocks many keys: per 500 keys, one `SADD` and one `BITFIELD` that sets all their bits.
     pub async fn add_all(&self, keys: &[Key]) -> Result<(), StoreError> {
         let shared = &self.shared;
-        for chunk in keys.chunks(1000) {
-            let pipeline = shared.pool.next().pipeline();
-            let members: Vec<&str> = chunk.iter().map(Key::as_str).collect();
-            let _: () = pipeline.sadd(shared.set_key.as_str(), members).await?;
+        for chunk in keys.chunks(500) {
             let positions: Vec<u64> = chunk
                 .iter()
                 .flat_map(|key| shared.shape.positions(key))
                 .collect();
-            for &o in &positions {
-                // fred has no SETBIT method; the command is sent as it is.
-                let setbit = CustomCommand::new_static("SETBIT", None, false);
-                let args = vec![shared.bits_key.clone(), o.to_string(), "1".to_owned()];
-                let _: () = pipeline.custom(setbit, args).await?;
+            let mut bitfield = Vec::with_capacity(1 + 4 * positions.len());
+            bitfield.push(shared.bits_key.clone());
+            for o in &positions {
+                bitfield.extend([
+                    "SET".to_owned(),
+                    "u1".to_owned(),
+                    o.to_string(),
+                    "1".to_owned(),
+                ]);
             }
+            let members: Vec<&str> = chunk.iter().map(Key::as_str).collect();
+            let pipeline = shared.pool.next().pipeline();
+            let _: () = pipeline.sadd(shared.set_key.as_str(), members).await?;
+            // fred has no BITFIELD method; the command is sent as it is.
+            let command = CustomCommand::new_static("BITFIELD", None, false);
+            let _: () = pipeline.custom(command, bitfield).await?;
             let _: () = pipeline.all().await?;
             let mut local = shared.local.write().unwrap_or_else(|p| p.into_inner());
             for o in positions {
