@@ -3,15 +3,17 @@
 //! The classic unique-visitor recipe: every request's key goes into a HyperLogLog for its
 //! minute, its hour and its day (`PFADD`), and a question about a span merges the fewest
 //! buckets that cover it (`PFCOUNT` of several keys). "The last 24 hours" reads the last 60
-//! minute buckets and the 23 whole hours before the current one: 83 keys rather than 1 440.
+//! minute buckets and the 23 whole hours before the current one: 83 keys rather than 1 440,
+//! covering from 23 to 24 hours depending on how far the current hour has gone.
 //! Each HyperLogLog takes at most 12 KiB, whatever the number of clients, and answers within
 //! about 0.81 % (its standard error).
 //!
 //! Recording never delays a response: the layer hands each key to a queue, and a task drains it
 //! into one pipelined round of `PFADD` and `PEXPIRE` per batch. Failed writes are logged and
-//! dropped, and while Redis is unreachable at most 65 536 keys wait; later ones go uncounted. Buckets are named after this process's clock, so an instance whose clock is off
-//! by seconds files a few requests under the neighbouring minute; spans of minutes or more do
-//! not notice.
+//! dropped, and while Redis is unreachable at most 65 536 keys wait; later ones go uncounted.
+//! Buckets are named after this process's clock when the batch is written, so an instance
+//! whose clock is off by seconds, or a backlog, files a few requests under the neighbouring
+//! minute; spans of minutes or more do not notice.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -46,11 +48,13 @@ pub enum Clients {
 pub enum Span {
     /// The last `n` minutes, 1 to 120.
     Minutes(u32),
-    /// The last `n` hours, 1 to 24: the last 60 minutes and the `n - 1` whole hours before
-    /// the current one.
+    /// The last `n` hours, 1 to 24, as the hour buckets allow: the last 60 minutes, and for
+    /// `n` ≥ 2 the `n - 1` whole hours before the current one, so from `n - 1` to `n` hours
+    /// (the current hour counts only so far). `Hours(24)` merges 60 minute buckets and 23
+    /// hour buckets.
     Hours(u32),
-    /// The last `n` days, 1 to 31: the last 24 hours (as above) and the `n - 1` whole days
-    /// before the current one (UTC).
+    /// The last `n` days, 1 to 31: `Hours(24)`, and for `n` ≥ 2 the `n - 1` whole days (UTC)
+    /// before the current one, so from `n - 1` to `n` days.
     Days(u32),
 }
 
@@ -91,7 +95,8 @@ enum Message {
         key: Key,
         denied: bool,
     },
-    Flush(oneshot::Sender<()>),
+    /// Answered with whether every write since the previous flush succeeded.
+    Flush(oneshot::Sender<bool>),
 }
 
 impl std::fmt::Debug for UniqueClients {
@@ -104,7 +109,11 @@ impl std::fmt::Debug for UniqueClients {
 
 impl UniqueClients {
     /// Counts in the Redis of `store`, under its key prefix. Starts the writing task on the
-    /// current tokio runtime.
+    /// current tokio runtime; the task ends when the last clone is dropped.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime, as `tokio::spawn` does.
     pub fn new(store: &RedisStore) -> Self {
         let (queue, messages) = mpsc::channel(QUEUE);
         let shared = Arc::new(Shared {
@@ -113,7 +122,8 @@ impl UniqueClients {
             queue,
             dropped: Default::default(),
         });
-        tokio::spawn(write(messages, Arc::clone(&shared)));
+        // The task holds no sender: it ends once every clone of this recorder is dropped.
+        tokio::spawn(write(messages, shared.pool.clone(), shared.prefix.clone()));
         UniqueClients { shared }
     }
 
@@ -140,12 +150,14 @@ impl UniqueClients {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Waits until every request queued before this call has been written.
-    pub async fn flush(&self) {
+    /// Waits until every request queued before this call has been sent to Redis; `true` if
+    /// every write since the previous flush succeeded.
+    pub async fn flush(&self) -> bool {
         let (done, written) = oneshot::channel();
-        if self.shared.queue.send(Message::Flush(done)).await.is_ok() {
-            let _ = written.await;
+        if self.shared.queue.send(Message::Flush(done)).await.is_err() {
+            return false;
         }
+        written.await.unwrap_or(false)
     }
 
     /// The number of unique keys `policy` decided for over `span` (an estimate within about
@@ -256,7 +268,8 @@ fn now_secs() -> u64 {
 
 /// Drains the queue: each round groups the keys by policy and kind, and writes every bucket
 /// of the current minute, hour and day in one pipeline.
-async fn write(mut messages: mpsc::Receiver<Message>, shared: Arc<Shared>) {
+async fn write(mut messages: mpsc::Receiver<Message>, pool: Pool, prefix: String) {
+    let mut failed = false;
     while let Some(first) = messages.recv().await {
         let mut batch = vec![first];
         while batch.len() < BATCH {
@@ -293,27 +306,30 @@ async fn write(mut messages: mpsc::Receiver<Message>, shared: Arc<Shared>) {
                 Message::Flush(done) => flushed.push(done),
             }
         }
-        if let Err(error) = write_groups(&shared, groups).await {
+        if let Err(error) = write_groups(&pool, &prefix, groups).await {
+            failed = true;
             tracing::warn!(target: "tower_redis_ratelimit", %error, "unique-client counts not written");
         }
         for done in flushed {
-            let _ = done.send(());
+            let _ = done.send(!failed);
+            failed = false;
         }
     }
 }
 
 async fn write_groups(
-    shared: &Shared,
+    pool: &Pool,
+    prefix: &str,
     groups: Vec<(Arc<str>, Clients, Vec<String>)>,
 ) -> Result<(), fred::error::Error> {
     if groups.is_empty() {
         return Ok(());
     }
     let now = now_secs();
-    let pipeline = shared.pool.next().pipeline();
+    let pipeline = pool.next().pipeline();
     for (policy, clients, keys) in groups {
         for unit in Unit::ALL {
-            let bucket = bucket(&shared.prefix, &policy, clients, unit, now / unit.seconds());
+            let bucket = bucket(prefix, &policy, clients, unit, now / unit.seconds());
             let _: () = pipeline.pfadd(bucket.as_str(), keys.clone()).await?;
             let ttl = unit.kept().as_millis() as i64;
             let _: () = pipeline.pexpire(bucket.as_str(), ttl, None).await?;

@@ -10,13 +10,11 @@ use axum::Router;
 use bytes::Bytes;
 use common::http::{get as fetch, serve_axum};
 use common::Captured;
-use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_redis_ratelimit::key::ForwardedHeader;
-use tower_redis_ratelimit::{
-    ClientIp, Header, Key, KeyExtractor, Policy, RateLimitLayer, Rule, Store,
-};
+use tower_redis_ratelimit::{ClientIp, Header, KeyExtractor, Policy, RateLimitLayer, Rule, Store};
 
 /// A request from `peer` with `headers` (raw bytes allowed).
 fn from(peer: &str, headers: &[(&str, &[u8])]) -> Request<()> {
@@ -328,43 +326,6 @@ async fn shadow_mode_counts_and_reports_but_never_rejects() {
         "{log}"
     );
     assert!(log.contains("192.0.2.1"), "{log}");
-}
-
-/// A refusal is logged with the policy and a fingerprint of the key, never an API key itself.
-#[tokio::test]
-async fn denials_are_logged_with_a_key_safe_to_log() {
-    let captured = Captured::default();
-    let _guard = tracing::subscriber::set_default(captured.subscriber());
-    let layer = RateLimitLayer::builder()
-        .policy("1/1m".parse::<Policy>().unwrap().named("api").unwrap())
-        .key(Header::new(HeaderName::from_static("x-api-key")))
-        .build()
-        .unwrap();
-    let statuses: Vec<u16> = {
-        let mut statuses = Vec::new();
-        for _ in 0..2 {
-            let mut request = Request::new(());
-            request
-                .headers_mut()
-                .insert("x-api-key", HeaderValue::from_static("sk_live_secret"));
-            statuses.push(send(&layer, request).await.status().as_u16());
-        }
-        statuses
-    };
-    assert_eq!(statuses, [200, 429]);
-    let log = captured.text();
-    assert_eq!(
-        log.matches("rate limit exceeded; refused").count(),
-        1,
-        "{log}"
-    );
-    assert!(
-        log.contains("policy=\"api\"") || log.contains("policy=api"),
-        "{log}"
-    );
-    let fingerprint = Key::from("sk_live_secret").loggable().into_owned();
-    assert!(log.contains(&fingerprint), "{log}");
-    assert!(!log.contains("sk_live_secret"), "{log}");
 }
 
 #[tokio::test]

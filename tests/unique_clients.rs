@@ -45,11 +45,11 @@ async fn a_hundred_thousand_clients_counted_within_two_percent() {
         refused += usize::from(reply.status() == 429);
         if i % 10_000 == 0 {
             // Let the writer keep up, so that the bounded queue drops nothing.
-            unique.flush().await;
+            assert!(unique.flush().await);
         }
     }
     assert_eq!(refused, REFUSED);
-    unique.flush().await;
+    assert!(unique.flush().await, "every write succeeded");
     assert_eq!(unique.dropped(), 0);
 
     let count = |span, clients| {

@@ -95,8 +95,10 @@ impl Key {
 
     /// The key as it may appear in logs: a client address or network (from [`PeerIp`] or
     /// [`ClientIp`]) as is; anything else, such as an API key or a user id, as `#` and 16 hex
-    /// digits of its BLAKE3 hash. Secrets stay out of the logs, and one client's lines can
-    /// still be matched up, on every instance.
+    /// digits of its BLAKE3 hash. Random secrets such as API keys stay out of the logs, and one
+    /// client's lines can still be matched up, on every instance. The hash is not keyed:
+    /// someone with the logs can confirm a guess, so a user id or an e-mail address from a
+    /// small set is recoverable.
     ///
     /// ```
     /// use tower_redis_ratelimit::Key;
