@@ -1,7 +1,8 @@
 //! What each limiter adds to one request through an axum router, in process (no sockets, so
 //! the machine's network noise stays out): the hello-world route bare, behind this crate's
 //! layer on the memory store, and behind `tower_governor`, on the same 1000 keys with limits
-//! nothing reaches. `cargo bench --bench layer`.
+//! nothing reaches; and a flood of one refused key answered from the deny cache.
+//! `cargo bench --bench layer`.
 
 use std::convert::Infallible;
 use std::hint::black_box;
@@ -17,7 +18,9 @@ use tower::ServiceExt;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::KeyExtractor;
 use tower_governor::{GovernorError, GovernorLayer};
-use tower_redis_ratelimit::{Algorithm, Header, RateLimitLayer};
+use tower_redis_ratelimit::{
+    Algorithm, Decision, Header, Key, MemoryStore, Policy, RateLimitLayer, Store, StoreError,
+};
 
 const KEYS: usize = 1000;
 const CLIENT: &str = "x-client";
@@ -32,6 +35,49 @@ fn ours(algorithm: Algorithm, headers: bool) -> Router {
         .policy("1000000/1s")
         .algorithm(algorithm)
         .headers_on_allowed(headers)
+        .build()
+        .unwrap();
+    route().layer(layer)
+}
+
+/// The memory store presented as a remote one, so that the layer keeps its deny cache on, as
+/// it does for Redis: the refusals a flood gets then come from the cache.
+#[derive(Debug, Clone)]
+struct Remote(MemoryStore);
+
+impl Store for Remote {
+    type Future = std::future::Ready<Result<Decision, StoreError>>;
+    type ResetFuture = std::future::Ready<Result<(), StoreError>>;
+
+    fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        self.0.check(key, policy, cost)
+    }
+
+    fn check_at(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        at: std::time::SystemTime,
+    ) -> Self::Future {
+        self.0.check_at(key, policy, cost, at)
+    }
+
+    fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        self.0.peek(key, policy, cost)
+    }
+
+    fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
+        self.0.reset(key, policy)
+    }
+}
+
+/// A flood on one key already over `1/1h`, refused by the deny cache.
+fn flood() -> Router {
+    let layer = RateLimitLayer::builder()
+        .key(Header::new(HeaderName::from_static(CLIENT)))
+        .policy("1/1h")
+        .store(Remote(MemoryStore::new()))
         .build()
         .unwrap();
     route().layer(layer)
@@ -65,13 +111,13 @@ fn requests() -> Vec<HeaderValue> {
         .collect()
 }
 
-fn one(router: &Router, client: &HeaderValue) -> Result<bool, Infallible> {
+fn status(router: &Router, client: &HeaderValue) -> Result<u16, Infallible> {
     let request = Request::get("/")
         .header(CLIENT, client.clone())
         .body(Body::empty())
         .unwrap();
     let response = block_on(router.clone().oneshot(request))?;
-    Ok(response.status().is_success())
+    Ok(response.status().as_u16())
 }
 
 fn per_request(c: &mut Criterion) {
@@ -89,10 +135,15 @@ fn per_request(c: &mut Criterion) {
         group.bench_function(name, |b| {
             b.iter(|| {
                 i = (i + 1) % KEYS;
-                assert!(one(black_box(&router), &clients[i]).unwrap());
+                assert_eq!(status(black_box(&router), &clients[i]).unwrap(), 200);
             })
         });
     }
+    let (router, client) = (flood(), HeaderValue::from_static("flooder"));
+    assert_eq!(status(&router, &client).unwrap(), 200);
+    group.bench_function("ours_denied_flood_deny_cache", |b| {
+        b.iter(|| assert_eq!(status(black_box(&router), &client).unwrap(), 429))
+    });
     group.finish();
 }
 
