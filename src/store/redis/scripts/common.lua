@@ -1,8 +1,9 @@
 -- Shared prelude of every rate-limit script; each algorithm's file is appended to it.
 -- One call decides a batch of requests, one after the other, exactly as if each were its own
--- call: the algorithm's file defines `run()` for the request at hand and ends with
--- `return each_request(run)`. Per-limit answers are combined exactly as `decide` in
--- src/algorithm/mod.rs does.
+-- call: the algorithm's file ends with `return each_request(run)`, where `run()` decides the
+-- request at hand, or, when its state is one string of integers, with
+-- `return each_stored_request(fits, apply, report)`. Per-limit answers are combined exactly
+-- as `decide` in src/algorithm/mod.rs does.
 --
 -- KEYS[k]   the state of request k (the algorithm's file says its format); in Redis Cluster
 --           all keys of one call are in one hash slot
@@ -120,4 +121,16 @@ local function store_fields(values, ttl)
     parts[j] = string.format('%d', values[j])
   end
   redis.call('SET', key, table.concat(parts, ' '), 'PX', math.ceil(ttl / 1000))
+end
+
+-- The state of the request at hand, for algorithms that keep one string of integers: a flat
+-- list as load_fields reads it (the algorithm's file says its layout).
+local state
+
+-- Decides every request of the call: loads its state, then combines fits, apply and report.
+local function each_stored_request(fits, apply, report)
+  return each_request(function()
+    state = load_fields()
+    return decide(fits, apply, report)
+  end)
 end

@@ -8,8 +8,8 @@
 -- Writes: an admitted request adds its cost to every limit's current window and sets the key
 -- to expire after the longest window.
 
--- Per limit i: state[2i - 1] = start of the window counted, state[2i] = its count.
-local state
+-- `state` (from common.lua), per limit i: state[2i - 1] = start of the window counted,
+-- state[2i] = its count.
 
 local function used(i)
   if state[2 * i - 1] == window_start(t, windows[i]) then
@@ -41,9 +41,4 @@ local function report(i)
   return math.max(counts[i] - used(i), 0), window_start(t, windows[i]) + windows[i] - t
 end
 
-local function run()
-  state = load_fields()
-  return decide(fits, apply, report)
-end
-
-return each_request(run)
+return each_stored_request(fits, apply, report)

@@ -9,8 +9,8 @@
 -- Writes: an admitted request stores every limit's new backlog and sets the key to expire
 -- after the longest window, by which time every bucket has drained.
 
--- Per limit i: state[2i - 1] = time of the last admission, state[2i] = backlog it left.
-local state
+-- `state` (from common.lua), per limit i: state[2i - 1] = time of the last admission,
+-- state[2i] = backlog it left.
 
 local function backlog(i)
   local at = state[2 * i - 1]
@@ -51,9 +51,4 @@ local function report(i)
   return math.floor((w * c - b) / w), math.ceil(b / c)
 end
 
-local function run()
-  state = load_fields()
-  return decide(fits, apply, report)
-end
-
-return each_request(run)
+return each_stored_request(fits, apply, report)

@@ -9,9 +9,8 @@
 -- Writes: an admitted request adds its cost to every limit's current window and sets the key
 -- to expire after twice the longest window (the previous window still weighs until then).
 
--- Per limit i: state[3i - 2] = start of the current window, state[3i - 1] = its count,
--- state[3i] = the previous window's count.
-local state
+-- `state` (from common.lua), per limit i: state[3i - 2] = start of the current window,
+-- state[3i - 1] = its count, state[3i] = the previous window's count.
 
 -- Elapsed time in the current window, its count and the previous window's.
 local function current(i)
@@ -63,9 +62,4 @@ local function report(i)
   return remaining, reset
 end
 
-local function run()
-  state = load_fields()
-  return decide(fits, apply, report)
-end
-
-return each_request(run)
+return each_stored_request(fits, apply, report)
