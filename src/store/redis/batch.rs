@@ -160,20 +160,23 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
     let Some(algorithm) = group.first().map(|job| job.algorithm) else {
         return;
     };
-    let mut keys = Vec::with_capacity(group.len());
+    let requests = group.len();
+    let mut keys = Vec::with_capacity(requests);
     let mut args = Vec::with_capacity(group.iter().map(|job| job.args.len()).sum());
-    for job in &group {
-        keys.push(job.key.clone());
-        args.extend_from_slice(&job.args);
+    let mut replies = Vec::with_capacity(requests);
+    for job in group {
+        keys.push(job.key);
+        args.extend(job.args);
+        replies.push(job.reply);
     }
-    let reply = call(&settings, algorithm, keys, args, group.len()).await;
-    for (i, job) in group.into_iter().enumerate() {
+    let reply = call(&settings, algorithm, keys, args, requests).await;
+    for (i, requester) in replies.into_iter().enumerate() {
         let result = match &reply {
             Ok(values) => Ok(five(values, i)),
             Err(error) => Err(error.clone()),
         };
         // The requester may have given up (its own timeout); nothing to do then.
-        let _ = job.reply.send(result);
+        let _ = requester.send(result);
     }
 }
 
