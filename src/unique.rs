@@ -92,7 +92,7 @@ struct Shared {
 enum Message {
     Seen {
         policy: Arc<str>,
-        key: Key,
+        key: String,
         denied: bool,
     },
     /// Answered with whether every write since the previous flush succeeded.
@@ -131,7 +131,7 @@ impl UniqueClients {
     pub(crate) fn record(&self, policy: Arc<str>, key: &Key, denied: bool) {
         let seen = Message::Seen {
             policy,
-            key: key.clone(),
+            key: key.as_str().to_owned(),
             denied,
         };
         // Fails when the queue is full or the writing task is gone: the count then misses
@@ -287,21 +287,17 @@ async fn write(mut messages: mpsc::Receiver<Message>, pool: Pool, prefix: String
                     key,
                     denied,
                 } => {
-                    let kinds: &[Clients] = if denied {
-                        &[Clients::All, Clients::Denied]
-                    } else {
-                        &[Clients::All]
+                    let mut add = |kind: Clients, element: String| match groups
+                        .iter_mut()
+                        .find(|(p, c, _)| *p == policy && *c == kind)
+                    {
+                        Some((_, _, keys)) => keys.push(element),
+                        None => groups.push((Arc::clone(&policy), kind, vec![element])),
                     };
-                    for &kind in kinds {
-                        let element = key.as_str().to_owned();
-                        match groups
-                            .iter_mut()
-                            .find(|(p, c, _)| *p == policy && *c == kind)
-                        {
-                            Some((_, _, keys)) => keys.push(element),
-                            None => groups.push((Arc::clone(&policy), kind, vec![element])),
-                        }
+                    if denied {
+                        add(Clients::Denied, key.clone());
                     }
+                    add(Clients::All, key);
                 }
                 Message::Flush(done) => flushed.push(done),
             }
@@ -328,9 +324,11 @@ async fn write_groups(
     let now = now_secs();
     let pipeline = pool.next().pipeline();
     for (policy, clients, keys) in groups {
+        // Converted once: the three buckets share the elements' bytes.
+        let elements: Vec<fred::types::Value> = keys.into_iter().map(Into::into).collect();
         for unit in Unit::ALL {
             let bucket = bucket(prefix, &policy, clients, unit, now / unit.seconds());
-            let _: () = pipeline.pfadd(bucket.as_str(), keys.clone()).await?;
+            let _: () = pipeline.pfadd(bucket.as_str(), elements.clone()).await?;
             let ttl = unit.kept().as_millis() as i64;
             let _: () = pipeline.pexpire(bucket.as_str(), ttl, None).await?;
         }
