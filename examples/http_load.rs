@@ -44,6 +44,8 @@
 //! Writes `DIR/results.csv` (one row per configuration and round), `DIR/summary.csv` (the
 //! medians) and `DIR/throughput.svg` (throughput relative to bare, and p99 latency).
 
+mod support;
+
 use std::fmt::Write as _;
 use std::net::{SocketAddr, TcpListener as StdTcpListener, TcpStream as StdTcpStream};
 use std::path::{Path, PathBuf};
@@ -69,6 +71,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+use support::{process_cpu_seconds, redis_cpu_seconds};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -445,12 +448,7 @@ impl RedisCounters {
                 _ => counters.commands += calls,
             }
         }
-        counters.cpu_seconds = cpu
-            .lines()
-            .filter_map(|line| line.trim().split_once(':'))
-            .filter(|(name, _)| matches!(*name, "used_cpu_sys" | "used_cpu_user"))
-            .filter_map(|(_, value)| value.parse::<f64>().ok())
-            .sum();
+        counters.cpu_seconds = redis_cpu_seconds(cpu);
         counters
     }
 }
@@ -715,19 +713,6 @@ impl Counters {
             redis,
         })
     }
-}
-
-/// User and system CPU time of this process, from `/proc/self/stat` (Linux only).
-fn process_cpu_seconds() -> Option<f64> {
-    /// `sysconf(_SC_CLK_TCK)`, which is 100 on every Linux this runs on.
-    const TICKS_PER_SECOND: f64 = 100.0;
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // The command name (field 2) may hold spaces; the fields after it don't.
-    let after_name = &stat[stat.rfind(')')? + 2..];
-    let mut fields = after_name.split(' ').skip(11); // utime is field 14, the 12th after the name
-    let user: f64 = fields.next()?.parse().ok()?;
-    let system: f64 = fields.next()?.parse().ok()?;
-    Some((user + system) / TICKS_PER_SECOND)
 }
 
 /// One configuration in one round.

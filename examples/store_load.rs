@@ -13,6 +13,8 @@
 //! Redis (`INFO cpu`). Point `REDIS_URL` at a scratch Redis: the keys it writes stay until
 //! they expire.
 
+mod support;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -58,7 +60,7 @@ async fn main() -> Result<(), Error> {
 
     let decided = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let (cpu_before, redis_before) = (process_cpu_seconds(), redis_cpu_seconds(&admin).await?);
+    let (cpu_before, redis_before) = (process_cpu(), redis_cpu(&admin).await?);
     let started = Instant::now();
     let tasks: Vec<_> = (0..TASKS)
         .map(|t| {
@@ -81,8 +83,8 @@ async fn main() -> Result<(), Error> {
     }
     let seconds = started.elapsed().as_secs_f64();
     let n = decided.load(Ordering::Relaxed) as f64;
-    let app = process_cpu_seconds() - cpu_before;
-    let redis = redis_cpu_seconds(&admin).await? - redis_before;
+    let app = process_cpu() - cpu_before;
+    let redis = redis_cpu(&admin).await? - redis_before;
     println!(
         "{which}: {:.0} decisions/s, CPU per decision {:.1} µs here and {:.1} µs in Redis",
         n / seconds,
@@ -118,29 +120,12 @@ async fn limiter(url: &str, which: &str) -> Result<Limiter, Error> {
     })
 }
 
-/// User and system CPU time of this process, from `/proc/self/stat` (Linux; 100 ticks/s).
-fn process_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let Some(end) = stat.rfind(')') else {
-        return 0.0;
-    };
-    // utime and stime are fields 14 and 15, the 12th and 13th after the command name.
-    let mut fields = stat[end + 2..].split(' ').skip(11);
-    let mut next = || {
-        fields
-            .next()
-            .and_then(|f| f.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (next() + next()) / 100.0
+async fn redis_cpu(admin: &Client) -> Result<f64, Error> {
+    let info: String = admin.info(Some(fred::types::InfoKind::Cpu)).await?;
+    Ok(support::redis_cpu_seconds(&info))
 }
 
-async fn redis_cpu_seconds(admin: &Client) -> Result<f64, Error> {
-    let info: String = admin.info(Some(fred::types::InfoKind::Cpu)).await?;
-    Ok(info
-        .lines()
-        .filter_map(|line| line.trim().split_once(':'))
-        .filter(|(name, _)| matches!(*name, "used_cpu_sys" | "used_cpu_user"))
-        .filter_map(|(_, value)| value.parse::<f64>().ok())
-        .sum())
+/// This process's CPU seconds (0 where `/proc` is missing).
+fn process_cpu() -> f64 {
+    support::process_cpu_seconds().unwrap_or(0.0)
 }
