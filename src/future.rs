@@ -14,7 +14,7 @@ use tower_service::Service;
 use crate::body::ResponseBody;
 use crate::deny_cache::DenyCache;
 use crate::metrics::{Report, Started};
-use crate::response::{FailureMode, Responder};
+use crate::response::{FailureMode, Responder, Tally};
 use crate::{Decision, Key, Store, StoreError};
 
 /// What a pending decision is about.
@@ -64,13 +64,11 @@ impl Check {
         };
         match outcome {
             Ok(d) if d.is_allowed() => {
-                Report::allowed(policy);
-                options.count_client(&self.responder.policy, &self.key, false);
+                options.tally(&self.responder.policy, &self.key, Tally::Allowed);
                 Verdict::Call((!options.hide_allowed_headers).then(|| (d, self.responder.clone())))
             }
             Ok(d) if options.shadow => {
-                Report::denied(policy, false);
-                options.count_client(&self.responder.policy, &self.key, true);
+                options.tally(&self.responder.policy, &self.key, Tally::Denied);
                 tracing::info!(
                     target: "tower_redis_ratelimit",
                     policy,
@@ -81,8 +79,7 @@ impl Check {
                 Verdict::Call(Some((d, self.responder.clone())))
             }
             Ok(d) => {
-                Report::denied(policy, false);
-                options.count_client(&self.responder.policy, &self.key, true);
+                options.tally(&self.responder.policy, &self.key, Tally::Denied);
                 tracing::debug!(
                     target: "tower_redis_ratelimit",
                     policy,

@@ -79,15 +79,32 @@ pub(crate) struct Options {
     pub(crate) unique: Option<crate::unique::UniqueClients>,
 }
 
+/// What became of a decided request, for the counts operators see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tally {
+    Allowed,
+    /// Refused by the store (or counted as refused in shadow mode).
+    Denied,
+    /// Refused again by the deny cache.
+    DeniedCached,
+}
+
 impl Options {
-    /// Counts a decided request as a unique client of `policy` (with `unique_clients`).
-    pub(crate) fn count_client(&self, policy: &crate::Policy, key: &crate::Key, denied: bool) {
+    /// Counts a decided request in the metrics and, with `unique_clients`, as a unique client
+    /// of `policy`.
+    pub(crate) fn tally(&self, policy: &crate::Policy, key: &crate::Key, tally: Tally) {
+        use crate::metrics::Report;
+        match tally {
+            Tally::Allowed => Report::allowed(policy.name()),
+            Tally::Denied => Report::denied(policy.name(), false),
+            Tally::DeniedCached => Report::denied(policy.name(), true),
+        }
         #[cfg(feature = "redis")]
         if let Some(unique) = &self.unique {
-            unique.record(policy.shared_name(), key, denied);
+            unique.record(policy.shared_name(), key, tally != Tally::Allowed);
         }
         #[cfg(not(feature = "redis"))]
-        let _ = (policy, key, denied);
+        let _ = key;
     }
 }
 

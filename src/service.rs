@@ -10,8 +10,8 @@ use crate::body::ResponseBody;
 use crate::future::ResponseFuture;
 use crate::future::{Check, Verdict};
 use crate::layer::Config;
-use crate::metrics::{Report, Started};
-use crate::response::{grpc_content_type, MissingKey, Responder};
+use crate::metrics::Started;
+use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
 use crate::rule::RequestHead;
 use crate::{KeyExtractor, Store};
 
@@ -106,10 +106,8 @@ where
             .as_ref()
             .filter(|_| !responder.options.shadow);
         if let Some(refusal) = deny_cache.and_then(|c| c.refusal(&key, &responder.policy, cost)) {
-            Report::denied(responder.policy.name(), true);
-            responder
-                .options
-                .count_client(&responder.policy, &key, true);
+            let options = &responder.options;
+            options.tally(&responder.policy, &key, Tally::DeniedCached);
             return ResponseFuture::answer(responder.rejection(&refusal, grpc.as_ref()));
         }
         let check = Check {
