@@ -15,6 +15,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use fred::clients::Pool;
 use fred::error::{Error, ErrorKind};
 use fred::interfaces::ClientLike;
@@ -25,6 +26,9 @@ use crate::algorithm::Algorithm;
 
 /// The reply of one request: five integers (see `scripts/common.lua`).
 pub(super) type Reply = Result<[i64; 5], Error>;
+
+/// Bytes per integer in a script's arguments and reply.
+const INT: usize = std::mem::size_of::<i64>();
 
 /// One request waiting for its decision.
 struct Job {
@@ -83,7 +87,7 @@ impl Batcher {
     pub(super) async fn decide(&self, algorithm: Algorithm, key: String, args: Vec<i64>) -> Reply {
         // A free slot means nothing is waiting: no batch to join, so go at once.
         if let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() {
-            let reply = call(&self.settings, algorithm, vec![key], args, 1).await;
+            let reply = call(&self.settings, algorithm, vec![key], encode(&args), 1).await;
             drop(slot);
             return reply.map(|values| five(&values, 0));
         }
@@ -162,11 +166,11 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
     };
     let requests = group.len();
     let mut keys = Vec::with_capacity(requests);
-    let mut args = Vec::with_capacity(group.iter().map(|job| job.args.len()).sum());
+    let mut args = Vec::with_capacity(INT * group.iter().map(|job| job.args.len()).sum::<usize>());
     let mut replies = Vec::with_capacity(requests);
     for job in group {
         keys.push(job.key);
-        args.extend(job.args);
+        args.extend(job.args.iter().flat_map(|v| v.to_le_bytes()));
         replies.push(job.reply);
     }
     let reply = call(&settings, algorithm, keys, args, requests).await;
@@ -180,15 +184,20 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
     }
 }
 
-/// Runs the algorithm's script for `requests` requests, within the time budget; the reply
-/// has five integers per request.
+/// The arguments of requests as the scripts read them: 64-bit little-endian integers.
+fn encode(args: &[i64]) -> Vec<u8> {
+    args.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Runs the algorithm's script for `requests` requests (`args`: theirs, encoded), within the
+/// time budget; the reply has five integers per request.
 async fn call(
     settings: &Settings,
     algorithm: Algorithm,
     keys: Vec<String>,
-    args: Vec<i64>,
+    args: Vec<u8>,
     requests: usize,
-) -> Result<Vec<i64>, Error> {
+) -> Result<Bytes, Error> {
     let Some((_, script)) = settings.scripts.iter().find(|(a, _)| *a == algorithm) else {
         return Err(Error::new(
             ErrorKind::Unknown,
@@ -196,7 +205,8 @@ async fn call(
         ));
     };
     let client = settings.pool.next_connected();
-    let call = script.evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args);
+    let args = Bytes::from(args);
+    let call = script.evalsha_with_reload::<Bytes, _, _>(client, keys, args);
     let values = match tokio::time::timeout(settings.timeout, call).await {
         Ok(reply) => reply?,
         Err(_) => {
@@ -204,17 +214,22 @@ async fn call(
             return Err(error);
         }
     };
-    if values.len() != 5 * requests {
-        let message = format!("{} values for {requests} requests", values.len());
+    if values.len() != 5 * INT * requests {
+        let message = format!("{} bytes for {requests} requests", values.len());
         return Err(Error::new(ErrorKind::Parse, message));
     }
     Ok(values)
 }
 
 /// The five integers of request `i` in a reply of the right length.
-fn five(values: &[i64], i: usize) -> [i64; 5] {
+fn five(values: &[u8], i: usize) -> [i64; 5] {
     let mut five = [0; 5];
-    five.copy_from_slice(&values[5 * i..5 * i + 5]);
+    let answer = values[5 * INT * i..].chunks_exact(INT);
+    for (value, bytes) in five.iter_mut().zip(answer) {
+        let mut le = [0; INT];
+        le.copy_from_slice(bytes);
+        *value = i64::from_le_bytes(le);
+    }
     five
 }
 

@@ -2,19 +2,24 @@
 -- One call decides a batch of requests, one after the other, exactly as if each were its own
 -- call: the algorithm's file ends with `return each_request(run)`, where `run()` decides the
 -- request at hand, or, when its state is one string of integers, with
--- `return each_stored_request(fits, apply, report)`. Per-limit answers are combined exactly
--- as `decide` in src/algorithm/mod.rs does.
+-- `return each_stored_request(fields, fits, apply, report)`. Per-limit answers are combined
+-- exactly as `decide` in src/algorithm/mod.rs does.
 --
 -- KEYS[k]   the state of request k (the algorithm's file says its format); in Redis Cluster
 --           all keys of one call are in one hash slot
--- ARGV      for each request k in turn: n (its number of limits), cost (units, integer >= 0),
---           record (1 to record an admitted request, 0 to only look), event time in
---           microseconds since the epoch or -1 for now (Redis TIME), then count and window
---           (microseconds) of limits 1..n, shortest first
+-- ARGV[1]   64-bit little-endian signed integers, for each request k in turn: n (its number
+--           of limits), cost (units, >= 0), record (1 to record an admitted request, 0 to
+--           only look), event time in microseconds since the epoch or -1 for now (Redis TIME),
+--           then count and window (microseconds) of limits 1..n, shortest first
 --
--- Reply: for each request in turn, five integers: allowed (1 or 0), limit index (0-based),
---        remaining, reset_after (us), retry_after (us; -1 when admitted, -2 when no wait
---        helps)
+-- Reply: one string of 64-bit little-endian signed integers, five per request in turn:
+--        allowed (1 or 0), limit index (0-based), remaining, reset_after (us), retry_after
+--        (us; -1 when admitted, -2 when no wait helps)
+--
+-- Cost: arguments and reply are binary because Redis would otherwise parse and convert every
+-- number on its own, and numbers handed to redis.call go as text made once per call (`text`),
+-- because Redis prints every Lua number it receives with "%.17g", which costs more than the
+-- command itself.
 
 if redis.replicate_commands then
   redis.replicate_commands()
@@ -22,43 +27,60 @@ end
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local spack, sunpack = struct.pack, struct.unpack
+
+-- The decimal text of the integer x, made once per call.
+local texts = {}
+local function text(x)
+  local s = texts[x]
+  if s == nil then
+    s = string.format('%d', x)
+    texts[x] = s
+  end
+  return s
+end
+
+-- The struct format of m 64-bit little-endian integers, made once per call.
+local formats = {}
+local function format(m)
+  local f = formats[m]
+  if f == nil then
+    f = '<' .. string.rep('l', m)
+    formats[m] = f
+  end
+  return f
+end
 
 -- The request being decided: its key, cost, record flag, time and limits (entries past n are
 -- left over from an earlier request and never read).
 local key, cost, record, t, n, longest
 local counts, windows = {}, {}
-local next_arg = 1
+local requests, next_byte = ARGV[1], 1
 
 -- Reads request k's arguments into the variables above.
 local function load_request(k)
+  local recorded
   key = KEYS[k]
-  n = tonumber(ARGV[next_arg])
-  cost = tonumber(ARGV[next_arg + 1])
-  record = ARGV[next_arg + 2] == '1'
-  t = tonumber(ARGV[next_arg + 3])
+  n, cost, recorded, t, next_byte = sunpack('<llll', requests, next_byte)
+  record = recorded == 1
   if t < 0 then
     t = now
   end
   for i = 1, n do
-    counts[i] = tonumber(ARGV[next_arg + 2 * i + 2])
-    windows[i] = tonumber(ARGV[next_arg + 2 * i + 3])
+    counts[i], windows[i], next_byte = sunpack('<ll', requests, next_byte)
   end
   longest = windows[n]
-  next_arg = next_arg + 4 + 2 * n
 end
 
 -- Decides every request of the call with `run`, which returns the five integers of its answer,
 -- and concatenates the answers.
 local function each_request(run)
-  local reply, r = {}, 0
+  local reply = {}
   for k = 1, #KEYS do
     load_request(k)
-    local allowed, index, remaining, reset, retry = run()
-    reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4], reply[r + 5] =
-      allowed, index, remaining, reset, retry
-    r = r + 5
+    reply[k] = spack('<lllll', run())
   end
-  return reply
+  return table.concat(reply)
 end
 
 -- fits(i): nil if the request fits limit i, else the retry in us (-2: no wait helps).
@@ -98,39 +120,34 @@ local function window_start(x, w)
   return x - math.fmod(x, w)
 end
 
--- The state of every limit, kept as one string of integers "v1 v2 ...": the m values of limit
--- 1, then those of limit 2, and so on. Returns them as one flat list (value j of limit i at
--- (i - 1) * m + j; nil where absent).
-local function load_fields()
-  local values = {}
+-- The state of every limit, kept as one string of 64-bit little-endian integers: the m values
+-- of limit 1, then those of limit 2, and so on. Returns them as one flat list (value j of
+-- limit i at (i - 1) * m + j); empty when there is no state, or state of another shape (the
+-- policy's limits changed), which counts as none.
+local function load_fields(m)
   local raw = redis.call('GET', key)
-  if raw then
-    local j = 0
-    for v in string.gmatch(raw, '%S+') do
-      j = j + 1
-      values[j] = tonumber(v)
-    end
+  if raw and #raw == 8 * m * n then
+    return { sunpack(format(m * n), raw) }
   end
-  return values
+  return {}
 end
 
--- Stores a flat list of integers as load_fields reads it, to expire after `ttl` microseconds.
-local function store_fields(values, ttl)
-  local parts = {}
-  for j = 1, #values do
-    parts[j] = string.format('%d', values[j])
-  end
-  redis.call('SET', key, table.concat(parts, ' '), 'PX', math.ceil(ttl / 1000))
+-- Stores the first `count` integers of `values` as load_fields reads them, to expire after
+-- `ttl` microseconds.
+local function store_fields(values, count, ttl)
+  local value = spack(format(count), unpack(values, 1, count))
+  redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
 end
 
 -- The state of the request at hand, for algorithms that keep one string of integers: a flat
 -- list as load_fields reads it (the algorithm's file says its layout).
 local state
 
--- Decides every request of the call: loads its state, then combines fits, apply and report.
-local function each_stored_request(fits, apply, report)
+-- Decides every request of the call: loads its state of `fields` integers per limit, then
+-- combines fits, apply and report.
+local function each_stored_request(fields, fits, apply, report)
   return each_request(function()
-    state = load_fields()
+    state = load_fields(fields)
     return decide(fits, apply, report)
   end)
 end

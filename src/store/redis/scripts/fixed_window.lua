@@ -1,7 +1,8 @@
 -- Fixed window (appended to common.lua); src/algorithm/fixed_window.rs is the same procedure.
 --
--- KEYS[k]   string "s1 c1 s2 c2 ...": for limit i, the start of the window counted (us, a
---           multiple of the window since the epoch) and the units counted in it
+-- KEYS[k]   integers s1 c1 s2 c2 ... (as common.lua's load_fields): for limit i, the start of
+--           the window counted (us, a multiple of the window since the epoch) and the units
+--           counted in it
 -- ARGV      as common.lua (event times are -1: fixed windows take none)
 -- Reply     as common.lua
 --
@@ -34,11 +35,11 @@ local function apply()
     new[2 * i - 1], new[2 * i] = window_start(t, windows[i]), used(i) + cost
   end
   state = new
-  store_fields(state, longest)
+  store_fields(state, 2 * n, longest)
 end
 
 local function report(i)
   return math.max(counts[i] - used(i), 0), window_start(t, windows[i]) + windows[i] - t
 end
 
-return each_stored_request(fits, apply, report)
+return each_stored_request(2, fits, apply, report)

@@ -1,8 +1,9 @@
 -- Sliding window counter (appended to common.lua); src/algorithm/sliding_window.rs is the same
 -- procedure and explains the math and its bounds.
 --
--- KEYS[k]   string "s1 c1 p1 s2 c2 p2 ...": for limit i, the start of the current window (us, a
---           multiple of the window since the epoch), its count and the previous window's count
+-- KEYS[k]   integers s1 c1 p1 s2 c2 p2 ... (as common.lua's load_fields): for limit i, the
+--           start of the current window (us, a multiple of the window since the epoch), its
+--           count and the previous window's count
 -- ARGV      as common.lua (event times are -1: the counter takes none)
 -- Reply     as common.lua
 --
@@ -46,7 +47,7 @@ local function apply()
     new[3 * i - 2], new[3 * i - 1], new[3 * i] = window_start(t, windows[i]), curr + cost, prev
   end
   state = new
-  store_fields(state, 2 * longest)
+  store_fields(state, 3 * n, 2 * longest)
 end
 
 local function report(i)
@@ -62,4 +63,4 @@ local function report(i)
   return remaining, reset
 end
 
-return each_stored_request(fits, apply, report)
+return each_stored_request(3, fits, apply, report)
