@@ -18,6 +18,7 @@
 //! | `fred_peer` | `tower-rate-limit-fred` (GCRA in Redis), capacity 65 535, 1 per ms |
 //! | `flood_nocache` | this crate, `RedisStore`, every request on one key already over `1/1h`, no deny cache |
 //! | `flood_cache` | the same flood with the default deny cache |
+//! | `instant_store` | this crate, GCRA, with a store that answers at once from a task of its own: the cost of waiting for any store elsewhere, without the store's work; the ceiling of the Redis configurations |
 //!
 //! Every request carries `x-client: c<n>`, `n` cycling over `--keys` values (one key for the
 //! floods), and every limit is high enough that no request of the other configurations is
@@ -47,12 +48,14 @@
 mod support;
 
 use std::fmt::Write as _;
+use std::future::Future;
 use std::net::{SocketAddr, TcpListener as StdTcpListener, TcpStream as StdTcpStream};
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::process::{Child, Command, Stdio};
 use std::str::FromStr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use axum::body::Body;
 use axum::response::IntoResponse;
@@ -73,14 +76,17 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use support::{process_cpu_seconds, redis_cpu_seconds};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::KeyExtractor;
 use tower_governor::{GovernorError, GovernorLayer};
 use tower_rate_limit_fred::KeyResolver;
-use tower_redis_ratelimit::{Algorithm, Header, RateLimitLayer, RedisStore};
+use tower_redis_ratelimit::{
+    Algorithm, Decision, Header, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Store,
+    StoreError,
+};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -224,14 +230,16 @@ enum Scenario {
     FredPeer,
     FloodNocache,
     FloodCache,
+    InstantStore,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 9] = [
+    const ALL: [Scenario; 10] = [
         Scenario::Bare,
         Scenario::Memory,
         Scenario::MemoryGcra,
         Scenario::TowerGovernor,
+        Scenario::InstantStore,
         Scenario::RedisLog,
         Scenario::RedisGcra,
         Scenario::FredPeer,
@@ -250,13 +258,18 @@ impl Scenario {
             Scenario::FredPeer => "fred_peer",
             Scenario::FloodNocache => "flood_nocache",
             Scenario::FloodCache => "flood_cache",
+            Scenario::InstantStore => "instant_store",
         }
     }
 
     fn uses_redis(self) -> bool {
         !matches!(
             self,
-            Scenario::Bare | Scenario::Memory | Scenario::MemoryGcra | Scenario::TowerGovernor
+            Scenario::Bare
+                | Scenario::Memory
+                | Scenario::MemoryGcra
+                | Scenario::TowerGovernor
+                | Scenario::InstantStore
         )
     }
 
@@ -292,6 +305,12 @@ impl Scenario {
                 route.layer(ours.policy(FLOOD_LIMIT).build()?)
             }
             Scenario::FloodCache => route.layer(ours_on_redis()?.policy(FLOOD_LIMIT).build()?),
+            Scenario::InstantStore => {
+                let ours = ours()
+                    .store(InstantStore::spawn())
+                    .algorithm(Algorithm::Gcra);
+                route.layer(ours.policy(HIGH_LIMIT).build()?)
+            }
         })
     }
 }
@@ -304,6 +323,63 @@ impl FromStr for Scenario {
             .into_iter()
             .find(|s| s.name() == name.trim())
             .ok_or_else(|| format!("no configuration named {name:?}").into())
+    }
+}
+
+/// A store that decides in a task of its own, at once, from memory: what any store that answers
+/// from elsewhere costs the service (the request waits, a message goes each way), without the
+/// store's own work. The ceiling of every Redis configuration.
+#[derive(Clone)]
+struct InstantStore {
+    queue: mpsc::UnboundedSender<Question>,
+}
+
+/// One decision asked of [`InstantStore`]'s task.
+type Question = (
+    Key,
+    Policy,
+    u32,
+    oneshot::Sender<Result<Decision, StoreError>>,
+);
+
+type Answer<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send>>;
+
+impl InstantStore {
+    fn spawn() -> InstantStore {
+        let (queue, mut questions) = mpsc::unbounded_channel::<Question>();
+        tokio::spawn(async move {
+            let store = MemoryStore::new();
+            while let Some((key, policy, cost, answer)) = questions.recv().await {
+                let _ = answer.send(store.check(&key, &policy, cost).await);
+            }
+        });
+        InstantStore { queue }
+    }
+}
+
+impl Store for InstantStore {
+    type Future = Answer<Decision>;
+    type ResetFuture = Answer<()>;
+
+    fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        let (answer, decision) = oneshot::channel();
+        let asked = self.queue.send((key.clone(), policy.clone(), cost, answer));
+        Box::pin(async move {
+            asked.map_err(|_| StoreError::Unavailable)?;
+            decision.await.unwrap_or(Err(StoreError::Unavailable))
+        })
+    }
+
+    fn check_at(&self, key: &Key, policy: &Policy, cost: u32, _at: SystemTime) -> Self::Future {
+        self.check(key, policy, cost)
+    }
+
+    fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        self.check(key, policy, cost)
+    }
+
+    fn reset(&self, _key: &Key, _policy: &Policy) -> Self::ResetFuture {
+        Box::pin(async { Ok(()) })
     }
 }
 

@@ -64,3 +64,32 @@ async fn batches_of_one_take_a_call_each() {
     let calls = crowd(&server, &store, Algorithm::Gcra).await;
     assert_eq!(calls, (KEYS * PER_KEY) as u64);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_call_under_way_makes_the_fewest_calls() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder(server.url())
+        .max_in_flight(1)
+        .connect()
+        .await
+        .unwrap();
+    let one = crowd(&server, &store, Algorithm::Gcra).await;
+    // 500 requests, at most 32 per call.
+    assert!((16..100).contains(&one), "{one} calls");
+}
+
+#[tokio::test]
+async fn settings_that_cannot_work_are_refused_before_connecting() {
+    // Nothing listens there: each refusal must come from the settings alone.
+    let builder = || RedisStore::builder("redis://127.0.0.1:1");
+    for (what, result) in [
+        ("pool_size", builder().pool_size(0).connect().await),
+        ("max_batch", builder().max_batch(0).connect().await),
+        ("max_in_flight", builder().max_in_flight(0).connect().await),
+    ] {
+        assert!(
+            matches!(result, Err(tower_redis_ratelimit::StoreError::Config(_))),
+            "{what}: {result:?}"
+        );
+    }
+}

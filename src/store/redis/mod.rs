@@ -38,7 +38,8 @@ const SCRIPTS: [(Algorithm, &str); 4] = [
 
 /// Rate-limit state in Redis, shared by every instance of a service.
 ///
-/// Each decision is one `EVALSHA` of the algorithm's Lua script: the script reads the time
+/// Decisions run the algorithm's Lua script (`EVALSHA`; under load one call decides a batch,
+/// see [`RedisStoreBuilder::max_batch`]): the script reads the time
 /// from Redis `TIME` (so that app servers whose clocks disagree still share one timeline),
 /// trims, counts and records in one atomic step. If Redis has lost the script (`SCRIPT FLUSH`,
 /// a restart, a failover) it is loaded again and the call retried once.
@@ -86,6 +87,9 @@ impl RedisStore {
     /// The most requests one script call decides unless told otherwise.
     pub const DEFAULT_MAX_BATCH: usize = 32;
 
+    /// The most script calls under way at once unless told otherwise.
+    pub const DEFAULT_MAX_IN_FLIGHT: usize = 2;
+
     /// How long a decision may take unless told otherwise.
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
 
@@ -101,6 +105,7 @@ impl RedisStore {
             url: url.into(),
             pool_size: 4,
             max_batch: Self::DEFAULT_MAX_BATCH,
+            max_in_flight: Self::DEFAULT_MAX_IN_FLIGHT,
             prefix: Self::DEFAULT_PREFIX.to_owned(),
             timeout: Self::DEFAULT_TIMEOUT,
             retry_interval: Duration::from_millis(500),
@@ -194,6 +199,7 @@ pub struct RedisStoreBuilder {
     url: String,
     pool_size: usize,
     max_batch: usize,
+    max_in_flight: usize,
     prefix: String,
     timeout: Duration,
     retry_interval: Duration,
@@ -210,13 +216,23 @@ impl RedisStoreBuilder {
     }
 
     /// The most requests decided by one script call (default
-    /// [`RedisStore::DEFAULT_MAX_BATCH`]). At most [`pool_size`](Self::pool_size) calls are
-    /// under way at once; requests that arrive meanwhile leave together when a call returns,
-    /// which saves Redis and the client a command's fixed cost per request. A lone request is
-    /// sent at once. `1` sends every request in its own call, at once, with no limit on the
-    /// calls under way.
+    /// [`RedisStore::DEFAULT_MAX_BATCH`]). At most [`max_in_flight`](Self::max_in_flight)
+    /// calls are under way at once; requests that arrive meanwhile leave together when a call
+    /// returns, which saves Redis and the client a command's fixed cost per request. A lone
+    /// request is sent at once. `1` sends every request in its own call, at once, with no
+    /// limit on the calls under way.
     pub fn max_batch(mut self, max_batch: usize) -> Self {
         self.max_batch = max_batch;
+        self
+    }
+
+    /// The most script calls under way at once (default
+    /// [`RedisStore::DEFAULT_MAX_IN_FLIGHT`]), when batching. Fewer calls under way make
+    /// larger batches, which cost Redis and this process less per request; more let a request
+    /// leave sooner while Redis is busy with a call. The README's performance section has the
+    /// measurements behind the default.
+    pub fn max_in_flight(mut self, calls: usize) -> Self {
+        self.max_in_flight = calls;
         self
     }
 
@@ -263,6 +279,11 @@ impl RedisStoreBuilder {
                 "batches need room for one request".into(),
             ));
         }
+        if self.max_in_flight == 0 {
+            return Err(StoreError::Config(
+                "at least one call must be allowed under way".into(),
+            ));
+        }
         if self.prefix.is_empty() || self.prefix.contains(['{', '}']) {
             return Err(StoreError::Config(format!(
                 "key prefix {:?} must be non-empty and free of braces",
@@ -298,7 +319,7 @@ impl RedisStoreBuilder {
             in_flight: if self.max_batch == 1 {
                 tokio::sync::Semaphore::MAX_PERMITS
             } else {
-                self.pool_size
+                self.max_in_flight
             },
             timeout: self.timeout,
         });
