@@ -34,9 +34,9 @@ const INT: usize = std::mem::size_of::<i64>();
 struct Job {
     algorithm: Algorithm,
     key: String,
-    /// The request's arguments: number of limits, cost, record, time, then count and window
-    /// of each limit.
-    args: Vec<i64>,
+    /// The request's arguments, encoded: number of limits, cost, record, time, then count and
+    /// window of each limit.
+    args: Vec<u8>,
     reply: oneshot::Sender<Reply>,
 }
 
@@ -83,11 +83,12 @@ impl Batcher {
         }
     }
 
-    /// Decides one request: `args` as in [`Job::args`].
+    /// Decides one request: `args` as in [`Job::args`], not yet encoded.
     pub(super) async fn decide(&self, algorithm: Algorithm, key: String, args: Vec<i64>) -> Reply {
+        let args = encode(&args);
         // A free slot means nothing is waiting: no batch to join, so go at once.
         if let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() {
-            let reply = call(&self.settings, algorithm, vec![key], encode(&args), 1).await;
+            let reply = call(&self.settings, algorithm, vec![key], args, 1).await;
             drop(slot);
             return reply.map(|values| five(&values, 0));
         }
@@ -166,11 +167,11 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
     };
     let requests = group.len();
     let mut keys = Vec::with_capacity(requests);
-    let mut args = Vec::with_capacity(INT * group.iter().map(|job| job.args.len()).sum::<usize>());
+    let mut args = Vec::with_capacity(group.iter().map(|job| job.args.len()).sum());
     let mut replies = Vec::with_capacity(requests);
     for job in group {
         keys.push(job.key);
-        args.extend(job.args.iter().flat_map(|v| v.to_le_bytes()));
+        args.extend_from_slice(&job.args);
         replies.push(job.reply);
     }
     let reply = call(&settings, algorithm, keys, args, requests).await;
@@ -189,8 +190,8 @@ fn encode(args: &[i64]) -> Vec<u8> {
     args.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-/// Runs the algorithm's script for `requests` requests (`args`: theirs, encoded), within the
-/// time budget; the reply has five integers per request.
+/// Runs the algorithm's script for `requests` requests (`args`: theirs, encoded one after
+/// the other), within the time budget; the reply has five integers per request.
 async fn call(
     settings: &Settings,
     algorithm: Algorithm,
