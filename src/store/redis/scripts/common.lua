@@ -127,15 +127,16 @@ end
 local function load_fields(m)
   local raw = redis.call('GET', key)
   if raw and #raw == 8 * m * n then
-    return { sunpack(format(m * n), raw) }
+    local values = { sunpack(format(m * n), raw) }
+    values[#values] = nil -- the position after the last value, which struct.unpack adds
+    return values
   end
   return {}
 end
 
--- Stores the first `count` integers of `values` as load_fields reads them, to expire after
--- `ttl` microseconds.
-local function store_fields(values, count, ttl)
-  local value = spack(format(count), unpack(values, 1, count))
+-- Stores a flat list of integers as load_fields reads it, to expire after `ttl` microseconds.
+local function store_fields(values, ttl)
+  local value = spack(format(#values), unpack(values))
   redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
 end
 

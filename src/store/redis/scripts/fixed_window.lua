@@ -35,7 +35,7 @@ local function apply()
     new[2 * i - 1], new[2 * i] = window_start(t, windows[i]), used(i) + cost
   end
   state = new
-  store_fields(state, 2 * n, longest)
+  store_fields(state, longest)
 end
 
 local function report(i)

@@ -47,7 +47,7 @@ local function apply()
     new[3 * i - 2], new[3 * i - 1], new[3 * i] = window_start(t, windows[i]), curr + cost, prev
   end
   state = new
-  store_fields(state, 3 * n, 2 * longest)
+  store_fields(state, 2 * longest)
 end
 
 local function report(i)
