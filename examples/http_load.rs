@@ -14,7 +14,9 @@
 //! | `memory_gcra` | the same with GCRA and no rate-limit headers on admitted answers, which is what `tower_governor` does |
 //! | `tower_governor` | `tower_governor`, 1 000 000 per second per key |
 //! | `redis_log` | this crate, `RedisStore`, sliding log, `100000/1s` per key |
+//! | `redis_log_lean` | the same without rate-limit headers on admitted answers, which is what `tower-rate-limit-fred` does |
 //! | `redis_gcra` | this crate, `RedisStore`, GCRA, `1000000/1s` per key |
+//! | `redis_gcra_lean` | the same without rate-limit headers on admitted answers |
 //! | `fred_peer` | `tower-rate-limit-fred` (GCRA in Redis), capacity 65 535, 1 per ms |
 //! | `flood_nocache` | this crate, `RedisStore`, every request on one key already over `1/1h`, no deny cache |
 //! | `flood_cache` | the same flood with the default deny cache |
@@ -34,8 +36,10 @@
 //! `cpu app` and `cpu redis` are the cores this process and Redis kept busy.
 //!
 //! Configurations run interleaved (round 1 runs each once, then round 2, ...); the table shows
-//! each one's median over rounds, and its throughput ratio to the bare route of the same
-//! round (median of the per-round ratios).
+//! each one's median over rounds, and its throughput ratios to the bare route and to its rival
+//! of the same round (medians of the per-round ratios; the rival is `tower_governor` for the
+//! memory store and `fred_peer` for the Redis store, the comparisons the performance targets
+//! name).
 //!
 //! Flags: `--duration SECS` (measured time per configuration and round, default 5),
 //! `--warmup SECS` (default 1), `--concurrency N` (default 32), `--keys N` (default 1000),
@@ -226,7 +230,9 @@ enum Scenario {
     MemoryGcra,
     TowerGovernor,
     RedisLog,
+    RedisLogLean,
     RedisGcra,
+    RedisGcraLean,
     FredPeer,
     FloodNocache,
     FloodCache,
@@ -234,14 +240,16 @@ enum Scenario {
 }
 
 impl Scenario {
-    const ALL: [Scenario; 10] = [
+    const ALL: [Scenario; 12] = [
         Scenario::Bare,
         Scenario::Memory,
         Scenario::MemoryGcra,
         Scenario::TowerGovernor,
         Scenario::InstantStore,
         Scenario::RedisLog,
+        Scenario::RedisLogLean,
         Scenario::RedisGcra,
+        Scenario::RedisGcraLean,
         Scenario::FredPeer,
         Scenario::FloodNocache,
         Scenario::FloodCache,
@@ -254,7 +262,9 @@ impl Scenario {
             Scenario::MemoryGcra => "memory_gcra",
             Scenario::TowerGovernor => "tower_governor",
             Scenario::RedisLog => "redis_log",
+            Scenario::RedisLogLean => "redis_log_lean",
             Scenario::RedisGcra => "redis_gcra",
+            Scenario::RedisGcraLean => "redis_gcra_lean",
             Scenario::FredPeer => "fred_peer",
             Scenario::FloodNocache => "flood_nocache",
             Scenario::FloodCache => "flood_cache",
@@ -271,6 +281,19 @@ impl Scenario {
                 | Scenario::TowerGovernor
                 | Scenario::InstantStore
         )
+    }
+
+    /// What the issue's targets compare this configuration with: `tower_governor` for the
+    /// memory store, `tower-rate-limit-fred` for the Redis store.
+    fn rival(self) -> Option<Scenario> {
+        match self {
+            Scenario::Memory | Scenario::MemoryGcra => Some(Scenario::TowerGovernor),
+            Scenario::RedisLog
+            | Scenario::RedisLogLean
+            | Scenario::RedisGcra
+            | Scenario::RedisGcraLean => Some(Scenario::FredPeer),
+            _ => None,
+        }
     }
 
     fn is_flood(self) -> bool {
@@ -291,12 +314,16 @@ impl Scenario {
                 route.layer(ours.policy(HIGH_LIMIT).build()?)
             }
             Scenario::TowerGovernor => route.layer(governor_layer()?),
-            Scenario::RedisLog => {
-                let ours = ours_on_redis()?.algorithm(Algorithm::SlidingLog);
+            Scenario::RedisLog | Scenario::RedisLogLean => {
+                let ours = ours_on_redis()?
+                    .algorithm(Algorithm::SlidingLog)
+                    .headers_on_allowed(self == Scenario::RedisLog);
                 route.layer(ours.policy(LOG_LIMIT).build()?)
             }
-            Scenario::RedisGcra => {
-                let ours = ours_on_redis()?.algorithm(Algorithm::Gcra);
+            Scenario::RedisGcra | Scenario::RedisGcraLean => {
+                let ours = ours_on_redis()?
+                    .algorithm(Algorithm::Gcra)
+                    .headers_on_allowed(self == Scenario::RedisGcra);
                 route.layer(ours.policy(HIGH_LIMIT).build()?)
             }
             Scenario::FredPeer => route.layer(peer_layer(redis()?.peer_pool.clone())),
@@ -806,6 +833,8 @@ struct Measurement {
     app_cores: Option<f64>,
     redis_cores: Option<f64>,
     ratio_to_bare: Option<f64>,
+    /// Throughput over the same round's [`Scenario::rival`]'s, when both ran.
+    ratio_to_rival: Option<f64>,
 }
 
 impl Measurement {
@@ -840,6 +869,7 @@ impl Measurement {
                 .map(|(b, a)| (a - b) / seconds),
             redis_cores: redis.map(|(b, a)| (a.cpu_seconds - b.cpu_seconds) / seconds),
             ratio_to_bare: None,
+            ratio_to_rival: None,
         }
     }
 
@@ -865,14 +895,17 @@ struct RedisPerRequest {
     evals: f64,
 }
 
-/// Each measurement's throughput over the same round's bare route's, when that ran.
+/// Each measurement's throughput over the same round's bare route's and rival's, when they ran.
 fn set_ratios(round: &mut [Measurement]) {
-    let bare = round
+    let rps_of = |scenario: Scenario| round.iter().find(|m| m.scenario == scenario).map(|m| m.rps);
+    let bare = rps_of(Scenario::Bare);
+    let rivals: Vec<Option<f64>> = round
         .iter()
-        .find(|m| m.scenario == Scenario::Bare)
-        .map(|m| m.rps);
-    for measurement in round {
+        .map(|m| m.scenario.rival().and_then(rps_of))
+        .collect();
+    for (measurement, rival) in round.iter_mut().zip(rivals) {
         measurement.ratio_to_bare = bare.map(|bare| measurement.rps / bare);
+        measurement.ratio_to_rival = rival.map(|rival| measurement.rps / rival);
     }
 }
 
@@ -890,6 +923,7 @@ struct Summary {
     p50_us: f64,
     p99_us: f64,
     ratio_to_bare: Option<f64>,
+    ratio_to_rival: Option<f64>,
     redis_cmds_per_req: Option<f64>,
     redis_evals_per_req: Option<f64>,
     app_cores: Option<f64>,
@@ -912,6 +946,7 @@ impl Summary {
             p50_us: median_of(&|m| Some(m.p50_us as f64)).unwrap_or(0.0),
             p99_us: median_of(&|m| Some(m.p99_us as f64)).unwrap_or(0.0),
             ratio_to_bare: median_of(&|m| m.ratio_to_bare),
+            ratio_to_rival: median_of(&|m| m.ratio_to_rival),
             redis_cmds_per_req: median_of(&|m| m.redis_per_request.map(|r| r.commands)),
             redis_evals_per_req: median_of(&|m| m.redis_per_request.map(|r| r.evals)),
             app_cores: median_of(&|m| m.app_cores),
@@ -942,10 +977,11 @@ fn or_dash(value: Option<f64>, digits: usize) -> String {
 
 fn table(summaries: &[Summary]) -> String {
     let mut out = format!(
-        "{:<15} {:>9} {:>6} {:>8} {:>8} {:>8} {:>6} {:>8} {:>9} {:>7} {:>9}\n",
+        "{:<15} {:>9} {:>6} {:>6} {:>8} {:>8} {:>8} {:>6} {:>8} {:>9} {:>7} {:>9}\n",
         "config",
         "req/s",
         "×bare",
+        "×rival",
         "p50 µs",
         "p99 µs",
         "non-200",
@@ -958,10 +994,11 @@ fn table(summaries: &[Summary]) -> String {
     for s in summaries {
         let _ = writeln!(
             out,
-            "{:<15} {:>9.0} {:>6} {:>8.0} {:>8.0} {:>8} {:>6.1} {:>8} {:>9} {:>7} {:>9}",
+            "{:<15} {:>9.0} {:>6} {:>6} {:>8.0} {:>8.0} {:>8} {:>6.1} {:>8} {:>9} {:>7} {:>9}",
             s.scenario.name(),
             s.rps,
             or_dash(s.ratio_to_bare, 2),
+            or_dash(s.ratio_to_rival, 2),
             s.p50_us,
             s.p99_us,
             s.non_ok,
@@ -973,9 +1010,10 @@ fn table(summaries: &[Summary]) -> String {
         );
     }
     out.push_str(
-        "\nMedians over rounds; non-200 and 429 % over all rounds. cmds/req counts the commands \
-         Lua scripts run,\nevals/req the EVALSHA round trips; cpu: cores busy (app: this \
-         process, server and load together).\n",
+        "\nMedians over rounds; non-200 and 429 % over all rounds. ×bare and ×rival are medians of \
+         per-round ratios,\n×rival to tower_governor (memory store) or fred_peer (Redis store). \
+         cmds/req counts the commands\nLua scripts run, evals/req the EVALSHA round trips; cpu: \
+         cores busy (app: this process, server and\nload together).\n",
     );
     out
 }
@@ -994,12 +1032,12 @@ fn write_outputs(dir: &Path, results: &[Measurement], summaries: &[Summary]) -> 
 
 fn results_csv(results: &[Measurement]) -> String {
     let mut csv = "config,round,requests,non_ok,seconds,rps,p50_us,p99_us,redis_cmds_per_req,\
-                   ratio_to_bare,status_429,redis_evals_per_req,app_cores,redis_cores\n"
+                   ratio_to_bare,status_429,redis_evals_per_req,app_cores,redis_cores,ratio_to_rival\n"
         .to_owned();
     for m in results {
         let _ = writeln!(
             csv,
-            "{},{},{},{},{:.3},{:.1},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{:.3},{:.1},{},{},{},{},{},{},{},{},{}",
             m.scenario.name(),
             m.round,
             m.requests,
@@ -1014,6 +1052,7 @@ fn results_csv(results: &[Measurement]) -> String {
             or_empty(m.redis_per_request.map(|r| r.evals), 4),
             or_empty(m.app_cores, 3),
             or_empty(m.redis_cores, 3),
+            or_empty(m.ratio_to_rival, 4),
         );
     }
     csv
@@ -1021,12 +1060,13 @@ fn results_csv(results: &[Measurement]) -> String {
 
 fn summary_csv(summaries: &[Summary]) -> String {
     let mut csv = "config,rounds,requests,non_ok,status_429,rps,p50_us,p99_us,\
-                   redis_cmds_per_req,ratio_to_bare,redis_evals_per_req,app_cores,redis_cores\n"
+                   redis_cmds_per_req,ratio_to_bare,redis_evals_per_req,app_cores,redis_cores,\
+                   ratio_to_rival\n"
         .to_owned();
     for s in summaries {
         let _ = writeln!(
             csv,
-            "{},{},{},{},{},{:.1},{:.0},{:.0},{},{},{},{},{}",
+            "{},{},{},{},{},{:.1},{:.0},{:.0},{},{},{},{},{},{}",
             s.scenario.name(),
             s.rounds,
             s.requests,
@@ -1040,6 +1080,7 @@ fn summary_csv(summaries: &[Summary]) -> String {
             or_empty(s.redis_evals_per_req, 4),
             or_empty(s.app_cores, 3),
             or_empty(s.redis_cores, 3),
+            or_empty(s.ratio_to_rival, 4),
         );
     }
     csv

@@ -26,13 +26,16 @@ macro_rules! script {
 }
 
 const SCRIPTS: [(Algorithm, &str); 4] = [
-    (Algorithm::SlidingLog, script!("scripts/sliding_log.lua")),
+    // GCRA and the sliding log stand alone, for speed (their headers say why).
+    (
+        Algorithm::SlidingLog,
+        include_str!("scripts/sliding_log.lua"),
+    ),
     (
         Algorithm::SlidingWindow,
         script!("scripts/sliding_window.lua"),
     ),
     (Algorithm::FixedWindow, script!("scripts/fixed_window.lua")),
-    // GCRA stands alone, for speed (its header says why).
     (Algorithm::Gcra, include_str!("scripts/gcra.lua")),
 ];
 

@@ -1,19 +1,50 @@
--- Sliding-window log (appended to common.lua); src/algorithm/sliding_log.rs is the same
--- procedure and explains the math.
+-- Sliding-window log; src/algorithm/sliding_log.rs is the same procedure and explains the math.
+--
+-- Like gcra.lua, this script stands alone instead of being appended to common.lua: a log
+-- decision runs six sorted-set commands, and common.lua's driver (closures called per limit,
+-- tables per request) cost more than those commands. It takes the same arguments, gives the
+-- same reply, and combines limits exactly as common.lua's `decide` does.
 --
 -- KEYS[k]   sorted set; one member per admitted unit of cost, score = event time in us,
 --           member = "<time>:<n>" (n counts the units sharing that microsecond, so members
 --           never collide)
--- ARGV      as common.lua; the event time may be any, past or future
--- Reply     as common.lua
+-- ARGV[1]   as common.lua: 64-bit little-endian signed integers, for each request in turn n,
+--           cost, record (1 or 0), event time (-1: now; any other time, past or future, is
+--           taken), then count and window (us) of limits 1..n, shortest first
+--
+-- Reply     as common.lua: one string of 64-bit little-endian signed integers, five per
+--           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
+--           retry_after (us; -1 when admitted, -2 when no wait helps)
 --
 -- Writes: members older than the longest window before min(now, t) are trimmed; an admitted
 -- request adds `cost` members and sets the key to expire a longest window after its latest
 -- event.
 
--- Events in (e - w, e].
-local function count(e, w)
-  return redis.call('ZCOUNT', key, text(e - w + 1), text(e))
+if redis.replicate_commands then
+  redis.replicate_commands()
+end
+
+local call = redis.call
+local time = call('TIME')
+local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local spack, sunpack = struct.pack, struct.unpack
+local find, sub, max, min = string.find, string.sub, math.max, math.min
+local requests, next_byte = ARGV[1], 1
+local reply = {}
+-- Per limit of the request at hand (entries past its n are left over and never read): count,
+-- window, events in (t - w, t], and the most any window (a, a + w] containing t holds.
+local counts, windows, pasts, fullests = {}, {}, {}, {}
+
+-- The decimal text of the integer x, made once per call: Redis would print a Lua number with
+-- "%.17g", which costs more than the command it is passed to.
+local texts = {}
+local function text(x)
+  local s = texts[x]
+  if s == nil then
+    s = string.format('%d', x)
+    texts[x] = s
+  end
+  return s
 end
 
 -- The time of an event from its member "<time>:<n>" (nil for none). Reading it from the
@@ -22,114 +53,131 @@ local function event_time(member)
   if member == nil then
     return nil
   end
-  return tonumber(string.sub(member, 1, string.find(member, ':', 1, true) - 1))
+  return tonumber(sub(member, 1, find(member, ':', 1, true) - 1))
 end
 
--- For the request at hand: the time of the newest event (nil: none), and per limit the events
--- in (t - w, t] and the most any window (a, a + w] containing t holds, computed once.
-local newest, pasts, fullests
+for k = 1, #KEYS do
+  local key = KEYS[k]
+  local n, cost, record, t
+  n, cost, record, t, next_byte = sunpack('<llll', requests, next_byte)
+  if t < 0 then
+    t = now
+  end
+  for i = 1, n do
+    counts[i], windows[i], next_byte = sunpack('<ll', requests, next_byte)
+  end
+  local longest = windows[n]
 
--- Whether the set holds exactly the events of limit i's window (t - w, t]: true for the
--- longest window when nothing is scheduled after t and the trim cut at t - w (t not after
--- now). Then counts and the oldest event come from ranks, the cheapest queries.
-local function whole_set_is_window(i)
-  return windows[i] == longest and t <= now and (newest == nil or newest <= t)
-end
+  local cutoff = min(now, t) - longest
+  if cutoff >= 0 then
+    call('ZREMRANGEBYSCORE', key, '-inf', text(cutoff))
+  end
+  local newest = event_time(call('ZRANGE', key, '-1', '-1')[1])
+  -- The set holds exactly the events of the longest window (t - w, t] when nothing is
+  -- scheduled after t and the trim cut at t - w (t not after now); then counts and the
+  -- oldest event come from ranks, the cheapest queries.
+  local whole = t <= now and (newest == nil or newest <= t)
 
-local function used(i)
-  if pasts[i] == nil then
-    local w = windows[i]
+  -- Each limit's use, and the limit that refuses with the latest retry (-2, no wait helps,
+  -- is the latest of all).
+  local denied, denied_retry = nil, nil
+  for i = 1, n do
+    local c, w = counts[i], windows[i]
     local past
     if newest == nil then
       past = 0
-    elseif whole_set_is_window(i) then
-      past = redis.call('ZCARD', key)
+    elseif whole and w == longest then
+      past = call('ZCARD', key)
     else
-      past = count(t, w)
+      past = call('ZCOUNT', key, text(t - w + 1), text(t))
     end
-    local fullest, last = past, nil
+    local fullest = past
     -- Only events after t (scheduled ones) can make a later window fuller.
     if newest ~= nil and newest > t then
-      local later = redis.call('ZRANGEBYSCORE', key, text(t + 1), text(t + w - 1))
+      local later = call('ZRANGEBYSCORE', key, text(t + 1), text(t + w - 1))
+      local last
       for j = 1, #later do
         local e = event_time(later[j])
         if e ~= last then
-          fullest = math.max(fullest, count(e, w))
+          fullest = max(fullest, call('ZCOUNT', key, text(e - w + 1), text(e)))
           last = e
         end
       end
     end
     pasts[i], fullests[i] = past, fullest
-  end
-  return pasts[i], fullests[i]
-end
-
-local function fits(i)
-  local c, w = counts[i], windows[i]
-  local past, fullest = used(i)
-  if fullest + cost <= c then
-    return nil
-  end
-  if cost > c or past + cost <= c then
-    return -2
-  end
-  local nth = redis.call('ZRANGEBYSCORE', key, text(t - w + 1), '+inf', 'LIMIT',
-    text(past + cost - c - 1), '1')
-  return event_time(nth[1]) + w - t
-end
-
-local function apply()
-  if cost == 0 then
-    return
-  end
-  local at = text(t)
-  local seq = 0
-  if newest ~= nil and newest >= t then
-    seq = redis.call('ZCOUNT', key, at, at)
-  end
-  local batch = {}
-  for u = 1, cost do
-    batch[#batch + 1] = at
-    batch[#batch + 1] = at .. ':' .. text(seq + u - 1)
-    if #batch >= 1000 or u == cost then
-      redis.call('ZADD', key, unpack(batch))
-      batch = {}
+    if fullest + cost > c then
+      local retry = -2
+      if cost <= c and past + cost > c then
+        local nth = call('ZRANGEBYSCORE', key, text(t - w + 1), '+inf', 'LIMIT',
+          text(past + cost - c - 1), '1')
+        retry = event_time(nth[1]) + w - t
+      end
+      if denied == nil or (denied_retry ~= -2 and (retry == -2 or retry > denied_retry)) then
+        denied, denied_retry = i, retry
+      end
     end
   end
-  -- Every window containing t now holds `cost` more.
-  for i = 1, n do
-    pasts[i], fullests[i] = pasts[i] + cost, fullests[i] + cost
-  end
-  newest = math.max(newest or t, t)
-  redis.call('PEXPIREAT', key, text(math.ceil((math.max(newest, now) + longest) / 1000)))
-end
 
-local function report(i)
-  local c, w = counts[i], windows[i]
-  local _, fullest = used(i)
+  -- Refused: report the refusing limit. Admitted: record, then report the limit with the
+  -- fewest units left (the first of equals).
+  local allowed, reported, retry = 0, denied, denied_retry
+  -- Whether this request's events are the only ones in the set.
+  local fresh = false
+  if denied == nil then
+    allowed, retry = 1, -1
+    if record == 1 and cost > 0 then
+      fresh = newest == nil
+      local at = text(t)
+      local seq = 0
+      if newest ~= nil and newest >= t then
+        seq = call('ZCOUNT', key, at, at)
+      end
+      if cost == 1 then
+        call('ZADD', key, at, at .. ':' .. text(seq))
+      else
+        local batch = {}
+        for u = 1, cost do
+          batch[#batch + 1] = at
+          batch[#batch + 1] = at .. ':' .. text(seq + u - 1)
+          if #batch >= 1000 or u == cost then
+            call('ZADD', key, unpack(batch))
+            batch = {}
+          end
+        end
+      end
+      -- Every window containing t now holds `cost` more.
+      for i = 1, n do
+        pasts[i], fullests[i] = pasts[i] + cost, fullests[i] + cost
+      end
+      newest = max(newest or t, t)
+      call('PEXPIREAT', key, text(math.ceil((max(newest, now) + longest) / 1000)))
+    end
+    local least
+    for i = 1, n do
+      local remaining = max(counts[i] - fullests[i], 0)
+      if least == nil or remaining < least then
+        least, reported = remaining, i
+      end
+    end
+  end
+
+  -- The reported limit: units left, and when its oldest event in (t - w, t] leaves it.
+  local c, w = counts[reported], windows[reported]
   local oldest
-  if newest == nil then
+  if fresh then
+    oldest = t
+  elseif newest == nil then
     oldest = nil
-  elseif whole_set_is_window(i) then
-    oldest = redis.call('ZRANGE', key, '0', '0')[1]
+  elseif t <= now and newest <= t and w == longest then
+    oldest = event_time(call('ZRANGE', key, '0', '0')[1])
   else
-    oldest = redis.call('ZRANGEBYSCORE', key, text(t - w + 1), text(t), 'LIMIT', '0', '1')[1]
+    oldest = event_time(call('ZRANGEBYSCORE', key, text(t - w + 1), text(t), 'LIMIT', '0', '1')[1])
   end
   local reset = 0
   if oldest then
-    reset = event_time(oldest) + w - t
+    reset = oldest + w - t
   end
-  return math.max(c - fullest, 0), reset
+  reply[k] = spack('<lllll', allowed, reported - 1, max(c - fullests[reported], 0), reset, retry)
 end
 
-local function run()
-  local cutoff = math.min(now, t) - longest
-  if cutoff >= 0 then
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', text(cutoff))
-  end
-  newest = event_time(redis.call('ZRANGE', key, '-1', '-1')[1])
-  pasts, fullests = {}, {}
-  return decide(fits, apply, report)
-end
-
-return each_request(run)
+return table.concat(reply)
