@@ -1,7 +1,7 @@
--- Shared prelude of every rate-limit script; each algorithm's file is appended to it.
--- One call decides a batch of requests, one after the other, exactly as if each were its own
--- call: the algorithm's file ends with `return each_request(run)`, where `run()` decides the
--- request at hand, or, when its state is one string of integers, with
+-- Shared prelude of the fixed-window and sliding-window scripts, whose files are appended to
+-- it (gcra.lua and sliding_log.lua stand alone, for speed, and follow the same arguments,
+-- reply and rules). One call decides a batch of requests, one after the other, exactly as if
+-- each were its own call: the algorithm's file ends with
 -- `return each_stored_request(fields, fits, apply, report)`. Per-limit answers are combined
 -- exactly as `decide` in src/algorithm/mod.rs does.
 --
@@ -72,17 +72,6 @@ local function load_request(k)
   longest = windows[n]
 end
 
--- Decides every request of the call with `run`, which returns the five integers of its answer,
--- and concatenates the answers.
-local function each_request(run)
-  local reply = {}
-  for k = 1, #KEYS do
-    load_request(k)
-    reply[k] = spack('<lllll', run())
-  end
-  return table.concat(reply)
-end
-
 -- fits(i): nil if the request fits limit i, else the retry in us (-2: no wait helps).
 -- apply(): records the request against every limit.
 -- report(i): units left in limit i and us until it resets.
@@ -145,10 +134,13 @@ end
 local state
 
 -- Decides every request of the call: loads its state of `fields` integers per limit, then
--- combines fits, apply and report.
+-- combines fits, apply and report; the reply concatenates the answers.
 local function each_stored_request(fields, fits, apply, report)
-  return each_request(function()
+  local reply = {}
+  for k = 1, #KEYS do
+    load_request(k)
     state = load_fields(fields)
-    return decide(fits, apply, report)
-  end)
+    reply[k] = spack('<lllll', decide(fits, apply, report))
+  end
+  return table.concat(reply)
 end
