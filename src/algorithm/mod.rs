@@ -120,7 +120,8 @@ pub(crate) trait Limiter {
 ///
 /// Reported limit: when denied, the one that denies with the latest retry (a retry that no wait
 /// helps counts as latest); when admitted, the one with the fewest units left. Ties go to the
-/// shorter window. `scripts/common.lua` is the same procedure.
+/// shorter window. `scripts/common.lua` (and, written out, `gcra.lua` and
+/// `sliding_log.lua`) is the same procedure.
 pub(crate) fn decide<L: Limiter>(
     state: &mut L,
     now: u64,

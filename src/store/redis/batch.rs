@@ -24,7 +24,7 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::algorithm::Algorithm;
 
-/// The reply of one request: five integers (see `scripts/common.lua`).
+/// The reply of one request: five integers (see `scripts/prelude.lua`).
 pub(super) type Reply = Result<[i64; 5], Error>;
 
 /// Bytes per integer in a script's arguments and reply.

@@ -18,25 +18,33 @@ use super::{Store, StoreError};
 use crate::algorithm::{Algorithm, Outcome};
 use crate::{Decision, Key, Policy};
 
-/// A script made of the shared prelude followed by the algorithm's own file.
+/// A script: the shared prelude (arguments, reply, `TIME`), then, for the algorithms that use
+/// it, the driver that combines limits, then the algorithm's own file.
 macro_rules! script {
     ($file:literal) => {
-        concat!(include_str!("scripts/common.lua"), include_str!($file))
+        concat!(include_str!("scripts/prelude.lua"), include_str!($file))
+    };
+    (driver, $file:literal) => {
+        concat!(
+            include_str!("scripts/prelude.lua"),
+            include_str!("scripts/common.lua"),
+            include_str!($file)
+        )
     };
 }
 
 const SCRIPTS: [(Algorithm, &str); 4] = [
-    // GCRA and the sliding log stand alone, for speed (their headers say why).
-    (
-        Algorithm::SlidingLog,
-        include_str!("scripts/sliding_log.lua"),
-    ),
+    // GCRA and the sliding log do without the driver, for speed (their headers say why).
+    (Algorithm::SlidingLog, script!("scripts/sliding_log.lua")),
     (
         Algorithm::SlidingWindow,
-        script!("scripts/sliding_window.lua"),
+        script!(driver, "scripts/sliding_window.lua"),
     ),
-    (Algorithm::FixedWindow, script!("scripts/fixed_window.lua")),
-    (Algorithm::Gcra, include_str!("scripts/gcra.lua")),
+    (
+        Algorithm::FixedWindow,
+        script!(driver, "scripts/fixed_window.lua"),
+    ),
+    (Algorithm::Gcra, script!("scripts/gcra.lua")),
 ];
 
 /// Rate-limit state in Redis, shared by every instance of a service.

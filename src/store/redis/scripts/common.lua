@@ -1,44 +1,6 @@
--- Shared prelude of the fixed-window and sliding-window scripts, whose files are appended to
--- it (gcra.lua and sliding_log.lua stand alone, for speed, and follow the same arguments,
--- reply and rules). One call decides a batch of requests, one after the other, exactly as if
--- each were its own call: the algorithm's file ends with
--- `return each_stored_request(fields, fits, apply, report)`. Per-limit answers are combined
--- exactly as `decide` in src/algorithm/mod.rs does.
---
--- KEYS[k]   the state of request k (the algorithm's file says its format); in Redis Cluster
---           all keys of one call are in one hash slot
--- ARGV[1]   64-bit little-endian signed integers, for each request k in turn: n (its number
---           of limits), cost (units, >= 0), record (1 to record an admitted request, 0 to
---           only look), event time in microseconds since the epoch or -1 for now (Redis TIME),
---           then count and window (microseconds) of limits 1..n, shortest first
---
--- Reply: one string of 64-bit little-endian signed integers, five per request in turn:
---        allowed (1 or 0), limit index (0-based), remaining, reset_after (us), retry_after
---        (us; -1 when admitted, -2 when no wait helps)
---
--- Cost: arguments and reply are binary because Redis would otherwise parse and convert every
--- number on its own, and numbers handed to redis.call go as text made once per call (`text`),
--- because Redis prints every Lua number it receives with "%.17g", which costs more than the
--- command itself.
-
-if redis.replicate_commands then
-  redis.replicate_commands()
-end
-
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local spack, sunpack = struct.pack, struct.unpack
-
--- The decimal text of the integer x, made once per call.
-local texts = {}
-local function text(x)
-  local s = texts[x]
-  if s == nil then
-    s = string.format('%d', x)
-    texts[x] = s
-  end
-  return s
-end
+-- Driver of the fixed-window and sliding-window scripts: appended to prelude.lua, and followed
+-- by the algorithm's file, which ends with `return each_stored_request(fields, fits, apply,
+-- report)`. gcra.lua and sliding_log.lua do without it, for speed (their headers say why).
 
 -- The struct format of m 64-bit little-endian integers, made once per call.
 local formats = {}
@@ -55,7 +17,6 @@ end
 -- left over from an earlier request and never read).
 local key, cost, record, t, n, longest
 local counts, windows = {}, {}
-local requests, next_byte = ARGV[1], 1
 
 -- Reads request k's arguments into the variables above.
 local function load_request(k)
@@ -79,12 +40,8 @@ local function decide(fits, apply, report)
   local denied, denied_retry = nil, nil
   for i = 1, n do
     local retry = fits(i)
-    if retry ~= nil then
-      local later = denied == nil
-        or (denied_retry ~= -2 and (retry == -2 or retry > denied_retry))
-      if later then
-        denied, denied_retry = i, retry
-      end
+    if retry ~= nil and later(retry, denied_retry) then
+      denied, denied_retry = i, retry
     end
   end
   if denied then
@@ -136,7 +93,6 @@ local state
 -- Decides every request of the call: loads its state of `fields` integers per limit, then
 -- combines fits, apply and report; the reply concatenates the answers.
 local function each_stored_request(fields, fits, apply, report)
-  local reply = {}
   for k = 1, #KEYS do
     load_request(k)
     state = load_fields(fields)

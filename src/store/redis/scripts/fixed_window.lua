@@ -1,10 +1,10 @@
--- Fixed window (appended to common.lua); src/algorithm/fixed_window.rs is the same procedure.
+-- Fixed window (appended to prelude.lua and common.lua); src/algorithm/fixed_window.rs is the same procedure.
 --
 -- KEYS[k]   integers s1 c1 s2 c2 ... (as common.lua's load_fields): for limit i, the start of
 --           the window counted (us, a multiple of the window since the epoch) and the units
 --           counted in it
--- ARGV      as common.lua (event times are -1: fixed windows take none)
--- Reply     as common.lua
+-- ARGV      as prelude.lua (event times are -1: fixed windows take none)
+-- Reply     as prelude.lua
 --
 -- Writes: an admitted request adds its cost to every limit's current window and sets the key
 -- to expire after the longest window.

@@ -1,39 +1,26 @@
 -- GCRA, the leaky bucket; src/algorithm/gcra.rs is the same procedure and explains the math.
 --
--- Unlike the other algorithms, this script stands alone instead of being appended to
--- common.lua: it is the algorithm for the busiest paths, and common.lua's driver (closures,
--- a table per request for its state) costs about a third of a decision's work in Redis. It
--- takes the same arguments, gives the same reply, and combines limits exactly as common.lua's
--- `decide` does.
+-- Appended to prelude.lua without common.lua's driver: GCRA is the algorithm for the busiest
+-- paths, and the driver (closures, a table per request for its state) costs about a third of a
+-- decision's work in Redis. It combines limits exactly as the driver's `decide` does.
 --
 -- KEYS[k]   request k's state: 64-bit little-endian integers t1 b1 t2 b2 ...; for limit i, the
 --           time of the last admission (us) and the backlog it left, in us scaled by the count
 --           (so one unit of cost is exactly `window`). State of another length (the policy's
 --           limits changed) counts as none.
--- ARGV[1]   as common.lua: 64-bit little-endian signed integers, for each request in turn n,
+-- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (1 or 0), event time (-1: now; GCRA takes no other), then count and
 --           window (us) of limits 1..n, shortest first
 --
--- Reply     as common.lua: one string of 64-bit little-endian signed integers, five per
+-- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, five per
 --           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
 --           retry_after (us; -1 when admitted, -2 when no wait helps)
 --
 -- Writes: an admitted request stores every limit's new backlog and sets the key to expire
 -- after the longest window, by which time every bucket has drained.
 
-if redis.replicate_commands then
-  redis.replicate_commands()
-end
-
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local spack, sunpack = struct.pack, struct.unpack
-local requests, next_byte = ARGV[1], 1
-local reply = {}
 -- Per limit of the request at hand (entries past its n are left over and never read).
 local counts, windows, backlogs = {}, {}, {}
--- Expiry times as text, made once per call: Redis would print a number with "%.17g".
-local ttls = {}
 
 for k = 1, #KEYS do
   local key = KEYS[k]
@@ -69,7 +56,7 @@ for k = 1, #KEYS do
       if cost <= c then
         retry = math.ceil((new - w * c) / c)
       end
-      if denied == nil or (denied_retry ~= -2 and (retry == -2 or retry > denied_retry)) then
+      if later(retry, denied_retry) then
         denied, denied_retry = i, retry
       end
     end
@@ -93,13 +80,7 @@ for k = 1, #KEYS do
         end
         value = table.concat(parts)
       end
-      local ms = math.ceil(windows[n] / 1000)
-      local ttl = ttls[ms]
-      if ttl == nil then
-        ttl = string.format('%d', ms)
-        ttls[ms] = ttl
-      end
-      redis.call('PSETEX', key, ttl, value)
+      redis.call('PSETEX', key, text(math.ceil(windows[n] / 1000)), value)
     end
     local least
     for i = 1, n do

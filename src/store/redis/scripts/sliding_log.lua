@@ -1,18 +1,17 @@
 -- Sliding-window log; src/algorithm/sliding_log.rs is the same procedure and explains the math.
 --
--- Like gcra.lua, this script stands alone instead of being appended to common.lua: a log
--- decision runs six sorted-set commands, and common.lua's driver (closures called per limit,
--- tables per request) cost more than those commands. It takes the same arguments, gives the
--- same reply, and combines limits exactly as common.lua's `decide` does.
+-- Like gcra.lua, appended to prelude.lua without common.lua's driver: a log decision runs six
+-- sorted-set commands, and the driver (closures called per limit, tables per request) cost
+-- more than those commands. It combines limits exactly as the driver's `decide` does.
 --
 -- KEYS[k]   sorted set; one member per admitted unit of cost, score = event time in us,
 --           member = "<time>:<n>" (n counts the units sharing that microsecond, so members
 --           never collide)
--- ARGV[1]   as common.lua: 64-bit little-endian signed integers, for each request in turn n,
+-- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (1 or 0), event time (-1: now; any other time, past or future, is
 --           taken), then count and window (us) of limits 1..n, shortest first
 --
--- Reply     as common.lua: one string of 64-bit little-endian signed integers, five per
+-- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, five per
 --           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
 --           retry_after (us; -1 when admitted, -2 when no wait helps)
 --
@@ -20,32 +19,11 @@
 -- request adds `cost` members and sets the key to expire a longest window after its latest
 -- event.
 
-if redis.replicate_commands then
-  redis.replicate_commands()
-end
-
 local call = redis.call
-local time = call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local spack, sunpack = struct.pack, struct.unpack
 local find, sub, max, min = string.find, string.sub, math.max, math.min
-local requests, next_byte = ARGV[1], 1
-local reply = {}
 -- Per limit of the request at hand (entries past its n are left over and never read): count,
 -- window, events in (t - w, t], and the most any window (a, a + w] containing t holds.
 local counts, windows, pasts, fullests = {}, {}, {}, {}
-
--- The decimal text of the integer x, made once per call: Redis would print a Lua number with
--- "%.17g", which costs more than the command it is passed to.
-local texts = {}
-local function text(x)
-  local s = texts[x]
-  if s == nil then
-    s = string.format('%d', x)
-    texts[x] = s
-  end
-  return s
-end
 
 -- The time of an event from its member "<time>:<n>" (nil for none). Reading it from the
 -- member instead of asking for scores spares Redis printing a double and Lua parsing it.
@@ -94,10 +72,10 @@ for k = 1, #KEYS do
     local fullest = past
     -- Only events after t (scheduled ones) can make a later window fuller.
     if newest ~= nil and newest > t then
-      local later = call('ZRANGEBYSCORE', key, text(t + 1), text(t + w - 1))
+      local scheduled = call('ZRANGEBYSCORE', key, text(t + 1), text(t + w - 1))
       local last
-      for j = 1, #later do
-        local e = event_time(later[j])
+      for j = 1, #scheduled do
+        local e = event_time(scheduled[j])
         if e ~= last then
           fullest = max(fullest, call('ZCOUNT', key, text(e - w + 1), text(e)))
           last = e
@@ -112,7 +90,7 @@ for k = 1, #KEYS do
           text(past + cost - c - 1), '1')
         retry = event_time(nth[1]) + w - t
       end
-      if denied == nil or (denied_retry ~= -2 and (retry == -2 or retry > denied_retry)) then
+      if later(retry, denied_retry) then
         denied, denied_retry = i, retry
       end
     end

@@ -1,11 +1,11 @@
--- Sliding window counter (appended to common.lua); src/algorithm/sliding_window.rs is the same
+-- Sliding window counter (appended to prelude.lua and common.lua); src/algorithm/sliding_window.rs is the same
 -- procedure and explains the math and its bounds.
 --
 -- KEYS[k]   integers s1 c1 p1 s2 c2 p2 ... (as common.lua's load_fields): for limit i, the
 --           start of the current window (us, a multiple of the window since the epoch), its
 --           count and the previous window's count
--- ARGV      as common.lua (event times are -1: the counter takes none)
--- Reply     as common.lua
+-- ARGV      as prelude.lua (event times are -1: the counter takes none)
+-- Reply     as prelude.lua
 --
 -- Writes: an admitted request adds its cost to every limit's current window and sets the key
 -- to expire after twice the longest window (the previous window still weighs until then).

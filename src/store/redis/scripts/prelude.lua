@@ -1,0 +1,52 @@
+-- Prelude of every rate-limit script: the algorithm's file (gcra.lua, sliding_log.lua), or
+-- common.lua's driver and then the algorithm's file (fixed and sliding window), is appended to
+-- it. One call decides a batch of requests, one after the other, exactly as if each were its
+-- own call.
+--
+-- KEYS[k]   the state of request k (the algorithm's file says its format); in Redis Cluster
+--           all keys of one call are in one hash slot
+-- ARGV[1]   64-bit little-endian signed integers, for each request k in turn: n (its number
+--           of limits), cost (units, >= 0), record (1 to record an admitted request, 0 to
+--           only look), event time in microseconds since the epoch or -1 for now (Redis TIME),
+--           then count and window (microseconds) of limits 1..n, shortest first
+--
+-- Reply: one string of 64-bit little-endian signed integers, five per request in turn:
+--        allowed (1 or 0), limit index (0-based), remaining, reset_after (us), retry_after
+--        (us; -1 when admitted, -2 when no wait helps)
+--
+-- Limits combine as `decide` in src/algorithm/mod.rs: a refused request reports the limit that
+-- refuses with the latest retry (`later`), an admitted one the limit with the fewest units left
+-- (the first of equals; limits come shortest first).
+--
+-- Cost: arguments and reply are binary because Redis would otherwise parse and convert every
+-- number on its own, and numbers handed to redis.call go as text made once per call (`text`),
+-- because Redis prints every Lua number it receives with "%.17g", which costs more than the
+-- command itself.
+
+if redis.replicate_commands then
+  redis.replicate_commands()
+end
+
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local spack, sunpack = struct.pack, struct.unpack
+-- The arguments, read from next_byte on, and the answers so far (one string per request).
+local requests, next_byte = ARGV[1], 1
+local reply = {}
+
+-- The decimal text of the integer x, made once per call.
+local texts = {}
+local function text(x)
+  local s = texts[x]
+  if s == nil then
+    s = string.format('%d', x)
+    texts[x] = s
+  end
+  return s
+end
+
+-- Whether a refusal with `retry` (us; -2: no wait helps, the latest of all) is reported over
+-- the one found so far, whose retry is `so_far` (nil: none yet).
+local function later(retry, so_far)
+  return so_far == nil or (so_far ~= -2 and (retry == -2 or retry > so_far))
+end
