@@ -43,13 +43,13 @@ impl Check {
     pub(crate) fn settle(&self, outcome: Result<Decision, StoreError>) -> Verdict {
         let policy = self.responder.policy.name();
         let options = &self.responder.options;
-        self.started.finish(policy);
+        self.started.finish(&self.responder.policy);
         if outcome.is_err() {
-            Report::store_error(policy);
+            Report::store_error(&self.responder.policy);
         }
         let outcome = match (outcome, &options.failure_mode) {
             (Err(error), FailureMode::Fallback(local)) => {
-                Report::fallback(policy);
+                Report::fallback(&self.responder.policy);
                 tracing::warn!(
                     target: "tower_redis_ratelimit",
                     policy,

@@ -14,48 +14,52 @@
 
 use std::time::Duration;
 
-/// Request counts and latencies by policy.
+use crate::Policy;
+
+/// Request counts and latencies by policy. The `policy` label is the policy's shared name, so
+/// that an event does not copy it.
 pub(crate) struct Report;
 
 #[cfg(feature = "metrics")]
 impl Report {
-    pub(crate) fn allowed(policy: &str) {
-        ::metrics::counter!("ratelimit_allowed_total", "policy" => policy.to_owned()).increment(1);
+    pub(crate) fn allowed(policy: &Policy) {
+        ::metrics::counter!("ratelimit_allowed_total", "policy" => policy.shared_name())
+            .increment(1);
     }
 
-    pub(crate) fn denied(policy: &str, cached: bool) {
+    pub(crate) fn denied(policy: &Policy, cached: bool) {
         let source = if cached { "deny_cache" } else { "store" };
         ::metrics::counter!(
             "ratelimit_denied_total",
-            "policy" => policy.to_owned(),
+            "policy" => policy.shared_name(),
             "source" => source
         )
         .increment(1);
     }
 
-    pub(crate) fn store_error(policy: &str) {
-        ::metrics::counter!("ratelimit_store_errors_total", "policy" => policy.to_owned())
+    pub(crate) fn store_error(policy: &Policy) {
+        ::metrics::counter!("ratelimit_store_errors_total", "policy" => policy.shared_name())
             .increment(1);
     }
 
-    pub(crate) fn fallback(policy: &str) {
-        ::metrics::counter!("ratelimit_fallbacks_total", "policy" => policy.to_owned())
+    pub(crate) fn fallback(policy: &Policy) {
+        ::metrics::counter!("ratelimit_fallbacks_total", "policy" => policy.shared_name())
             .increment(1);
     }
 
-    pub(crate) fn latency(policy: &str, took: Duration) {
-        ::metrics::histogram!("ratelimit_decision_seconds", "policy" => policy.to_owned())
+    pub(crate) fn latency(policy: &Policy, took: Duration) {
+        ::metrics::histogram!("ratelimit_decision_seconds", "policy" => policy.shared_name())
             .record(took.as_secs_f64());
     }
 }
 
 #[cfg(not(feature = "metrics"))]
 impl Report {
-    pub(crate) fn allowed(_: &str) {}
-    pub(crate) fn denied(_: &str, _: bool) {}
-    pub(crate) fn store_error(_: &str) {}
-    pub(crate) fn fallback(_: &str) {}
-    pub(crate) fn latency(_: &str, _: Duration) {}
+    pub(crate) fn allowed(_: &Policy) {}
+    pub(crate) fn denied(_: &Policy, _: bool) {}
+    pub(crate) fn store_error(_: &Policy) {}
+    pub(crate) fn fallback(_: &Policy) {}
+    pub(crate) fn latency(_: &Policy, _: Duration) {}
 }
 
 /// When a decision started, kept only when there is a histogram to feed.
@@ -71,7 +75,7 @@ impl Started {
     }
 
     /// Reports the decision's latency.
-    pub(crate) fn finish(self, policy: &str) {
+    pub(crate) fn finish(self, policy: &Policy) {
         #[cfg(feature = "metrics")]
         Report::latency(policy, self.0.elapsed());
         #[cfg(not(feature = "metrics"))]

@@ -95,9 +95,9 @@ impl Options {
     pub(crate) fn tally(&self, policy: &crate::Policy, key: &crate::Key, tally: Tally) {
         use crate::metrics::Report;
         match tally {
-            Tally::Allowed => Report::allowed(policy.name()),
-            Tally::Denied => Report::denied(policy.name(), false),
-            Tally::DeniedCached => Report::denied(policy.name(), true),
+            Tally::Allowed => Report::allowed(policy),
+            Tally::Denied => Report::denied(policy, false),
+            Tally::DeniedCached => Report::denied(policy, true),
         }
         #[cfg(feature = "redis")]
         if let Some(unique) = &self.unique {
@@ -143,15 +143,19 @@ impl Responder {
             .get(decision.limit_index())
             .map_or(self.policy.name(), String::as_str);
         // Built by hand: `format!` costs more than the rest of a refusal answered from the
-        // deny cache.
+        // deny cache. `concat` sizes the text exactly, so that the header value takes it over
+        // without a second allocation.
         let reset = decision.reset_after().as_micros().div_ceil(1_000_000);
-        let mut state = String::with_capacity(name.len() + 32);
-        state.push('"');
-        state.push_str(name);
-        state.push_str("\";r=");
-        push_number(&mut state, decision.remaining());
-        state.push_str(";t=");
-        push_number(&mut state, u64::try_from(reset).unwrap_or(u64::MAX));
+        let (mut remaining, mut reset_secs) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let state = [
+            "\"",
+            name,
+            "\";r=",
+            remaining.format(decision.remaining()),
+            ";t=",
+            reset_secs.format(u64::try_from(reset).unwrap_or(u64::MAX)),
+        ]
+        .concat();
         headers.insert(RATELIMIT_POLICY, self.policy_header.clone());
         headers.insert(RATELIMIT, value(state));
     }
@@ -171,13 +175,13 @@ impl Responder {
             (Some(custom), None) => custom(decision),
             (None, None) => {
                 let text = match retry {
-                    Some(secs) => {
-                        let mut text = String::with_capacity(48);
-                        text.push_str("Too Many Requests: retry in ");
-                        push_number(&mut text, secs);
-                        text.push_str(" s\n");
-                        text
-                    }
+                    // Sized exactly, so that `Bytes` takes it over without allocating again.
+                    Some(secs) => [
+                        "Too Many Requests: retry in ",
+                        itoa::Buffer::new().format(secs),
+                        " s\n",
+                    ]
+                    .concat(),
                     None => "Too Many Requests: this request exceeds the limit itself\n".into(),
                 };
                 let mut response = Response::new(Bytes::from(text));
@@ -295,17 +299,14 @@ fn plain(status: StatusCode, text: String, retry_after: Option<u64>) -> Response
     response
 }
 
-/// Appends the decimal digits of `n`.
-fn push_number(text: &mut String, n: u64) {
-    text.push_str(itoa::Buffer::new().format(n));
-}
-
 /// Whole seconds, rounded up, and at least 1.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
     d.as_micros().div_ceil(1_000_000).max(1) as u64
 }
 
 /// Our header texts are built from policy names limited to visible ASCII, and numbers.
+/// `text` as a header value. `Bytes` takes a string over as it is when its capacity is its
+/// length; otherwise it allocates a shared header for it.
 fn value(text: String) -> HeaderValue {
     HeaderValue::try_from(text).unwrap_or_else(|_| HeaderValue::from_static(""))
 }

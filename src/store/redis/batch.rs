@@ -22,7 +22,7 @@ use fred::interfaces::ClientLike;
 use fred::types::scripts::Script;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
-use crate::algorithm::Algorithm;
+use crate::algorithm::{Algorithm, Window};
 
 /// The reply of one request: five integers (see `scripts/prelude.lua`).
 pub(super) type Reply = Result<[i64; 5], Error>;
@@ -83,12 +83,13 @@ impl Batcher {
         }
     }
 
-    /// Decides one request: `args` as in [`Job::args`], not yet encoded.
-    pub(super) async fn decide(&self, algorithm: Algorithm, key: String, args: Vec<i64>) -> Reply {
-        let args = encode(&args);
+    /// Decides one request: `args` as in [`Job::args`] (see [`encode`]).
+    pub(super) async fn decide(&self, algorithm: Algorithm, key: String, args: Vec<u8>) -> Reply {
         // A free slot means nothing is waiting: no batch to join, so go at once.
         if let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() {
-            let reply = call(&self.settings, algorithm, vec![key], args, 1).await;
+            // Boxed because fred's call future takes kilobytes: inline, it would make every
+            // decision's future that large, including the queued ones that never send.
+            let reply = Box::pin(call(&self.settings, algorithm, vec![key], args, 1)).await;
             drop(slot);
             return reply.map(|values| five(&values, 0));
         }
@@ -125,7 +126,8 @@ async fn dispatch(
         let Some(first) = jobs.recv().await else {
             return;
         };
-        let mut batch = vec![first];
+        let mut batch = Vec::with_capacity(settings.max_batch.min(jobs.len() + 1));
+        batch.push(first);
         while batch.len() < settings.max_batch {
             match jobs.try_recv() {
                 Ok(job) => batch.push(job),
@@ -142,13 +144,23 @@ async fn dispatch(
 /// Splits a batch into calls: one per algorithm (each has its own script) and, in a cluster,
 /// per hash slot.
 fn groups(batch: Vec<Job>, clustered: bool) -> Vec<Vec<Job>> {
+    let slot = |job: &Job| match clustered {
+        true => fred::util::redis_keyslot(job.key.as_bytes()),
+        false => 0,
+    };
+    // Usually one call takes the whole batch, which then needs no sorting out.
+    if let Some(first) = batch.first() {
+        let (algorithm, first_slot) = (first.algorithm, slot(first));
+        if batch
+            .iter()
+            .all(|job| job.algorithm == algorithm && slot(job) == first_slot)
+        {
+            return vec![batch];
+        }
+    }
     let mut groups: Vec<(Algorithm, u16, Vec<Job>)> = Vec::new();
     for job in batch {
-        let slot = if clustered {
-            fred::util::redis_keyslot(job.key.as_bytes())
-        } else {
-            0
-        };
+        let slot = slot(&job);
         match groups
             .iter_mut()
             .find(|(a, s, _)| *a == job.algorithm && *s == slot)
@@ -185,9 +197,23 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
     }
 }
 
-/// The arguments of requests as the scripts read them: 64-bit little-endian integers.
-fn encode(args: &[i64]) -> Vec<u8> {
-    args.iter().flat_map(|v| v.to_le_bytes()).collect()
+/// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
+/// of limits, cost, record (1 or 0), event time (µs, -1 for now), then count and window (µs)
+/// of each limit.
+pub(super) fn encode(cost: u32, record: bool, at: i64, windows: &[Window]) -> Vec<u8> {
+    let mut args = Vec::with_capacity(INT * (4 + 2 * windows.len()));
+    let head = [windows.len() as i64, cost.into(), record.into(), at];
+    let tail = windows
+        .iter()
+        .flat_map(|w| [clamp(w.count), clamp(w.micros)]);
+    for value in head.into_iter().chain(tail) {
+        args.extend_from_slice(&value.to_le_bytes());
+    }
+    args
+}
+
+fn clamp(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 /// Runs the algorithm's script for `requests` requests (`args`: theirs, encoded one after

@@ -129,13 +129,18 @@ impl RedisStore {
     ///
     /// Useful to inspect or clear state by hand.
     pub fn redis_key(&self, key: &Key, policy: &Policy) -> String {
-        format!(
-            "{}:{{{}:{}}}:{}",
-            self.inner.prefix,
+        // `<prefix>:{<policy>:<key>}:<tag>`. `concat` allocates once, at the exact size;
+        // `format!` grew its string as it went, three allocations per decision.
+        [
+            self.inner.prefix.as_str(),
+            ":{",
             policy.name(),
-            key,
-            policy.algorithm().tag()
-        )
+            ":",
+            key.as_str(),
+            "}:",
+            policy.algorithm().tag(),
+        ]
+        .concat()
     }
 
     /// Runs the policy's script; `at` is an event time in µs since the epoch (`-1`: now).
@@ -148,13 +153,7 @@ impl RedisStore {
         record: bool,
     ) -> <Self as Store>::Future {
         let inner = Arc::clone(&self.inner);
-        let windows = policy.windows();
-        let mut args: Vec<i64> = Vec::with_capacity(4 + 2 * windows.len());
-        args.extend([windows.len() as i64, i64::from(cost), i64::from(record), at]);
-        for w in windows {
-            args.push(clamp(w.count));
-            args.push(clamp(w.micros));
-        }
+        let args = batch::encode(cost, record, at, policy.windows());
         let redis_key = self.redis_key(key, policy);
         let policy = policy.clone();
         Box::pin(async move {
@@ -386,10 +385,6 @@ impl Store for RedisStore {
             Ok(())
         })
     }
-}
-
-fn clamp(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 /// Reads `{allowed, index, remaining, reset_after, retry_after}`.
