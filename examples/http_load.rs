@@ -33,7 +33,11 @@
 //! before and after the measured phase (the `INFO` calls themselves left out). Redis counts the
 //! commands a Lua script runs as well as the `EVALSHA` that runs it, so `cmds/req` is
 //! the work Redis does and `evals/req` the round trips (every store here only sends scripts).
-//! `cpu app` and `cpu redis` are the cores this process and Redis kept busy.
+//! `cpu app` and `cpu redis` are the cores this process and Redis kept busy, `cpu µs/req` the
+//! CPU time both spent per request (on a machine it keeps fully busy, a configuration's
+//! throughput is inversely proportional to it); `allocs/req` the
+//! heap allocations of this process (server, load and limiter) per request, counted by a
+//! global allocator that each thread counts in separately.
 //!
 //! Configurations run interleaved (round 1 runs each once, then round 2, ...); the table shows
 //! each one's median over rounds, and its throughput ratios to the bare route and to its rival
@@ -78,7 +82,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
-use support::{process_cpu_seconds, redis_cpu_seconds};
+use support::{process_cpu_seconds, redis_cpu_seconds, CountingAllocator};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -93,6 +97,9 @@ use tower_redis_ratelimit::{
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
+
+#[global_allocator]
+static GLOBAL: CountingAllocator = CountingAllocator;
 
 /// The header every request is keyed by.
 const CLIENT_HEADER: &str = "x-client";
@@ -799,9 +806,11 @@ impl Load {
     }
 }
 
-/// CPU time of this process and, for the Redis configurations, Redis's counters.
+/// CPU time and allocations of this process and, for the Redis configurations, Redis's
+/// counters.
 struct Counters {
     app_cpu_seconds: Option<f64>,
+    allocations: u64,
     redis: Option<RedisCounters>,
 }
 
@@ -813,6 +822,7 @@ impl Counters {
         };
         Ok(Counters {
             app_cpu_seconds: process_cpu_seconds(),
+            allocations: CountingAllocator::totals().0,
             redis,
         })
     }
@@ -835,6 +845,10 @@ struct Measurement {
     ratio_to_bare: Option<f64>,
     /// Throughput over the same round's [`Scenario::rival`]'s, when both ran.
     ratio_to_rival: Option<f64>,
+    /// Heap allocations in this process (server, load and limiter) per request.
+    allocations_per_request: f64,
+    /// CPU time per request, of this process and Redis together, in µs.
+    cpu_us_per_request: Option<f64>,
 }
 
 impl Measurement {
@@ -849,6 +863,11 @@ impl Measurement {
         let seconds = duration.as_secs_f64();
         let requests = load.requests.max(1) as f64;
         let redis = before.redis.zip(after.redis);
+        let app_cpu = before
+            .app_cpu_seconds
+            .zip(after.app_cpu_seconds)
+            .map(|(b, a)| a - b);
+        let redis_cpu = redis.map_or(0.0, |(b, a)| a.cpu_seconds - b.cpu_seconds);
         Measurement {
             scenario,
             round,
@@ -863,13 +882,13 @@ impl Measurement {
                 commands: a.commands.saturating_sub(b.commands) as f64 / requests,
                 evals: a.evals.saturating_sub(b.evals) as f64 / requests,
             }),
-            app_cores: before
-                .app_cpu_seconds
-                .zip(after.app_cpu_seconds)
-                .map(|(b, a)| (a - b) / seconds),
+            app_cores: app_cpu.map(|cpu| cpu / seconds),
             redis_cores: redis.map(|(b, a)| (a.cpu_seconds - b.cpu_seconds) / seconds),
             ratio_to_bare: None,
             ratio_to_rival: None,
+            allocations_per_request: after.allocations.saturating_sub(before.allocations) as f64
+                / requests,
+            cpu_us_per_request: app_cpu.map(|cpu| (cpu + redis_cpu) * 1e6 / requests),
         }
     }
 
@@ -928,6 +947,8 @@ struct Summary {
     redis_evals_per_req: Option<f64>,
     app_cores: Option<f64>,
     redis_cores: Option<f64>,
+    allocations_per_request: f64,
+    cpu_us_per_request: Option<f64>,
 }
 
 impl Summary {
@@ -951,6 +972,8 @@ impl Summary {
             redis_evals_per_req: median_of(&|m| m.redis_per_request.map(|r| r.evals)),
             app_cores: median_of(&|m| m.app_cores),
             redis_cores: median_of(&|m| m.redis_cores),
+            allocations_per_request: median_of(&|m| Some(m.allocations_per_request)).unwrap_or(0.0),
+            cpu_us_per_request: median_of(&|m| m.cpu_us_per_request),
         }
     }
 
@@ -977,7 +1000,7 @@ fn or_dash(value: Option<f64>, digits: usize) -> String {
 
 fn table(summaries: &[Summary]) -> String {
     let mut out = format!(
-        "{:<15} {:>9} {:>6} {:>6} {:>8} {:>8} {:>8} {:>6} {:>8} {:>9} {:>7} {:>9}\n",
+        "{:<15} {:>9} {:>6} {:>6} {:>8} {:>8} {:>8} {:>6} {:>8} {:>9} {:>7} {:>9} {:>10} {:>10}\n",
         "config",
         "req/s",
         "×bare",
@@ -989,12 +1012,14 @@ fn table(summaries: &[Summary]) -> String {
         "cmds/req",
         "evals/req",
         "cpu app",
-        "cpu redis"
+        "cpu redis",
+        "cpu µs/req",
+        "allocs/req"
     );
     for s in summaries {
         let _ = writeln!(
             out,
-            "{:<15} {:>9.0} {:>6} {:>6} {:>8.0} {:>8.0} {:>8} {:>6.1} {:>8} {:>9} {:>7} {:>9}",
+            "{:<15} {:>9.0} {:>6} {:>6} {:>8.0} {:>8.0} {:>8} {:>6.1} {:>8} {:>9} {:>7} {:>9} {:>10} {:>10.1}",
             s.scenario.name(),
             s.rps,
             or_dash(s.ratio_to_bare, 2),
@@ -1007,13 +1032,15 @@ fn table(summaries: &[Summary]) -> String {
             or_dash(s.redis_evals_per_req, 2),
             or_dash(s.app_cores, 2),
             or_dash(s.redis_cores, 2),
+            or_dash(s.cpu_us_per_request, 1),
+            s.allocations_per_request,
         );
     }
     out.push_str(
         "\nMedians over rounds; non-200 and 429 % over all rounds. ×bare and ×rival are medians of \
          per-round ratios,\n×rival to tower_governor (memory store) or fred_peer (Redis store). \
          cmds/req counts the commands\nLua scripts run, evals/req the EVALSHA round trips; cpu: \
-         cores busy (app: this process, server and\nload together).\n",
+         cores busy (app: this process, server and\nload together); cpu µs/req: CPU time of both per request; allocs/req: heap allocations of\nthis process per request.\n",
     );
     out
 }
@@ -1032,12 +1059,13 @@ fn write_outputs(dir: &Path, results: &[Measurement], summaries: &[Summary]) -> 
 
 fn results_csv(results: &[Measurement]) -> String {
     let mut csv = "config,round,requests,non_ok,seconds,rps,p50_us,p99_us,redis_cmds_per_req,\
-                   ratio_to_bare,status_429,redis_evals_per_req,app_cores,redis_cores,ratio_to_rival\n"
+                   ratio_to_bare,status_429,redis_evals_per_req,app_cores,redis_cores,ratio_to_rival,\
+                   allocs_per_req,cpu_us_per_req\n"
         .to_owned();
     for m in results {
         let _ = writeln!(
             csv,
-            "{},{},{},{},{:.3},{:.1},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{:.3},{:.1},{},{},{},{},{},{},{},{},{},{:.2},{}",
             m.scenario.name(),
             m.round,
             m.requests,
@@ -1053,6 +1081,8 @@ fn results_csv(results: &[Measurement]) -> String {
             or_empty(m.app_cores, 3),
             or_empty(m.redis_cores, 3),
             or_empty(m.ratio_to_rival, 4),
+            m.allocations_per_request,
+            or_empty(m.cpu_us_per_request, 2),
         );
     }
     csv
@@ -1061,12 +1091,12 @@ fn results_csv(results: &[Measurement]) -> String {
 fn summary_csv(summaries: &[Summary]) -> String {
     let mut csv = "config,rounds,requests,non_ok,status_429,rps,p50_us,p99_us,\
                    redis_cmds_per_req,ratio_to_bare,redis_evals_per_req,app_cores,redis_cores,\
-                   ratio_to_rival\n"
+                   ratio_to_rival,allocs_per_req,cpu_us_per_req\n"
         .to_owned();
     for s in summaries {
         let _ = writeln!(
             csv,
-            "{},{},{},{},{},{:.1},{:.0},{:.0},{},{},{},{},{},{}",
+            "{},{},{},{},{},{:.1},{:.0},{:.0},{},{},{},{},{},{},{:.2},{}",
             s.scenario.name(),
             s.rounds,
             s.requests,
@@ -1081,6 +1111,8 @@ fn summary_csv(summaries: &[Summary]) -> String {
             or_empty(s.app_cores, 3),
             or_empty(s.redis_cores, 3),
             or_empty(s.ratio_to_rival, 4),
+            s.allocations_per_request,
+            or_empty(s.cpu_us_per_request, 2),
         );
     }
     csv

@@ -9,9 +9,10 @@
 //! The argument picks the limiter: `gcra` or `log` (this crate's `RedisStore`, batching on),
 //! `gcra_unbatched` (`max_batch(1)`), `peer` (`tower_rate_limit_fred::rate_limit`). 32 tasks on
 //! two worker threads decide for 4 s over 1000 keys, at limits nothing reaches; the output is
-//! decisions per second, and CPU time per decision of this process (`/proc/self/stat`) and of
-//! Redis (`INFO cpu`). Point `REDIS_URL` at a scratch Redis: the keys it writes stay until
-//! they expire.
+//! decisions per second, CPU time per decision of this process (`/proc/self/stat`) and of
+//! Redis (`INFO cpu`), and heap allocations per decision in this process (every thread, fred's
+//! tasks included; the harness's own `format!` of the key is one of them, for every limiter).
+//! Point `REDIS_URL` at a scratch Redis: the keys it writes stay until they expire.
 
 mod support;
 
@@ -27,6 +28,9 @@ const KEYS: usize = 1000;
 const RUN: Duration = Duration::from_secs(4);
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
+
+#[global_allocator]
+static GLOBAL: support::CountingAllocator = support::CountingAllocator;
 
 /// The limiter under test.
 #[derive(Clone)]
@@ -61,6 +65,7 @@ async fn main() -> Result<(), Error> {
     let decided = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let (cpu_before, redis_before) = (process_cpu(), redis_cpu(&admin).await?);
+    let (allocations_before, bytes_before) = support::CountingAllocator::totals();
     let started = Instant::now();
     let tasks: Vec<_> = (0..TASKS)
         .map(|t| {
@@ -82,14 +87,22 @@ async fn main() -> Result<(), Error> {
         task.await??;
     }
     let seconds = started.elapsed().as_secs_f64();
+    let (allocations_after, bytes_after) = support::CountingAllocator::totals();
+    let (allocations, bytes) = (
+        allocations_after - allocations_before,
+        bytes_after - bytes_before,
+    );
     let n = decided.load(Ordering::Relaxed) as f64;
     let app = process_cpu() - cpu_before;
     let redis = redis_cpu(&admin).await? - redis_before;
     println!(
-        "{which}: {:.0} decisions/s, CPU per decision {:.1} µs here and {:.1} µs in Redis",
+        "{which}: {:.0} decisions/s, CPU per decision {:.1} µs here and {:.1} µs in Redis, \
+         {:.1} allocations ({:.0} bytes) per decision here",
         n / seconds,
         app / n * 1e6,
-        redis / n * 1e6
+        redis / n * 1e6,
+        allocations as f64 / n,
+        bytes as f64 / n
     );
     Ok(())
 }

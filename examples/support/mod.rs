@@ -1,4 +1,7 @@
-//! CPU readings shared by the load examples (`http_load`, `store_load`).
+//! CPU and allocation readings shared by the load examples (`http_load`, `store_load`).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// User and system CPU time of this process, from `/proc/self/stat` (Linux only).
 pub fn process_cpu_seconds() -> Option<f64> {
@@ -20,4 +23,65 @@ pub fn redis_cpu_seconds(info: &str) -> f64 {
         .filter(|(name, _)| matches!(*name, "used_cpu_sys" | "used_cpu_user"))
         .filter_map(|(_, value)| value.parse::<f64>().ok())
         .sum()
+}
+
+/// The system allocator, counting the allocations (`alloc` and `realloc` calls) and the bytes
+/// they ask for. Each thread counts in a slot of its own, on its own cache line: one shared
+/// counter would have the load's threads contend for it on every allocation.
+pub struct CountingAllocator;
+
+const SLOTS: usize = 64;
+
+#[repr(align(128))]
+struct Slot {
+    allocations: AtomicU64,
+    bytes: AtomicU64,
+}
+
+static COUNTS: [Slot; SLOTS] = [const {
+    Slot {
+        allocations: AtomicU64::new(0),
+        bytes: AtomicU64::new(0),
+    }
+}; SLOTS];
+static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static SLOT: usize = NEXT_SLOT.fetch_add(1, Ordering::Relaxed) % SLOTS;
+}
+
+impl CountingAllocator {
+    fn count(size: usize) {
+        let slot = &COUNTS[SLOT.try_with(|slot| *slot).unwrap_or(0)];
+        slot.allocations.fetch_add(1, Ordering::Relaxed);
+        slot.bytes.fetch_add(size as u64, Ordering::Relaxed);
+    }
+
+    /// Allocations and bytes asked for so far, by every thread.
+    pub fn totals() -> (u64, u64) {
+        COUNTS.iter().fold((0, 0), |(n, b), slot| {
+            let allocations = slot.allocations.load(Ordering::Relaxed);
+            (n + allocations, b + slot.bytes.load(Ordering::Relaxed))
+        })
+    }
+}
+
+// SAFETY: every call is passed on to `System` unchanged; only counters are added.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        Self::count(layout.size());
+        // SAFETY: the caller's contract is `System`'s.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract is `System`'s.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        Self::count(new_size);
+        // SAFETY: the caller's contract is `System`'s.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
 }
