@@ -281,6 +281,20 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_of_one_algorithm_and_slot_is_one_call_in_order() {
+        let batch = || {
+            vec![
+                job(Algorithm::Gcra, "p:{a}:gcra"),
+                job(Algorithm::Gcra, "q:{a}:gcra"),
+                job(Algorithm::Gcra, "p:{a}:gcra"),
+            ]
+        };
+        let one = vec![vec!["p:{a}:gcra", "q:{a}:gcra", "p:{a}:gcra"]];
+        assert_eq!(keys(&groups(batch(), false)), one);
+        assert_eq!(keys(&groups(batch(), true)), one);
+    }
+
+    #[test]
     fn one_call_per_algorithm_and_cluster_slot() {
         let batch = || {
             vec![
