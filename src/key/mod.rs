@@ -39,8 +39,16 @@ pub use peer::PeerIp;
 /// assert!(long.as_str().starts_with('#'));
 /// assert_eq!(Key::from_bytes(b"\xff\xfe"), Key::from_bytes(b"\xff\xfe"));
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Key(String, Option<IpNet>);
+
+// Debug output ends up in logs and panic messages, so it shows what `loggable` shows: an API
+// key printed with `{:?}` stays out of them.
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Key").field(&self.loggable()).finish()
+    }
+}
 
 // Keys are their text; where a key came from does not make it another key.
 impl PartialEq for Key {
@@ -107,6 +115,8 @@ impl Key {
     /// assert!(secret.loggable().starts_with('#'));
     /// assert_eq!(secret.loggable().len(), 17);
     /// assert!(!secret.loggable().contains("sk_live"));
+    /// // Debug output shows the same.
+    /// assert_eq!(format!("{secret:?}"), format!("Key({:?})", secret.loggable()));
     /// ```
     pub fn loggable(&self) -> std::borrow::Cow<'_, str> {
         if self.1.is_some() {
