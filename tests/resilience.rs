@@ -11,7 +11,9 @@ use common::scenarios::{layered, request_from};
 use common::{evalsha_calls, Captured, RedisServer};
 use fred::prelude::*;
 use tower::ServiceExt;
-use tower_redis_ratelimit::{FailureMode, Key, MemoryStore, Policy, RateLimitLayer, RedisStore};
+use tower_redis_ratelimit::{
+    FailureMode, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Store, StoreError,
+};
 
 const BUDGET: Duration = Duration::from_millis(200);
 /// Scheduling slack on a shared two-core machine.
@@ -298,4 +300,63 @@ async fn deny_cache_spares_redis_until_retry_after() {
             .unwrap();
     }
     assert_eq!(evalsha_calls(&admin).await, before + 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lazy_store_starts_without_redis_and_uses_it_once_it_is_up() {
+    let mut server = RedisServer::start();
+    server.kill();
+    let store = RedisStore::builder(server.url())
+        .timeout(BUDGET)
+        .retry_interval(Duration::from_millis(200))
+        .connect_lazy()
+        .expect("no Redis is needed to build a lazy store");
+    let policy: Policy = "1/1h".parse().unwrap();
+    let key = Key::from("lazy");
+
+    // Nothing listens: decisions fail within the budget, and the layer's failure mode applies.
+    let started = tokio::time::Instant::now();
+    assert!(store.check(&key, &policy, 1).await.is_err());
+    assert!(
+        started.elapsed() <= BUDGET + MARGIN,
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(!store.is_healthy());
+    let open = layer(store.clone(), FailureMode::Open);
+    assert_eq!(
+        layered(&open)
+            .oneshot(request_from("192.0.2.7"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+
+    // Once Redis is up, the store reaches it by itself (the scripts load on first use): the
+    // first request is admitted and the second refused, which only Redis's state can say.
+    server.restart();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let first = loop {
+        match store.check(&key, &policy, 1).await {
+            Ok(decision) => break decision,
+            Err(error) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "Redis not reached within 10 s: {error}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(first.is_allowed());
+    assert!(!store.check(&key, &policy, 1).await.unwrap().is_allowed());
+    assert!(store.is_healthy());
+    let admin = server.client().await;
+    let stored: i64 = admin.exists(store.redis_key(&key, &policy)).await.unwrap();
+    assert_eq!(stored, 1, "the admission is recorded in Redis");
+}
+
+#[test]
+fn lazy_store_needs_a_runtime() {
+    let built = RedisStore::builder("redis://127.0.0.1:1").connect_lazy();
+    assert!(matches!(built, Err(StoreError::Config(_))));
 }

@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use fred::clients::Pool;
 use fred::prelude::{ClientLike, Config, KeysInterface, ReconnectPolicy};
 use fred::types::scripts::Script;
 
@@ -279,8 +280,49 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connects the pool and loads the scripts.
+    /// Connects the pool and loads the scripts. Fails if Redis cannot be reached now; see
+    /// [`connect_lazy`](Self::connect_lazy) for a service that must start without it.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
+        let (pool, scripts) = self.pool(true)?;
+        pool.init().await?;
+        for (_, script) in &scripts {
+            script.load(pool.next()).await?;
+        }
+        Ok(self.store(pool, scripts))
+    }
+
+    /// Returns the store at once and connects in the background, retrying until Redis
+    /// answers; call it within a tokio runtime. Until then, decisions fail within the
+    /// [`timeout`](Self::timeout) and the layer follows its
+    /// [`FailureMode`](crate::FailureMode), as it does when Redis goes away later. The scripts
+    /// load with the first decisions. A wrong URL shows only as failing decisions (and
+    /// [`RedisStore::is_healthy`]), where [`connect`](Self::connect) would report it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_redis_ratelimit::StoreError> {
+    /// use tower_redis_ratelimit::RedisStore;
+    ///
+    /// // Nothing needs to listen there yet.
+    /// let store = RedisStore::builder("redis://127.0.0.1:1").connect_lazy()?;
+    /// # drop(store);
+    /// # Ok(()) }
+    /// ```
+    pub fn connect_lazy(self) -> Result<RedisStore, StoreError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(StoreError::Config(
+                "connect_lazy must be called within a tokio runtime".into(),
+            ));
+        }
+        let (pool, scripts) = self.pool(false)?;
+        // The connection tasks run on; reconnecting is the pool's policy.
+        drop(pool.connect_pool());
+        Ok(self.store(pool, scripts))
+    }
+
+    /// Validates the settings and builds the pool, not yet connected. `fail_fast`: whether
+    /// the first connection's failure is returned rather than retried.
+    fn pool(&self, fail_fast: bool) -> Result<(Pool, Vec<(Algorithm, Script)>), StoreError> {
         if self.pool_size == 0 {
             return Err(StoreError::Config("pool size must be at least 1".into()));
         }
@@ -300,10 +342,10 @@ impl RedisStoreBuilder {
                 self.prefix
             )));
         }
-        #[allow(unused_mut)]
         let mut config = Config::from_url(&self.url)?;
+        config.fail_fast = fail_fast;
         #[cfg(feature = "tls")]
-        if let Some(connector) = self.tls {
+        if let Some(connector) = self.tls.clone() {
             config.tls = Some(connector.into());
         }
         let pool = fred::types::Builder::from_config(config)
@@ -313,13 +355,15 @@ impl RedisStoreBuilder {
             })
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
             .build_pool(self.pool_size)?;
-        pool.init().await?;
-        let mut scripts = Vec::with_capacity(SCRIPTS.len());
-        for (algorithm, lua) in SCRIPTS {
-            let script = Script::from_lua(lua);
-            script.load(pool.next()).await?;
-            scripts.push((algorithm, script));
-        }
+        let scripts = SCRIPTS
+            .into_iter()
+            .map(|(algorithm, lua)| (algorithm, Script::from_lua(lua)))
+            .collect();
+        Ok((pool, scripts))
+    }
+
+    /// The store over `pool`, its batching task started.
+    fn store(self, pool: Pool, scripts: Vec<(Algorithm, Script)>) -> RedisStore {
         let batcher = Batcher::spawn(batch::Settings {
             pool: pool.clone(),
             scripts,
@@ -333,7 +377,7 @@ impl RedisStoreBuilder {
             },
             timeout: self.timeout,
         });
-        Ok(RedisStore {
+        RedisStore {
             inner: Arc::new(Inner {
                 pool,
                 prefix: self.prefix,
@@ -341,7 +385,7 @@ impl RedisStoreBuilder {
                 timeout: self.timeout,
                 breaker: Breaker::new(self.retry_interval),
             }),
-        })
+        }
     }
 }
 
