@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use common::scenarios::Reply;
 use common::RedisServer;
+use fred::prelude::ClientLike;
 use futures::stream::{self, StreamExt};
 use http::{HeaderName, Request};
 use tower::{Layer, ServiceExt};
@@ -164,4 +165,42 @@ async fn a_differently_sized_filter_of_the_same_name_is_refused() {
         .build()
         .await;
     assert!(matches!(bad, Err(StoreError::Config(_))), "{bad:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn confirmations_share_the_store_breaker() {
+    let server = RedisServer::start();
+    let store = tower_redis_ratelimit::RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(300))
+        .retry_interval(Duration::from_secs(5))
+        .connect()
+        .await
+        .unwrap();
+    let blocklist = Blocklist::builder(&store)
+        .name("breaker")
+        .expected_items(1_000)
+        .build()
+        .await
+        .unwrap();
+    let key = Key::from("203.0.113.9");
+    blocklist.add(&key).await.unwrap();
+    assert!(blocklist.contains(&key).await.unwrap());
+
+    // Redis stops answering: the first confirmation waits out the store's timeout and trips
+    // the breaker; the next one fails at once instead of waiting again.
+    let admin = server.client().await;
+    let _: () = admin
+        .custom(fred::cmd!("CLIENT"), vec!["PAUSE", "5000", "ALL"])
+        .await
+        .unwrap();
+    assert!(blocklist.contains(&key).await.is_err());
+    assert!(!store.is_healthy());
+    let started = tokio::time::Instant::now();
+    let second = blocklist.contains(&key).await;
+    assert!(matches!(second, Err(StoreError::Unavailable)), "{second:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        started.elapsed()
+    );
 }

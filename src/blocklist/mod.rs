@@ -13,8 +13,10 @@
 //! Another instance sees an added key after its next refresh (default 1 s). Each refresh reads
 //! the whole bit array (about 1.2 bytes per expected item at 1 %: 120 KiB for 100 000), within
 //! the store's time budget; a failed refresh keeps the previous copy and logs a warning.
-//! While Redis is unreachable, each "maybe" waits out the store's timeout and then passes
-//! (the blocklist fails open), so blocked clients get through during an outage.
+//! While Redis is unreachable, "maybe"s pass (the blocklist fails open), so blocked clients get
+//! through during an outage. Confirmations share the store's breaker: once a decision or a
+//! confirmation has found Redis unreachable, the next ones pass at once for the store's
+//! `retry_interval` instead of each waiting out its timeout.
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -40,7 +42,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use fred::clients::Pool;
 use fred::interfaces::{ClientLike, HashesInterface, KeysInterface, SetsInterface};
 use fred::types::CustomCommand;
 
@@ -56,7 +57,8 @@ pub struct Blocklist {
 }
 
 struct Shared {
-    pool: Pool,
+    /// Whose Redis (pool, key prefix, breaker) the blocklist uses.
+    store: RedisStore,
     shape: Shape,
     bits_key: String,
     set_key: String,
@@ -106,8 +108,7 @@ impl Blocklist {
     /// Configures a blocklist in the Redis of `store`, under its key prefix.
     pub fn builder(store: &RedisStore) -> BlocklistBuilder {
         BlocklistBuilder {
-            pool: store.pool().clone(),
-            prefix: store.prefix().to_owned(),
+            store: store.clone(),
             name: "default".into(),
             expected_items: 100_000,
             false_positive_rate: 0.01,
@@ -139,7 +140,7 @@ impl Blocklist {
                 ]);
             }
             let members: Vec<&str> = chunk.iter().map(Key::as_str).collect();
-            let pipeline = shared.pool.next().pipeline();
+            let pipeline = shared.store.pool().next().pipeline();
             let _: () = pipeline.sadd(shared.set_key.as_str(), members).await?;
             // fred has no BITFIELD method; the command is sent as it is.
             let command = CustomCommand::new_static("BITFIELD", None, false);
@@ -158,7 +159,8 @@ impl Blocklist {
     pub async fn remove(&self, key: &Key) -> Result<(), StoreError> {
         let _: () = self
             .shared
-            .pool
+            .store
+            .pool()
             .next()
             .srem(self.shared.set_key.as_str(), key.as_str())
             .await?;
@@ -202,18 +204,20 @@ impl Blocklist {
         }
     }
 
-    /// Asks the exact set about a "maybe".
+    /// Asks the exact set about a "maybe", behind the store's breaker: while Redis is found
+    /// unreachable, the answer is an error at once instead of after the time budget.
     pub(crate) fn confirm(
         &self,
         key: String,
     ) -> impl std::future::Future<Output = Result<bool, StoreError>> + Send + 'static {
         let shared = Arc::clone(&self.shared);
         async move {
-            let member: bool = shared
-                .pool
+            let ask = shared
+                .store
+                .pool()
                 .next()
-                .sismember(shared.set_key.as_str(), key)
-                .await?;
+                .sismember::<bool, _, _>(shared.set_key.as_str(), key);
+            let member = shared.store.guarded(ask).await?;
             if member {
                 shared.stats.blocked.fetch_add(1, Ordering::Relaxed);
             }
@@ -226,7 +230,7 @@ impl Shared {
     /// Merges the bits in Redis into the local copy. Bits only ever go from 0 to 1, so the
     /// merge is an OR: a read that raced with a local `add` cannot undo it.
     async fn refresh(&self) -> Result<(), StoreError> {
-        let bits: Option<Vec<u8>> = self.pool.next().get(self.bits_key.as_str()).await?;
+        let bits: Option<Vec<u8>> = self.store.pool().next().get(self.bits_key.as_str()).await?;
         let bits = bits.unwrap_or_default();
         let mut local = self.local.write().unwrap_or_else(|p| p.into_inner());
         if local.len() < bits.len() {
@@ -242,8 +246,7 @@ impl Shared {
 /// Configures a [`Blocklist`].
 #[derive(Debug, Clone)]
 pub struct BlocklistBuilder {
-    pool: Pool,
-    prefix: String,
+    store: RedisStore,
     name: String,
     expected_items: u64,
     false_positive_rate: f64,
@@ -313,11 +316,11 @@ impl BlocklistBuilder {
             )));
         }
         // One hash slot for the three keys: `{bl:<name>}`.
-        let base = format!("{}:{{bl:{}}}", self.prefix, self.name);
+        let base = format!("{}:{{bl:{}}}", self.store.prefix(), self.name);
         let shape_key = format!("{base}:shape");
         // The first instance records the shape; every later one must match it. HSETNX keeps
         // two instances starting at once from both writing theirs.
-        let client = self.pool.next();
+        let client = self.store.pool().next();
         let _: () = client
             .hsetnx(shape_key.as_str(), "bits", shape.bits)
             .await?;
@@ -335,7 +338,7 @@ impl BlocklistBuilder {
             )));
         }
         let shared = Arc::new(Shared {
-            pool: self.pool,
+            store: self.store,
             shape,
             bits_key: format!("{base}:bits"),
             set_key: format!("{base}:set"),

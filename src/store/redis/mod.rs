@@ -185,6 +185,32 @@ impl RedisStore {
         })
     }
 
+    /// Runs `call` behind the store's breaker, for other features that use this Redis (the
+    /// blocklist): fails at once while decisions do, and trips or closes the breaker by its
+    /// outcome, as a decision would.
+    pub(crate) async fn guarded<T>(
+        &self,
+        call: impl Future<Output = Result<T, fred::error::Error>>,
+    ) -> Result<T, StoreError> {
+        let breaker = &self.inner.breaker;
+        if breaker.is_open() {
+            return Err(StoreError::Unavailable);
+        }
+        let started = breaker.now();
+        match call.await {
+            Ok(value) => {
+                breaker.close();
+                Ok(value)
+            }
+            Err(error) => {
+                if is_outage(&error) {
+                    breaker.trip(started);
+                }
+                Err(error.into())
+            }
+        }
+    }
+
     /// The prefix of every key this store writes.
     pub fn prefix(&self) -> &str {
         &self.inner.prefix
