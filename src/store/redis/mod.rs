@@ -83,6 +83,36 @@ struct Inner {
     breaker: Breaker,
 }
 
+impl Inner {
+    /// Runs `call` within the time budget, behind the breaker: fails at once while it is
+    /// open; a failure that shows Redis unreachable or too slow trips it, a success closes it.
+    async fn guarded<T>(
+        &self,
+        call: impl Future<Output = Result<T, fred::error::Error>>,
+    ) -> Result<T, StoreError> {
+        if self.breaker.is_open() {
+            return Err(StoreError::Unavailable);
+        }
+        let started = self.breaker.now();
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(value)) => {
+                self.breaker.close();
+                Ok(value)
+            }
+            Ok(Err(error)) => {
+                if is_outage(&error) {
+                    self.breaker.trip(started);
+                }
+                Err(error.into())
+            }
+            Err(_) => {
+                self.breaker.trip(started);
+                Err(StoreError::Timeout(self.timeout))
+            }
+        }
+    }
+}
+
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
@@ -158,26 +188,9 @@ impl RedisStore {
         let redis_key = self.redis_key(key, policy);
         let policy = policy.clone();
         Box::pin(async move {
-            if inner.breaker.is_open() {
-                return Err(StoreError::Unavailable);
-            }
-            let started = inner.breaker.now();
-            let decision = inner.batcher.decide(policy.algorithm(), redis_key, args);
             // The budget covers the whole decision: the queue, the call and a script reload.
-            let reply = match tokio::time::timeout(inner.timeout, decision).await {
-                Ok(Ok(reply)) => reply,
-                Ok(Err(error)) => {
-                    if is_outage(&error) {
-                        inner.breaker.trip(started);
-                    }
-                    return Err(error.into());
-                }
-                Err(_) => {
-                    inner.breaker.trip(started);
-                    return Err(StoreError::Timeout(inner.timeout));
-                }
-            };
-            inner.breaker.close();
+            let decision = inner.batcher.decide(policy.algorithm(), redis_key, args);
+            let reply = inner.guarded(decision).await?;
             Ok(Decision::from_outcome(
                 parse_reply(&reply, &policy)?,
                 &policy,
@@ -185,30 +198,13 @@ impl RedisStore {
         })
     }
 
-    /// Runs `call` behind the store's breaker, for other features that use this Redis (the
-    /// blocklist): fails at once while decisions do, and trips or closes the breaker by its
-    /// outcome, as a decision would.
+    /// Runs `call` behind the store's breaker and within its time budget, as a decision does,
+    /// for other features that use this Redis (the blocklist).
     pub(crate) async fn guarded<T>(
         &self,
         call: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, StoreError> {
-        let breaker = &self.inner.breaker;
-        if breaker.is_open() {
-            return Err(StoreError::Unavailable);
-        }
-        let started = breaker.now();
-        match call.await {
-            Ok(value) => {
-                breaker.close();
-                Ok(value)
-            }
-            Err(error) => {
-                if is_outage(&error) {
-                    breaker.trip(started);
-                }
-                Err(error.into())
-            }
-        }
+        self.inner.guarded(call).await
     }
 
     /// The prefix of every key this store writes.
