@@ -22,14 +22,8 @@ local counts, windows = {}, {}
 local function load_request(k)
   local recorded
   key = KEYS[k]
-  n, cost, recorded, t, next_byte = sunpack('<llll', requests, next_byte)
+  n, cost, recorded, t = next_request(counts, windows)
   record = recorded == 1
-  if t < 0 then
-    t = now
-  end
-  for i = 1, n do
-    counts[i], windows[i], next_byte = sunpack('<ll', requests, next_byte)
-  end
   longest = windows[n]
 end
 

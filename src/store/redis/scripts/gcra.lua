@@ -24,11 +24,7 @@ local counts, windows, backlogs = {}, {}, {}
 
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local n, cost, record, t
-  n, cost, record, t, next_byte = sunpack('<llll', requests, next_byte)
-  if t < 0 then
-    t = now
-  end
+  local n, cost, record, t = next_request(counts, windows)
   local state = redis.call('GET', key)
   if state and #state ~= 16 * n then
     state = nil
@@ -39,8 +35,7 @@ for k = 1, #KEYS do
   local state_byte = 1
   local denied, denied_retry = nil, nil
   for i = 1, n do
-    local c, w, at, left
-    c, w, next_byte = sunpack('<ll', requests, next_byte)
+    local c, w, at, left = counts[i], windows[i]
     local b = 0
     if state then
       at, left, state_byte = sunpack('<ll', state, state_byte)
@@ -49,7 +44,7 @@ for k = 1, #KEYS do
         b = math.max(left - elapsed * c, 0)
       end
     end
-    counts[i], windows[i], backlogs[i] = c, w, b
+    backlogs[i] = b
     local new = b + cost * w
     if new > w * c then
       local retry = -2

@@ -45,6 +45,21 @@ local function text(x)
   return s
 end
 
+-- Reads the next request's arguments: returns its number of limits n, cost, record (1 or 0)
+-- and event time (now for -1), and puts each limit's count and window in `counts[i]` and
+-- `windows[i]` (entries past n are left over from an earlier request and never read).
+local function next_request(counts, windows)
+  local n, cost, record, t
+  n, cost, record, t, next_byte = sunpack('<llll', requests, next_byte)
+  if t < 0 then
+    t = now
+  end
+  for i = 1, n do
+    counts[i], windows[i], next_byte = sunpack('<ll', requests, next_byte)
+  end
+  return n, cost, record, t
+end
+
 -- Whether a refusal with `retry` (us; -2: no wait helps, the latest of all) is reported over
 -- the one found so far, whose retry is `so_far` (nil: none yet).
 local function later(retry, so_far)

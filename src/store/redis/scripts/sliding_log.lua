@@ -36,14 +36,7 @@ end
 
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local n, cost, record, t
-  n, cost, record, t, next_byte = sunpack('<llll', requests, next_byte)
-  if t < 0 then
-    t = now
-  end
-  for i = 1, n do
-    counts[i], windows[i], next_byte = sunpack('<ll', requests, next_byte)
-  end
+  local n, cost, record, t = next_request(counts, windows)
   local longest = windows[n]
 
   local cutoff = min(now, t) - longest
