@@ -8,8 +8,9 @@
 //! `LAYER_REQUESTS=<router>:<n>` set it sends `n` requests (after 2000 to warm up) through one
 //! of the routers below, by its name in the table, and exits without timing anything. Run it
 //! under `valgrind --tool=callgrind` for two values of `n`; the difference of the totals over the
-//! difference of `n` is the instructions per request, the same on every run (README,
-//! Performance).
+//! difference of `n` is the instructions per request. Runs differ only by a few hundred
+//! instructions (random hash seeds, maps growing at other moments), however busy the machine
+//! (README, Performance).
 
 use std::convert::Infallible;
 use std::hint::black_box;
