@@ -150,6 +150,14 @@ pub enum BuildError {
     /// An allow-listed network is not in CIDR notation.
     #[error("allow-listed network {0:?} is not an address or CIDR network")]
     Network(String),
+    /// The store cannot decide a policy (e.g. a sliding log over a leasing `RedisStore`).
+    #[error("policy {policy:?}: {why}")]
+    Unsupported {
+        /// The policy's name.
+        policy: String,
+        /// What the store said.
+        why: String,
+    },
 }
 
 impl From<Infallible> for BuildError {
@@ -381,12 +389,19 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         } else {
             DEFAULT_DENY_CACHE
         };
+        let store = &self.store;
         let mut seen: Vec<Policy> = Vec::new();
         let mut responder = |policy: Policy| -> Result<Arc<Responder>, BuildError> {
             let policy = match algorithm {
                 Some(a) => policy.with_algorithm(a),
                 None => policy,
             };
+            if let Err(error) = store.supports(&policy) {
+                return Err(BuildError::Unsupported {
+                    policy: policy.name().to_owned(),
+                    why: error.to_string(),
+                });
+            }
             match seen.iter().find(|p| p.name() == policy.name()) {
                 Some(same) if *same != policy => {
                     return Err(BuildError::PolicyConflict(policy.name().to_owned()))

@@ -88,6 +88,17 @@ impl<V> Shards<V> {
         }
     }
 
+    /// Visits every slot, live or expired, shard by shard, and drops those for which `keep`
+    /// returns false.
+    #[cfg(feature = "redis")]
+    pub(crate) fn retain(&self, mut keep: impl FnMut(&Key, &mut V) -> bool) {
+        for shard in self.shards.iter() {
+            lock(shard)
+                .slots
+                .retain(|slot| keep(&slot.key, &mut slot.value));
+        }
+    }
+
     /// The number of live slots at `now`, once expired ones are dropped.
     pub(crate) fn len(&self, now: u64) -> u64 {
         self.shards

@@ -15,7 +15,7 @@ pub(crate) mod redis;
 
 pub use memory::{Clock, ManualClock, MemoryStore, MemoryStoreBuilder, TokioClock};
 #[cfg(feature = "redis")]
-pub use redis::{RedisStore, RedisStoreBuilder};
+pub use redis::{Leases, RedisStore, RedisStoreBuilder};
 
 /// Decides whether a request fits a policy, and records it if it does, in one atomic step.
 ///
@@ -63,6 +63,14 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> Option<Result<Decision, StoreError>> {
         let _ = (key, policy, cost);
         None
+    }
+
+    /// Whether this store can decide `policy`; the layer's builder asks for each policy and
+    /// fails with [`BuildError::Unsupported`](crate::BuildError::Unsupported) if not. Every
+    /// policy by default; a [`RedisStore`] with leases refuses the sliding log.
+    fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
+        let _ = policy;
+        Ok(())
     }
 
     /// Whether decisions are made in this process, without I/O. The layer's deny cache is off

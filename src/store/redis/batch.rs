@@ -24,8 +24,19 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::algorithm::{Algorithm, Window};
 
-/// The reply of one request: five integers (see `scripts/prelude.lua`).
-pub(super) type Reply = Result<[i64; 5], Error>;
+/// The reply of one request: its five integers and the Redis time of the call, in µs (see
+/// `scripts/prelude.lua`).
+pub(super) type Reply = Result<Answer, Error>;
+
+/// What a script answered for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Answer {
+    /// Allowed (0, or 1 + units leased beyond the cost), limit index, remaining, reset after,
+    /// retry after.
+    pub(super) five: [i64; 5],
+    /// Redis `TIME` during the call, µs since the epoch.
+    pub(super) time: i64,
+}
 
 /// Bytes per integer in a script's arguments and reply.
 const INT: usize = std::mem::size_of::<i64>();
@@ -53,6 +64,8 @@ pub(super) struct Batcher {
 pub(super) struct Settings {
     pub(super) pool: Pool,
     pub(super) scripts: Vec<(Algorithm, Script)>,
+    /// `scripts/release.lua`, which gives leased units back.
+    pub(super) release: Script,
     pub(super) max_batch: usize,
     pub(super) in_flight: usize,
     /// How long one call may take before its requests are answered with a timeout.
@@ -91,7 +104,7 @@ impl Batcher {
             // decision's future that large, including the queued ones that never send.
             let reply = Box::pin(call(&self.settings, algorithm, vec![key], args, 1)).await;
             drop(slot);
-            return reply.map(|values| five(&values, 0));
+            return reply.map(|values| answer(&values, 0));
         }
         let (reply, answer) = oneshot::channel();
         let job = Job {
@@ -109,6 +122,31 @@ impl Batcher {
         answer
             .await
             .unwrap_or_else(|_| Err(Error::new(ErrorKind::Canceled, "batch dropped")))
+    }
+}
+
+impl Batcher {
+    /// Runs `scripts/release.lua` once for `keys` (`args`: theirs, encoded one after the
+    /// other by [`encode_release`]), within the time budget; in a cluster the keys must share
+    /// a hash slot.
+    pub(super) async fn release(&self, keys: Vec<String>, args: Vec<u8>) -> Result<i64, Error> {
+        let client = self.settings.pool.next_connected();
+        let call =
+            self.settings
+                .release
+                .evalsha_with_reload::<i64, _, _>(client, keys, Bytes::from(args));
+        match tokio::time::timeout(self.settings.timeout, call).await {
+            Ok(reply) => reply,
+            Err(_) => Err(Error::new(
+                ErrorKind::Timeout,
+                "no reply within the time budget",
+            )),
+        }
+    }
+
+    /// Whether the pool talks to a Redis Cluster.
+    pub(super) fn is_clustered(&self) -> bool {
+        self.settings.pool.next().is_clustered()
     }
 }
 
@@ -189,7 +227,7 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
     let reply = call(&settings, algorithm, keys, args, requests).await;
     for (i, requester) in replies.into_iter().enumerate() {
         let result = match &reply {
-            Ok(values) => Ok(five(values, i)),
+            Ok(values) => Ok(answer(values, i)),
             Err(error) => Err(error.clone()),
         };
         // The requester may have given up (its own timeout); nothing to do then.
@@ -197,19 +235,77 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
     }
 }
 
+/// What a request asks a script to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Record {
+    /// Decide only (a peek).
+    No,
+    /// Decide, and record an admitted request's cost.
+    Yes,
+    /// Decide, and record as many units as fit now, up to `want` (at least the cost), keeping
+    /// `headroom` µs of drain free in every GCRA bucket: a lease.
+    Lease { want: u64, headroom: u64 },
+}
+
 /// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
-/// of limits, cost, record (1 or 0), event time (µs, -1 for now), then count and window (µs)
-/// of each limit.
-pub(super) fn encode(cost: u32, record: bool, at: i64, windows: &[Window]) -> Vec<u8> {
-    let mut args = Vec::with_capacity(INT * (4 + 2 * windows.len()));
-    let head = [windows.len() as i64, cost.into(), record.into(), at];
+/// of limits, cost, record (0, 1, or 2 for a lease), event time (µs, -1 for now), for a lease
+/// want and headroom, then count and window (µs) of each limit.
+pub(super) fn encode(cost: u32, record: Record, at: i64, windows: &[Window]) -> Vec<u8> {
+    let mut args = Vec::with_capacity(INT * (6 + 2 * windows.len()));
+    let (flag, lease) = match record {
+        Record::No => (0, None),
+        Record::Yes => (1, None),
+        Record::Lease { want, headroom } => (2, Some([clamp(want), clamp(headroom)])),
+    };
+    let head = [windows.len() as i64, cost.into(), flag, at];
     let tail = windows
         .iter()
         .flat_map(|w| [clamp(w.count), clamp(w.micros)]);
-    for value in head.into_iter().chain(tail) {
+    let values = head.into_iter().chain(lease.into_iter().flatten());
+    for value in values.chain(tail) {
         args.extend_from_slice(&value.to_le_bytes());
     }
     args
+}
+
+/// One give-back's arguments as `scripts/release.lua` reads them: algorithm, number of
+/// limits, units, the Redis time of the grant (µs), then count and window of each limit.
+pub(super) fn encode_release(
+    algorithm: Algorithm,
+    units: u64,
+    granted: i64,
+    windows: &[Window],
+) -> Vec<u8> {
+    let code = match algorithm {
+        Algorithm::FixedWindow => 1,
+        Algorithm::SlidingWindow => 2,
+        _ => 3,
+    };
+    let head = [code, windows.len() as i64, clamp(units), granted];
+    let tail = windows
+        .iter()
+        .flat_map(|w| [clamp(w.count), clamp(w.micros)]);
+    head.into_iter()
+        .chain(tail)
+        .flat_map(i64::to_le_bytes)
+        .collect()
+}
+
+/// Splits keys into groups that one call can take: all of them, or in a cluster one group per
+/// hash slot. Returns indices into `keys`.
+pub(super) fn by_slot(keys: &[String], clustered: bool) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        let slot = match clustered {
+            true => fred::util::redis_keyslot(key.as_bytes()),
+            false => 0,
+        };
+        match groups.iter_mut().find(|(s, _)| *s == slot) {
+            Some((_, group)) => group.push(i),
+            None => groups.push((slot, vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, group)| group).collect()
 }
 
 fn clamp(v: u64) -> i64 {
@@ -241,23 +337,28 @@ async fn call(
             return Err(error);
         }
     };
-    if values.len() != 5 * INT * requests {
+    if values.len() != (5 * requests + 1) * INT {
         let message = format!("{} bytes for {requests} requests", values.len());
         return Err(Error::new(ErrorKind::Parse, message));
     }
     Ok(values)
 }
 
-/// The five integers of request `i` in a reply of the right length.
-fn five(values: &[u8], i: usize) -> [i64; 5] {
-    let mut five = [0; 5];
-    let answer = values[5 * INT * i..].chunks_exact(INT);
-    for (value, bytes) in five.iter_mut().zip(answer) {
+/// The answer to request `i` in a reply of the right length.
+fn answer(values: &[u8], i: usize) -> Answer {
+    let int = |at: usize| {
         let mut le = [0; INT];
-        le.copy_from_slice(bytes);
-        *value = i64::from_le_bytes(le);
+        le.copy_from_slice(&values[at..at + INT]);
+        i64::from_le_bytes(le)
+    };
+    let mut five = [0; 5];
+    for (j, value) in five.iter_mut().enumerate() {
+        *value = int((5 * i + j) * INT);
     }
-    five
+    Answer {
+        five,
+        time: int(values.len() - INT),
+    }
 }
 
 #[cfg(test)]

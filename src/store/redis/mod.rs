@@ -11,8 +11,11 @@ use fred::types::scripts::Script;
 
 mod batch;
 mod health;
+mod lease;
 
-use batch::Batcher;
+pub use lease::Leases;
+
+use batch::{Answer, Batcher, Record};
 use health::{is_outage, Breaker};
 
 use super::{Store, StoreError};
@@ -81,9 +84,27 @@ struct Inner {
     batcher: Batcher,
     timeout: Duration,
     breaker: Breaker,
+    /// Set when the store leases ([`RedisStoreBuilder::leases`]).
+    leases: Option<lease::State>,
 }
 
 impl Inner {
+    /// Runs the policy's script for one request at `redis_key`, behind the breaker and within
+    /// the time budget; `at` is an event time in µs since the epoch (`-1`: now).
+    async fn decide(
+        &self,
+        redis_key: String,
+        policy: &Policy,
+        cost: u32,
+        at: i64,
+        record: Record,
+    ) -> Result<Answer, StoreError> {
+        let args = batch::encode(cost, record, at, policy.windows());
+        // The budget covers the whole decision: the queue, the call and a script reload.
+        let decision = self.batcher.decide(policy.algorithm(), redis_key, args);
+        self.guarded(decision).await
+    }
+
     /// Runs `call` within the time budget, behind the breaker: fails at once while it is
     /// open; a failure that shows Redis unreachable or too slow trips it, a success closes it.
     async fn guarded<T>(
@@ -151,6 +172,7 @@ impl RedisStore {
             prefix: Self::DEFAULT_PREFIX.to_owned(),
             timeout: Self::DEFAULT_TIMEOUT,
             retry_interval: Duration::from_millis(500),
+            leases: None,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -160,10 +182,15 @@ impl RedisStore {
     ///
     /// Useful to inspect or clear state by hand.
     pub fn redis_key(&self, key: &Key, policy: &Policy) -> String {
+        RedisStore::key_of(&self.inner.prefix, key, policy)
+    }
+
+    /// [`redis_key`](Self::redis_key) under `prefix`.
+    fn key_of(prefix: &str, key: &Key, policy: &Policy) -> String {
         // `<prefix>:{<policy>:<key>}:<tag>`. `concat` allocates once, at the exact size;
         // `format!` grew its string as it went, three allocations per decision.
         [
-            self.inner.prefix.as_str(),
+            prefix,
             ":{",
             policy.name(),
             ":",
@@ -181,21 +208,39 @@ impl RedisStore {
         policy: &Policy,
         cost: u32,
         at: i64,
-        record: bool,
+        record: Record,
     ) -> <Self as Store>::Future {
         let inner = Arc::clone(&self.inner);
-        let args = batch::encode(cost, record, at, policy.windows());
         let redis_key = self.redis_key(key, policy);
         let policy = policy.clone();
         Box::pin(async move {
-            // The budget covers the whole decision: the queue, the call and a script reload.
-            let decision = inner.batcher.decide(policy.algorithm(), redis_key, args);
-            let reply = inner.guarded(decision).await?;
-            Ok(Decision::from_outcome(
-                parse_reply(&reply, &policy)?,
-                &policy,
-            ))
+            let answer = inner.decide(redis_key, &policy, cost, at, record).await?;
+            let (outcome, _) = parse_reply(&answer.five, &policy)?;
+            Ok(Decision::from_outcome(outcome, &policy))
         })
+    }
+
+    /// Gives back every unit this instance holds in leases and takes no more: decisions go to
+    /// Redis one by one from now on. Call it on graceful shutdown, after the server stopped
+    /// taking requests, so that other instances can use the units at once instead of after
+    /// the leases expire. Returns the units given back; without leases, 0.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tower_redis_ratelimit::StoreError> {
+    /// use tower_redis_ratelimit::{store::Leases, RedisStore};
+    ///
+    /// let store = RedisStore::builder("redis://127.0.0.1:6379")
+    ///     .leases(Leases::new())
+    ///     .connect()
+    ///     .await?;
+    /// // ... serve until a shutdown signal, then:
+    /// let units = store.drain().await?;
+    /// # let _ = units;
+    /// # Ok(()) }
+    /// ```
+    pub async fn drain(&self) -> Result<u64, StoreError> {
+        lease::stop(&self.inner);
+        lease::give_back(self, true).await
     }
 
     /// Runs `call` behind the store's breaker and within its time budget, as a decision does,
@@ -236,11 +281,25 @@ pub struct RedisStoreBuilder {
     prefix: String,
     timeout: Duration,
     retry_interval: Duration,
+    leases: Option<Leases>,
     #[cfg(feature = "tls")]
     tls: Option<fred::types::config::TlsConnector>,
 }
 
 impl RedisStoreBuilder {
+    /// Takes shares of each busy key's budget from Redis ahead of need (leases) and decides
+    /// requests from them in this process: Redis sees one call per lease instead of one per
+    /// request, and the fleet still never admits more than the limit. Off by default.
+    ///
+    /// Applies to GCRA and the fixed and sliding window counters; a layer with a sliding-log
+    /// policy over a leasing store fails to build. [`RedisStore::drain`] gives the units back
+    /// on shutdown. What it costs (under-admission while another instance holds units, GCRA's
+    /// smaller burst) is in [`Leases`] and the README.
+    pub fn leases(mut self, leases: Leases) -> Self {
+        self.leases = Some(leases);
+        self
+    }
+
     /// Connections in the pool (default 4). Commands are pipelined on each connection, so a
     /// few connections carry many concurrent requests.
     pub fn pool_size(mut self, size: usize) -> Self {
@@ -358,6 +417,9 @@ impl RedisStoreBuilder {
                 "at least one call must be allowed under way".into(),
             ));
         }
+        if let Some(leases) = &self.leases {
+            leases.validate()?;
+        }
         if self.prefix.is_empty() || self.prefix.contains(['{', '}']) {
             return Err(StoreError::Config(format!(
                 "key prefix {:?} must be non-empty and free of braces",
@@ -389,6 +451,7 @@ impl RedisStoreBuilder {
         let batcher = Batcher::spawn(batch::Settings {
             pool: pool.clone(),
             scripts,
+            release: Script::from_lua(include_str!("scripts/release.lua")),
             max_batch: self.max_batch,
             // Without batching, waiting for a slot gains nothing: send everything at once, as
             // fred pipelines it.
@@ -399,15 +462,18 @@ impl RedisStoreBuilder {
             },
             timeout: self.timeout,
         });
-        RedisStore {
-            inner: Arc::new(Inner {
-                pool,
-                prefix: self.prefix,
-                batcher,
-                timeout: self.timeout,
-                breaker: Breaker::new(self.retry_interval),
-            }),
+        let inner = Arc::new(Inner {
+            pool,
+            prefix: self.prefix,
+            batcher,
+            timeout: self.timeout,
+            breaker: Breaker::new(self.retry_interval),
+            leases: self.leases.map(lease::State::new),
+        });
+        if let Some(leases) = &self.leases {
+            lease::spawn_sweeper(Arc::downgrade(&inner), leases.period_length());
         }
+        RedisStore { inner }
     }
 }
 
@@ -418,7 +484,27 @@ impl Store for RedisStore {
     type ResetFuture = BoxFuture<()>;
 
     fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        self.run(key, policy, cost, -1, true)
+        if let Some(plan) = lease::plan(&self.inner, policy) {
+            let (inner, key, policy) = (Arc::clone(&self.inner), key.clone(), policy.clone());
+            return Box::pin(lease::check(inner, plan, key, policy, cost));
+        }
+        self.run(key, policy, cost, -1, Record::Yes)
+    }
+
+    fn check_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        lease::check_now(&self.inner, key, policy, cost)
+    }
+
+    fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
+        match lease::refuses(&self.inner, policy) {
+            Some(why) => Err(StoreError::Unsupported(why)),
+            None => Ok(()),
+        }
     }
 
     fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
@@ -435,12 +521,12 @@ impl Store for RedisStore {
             policy,
             cost,
             i64::try_from(micros).unwrap_or(i64::MAX),
-            true,
+            Record::Yes,
         )
     }
 
     fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        self.run(key, policy, cost, -1, false)
+        self.run(key, policy, cost, -1, Record::No)
     }
 
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
@@ -453,8 +539,9 @@ impl Store for RedisStore {
     }
 }
 
-/// Reads `{allowed, index, remaining, reset_after, retry_after}`.
-fn parse_reply(reply: &[i64; 5], policy: &Policy) -> Result<Outcome, StoreError> {
+/// Reads `{allowed, index, remaining, reset_after, retry_after}`; with the outcome, the units
+/// leased beyond the request's cost.
+fn parse_reply(reply: &[i64; 5], policy: &Policy) -> Result<(Outcome, u64), StoreError> {
     let bad = || StoreError::Reply(format!("{reply:?}"));
     let &[allowed, index, remaining, reset_after, retry_after] = reply;
     let index = usize::try_from(index)
@@ -462,8 +549,8 @@ fn parse_reply(reply: &[i64; 5], policy: &Policy) -> Result<Outcome, StoreError>
         .filter(|&i| i < policy.limits().len())
         .ok_or_else(bad)?;
     let non_negative = |v: i64| u64::try_from(v).map_err(|_| bad());
-    Ok(Outcome {
-        allowed: allowed == 1,
+    let outcome = Outcome {
+        allowed: allowed >= 1,
         index,
         remaining: non_negative(remaining)?,
         reset_after: non_negative(reset_after)?,
@@ -471,5 +558,6 @@ fn parse_reply(reply: &[i64; 5], policy: &Policy) -> Result<Outcome, StoreError>
             -1 | -2 => None,
             v => Some(non_negative(v)?),
         },
-    })
+    };
+    Ok((outcome, non_negative(allowed.max(1) - 1)?))
 }

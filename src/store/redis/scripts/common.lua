@@ -13,22 +13,22 @@ local function format(m)
   return f
 end
 
--- The request being decided: its key, cost, record flag, time and limits (entries past n are
--- left over from an earlier request and never read).
-local key, cost, record, t, n, longest
+-- The request being decided: its key, cost, record flag (0, 1, or 2 for a lease), time, the
+-- most units a lease takes, and limits (entries past n are left over from an earlier request
+-- and never read). The counters take no headroom: a leased unit is spent in the window it
+-- was counted in.
+local key, cost, record, t, want, n, longest
 local counts, windows = {}, {}
 
 -- Reads request k's arguments into the variables above.
 local function load_request(k)
-  local recorded
   key = KEYS[k]
-  n, cost, recorded, t = next_request(counts, windows)
-  record = recorded == 1
+  n, cost, record, t, want = next_request(counts, windows)
   longest = windows[n]
 end
 
 -- fits(i): nil if the request fits limit i, else the retry in us (-2: no wait helps).
--- apply(): records the request against every limit.
+-- apply(): records the request (`cost` units) against every limit.
 -- report(i): units left in limit i and us until it resets.
 local function decide(fits, apply, report)
   local denied, denied_retry = nil, nil
@@ -42,7 +42,17 @@ local function decide(fits, apply, report)
     local remaining, reset = report(denied)
     return 0, denied - 1, remaining, reset, denied_retry
   end
-  if record then
+  local allowed = 1
+  if record == 2 then
+    -- A lease takes as many units as fit in every limit now, up to want (at least the cost,
+    -- which fits).
+    local take = want
+    for i = 1, n do
+      take = math.min(take, (report(i)))
+    end
+    allowed, cost = 1 + take - cost, take
+  end
+  if record ~= 0 then
     apply()
   end
   local best, best_remaining, best_reset = 1, nil, 0
@@ -52,7 +62,7 @@ local function decide(fits, apply, report)
       best, best_remaining, best_reset = i, remaining, reset
     end
   end
-  return 1, best - 1, best_remaining, best_reset, -1
+  return allowed, best - 1, best_remaining, best_reset, -1
 end
 
 -- The start of the fixed window of length w holding time x (math.fmod is exact).
@@ -92,5 +102,5 @@ local function each_stored_request(fields, fits, apply, report)
     state = load_fields(fields)
     reply[k] = spack('<lllll', decide(fits, apply, report))
   end
-  return table.concat(reply)
+  return finish()
 end

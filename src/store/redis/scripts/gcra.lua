@@ -9,12 +9,18 @@
 --           (so one unit of cost is exactly `window`). State of another length (the policy's
 --           limits changed) counts as none.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
---           cost, record (1 or 0), event time (-1: now; GCRA takes no other), then count and
---           window (us) of limits 1..n, shortest first
+--           cost, record (0, 1, or 2 for a lease), event time (-1: now; GCRA takes no other),
+--           for a lease want and headroom (us), then count and window (us) of limits 1..n,
+--           shortest first
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, five per
---           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
---           retry_after (us; -1 when admitted, -2 when no wait helps)
+--           request: allowed (0 refused, else 1 + units leased beyond the cost), limit index
+--           (0-based), remaining, reset_after (us), retry_after (us; -1 when admitted, -2
+--           when no wait helps); then Redis TIME
+--
+-- Headroom h: a store that leases keeps h of drain free in every bucket (capacity w * c - h * c
+-- instead of w * c), because leased units may be spent up to h after they were taken; the
+-- bucket then never holds more than w * c of units as they were spent.
 --
 -- Writes: an admitted request stores every limit's new backlog and sets the key to expire
 -- after the longest window, by which time every bucket has drained.
@@ -24,16 +30,16 @@ local counts, windows, backlogs = {}, {}, {}
 
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local n, cost, record, t = next_request(counts, windows)
+  local n, cost, record, t, want, h = next_request(counts, windows)
   local state = redis.call('GET', key)
   if state and #state ~= 16 * n then
     state = nil
   end
 
   -- Each limit's backlog now, and the limit that refuses with the latest retry (-2, no wait
-  -- helps, is the latest of all).
+  -- helps, is the latest of all); `room`, the fewest whole units that fit in any limit.
   local state_byte = 1
-  local denied, denied_retry = nil, nil
+  local denied, denied_retry, room = nil, nil, nil
   for i = 1, n do
     local c, w, at, left = counts[i], windows[i]
     local b = 0
@@ -45,14 +51,20 @@ for k = 1, #KEYS do
       end
     end
     backlogs[i] = b
+    local capacity = (w - h) * c
     local new = b + cost * w
-    if new > w * c then
+    if new > capacity then
       local retry = -2
-      if cost <= c then
-        retry = math.ceil((new - w * c) / c)
+      if cost * w <= capacity then
+        retry = math.ceil((new - capacity) / c)
       end
       if later(retry, denied_retry) then
         denied, denied_retry = i, retry
+      end
+    elseif record == 2 then
+      local fit = math.floor((capacity - b) / w)
+      if room == nil or fit < room then
+        room = fit
       end
     end
   end
@@ -62,7 +74,11 @@ for k = 1, #KEYS do
   local allowed, reported, retry = 0, denied, denied_retry
   if denied == nil then
     allowed, retry = 1, -1
-    if record == 1 then
+    if record ~= 0 then
+      if record == 2 then
+        local take = math.min(want, room)
+        allowed, cost = 1 + take - cost, take
+      end
       local value
       if n == 1 then
         backlogs[1] = backlogs[1] + cost * windows[1]
@@ -90,4 +106,4 @@ for k = 1, #KEYS do
     math.ceil(b / c), retry)
 end
 
-return table.concat(reply)
+return finish()

@@ -7,12 +7,19 @@
 --           all keys of one call are in one hash slot
 -- ARGV[1]   64-bit little-endian signed integers, for each request k in turn: n (its number
 --           of limits), cost (units, >= 0), record (1 to record an admitted request, 0 to
---           only look), event time in microseconds since the epoch or -1 for now (Redis TIME),
---           then count and window (microseconds) of limits 1..n, shortest first
+--           only look, 2 for a lease), event time in microseconds since the epoch or -1 for
+--           now (Redis TIME); for a lease only, want (the most units to take, >= cost) and
+--           headroom (us; GCRA keeps that much drain free in every bucket); then count and
+--           window (microseconds) of limits 1..n, shortest first
 --
 -- Reply: one string of 64-bit little-endian signed integers, five per request in turn:
---        allowed (1 or 0), limit index (0-based), remaining, reset_after (us), retry_after
---        (us; -1 when admitted, -2 when no wait helps)
+--        allowed (0 when refused; when admitted, 1 plus the units leased beyond the cost),
+--        limit index (0-based), remaining, reset_after (us), retry_after (us; -1 when
+--        admitted, -2 when no wait helps); then, once per call, Redis TIME in us
+--
+-- Leases (src/store/redis/lease/): an admitted lease records as many units as fit in every
+-- limit now, up to `want`, instead of `cost`, so that an instance can admit the extra units
+-- itself later; the reply's remaining counts after them.
 --
 -- Limits combine as `decide` in src/algorithm/mod.rs: a refused request reports the limit that
 -- refuses with the latest retry (`later`), an admitted one the limit with the fewest units left
@@ -45,19 +52,31 @@ local function text(x)
   return s
 end
 
--- Reads the next request's arguments: returns its number of limits n, cost, record (1 or 0)
--- and event time (now for -1), and puts each limit's count and window in `counts[i]` and
--- `windows[i]` (entries past n are left over from an earlier request and never read).
+-- Reads the next request's arguments: returns its number of limits n, cost, record (0, 1 or
+-- 2), event time (now for -1), want and headroom (cost and 0 unless a lease), and puts each
+-- limit's count and window in `counts[i]` and `windows[i]` (entries past n are left over from
+-- an earlier request and never read).
 local function next_request(counts, windows)
-  local n, cost, record, t
+  local n, cost, record, t, want, headroom
   n, cost, record, t, next_byte = sunpack('<llll', requests, next_byte)
   if t < 0 then
     t = now
   end
+  if record == 2 then
+    want, headroom, next_byte = sunpack('<ll', requests, next_byte)
+  else
+    want, headroom = cost, 0
+  end
   for i = 1, n do
     counts[i], windows[i], next_byte = sunpack('<ll', requests, next_byte)
   end
-  return n, cost, record, t
+  return n, cost, record, t, want, headroom
+end
+
+-- The reply of the whole call: every request's answer, then the time.
+local function finish()
+  reply[#reply + 1] = spack('<l', now)
+  return table.concat(reply)
 end
 
 -- Whether a refusal with `retry` (us; -2: no wait helps, the latest of all) is reported over

@@ -13,7 +13,9 @@
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, five per
 --           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
---           retry_after (us; -1 when admitted, -2 when no wait helps)
+--           retry_after (us; -1 when admitted, -2 when no wait helps), then Redis TIME
+--
+-- The log is never leased (the store refuses it): record 2 is not sent here.
 --
 -- Writes: members older than the longest window before min(now, t) are trimmed; an admitted
 -- request adds `cost` members and sets the key to expire a longest window after its latest
@@ -151,4 +153,4 @@ for k = 1, #KEYS do
   reply[k] = spack('<lllll', allowed, reported - 1, max(c - fullests[reported], 0), reset, retry)
 end
 
-return table.concat(reply)
+return finish()

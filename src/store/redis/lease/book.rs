@@ -1,0 +1,300 @@
+//! The bookkeeping of leases for one key under one policy, free of I/O: which units this
+//! instance holds, until when, how fast it uses them, and how many to ask for next.
+//!
+//! Times are whole microseconds on this process's monotonic clock (`now`), except
+//! [`Grant::granted`], which is Redis's time of the grant, as the give-back script needs it.
+
+use std::collections::VecDeque;
+
+use crate::algorithm::Outcome;
+
+/// Units taken from Redis in one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grant {
+    /// Units not spent yet.
+    pub(crate) units: u64,
+    /// Local time from which they may no longer be spent.
+    pub(crate) expires: u64,
+    /// Redis time of the grant, µs since the epoch.
+    pub(crate) granted: i64,
+}
+
+/// Units to give back to Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Return {
+    pub(crate) units: u64,
+    pub(crate) granted: i64,
+}
+
+/// Units used in the last `period`, estimated as the sliding window counter does: the
+/// current period's count plus the previous one's, weighted by the share of it still inside.
+#[derive(Debug, Clone, Copy, Default)]
+struct Usage {
+    start: u64,
+    current: u64,
+    previous: u64,
+}
+
+impl Usage {
+    fn roll(&mut self, now: u64, period: u64) {
+        let start = now - now % period;
+        if start == self.start {
+            return;
+        }
+        self.previous = if start == self.start + period {
+            self.current
+        } else {
+            0
+        };
+        self.current = 0;
+        self.start = start;
+    }
+
+    fn add(&mut self, now: u64, period: u64, units: u64) {
+        self.roll(now, period);
+        self.current += units;
+    }
+
+    /// Units used in the `period` before `now`.
+    fn estimate(&mut self, now: u64, period: u64) -> u64 {
+        self.roll(now, period);
+        let inside = period - (now - self.start);
+        let weighted = u128::from(self.previous) * u128::from(inside) / u128::from(period);
+        self.current + weighted as u64
+    }
+}
+
+/// What one instance holds for one key under one policy.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Entry {
+    /// Oldest first; a second one arrives when the next lease is fetched ahead of need.
+    grants: VecDeque<Grant>,
+    usage: Usage,
+    /// Whether a lease is being fetched for this key.
+    pub(crate) fetching: bool,
+    /// Local time of the last request.
+    pub(crate) last_used: u64,
+    /// What Redis last answered for this key, for the rate-limit fields of requests admitted
+    /// from a lease: its remaining count already excludes every unit leased.
+    last: Option<Outcome>,
+}
+
+impl Entry {
+    /// Counts a request of `cost` at `now` towards the rate leases follow.
+    pub(crate) fn used(&mut self, now: u64, period: u64, cost: u64) {
+        self.usage.add(now, period, cost);
+        self.last_used = now;
+    }
+
+    /// Spends `cost` units of unexpired leases, oldest first, if they hold that many; returns
+    /// the outcome to answer with.
+    pub(crate) fn take(&mut self, now: u64, cost: u64) -> Option<Outcome> {
+        let last = self.last?;
+        if self.units(now) < cost {
+            return None;
+        }
+        let mut left = cost;
+        for grant in self.grants.iter_mut().filter(|g| g.expires > now) {
+            let spent = grant.units.min(left);
+            grant.units -= spent;
+            left -= spent;
+        }
+        Some(Outcome {
+            allowed: true,
+            retry_after: None,
+            remaining: last.remaining + self.units(now),
+            ..last
+        })
+    }
+
+    /// Unexpired units held at `now`.
+    pub(crate) fn units(&self, now: u64) -> u64 {
+        self.grants
+            .iter()
+            .filter(|g| g.expires > now)
+            .map(|g| g.units)
+            .sum()
+    }
+
+    /// How many units to ask for when this key needs Redis for a request of `cost`: what it
+    /// used in the last `period` (so that a lease lasts about that long), at most `cap`;
+    /// `cost` alone (a plain decision) for a key that used less.
+    pub(crate) fn want(&mut self, now: u64, period: u64, cost: u64, cap: u64) -> u64 {
+        self.usage.estimate(now, period).min(cap).max(cost)
+    }
+
+    /// Whether to fetch the next lease now, ahead of need: none is being fetched, this key is
+    /// busy enough to lease (`want` above one unit), and the units left would last less than a
+    /// quarter of the period at the recent rate.
+    pub(crate) fn should_prefetch(&mut self, now: u64, period: u64, cap: u64) -> Option<u64> {
+        if self.fetching {
+            return None;
+        }
+        let want = self.want(now, period, 1, cap);
+        (want > 1 && self.units(now) * 4 < want).then_some(want)
+    }
+
+    /// Adds a grant of `units` (beyond the request that fetched it), and remembers what Redis
+    /// answered.
+    pub(crate) fn granted(&mut self, grant: Grant, outcome: Outcome) {
+        self.last = Some(outcome);
+        if grant.units > 0 {
+            self.grants.push_back(grant);
+        }
+    }
+
+    /// Remembers what Redis answered to a request of this key that took no lease.
+    pub(crate) fn answered(&mut self, outcome: Outcome) {
+        if outcome.allowed {
+            self.last = Some(outcome);
+        }
+    }
+
+    /// Takes out the units to give back at `now`: those of expired grants, and every unit
+    /// once the key has been idle for `idle` (or when `all`).
+    pub(crate) fn returns(&mut self, now: u64, idle: u64, all: bool) -> Vec<Return> {
+        let everything = all || now.saturating_sub(self.last_used) >= idle;
+        let mut out = Vec::new();
+        self.grants.retain(|g| {
+            let done = everything || g.expires <= now;
+            if done && g.units > 0 {
+                out.push(Return {
+                    units: g.units,
+                    granted: g.granted,
+                });
+            }
+            !done
+        });
+        out
+    }
+
+    /// Whether nothing is held or being fetched, so the entry can go.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.grants.is_empty() && !self.fetching
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000;
+    const PERIOD: u64 = 1_000 * MS;
+
+    fn outcome(remaining: u64) -> Outcome {
+        Outcome {
+            allowed: true,
+            index: 0,
+            remaining,
+            reset_after: 0,
+            retry_after: None,
+        }
+    }
+
+    #[test]
+    fn a_cold_key_asks_for_its_cost_alone() {
+        let mut e = Entry::default();
+        e.used(0, PERIOD, 1);
+        assert_eq!(e.want(0, PERIOD, 1, 100), 1);
+        assert_eq!(e.take(0, 1), None, "nothing leased yet");
+        assert_eq!(e.should_prefetch(0, PERIOD, 100), None);
+    }
+
+    #[test]
+    fn lease_size_follows_the_rate_up_to_the_cap() {
+        let mut e = Entry::default();
+        // 50 requests in the last period, evenly spread.
+        for i in 0..50 {
+            e.used(i * 20 * MS, PERIOD, 1);
+        }
+        assert_eq!(e.want(PERIOD - MS, PERIOD, 1, 100), 50);
+        assert_eq!(e.want(PERIOD - MS, PERIOD, 1, 20), 20, "capped");
+        // Half a period later, half of the last period's use still counts.
+        assert_eq!(e.want(PERIOD + PERIOD / 2, PERIOD, 1, 100), 25);
+        // Two idle periods later the key is cold again.
+        assert_eq!(e.want(3 * PERIOD, PERIOD, 1, 100), 1);
+    }
+
+    #[test]
+    fn spends_oldest_grants_first_and_never_expired_ones() {
+        let mut e = Entry::default();
+        let first = Grant {
+            units: 3,
+            expires: 100 * MS,
+            granted: 7,
+        };
+        let second = Grant {
+            units: 5,
+            expires: 200 * MS,
+            granted: 8,
+        };
+        e.granted(first, outcome(10));
+        e.granted(second, outcome(10));
+        assert_eq!(e.units(0), 8);
+        let d = e.take(0, 4).expect("held");
+        assert_eq!(
+            d.remaining,
+            10 + 4,
+            "fleet-wide remaining plus what is still held"
+        );
+        assert_eq!(e.units(0), 4);
+        // The first grant (3 units, 0 left) expired; the second has 4.
+        assert_eq!(e.units(150 * MS), 4);
+        assert!(e.take(150 * MS, 5).is_none());
+        assert!(e.take(150 * MS, 4).is_some());
+        assert!(e.take(250 * MS, 1).is_none(), "everything expired");
+    }
+
+    #[test]
+    fn gives_back_expired_grants_and_everything_when_idle() {
+        let mut e = Entry::default();
+        e.used(0, PERIOD, 1);
+        for (units, expires, granted) in [(3, 100 * MS, 1), (5, 900 * MS, 2)] {
+            let grant = Grant {
+                units,
+                expires,
+                granted,
+            };
+            e.granted(grant, outcome(0));
+        }
+        assert_eq!(e.returns(50 * MS, PERIOD, false), []);
+        assert_eq!(
+            e.returns(100 * MS, PERIOD, false),
+            [Return {
+                units: 3,
+                granted: 1
+            }]
+        );
+        e.used(200 * MS, PERIOD, 1);
+        // Idle for `idle` after its last request at 200 ms.
+        assert_eq!(e.returns(400 * MS, 250 * MS, false), []);
+        assert_eq!(
+            e.returns(450 * MS, 250 * MS, false),
+            [Return {
+                units: 5,
+                granted: 2
+            }]
+        );
+        assert!(e.is_empty());
+    }
+
+    #[test]
+    fn prefetches_when_a_quarter_period_of_units_is_left() {
+        let mut e = Entry::default();
+        for i in 0..40 {
+            e.used(i * 25 * MS, PERIOD, 1);
+        }
+        let grant = Grant {
+            units: 11,
+            expires: 2 * PERIOD,
+            granted: 0,
+        };
+        e.granted(grant, outcome(0));
+        let now = PERIOD - MS;
+        assert_eq!(e.should_prefetch(now, PERIOD, 1_000), None, "11 of 40 left");
+        e.take(now, 2);
+        assert_eq!(e.should_prefetch(now, PERIOD, 1_000), Some(40));
+        e.fetching = true;
+        assert_eq!(e.should_prefetch(now, PERIOD, 1_000), None, "one at a time");
+    }
+}

@@ -1,0 +1,72 @@
+-- Gives back leased units that were never spent (src/store/redis/lease/ says when): for each
+-- key, removes them from the state they were added to, where that state still counts them.
+-- Stands alone, without prelude.lua: it decides nothing.
+--
+-- KEYS[k]   the state of give-back k, as the algorithm's own script keeps it (gcra.lua,
+--           fixed_window.lua, sliding_window.lua)
+-- ARGV[1]   64-bit little-endian signed integers, for each give-back k in turn: algorithm
+--           (1 fixed window, 2 sliding window, 3 GCRA), n (number of limits), units, the Redis
+--           time (us) the lease was granted at, then count and window (us) of limits 1..n
+--
+-- Reply     the number of keys whose state changed
+--
+-- Never gives back more than the units still weigh, so that the state afterwards is at least
+-- what it would be had they never been taken:
+-- - counters: the units leave the window they were counted in (fixed: that window's count;
+--   sliding: the current or, after one rollover, the previous count), if it is still stored;
+-- - GCRA: a bucket drains whatever it holds, so units taken at t0 weigh at most
+--   units * w - (now - t0) * c of its backlog now (scaled as in gcra.lua); that much leaves.
+-- State of another shape (the policy changed) is left alone. Writes keep the key's expiry.
+
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local spack, sunpack = struct.pack, struct.unpack
+local args, next_byte = ARGV[1], 1
+local changed = 0
+local counts, windows = {}, {}
+
+local function window_start(x, w)
+  return x - math.fmod(x, w)
+end
+
+for k = 1, #KEYS do
+  local key = KEYS[k]
+  local algorithm, n, units, granted
+  algorithm, n, units, granted, next_byte = sunpack('<llll', args, next_byte)
+  for i = 1, n do
+    counts[i], windows[i], next_byte = sunpack('<ll', args, next_byte)
+  end
+  local fields = ({ 2, 3, 2 })[algorithm]
+  local raw = redis.call('GET', key)
+  if raw and fields and #raw == 8 * fields * n then
+    local values = { sunpack('<' .. string.rep('l', fields * n), raw) }
+    values[#values] = nil
+    for i = 1, n do
+      local c, w, at = counts[i], windows[i], (i - 1) * fields
+      if algorithm == 1 then
+        if values[at + 1] == window_start(granted, w) then
+          values[at + 2] = math.max(values[at + 2] - units, 0)
+        end
+      elseif algorithm == 2 then
+        local start = window_start(granted, w)
+        if values[at + 1] == start then
+          values[at + 2] = math.max(values[at + 2] - units, 0)
+        elseif values[at + 1] == start + w then
+          values[at + 3] = math.max(values[at + 3] - units, 0)
+        end
+      else
+        local elapsed = math.max(now - values[at + 1], 0)
+        local backlog = 0
+        if elapsed < w then
+          backlog = math.max(values[at + 2] - elapsed * c, 0)
+        end
+        local weight = math.max(units * w - math.max(now - granted, 0) * c, 0)
+        values[at + 1], values[at + 2] = now, math.max(backlog - weight, 0)
+      end
+    end
+    redis.call('SET', key, spack('<' .. string.rep('l', fields * n), unpack(values)), 'KEEPTTL')
+    changed = changed + 1
+  end
+end
+
+return changed
