@@ -17,6 +17,8 @@
 //! | `redis_log_lean` | the same without rate-limit headers on admitted answers, which is what `tower-rate-limit-fred` does |
 //! | `redis_gcra` | this crate, `RedisStore`, GCRA, `1000000/1s` per key |
 //! | `redis_gcra_lean` | the same without rate-limit headers on admitted answers |
+//! | `redis_gcra_lease` | `redis_gcra_lean` with leases (`RedisStoreBuilder::leases`, the defaults), `60000000/1m` per key: the same rate over a minute, so that GCRA's headroom allows a full lease period |
+//! | `redis_fw_lease` | the same with the fixed window counter |
 //! | `fred_peer` | `tower-rate-limit-fred` (GCRA in Redis), capacity 65 535, 1 per ms |
 //! | `flood_nocache` | this crate, `RedisStore`, every request on one key already over `1/1h`, no deny cache |
 //! | `flood_cache` | the same flood with the default deny cache |
@@ -91,6 +93,7 @@ use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::KeyExtractor;
 use tower_governor::{GovernorError, GovernorLayer};
 use tower_rate_limit_fred::KeyResolver;
+use tower_redis_ratelimit::store::Leases;
 use tower_redis_ratelimit::{
     Algorithm, Decision, Header, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Store,
     StoreError,
@@ -107,6 +110,9 @@ const CLIENT_HEADER: &str = "x-client";
 const HIGH_LIMIT: &str = "1000000/1s";
 /// The sliding log keeps one entry per admitted request: a short window bounds its memory.
 const LOG_LIMIT: &str = "100000/1s";
+/// The rate of `HIGH_LIMIT` over a minute, for the leasing configurations: a leasing store keeps
+/// GCRA's lease period (1 s) free in every bucket, which a one-second window could not spare.
+const LEASE_LIMIT: &str = "60000000/1m";
 /// The flood's key is over this limit after its first request.
 const FLOOD_LIMIT: &str = "1/1h";
 /// The one key of the floods.
@@ -240,6 +246,8 @@ enum Scenario {
     RedisLogLean,
     RedisGcra,
     RedisGcraLean,
+    RedisGcraLease,
+    RedisFwLease,
     FredPeer,
     FloodNocache,
     FloodCache,
@@ -247,7 +255,7 @@ enum Scenario {
 }
 
 impl Scenario {
-    const ALL: [Scenario; 12] = [
+    const ALL: [Scenario; 14] = [
         Scenario::Bare,
         Scenario::Memory,
         Scenario::MemoryGcra,
@@ -257,6 +265,8 @@ impl Scenario {
         Scenario::RedisLogLean,
         Scenario::RedisGcra,
         Scenario::RedisGcraLean,
+        Scenario::RedisGcraLease,
+        Scenario::RedisFwLease,
         Scenario::FredPeer,
         Scenario::FloodNocache,
         Scenario::FloodCache,
@@ -272,6 +282,8 @@ impl Scenario {
             Scenario::RedisLogLean => "redis_log_lean",
             Scenario::RedisGcra => "redis_gcra",
             Scenario::RedisGcraLean => "redis_gcra_lean",
+            Scenario::RedisGcraLease => "redis_gcra_lease",
+            Scenario::RedisFwLease => "redis_fw_lease",
             Scenario::FredPeer => "fred_peer",
             Scenario::FloodNocache => "flood_nocache",
             Scenario::FloodCache => "flood_cache",
@@ -299,6 +311,8 @@ impl Scenario {
             | Scenario::RedisLogLean
             | Scenario::RedisGcra
             | Scenario::RedisGcraLean => Some(Scenario::FredPeer),
+            // What leases are for: in-process speed with a limit shared through Redis.
+            Scenario::RedisGcraLease | Scenario::RedisFwLease => Some(Scenario::MemoryGcra),
             _ => None,
         }
     }
@@ -332,6 +346,20 @@ impl Scenario {
                     .algorithm(Algorithm::Gcra)
                     .headers_on_allowed(self == Scenario::RedisGcra);
                 route.layer(ours.policy(HIGH_LIMIT).build()?)
+            }
+            Scenario::RedisGcraLease | Scenario::RedisFwLease => {
+                // A store of its own, so that no lease outlives its configuration.
+                let backend = redis()?;
+                let store = RedisStore::builder(&backend.url)
+                    .pool_size(backend.pool)
+                    .leases(Leases::new())
+                    .connect_lazy()?;
+                let algorithm = match self {
+                    Scenario::RedisGcraLease => Algorithm::Gcra,
+                    _ => Algorithm::FixedWindow,
+                };
+                let ours = ours().store(store).algorithm(algorithm);
+                route.layer(ours.headers_on_allowed(false).policy(LEASE_LIMIT).build()?)
             }
             Scenario::FredPeer => route.layer(peer_layer(redis()?.peer_pool.clone())),
             Scenario::FloodNocache => {
@@ -474,6 +502,8 @@ impl KeyResolver for PeerHeader {
 /// The Redis every Redis limiter shares, and what the harness uses to inspect it.
 struct RedisBackend {
     url: String,
+    /// Connections of each Redis limiter.
+    pool: usize,
     /// Our store; clones share its pool.
     store: RedisStore,
     /// `tower-rate-limit-fred`'s connections, as many as ours.
@@ -505,6 +535,7 @@ impl RedisBackend {
         admin.init().await?;
         Ok(RedisBackend {
             url,
+            pool,
             store,
             peer_pool,
             admin,
