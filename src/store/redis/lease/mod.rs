@@ -278,6 +278,11 @@ pub(super) fn check_now(
     Some(Ok(Decision::from_outcome(outcome, policy)))
 }
 
+/// The lease state of a store that was given a plan, so has leases.
+fn state(inner: &Inner) -> Result<&State, StoreError> {
+    (inner.leases.as_ref()).ok_or_else(|| StoreError::Config("leases are off".into()))
+}
+
 /// How `policy` is leased by the store of `inner`, if it is.
 pub(super) fn plan(inner: &Inner, policy: &Policy) -> Option<Plan> {
     inner.leases.as_ref()?.settings.plan(policy)
@@ -292,9 +297,7 @@ pub(super) async fn check(
     policy: Policy,
     cost: u32,
 ) -> Result<Decision, StoreError> {
-    let Some(state) = inner.leases.as_ref() else {
-        return Err(StoreError::Config("leases are off".into()));
-    };
+    let state = state(&inner)?;
     let now = state.now();
     let drained = state.drained.load(Ordering::Relaxed);
     let step = state.with(&key, &policy, |entry| {
@@ -326,9 +329,7 @@ async fn fetch(
     record: Record,
     lease: bool,
 ) -> Result<Decision, StoreError> {
-    let Some(state) = inner.leases.as_ref() else {
-        return Err(StoreError::Config("leases are off".into()));
-    };
+    let state = state(inner)?;
     let sent = state.now();
     let redis_key = RedisStore::key_of(&inner.prefix, key, policy);
     let answer = inner.decide(redis_key, policy, cost, -1, record).await;
