@@ -274,3 +274,51 @@ async fn a_leasing_store_refuses_the_sliding_log_at_build_time() {
         .build();
     assert!(gcra.is_ok());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_covers_every_limit_of_a_policy_and_costs() {
+    let server = RedisServer::start();
+    let client = server.client().await;
+    let stores = [leasing(server.url()).await, leasing(server.url()).await];
+    // Hour and day windows: no window ends during the test.
+    let policy = Policy::new(
+        "multi",
+        ["40/1h".parse().unwrap(), "100/1d".parse().unwrap()],
+    )
+    .unwrap()
+    .with_algorithm(Algorithm::FixedWindow);
+    let key = Key::from("multi");
+    let (mut admitted_units, mut from_leases) = (0, 0);
+    let mut tick = tokio::time::interval(Duration::from_millis(5));
+    for i in 0..200 {
+        tick.tick().await;
+        let store = &stores[i % 2];
+        let (decision, leased) = match store.check_now(&key, &policy, 2) {
+            Some(decision) => (decision, true),
+            None => (store.check(&key, &policy, 2).await, false),
+        };
+        if decision.unwrap().is_allowed() {
+            admitted_units += 2;
+            from_leases += u64::from(leased);
+        }
+    }
+    assert!(from_leases > 0, "no request was admitted from a lease");
+    assert!(
+        admitted_units <= 40,
+        "{admitted_units} units admitted under 40/1h"
+    );
+    assert!(
+        admitted_units >= 30,
+        "only {admitted_units} of 40 units admitted"
+    );
+    for store in &stores {
+        store.drain().await.unwrap();
+    }
+    // Both limits count exactly the units admitted, once the leases are back.
+    let raw: Vec<u8> = client
+        .get(stores[0].redis_key(&key, &policy))
+        .await
+        .unwrap();
+    let field = |i: usize| i64::from_le_bytes(raw[8 * i..8 * i + 8].try_into().unwrap());
+    assert_eq!((field(1), field(3)), (admitted_units, admitted_units));
+}
