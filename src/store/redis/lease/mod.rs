@@ -259,21 +259,22 @@ pub(super) fn check_now(
     let state = inner.leases.as_ref()?;
     let plan = state.settings.plan(policy)?;
     let now = state.now();
+    let drained = state.drained.load(Ordering::Relaxed);
     let (outcome, prefetch) = state.with(key, policy, |entry| {
         let outcome = entry.take(now, cost.into())?;
         entry.used(now, plan.period, cost.into());
-        let prefetch = entry.should_prefetch(now, plan.period, plan.cap);
+        let prefetch = entry
+            .should_prefetch(now, plan.period, plan.cap)
+            .filter(|_| !drained);
         entry.fetching |= prefetch.is_some();
         Some((outcome, prefetch))
     })?;
-    if let Some(want) = prefetch.filter(|_| !state.drained.load(Ordering::Relaxed)) {
+    if let Some(want) = prefetch {
         let (inner, key, policy) = (Arc::clone(inner), key.clone(), policy.clone());
         tokio::spawn(async move {
             let record = plan.record(Some(want), 0);
             let _ = fetch(&inner, plan, &key, &policy, 0, record, true).await;
         });
-    } else if prefetch.is_some() {
-        state.with(key, policy, |entry| entry.fetching = false);
     }
     Some(Ok(Decision::from_outcome(outcome, policy)))
 }
