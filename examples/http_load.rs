@@ -59,10 +59,9 @@ mod support;
 
 use std::fmt::Write as _;
 use std::future::Future;
-use std::net::{SocketAddr, TcpListener as StdTcpListener, TcpStream as StdTcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::process::{Child, Command, Stdio};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -72,7 +71,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 use bytes::Bytes;
-use fred::clients::{Client as FredClient, Pool};
+use fred::clients::Pool;
 use fred::prelude::{ClientLike, Config as FredConfig};
 use fred::types::{Builder as FredBuilder, InfoKind};
 use governor::middleware::NoOpMiddleware;
@@ -84,6 +83,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+use support::redis::{Admin, Scratch};
 use support::{process_cpu_seconds, redis_cpu_seconds, CountingAllocator};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
@@ -130,7 +130,7 @@ async fn main() -> Result<(), Error> {
 /// Runs every round, then reports; a `redis-server` started here stops when this returns.
 async fn run(args: Args) -> Result<(), Error> {
     let redis = match args.only.iter().any(|s| s.uses_redis()) {
-        true => Some(RedisBackend::start(args.pool).await?),
+        true => Some(RedisBackend::start(&args).await?),
         false => None,
     };
     println!("{}", args.describe(redis.as_ref()));
@@ -164,6 +164,12 @@ struct Args {
     keys: usize,
     rounds: usize,
     pool: usize,
+    /// Primaries of the scratch Redis Cluster; 0 for a single server.
+    cluster: usize,
+    /// `RedisStoreBuilder::cluster_tags` of this crate's stores.
+    cluster_tags: usize,
+    /// `RedisStoreBuilder::max_in_flight` of this crate's stores, if set.
+    in_flight: Option<usize>,
     out: PathBuf,
     only: Vec<Scenario>,
 }
@@ -177,6 +183,9 @@ impl Args {
             keys: 1000,
             rounds: 3,
             pool: 4,
+            cluster: 0,
+            cluster_tags: RedisStore::DEFAULT_CLUSTER_TAGS,
+            in_flight: None,
             out: PathBuf::from("target/http_load"),
             only: Scenario::ALL.to_vec(),
         };
@@ -189,6 +198,9 @@ impl Args {
                 "--keys" => args.keys = positive(&flag, &value()?)?,
                 "--rounds" => args.rounds = positive(&flag, &value()?)?,
                 "--pool" => args.pool = positive(&flag, &value()?)?,
+                "--cluster" => args.cluster = positive(&flag, &value()?)?,
+                "--cluster-tags" => args.cluster_tags = positive(&flag, &value()?)?,
+                "--in-flight" => args.in_flight = Some(positive(&flag, &value()?)?),
                 "--out" => args.out = PathBuf::from(value()?),
                 "--only" => {
                     args.only = value()?
@@ -206,7 +218,11 @@ impl Args {
 
     fn describe(&self, redis: Option<&RedisBackend>) -> String {
         let redis = redis.map_or("no Redis".to_owned(), |r| {
-            format!("Redis at {} (pool {} each)", r.url, self.pool)
+            let servers = r.admin.servers();
+            format!(
+                "Redis at {} ({servers} primaries, pool {} each)",
+                r.url, self.pool
+            )
         });
         format!(
             "{} workers, {} keys, {} round(s) of {:.1} s per configuration after {:.1} s of warm-up; {redis}",
@@ -352,6 +368,7 @@ impl Scenario {
                 let backend = redis()?;
                 let store = RedisStore::builder(&backend.url)
                     .pool_size(backend.pool)
+                    .cluster_tags(backend.tags)
                     .leases(Leases::new())
                     .connect_lazy()?;
                 let algorithm = match self {
@@ -504,26 +521,35 @@ struct RedisBackend {
     url: String,
     /// Connections of each Redis limiter.
     pool: usize,
+    /// Hash tags of this crate's stores in a cluster.
+    tags: usize,
     /// Our store; clones share its pool.
     store: RedisStore,
     /// `tower-rate-limit-fred`'s connections, as many as ours.
     peer_pool: Pool,
-    /// A separate client for `FLUSHALL` and `INFO`.
-    admin: FredClient,
-    /// Our own `redis-server`, stopped when dropped; `None` under `REDIS_URL`.
-    _server: Option<RedisServer>,
+    /// A separate client for `FLUSHALL` and `INFO`, on every primary of a cluster.
+    admin: Admin,
+    /// Our own `redis-server` (or cluster), stopped when dropped; `None` under `REDIS_URL`.
+    _scratch: Option<Scratch>,
 }
 
 impl RedisBackend {
-    async fn start(pool: usize) -> Result<RedisBackend, Error> {
-        let (url, server) = match std::env::var("REDIS_URL") {
+    async fn start(args: &Args) -> Result<RedisBackend, Error> {
+        let (pool, primaries, tags) = (args.pool, args.cluster, args.cluster_tags);
+        let in_flight = args.in_flight;
+        let (url, scratch) = match std::env::var("REDIS_URL") {
             Ok(url) => (url, None),
             Err(_) => {
-                let server = tokio::task::spawn_blocking(RedisServer::start).await??;
-                (server.url(), Some(server))
+                let start = move || Scratch::start(primaries);
+                let scratch = tokio::task::spawn_blocking(start).await??;
+                (scratch.url(), Some(scratch))
             }
         };
-        let store = RedisStore::builder(&url).pool_size(pool).connect().await?;
+        let mut store = RedisStore::builder(&url).pool_size(pool).cluster_tags(tags);
+        if let Some(calls) = in_flight {
+            store = store.max_in_flight(calls);
+        }
+        let store = store.connect().await?;
         let peer_pool = FredBuilder::from_config(FredConfig::from_url(&url)?)
             .with_performance_config(|config| {
                 // What tower-rate-limit-fred advises; ours times out after 250 ms by default.
@@ -531,28 +557,34 @@ impl RedisBackend {
             })
             .build_pool(pool)?;
         peer_pool.init().await?;
-        let admin = FredBuilder::from_config(FredConfig::from_url(&url)?).build()?;
-        admin.init().await?;
+        let admin = Admin::connect(&url).await?;
         Ok(RedisBackend {
             url,
             pool,
+            tags,
             store,
             peer_pool,
             admin,
-            _server: server,
+            _scratch: scratch,
         })
     }
 
     async fn flush(&self) -> Result<(), Error> {
-        self.admin.flushall::<()>(false).await?;
-        Ok(())
+        self.admin.flush().await
     }
 
-    /// Commands Redis has run so far, and the CPU time it has used.
+    /// Commands Redis has run so far, and the CPU time it has used, summed over every primary.
     async fn counters(&self) -> Result<RedisCounters, Error> {
-        let stats: String = self.admin.info(Some(InfoKind::CommandStats)).await?;
-        let cpu: String = self.admin.info(Some(InfoKind::Cpu)).await?;
-        Ok(RedisCounters::parse(&stats, &cpu))
+        let stats = self.admin.info(InfoKind::CommandStats).await?;
+        let cpu = self.admin.info(InfoKind::Cpu).await?;
+        let mut sum = RedisCounters::default();
+        for (stats, cpu) in stats.iter().zip(&cpu) {
+            let one = RedisCounters::parse(stats, cpu);
+            sum.commands += one.commands;
+            sum.evals += one.evals;
+            sum.cpu_seconds += one.cpu_seconds;
+        }
+        Ok(sum)
     }
 }
 
@@ -592,64 +624,6 @@ impl RedisCounters {
         counters.cpu_seconds = redis_cpu_seconds(cpu);
         counters
     }
-}
-
-/// A `redis-server` child process on a free loopback port, killed when dropped.
-struct RedisServer {
-    child: Child,
-    port: u16,
-}
-
-impl RedisServer {
-    fn start() -> Result<RedisServer, Error> {
-        let binary = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
-        for _ in 0..5 {
-            let port = free_port()?;
-            let child = Command::new(&binary)
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .map_err(|e| format!("cannot start {binary}: {e}; install redis-server"))?;
-            let mut server = RedisServer { child, port };
-            if server.wait_until_up() {
-                return Ok(server);
-            }
-        }
-        Err("redis-server did not come up on a free port".into())
-    }
-
-    /// Whether the server accepts connections within 10 s (not if it exited, e.g. because
-    /// the port was taken meanwhile).
-    fn wait_until_up(&mut self) -> bool {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while std::time::Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return false;
-            }
-            if StdTcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        false
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> Result<u16, Error> {
-    Ok(StdTcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 // ---------------------------------------------------------------------------------------------

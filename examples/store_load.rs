@@ -2,9 +2,15 @@
 //! on the same Redis: no HTTP, so what remains is each limiter's own client work and Redis work.
 //!
 //! ```text
-//! redis-server --port 7399 --save "" &
-//! REDIS_URL=redis://127.0.0.1:7399 cargo run --release --example store_load -- gcra
+//! cargo run --release --example store_load -- gcra
+//! cargo run --release --example store_load -- gcra --cluster 3
 //! ```
+//!
+//! It starts its own `redis-server` on a free loopback port (`$REDIS_SERVER` or
+//! `redis-server` from `PATH`), or with `--cluster N` a Redis Cluster of `N` primaries, and
+//! stops it on exit; with `REDIS_URL` set it uses that Redis instead (`redis-cluster://` for a
+//! cluster) and sends it `FLUSHALL` first, so point it only at a scratch Redis. Redis readings
+//! (CPU, `EVALSHA` calls) are summed over every primary.
 //!
 //! The argument picks the limiter: `gcra` or `log` (this crate's `RedisStore`, batching on),
 //! `gcra_unbatched` (`max_batch(1)`), `peer` (`tower_rate_limit_fred::rate_limit`). 32 tasks on
@@ -12,7 +18,6 @@
 //! decisions per second, CPU time per decision of this process (`/proc/self/stat`) and of
 //! Redis (`INFO cpu`), and heap allocations per decision in this process (every thread, fred's
 //! tasks included; the harness's own `format!` of the key is one of them, for every limiter).
-//! Point `REDIS_URL` at a scratch Redis: the keys it writes stay until they expire.
 
 mod support;
 
@@ -56,15 +61,33 @@ impl Limiter {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Error> {
-    let url = std::env::var("REDIS_URL").map_err(|_| "set REDIS_URL to a scratch Redis")?;
-    let which = std::env::args().nth(1).unwrap_or_else(|| "gcra".into());
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let which = args.first().cloned().unwrap_or_else(|| "gcra".into());
+    let primaries = match args.get(1).map(String::as_str) {
+        Some("--cluster") => args
+            .get(2)
+            .and_then(|n| n.parse().ok())
+            .ok_or("--cluster N")?,
+        Some(other) => return Err(format!("unknown argument {other:?}").into()),
+        None => 0,
+    };
+    // Our own Redis (or cluster) unless `REDIS_URL` names one; stopped when this returns.
+    let scratch = match std::env::var("REDIS_URL") {
+        Ok(_) => None,
+        Err(_) => Some(support::redis::Scratch::start(primaries)?),
+    };
+    let url = match &scratch {
+        Some(scratch) => scratch.url(),
+        None => std::env::var("REDIS_URL")?,
+    };
+    let admin = support::redis::Admin::connect(&url).await?;
+    admin.flush().await?;
     let limiter = limiter(&url, &which).await?;
-    let admin = Client::new(Config::from_url(&url)?, None, None, None);
-    admin.init().await?;
 
     let decided = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let (cpu_before, redis_before) = (process_cpu(), redis_cpu(&admin).await?);
+    let evals_before = evalsha_calls(&admin).await?;
     let (allocations_before, bytes_before) = support::CountingAllocator::totals();
     let started = Instant::now();
     let tasks: Vec<_> = (0..TASKS)
@@ -95,12 +118,16 @@ async fn main() -> Result<(), Error> {
     let n = decided.load(Ordering::Relaxed) as f64;
     let app = process_cpu() - cpu_before;
     let redis = redis_cpu(&admin).await? - redis_before;
+    let evals = (evalsha_calls(&admin).await? - evals_before) as f64;
     println!(
-        "{which}: {:.0} decisions/s, CPU per decision {:.1} µs here and {:.1} µs in Redis, \
-         {:.1} allocations ({:.0} bytes) per decision here",
+        "{which}: {:.0} decisions/s, CPU per decision {:.1} µs here and {:.1} µs in Redis \
+         ({} server(s)), {:.3} EVALSHA per decision, {:.1} allocations ({:.0} bytes) per \
+         decision here",
         n / seconds,
         app / n * 1e6,
         redis / n * 1e6,
+        admin.servers(),
+        evals / n,
         allocations as f64 / n,
         bytes as f64 / n
     );
@@ -133,9 +160,29 @@ async fn limiter(url: &str, which: &str) -> Result<Limiter, Error> {
     })
 }
 
-async fn redis_cpu(admin: &Client) -> Result<f64, Error> {
-    let info: String = admin.info(Some(fred::types::InfoKind::Cpu)).await?;
-    Ok(support::redis_cpu_seconds(&info))
+/// Redis's CPU seconds, summed over every primary of a cluster.
+async fn redis_cpu(admin: &support::redis::Admin) -> Result<f64, Error> {
+    let infos = admin.info(fred::types::InfoKind::Cpu).await?;
+    Ok(infos
+        .iter()
+        .map(|info| support::redis_cpu_seconds(info))
+        .sum())
+}
+
+/// `EVAL` and `EVALSHA` calls so far, summed over every primary of a cluster.
+async fn evalsha_calls(admin: &support::redis::Admin) -> Result<u64, Error> {
+    let infos = admin.info(fred::types::InfoKind::CommandStats).await?;
+    let calls = infos
+        .iter()
+        .flat_map(|info| info.lines())
+        .filter_map(|line| {
+            let line = line.trim();
+            let rest = line
+                .strip_prefix("cmdstat_evalsha:calls=")
+                .or_else(|| line.strip_prefix("cmdstat_eval:calls="))?;
+            rest.split(',').next()?.parse::<u64>().ok()
+        });
+    Ok(calls.sum())
 }
 
 /// This process's CPU seconds (0 where `/proc` is missing).

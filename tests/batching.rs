@@ -86,6 +86,11 @@ async fn settings_that_cannot_work_are_refused_before_connecting() {
         ("pool_size", builder().pool_size(0).connect().await),
         ("max_batch", builder().max_batch(0).connect().await),
         ("max_in_flight", builder().max_in_flight(0).connect().await),
+        ("cluster_tags 0", builder().cluster_tags(0).connect().await),
+        (
+            "cluster_tags",
+            builder().cluster_tags(16_385).connect().await,
+        ),
     ] {
         assert!(
             matches!(result, Err(tower_redis_ratelimit::StoreError::Config(_))),

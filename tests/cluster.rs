@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use common::cluster::RedisCluster;
 use common::conformance::{self, SCENARIOS};
+use common::evalsha_calls;
 use common::scenarios::{self, MARGIN};
 use fred::prelude::*;
 use futures::future::join_all;
@@ -70,4 +71,59 @@ async fn scripts_are_reloaded_on_every_primary() {
         let key = Key::from(format!("after-flush-{i}"));
         assert!(store.check(&key, &policy, 1).await.unwrap().is_allowed());
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_for_many_clients_share_script_calls_on_a_cluster() {
+    const CLIENTS: usize = 200;
+    let cluster = RedisCluster::start(3);
+    let store = RedisStore::connect(&cluster.url()).await.unwrap();
+    let policy: Policy = "3/10s"
+        .parse::<Policy>()
+        .unwrap()
+        .with_algorithm(Algorithm::Gcra);
+    let keys: Vec<Key> = (0..CLIENTS).map(|i| Key::from(format!("c{i}"))).collect();
+    let mut admins = Vec::new();
+    for node in &cluster.nodes {
+        admins.push(node.client().await);
+    }
+    let mut before = 0;
+    for admin in &admins {
+        before += evalsha_calls(admin).await;
+    }
+    let decisions = join_all((0..5).flat_map(|_| keys.iter()).map(|key| {
+        let (store, policy) = (&store, &policy);
+        async move { (key, store.check(key, policy, 1).await.unwrap()) }
+    }))
+    .await;
+    let mut calls = 0;
+    for admin in &admins {
+        calls += evalsha_calls(admin).await;
+    }
+    calls -= before;
+    for key in &keys {
+        let admitted = decisions
+            .iter()
+            .filter(|(k, d)| *k == key && d.is_allowed())
+            .count();
+        assert_eq!(admitted, 3, "{key}");
+    }
+    // One call per client would be 1000, as it was when every client had a slot of its own.
+    println!("{calls} script calls for {} decisions", 5 * CLIENTS);
+    assert!(calls <= (5 * CLIENTS / 10) as u64, "{calls} calls");
+}
+
+#[tokio::test]
+async fn keys_share_one_tag_per_primary_by_default() {
+    let cluster = RedisCluster::start(3);
+    let store = RedisStore::connect(&cluster.url()).await.unwrap();
+    let policy: Policy = "5/10s".parse().unwrap();
+    let mut slots = std::collections::BTreeSet::new();
+    for i in 0..300 {
+        let key = store.redis_key(&Key::from(format!("client-{i}")), &policy);
+        slots.insert(fred::util::redis_keyslot(key.as_bytes()));
+    }
+    // Three tags, one in each third of the slots, which is what each primary holds.
+    let thirds: Vec<u16> = slots.iter().map(|slot| slot / (16_384 / 3 + 1)).collect();
+    assert_eq!(thirds, [0, 1, 2], "slots {slots:?}");
 }

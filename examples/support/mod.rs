@@ -1,5 +1,7 @@
 //! CPU and allocation readings shared by the load examples (`http_load`, `store_load`).
 
+pub mod redis;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 

@@ -9,8 +9,10 @@
 //! waits for nothing: with a call slot free, it leaves at once in a batch of one.
 //!
 //! The scripts decide the requests of a batch one after the other, each exactly as a call of
-//! its own would, so a batch changes no decision. In Redis Cluster, a batch holds keys of one
-//! hash slot only.
+//! its own would, so a batch changes no decision. In Redis Cluster, a call holds keys of one
+//! hash slot only, so requests queue in one lane per hash tag (see `placement.rs`), each with
+//! its own calls under way: a tag's requests wait only for that tag's calls, and its batches
+//! are not split by the other tags' requests.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +24,7 @@ use fred::interfaces::ClientLike;
 use fred::types::scripts::Script;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
+use super::placement::Place;
 use crate::algorithm::{Algorithm, Window};
 
 /// The reply of one request: its five integers and the Redis time of the call, in µs (see
@@ -51,13 +54,19 @@ struct Job {
     reply: oneshot::Sender<Reply>,
 }
 
-/// Sends decisions: at once while a call slot is free, else through the queue, which a
-/// task drains into batches as slots free up.
+/// Sends decisions: at once while a call slot of the request's lane is free, else through the
+/// lane's queue, which a task drains into batches as slots free up.
 #[derive(Debug)]
 pub(super) struct Batcher {
+    lanes: Vec<Lane>,
+    settings: Arc<Settings>,
+}
+
+/// The queue and call slots of one hash tag (of all keys, on a single Redis).
+#[derive(Debug)]
+struct Lane {
     queue: mpsc::UnboundedSender<Job>,
     slots: Arc<Semaphore>,
-    settings: Arc<Settings>,
 }
 
 /// What the calls need.
@@ -82,24 +91,27 @@ impl std::fmt::Debug for Settings {
 }
 
 impl Batcher {
-    /// Starts the queue's task on the current tokio runtime; it ends when the `Batcher` is
-    /// dropped.
-    pub(super) fn spawn(settings: Settings) -> Batcher {
-        let (queue, jobs) = mpsc::unbounded_channel();
-        let slots = Arc::new(Semaphore::new(settings.in_flight.max(1)));
+    /// Starts the task of each of `lanes` queues on the current tokio runtime; they end when
+    /// the `Batcher` is dropped.
+    pub(super) fn spawn(lanes: usize, settings: Settings) -> Batcher {
         let settings = Arc::new(settings);
-        tokio::spawn(dispatch(jobs, Arc::clone(&slots), Arc::clone(&settings)));
-        Batcher {
-            queue,
-            slots,
-            settings,
-        }
+        let lanes = (0..lanes.max(1))
+            .map(|_| {
+                let (queue, jobs) = mpsc::unbounded_channel();
+                let slots = Arc::new(Semaphore::new(settings.in_flight.max(1)));
+                tokio::spawn(dispatch(jobs, Arc::clone(&slots), Arc::clone(&settings)));
+                Lane { queue, slots }
+            })
+            .collect();
+        Batcher { lanes, settings }
     }
 
-    /// Decides one request: `args` as in [`Job::args`] (see [`encode`]).
-    pub(super) async fn decide(&self, algorithm: Algorithm, key: String, args: Vec<u8>) -> Reply {
+    /// Decides one request at `place`: `args` as in [`Job::args`] (see [`encode`]).
+    pub(super) async fn decide(&self, place: Place, algorithm: Algorithm, args: Vec<u8>) -> Reply {
+        let lane = &self.lanes[place.lane % self.lanes.len()];
+        let key = place.key;
         // A free slot means nothing is waiting: no batch to join, so go at once.
-        if let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() {
+        if let Ok(slot) = Arc::clone(&lane.slots).try_acquire_owned() {
             // Boxed because fred's call future takes kilobytes: inline, it would make every
             // decision's future that large, including the queued ones that never send.
             let reply = Box::pin(call(&self.settings, algorithm, vec![key], args, 1)).await;
@@ -113,7 +125,7 @@ impl Batcher {
             args,
             reply,
         };
-        if self.queue.send(job).is_err() {
+        if lane.queue.send(job).is_err() {
             return Err(Error::new(
                 ErrorKind::Canceled,
                 "the batching task has stopped",

@@ -12,11 +12,13 @@ use fred::types::scripts::Script;
 mod batch;
 mod health;
 mod lease;
+mod placement;
 
 pub use lease::Leases;
 
 use batch::{Answer, Batcher, Record};
 use health::{is_outage, Breaker};
+use placement::{Place, Placement};
 
 use super::{Store, StoreError};
 use crate::algorithm::{Algorithm, Outcome};
@@ -59,10 +61,13 @@ const SCRIPTS: [(Algorithm, &str); 4] = [
 /// trims, counts and records in one atomic step. If Redis has lost the script (`SCRIPT FLUSH`,
 /// a restart, a failover) it is loaded again and the call retried once.
 ///
-/// Keys are `<prefix>:{<policy>:<key>}:<algorithm>` (`log`, `sw`, `fw`, `gcra`); the braces
-/// make every key of one client and policy fall in one Redis Cluster hash slot. Each key
-/// expires once its state no longer matters: the longest window after the last admitted
-/// request (twice that for the sliding window counter).
+/// Keys are `<prefix>:{<policy>:<key>}:<algorithm>` (`log`, `sw`, `fw`, `gcra`) on a single
+/// Redis. On a Redis Cluster (a `redis-cluster://` URL) they are
+/// `<prefix>:{<tag>}:<policy>:<key>:<algorithm>`, where the hash tag is one of a fixed set
+/// ([`RedisStoreBuilder::cluster_tags`]) spread evenly over the slots: requests for many
+/// clients then share a slot, and so a script call. Either way, all the state of one decision
+/// is in one slot. Each key expires once its state no longer matters: the longest window
+/// after the last admitted request (twice that for the sliding window counter).
 ///
 /// Clones share one connection pool.
 ///
@@ -81,6 +86,7 @@ pub struct RedisStore {
 struct Inner {
     pool: fred::clients::Pool,
     prefix: String,
+    placement: Placement,
     batcher: Batcher,
     timeout: Duration,
     breaker: Breaker,
@@ -89,11 +95,16 @@ struct Inner {
 }
 
 impl Inner {
-    /// Runs the policy's script for one request at `redis_key`, behind the breaker and within
+    /// Where the state of `key` under `policy` lives.
+    fn place(&self, key: &Key, policy: &Policy) -> Place {
+        self.placement.place(&self.prefix, key, policy)
+    }
+
+    /// Runs the policy's script for one request at `place`, behind the breaker and within
     /// the time budget; `at` is an event time in µs since the epoch (`-1`: now).
     async fn decide(
         &self,
-        redis_key: String,
+        place: Place,
         policy: &Policy,
         cost: u32,
         at: i64,
@@ -101,7 +112,7 @@ impl Inner {
     ) -> Result<Answer, StoreError> {
         let args = batch::encode(cost, record, at, policy.windows());
         // The budget covers the whole decision: the queue, the call and a script reload.
-        let decision = self.batcher.decide(policy.algorithm(), redis_key, args);
+        let decision = self.batcher.decide(place, policy.algorithm(), args);
         self.guarded(decision).await
     }
 
@@ -150,8 +161,15 @@ impl RedisStore {
     /// The most requests one script call decides unless told otherwise.
     pub const DEFAULT_MAX_BATCH: usize = 32;
 
-    /// The most script calls under way at once unless told otherwise.
+    /// The hash tags keys are spread over in a Redis Cluster unless told otherwise.
+    pub const DEFAULT_CLUSTER_TAGS: usize = 3;
+
+    /// The most script calls under way at once unless told otherwise, on a single Redis.
     pub const DEFAULT_MAX_IN_FLIGHT: usize = 2;
+
+    /// The most script calls under way at once per hash tag unless told otherwise, on a Redis
+    /// Cluster.
+    pub const DEFAULT_CLUSTER_IN_FLIGHT: usize = 1;
 
     /// How long a decision may take unless told otherwise.
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
@@ -168,11 +186,12 @@ impl RedisStore {
             url: url.into(),
             pool_size: 4,
             max_batch: Self::DEFAULT_MAX_BATCH,
-            max_in_flight: Self::DEFAULT_MAX_IN_FLIGHT,
+            max_in_flight: None,
             prefix: Self::DEFAULT_PREFIX.to_owned(),
             timeout: Self::DEFAULT_TIMEOUT,
             retry_interval: Duration::from_millis(500),
             leases: None,
+            cluster_tags: Self::DEFAULT_CLUSTER_TAGS,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -182,23 +201,7 @@ impl RedisStore {
     ///
     /// Useful to inspect or clear state by hand.
     pub fn redis_key(&self, key: &Key, policy: &Policy) -> String {
-        RedisStore::key_of(&self.inner.prefix, key, policy)
-    }
-
-    /// [`redis_key`](Self::redis_key) under `prefix`.
-    fn key_of(prefix: &str, key: &Key, policy: &Policy) -> String {
-        // `<prefix>:{<policy>:<key>}:<tag>`. `concat` allocates once, at the exact size;
-        // `format!` grew its string as it went, three allocations per decision.
-        [
-            prefix,
-            ":{",
-            policy.name(),
-            ":",
-            key.as_str(),
-            "}:",
-            policy.algorithm().tag(),
-        ]
-        .concat()
+        self.inner.place(key, policy).key
     }
 
     /// Runs the policy's script; `at` is an event time in µs since the epoch (`-1`: now).
@@ -211,10 +214,10 @@ impl RedisStore {
         record: Record,
     ) -> <Self as Store>::Future {
         let inner = Arc::clone(&self.inner);
-        let redis_key = self.redis_key(key, policy);
+        let place = inner.place(key, policy);
         let policy = policy.clone();
         Box::pin(async move {
-            let answer = inner.decide(redis_key, &policy, cost, at, record).await?;
+            let answer = inner.decide(place, &policy, cost, at, record).await?;
             let (outcome, _) = parse_reply(&answer.five, &policy)?;
             Ok(Decision::from_outcome(outcome, &policy))
         })
@@ -277,11 +280,12 @@ pub struct RedisStoreBuilder {
     url: String,
     pool_size: usize,
     max_batch: usize,
-    max_in_flight: usize,
+    max_in_flight: Option<usize>,
     prefix: String,
     timeout: Duration,
     retry_interval: Duration,
     leases: Option<Leases>,
+    cluster_tags: usize,
     #[cfg(feature = "tls")]
     tls: Option<fred::types::config::TlsConnector>,
 }
@@ -297,6 +301,24 @@ impl RedisStoreBuilder {
     /// smaller burst) is in [`Leases`] and the README.
     pub fn leases(mut self, leases: Leases) -> Self {
         self.leases = Some(leases);
+        self
+    }
+
+    /// In a Redis Cluster, how many hash tags the clients' keys are spread over (default
+    /// [`RedisStore::DEFAULT_CLUSTER_TAGS`], 3; at most 16 384, the number of slots). No
+    /// effect on a single Redis.
+    ///
+    /// One script call decides requests of one hash slot only, so the batching that saves
+    /// Redis and this process a command per request needs many requests per tag: a batch holds
+    /// at most the requests under way divided by the tags. The tags' slots are spread evenly,
+    /// so a cluster whose primaries hold equal ranges of slots (as `redis-cli --cluster create`
+    /// assigns them) gets an equal share of the tags when its number of primaries divides this
+    /// one. Set it to the number of primaries, or a small multiple of it where each instance
+    /// has many requests under way: the default suits the usual three primaries, and leaves a
+    /// fourth primary without limiter keys. Every instance must use the same number: changing
+    /// it moves every key, which starts every client's limits afresh.
+    pub fn cluster_tags(mut self, tags: usize) -> Self {
+        self.cluster_tags = tags;
         self
     }
 
@@ -319,12 +341,14 @@ impl RedisStoreBuilder {
     }
 
     /// The most script calls under way at once (default
-    /// [`RedisStore::DEFAULT_MAX_IN_FLIGHT`]), when batching. Fewer calls under way make
-    /// larger batches, which cost Redis and this process less per request; more let a request
-    /// leave sooner while Redis is busy with a call. The README's performance section has the
-    /// measurements behind the default.
+    /// [`RedisStore::DEFAULT_MAX_IN_FLIGHT`]), when batching; on a Redis Cluster, per hash
+    /// tag (default [`RedisStore::DEFAULT_CLUSTER_IN_FLIGHT`], see
+    /// [`cluster_tags`](Self::cluster_tags)), so that a slow or failed primary holds up only
+    /// the requests of its own tags. Fewer calls under way make larger batches, which cost
+    /// Redis and this process less per request; more let a request leave sooner while Redis
+    /// is busy with a call. `docs/performance.md` has the measurements behind the defaults.
     pub fn max_in_flight(mut self, calls: usize) -> Self {
-        self.max_in_flight = calls;
+        self.max_in_flight = Some(calls);
         self
     }
 
@@ -404,6 +428,12 @@ impl RedisStoreBuilder {
     /// Validates the settings and builds the pool, not yet connected. `fail_fast`: whether
     /// the first connection's failure is returned rather than retried.
     fn pool(&self, fail_fast: bool) -> Result<(Pool, Vec<(Algorithm, Script)>), StoreError> {
+        if !(1..=16_384).contains(&self.cluster_tags) {
+            return Err(StoreError::Config(format!(
+                "{} cluster tags: there must be 1 to 16 384, one per hash slot at most",
+                self.cluster_tags
+            )));
+        }
         if self.pool_size == 0 {
             return Err(StoreError::Config("pool size must be at least 1".into()));
         }
@@ -412,7 +442,7 @@ impl RedisStoreBuilder {
                 "batches need room for one request".into(),
             ));
         }
-        if self.max_in_flight == 0 {
+        if self.max_in_flight == Some(0) {
             return Err(StoreError::Config(
                 "at least one call must be allowed under way".into(),
             ));
@@ -448,23 +478,32 @@ impl RedisStoreBuilder {
 
     /// The store over `pool`, its batching task started.
     fn store(self, pool: Pool, scripts: Vec<(Algorithm, Script)>) -> RedisStore {
-        let batcher = Batcher::spawn(batch::Settings {
-            pool: pool.clone(),
-            scripts,
-            release: Script::from_lua(include_str!("scripts/release.lua")),
-            max_batch: self.max_batch,
-            // Without batching, waiting for a slot gains nothing: send everything at once, as
-            // fred pipelines it.
-            in_flight: if self.max_batch == 1 {
-                tokio::sync::Semaphore::MAX_PERMITS
-            } else {
-                self.max_in_flight
+        let placement = match pool.next().is_clustered() {
+            true => Placement::tagged(self.cluster_tags),
+            false => Placement::PerClient,
+        };
+        let batcher = Batcher::spawn(
+            placement.lanes(),
+            batch::Settings {
+                pool: pool.clone(),
+                scripts,
+                release: Script::from_lua(include_str!("scripts/release.lua")),
+                max_batch: self.max_batch,
+                // Without batching, waiting for a slot gains nothing: send everything at once, as
+                // fred pipelines it.
+                in_flight: match (self.max_batch, self.max_in_flight, &placement) {
+                    (1, _, _) => tokio::sync::Semaphore::MAX_PERMITS,
+                    (_, Some(calls), _) => calls,
+                    (_, None, Placement::PerClient) => RedisStore::DEFAULT_MAX_IN_FLIGHT,
+                    (_, None, Placement::Tagged(_)) => RedisStore::DEFAULT_CLUSTER_IN_FLIGHT,
+                },
+                timeout: self.timeout,
             },
-            timeout: self.timeout,
-        });
+        );
         let inner = Arc::new(Inner {
             pool,
             prefix: self.prefix,
+            placement,
             batcher,
             timeout: self.timeout,
             breaker: Breaker::new(self.retry_interval),

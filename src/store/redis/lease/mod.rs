@@ -332,8 +332,8 @@ async fn fetch(
 ) -> Result<Decision, StoreError> {
     let state = state(inner)?;
     let sent = state.now();
-    let redis_key = RedisStore::key_of(&inner.prefix, key, policy);
-    let answer = inner.decide(redis_key, policy, cost, -1, record).await;
+    let place = inner.place(key, policy);
+    let answer = inner.decide(place, policy, cost, -1, record).await;
     let parsed = answer.and_then(|a| Ok((super::parse_reply(&a.five, policy)?, a)));
     state.with(key, policy, |entry| {
         entry.fetching &= !lease;
@@ -374,7 +374,7 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
         let idle = plan.map_or(0, |p| p.period / 4);
         for Return { units: u, granted } in held.entry.returns(now, idle, all) {
             let policy = &held.policy;
-            keys.push(RedisStore::key_of(&store.inner.prefix, key, policy));
+            keys.push(store.inner.place(key, policy).key);
             let windows = policy.windows();
             args.push(batch::encode_release(
                 policy.algorithm(),
