@@ -5,7 +5,9 @@ pub mod cluster;
 pub mod conformance;
 pub mod http;
 pub mod load;
+pub mod outage;
 pub mod scenarios;
+pub mod sentinel;
 
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};

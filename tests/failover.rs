@@ -1,0 +1,245 @@
+//! The Redis store while a Redis Cluster changes under load: a primary killed and its replica
+//! promoted, a slot moved to another primary. Decisions fail only for the keys that have no
+//! live primary, fail within the budget, come back once the cluster has a primary for them
+//! again (the store follows the new topology by itself), and limits are exact afterwards.
+
+mod common;
+
+use std::time::Duration;
+
+use common::cluster::RedisCluster;
+use common::outage::{self, Counts, Load, RECOVERY};
+use tokio::task::block_in_place;
+use tokio::time::Instant;
+use tower_redis_ratelimit::{Key, Policy, RedisStore};
+
+/// Fresh pairs of clients whose keys under the exactness policy live on primary `owner`.
+fn pairs_on(
+    cluster: &RedisCluster,
+    store: &RedisStore,
+    owner: usize,
+    prefix: &str,
+    count: usize,
+) -> Vec<[Key; 2]> {
+    let policy = outage::exact_policy();
+    let mut keys = (0..)
+        .map(|i| Key::from(format!("{prefix}-{i}")))
+        .filter(|key| cluster.owner_of_key(&store.redis_key(key, &policy)) == owner);
+    (0..count)
+        .map(|_| [keys.next().unwrap(), keys.next().unwrap()])
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_primary_fails_fast_then_its_promoted_replica_decides_exactly() {
+    let mut cluster = block_in_place(|| RedisCluster::start_with_replicas(3, 1));
+    let store = outage::store(cluster.url()).await;
+    let policy: Policy = "1000000/1m".parse().unwrap();
+
+    // 30 clients, grouped by the primary that holds their key.
+    let keys: Vec<(Key, usize)> = (0..30)
+        .map(|i| {
+            let key = Key::from(format!("client-{i}"));
+            let owner = cluster.owner_of_key(&store.redis_key(&key, &policy));
+            (key, owner)
+        })
+        .collect();
+    let victim = keys[0].1;
+    let victim_slot = cluster.keyslot(&store.redis_key(&keys[0].0, &policy));
+    let on_victim = keys.iter().filter(|(_, g)| *g == victim).count();
+    let primaries = cluster.primaries();
+    assert_eq!(primaries.len(), 3);
+    for p in &primaries {
+        assert!(keys.iter().any(|(_, g)| g == p), "no client on primary {p}");
+    }
+    let pairs = pairs_on(&cluster, &store, victim, "fresh", 5);
+    eprintln!(
+        "{} clients, {on_victim} of them on the primary to kill (port {})",
+        keys.len(),
+        cluster.nodes[victim].port()
+    );
+
+    let load = Load::start(&store, &policy, &keys, 16, Duration::from_millis(5));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for p in &primaries {
+        assert!(
+            load.wait_ok_after(*p, Duration::ZERO, deadline)
+                .await
+                .is_some(),
+            "no decision for the keys of primary {p}"
+        );
+    }
+    load.wait_for_requests(500).await;
+
+    let kill_at = load.elapsed();
+    let killed = Instant::now();
+    cluster.kill(victim);
+    let promoted = block_in_place(|| cluster.wait_for_promotion(victim_slot));
+    let promotion = killed.elapsed();
+    let first_ok = load.wait_ok_after(victim, kill_at, killed + RECOVERY).await;
+    let recovered = killed.elapsed();
+    if first_ok.is_some() {
+        // A stretch of load after the recovery, to see that it holds.
+        load.wait_for_requests(1000).await;
+    }
+    let samples = load.stop().await;
+
+    eprintln!(
+        "kill to promotion of port {} seen by every node: {promotion:?}",
+        cluster.nodes[promoted].port()
+    );
+    let Some(first_ok) = first_ok else {
+        outage::report_failover(&samples, kill_at, samples.last().unwrap().at, victim);
+        panic!("no decision for the killed primary's keys within {RECOVERY:?} of the kill");
+    };
+    eprintln!(
+        "kill to first successful decision on the killed primary's keys: {:?} (seen after {recovered:?})",
+        first_ok - kill_at
+    );
+    let seen = outage::report_failover(&samples, kill_at, first_ok, victim);
+    outage::assert_within_budget(&samples);
+    assert!(
+        seen.victim_failed > 0,
+        "decisions on the killed primary's keys never failed"
+    );
+    // Once back, decisions hold: none failed in the last 1000 requests.
+    let tail = &samples[samples.len().saturating_sub(1000)..];
+    assert_eq!(
+        Counts::of(tail).failed,
+        0,
+        "decisions failed after the recovery: {:?}",
+        outage::errors(tail)
+    );
+
+    // Fresh clients on the promoted node: exact limits, from the same store.
+    for pair in &pairs {
+        for key in pair {
+            let redis_key = store.redis_key(key, &outage::exact_policy());
+            assert_eq!(cluster.owner_of_key(&redis_key), promoted);
+        }
+    }
+    let (exact, failed_bursts) = outage::exact_again(&store, &pairs, killed).await;
+    eprintln!(
+        "kill to exact limits on the promoted node (2 clients x 200 concurrent at 50/10s, \
+         50 admitted each): {exact:?}, after {failed_bursts} bursts with errors"
+    );
+}
+
+/// `count` clients whose keys under `policy` share one hash slot; the slot.
+fn clients_in_one_slot(
+    cluster: &RedisCluster,
+    store: &RedisStore,
+    policy: &Policy,
+    count: usize,
+) -> (Vec<Key>, u16) {
+    let key = |i: usize| Key::from(format!("mover-{i}"));
+    let slot_of = |i: usize| fred::util::redis_keyslot(store.redis_key(&key(i), policy).as_bytes());
+    let slot = slot_of(0);
+    let clients: Vec<Key> = (0..)
+        .filter(|&i| slot_of(i) == slot)
+        .take(count)
+        .map(key)
+        .collect();
+    for client in &clients {
+        assert_eq!(cluster.keyslot(&store.redis_key(client, policy)), slot);
+    }
+    (clients, slot)
+}
+
+// Fails with fred 10.1.0 and this store. fred follows an `ASK` redirection by sending
+// `ASKING` to the importing node, then writes the command again to the slot's old owner (it
+// routes the retry by slot, not to the node the `ASK` named), which answers `ASK` again until
+// fred gives up with `Routing: Max attempts reached.`; that error ends the client's
+// connection task, and every later command on that client times out, after the move too. A
+// call deciding several keys of the slot while they are split between the two nodes gets
+// `TRYAGAIN Multiple keys request during rehashing of slot`, which fred returns as is.
+#[ignore = "fred 10.1 does not follow ASK (the client then stops), nor retry TRYAGAIN"]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_moved_under_load_loses_no_decision_and_keeps_limits_exact() {
+    const LIMIT: usize = 300;
+    let cluster = block_in_place(|| RedisCluster::start(3));
+    let store = outage::store(cluster.url()).await;
+    // The window outlasts the test: each client may be admitted LIMIT times in all.
+    let policy: Policy = format!("{LIMIT}/1m").parse().unwrap();
+    let (clients, slot) = clients_in_one_slot(&cluster, &store, &policy, 4);
+    let from = cluster.owner_of_slot(slot);
+    let to = *cluster.primaries().iter().find(|&&p| p != from).unwrap();
+    let keys: Vec<(Key, usize)> = clients.iter().cloned().map(|k| (k, 0)).collect();
+
+    // Half of every client's limit is used before the move begins, the rest during it; the
+    // clients go on far past their limit, so refusals are decided on moved state too.
+    let load = Load::start(&store, &policy, &keys, 8, Duration::from_millis(2));
+    load.wait_for_requests(clients.len() * LIMIT / 2).await;
+    let begun_at = load.elapsed();
+    let begun = Instant::now();
+    block_in_place(|| cluster.begin_migration(slot, from, to));
+    let mut moved = 0;
+    loop {
+        // One key at a time, with load in between: for a while the clients' keys are split
+        // between the two primaries.
+        let n = block_in_place(|| cluster.migrate_keys(slot, from, to, 1));
+        if n == 0 {
+            break;
+        }
+        moved += n;
+        eprintln!(
+            "key {moved} moved {:?} after the move began",
+            load.elapsed() - begun_at
+        );
+        load.wait_for_requests(200).await;
+    }
+    block_in_place(|| cluster.finish_migration(slot, from, to));
+    let finished_at = load.elapsed();
+    let took = begun.elapsed();
+    load.wait_for_requests(clients.len() * 2 * LIMIT).await;
+    let samples = load.stop().await;
+
+    eprintln!(
+        "slot {slot} with {} clients' keys moved from port {} to port {} in {took:?}, \
+         {moved} keys one at a time",
+        clients.len(),
+        cluster.nodes[from].port(),
+        cluster.nodes[to].port()
+    );
+    let during = samples
+        .iter()
+        .filter(|s| s.at >= begun_at && s.at < finished_at);
+    eprintln!("during the move: {}", Counts::of(during));
+    eprintln!("whole run: {}", Counts::of(&samples));
+    let per_client: Vec<Counts> = (0..clients.len())
+        .map(|c| Counts::of(samples.iter().filter(|s| s.client == c)))
+        .collect();
+    for (c, counts) in per_client.iter().enumerate() {
+        eprintln!("  client {c}: {counts}");
+    }
+    let errors = outage::errors(&samples);
+    for (error, n) in &errors {
+        // When it was seen, from the beginning of the move (negative: before it).
+        let at = |s: &outage::Sample| s.at.as_millis() as i64 - begun_at.as_millis() as i64;
+        let mut seen = samples
+            .iter()
+            .filter(|s| s.result.as_ref().err() == Some(error));
+        let first = seen.next().map(at).unwrap_or_default();
+        let last = seen.next_back().map(at).unwrap_or(first);
+        eprintln!("  error x{n}: {error} (from {first} ms to {last} ms after the move began)");
+    }
+    outage::assert_within_budget(&samples);
+    assert!(
+        errors.is_empty(),
+        "decisions failed during the move: {errors:?}"
+    );
+    for (c, counts) in per_client.iter().enumerate() {
+        assert!(
+            counts.sent >= 2 * LIMIT,
+            "client {c} sent only {}",
+            counts.sent
+        );
+        assert_eq!(counts.admitted, LIMIT, "client {c}: {counts}");
+    }
+    // The state now lives on the new owner.
+    assert_eq!(cluster.owner_of_slot(slot), to);
+    for client in &clients {
+        let redis_key = store.redis_key(client, &policy);
+        assert_eq!(cluster.cli(to, &["exists", &redis_key]).trim(), "1");
+    }
+}
