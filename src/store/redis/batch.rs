@@ -44,6 +44,9 @@ pub(super) struct Answer {
 /// Bytes per integer in a script's arguments and reply.
 const INT: usize = std::mem::size_of::<i64>();
 
+/// How long a call answered `TRYAGAIN` waits before it is sent again.
+const TRY_AGAIN_AFTER: Duration = Duration::from_millis(5);
+
 /// One request waiting for its decision.
 struct Job {
     algorithm: Algorithm,
@@ -341,8 +344,28 @@ async fn call(
     };
     let client = settings.pool.next_connected();
     let args = Bytes::from(args);
-    let call = script.evalsha_with_reload::<Bytes, _, _>(client, keys, args);
-    let values = match tokio::time::timeout(settings.timeout, call).await {
+    let values: Bytes = match tokio::time::timeout(settings.timeout, async {
+        if !client.is_clustered() {
+            return script.evalsha_with_reload(client, keys, args).await;
+        }
+        // While a slot moves, a call whose keys are split between the two nodes is answered
+        // `TRYAGAIN`; the move of a key takes a moment, so try again until the budget is out.
+        // Keys as fred's own type, whose clones share the text.
+        let keys: Vec<fred::types::Key> = keys.into_iter().map(Into::into).collect();
+        loop {
+            match script
+                .evalsha_with_reload(client, keys.clone(), args.clone())
+                .await
+            {
+                Err(error) if error.details().starts_with("TRYAGAIN") => {
+                    tokio::time::sleep(TRY_AGAIN_AFTER).await
+                }
+                reply => return reply,
+            }
+        }
+    })
+    .await
+    {
         Ok(reply) => reply?,
         Err(_) => {
             let error = Error::new(ErrorKind::Timeout, "no reply within the time budget");

@@ -89,7 +89,10 @@ struct Inner {
     placement: Placement,
     batcher: Batcher,
     timeout: Duration,
-    breaker: Breaker,
+    /// One breaker per batching lane, so that in a cluster a failed primary cuts off only
+    /// the requests of its own hash tags; in a cluster one more, last, for the calls that are
+    /// not decisions (the blocklist). A single Redis has one, shared by all.
+    breakers: Vec<Breaker>,
     /// Set when the store leases ([`RedisStoreBuilder::leases`]).
     leases: Option<lease::State>,
 }
@@ -112,33 +115,45 @@ impl Inner {
     ) -> Result<Answer, StoreError> {
         let args = batch::encode(cost, record, at, policy.windows());
         // The budget covers the whole decision: the queue, the call and a script reload.
+        let breaker = self.breaker(Some(place.lane));
         let decision = self.batcher.decide(place, policy.algorithm(), args);
-        self.guarded(decision).await
+        self.guarded(breaker, decision).await
     }
 
-    /// Runs `call` within the time budget, behind the breaker: fails at once while it is
-    /// open; a failure that shows Redis unreachable or too slow trips it, a success closes it.
+    /// The breaker of a lane, or with `None` the one of the calls that are not decisions.
+    fn breaker(&self, lane: Option<usize>) -> &Breaker {
+        let lanes = self.placement.lanes();
+        let shared = &self.breakers[self.breakers.len() - 1];
+        match lane {
+            Some(lane) => self.breakers.get(lane % lanes).unwrap_or(shared),
+            None => shared,
+        }
+    }
+
+    /// Runs `call` within the time budget, behind `breaker`: fails at once while it is open;
+    /// a failure that shows Redis unreachable or too slow trips it, a success closes it.
     async fn guarded<T>(
         &self,
+        breaker: &Breaker,
         call: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, StoreError> {
-        if self.breaker.is_open() {
+        if breaker.is_open() {
             return Err(StoreError::Unavailable);
         }
-        let started = self.breaker.now();
+        let started = breaker.now();
         match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(value)) => {
-                self.breaker.close();
+                breaker.close();
                 Ok(value)
             }
             Ok(Err(error)) => {
                 if is_outage(&error) {
-                    self.breaker.trip(started);
+                    breaker.trip(started);
                 }
                 Err(error.into())
             }
             Err(_) => {
-                self.breaker.trip(started);
+                breaker.trip(started);
                 Err(StoreError::Timeout(self.timeout))
             }
         }
@@ -252,7 +267,7 @@ impl RedisStore {
         &self,
         call: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, StoreError> {
-        self.inner.guarded(call).await
+        self.inner.guarded(self.inner.breaker(None), call).await
     }
 
     /// The prefix of every key this store writes.
@@ -270,7 +285,7 @@ impl RedisStore {
     /// decisions fail at once (see [`RedisStoreBuilder::retry_interval`]) and the layer
     /// follows its [`FailureMode`](crate::FailureMode).
     pub fn is_healthy(&self) -> bool {
-        !self.inner.breaker.is_down()
+        !self.inner.breakers.iter().any(Breaker::is_down)
     }
 }
 
@@ -465,9 +480,15 @@ impl RedisStoreBuilder {
         let pool = fred::types::Builder::from_config(config)
             .with_performance_config(|p| p.default_command_timeout = self.timeout)
             .with_connection_config(|c| {
-                c.connection_timeout = self.timeout.max(Duration::from_secs(1))
+                c.connection_timeout = self.timeout.max(Duration::from_secs(1));
+                // fred 10 re-sends a command that met `ASK` to the old node, which answers
+                // `ASK` again, until fred gives up in a way that ends the connection's task
+                // for good. With at most two redirections it returns an error instead, and
+                // the batcher sends the call to the importing node itself.
+                c.max_redirections = 2;
             })
-            .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
+            // Reconnect soon after a failover: at most half a second between attempts.
+            .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
             .build_pool(self.pool_size)?;
         let scripts = SCRIPTS
             .into_iter()
@@ -500,13 +521,21 @@ impl RedisStoreBuilder {
                 timeout: self.timeout,
             },
         );
+        // A cluster's lanes, and one for the other calls; a single Redis's one.
+        let breakers = match placement.lanes() {
+            1 => 1,
+            lanes => lanes + 1,
+        };
+        let breakers = (0..breakers)
+            .map(|_| Breaker::new(self.retry_interval))
+            .collect();
         let inner = Arc::new(Inner {
             pool,
             prefix: self.prefix,
             placement,
             batcher,
             timeout: self.timeout,
-            breaker: Breaker::new(self.retry_interval),
+            breakers,
             leases: self.leases.map(lease::State::new),
         });
         if let Some(leases) = &self.leases {

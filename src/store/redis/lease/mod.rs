@@ -367,6 +367,7 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
     };
     let now = state.now();
     let mut keys = Vec::new();
+    let mut lanes = Vec::new();
     let mut args = Vec::new();
     let mut units = 0;
     state.book.retain(|key, held| {
@@ -374,7 +375,9 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
         let idle = plan.map_or(0, |p| p.period / 4);
         for Return { units: u, granted } in held.entry.returns(now, idle, all) {
             let policy = &held.policy;
-            keys.push(store.inner.place(key, policy).key);
+            let place = store.inner.place(key, policy);
+            lanes.push(place.lane);
+            keys.push(place.key);
             let windows = policy.windows();
             args.push(batch::encode_release(
                 policy.algorithm(),
@@ -395,7 +398,8 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
                 .flat_map(|&i| args[i].iter().copied())
                 .collect();
             let call = store.inner.batcher.release(keys, args);
-            if let Err(error) = store.inner.guarded(call).await {
+            let breaker = store.inner.breaker(Some(lanes[chunk[0]]));
+            if let Err(error) = store.inner.guarded(breaker, call).await {
                 result = Err(error);
             }
         }
