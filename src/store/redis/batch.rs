@@ -22,8 +22,10 @@ use fred::clients::Pool;
 use fred::error::{Error, ErrorKind};
 use fred::interfaces::ClientLike;
 use fred::types::scripts::Script;
+use fred::types::Key;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
+use super::ask;
 use super::placement::Place;
 use crate::algorithm::{Algorithm, Window};
 
@@ -44,13 +46,10 @@ pub(super) struct Answer {
 /// Bytes per integer in a script's arguments and reply.
 const INT: usize = std::mem::size_of::<i64>();
 
-/// How long a call answered `TRYAGAIN` waits before it is sent again.
-const TRY_AGAIN_AFTER: Duration = Duration::from_millis(5);
-
 /// One request waiting for its decision.
 struct Job {
     algorithm: Algorithm,
-    key: String,
+    key: Key,
     /// The request's arguments, encoded: number of limits, cost, record, time, then count and
     /// window of each limit.
     args: Vec<u8>,
@@ -112,12 +111,14 @@ impl Batcher {
     /// Decides one request at `place`: `args` as in [`Job::args`] (see [`encode`]).
     pub(super) async fn decide(&self, place: Place, algorithm: Algorithm, args: Vec<u8>) -> Reply {
         let lane = &self.lanes[place.lane % self.lanes.len()];
-        let key = place.key;
+        // fred's key type shares the text, so copies of it (a retry's) cost no copy of it.
+        let key = Key::from(place.key);
         // A free slot means nothing is waiting: no batch to join, so go at once.
         if let Ok(slot) = Arc::clone(&lane.slots).try_acquire_owned() {
             // Boxed because fred's call future takes kilobytes: inline, it would make every
             // decision's future that large, including the queued ones that never send.
-            let reply = Box::pin(call(&self.settings, algorithm, vec![key], args, 1)).await;
+            let call = call(&self.settings, algorithm, vec![key], Bytes::from(args), 1);
+            let reply = Box::pin(call).await;
             drop(slot);
             return reply.map(|values| answer(&values, 0));
         }
@@ -233,13 +234,27 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
     let requests = group.len();
     let mut keys = Vec::with_capacity(requests);
     let mut args = Vec::with_capacity(group.iter().map(|job| job.args.len()).sum());
+    let mut lens = Vec::with_capacity(requests);
     let mut replies = Vec::with_capacity(requests);
     for job in group {
         keys.push(job.key);
         args.extend_from_slice(&job.args);
+        lens.push(job.args.len());
         replies.push(job.reply);
     }
-    let reply = call(&settings, algorithm, keys, args, requests).await;
+    let args = Bytes::from(args);
+    // Only a cluster answers `TRYAGAIN`, which needs the keys again.
+    let kept = match settings.pool.next().is_clustered() {
+        true => Some(keys.clone()),
+        false => None,
+    };
+    let reply = call(&settings, algorithm, keys, args.clone(), requests).await;
+    if let Some(keys) = kept {
+        if reply.as_ref().is_err_and(is_split) && keys.iter().any(|key| *key != keys[0]) {
+            send_by_key(&settings, algorithm, keys, &args, &lens, replies).await;
+            return;
+        }
+    }
     for (i, requester) in replies.into_iter().enumerate() {
         let result = match &reply {
             Ok(values) => Ok(answer(values, i)),
@@ -247,6 +262,61 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
         };
         // The requester may have given up (its own timeout); nothing to do then.
         let _ = requester.send(result);
+    }
+}
+
+/// Decides a call's requests again with one call per key, all under way at once, after the
+/// call was refused because its keys are split between the two nodes of a slot migration
+/// (`TRYAGAIN`): each key is then on one node or the other, and a call of one key is never
+/// refused so. Requests of different keys do not affect one another, and each key's requests
+/// keep their order, so the decisions are those the whole call would have made. `lens`: the
+/// length of each request's arguments in `args`.
+async fn send_by_key(
+    settings: &Arc<Settings>,
+    algorithm: Algorithm,
+    keys: Vec<Key>,
+    args: &[u8],
+    lens: &[usize],
+    replies: Vec<oneshot::Sender<Reply>>,
+) {
+    type Part = (Key, Vec<u8>, Vec<oneshot::Sender<Reply>>);
+    let mut parts: Vec<Part> = Vec::new();
+    let mut at = 0;
+    for ((key, &len), reply) in keys.into_iter().zip(lens).zip(replies) {
+        let Some(request) = args.get(at..at + len) else {
+            let error = Error::new(ErrorKind::Unknown, "request arguments out of range");
+            let _ = reply.send(Err(error));
+            continue;
+        };
+        at += len;
+        match parts.iter_mut().find(|(k, _, _)| *k == key) {
+            Some((_, args, replies)) => {
+                args.extend_from_slice(request);
+                replies.push(reply);
+            }
+            None => parts.push((key, request.to_vec(), vec![reply])),
+        }
+    }
+    let calls: Vec<_> = parts
+        .into_iter()
+        .map(|(key, args, replies)| {
+            let settings = Arc::clone(settings);
+            tokio::spawn(async move {
+                let (keys, args) = (vec![key; replies.len()], Bytes::from(args));
+                let reply = call(&settings, algorithm, keys, args, replies.len()).await;
+                for (i, requester) in replies.into_iter().enumerate() {
+                    let result = match &reply {
+                        Ok(values) => Ok(answer(values, i)),
+                        Err(error) => Err(error.clone()),
+                    };
+                    let _ = requester.send(result);
+                }
+            })
+        })
+        .collect();
+    // The batch's call slot stays taken until every call has returned.
+    for call in calls {
+        let _ = call.await;
     }
 }
 
@@ -332,8 +402,8 @@ fn clamp(v: u64) -> i64 {
 async fn call(
     settings: &Settings,
     algorithm: Algorithm,
-    keys: Vec<String>,
-    args: Vec<u8>,
+    keys: Vec<Key>,
+    args: Bytes,
     requests: usize,
 ) -> Result<Bytes, Error> {
     let Some((_, script)) = settings.scripts.iter().find(|(a, _)| *a == algorithm) else {
@@ -343,29 +413,39 @@ async fn call(
         ));
     };
     let client = settings.pool.next_connected();
-    let args = Bytes::from(args);
-    let values: Bytes = match tokio::time::timeout(settings.timeout, async {
+    // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
+    let one_key = keys.iter().all(|key| *key == keys[0]);
+    let call = async {
         if !client.is_clustered() {
+            // No redirections outside a cluster: nothing to keep for a second try.
             return script.evalsha_with_reload(client, keys, args).await;
         }
-        // While a slot moves, a call whose keys are split between the two nodes is answered
-        // `TRYAGAIN`; the move of a key takes a moment, so try again until the budget is out.
-        // Keys as fred's own type, whose clones share the text.
-        let keys: Vec<fred::types::Key> = keys.into_iter().map(Into::into).collect();
         loop {
-            match script
-                .evalsha_with_reload(client, keys.clone(), args.clone())
-                .await
-            {
-                Err(error) if error.details().starts_with("TRYAGAIN") => {
-                    tokio::time::sleep(TRY_AGAIN_AFTER).await
+            let reply = script
+                .evalsha_with_reload::<Bytes, _, _>(client, keys.clone(), args.clone())
+                .await;
+            let reply = match reply {
+                // An `ASK` during a slot migration (see `ask.rs`); every key shares the slot.
+                Err(error) if ask::is_unfollowed_redirection(&error) => match keys.first() {
+                    Some(key) => {
+                        let slot = fred::util::redis_keyslot(key.as_bytes());
+                        ask::call_asking(client, slot, script, keys.clone(), args.clone()).await
+                    }
+                    None => Err(error),
+                },
+                reply => reply,
+            };
+            match reply {
+                // The keys are split between the two nodes of a slot migration, or the slot
+                // moved on meanwhile: try again shortly, within the time budget.
+                Err(error) if is_transient(&error) && (one_key || !is_split(&error)) => {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
                 }
                 reply => return reply,
             }
         }
-    })
-    .await
-    {
+    };
+    let values: Bytes = match tokio::time::timeout(settings.timeout, call).await {
         Ok(reply) => reply?,
         Err(_) => {
             let error = Error::new(ErrorKind::Timeout, "no reply within the time budget");
@@ -377,6 +457,21 @@ async fn call(
         return Err(Error::new(ErrorKind::Parse, message));
     }
     Ok(values)
+}
+
+/// Whether a call that failed with `error` may succeed if sent again shortly, while a Redis
+/// Cluster moves a slot: `TRYAGAIN` (a call's keys are split between the two nodes), or a
+/// redirection that found the slot moved on.
+fn is_transient(error: &Error) -> bool {
+    is_split(error)
+        || ask::is_unfollowed_redirection(error)
+        || error.details().starts_with(ask::NO_MIGRATION)
+}
+
+/// Whether a call was refused because its keys are split between the two nodes of a slot
+/// migration.
+fn is_split(error: &Error) -> bool {
+    error.details().starts_with("TRYAGAIN")
 }
 
 /// The answer to request `i` in a reply of the right length.
@@ -403,7 +498,7 @@ mod tests {
     fn job(algorithm: Algorithm, key: &str) -> Job {
         Job {
             algorithm,
-            key: key.to_owned(),
+            key: Key::from(key),
             args: vec![],
             reply: oneshot::channel().0,
         }
@@ -412,7 +507,7 @@ mod tests {
     fn keys(groups: &[Vec<Job>]) -> Vec<Vec<&str>> {
         groups
             .iter()
-            .map(|g| g.iter().map(|j| j.key.as_str()).collect())
+            .map(|g| g.iter().map(|j| j.key.as_str().unwrap_or("")).collect())
             .collect()
     }
 

@@ -9,6 +9,7 @@ use fred::clients::Pool;
 use fred::prelude::{ClientLike, Config, KeysInterface, ReconnectPolicy};
 use fred::types::scripts::Script;
 
+mod ask;
 mod batch;
 mod health;
 mod lease;
@@ -481,11 +482,11 @@ impl RedisStoreBuilder {
             .with_performance_config(|p| p.default_command_timeout = self.timeout)
             .with_connection_config(|c| {
                 c.connection_timeout = self.timeout.max(Duration::from_secs(1));
-                // fred 10 re-sends a command that met `ASK` to the old node, which answers
-                // `ASK` again, until fred gives up in a way that ends the connection's task
-                // for good. With at most two redirections it returns an error instead, and
-                // the batcher sends the call to the importing node itself.
-                c.max_redirections = 2;
+                // fred 10.1 follows `ASK` wrongly (it re-sends the command to the old node),
+                // and past two redirections of one command it stops the client for good. With
+                // none allowed it answers `Too many redirections.` instead, which the batcher
+                // handles itself (`batch.rs`, `ask.rs`).
+                c.max_redirections = 0;
             })
             // Reconnect soon after a failover: at most half a second between attempts.
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
