@@ -31,8 +31,9 @@
 //!
 //! The harness starts its own `redis-server` (`$REDIS_SERVER` or `redis-server` from `PATH`)
 //! on a free loopback port and stops it on exit, unless `REDIS_URL` is set; it sends `FLUSHALL`
-//! before each configuration, so point `REDIS_URL` only at a scratch Redis. Redis commands per request come from `INFO commandstats` read
-//! before and after the measured phase (the `INFO` calls themselves left out). Redis counts the
+//! before each configuration (to every primary of a cluster), so point `REDIS_URL` only at a
+//! scratch Redis. Redis commands per request come from `INFO commandstats` (summed over every
+//! primary of a cluster) read before and after the measured phase (the `INFO` calls themselves left out). Redis counts the
 //! commands a Lua script runs as well as the `EVALSHA` that runs it, so `cmds/req` is
 //! the work Redis does and `evals/req` the round trips (every store here only sends scripts).
 //! `cpu app` and `cpu redis` are the cores this process and Redis kept busy, `cpu µs/req` the
@@ -50,7 +51,10 @@
 //! Flags: `--duration SECS` (measured time per configuration and round, default 5),
 //! `--warmup SECS` (default 1), `--concurrency N` (default 32), `--keys N` (default 1000),
 //! `--rounds R` (default 3), `--pool N` (Redis connections of each Redis limiter, default 4),
-//! `--out DIR` (default `target/http_load`), `--only a,b`.
+//! `--cluster N` (start a Redis Cluster of `N` primaries instead of one server; `REDIS_URL` may
+//! also name one, `redis-cluster://...`), `--cluster-tags N` and `--in-flight N` (this crate's
+//! `RedisStoreBuilder::cluster_tags` and `max_in_flight`), `--out DIR` (default
+//! `target/http_load`), `--only a,b`.
 //!
 //! Writes `DIR/results.csv` (one row per configuration and round), `DIR/summary.csv` (the
 //! medians) and `DIR/throughput.svg` (throughput relative to bare, and p99 latency).
