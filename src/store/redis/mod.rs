@@ -190,8 +190,12 @@ impl RedisStore {
     /// How long a decision may take unless told otherwise.
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
 
-    /// Connects to the Redis at `url` (`redis://[user:password@]host:port[/db]`) with the
-    /// default settings of [`RedisStoreBuilder`].
+    /// Connects to the Redis at `url` with the default settings of [`RedisStoreBuilder`]:
+    /// `redis://[user:password@]host:port[/db]` (`rediss://` for TLS) for one server,
+    /// `redis-cluster://host:port?node=host2:port2&...` for a Redis Cluster, or
+    /// `redis-sentinel://sentinel1:26379?sentinelServiceName=<name>&node=sentinel2:26379&...`
+    /// for the primary that Redis Sentinel names, followed through failovers. The repository's
+    /// `docs/operations.md` covers clusters and Sentinel.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         RedisStore::builder(url).connect().await
     }
