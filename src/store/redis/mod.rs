@@ -288,7 +288,9 @@ impl RedisStore {
     /// Whether Redis answered the last decision. `false` after a decision found Redis
     /// unreachable or slower than the timeout, until a later one reaches it again; in between,
     /// decisions fail at once (see [`RedisStoreBuilder::retry_interval`]) and the layer
-    /// follows its [`FailureMode`](crate::FailureMode).
+    /// follows its [`FailureMode`](crate::FailureMode). On a Redis Cluster each hash tag
+    /// (see [`RedisStoreBuilder::cluster_tags`]) is tracked apart, and this is `false` while
+    /// any of them is cut off.
     pub fn is_healthy(&self) -> bool {
         !self.inner.breakers.iter().any(Breaker::is_down)
     }
