@@ -64,8 +64,16 @@ impl Breaker {
 }
 
 /// Whether `error` means Redis could not be reached or did not answer in time, as opposed to
-/// an answer that was an error (a wrong key type, a script error, refused credentials).
+/// an answer that was an error (a wrong key type, a script error, refused credentials), or a
+/// cluster that is moving a slot (`TRYAGAIN`, a redirection the store follows itself): a call
+/// that still fails so within its budget times out, which does count.
 pub(crate) fn is_outage(error: &Error) -> bool {
+    if super::ask::is_unfollowed_redirection(error)
+        || error.details().starts_with(super::ask::NO_MIGRATION)
+        || error.details().starts_with("TRYAGAIN")
+    {
+        return false;
+    }
     matches!(
         error.kind(),
         ErrorKind::IO
@@ -76,7 +84,6 @@ pub(crate) fn is_outage(error: &Error) -> bool {
     ) || error.details().starts_with("LOADING")
         || error.details().starts_with("MASTERDOWN")
         || error.details().starts_with("CLUSTERDOWN")
-        || error.details().starts_with("TRYAGAIN")
 }
 
 #[cfg(test)]
@@ -100,5 +107,8 @@ mod tests {
         assert!(!breaker.is_down());
         assert!(is_outage(&Error::new(ErrorKind::IO, "refused")));
         assert!(!is_outage(&Error::new(ErrorKind::Unknown, "WRONGTYPE")));
+        let moving = Error::new(ErrorKind::Routing, "Too many redirections.");
+        assert!(!is_outage(&moving), "a slot move is not an outage");
+        assert!(is_outage(&Error::new(ErrorKind::Routing, "Max attempts reached.")));
     }
 }
