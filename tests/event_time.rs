@@ -74,3 +74,55 @@ async fn redis_store_follows_the_definition() {
     let server = RedisServer::start();
     random_schedules(&server.store().await).await;
 }
+
+/// Both stores give the same decisions, every figure of them, for requests of very different
+/// costs at event times in any order, in the past (trimmed as requests made then) or ahead.
+async fn weighted_schedules<A: Store, B: Store>(a: &A, b: &B, base: i64) {
+    let policy: Policy = "3000/10s + 10000/1m".parse().unwrap();
+    let mut rng = StdRng::seed_from_u64(11);
+    for round in 0..6 {
+        let key = Key::from(format!("usage-{base}-{round}"));
+        let mut admitted = 0;
+        for step in 0..80 {
+            let t = rng.random_range(0..300_000i64);
+            let cost = match rng.random_range(0..4) {
+                0 => 1,
+                1 => rng.random_range(1..50),
+                _ => rng.random_range(50..=2_500),
+            };
+            let at = UNIX_EPOCH + Duration::from_millis((base + t) as u64);
+            let x = a.check_at(&key, &policy, cost, at).await.unwrap();
+            let y = b.check_at(&key, &policy, cost, at).await.unwrap();
+            let figures = |d: &tower_redis_ratelimit::Decision| {
+                (
+                    d.is_allowed(),
+                    d.limit_index(),
+                    d.remaining(),
+                    d.reset_after(),
+                    d.retry_after(),
+                )
+            };
+            assert_eq!(
+                figures(&x),
+                figures(&y),
+                "round {round}, step {step}: cost {cost} at +{t} ms"
+            );
+            admitted += usize::from(x.is_allowed());
+        }
+        assert!(admitted >= 10, "the schedule admitted too little to test");
+    }
+}
+
+#[tokio::test]
+async fn weighted_events_decide_alike_on_both_stores() {
+    let server = RedisServer::start();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    // Ahead: nothing is trimmed. Behind (ending 10 min ago): trimmed at each event's time.
+    for base in [now + 86_400_000, now - 900_000] {
+        let redis = server.store().await;
+        weighted_schedules(&MemoryStore::new(), &redis, base).await;
+    }
+}

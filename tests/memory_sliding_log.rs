@@ -139,3 +139,52 @@ async fn future_events_keep_their_key() {
         .unwrap()
         .is_allowed());
 }
+
+/// A request keeps one event whatever its cost, and the log still counts every unit: after
+/// 100 requests of cost 1 000 under 100 000 per minute nothing is left, and each retry is when
+/// enough of the oldest requests' units have aged out.
+#[test]
+fn one_event_per_request_whatever_its_cost() {
+    use tower_redis_ratelimit::Store;
+    let clock = ManualClock::default();
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let policy: Policy = "100000/1m".parse().unwrap();
+    let key = Key::from("usage");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let ms = Duration::from_millis;
+    rt.block_on(async {
+        let d = store.check(&key, &policy, 1_000).await.unwrap();
+        assert!(d.is_allowed());
+        assert_eq!(d.remaining(), 99_000);
+        assert_eq!(store.events(&key, &policy), 1);
+        for i in 2..=100u64 {
+            clock.advance(ms(10));
+            let d = store.check(&key, &policy, 1_000).await.unwrap();
+            assert!(d.is_allowed());
+            assert_eq!(d.remaining(), 100_000 - i * 1_000);
+        }
+        assert_eq!(store.events(&key, &policy), 100);
+
+        // 1 s after the first request, which leaves at 60 s.
+        clock.advance(ms(10));
+        let d = store.check(&key, &policy, 1).await.unwrap();
+        assert!(!d.is_allowed());
+        assert_eq!((d.remaining(), d.retry_after()), (0, Some(ms(59_000))));
+        assert_eq!(d.reset_after(), ms(59_000));
+        // 1 001 units: the second request must leave too (at 60.01 s); 2 500: the third.
+        let d = store.check(&key, &policy, 1_001).await.unwrap();
+        assert_eq!(d.retry_after(), Some(ms(59_010)));
+        let d = store.peek(&key, &policy, 2_500).await.unwrap();
+        assert_eq!(d.retry_after(), Some(ms(59_020)));
+        assert_eq!(store.events(&key, &policy), 100, "refusals add nothing");
+
+        clock.advance(ms(59_000));
+        let d = store.check(&key, &policy, 1_000).await.unwrap();
+        assert!(d.is_allowed());
+        assert_eq!(d.remaining(), 0);
+        assert!(!store.check(&key, &policy, 1).await.unwrap().is_allowed());
+        assert_eq!(store.events(&key, &policy), 100, "the first left, one came");
+    });
+}

@@ -2,7 +2,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::scenarios::{self, check, MARGIN};
 use common::RedisServer;
@@ -88,4 +88,103 @@ async fn script_is_reloaded_after_script_flush() {
         .expect("decision after SCRIPT FLUSH");
     assert!(d.is_allowed());
     assert_eq!(d.remaining(), 8);
+}
+
+/// A request adds one member whatever its cost, and the log still counts every unit: after
+/// 100 requests of cost 1 000 under 100 000 per minute nothing is left, and each retry is when
+/// enough of the oldest requests' units have aged out. Event times half a minute ago make the
+/// figures exact; they are decided as requests made then.
+#[tokio::test]
+async fn one_member_per_request_whatever_its_cost() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let redis = server.client().await;
+    let policy: Policy = "100000/1m".parse().unwrap();
+    let key = Key::from("usage");
+    let zset = store.redis_key(&key, &policy);
+    let ms = Duration::from_millis;
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    let base = UNIX_EPOCH + ms(now.as_millis() as u64) - Duration::from_secs(30);
+
+    let d = store.check_at(&key, &policy, 1_000, base).await.unwrap();
+    assert!(d.is_allowed());
+    assert_eq!(d.remaining(), 99_000);
+    let members: u64 = redis.zcard(&zset).await.unwrap();
+    assert_eq!(members, 1);
+    for i in 2..=100u64 {
+        let at = base + ms(10 * (i - 1));
+        let d = store.check_at(&key, &policy, 1_000, at).await.unwrap();
+        assert!(d.is_allowed());
+        assert_eq!(d.remaining(), 100_000 - i * 1_000);
+    }
+    let members: u64 = redis.zcard(&zset).await.unwrap();
+    assert_eq!(members, 100);
+
+    // 1 s after the first request, which leaves at 60 s.
+    let at = base + ms(1_000);
+    let d = store.check_at(&key, &policy, 1, at).await.unwrap();
+    assert!(!d.is_allowed());
+    assert_eq!((d.remaining(), d.retry_after()), (0, Some(ms(59_000))));
+    assert_eq!(d.reset_after(), ms(59_000));
+    // 1 001 units: the second request must leave too (at 60.01 s); 2 500: the third.
+    let d = store.check_at(&key, &policy, 1_001, at).await.unwrap();
+    assert_eq!(d.retry_after(), Some(ms(59_010)));
+    let d = store.check_at(&key, &policy, 2_500, at).await.unwrap();
+    assert_eq!(d.retry_after(), Some(ms(59_020)));
+    let members: u64 = redis.zcard(&zset).await.unwrap();
+    assert_eq!(members, 100, "refusals add nothing");
+
+    // Requests made now: the first request's 1 000 units are still in the window.
+    let d = store.check(&key, &policy, 1).await.unwrap();
+    assert!(!d.is_allowed());
+    let retry = d.retry_after().unwrap();
+    assert!(retry <= ms(30_000) && retry > ms(25_000), "{retry:?}");
+}
+
+/// Totals near the top of what Lua's doubles hold exactly are moved down to the oldest event,
+/// and the counts stay exact.
+#[tokio::test]
+async fn running_totals_are_moved_down_before_they_grow_inexact() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let redis = server.client().await;
+    let policy: Policy = "10000/1m".parse().unwrap();
+    let key = Key::from("old");
+    let zset = store.redis_key(&key, &policy);
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    let base = now.as_micros() as u64 - 30_000_000;
+    // Two events of 3 000 units, written as a long-lived key would hold them.
+    let top = 4_503_599_627_370_000u64;
+    for (at, total) in [(base, top - 3_000), (base + 1, top)] {
+        let member = format!("{at}:{total:016}:3000");
+        let _: () = redis
+            .zadd(&zset, None, None, false, false, (at as f64, member))
+            .await
+            .unwrap();
+    }
+    let at = |micros: u64| UNIX_EPOCH + Duration::from_micros(micros);
+    let d = store
+        .check_at(&key, &policy, 1_000, at(base + 2))
+        .await
+        .unwrap();
+    assert!(d.is_allowed());
+    assert_eq!(d.remaining(), 3_000);
+    let members: Vec<String> = redis
+        .zrange(&zset, 0, -1, None, false, None, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        members,
+        [
+            format!("{base}:{:016}:3000", 3_000),
+            format!("{}:{:016}:3000", base + 1, 6_000),
+            format!("{}:{:016}:1000", base + 2, 7_000),
+        ]
+    );
+    let d = store
+        .check_at(&key, &policy, 3_001, at(base + 3))
+        .await
+        .unwrap();
+    assert!(!d.is_allowed());
+    assert_eq!(d.retry_after(), Some(Duration::from_micros(60_000_000 - 3)));
 }

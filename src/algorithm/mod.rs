@@ -20,15 +20,16 @@ pub(crate) mod sliding_window;
 ///
 /// | algorithm | state per key and limit | exact? |
 /// |---|---|---|
-/// | [`SlidingLog`](Algorithm::SlidingLog) | one entry per admitted unit | exact in every window |
+/// | [`SlidingLog`](Algorithm::SlidingLog) | one entry per admitted request | exact in every window |
 /// | [`SlidingWindow`](Algorithm::SlidingWindow) | two counters | approximate: weights the previous window |
 /// | [`FixedWindow`](Algorithm::FixedWindow) | one counter | exact per window, bursts at edges |
 /// | [`Gcra`](Algorithm::Gcra) | one timestamp | exact leaky bucket |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Algorithm {
-    /// An exact sliding-window log: one entry per admitted unit of cost, kept for the longest
-    /// window. Exact for every window, at a memory cost that grows with the limit. The only
+    /// An exact sliding-window log: one entry per admitted request, carrying its cost, kept for
+    /// the longest window. Exact for every window, at a memory cost that grows with the number
+    /// of requests admitted in that window (not with their cost). The only
     /// algorithm that takes event times ([`Store::check_at`](crate::Store::check_at)).
     #[default]
     SlidingLog,

@@ -1,69 +1,114 @@
 //! Sliding-window log.
 //!
-//! The log holds one timestamp per admitted unit of cost, sorted. Windows are half-open
-//! intervals `(a, a + w]`: an event at `t` counts at time `now` while `now - w < t <= now`.
+//! The log holds one event per admitted request: its time and its weight (the request's
+//! cost), sorted by time. Windows are half-open intervals `(a, a + w]`: an event at `t` counts
+//! at time `now` while `now - w < t <= now`, and a window's count is the sum of the weights of
+//! the events in it.
 //!
 //! A request at time `t` (now, or any event time: in the past, in the future, in any order)
 //! fits limit `(c, w)` if every window of length `w` that contains `t` would hold at most `c`
 //! units with it. Those windows are `(a, a + w]` for `a` in `[t - w, t)`; their count only grows
 //! when `a + w` reaches an event, so the fullest is `a = t - w` or `a = e - w` for an event
 //! `e` in `[t, t + w)`. Without events after `t` (the usual case) that is the single window
-//! `(t - w, t]`, found by one binary search.
+//! `(t - w, t]`.
 //!
-//! When it does not fit, and the window `(t - w, t]` itself is too full, it will fit once the
-//! `(used + cost - c)`-th oldest event of that window has left it, at `e + w`: the retry. When
-//! only events scheduled after `t` make it too full, no wait at `t` is known to help and the
-//! retry is `None`; it is also `None` when `cost > c`.
+//! Each event carries the running total of the log's weight through it (wrapping), so that the
+//! count of a window is the difference of two totals: the last event of the window against the
+//! event before its first (`base` for the oldest). Counting takes two binary searches however
+//! many units the events carry, and memory grows with events, not units.
 //!
-//! An admitted request adds `cost` copies of `t`, once for all limits. A denied request records
-//! nothing, so a client that keeps retrying is admitted again as soon as its old events age
-//! out. `remaining` is `c` minus the fullest window's count; `reset_after` is when the oldest
-//! event of `(t - w, t]` leaves it. `scripts/sliding_log.lua` is the same procedure over a
-//! sorted set.
+//! When it does not fit, and the window `(t - w, t]` itself is too full, it will fit once
+//! `used + cost - c` units have left it: walking the window's events oldest first and summing
+//! their weights, at `e + w` for the first event `e` at which that sum covers the excess (a
+//! binary search over the running totals). That is when the `(used + cost - c)`-th oldest unit
+//! leaves, as if each unit were its own event. When only events scheduled after `t` make it
+//! too full, no wait at `t` is known to help and the retry is `None`; it is also `None` when
+//! `cost > c`.
+//!
+//! An admitted request of positive cost adds one event at `t` of weight `cost`, once for all
+//! limits, after any events at the same time. A denied request records nothing, so a client
+//! that keeps retrying is admitted again as soon as its old events age out. `remaining` is `c`
+//! minus the fullest window's count; `reset_after` is when the oldest event of `(t - w, t]`
+//! leaves it. `scripts/sliding_log.lua` is the same procedure over a sorted set, whose members
+//! carry the same running totals.
 
 use std::collections::VecDeque;
 
 use super::{Fit, Limiter, Window};
 
+/// One admitted request.
+#[derive(Debug, Clone, Copy)]
+struct Event {
+    /// Event time, µs.
+    time: u64,
+    /// The weight of every event of the log up to and including this one (wrapping).
+    total: u64,
+}
+
 /// The log of one key.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct SlidingLog {
-    events: VecDeque<u64>,
+    events: VecDeque<Event>,
+    /// The running total before the oldest event (wrapping).
+    base: u64,
 }
 
 impl SlidingLog {
     /// Drops the events at or before `cutoff`: no window that matters can hold them.
     pub(crate) fn trim(&mut self, cutoff: u64) {
-        while self.events.front().is_some_and(|&t| t <= cutoff) {
+        while let Some(&Event { time, total }) = self.events.front() {
+            if time > cutoff {
+                break;
+            }
+            self.base = total;
             self.events.pop_front();
+        }
+        // Memory follows the events held, not the most ever held.
+        if self.events.capacity() > 64 && self.events.len() * 4 < self.events.capacity() {
+            self.events.shrink_to(self.events.len() * 2);
         }
     }
 
+    /// The number of units (the sum of the weights) the log holds.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> u64 {
+        self.mark(self.events.len()).wrapping_sub(self.base)
+    }
+
     /// The number of events the log holds.
-    pub(crate) fn len(&self) -> usize {
+    pub(crate) fn events(&self) -> usize {
         self.events.len()
+    }
+
+    /// The running total before event `i` (`i == len`: after the last).
+    fn mark(&self, i: usize) -> u64 {
+        match i.checked_sub(1) {
+            Some(j) => self.events.get(j).map_or(self.base, |e| e.total),
+            None => self.base,
+        }
     }
 
     /// Index of the first event after `a` (`None`: minus infinity).
     fn after(&self, a: Option<u64>) -> usize {
-        a.map_or(0, |a| self.events.partition_point(|&t| t <= a))
+        a.map_or(0, |a| self.events.partition_point(|e| e.time <= a))
     }
 
-    /// Events in `(end - w, end]`.
+    /// Units in `(end - w, end]`.
     fn count(&self, end: u64, w: u64) -> u64 {
-        let hi = self.events.partition_point(|&t| t <= end);
-        hi.saturating_sub(self.after(end.checked_sub(w))) as u64
+        let hi = self.events.partition_point(|e| e.time <= end);
+        let lo = self.after(end.checked_sub(w)).min(hi);
+        self.mark(hi).wrapping_sub(self.mark(lo))
     }
 
-    /// `(events in (t - w, t], the fullest window containing t)`.
+    /// `(units in (t - w, t], the fullest window containing t)`.
     fn used(&self, t: u64, w: u64) -> (u64, u64) {
         let past = self.count(t, w);
-        let from = self.events.partition_point(|&e| e <= t);
+        let from = self.events.partition_point(|e| e.time <= t);
         let fullest = self
             .events
             .range(from..)
-            .take_while(|&&e| e < t + w)
-            .map(|&e| self.count(e, w))
+            .take_while(|e| e.time < t.saturating_add(w))
+            .map(|e| self.count(e.time, w))
             .fold(past, u64::max);
         (past, fullest)
     }
@@ -78,15 +123,32 @@ impl Limiter for SlidingLog {
         if cost > w.count || past + cost <= w.count {
             return Fit::No(None);
         }
+        // Oldest first from the window's first event, the first whose running total frees
+        // `past + cost - c` units. Totals are taken relative to `base`, where they increase.
         let start = self.after(t.checked_sub(w.micros));
-        let e = self.events[start + (past + cost - w.count - 1) as usize];
-        Fit::No(Some(e + w.micros - t))
+        let target = self
+            .mark(start)
+            .wrapping_sub(self.base)
+            .wrapping_add(past + cost - w.count);
+        let at = self
+            .events
+            .partition_point(|e| e.total.wrapping_sub(self.base) < target);
+        match self.events.get(at) {
+            Some(e) => Fit::No(Some(e.time + w.micros - t)),
+            None => Fit::No(None),
+        }
     }
 
     fn record(&mut self, t: u64, _: &[Window], cost: u64) {
-        let at = self.events.partition_point(|&e| e <= t);
-        for _ in 0..cost {
-            self.events.insert(at, t);
+        if cost == 0 {
+            return;
+        }
+        let at = self.events.partition_point(|e| e.time <= t);
+        let total = self.mark(at).wrapping_add(cost);
+        self.events.insert(at, Event { time: t, total });
+        // Events after t (scheduled ones, or later than a past event time) carry it too.
+        for e in self.events.range_mut(at + 1..) {
+            e.total = e.total.wrapping_add(cost);
         }
     }
 
@@ -94,7 +156,7 @@ impl Limiter for SlidingLog {
         let (_, fullest) = self.used(t, w.micros);
         let start = self.after(t.checked_sub(w.micros));
         let reset = match self.events.get(start) {
-            Some(&e) if e <= t => e + w.micros - t,
+            Some(e) if e.time <= t => e.time + w.micros - t,
             _ => 0,
         };
         (w.count.saturating_sub(fullest), reset)

@@ -197,8 +197,8 @@ impl MemoryStore {
         }
     }
 
-    /// The number of events (admitted units) a sliding log holds for `key` under `policy`
-    /// that are younger than its longest window.
+    /// The number of events (admitted requests, one each whatever its cost) a sliding log
+    /// holds for `key` under `policy` that are younger than its longest window.
     ///
     /// Meant for tests and diagnostics; 0 for other algorithms and expired keys.
     pub fn events(&self, key: &Key, policy: &Policy) -> usize {
@@ -208,7 +208,7 @@ impl MemoryStore {
             Some(slot) if slot.is_live(now) => match &mut slot.value {
                 State::Log(log) => {
                     trim(log, now, policy);
-                    log.len()
+                    log.events()
                 }
                 _ => 0,
             },

@@ -1,12 +1,16 @@
 -- Sliding-window log; src/algorithm/sliding_log.rs is the same procedure and explains the math.
 --
--- Like gcra.lua, appended to prelude.lua without common.lua's driver: a log decision runs six
+-- Like gcra.lua, appended to prelude.lua without common.lua's driver: a log decision runs five
 -- sorted-set commands, and the driver (closures called per limit, tables per request) cost
 -- more than those commands. It combines limits exactly as the driver's `decide` does.
 --
--- KEYS[k]   sorted set; one member per admitted unit of cost, score = event time in us,
---           member = "<time>:<n>" (n counts the units sharing that microsecond, so members
---           never collide)
+-- KEYS[k]   sorted set; one member per admitted request, score = event time in us, member =
+--           "<time>:<total>:<weight>": weight is the request's cost (>= 1), total the running
+--           total of the weights of the set's events up to and including this one, in time
+--           order (events of one microsecond in the order they were added), written as 16
+--           zero-padded digits so that the members of one microsecond sort in that order and
+--           never collide. The units in a score range are the total of its last member minus
+--           the total before its first (total - weight): two members, however many units.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (1 or 0), event time (-1: now; any other time, past or future, is
 --           taken), then count and window (us) of limits 1..n, shortest first
@@ -17,73 +21,163 @@
 --
 -- The log is never leased (the store refuses it): record 2 is not sent here.
 --
+-- A set whose newest member is "<time>:<n>" (one member per unit, as earlier versions kept the
+-- log) is deleted and counts as none, once. While versions run side by side in a rolling
+-- upgrade and write one key together, an older member read elsewhere reads as total and
+-- weight 0: that key's counts can be off until it ages out, within one longest window.
+--
 -- Writes: members older than the longest window before min(now, t) are trimmed; an admitted
--- request adds `cost` members and sets the key to expire a longest window after its latest
--- event.
+-- request of positive cost adds one member after those at or before its time, adds its cost
+-- to the totals of the members after it (scheduled events, or later ones than a past event
+-- time: rewritten, the only writes that grow with the set), and sets the key to expire a
+-- longest window after its latest event. Totals stay below 2^52, exact in Lua's doubles: a
+-- request that would pass that first takes the total before the oldest member off every
+-- member.
+--
+-- Retry: the events of the window are read oldest first, in pages, until their weights cover
+-- the units that must leave; usually the window's first event, which is read anyway.
 
 local call = redis.call
-local find, sub, max, min = string.find, string.sub, math.max, math.min
+local find, sub, max, min, format = string.find, string.sub, math.max, math.min, string.format
 -- Per limit of the request at hand (entries past its n are left over and never read): count,
--- window, events in (t - w, t], and the most any window (a, a + w] containing t holds.
-local counts, windows, pasts, fullests = {}, {}, {}, {}
+-- window, units in (t - w, t], the most any window (a, a + w] containing t holds, and the time
+-- of the first event of (t - w, t] (false: none).
+local counts, windows, pasts, fullests, firsts = {}, {}, {}, {}, {}
+local TOTAL_LIMIT = 4503599627370496
 
--- The time of an event from its member "<time>:<n>" (nil for none). Reading it from the
+-- Time, total and weight of the member "<time>:<total>:<weight>". Reading them from the
 -- member instead of asking for scores spares Redis printing a double and Lua parsing it.
-local function event_time(member)
-  if member == nil then
-    return nil
+local function event(member)
+  local a = find(member, ':', 1, true)
+  return tonumber(sub(member, 1, a - 1)), tonumber(sub(member, a + 1, a + 16)) or 0,
+    tonumber(sub(member, a + 18)) or 0
+end
+
+local function member(time, total, weight)
+  return text(time) .. ':' .. format('%016d', total) .. ':' .. text(weight)
+end
+
+-- Moves the totals of `members` by delta: all are removed before any is added back, since a
+-- moved member may spell one not moved yet.
+local function shift(key, members, delta)
+  for j = 1, #members, 1000 do
+    call('ZREM', key, unpack(members, j, min(j + 999, #members)))
   end
-  return tonumber(sub(member, 1, find(member, ':', 1, true) - 1))
+  local batch = {}
+  for j = 1, #members do
+    local e, total, weight = event(members[j])
+    batch[#batch + 1] = text(e)
+    batch[#batch + 1] = member(e, total + delta, weight)
+    if #batch >= 2000 or j == #members then
+      call('ZADD', key, unpack(batch))
+      batch = {}
+    end
+  end
 end
 
 for k = 1, #KEYS do
   local key = KEYS[k]
   local n, cost, record, t = next_request(counts, windows)
   local longest = windows[n]
+  local at = text(t)
 
   local cutoff = min(now, t) - longest
   if cutoff >= 0 then
     call('ZREMRANGEBYSCORE', key, '-inf', text(cutoff))
   end
-  local newest = event_time(call('ZRANGE', key, '-1', '-1')[1])
+  local newest_t, newest_total
+  local newest = call('ZRANGE', key, '-1', '-1')[1]
+  if newest then
+    -- A set of one member per unit ("<time>:<n>", as earlier versions kept it) counts as none.
+    if #newest < find(newest, ':', 1, true) + 18 then
+      call('DEL', key)
+    else
+      newest_t, newest_total = event(newest)
+    end
+  end
   -- The set holds exactly the events of the longest window (t - w, t] when nothing is
-  -- scheduled after t and the trim cut at t - w (t not after now); then counts and the
-  -- oldest event come from ranks, the cheapest queries.
-  local whole = t <= now and (newest == nil or newest <= t)
+  -- scheduled after t and the trim cut at t - w (t not after now); then its first event is
+  -- found by rank, the cheapest query.
+  local whole = t <= now and (newest_t == nil or newest_t <= t)
+  -- The total through the last event at or before t (nil: not read yet, false: no such event).
+  local upto
+  if newest_t ~= nil and newest_t <= t then
+    upto = newest_total
+  end
 
   -- Each limit's use, and the limit that refuses with the latest retry (-2, no wait helps,
   -- is the latest of all).
   local denied, denied_retry = nil, nil
   for i = 1, n do
     local c, w = counts[i], windows[i]
-    local past
-    if newest == nil then
-      past = 0
-    elseif whole and w == longest then
-      past = call('ZCARD', key)
-    else
-      past = call('ZCOUNT', key, text(t - w + 1), text(t))
+    local past, first_t, first_total, first_before = 0, false, nil, nil
+    if newest_t ~= nil then
+      local first
+      if whole and w == longest then
+        first = call('ZRANGE', key, '0', '0')[1]
+      else
+        first = call('ZRANGEBYSCORE', key, text(t - w + 1), at, 'LIMIT', '0', '1')[1]
+      end
+      if first then
+        local weight
+        first_t, first_total, weight = event(first)
+        first_before = first_total - weight
+        if upto == nil then
+          local last = call('ZREVRANGEBYSCORE', key, at, '-inf', 'LIMIT', '0', '1')[1]
+          if last then
+            local _
+            _, upto = event(last)
+          else
+            upto = false
+          end
+        end
+        past = upto - first_before
+      end
     end
     local fullest = past
-    -- Only events after t (scheduled ones) can make a later window fuller.
-    if newest ~= nil and newest > t then
+    -- Only events after t (scheduled ones) can make a later window fuller; the fullest ending
+    -- at e ends with the last member of time e.
+    if newest_t ~= nil and newest_t > t then
       local scheduled = call('ZRANGEBYSCORE', key, text(t + 1), text(t + w - 1))
-      local last
       for j = 1, #scheduled do
-        local e = event_time(scheduled[j])
-        if e ~= last then
-          fullest = max(fullest, call('ZCOUNT', key, text(e - w + 1), text(e)))
-          last = e
+        local e, total = event(scheduled[j])
+        if scheduled[j + 1] == nil or event(scheduled[j + 1]) ~= e then
+          local head = call('ZRANGEBYSCORE', key, text(e - w + 1), text(e), 'LIMIT', '0', '1')[1]
+          local _, head_total, head_weight = event(head)
+          fullest = max(fullest, total - head_total + head_weight)
         end
       end
     end
-    pasts[i], fullests[i] = past, fullest
+    pasts[i], fullests[i], firsts[i] = past, fullest, first_t
     if fullest + cost > c then
       local retry = -2
       if cost <= c and past + cost > c then
-        local nth = call('ZRANGEBYSCORE', key, text(t - w + 1), '+inf', 'LIMIT',
-          text(past + cost - c - 1), '1')
-        retry = event_time(nth[1]) + w - t
+        -- The first event of (t - w, t], oldest first, whose total frees the excess.
+        local need = first_before + past + cost - c
+        local e = nil
+        if first_total >= need then
+          e = first_t
+        else
+          local offset, size = 1, min(need - first_total, 32)
+          while e == nil do
+            local page = call('ZRANGEBYSCORE', key, text(t - w + 1), at, 'LIMIT', text(offset),
+              text(size))
+            if #page == 0 then
+              break
+            end
+            for j = 1, #page do
+              local time, total = event(page[j])
+              if total >= need then
+                e = time
+                break
+              end
+            end
+            offset, size = offset + #page, min(size * 2, 1024)
+          end
+        end
+        if e ~= nil then
+          retry = e + w - t
+        end
       end
       if later(retry, denied_retry) then
         denied, denied_retry = i, retry
@@ -94,36 +188,48 @@ for k = 1, #KEYS do
   -- Refused: report the refusing limit. Admitted: record, then report the limit with the
   -- fewest units left (the first of equals).
   local allowed, reported, retry = 0, denied, denied_retry
-  -- Whether this request's events are the only ones in the set.
-  local fresh = false
   if denied == nil then
     allowed, retry = 1, -1
     if record == 1 and cost > 0 then
-      fresh = newest == nil
-      local at = text(t)
-      local seq = 0
-      if newest ~= nil and newest >= t then
-        seq = call('ZCOUNT', key, at, at)
-      end
-      if cost == 1 then
-        call('ZADD', key, at, at .. ':' .. text(seq))
-      else
-        local batch = {}
-        for u = 1, cost do
-          batch[#batch + 1] = at
-          batch[#batch + 1] = at .. ':' .. text(seq + u - 1)
-          if #batch >= 1000 or u == cost then
-            call('ZADD', key, unpack(batch))
-            batch = {}
+      -- The total before the new event: through the last event at or before t, else before
+      -- the oldest (all after t), else 0 (an empty set).
+      local before = 0
+      if newest_t ~= nil then
+        if upto == nil then
+          local last = call('ZREVRANGEBYSCORE', key, at, '-inf', 'LIMIT', '0', '1')[1]
+          if last then
+            local _
+            _, upto = event(last)
+          else
+            upto = false
           end
         end
+        if upto then
+          before = upto
+        else
+          local _, total, weight = event(call('ZRANGE', key, '0', '0')[1])
+          before = total - weight
+        end
+        if newest_total + cost > TOTAL_LIMIT then
+          local _, total, weight = event(call('ZRANGE', key, '0', '0')[1])
+          local base = total - weight
+          shift(key, call('ZRANGE', key, '0', '-1'), -base)
+          before = before - base
+        end
+        if newest_t > t then
+          shift(key, call('ZRANGEBYSCORE', key, '(' .. at, '+inf'), cost)
+        end
       end
-      -- Every window containing t now holds `cost` more.
+      call('ZADD', key, at, member(t, before + cost, cost))
+      -- Every window containing t now holds `cost` more, and starts at t if it was empty.
       for i = 1, n do
         pasts[i], fullests[i] = pasts[i] + cost, fullests[i] + cost
+        if not firsts[i] then
+          firsts[i] = t
+        end
       end
-      newest = max(newest or t, t)
-      call('PEXPIREAT', key, text(math.ceil((max(newest, now) + longest) / 1000)))
+      newest_t = max(newest_t or t, t)
+      call('PEXPIREAT', key, text(math.ceil((max(newest_t, now) + longest) / 1000)))
     end
     local least
     for i = 1, n do
@@ -136,19 +242,9 @@ for k = 1, #KEYS do
 
   -- The reported limit: units left, and when its oldest event in (t - w, t] leaves it.
   local c, w = counts[reported], windows[reported]
-  local oldest
-  if fresh then
-    oldest = t
-  elseif newest == nil then
-    oldest = nil
-  elseif t <= now and newest <= t and w == longest then
-    oldest = event_time(call('ZRANGE', key, '0', '0')[1])
-  else
-    oldest = event_time(call('ZRANGEBYSCORE', key, text(t - w + 1), text(t), 'LIMIT', '0', '1')[1])
-  end
   local reset = 0
-  if oldest then
-    reset = oldest + w - t
+  if firsts[reported] then
+    reset = firsts[reported] + w - t
   end
   reply[k] = spack('<lllll', allowed, reported - 1, max(c - fullests[reported], 0), reset, retry)
 end
