@@ -354,6 +354,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     /// [`UniqueClients::count`](crate::unique::UniqueClients::count). Recording is queued and
     /// pipelined; it never delays a response. Feature `redis`.
     #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     pub fn unique_clients(mut self, recorder: crate::unique::UniqueClients) -> Self {
         self.settings.options.unique = Some(recorder);
         self

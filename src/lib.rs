@@ -1,9 +1,14 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs, missing_debug_implementations)]
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+// `u64::is_multiple_of` is stable since Rust 1.87, within our rust-version since it became 1.88;
+// the `%` tests that predate it stay until that code is next changed.
+#![allow(clippy::manual_is_multiple_of)]
 
 mod algorithm;
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod blocklist;
 pub mod body;
 mod decision;
@@ -20,6 +25,7 @@ mod service;
 mod shards;
 pub mod store;
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod unique;
 
 pub use algorithm::Algorithm;
@@ -32,5 +38,12 @@ pub use response::{FailureMode, MissingKey};
 pub use rule::{RequestHead, Rule};
 pub use service::RateLimit;
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::RedisStore;
 pub use store::{MemoryStore, Store, StoreError};
+
+/// The code blocks of the operations guide, compiled as doctests so that they keep up with the
+/// API.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/operations.md")]
+mod operations_guide {}

@@ -15,6 +15,7 @@ pub(crate) mod redis;
 
 pub use memory::{Clock, ManualClock, MemoryStore, MemoryStoreBuilder, TokioClock};
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::{Leases, RedisStore, RedisStoreBuilder};
 
 /// Decides whether a request fits a policy, and records it if it does, in one atomic step.
@@ -89,6 +90,7 @@ pub trait Store: Clone + Send + Sync + 'static {
 pub enum StoreError {
     /// Redis answered with an error, timed out, or could not be reached.
     #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     #[error("redis: {0}")]
     Redis(#[from] fred::error::Error),
     /// The decision took longer than the store's time budget.

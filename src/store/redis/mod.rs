@@ -402,6 +402,7 @@ impl RedisStoreBuilder {
     /// private CA (`TlsConnector::from(config)`). A `rediss://` URL alone uses TLS with the
     /// system's root certificates. Feature `tls`.
     #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub fn tls(mut self, connector: fred::types::config::TlsConnector) -> Self {
         self.tls = Some(connector);
         self
