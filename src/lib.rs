@@ -2,9 +2,6 @@
 #![warn(missing_docs, missing_debug_implementations)]
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
-// `u64::is_multiple_of` is stable since Rust 1.87, within our rust-version since it became 1.88;
-// the `%` tests that predate it stay until that code is next changed.
-#![allow(clippy::manual_is_multiple_of)]
 
 mod algorithm;
 #[cfg(feature = "redis")]

@@ -96,7 +96,7 @@ impl Limit {
             (1_000, "s"),
         ];
         for (size, unit) in UNITS {
-            if ms % size == 0 {
+            if ms.is_multiple_of(size) {
                 return format!("{}{unit}", ms / size);
             }
         }

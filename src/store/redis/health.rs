@@ -109,6 +109,9 @@ mod tests {
         assert!(!is_outage(&Error::new(ErrorKind::Unknown, "WRONGTYPE")));
         let moving = Error::new(ErrorKind::Routing, "Too many redirections.");
         assert!(!is_outage(&moving), "a slot move is not an outage");
-        assert!(is_outage(&Error::new(ErrorKind::Routing, "Max attempts reached.")));
+        assert!(is_outage(&Error::new(
+            ErrorKind::Routing,
+            "Max attempts reached."
+        )));
     }
 }
