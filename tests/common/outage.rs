@@ -20,6 +20,36 @@ pub const MARGIN: Duration = Duration::from_millis(400);
 /// How long after a kill the store must decide again for the failed-over keys.
 pub const RECOVERY: Duration = Duration::from_secs(15);
 
+/// How long after the first success of a failover late failures are allowed: a call that
+/// started on a connection still coming back may time out (the budget) and trip the breaker
+/// (its interval) after another call has succeeded.
+pub const SETTLE: Duration = Duration::from_secs(1);
+
+/// Asserts that decisions hold once back: none sent from [`SETTLE`] after `first_ok` on
+/// failed, and at least `at_least` were sent then. Prints how many failed in between.
+pub fn assert_holds_after(samples: &[Sample], first_ok: Duration, at_least: usize) {
+    let settled = first_ok + SETTLE;
+    let between = samples
+        .iter()
+        .filter(|s| s.at >= first_ok && s.at < settled);
+    eprintln!(
+        "first {SETTLE:?} after the first success: {}",
+        Counts::of(between)
+    );
+    let after: Vec<Sample> = samples.iter().filter(|s| s.at >= settled).cloned().collect();
+    assert!(
+        after.len() >= at_least,
+        "only {} decisions after the recovery settled",
+        after.len()
+    );
+    assert_eq!(
+        Counts::of(&after).failed,
+        0,
+        "decisions failed after the recovery: {:?}",
+        errors(&after)
+    );
+}
+
 /// A store with the default budget and a short breaker interval.
 pub async fn store(url: String) -> RedisStore {
     RedisStore::builder(url)

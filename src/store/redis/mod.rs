@@ -90,10 +90,10 @@ struct Inner {
     placement: Placement,
     batcher: Batcher,
     timeout: Duration,
-    /// One breaker per batching lane, so that in a cluster a failed primary cuts off only
-    /// the requests of its own hash tags; in a cluster one more, last, for the calls that are
-    /// not decisions (the blocklist). A single Redis has one, shared by all.
-    breakers: Vec<Breaker>,
+    /// One breaker for every call. Not one per hash tag: fred reconnects a cluster client as
+    /// a whole, so one dead primary holds up every tag's calls anyway, and a success on any
+    /// tag is what shows that fred has reconnected (see `Breaker`).
+    breaker: Breaker,
     /// Set when the store leases ([`RedisStoreBuilder::leases`]).
     leases: Option<lease::State>,
 }
@@ -116,28 +116,17 @@ impl Inner {
     ) -> Result<Answer, StoreError> {
         let args = batch::encode(cost, record, at, policy.windows());
         // The budget covers the whole decision: the queue, the call and a script reload.
-        let breaker = self.breaker(Some(place.lane));
         let decision = self.batcher.decide(place, policy.algorithm(), args);
-        self.guarded(breaker, decision).await
+        self.guarded(decision).await
     }
 
-    /// The breaker of a lane, or with `None` the one of the calls that are not decisions.
-    fn breaker(&self, lane: Option<usize>) -> &Breaker {
-        let lanes = self.placement.lanes();
-        let shared = &self.breakers[self.breakers.len() - 1];
-        match lane {
-            Some(lane) => self.breakers.get(lane % lanes).unwrap_or(shared),
-            None => shared,
-        }
-    }
-
-    /// Runs `call` within the time budget, behind `breaker`: fails at once while it is open;
-    /// a failure that shows Redis unreachable or too slow trips it, a success closes it.
+    /// Runs `call` within the time budget, behind the breaker: fails at once while it is
+    /// open; a failure that shows Redis unreachable or too slow trips it, a success closes it.
     async fn guarded<T>(
         &self,
-        breaker: &Breaker,
         call: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, StoreError> {
+        let breaker = &self.breaker;
         if breaker.is_open() {
             return Err(StoreError::Unavailable);
         }
@@ -272,7 +261,7 @@ impl RedisStore {
         &self,
         call: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, StoreError> {
-        self.inner.guarded(self.inner.breaker(None), call).await
+        self.inner.guarded(call).await
     }
 
     /// The prefix of every key this store writes.
@@ -288,11 +277,9 @@ impl RedisStore {
     /// Whether Redis answered the last decision. `false` after a decision found Redis
     /// unreachable or slower than the timeout, until a later one reaches it again; in between,
     /// decisions fail at once (see [`RedisStoreBuilder::retry_interval`]) and the layer
-    /// follows its [`FailureMode`](crate::FailureMode). On a Redis Cluster each hash tag
-    /// (see [`RedisStoreBuilder::cluster_tags`]) is tracked apart, and this is `false` while
-    /// any of them is cut off.
+    /// follows its [`FailureMode`](crate::FailureMode).
     pub fn is_healthy(&self) -> bool {
-        !self.inner.breakers.iter().any(Breaker::is_down)
+        !self.inner.breaker.is_down()
     }
 }
 
@@ -529,21 +516,13 @@ impl RedisStoreBuilder {
                 timeout: self.timeout,
             },
         );
-        // A cluster's lanes, and one for the other calls; a single Redis's one.
-        let breakers = match placement.lanes() {
-            1 => 1,
-            lanes => lanes + 1,
-        };
-        let breakers = (0..breakers)
-            .map(|_| Breaker::new(self.retry_interval))
-            .collect();
         let inner = Arc::new(Inner {
             pool,
             prefix: self.prefix,
             placement,
             batcher,
             timeout: self.timeout,
-            breakers,
+            breaker: Breaker::new(self.retry_interval),
             leases: self.leases.map(lease::State::new),
         });
         if let Some(leases) = &self.leases {

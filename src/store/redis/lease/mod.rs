@@ -367,7 +367,6 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
     };
     let now = state.now();
     let mut keys = Vec::new();
-    let mut lanes = Vec::new();
     let mut args = Vec::new();
     let mut units = 0;
     state.book.retain(|key, held| {
@@ -375,9 +374,7 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
         let idle = plan.map_or(0, |p| p.period / 4);
         for Return { units: u, granted } in held.entry.returns(now, idle, all) {
             let policy = &held.policy;
-            let place = store.inner.place(key, policy);
-            lanes.push(place.lane);
-            keys.push(place.key);
+            keys.push(store.inner.place(key, policy).key);
             let windows = policy.windows();
             args.push(batch::encode_release(
                 policy.algorithm(),
@@ -398,8 +395,7 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
                 .flat_map(|&i| args[i].iter().copied())
                 .collect();
             let call = store.inner.batcher.release(keys, args);
-            let breaker = store.inner.breaker(Some(lanes[chunk[0]]));
-            if let Err(error) = store.inner.guarded(breaker, call).await {
+            if let Err(error) = store.inner.guarded(call).await {
                 result = Err(error);
             }
         }
