@@ -27,7 +27,8 @@ use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::KeyExtractor;
 use tower_governor::{GovernorError, GovernorLayer};
 use tower_redis_ratelimit::{
-    Algorithm, Decision, Header, Key, MemoryStore, Policy, RateLimitLayer, Store, StoreError,
+    Algorithm, Decision, Header, Key, MemoryStore, Policy, RateLimitLayer, Settlement, Store,
+    StoreError,
 };
 
 const KEYS: usize = 1000;
@@ -77,6 +78,10 @@ impl Store for Remote {
 
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
         self.0.reset(key, policy)
+    }
+
+    fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture {
+        self.0.settle(key, policy, settlement)
     }
 }
 

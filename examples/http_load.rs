@@ -99,8 +99,8 @@ use tower_governor::{GovernorError, GovernorLayer};
 use tower_rate_limit_fred::KeyResolver;
 use tower_redis_ratelimit::store::Leases;
 use tower_redis_ratelimit::{
-    Algorithm, Decision, Header, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Store,
-    StoreError,
+    Algorithm, Decision, Header, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Settlement,
+    Store, StoreError,
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -462,6 +462,10 @@ impl Store for InstantStore {
     }
 
     fn reset(&self, _key: &Key, _policy: &Policy) -> Self::ResetFuture {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn settle(&self, _key: &Key, _policy: &Policy, _settlement: Settlement) -> Self::ResetFuture {
         Box::pin(async { Ok(()) })
     }
 }

@@ -15,6 +15,12 @@ pub struct Decision {
     pub(crate) remaining: u64,
     pub(crate) reset_after: Duration,
     pub(crate) retry_after: Option<Duration>,
+    /// When the request was recorded, in µs since the epoch on the store's clock (the memory
+    /// store's [`Clock`](crate::store::Clock), Redis `TIME`); `None` when nothing was recorded
+    /// or the time is not known.
+    pub(crate) admitted_at: Option<i64>,
+    /// The units the request recorded (its cost; 0 for a peek or a refusal).
+    pub(crate) recorded: u64,
 }
 
 impl Decision {
@@ -69,6 +75,89 @@ impl Decision {
             remaining: outcome.remaining,
             reset_after: Duration::from_micros(outcome.reset_after),
             retry_after: outcome.retry_after.map(Duration::from_micros),
+            admitted_at: None,
+            recorded: 0,
         }
+    }
+
+    /// This decision, recording `units` at `at` (µs on the store's clock) when it admits.
+    pub(crate) fn recorded_at(self, at: Option<i64>, units: u64) -> Decision {
+        match self.allowed {
+            true => Decision {
+                admitted_at: at,
+                recorded: units,
+                ..self
+            },
+            false => self,
+        }
+    }
+}
+
+/// What a request that was admitted actually used, told to the store after the fact:
+/// units to add to what its decision recorded (a charge) or to take back (a refund).
+///
+/// Made from the request's admitted [`Decision`], which carries the units it recorded and when
+/// the store recorded them, and given to [`Store::settle`](crate::Store::settle). A refund
+/// takes back at most the units the decision recorded (its cost), and only from the state
+/// those units were counted in; see [`Store::settle`](crate::Store::settle) for each
+/// algorithm.
+///
+/// ```
+/// use tower_redis_ratelimit::{Key, MemoryStore, Policy, Settlement, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tower_redis_ratelimit::StoreError> {
+/// let store = MemoryStore::new();
+/// let (key, policy) = (Key::from("client"), "1000/1m".parse::<Policy>().unwrap());
+/// // Reserve 10 tokens, then settle on the 250 the request used.
+/// let decision = store.check(&key, &policy, 10).await?;
+/// if let Some(settlement) = Settlement::charge(&decision, 240) {
+///     store.settle(&key, &policy, settlement).await?;
+/// }
+/// assert_eq!(store.peek(&key, &policy, 1).await?.remaining(), 750);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settlement {
+    pub(crate) change: Change,
+    pub(crate) units: u64,
+    pub(crate) admitted_at: Option<i64>,
+}
+
+/// Whether a [`Settlement`] adds units or takes them back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Change {
+    Charge,
+    Refund,
+}
+
+impl Settlement {
+    /// Adds `units` for the request that got `decision`; `None` when it was refused.
+    pub fn charge(decision: &Decision, units: u64) -> Option<Settlement> {
+        decision.allowed.then_some(Settlement {
+            change: Change::Charge,
+            units,
+            admitted_at: decision.admitted_at,
+        })
+    }
+
+    /// Takes back `units` of those the request that got `decision` recorded, at most all of
+    /// them (its cost); `None` when it was refused.
+    pub fn refund(decision: &Decision, units: u64) -> Option<Settlement> {
+        decision.allowed.then_some(Settlement {
+            change: Change::Refund,
+            units: units.min(decision.recorded),
+            admitted_at: decision.admitted_at,
+        })
+    }
+
+    /// Whether this settlement takes units back.
+    pub fn is_refund(&self) -> bool {
+        self.change == Change::Refund
+    }
+
+    /// The units added or taken back.
+    pub fn units(&self) -> u64 {
+        self.units
     }
 }

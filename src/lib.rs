@@ -26,7 +26,7 @@ pub mod store;
 pub mod unique;
 
 pub use algorithm::Algorithm;
-pub use decision::Decision;
+pub use decision::{Decision, Settlement};
 pub use future::ResponseFuture;
 pub use key::{ClientIp, Global, Header, Key, KeyError, KeyExtractor, PeerIp};
 pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder, DEFAULT_DENY_CACHE};

@@ -46,6 +46,18 @@ impl Limiter for FixedWindow {
         let remaining = w.count.saturating_sub(self.used(now, i, w));
         (remaining, window_start(now, w.micros) + w.micros - now)
     }
+
+    /// The units leave the count of the window that holds `at`, if that is still the current
+    /// window (an older one counts nothing any more); without `at`, nothing changes.
+    fn refund(&mut self, now: u64, windows: &[Window], units: u64, at: Option<u64>) {
+        let Some(at) = at else { return };
+        for (slot, w) in self.slots.iter_mut().zip(windows) {
+            let start = window_start(now, w.micros);
+            if slot.0 == start && window_start(at, w.micros) == start {
+                slot.1 = slot.1.saturating_sub(units);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -69,5 +81,55 @@ mod tests {
         assert!(decide(&mut s, 11_000_000, &w, 1, true).allowed);
         assert!(decide(&mut s, 11_000_001, &w, 1, true).allowed);
         assert_eq!(decide(&mut s, 11_000_002, &w, 3, true).retry_after, None);
+    }
+
+    #[test]
+    fn settles_in_the_admission_window_only() {
+        use crate::algorithm::{settle, Settle};
+        const M: u64 = 60_000_000;
+        let w = [Window {
+            count: 1000,
+            micros: M,
+        }];
+        let mut s = FixedWindow::default();
+        assert!(decide(&mut s, M, &w, 100, true).allowed);
+        settle(
+            &mut s,
+            M + 1,
+            &w,
+            Settle::Refund {
+                units: 90,
+                at: Some(M),
+            },
+        );
+        assert_eq!(decide(&mut s, M + 2, &w, 1, true).remaining, 1000 - 10 - 1);
+        // A charge goes past the limit; the next window starts afresh.
+        settle(&mut s, M + 3, &w, Settle::Charge(5000));
+        let d = decide(&mut s, M + 4, &w, 1, true);
+        assert_eq!((d.allowed, d.retry_after), (false, Some(M - 4)));
+        // A refund after its window has passed changes nothing.
+        assert!(decide(&mut s, 2 * M, &w, 500, true).allowed);
+        settle(
+            &mut s,
+            2 * M + 1,
+            &w,
+            Settle::Refund {
+                units: 90,
+                at: Some(M),
+            },
+        );
+        assert_eq!(decide(&mut s, 2 * M + 2, &w, 1, true).remaining, 499);
+        // Never below zero, and nothing without the admission time.
+        settle(
+            &mut s,
+            2 * M + 3,
+            &w,
+            Settle::Refund {
+                units: 9999,
+                at: Some(2 * M),
+            },
+        );
+        settle(&mut s, 2 * M + 3, &w, Settle::Refund { units: 1, at: None });
+        assert_eq!(decide(&mut s, 2 * M + 4, &w, 1, false).remaining, 1000);
     }
 }

@@ -67,6 +67,32 @@ impl Limiter for Gcra {
         let remaining = capacity.saturating_sub(backlog) / u128::from(w.micros);
         (remaining as u64, div_ceil(backlog, u128::from(w.count)))
     }
+
+    /// `TAT = max(TAT - units * T, now)`: the backlog shrinks by the units, not below empty.
+    /// Units that have drained already are not taken twice, so no admission time is needed.
+    fn refund(&mut self, now: u64, windows: &[Window], units: u64, _: Option<u64>) {
+        if self.slots.len() != windows.len() {
+            return;
+        }
+        for (i, w) in windows.iter().enumerate() {
+            let left = self.backlog(now, i, w);
+            let new = left.saturating_sub(u128::from(units) * u128::from(w.micros));
+            self.slots[i] = (now, new);
+        }
+    }
+}
+
+impl Gcra {
+    /// Microseconds from `now` until every bucket is empty: how long the state matters, which
+    /// a charge can make longer than the longest window.
+    pub(crate) fn drained_in(&self, now: u64, windows: &[Window]) -> u64 {
+        windows
+            .iter()
+            .enumerate()
+            .map(|(i, w)| div_ceil(self.backlog(now, i, w), u128::from(w.count)))
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 #[cfg(test)]
@@ -94,6 +120,51 @@ mod tests {
         assert!(!decide(&mut s, 333_333, &w, 1, true).allowed);
         assert!(decide(&mut s, 333_334, &w, 1, true).allowed);
         assert_eq!(decide(&mut s, 333_334, &w, 4, true).retry_after, None);
+    }
+
+    #[test]
+    fn settles_by_moving_the_theoretical_arrival_time() {
+        use crate::algorithm::{settle, Settle};
+        // 1000 per minute: T = 60 ms.
+        let w = [Window {
+            count: 1000,
+            micros: 60_000_000,
+        }];
+        let mut s = Gcra::default();
+        assert!(decide(&mut s, 0, &w, 1, true).allowed);
+        settle(&mut s, 0, &w, Settle::Charge(499));
+        assert_eq!(decide(&mut s, 0, &w, 1, true).remaining, 1000 - 500 - 1);
+        settle(&mut s, 0, &w, Settle::Charge(499));
+        // Full: the next unit fits once one has drained.
+        let d = decide(&mut s, 0, &w, 1, true);
+        assert_eq!((d.allowed, d.retry_after), (false, Some(60_000)));
+        // A charge past the bucket's capacity: TAT = max(TAT, now) + n * T, drained in time.
+        settle(&mut s, 0, &w, Settle::Charge(1000));
+        assert_eq!(s.drained_in(0, &w), 120_000_000);
+        let d = decide(&mut s, 0, &w, 1, true);
+        assert_eq!(d.retry_after, Some(60_000_000 + 60_000));
+        // A refund: TAT = max(TAT - n * T, now).
+        settle(
+            &mut s,
+            0,
+            &w,
+            Settle::Refund {
+                units: 1500,
+                at: None,
+            },
+        );
+        assert_eq!(decide(&mut s, 0, &w, 1, false).remaining, 500);
+        settle(
+            &mut s,
+            60_000,
+            &w,
+            Settle::Refund {
+                units: 10_000,
+                at: None,
+            },
+        );
+        assert_eq!(s.drained_in(60_000, &w), 0);
+        assert_eq!(decide(&mut s, 60_000, &w, 1, false).remaining, 1000);
     }
 
     /// A leaky bucket of capacity `c` draining one unit per `w / c` admits a request at `t`

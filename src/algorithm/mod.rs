@@ -115,6 +115,29 @@ pub(crate) trait Limiter {
     fn record(&mut self, now: u64, windows: &[Window], cost: u64);
     /// Units left in limit `i` and microseconds until it resets.
     fn report(&self, now: u64, i: usize, w: &Window) -> (u64, u64);
+    /// Takes back at `now` up to `units` of those a request recorded at `at` (`None`: not
+    /// known), from every limit, never below what the state would be without them.
+    fn refund(&mut self, now: u64, windows: &[Window], units: u64, at: Option<u64>);
+}
+
+/// A [`Settlement`](crate::Settlement) in the algorithms' units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settle {
+    /// Records `n` more units now, whatever the limits say.
+    Charge(u64),
+    /// Takes back `units` of a request recorded at `at` (µs; `None`: not known).
+    Refund { units: u64, at: Option<u64> },
+}
+
+/// Records a settlement at `now` against every limit, deciding nothing: a charge is recorded
+/// as an admitted request of that cost would be, even past the limits; a refund is the
+/// algorithm's own [`Limiter::refund`]. The scripts' record mode 3 is the same.
+pub(crate) fn settle<L: Limiter>(state: &mut L, now: u64, windows: &[Window], settle: Settle) {
+    match settle {
+        Settle::Charge(0) | Settle::Refund { units: 0, .. } => {}
+        Settle::Charge(units) => state.record(now, windows, units),
+        Settle::Refund { units, at } => state.refund(now, windows, units, at),
+    }
 }
 
 /// Decides a request against every limit, recording it (if `record`) only when all admit.

@@ -161,6 +161,28 @@ impl Limiter for SlidingLog {
         };
         (w.count.saturating_sub(fullest), reset)
     }
+
+    /// The request's own event, the last one at `at` (events of one microsecond weigh the
+    /// same in every window), weighs up to `units` less, and goes when it weighs nothing; the
+    /// events after it carry that much less in their totals. Nothing when it has aged out
+    /// (been trimmed) or `at` is not known.
+    fn refund(&mut self, _: u64, _: &[Window], units: u64, at: Option<u64>) {
+        let Some(at) = at else { return };
+        let Some(i) = self.events.partition_point(|e| e.time <= at).checked_sub(1) else {
+            return;
+        };
+        if self.events[i].time != at {
+            return;
+        }
+        let weight = self.events[i].total.wrapping_sub(self.mark(i));
+        let take = units.min(weight);
+        for e in self.events.range_mut(i..) {
+            e.total = e.total.wrapping_sub(take);
+        }
+        if take == weight {
+            self.events.remove(i);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -255,6 +277,63 @@ mod tests {
         assert!(check(&mut log, ten + 60 * S, &w, 1).allowed);
         assert!(check(&mut log, ten - 60 * S, &w, 1).allowed);
         assert_eq!(log.len(), 3);
+    }
+
+    #[test]
+    fn settles_the_requests_own_event() {
+        use crate::algorithm::{settle, Settle};
+        let w = windows(&[(1000, 60)]);
+        let mut log = SlidingLog::default();
+        assert!(check(&mut log, 0, &w, 1).allowed);
+        settle(&mut log, 0, &w, Settle::Charge(499));
+        assert_eq!(check(&mut log, S, &w, 1).remaining, 1000 - 500 - 1);
+        settle(&mut log, S, &w, Settle::Charge(499));
+        // Full: the oldest unit (the first check's) leaves at 60 s.
+        let d = check(&mut log, 2 * S, &w, 1);
+        assert_eq!((d.allowed, d.retry_after), (false, Some(58 * S)));
+        assert_eq!(log.events(), 4);
+
+        let mut log = SlidingLog::default();
+        assert!(check(&mut log, 0, &w, 100).allowed);
+        assert!(check(&mut log, S, &w, 100).allowed);
+        // The first request's event weighs 10; the later one's total follows.
+        settle(
+            &mut log,
+            2 * S,
+            &w,
+            Settle::Refund {
+                units: 90,
+                at: Some(0),
+            },
+        );
+        assert_eq!((log.len(), log.events()), (110, 2));
+        assert_eq!(check(&mut log, 2 * S, &w, 1).remaining, 1000 - 110 - 1);
+        // At most its own units: the event goes, the others stay.
+        settle(
+            &mut log,
+            2 * S,
+            &w,
+            Settle::Refund {
+                units: 500,
+                at: Some(0),
+            },
+        );
+        assert_eq!((log.len(), log.events()), (101, 2));
+        // No event at that time (aged out, or never), or no time: nothing.
+        settle(
+            &mut log,
+            2 * S,
+            &w,
+            Settle::Refund {
+                units: 5,
+                at: Some(7),
+            },
+        );
+        settle(&mut log, 2 * S, &w, Settle::Refund { units: 5, at: None });
+        assert_eq!(log.len(), 101);
+        // The retry follows the new weights: 100 of the 101 units leave at 61 s.
+        let d = check(&mut log, 3 * S, &w, 999);
+        assert_eq!(d.retry_after, Some(58 * S));
     }
 
     /// The definition, computed the slow way: every admitted event is kept with its cost.

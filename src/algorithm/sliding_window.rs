@@ -86,6 +86,21 @@ impl Limiter for SlidingWindow {
         };
         (remaining as u64, reset)
     }
+
+    /// The units leave the count of the window that holds `at` while it is stored: as the
+    /// current window, or as the previous one after a rollover; an older window counts
+    /// nothing any more. Without `at`, nothing changes.
+    fn refund(&mut self, _: u64, windows: &[Window], units: u64, at: Option<u64>) {
+        let Some(at) = at else { return };
+        for (slot, w) in self.slots.iter_mut().zip(windows) {
+            let start = window_start(at, w.micros);
+            if slot.0 == start {
+                slot.1 = slot.1.saturating_sub(units);
+            } else if slot.0 == start + w.micros {
+                slot.2 = slot.2.saturating_sub(units);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -131,6 +146,57 @@ mod tests {
         assert_eq!(d.retry_after, Some(8 * S + 2_500_000));
         assert!(!decide(&mut s, 12_499_999, &w, 1, true).allowed);
         assert!(decide(&mut s, 12_500_000, &w, 1, true).allowed);
+    }
+
+    #[test]
+    fn settles_in_the_current_or_previous_window() {
+        use crate::algorithm::{settle, Settle};
+        let w = [Window {
+            count: 1000,
+            micros: 60 * S,
+        }];
+        let mut s = SlidingWindow::default();
+        assert!(decide(&mut s, 0, &w, 1, true).allowed);
+        settle(&mut s, 0, &w, Settle::Charge(499));
+        settle(&mut s, 0, &w, Settle::Charge(500));
+        let d = decide(&mut s, 0, &w, 1, true);
+        // Next window at 60 s, where the previous 1000 must weigh <= 999: 60 ms into it.
+        assert_eq!((d.allowed, d.retry_after), (false, Some(60 * S + 60_000)));
+        // Refunded from the previous window after the rollover.
+        settle(
+            &mut s,
+            61 * S,
+            &w,
+            Settle::Refund {
+                units: 400,
+                at: Some(0),
+            },
+        );
+        assert!(decide(&mut s, 61 * S, &w, 100, true).allowed);
+        // Into the current one, never below zero.
+        settle(
+            &mut s,
+            62 * S,
+            &w,
+            Settle::Refund {
+                units: 500,
+                at: Some(61 * S),
+            },
+        );
+        let (_, curr, prev) = s.counts(62 * S, 0, &w[0]);
+        assert_eq!((curr, prev), (0, 600));
+        // Two windows later, the admission window is gone: nothing changes.
+        assert!(decide(&mut s, 185 * S, &w, 7, true).allowed);
+        settle(
+            &mut s,
+            185 * S,
+            &w,
+            Settle::Refund {
+                units: 5,
+                at: Some(62 * S),
+            },
+        );
+        assert_eq!(s.counts(185 * S, 0, &w[0]).1, 7);
     }
 
     proptest::proptest! {

@@ -7,11 +7,12 @@ use std::time::{Duration, SystemTime};
 
 use super::{Store, StoreError};
 use crate::algorithm::{
-    decide, fixed_window::FixedWindow, gcra::Gcra, sliding_log::SlidingLog,
-    sliding_window::SlidingWindow, Algorithm, Outcome,
+    decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
+    sliding_window::SlidingWindow, Algorithm, Outcome, Settle,
 };
+use crate::decision::Change;
 use crate::shards::Shards;
-use crate::{Decision, Key, Policy};
+use crate::{Decision, Key, Policy, Settlement};
 
 /// The time for [`MemoryStore`]: elapsed since the UNIX epoch.
 ///
@@ -159,6 +160,31 @@ impl State {
             State::Gcra(s) => decide(s, t, windows, cost, record),
         }
     }
+
+    /// Records a settlement at `now`; returns how long the state matters from now on, when
+    /// that can be longer than the policy's retention (a GCRA bucket charged past its size).
+    fn settle(&mut self, now: u64, policy: &Policy, change: Settle) -> u64 {
+        let windows = policy.windows();
+        match self {
+            State::Log(log) => {
+                trim(log, now, policy);
+                settle(log, now, windows, change);
+                0
+            }
+            State::Sliding(s) => {
+                settle(s, now, windows, change);
+                0
+            }
+            State::Fixed(s) => {
+                settle(s, now, windows, change);
+                0
+            }
+            State::Gcra(s) => {
+                settle(s, now, windows, change);
+                s.drained_in(now, windows)
+            }
+        }
+    }
 }
 
 /// Drops the events no window around `t` or later can hold.
@@ -265,7 +291,46 @@ impl MemoryStore {
             }
         };
         drop(shard);
-        ready(Ok(Decision::from_outcome(outcome, policy)))
+        let decision = Decision::from_outcome(outcome, policy);
+        let at = i64::try_from(t).ok();
+        ready(Ok(match record {
+            true => decision.recorded_at(at, cost),
+            false => decision,
+        }))
+    }
+
+    /// Records `settlement` for `key` under `policy`, now.
+    fn settle_now(&self, key: &Key, policy: &Policy, settlement: Settlement) {
+        let now = self.now();
+        let algorithm = policy.algorithm();
+        let change = match settlement.change {
+            Change::Charge => Settle::Charge(settlement.units),
+            Change::Refund => Settle::Refund {
+                units: settlement.units,
+                at: settlement.admitted_at.and_then(|at| u64::try_from(at).ok()),
+            },
+        };
+        let mut shard = self.shared.entries.lock(key, policy);
+        match shard.get(key, policy, now) {
+            Some(slot) => {
+                if !slot.is_live(now) || slot.value.algorithm() != algorithm {
+                    slot.value = State::new(algorithm);
+                }
+                let drained = slot.value.settle(now, policy, change);
+                if let Settle::Charge(_) = change {
+                    slot.expires = slot.expires.max(expiry(policy, now, now));
+                }
+                slot.expires = slot.expires.max(now.saturating_add(drained));
+            }
+            // Nothing recorded is left to refund.
+            None if matches!(change, Settle::Refund { .. }) => {}
+            None => {
+                let mut state = State::new(algorithm);
+                let drained = state.settle(now, policy, change);
+                let expires = expiry(policy, now, now).max(now.saturating_add(drained));
+                shard.insert(key, policy, now, expires, state);
+            }
+        }
     }
 }
 
@@ -335,6 +400,11 @@ impl Store for MemoryStore {
 
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
         self.shared.entries.lock(key, policy).remove(key, policy);
+        ready(Ok(()))
+    }
+
+    fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture {
+        self.settle_now(key, policy, settlement);
         ready(Ok(()))
     }
 

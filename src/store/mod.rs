@@ -7,7 +7,7 @@
 use std::future::Future;
 use std::time::SystemTime;
 
-use crate::{Decision, Key, Policy};
+use crate::{Decision, Key, Policy, Settlement};
 
 pub(crate) mod memory;
 #[cfg(feature = "redis")]
@@ -26,7 +26,7 @@ pub use redis::{Leases, RedisStore, RedisStoreBuilder};
 pub trait Store: Clone + Send + Sync + 'static {
     /// The future of one decision.
     type Future: Future<Output = Result<Decision, StoreError>> + Send + 'static;
-    /// The future of a [`reset`](Store::reset).
+    /// The future of a [`reset`](Store::reset) or a [`settle`](Store::settle).
     type ResetFuture: Future<Output = Result<(), StoreError>> + Send + 'static;
 
     /// Decides a request of `cost` units (usually 1) for `key` under `policy`, now.
@@ -52,6 +52,29 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Forgets everything recorded for `key` under `policy`.
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture;
+
+    /// Records what an admitted request actually used, without deciding anything: a
+    /// [`Settlement`] made from its [`Decision`] adds units (a charge) or takes some of its
+    /// own back (a refund), against every limit of `policy`, in one atomic step (one script
+    /// call on Redis).
+    ///
+    /// A charge of `n` is recorded now even when it takes the key over its limits: settling
+    /// never refuses, and later requests are refused until enough usage has aged out (or
+    /// drained), which their `retry_after` tells. Per algorithm:
+    ///
+    /// | algorithm | charge `n` | refund `n` |
+    /// |---|---|---|
+    /// | [`Gcra`](crate::Algorithm::Gcra) | `TAT = max(TAT, now) + n·T` | `TAT = max(TAT − n·T, now)` |
+    /// | [`FixedWindow`](crate::Algorithm::FixedWindow) | `n` more in the current window | `n` less (not below 0) in the admission's window, if it is still the current one |
+    /// | [`SlidingWindow`](crate::Algorithm::SlidingWindow) | `n` more in the current window | `n` less (not below 0) in the admission's window, if it is the current or the previous one |
+    /// | [`SlidingLog`](crate::Algorithm::SlidingLog) | one event of weight `n` now | the request's own event (the last one at its admission time) weighs up to `n` less, and goes when it weighs nothing; nothing once it has aged out |
+    ///
+    /// A refund never takes back more than the request recorded
+    /// ([`Settlement::refund`] caps it at the decision's cost), so the state afterwards is at
+    /// least what it would be had the request cost less from the start. Where the admission
+    /// time is not known, a refund changes GCRA only, which needs none, and nothing else.
+    /// A settle that cannot reach the store fails as a decision would; it never panics.
+    fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture;
 
     /// The decision of [`check`](Store::check), when the store can make it without waiting;
     /// `None` (the default) when it must wait, for I/O for example. The layer then calls the

@@ -36,7 +36,11 @@ pub fn assert_holds_after(samples: &[Sample], first_ok: Duration, at_least: usiz
         "first {SETTLE:?} after the first success: {}",
         Counts::of(between)
     );
-    let after: Vec<Sample> = samples.iter().filter(|s| s.at >= settled).cloned().collect();
+    let after: Vec<Sample> = samples
+        .iter()
+        .filter(|s| s.at >= settled)
+        .cloned()
+        .collect();
     assert!(
         after.len() >= at_least,
         "only {} decisions after the recovery settled",

@@ -330,23 +330,29 @@ pub(super) enum Record {
     /// Decide, and record as many units as fit now, up to `want` (at least the cost), keeping
     /// `headroom` µs of drain free in every GCRA bucket: a lease.
     Lease { want: u64, headroom: u64 },
+    /// Decide nothing: record a settlement of `cost` units now, added (a charge) or taken
+    /// back (`refund`) from what a request recorded at `admitted` (Redis time, µs; -1: not
+    /// known).
+    Settle { refund: bool, admitted: i64 },
 }
 
 /// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
-/// of limits, cost, record (0, 1, or 2 for a lease), event time (µs, -1 for now), for a lease
-/// want and headroom, then count and window (µs) of each limit.
-pub(super) fn encode(cost: u32, record: Record, at: i64, windows: &[Window]) -> Vec<u8> {
+/// of limits, cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (µs, -1 for
+/// now), for a lease want and headroom, for a settlement refund (0 or 1) and admission time,
+/// then count and window (µs) of each limit.
+pub(super) fn encode(cost: u64, record: Record, at: i64, windows: &[Window]) -> Vec<u8> {
     let mut args = Vec::with_capacity(INT * (6 + 2 * windows.len()));
-    let (flag, lease) = match record {
+    let (flag, extra) = match record {
         Record::No => (0, None),
         Record::Yes => (1, None),
         Record::Lease { want, headroom } => (2, Some([clamp(want), clamp(headroom)])),
+        Record::Settle { refund, admitted } => (3, Some([i64::from(refund), admitted])),
     };
-    let head = [windows.len() as i64, cost.into(), flag, at];
+    let head = [windows.len() as i64, clamp(cost), flag, at];
     let tail = windows
         .iter()
         .flat_map(|w| [clamp(w.count), clamp(w.micros)]);
-    let values = head.into_iter().chain(lease.into_iter().flatten());
+    let values = head.into_iter().chain(extra.into_iter().flatten());
     for value in values.chain(tail) {
         args.extend_from_slice(&value.to_le_bytes());
     }

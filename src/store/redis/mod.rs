@@ -23,7 +23,8 @@ use placement::{Place, Placement};
 
 use super::{Store, StoreError};
 use crate::algorithm::{Algorithm, Outcome};
-use crate::{Decision, Key, Policy};
+use crate::decision::Change;
+use crate::{Decision, Key, Policy, Settlement};
 
 /// A script: the shared prelude (arguments, reply, `TIME`), then, for the algorithms that use
 /// it, the driver that combines limits, then the algorithm's own file.
@@ -110,7 +111,7 @@ impl Inner {
         &self,
         place: Place,
         policy: &Policy,
-        cost: u32,
+        cost: u64,
         at: i64,
         record: Record,
     ) -> Result<Answer, StoreError> {
@@ -226,9 +227,18 @@ impl RedisStore {
         let place = inner.place(key, policy);
         let policy = policy.clone();
         Box::pin(async move {
-            let answer = inner.decide(place, &policy, cost, at, record).await?;
+            let answer = inner
+                .decide(place, &policy, cost.into(), at, record)
+                .await?;
             let (outcome, _) = parse_reply(&answer.five, &policy)?;
-            Ok(Decision::from_outcome(outcome, &policy))
+            let decision = Decision::from_outcome(outcome, &policy);
+            Ok(match record {
+                // The script records at the event time, or at the call's `TIME`.
+                Record::Yes => {
+                    decision.recorded_at(Some(if at < 0 { answer.time } else { at }), cost.into())
+                }
+                _ => decision,
+            })
         })
     }
 
@@ -589,6 +599,27 @@ impl Store for RedisStore {
         let redis_key = self.redis_key(key, policy);
         Box::pin(async move {
             inner.pool.next().del::<(), _>(redis_key).await?;
+            Ok(())
+        })
+    }
+
+    /// One call of the policy's script in its settle mode (`record` 3), batched with
+    /// decisions, behind the breaker and within the time budget; with leases as without.
+    fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture {
+        let inner = Arc::clone(&self.inner);
+        let place = inner.place(key, policy);
+        let policy = policy.clone();
+        let record = Record::Settle {
+            refund: settlement.change == Change::Refund,
+            admitted: settlement.admitted_at.unwrap_or(-1),
+        };
+        Box::pin(async move {
+            if settlement.units == 0 {
+                return Ok(());
+            }
+            inner
+                .decide(place, &policy, settlement.units, -1, record)
+                .await?;
             Ok(())
         })
     }

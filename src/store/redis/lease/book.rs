@@ -87,24 +87,33 @@ impl Entry {
     }
 
     /// Spends `cost` units of unexpired leases, oldest first, if they hold that many; returns
-    /// the outcome to answer with.
-    pub(crate) fn take(&mut self, now: u64, cost: u64) -> Option<Outcome> {
+    /// the outcome to answer with, and the Redis time of the grant the last unit came from
+    /// (where Redis counted it).
+    pub(crate) fn take(&mut self, now: u64, cost: u64) -> Option<(Outcome, Option<i64>)> {
         let last = self.last?;
         if self.units(now) < cost {
             return None;
         }
         let mut left = cost;
+        let mut granted = None;
         for grant in self.grants.iter_mut().filter(|g| g.expires > now) {
+            if left == 0 {
+                break;
+            }
             let spent = grant.units.min(left);
             grant.units -= spent;
             left -= spent;
+            if spent > 0 || granted.is_none() {
+                granted = Some(grant.granted);
+            }
         }
-        Some(Outcome {
+        let outcome = Outcome {
             allowed: true,
             retry_after: None,
             remaining: last.remaining + self.units(now),
             ..last
-        })
+        };
+        Some((outcome, granted))
     }
 
     /// Unexpired units held at `now`.
@@ -231,7 +240,8 @@ mod tests {
         e.granted(first, outcome(10));
         e.granted(second, outcome(10));
         assert_eq!(e.units(0), 8);
-        let d = e.take(0, 4).expect("held");
+        let (d, granted) = e.take(0, 4).expect("held");
+        assert_eq!(granted, Some(8), "the last unit came from the second grant");
         assert_eq!(
             d.remaining,
             10 + 4,

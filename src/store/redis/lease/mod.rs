@@ -260,14 +260,14 @@ pub(super) fn check_now(
     let plan = state.settings.plan(policy)?;
     let now = state.now();
     let drained = state.drained.load(Ordering::Relaxed);
-    let (outcome, prefetch) = state.with(key, policy, |entry| {
-        let outcome = entry.take(now, cost.into())?;
+    let (outcome, granted, prefetch) = state.with(key, policy, |entry| {
+        let (outcome, granted) = entry.take(now, cost.into())?;
         entry.used(now, plan.period, cost.into());
         let prefetch = entry
             .should_prefetch(now, plan.period, plan.cap)
             .filter(|_| !drained);
         entry.fetching |= prefetch.is_some();
-        Some((outcome, prefetch))
+        Some((outcome, granted, prefetch))
     })?;
     if let Some(want) = prefetch {
         let (inner, key, policy) = (Arc::clone(inner), key.clone(), policy.clone());
@@ -276,7 +276,8 @@ pub(super) fn check_now(
             let _ = fetch(&inner, plan, &key, &policy, 0, record, true).await;
         });
     }
-    Some(Ok(Decision::from_outcome(outcome, policy)))
+    let decision = Decision::from_outcome(outcome, policy);
+    Some(Ok(decision.recorded_at(granted, cost.into())))
 }
 
 /// The lease state of a store that was given a plan, so has leases.
@@ -303,8 +304,8 @@ pub(super) async fn check(
     let drained = state.drained.load(Ordering::Relaxed);
     let step = state.with(&key, &policy, |entry| {
         entry.used(now, plan.period, cost.into());
-        if let Some(outcome) = entry.take(now, cost.into()) {
-            return Err(outcome);
+        if let Some(taken) = entry.take(now, cost.into()) {
+            return Err(taken);
         }
         let want = entry.want(now, plan.period, cost.into(), plan.cap);
         let lease = want > u64::from(cost) && !entry.fetching && !drained;
@@ -312,7 +313,10 @@ pub(super) async fn check(
         Ok(lease.then_some(want))
     });
     let want = match step {
-        Err(outcome) => return Ok(Decision::from_outcome(outcome, &policy)),
+        Err((outcome, granted)) => {
+            let decision = Decision::from_outcome(outcome, &policy);
+            return Ok(decision.recorded_at(granted, cost.into()));
+        }
         Ok(want) => want,
     };
     let record = plan.record(want, cost);
@@ -333,7 +337,7 @@ async fn fetch(
     let state = state(inner)?;
     let sent = state.now();
     let place = inner.place(key, policy);
-    let answer = inner.decide(place, policy, cost, -1, record).await;
+    let answer = inner.decide(place, policy, cost.into(), -1, record).await;
     let parsed = answer.and_then(|a| Ok((super::parse_reply(&a.five, policy)?, a)));
     state.with(key, policy, |entry| {
         entry.fetching &= !lease;
@@ -351,12 +355,13 @@ async fn fetch(
             }
         }
     });
-    let ((outcome, extra), _) = parsed?;
+    let ((outcome, extra), answer) = parsed?;
     let outcome = Outcome {
         remaining: outcome.remaining + extra,
         ..outcome
     };
-    Ok(Decision::from_outcome(outcome, policy))
+    let decision = Decision::from_outcome(outcome, policy);
+    Ok(decision.recorded_at(Some(answer.time), cost.into()))
 }
 
 /// Gives back, at `now`, the units of expired leases, and all of those of idle keys (or of

@@ -13,24 +13,39 @@ local function format(m)
   return f
 end
 
--- The request being decided: its key, cost, record flag (0, 1, or 2 for a lease), time, the
--- most units a lease takes, and limits (entries past n are left over from an earlier request
+-- The request being decided: its key, cost, record flag (0, 1, 2 for a lease, 3 for a
+-- settlement), time, the most units a lease takes, limits, and for a settlement whether it
+-- is a refund and the admission time (entries past n are left over from an earlier request
 -- and never read). The counters take no headroom: a leased unit is spent in the window it
 -- was counted in.
-local key, cost, record, t, want, n, longest
+local key, cost, record, t, want, n, longest, refund, admitted
 local counts, windows = {}, {}
 
 -- Reads request k's arguments into the variables above.
 local function load_request(k)
   key = KEYS[k]
-  n, cost, record, t, want = next_request(counts, windows)
+  local _
+  n, cost, record, t, want, _, refund, admitted = next_request(counts, windows)
   longest = windows[n]
 end
 
 -- fits(i): nil if the request fits limit i, else the retry in us (-2: no wait helps).
 -- apply(): records the request (`cost` units) against every limit.
 -- report(i): units left in limit i and us until it resets.
-local function decide(fits, apply, report)
+-- give_back(): a refund of `cost` units of a request recorded at `admitted`.
+local function decide(fits, apply, report, give_back)
+  if record == 3 then
+    -- A settlement decides nothing: a charge records like an admitted request, whatever the
+    -- limits say.
+    if cost > 0 then
+      if refund == 1 then
+        give_back()
+      else
+        apply()
+      end
+    end
+    return 1, 0, 0, 0, -1
+  end
   local denied, denied_retry = nil, nil
   for i = 1, n do
     local retry = fits(i)
@@ -84,10 +99,15 @@ local function load_fields(m)
   return {}
 end
 
--- Stores a flat list of integers as load_fields reads it, to expire after `ttl` microseconds.
+-- Stores a flat list of integers as load_fields reads it, to expire after `ttl` microseconds
+-- (nil: keep the key's expiry).
 local function store_fields(values, ttl)
   local value = spack(format(#values), unpack(values))
-  redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
+  if ttl == nil then
+    redis.call('SET', key, value, 'KEEPTTL')
+  else
+    redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
+  end
 end
 
 -- The state of the request at hand, for algorithms that keep one string of integers: a flat
@@ -95,12 +115,13 @@ end
 local state
 
 -- Decides every request of the call: loads its state of `fields` integers per limit, then
--- combines fits, apply and report; the reply concatenates the answers.
-local function each_stored_request(fields, fits, apply, report)
+-- combines fits, apply and report (or settles, with apply or give_back); the reply
+-- concatenates the answers.
+local function each_stored_request(fields, fits, apply, report, give_back)
   for k = 1, #KEYS do
     load_request(k)
     state = load_fields(fields)
-    reply[k] = spack('<lllll', decide(fits, apply, report))
+    reply[k] = spack('<lllll', decide(fits, apply, report, give_back))
   end
   return finish()
 end

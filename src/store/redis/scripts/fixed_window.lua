@@ -6,8 +6,10 @@
 -- ARGV      as prelude.lua (event times are -1: fixed windows take none)
 -- Reply     as prelude.lua
 --
--- Writes: an admitted request adds its cost to every limit's current window and sets the key
--- to expire after the longest window.
+-- Writes: an admitted request, or a charge, adds its cost to every limit's current window and
+-- sets the key to expire after the longest window; a refund takes up to its units (not below
+-- 0) from each limit's count whose window holds the admission time and is still the current
+-- one (none when that time is not known), keeping the key's expiry.
 
 -- `state` (from common.lua), per limit i: state[2i - 1] = start of the window counted,
 -- state[2i] = its count.
@@ -42,4 +44,21 @@ local function report(i)
   return math.max(counts[i] - used(i), 0), window_start(t, windows[i]) + windows[i] - t
 end
 
-return each_stored_request(2, fits, apply, report)
+local function give_back()
+  if admitted < 0 then
+    return
+  end
+  local changed = false
+  for i = 1, n do
+    local start = window_start(t, windows[i])
+    if state[2 * i - 1] == start and window_start(admitted, windows[i]) == start then
+      state[2 * i] = math.max(state[2 * i] - cost, 0)
+      changed = true
+    end
+  end
+  if changed then
+    store_fields(state, nil)
+  end
+end
+
+return each_stored_request(2, fits, apply, report, give_back)

@@ -9,8 +9,9 @@
 --           (so one unit of cost is exactly `window`). State of another length (the policy's
 --           limits changed) counts as none.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
---           cost, record (0, 1, or 2 for a lease), event time (-1: now; GCRA takes no other),
---           for a lease want and headroom (us), then count and window (us) of limits 1..n,
+--           cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (-1: now; GCRA
+--           takes no other), for a lease want and headroom (us), for a settlement refund and
+--           admission time (not needed here), then count and window (us) of limits 1..n,
 --           shortest first
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, five per
@@ -22,15 +23,21 @@
 -- instead of w * c), because leased units may be spent up to h after they were taken; the
 -- bucket then never holds more than w * c of units as they were spent.
 --
--- Writes: an admitted request stores every limit's new backlog and sets the key to expire
--- after the longest window, by which time every bucket has drained.
+-- Settlements: a charge is recorded as an admitted request, whatever the limits say
+-- (TAT = max(TAT, now) + n T, so a bucket may hold more than its size); a refund takes its
+-- units off every backlog, not below empty (TAT = max(TAT - n T, now)), and writes nothing
+-- where there is no state.
+--
+-- Writes: an admitted request, or a settlement, stores every limit's new backlog and sets the
+-- key to expire once every bucket has drained: after the longest window, or longer where a
+-- charge overfilled a bucket.
 
 -- Per limit of the request at hand (entries past its n are left over and never read).
 local counts, windows, backlogs = {}, {}, {}
 
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local n, cost, record, t, want, h = next_request(counts, windows)
+  local n, cost, record, t, want, h, refund = next_request(counts, windows)
   local state = redis.call('GET', key)
   if state and #state ~= 16 * n then
     state = nil
@@ -45,15 +52,12 @@ for k = 1, #KEYS do
     local b = 0
     if state then
       at, left, state_byte = sunpack('<ll', state, state_byte)
-      local elapsed = math.max(t - at, 0)
-      if elapsed < w then
-        b = math.max(left - elapsed * c, 0)
-      end
+      b = math.max(left - math.max(t - at, 0) * c, 0)
     end
     backlogs[i] = b
     local capacity = (w - h) * c
     local new = b + cost * w
-    if new > capacity then
+    if new > capacity and record ~= 3 then
       local retry = -2
       if cost * w <= capacity then
         retry = math.ceil((new - capacity) / c)
@@ -69,29 +73,36 @@ for k = 1, #KEYS do
     end
   end
 
-  -- Refused: report the refusing limit. Admitted: record, then report the limit with the
-  -- fewest units left (the first of equals).
+  -- Refused: report the refusing limit. Admitted (or settled): record, then report the limit
+  -- with the fewest units left (the first of equals).
   local allowed, reported, retry = 0, denied, denied_retry
   if denied == nil then
     allowed, retry = 1, -1
-    if record ~= 0 then
+    if record ~= 0 and not (refund == 1 and state == nil) then
       if record == 2 then
         local take = math.min(want, room)
         allowed, cost = 1 + take - cost, take
       end
       local value
-      if n == 1 then
+      local ttl = windows[n]
+      if n == 1 and refund == 0 then
         backlogs[1] = backlogs[1] + cost * windows[1]
         value = spack('<ll', t, backlogs[1])
+        ttl = math.max(ttl, math.ceil(backlogs[1] / counts[1]))
       else
         local parts = {}
         for i = 1, n do
-          backlogs[i] = backlogs[i] + cost * windows[i]
+          if refund == 1 then
+            backlogs[i] = math.max(backlogs[i] - cost * windows[i], 0)
+          else
+            backlogs[i] = backlogs[i] + cost * windows[i]
+          end
           parts[i] = spack('<ll', t, backlogs[i])
+          ttl = math.max(ttl, math.ceil(backlogs[i] / counts[i]))
         end
         value = table.concat(parts)
       end
-      redis.call('PSETEX', key, text(math.ceil(windows[n] / 1000)), value)
+      redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
     end
     local least
     for i = 1, n do
@@ -102,7 +113,7 @@ for k = 1, #KEYS do
     end
   end
   local c, w, b = counts[reported], windows[reported], backlogs[reported]
-  reply[k] = spack('<lllll', allowed, reported - 1, math.floor((w * c - b) / w),
+  reply[k] = spack('<lllll', allowed, reported - 1, math.max(math.floor((w * c - b) / w), 0),
     math.ceil(b / c), retry)
 end
 

@@ -7,15 +7,23 @@
 --           all keys of one call are in one hash slot
 -- ARGV[1]   64-bit little-endian signed integers, for each request k in turn: n (its number
 --           of limits), cost (units, >= 0), record (1 to record an admitted request, 0 to
---           only look, 2 for a lease), event time in microseconds since the epoch or -1 for
---           now (Redis TIME); for a lease only, want (the most units to take, >= cost) and
---           headroom (us; GCRA keeps that much drain free in every bucket); then count and
---           window (microseconds) of limits 1..n, shortest first
+--           only look, 2 for a lease, 3 for a settlement), event time in microseconds since
+--           the epoch or -1 for now (Redis TIME); for a lease only, want (the most units to
+--           take, >= cost) and headroom (us; GCRA keeps that much drain free in every
+--           bucket); for a settlement only, refund (0: add `cost` units, 1: take them back)
+--           and the admission time (Redis time, us, of the request being settled; -1: not
+--           known); then count and window (microseconds) of limits 1..n, shortest first
 --
 -- Reply: one string of 64-bit little-endian signed integers, five per request in turn:
 --        allowed (0 when refused; when admitted, 1 plus the units leased beyond the cost),
 --        limit index (0-based), remaining, reset_after (us), retry_after (us; -1 when
---        admitted, -2 when no wait helps); then, once per call, Redis TIME in us
+--        admitted, -2 when no wait helps); then, once per call, Redis TIME in us. A
+--        settlement's five are those of an admitted request, and are not read
+--
+-- Settlements (Store::settle, `settle` in src/algorithm/mod.rs) decide nothing: a charge
+-- records `cost` units now as an admitted request would, past the limits if need be; a refund
+-- takes up to `cost` units back from the state the settled request was counted in (each
+-- algorithm's file says how).
 --
 -- Leases (src/store/redis/lease/): an admitted lease records as many units as fit in every
 -- limit now, up to `want`, instead of `cost`, so that an instance can admit the extra units
@@ -52,25 +60,27 @@ local function text(x)
   return s
 end
 
--- Reads the next request's arguments: returns its number of limits n, cost, record (0, 1 or
--- 2), event time (now for -1), want and headroom (cost and 0 unless a lease), and puts each
--- limit's count and window in `counts[i]` and `windows[i]` (entries past n are left over from
--- an earlier request and never read).
+-- Reads the next request's arguments: returns its number of limits n, cost, record (0 to 3),
+-- event time (now for -1), want and headroom (cost and 0 unless a lease), refund (0 unless a
+-- settlement) and admission time (-1 unless a settlement), and puts each limit's count and
+-- window in `counts[i]` and `windows[i]` (entries past n are left over from an earlier request
+-- and never read).
 local function next_request(counts, windows)
-  local n, cost, record, t, want, headroom
+  local n, cost, record, t, want, headroom, refund, admitted
   n, cost, record, t, next_byte = sunpack('<llll', requests, next_byte)
   if t < 0 then
     t = now
   end
+  want, headroom, refund, admitted = cost, 0, 0, -1
   if record == 2 then
     want, headroom, next_byte = sunpack('<ll', requests, next_byte)
-  else
-    want, headroom = cost, 0
+  elseif record == 3 then
+    refund, admitted, next_byte = sunpack('<ll', requests, next_byte)
   end
   for i = 1, n do
     counts[i], windows[i], next_byte = sunpack('<ll', requests, next_byte)
   end
-  return n, cost, record, t, want, headroom
+  return n, cost, record, t, want, headroom, refund, admitted
 end
 
 -- The reply of the whole call: every request's answer, then the time.

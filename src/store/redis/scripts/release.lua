@@ -56,10 +56,7 @@ for k = 1, #KEYS do
         end
       else
         local elapsed = math.max(now - values[at + 1], 0)
-        local backlog = 0
-        if elapsed < w then
-          backlog = math.max(values[at + 2] - elapsed * c, 0)
-        end
+        local backlog = math.max(values[at + 2] - elapsed * c, 0)
         local weight = math.max(units * w - math.max(now - granted, 0) * c, 0)
         values[at + 1], values[at + 2] = now, math.max(backlog - weight, 0)
       end

@@ -12,14 +12,23 @@
 --           never collide. The units in a score range are the total of its last member minus
 --           the total before its first (total - weight): two members, however many units.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
---           cost, record (1 or 0), event time (-1: now; any other time, past or future, is
---           taken), then count and window (us) of limits 1..n, shortest first
+--           cost, record (1, 0, or 3 for a settlement), event time (-1: now; any other time,
+--           past or future, is taken), for a settlement refund (0 or 1) and the admission
+--           time of the request settled (us; -1: not known), then count and window (us) of
+--           limits 1..n, shortest first
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, five per
 --           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
 --           retry_after (us; -1 when admitted, -2 when no wait helps), then Redis TIME
 --
 -- The log is never leased (the store refuses it): record 2 is not sent here.
+--
+-- Settlements: a charge is recorded as an admitted request of that cost, one member at now,
+-- whatever the limits say. A refund finds the settled request's own member, the last one at
+-- its admission time (members of one microsecond weigh the same in every window), and takes
+-- up to its units off its weight, and as much off the totals of the members after it
+-- (rewritten, as for a past event time); a member left weighing nothing is removed. Nothing
+-- when that member has aged out or the admission time is not known. The key's expiry stays.
 --
 -- A set whose newest member is "<time>:<n>" (one member per unit, as earlier versions kept the
 -- log) is deleted and counts as none, once. While versions run side by side in a rolling
@@ -29,7 +38,8 @@
 -- Writes: members older than the longest window before min(now, t) are trimmed; an admitted
 -- request of positive cost adds one member after those at or before its time, adds its cost
 -- to the totals of the members after it (scheduled events, or later ones than a past event
--- time: rewritten, the only writes that grow with the set), and sets the key to expire a
+-- time: rewritten, which with a refund's are the only writes that grow with the set), and
+-- sets the key to expire a
 -- longest window after its latest event. Totals stay below 2^52, exact in Lua's doubles: a
 -- request that would pass that first takes the total before the oldest member off every
 -- member.
@@ -75,9 +85,29 @@ local function shift(key, members, delta)
   end
 end
 
-for k = 1, #KEYS do
-  local key = KEYS[k]
-  local n, cost, record, t = next_request(counts, windows)
+-- A refund of `units` of the request admitted at `admitted` (see the header).
+local function give_back(key, units, admitted)
+  if admitted >= 0 then
+    local at = text(admitted)
+    local own = call('ZREVRANGEBYSCORE', key, at, at, 'LIMIT', '0', '1')[1]
+    -- A member of the earlier one-per-unit layout ("<time>:<n>") is left alone.
+    if own and #own >= find(own, ':', 1, true) + 18 then
+      local e, total, weight = event(own)
+      local take = min(units, weight)
+      if take > 0 then
+        shift(key, call('ZRANGEBYSCORE', key, '(' .. at, '+inf'), -take)
+        call('ZREM', key, own)
+        if take < weight then
+          call('ZADD', key, at, member(e, total - take, weight - take))
+        end
+      end
+    end
+  end
+  return spack('<lllll', 1, 0, 0, 0, -1)
+end
+
+-- Decides (record 0 or 1) or charges (record 3) a request of `cost` at `t`; returns its answer.
+local function decide(key, n, cost, record, t)
   local longest = windows[n]
   local at = text(t)
 
@@ -149,7 +179,7 @@ for k = 1, #KEYS do
       end
     end
     pasts[i], fullests[i], firsts[i] = past, fullest, first_t
-    if fullest + cost > c then
+    if fullest + cost > c and record ~= 3 then
       local retry = -2
       if cost <= c and past + cost > c then
         -- The first event of (t - w, t], oldest first, whose total frees the excess.
@@ -190,7 +220,7 @@ for k = 1, #KEYS do
   local allowed, reported, retry = 0, denied, denied_retry
   if denied == nil then
     allowed, retry = 1, -1
-    if record == 1 and cost > 0 then
+    if record ~= 0 and cost > 0 then
       -- The total before the new event: through the last event at or before t, else before
       -- the oldest (all after t), else 0 (an empty set).
       local before = 0
@@ -246,7 +276,17 @@ for k = 1, #KEYS do
   if firsts[reported] then
     reset = firsts[reported] + w - t
   end
-  reply[k] = spack('<lllll', allowed, reported - 1, max(c - fullests[reported], 0), reset, retry)
+  return spack('<lllll', allowed, reported - 1, max(c - fullests[reported], 0), reset, retry)
+end
+
+for k = 1, #KEYS do
+  local key = KEYS[k]
+  local n, cost, record, t, _, _, refund, admitted = next_request(counts, windows)
+  if record == 3 and refund == 1 then
+    reply[k] = give_back(key, cost, admitted)
+  else
+    reply[k] = decide(key, n, cost, record, t)
+  end
 end
 
 return finish()

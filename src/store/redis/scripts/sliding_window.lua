@@ -7,8 +7,11 @@
 -- ARGV      as prelude.lua (event times are -1: the counter takes none)
 -- Reply     as prelude.lua
 --
--- Writes: an admitted request adds its cost to every limit's current window and sets the key
--- to expire after twice the longest window (the previous window still weighs until then).
+-- Writes: an admitted request, or a charge, adds its cost to every limit's current window and
+-- sets the key to expire after twice the longest window (the previous window still weighs
+-- until then); a refund takes up to its units (not below 0) from the count of each limit's
+-- window that holds the admission time, while it is stored (as the current window, or as the
+-- previous one after a rollover; none when that time is not known), keeping the key's expiry.
 
 -- `state` (from common.lua), per limit i: state[3i - 2] = start of the current window,
 -- state[3i - 1] = its count, state[3i] = the previous window's count.
@@ -63,4 +66,24 @@ local function report(i)
   return remaining, reset
 end
 
-return each_stored_request(3, fits, apply, report)
+local function give_back()
+  if admitted < 0 then
+    return
+  end
+  local changed = false
+  for i = 1, n do
+    local start, s = window_start(admitted, windows[i]), state[3 * i - 2]
+    if s == start then
+      state[3 * i - 1] = math.max(state[3 * i - 1] - cost, 0)
+      changed = true
+    elseif s ~= nil and s == start + windows[i] then
+      state[3 * i] = math.max(state[3 * i] - cost, 0)
+      changed = true
+    end
+  end
+  if changed then
+    store_fields(state, nil)
+  end
+end
+
+return each_stored_request(3, fits, apply, report, give_back)
