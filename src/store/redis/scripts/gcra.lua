@@ -84,11 +84,15 @@ for k = 1, #KEYS do
         allowed, cost = 1 + take - cost, take
       end
       local value
+      -- The longest window, the same for every request of a call (so `text` formats it
+      -- once), unless a charge overfilled a bucket: it then lives until that one drains.
       local ttl = windows[n]
       if n == 1 and refund == 0 then
         backlogs[1] = backlogs[1] + cost * windows[1]
         value = spack('<ll', t, backlogs[1])
-        ttl = math.max(ttl, math.ceil(backlogs[1] / counts[1]))
+        if record == 3 then
+          ttl = math.max(ttl, math.ceil(backlogs[1] / counts[1]))
+        end
       else
         local parts = {}
         for i = 1, n do
@@ -98,7 +102,9 @@ for k = 1, #KEYS do
             backlogs[i] = backlogs[i] + cost * windows[i]
           end
           parts[i] = spack('<ll', t, backlogs[i])
-          ttl = math.max(ttl, math.ceil(backlogs[i] / counts[i]))
+          if record == 3 then
+            ttl = math.max(ttl, math.ceil(backlogs[i] / counts[i]))
+          end
         end
         value = table.concat(parts)
       end
