@@ -63,6 +63,17 @@ local function event(member)
     tonumber(sub(member, a + 18)) or 0
 end
 
+-- The running total through the last event at or before `at` (a score), or false when
+-- there is none.
+local function total_through(key, at)
+  local last = call('ZREVRANGEBYSCORE', key, at, '-inf', 'LIMIT', '0', '1')[1]
+  if last == nil then
+    return false
+  end
+  local _, total = event(last)
+  return total
+end
+
 local function member(time, total, weight)
   return text(time) .. ':' .. format('%016d', total) .. ':' .. text(weight)
 end
@@ -153,13 +164,7 @@ local function decide(key, n, cost, record, t)
         first_t, first_total, weight = event(first)
         first_before = first_total - weight
         if upto == nil then
-          local last = call('ZREVRANGEBYSCORE', key, at, '-inf', 'LIMIT', '0', '1')[1]
-          if last then
-            local _
-            _, upto = event(last)
-          else
-            upto = false
-          end
+          upto = total_through(key, at)
         end
         past = upto - first_before
       end
@@ -226,13 +231,7 @@ local function decide(key, n, cost, record, t)
       local before = 0
       if newest_t ~= nil then
         if upto == nil then
-          local last = call('ZREVRANGEBYSCORE', key, at, '-inf', 'LIMIT', '0', '1')[1]
-          if last then
-            local _
-            _, upto = event(last)
-          else
-            upto = false
-          end
+          upto = total_through(key, at)
         end
         if upto then
           before = upto
