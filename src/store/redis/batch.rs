@@ -419,13 +419,13 @@ async fn call(
         ));
     };
     let client = settings.pool.next_connected();
-    // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
-    let one_key = keys.iter().all(|key| *key == keys[0]);
     let call = async {
         if !client.is_clustered() {
             // No redirections outside a cluster: nothing to keep for a second try.
             return script.evalsha_with_reload(client, keys, args).await;
         }
+        // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
+        let one_key = keys.iter().all(|key| *key == keys[0]);
         loop {
             let reply = script
                 .evalsha_with_reload::<Bytes, _, _>(client, keys.clone(), args.clone())
