@@ -32,7 +32,8 @@ end
 -- fits(i): nil if the request fits limit i, else the retry in us (-2: no wait helps).
 -- apply(): records the request (`cost` units) against every limit.
 -- report(i): units left in limit i and us until it resets.
--- give_back(): a refund of `cost` units of a request recorded at `admitted`.
+-- give_back(): a refund of `cost` units of a request recorded at `admitted` (known: >= 0);
+-- returns whether it changed the state.
 local function decide(fits, apply, report, give_back)
   if record == 3 then
     -- A settlement decides nothing: a charge records like an admitted request, whatever the
@@ -118,10 +119,17 @@ local state
 -- combines fits, apply and report (or settles, with apply or give_back); the reply
 -- concatenates the answers.
 local function each_stored_request(fields, fits, apply, report, give_back)
+  -- A refund needs the admission time, and writes only where a window still held the request;
+  -- the key keeps its expiry.
+  local function refund_units()
+    if admitted >= 0 and give_back() then
+      store_fields(state, nil)
+    end
+  end
   for k = 1, #KEYS do
     load_request(k)
     state = load_fields(fields)
-    reply[k] = spack('<lllll', decide(fits, apply, report, give_back))
+    reply[k] = spack('<lllll', decide(fits, apply, report, refund_units))
   end
   return finish()
 end

@@ -45,9 +45,6 @@ local function report(i)
 end
 
 local function give_back()
-  if admitted < 0 then
-    return
-  end
   local changed = false
   for i = 1, n do
     local start = window_start(t, windows[i])
@@ -56,9 +53,7 @@ local function give_back()
       changed = true
     end
   end
-  if changed then
-    store_fields(state, nil)
-  end
+  return changed
 end
 
 return each_stored_request(2, fits, apply, report, give_back)

@@ -67,9 +67,6 @@ local function report(i)
 end
 
 local function give_back()
-  if admitted < 0 then
-    return
-  end
   local changed = false
   for i = 1, n do
     local start, s = window_start(admitted, windows[i]), state[3 * i - 2]
@@ -81,9 +78,7 @@ local function give_back()
       changed = true
     end
   end
-  if changed then
-    store_fields(state, nil)
-  end
+  return changed
 end
 
 return each_stored_request(3, fits, apply, report, give_back)
