@@ -8,10 +8,15 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use pin_project_lite::pin_project;
 
+use crate::usage::Tab;
+
 pin_project! {
     /// The inner service's body, or the short body of a response the layer answered itself
     /// (a rejection). Having its own body type spares the inner body a `Default` or
     /// `From<String>` bound, as tower-http does.
+    ///
+    /// When the layer limits by [usage](crate::usage), the body settles the request's usage
+    /// when it ends (its last frame, its trailers, an error) or is dropped.
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
@@ -21,15 +26,20 @@ pin_project! {
 pin_project! {
     #[project = KindProj]
     enum Kind<B> {
-        Inner { #[pin] body: B },
+        Inner { #[pin] body: B, tab: Option<Box<Tab>> },
         Own { body: Full<Bytes> },
     }
 }
 
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
+        ResponseBody::metered(body, None)
+    }
+
+    /// The inner service's body, settling `tab` (if any) when it ends or is dropped.
+    pub(crate) fn metered(body: B, tab: Option<Box<Tab>>) -> Self {
         ResponseBody {
-            kind: Kind::Inner { body },
+            kind: Kind::Inner { body, tab },
         }
     }
 
@@ -62,7 +72,22 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
-            KindProj::Inner { body } => body.poll_frame(cx),
+            KindProj::Inner { body, tab } => {
+                let frame = body.poll_frame(cx);
+                if let Some(open) = tab {
+                    match &frame {
+                        Poll::Ready(Some(Ok(frame))) => {
+                            if let Some(trailers) = frame.trailers_ref() {
+                                open.read_trailers(trailers);
+                            }
+                        }
+                        // The end, or an error: settle now (dropping the tab does).
+                        Poll::Ready(_) => *tab = None,
+                        Poll::Pending => {}
+                    }
+                }
+                frame
+            }
             KindProj::Own { body } => Pin::new(body)
                 .poll_frame(cx)
                 .map_err(|never| match never {}),
@@ -71,14 +96,14 @@ where
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Inner { body, .. } => body.is_end_stream(),
             Kind::Own { body } => body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Inner { body } => body.size_hint(),
+            Kind::Inner { body, .. } => body.size_hint(),
             Kind::Own { body } => body.size_hint(),
         }
     }

@@ -15,6 +15,7 @@ use crate::body::ResponseBody;
 use crate::deny_cache::DenyCache;
 use crate::metrics::{Report, Started};
 use crate::response::{FailureMode, Responder, Tally};
+use crate::usage::{Ledger, Metering, StoreLedger, Tab, UsageMeter};
 use crate::{Decision, Key, Store, StoreError};
 
 /// What a pending decision is about.
@@ -27,12 +28,21 @@ pub(crate) struct Check {
     pub(crate) deny_cache: Option<DenyCache>,
     /// When the store was asked.
     pub(crate) started: Started,
+    /// How usage is settled, and the request's meter, when the layer limits by usage.
+    pub(crate) usage: Option<(Arc<Metering>, UsageMeter)>,
+}
+
+/// What an admitted request's response gets: the rate-limit fields (unless hidden, or the store
+/// failed), and the tab its usage is settled on (when the layer limits by usage).
+pub(crate) struct Admitted {
+    pub(crate) fields: Option<(Decision, Arc<Responder>)>,
+    pub(crate) tab: Option<Box<Tab>>,
 }
 
 /// What to do with a request once its decision is in.
 pub(crate) enum Verdict {
     /// Call the inner service, adding these rate-limit fields to its response.
-    Call(Option<(Decision, Arc<Responder>)>),
+    Call(Admitted),
     /// Answer with the layer's own response (a refusal, or the store failed in closed mode).
     Answer(Response<Full<Bytes>>),
 }
@@ -47,6 +57,8 @@ impl Check {
         if outcome.is_err() {
             Report::store_error(&self.responder.policy);
         }
+        // The store that decided, when it is not the layer's own: the fallback.
+        let mut ledger: Option<Arc<dyn Ledger>> = None;
         let outcome = match (outcome, &options.failure_mode) {
             (Err(error), FailureMode::Fallback(local)) => {
                 Report::fallback(&self.responder.policy);
@@ -58,6 +70,9 @@ impl Check {
                     "rate-limit store failed; deciding locally"
                 );
                 let policy = &self.responder.policy;
+                if self.usage.is_some() {
+                    ledger = Some(Arc::new(StoreLedger(local.clone())));
+                }
                 local.check(&self.key, policy, self.cost).into_inner()
             }
             (outcome, _) => outcome,
@@ -65,7 +80,12 @@ impl Check {
         match outcome {
             Ok(d) if d.is_allowed() => {
                 options.tally(&self.responder.policy, &self.key, Tally::Allowed);
-                Verdict::Call((!options.hide_allowed_headers).then(|| (d, self.responder.clone())))
+                let tab = self.usage.as_ref().map(|(metering, meter)| {
+                    let (key, responder) = (self.key.clone(), Arc::clone(&self.responder));
+                    Tab::open(metering, ledger, key, responder, d, meter.clone())
+                });
+                let fields = (!options.hide_allowed_headers).then(|| (d, self.responder.clone()));
+                Verdict::Call(Admitted { fields, tab })
             }
             Ok(d) if options.shadow => {
                 options.tally(&self.responder.policy, &self.key, Tally::Denied);
@@ -76,7 +96,10 @@ impl Check {
                     retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
                     "rate limit exceeded; passed on (shadow mode)"
                 );
-                Verdict::Call(Some((d, self.responder.clone())))
+                Verdict::Call(Admitted {
+                    fields: Some((d, self.responder.clone())),
+                    tab: None,
+                })
             }
             Ok(d) => {
                 options.tally(&self.responder.policy, &self.key, Tally::Denied);
@@ -105,7 +128,10 @@ impl Check {
                     FailureMode::Closed => {
                         Verdict::Answer(Responder::unavailable(self.grpc.as_ref()))
                     }
-                    _ => Verdict::Call(None),
+                    _ => Verdict::Call(Admitted {
+                        fields: None,
+                        tab: None,
+                    }),
                 }
             }
         }
@@ -140,8 +166,7 @@ pin_project! {
         Calling {
             #[pin]
             future: S::Future,
-            // Set when the response gets the rate-limit fields.
-            fields: Option<(Decision, Arc<Responder>)>,
+            admitted: Admitted,
         },
         Answer {
             response: Option<Response<Full<Bytes>>>,
@@ -171,13 +196,18 @@ where
 
     /// Calls the inner service with no decision to report (not limited, or allow-listed).
     pub(crate) fn calling(future: S::Future) -> Self {
-        ResponseFuture::reporting(future, None)
+        let admitted = Admitted {
+            fields: None,
+            tab: None,
+        };
+        ResponseFuture::reporting(future, admitted)
     }
 
-    /// Calls the inner service, adding rate-limit fields (if any) to its response.
-    pub(crate) fn reporting(future: S::Future, fields: Option<(Decision, Arc<Responder>)>) -> Self {
+    /// Calls the inner service, adding rate-limit fields (if any) to its response and
+    /// settling its usage (if metered) once its body ends.
+    pub(crate) fn reporting(future: S::Future, admitted: Admitted) -> Self {
         ResponseFuture {
-            state: State::Calling { future, fields },
+            state: State::Calling { future, admitted },
         }
     }
 
@@ -203,8 +233,8 @@ where
             match this.state.as_mut().project() {
                 StateProj::Checking { decision, pending } => {
                     let outcome = ready!(decision.poll(cx));
-                    let fields = match pending.check.settle(outcome) {
-                        Verdict::Call(fields) => fields,
+                    let admitted = match pending.check.settle(outcome) {
+                        Verdict::Call(admitted) => admitted,
                         Verdict::Answer(response) => {
                             return Poll::Ready(Ok(response.map(ResponseBody::own)))
                         }
@@ -214,14 +244,18 @@ where
                         .take()
                         .expect("ResponseFuture polled after completion");
                     let future = service.call(request);
-                    this.state.set(State::Calling { future, fields });
+                    this.state.set(State::Calling { future, admitted });
                 }
-                StateProj::Calling { future, fields } => {
+                StateProj::Calling { future, admitted } => {
                     let mut response = ready!(future.poll(cx))?;
-                    if let Some((decision, responder)) = fields.take() {
+                    if let Some((decision, responder)) = admitted.fields.take() {
                         responder.add_headers(response.headers_mut(), &decision);
                     }
-                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    let tab = admitted.tab.take().map(|mut tab| {
+                        tab.read_head(&response);
+                        tab
+                    });
+                    return Poll::Ready(Ok(response.map(|body| ResponseBody::metered(body, tab))));
                 }
                 StateProj::Answer { response } => {
                     let response = response

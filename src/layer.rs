@@ -13,6 +13,7 @@ use tower_layer::Layer;
 use crate::deny_cache::DenyCache;
 use crate::response::{Options, Responder};
 use crate::rule::{Matcher, RequestHead};
+use crate::usage::{Metering, StoreLedger, UsageReport};
 use crate::{
     Algorithm, Decision, FailureMode, Key, MemoryStore, MissingKey, PeerIp, Policy, PolicyError,
     RateLimit, Rule, Store,
@@ -50,8 +51,11 @@ pub(crate) struct Config<K, St> {
     pub(crate) default: Option<Arc<Responder>>,
     pub(crate) allow: AllowList,
     pub(crate) cost: Option<Arc<CostFn>>,
+    /// A request's cost when there is no cost function: 1, or the usage reservation.
+    pub(crate) default_cost: u32,
     pub(crate) missing_key: MissingKey,
     pub(crate) deny_cache: Option<DenyCache>,
+    pub(crate) usage: Option<Arc<Metering>>,
 }
 
 impl<K, St> Config<K, St> {
@@ -175,6 +179,7 @@ struct Settings {
     allow_keys: Vec<Key>,
     allow_networks: Vec<String>,
     cost: Option<Arc<CostFn>>,
+    usage: Option<UsageReport>,
     missing_key: MissingKey,
     /// `None`: the default capacity; `Some(0)`: no deny cache.
     deny_cache: Option<u64>,
@@ -289,6 +294,36 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         self
     }
 
+    /// Limits by what requests used, as the inner service reports it after answering (LLM
+    /// tokens, rows, bytes): each request is checked for room for a reservation
+    /// ([`UsageReport::reserve`], 1 by default) and, when its response body ends, charged
+    /// the rest of its usage or refunded what it did not use. See [`usage`](crate::usage)
+    /// for the ways to report usage and for how far over a key can go.
+    ///
+    /// ```
+    /// use axum::{routing::get, Extension, Router};
+    /// use tower_redis_ratelimit::usage::{UsageMeter, UsageReport};
+    /// use tower_redis_ratelimit::{key::Header, RateLimitLayer};
+    ///
+    /// async fn search(Extension(meter): Extension<UsageMeter>) -> String {
+    ///     let rows = vec!["a", "b", "c"];
+    ///     meter.set(rows.len() as u64);
+    ///     rows.join("\n")
+    /// }
+    ///
+    /// let layer = RateLimitLayer::builder()
+    ///     .key(Header::new(http::HeaderName::from_static("x-api-key")))
+    ///     .policy("10000/1h")
+    ///     .usage(UsageReport::new())
+    ///     .build()?;
+    /// let app: Router = Router::new().route("/search", get(search)).layer(layer);
+    /// # Ok::<(), tower_redis_ratelimit::BuildError>(())
+    /// ```
+    pub fn usage(mut self, report: UsageReport) -> Self {
+        self.settings.usage = Some(report);
+        self
+    }
+
     /// Shadow mode, for a safe roll-out: requests are counted and their responses carry the
     /// `RateLimit` fields, but a request over the limit is passed on instead of refused, and a
     /// `tracing` event (target `tower_redis_ratelimit`, level INFO) reports it.
@@ -378,6 +413,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             allow_keys,
             allow_networks,
             cost,
+            usage,
             missing_key,
             deny_cache,
             options,
@@ -429,6 +465,11 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
                     .map_err(|_| BuildError::Network(n.clone()))
             })
             .collect::<Result<_, _>>()?;
+        let default_cost = usage.as_ref().map_or(1, |report| report.reserve);
+        let metering = usage.map(|report| {
+            let ledger = Arc::new(StoreLedger(self.store.clone()));
+            Arc::new(Metering { report, ledger })
+        });
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 key: self.key,
@@ -440,7 +481,9 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
                     networks,
                 },
                 cost,
+                default_cost,
                 missing_key,
+                usage: metering,
                 deny_cache: match deny_cache.unwrap_or(default_deny_cache) {
                     0 => None,
                     capacity => Some(DenyCache::new(capacity)),

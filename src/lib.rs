@@ -24,6 +24,7 @@ pub mod store;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod unique;
+pub mod usage;
 
 pub use algorithm::Algorithm;
 pub use decision::{Decision, Settlement};

@@ -8,6 +8,7 @@
 //! | `ratelimit_denied_total` | counter | `policy`, `source` | requests refused: `source="store"` when the store said no (in shadow mode too), `"deny_cache"` when the deny cache repeated a refusal |
 //! | `ratelimit_store_errors_total` | counter | `policy` | decisions the store could not make (the failure mode then applies) |
 //! | `ratelimit_fallbacks_total` | counter | `policy` | of those, decisions made by the fallback store instead |
+//! | `ratelimit_settle_errors_total` | counter | `policy` | usage settlements the store could not record (see [`usage`](crate::usage)); the responses were not affected |
 //! | `ratelimit_decision_seconds` | histogram | `policy` | time from asking the store to its answer, failures included |
 //!
 //! Without the feature these functions do nothing and cost nothing.
@@ -47,6 +48,11 @@ impl Report {
             .increment(1);
     }
 
+    pub(crate) fn settle_error(policy: &Policy) {
+        ::metrics::counter!("ratelimit_settle_errors_total", "policy" => policy.shared_name())
+            .increment(1);
+    }
+
     pub(crate) fn latency(policy: &Policy, took: Duration) {
         ::metrics::histogram!("ratelimit_decision_seconds", "policy" => policy.shared_name())
             .record(took.as_secs_f64());
@@ -59,6 +65,7 @@ impl Report {
     pub(crate) fn denied(_: &Policy, _: bool) {}
     pub(crate) fn store_error(_: &Policy) {}
     pub(crate) fn fallback(_: &Policy) {}
+    pub(crate) fn settle_error(_: &Policy) {}
     pub(crate) fn latency(_: &Policy, _: Duration) {}
 }
 

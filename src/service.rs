@@ -13,6 +13,7 @@ use crate::layer::Config;
 use crate::metrics::Started;
 use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
 use crate::rule::RequestHead;
+use crate::usage::UsageMeter;
 use crate::{KeyExtractor, Store};
 
 /// Rate-limits requests to the inner service `S`; made by
@@ -80,8 +81,14 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+    fn call(&mut self, mut request: Request<ReqB>) -> Self::Future {
         let config = &self.config;
+        // Every request gets a meter, so that a handler can always take it from the extensions.
+        let meter = config.usage.as_ref().map(|_| {
+            let meter = UsageMeter::new();
+            request.extensions_mut().insert(meter.clone());
+            meter
+        });
         let head = RequestHead::of(&request);
         let grpc = grpc_content_type(head.headers);
         let Some(responder) = config.responder(&head) else {
@@ -100,7 +107,10 @@ where
         if config.allow.contains(&key) {
             return ResponseFuture::calling(self.inner.call(request));
         }
-        let cost = config.cost.as_ref().map_or(1, |cost| cost(&head));
+        let cost = config
+            .cost
+            .as_ref()
+            .map_or(config.default_cost, |cost| cost(&head));
         let deny_cache = config
             .deny_cache
             .as_ref()
@@ -117,6 +127,7 @@ where
             grpc,
             deny_cache: deny_cache.cloned(),
             started: Started::now(),
+            usage: config.usage.clone().zip(meter),
         };
         // A store that decides without waiting lets the inner service be called right here,
         // with no clone of it for a later call.
@@ -125,8 +136,8 @@ where
             .check_now(&check.key, &check.responder.policy, cost)
         {
             return match check.settle(outcome) {
-                Verdict::Call(fields) => {
-                    ResponseFuture::reporting(self.inner.call(request), fields)
+                Verdict::Call(admitted) => {
+                    ResponseFuture::reporting(self.inner.call(request), admitted)
                 }
                 Verdict::Answer(response) => ResponseFuture::answer(response),
             };

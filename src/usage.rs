@@ -1,0 +1,367 @@
+//! Usage-based limits: charging a request for what it used (tokens, rows, bytes), known only
+//! once the inner service has answered, often only at the end of a streamed body.
+//!
+//! With [`RateLimitLayerBuilder::usage`](crate::RateLimitLayerBuilder::usage), the layer
+//! checks each request against a small *reservation* (its cost: [`UsageReport::reserve`],
+//! 1 by default) and, once the response is done, settles the difference between the usage the
+//! service reported and the reservation, a charge or a refund, with one
+//! [`Store::settle`] call. A request that reports nothing costs its
+//! reservation and no second call.
+//!
+//! The service reports usage in any of these ways; where several report, the last to arrive
+//! counts: trailers, then the [`UsageMeter`], then the response head.
+//! - a [`Usage`] in the response's extensions;
+//! - a response header or trailer ([`UsageReport::header`], or a closure of your own over
+//!   the head's or the trailers' fields: gRPC metadata are both);
+//! - a [`UsageMeter`], which the layer puts in each request's extensions, updated by the
+//!   handler while it streams its body.
+//!
+//! The settle happens when the response body ends (its last frame, its trailers, an error) or
+//! is dropped. It never holds up or fails the response: it runs in a task of its own, and a
+//! settle the store cannot make is logged and counted
+//! (`ratelimit_settle_errors_total`, see [`metrics`](crate::metrics)).
+//!
+//! **A client that disconnects early** is charged what the meter (or the head) reported so
+//! far, and its reservation if nothing was reported.
+//!
+//! **How far over a key can go.** A request is admitted only while the reservation fits, and
+//! its usage is recorded afterwards, even past the limit; later requests are then refused
+//! until enough usage has aged out of the window (drained, for GCRA), which their
+//! `Retry-After` says. So a key's recorded usage exceeds its limit by at most the usage of
+//! the requests that were in flight when it filled, less their reservations.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+use http::{HeaderMap, HeaderName, Response};
+
+use crate::metrics::Report;
+use crate::response::Responder;
+use crate::{Decision, Key, Settlement, Store, StoreError};
+
+/// Units a response used, put in its extensions by the inner service:
+/// `response.extensions_mut().insert(Usage(512))`. In axum, a handler can return
+/// `(Extension(Usage(512)), body)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Usage(pub u64);
+
+/// The usage of one request, updated by the handler while it works, e.g. per chunk of a
+/// streamed body, and settled when the response body ends or is dropped.
+///
+/// The layer puts one in the extensions of every request when usage is configured; clones
+/// share the count.
+///
+/// ```
+/// use tower_redis_ratelimit::usage::UsageMeter;
+///
+/// let meter = UsageMeter::new();
+/// assert_eq!(meter.get(), None);
+/// meter.add(120);
+/// meter.add(30);
+/// assert_eq!(meter.get(), Some(150));
+/// ```
+#[derive(Debug, Clone)]
+pub struct UsageMeter(Arc<AtomicU64>);
+
+impl Default for UsageMeter {
+    fn default() -> Self {
+        UsageMeter::new()
+    }
+}
+
+/// The meter's value before anything is reported: a count that no `add` reaches.
+const NOT_REPORTED: u64 = u64::MAX;
+
+impl UsageMeter {
+    /// A meter with nothing reported.
+    pub fn new() -> Self {
+        UsageMeter(Arc::new(AtomicU64::new(NOT_REPORTED)))
+    }
+
+    /// Adds `units` to the usage reported so far.
+    pub fn add(&self, units: u64) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+                let base = if now == NOT_REPORTED { 0 } else { now };
+                Some(base.saturating_add(units).min(NOT_REPORTED - 1))
+            });
+    }
+
+    /// Sets the usage to `units`, e.g. a total the upstream reported.
+    pub fn set(&self, units: u64) {
+        self.0.store(units.min(NOT_REPORTED - 1), Ordering::Release);
+    }
+
+    /// The usage reported so far; `None` before anything was.
+    pub fn get(&self) -> Option<u64> {
+        match self.0.load(Ordering::Acquire) {
+            NOT_REPORTED => None,
+            units => Some(units),
+        }
+    }
+}
+
+/// Reads a usage from a response's head or trailers.
+pub(crate) type FieldsFn = dyn Fn(&HeaderMap) -> Option<u64> + Send + Sync;
+
+/// How the inner service reports usage, and what the layer reserves before calling it; given
+/// to [`RateLimitLayerBuilder::usage`](crate::RateLimitLayerBuilder::usage).
+///
+/// The [`Usage`] extension and the [`UsageMeter`] always count; add a header, a trailer or a
+/// closure for services that report usage in their fields.
+///
+/// ```
+/// use tower_redis_ratelimit::{usage::UsageReport, RateLimitLayer};
+///
+/// // 2 000 tokens per minute; each request reserves 1 and is charged what its response's
+/// // (or its trailers') `x-usage-tokens` field says.
+/// let layer = RateLimitLayer::builder()
+///     .policy("2000/1m")
+///     .usage(UsageReport::new().header(http::HeaderName::from_static("x-usage-tokens")))
+///     .build()?;
+/// # Ok::<(), tower_redis_ratelimit::BuildError>(())
+/// ```
+#[derive(Clone)]
+pub struct UsageReport {
+    pub(crate) reserve: u32,
+    pub(crate) head: Option<Arc<FieldsFn>>,
+    pub(crate) trailers: Option<Arc<FieldsFn>>,
+}
+
+impl Default for UsageReport {
+    fn default() -> Self {
+        UsageReport::new()
+    }
+}
+
+impl std::fmt::Debug for UsageReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UsageReport")
+            .field("reserve", &self.reserve)
+            .field("head", &self.head.is_some())
+            .field("trailers", &self.trailers.is_some())
+            .finish()
+    }
+}
+
+impl UsageReport {
+    /// Usage from the [`Usage`] extension and the [`UsageMeter`]; a reservation of 1.
+    pub fn new() -> Self {
+        UsageReport {
+            reserve: 1,
+            head: None,
+            trailers: None,
+        }
+    }
+
+    /// The units a request must find room for before it is called (default 1), and that it is
+    /// charged if it reports no usage. `0` refuses a request only while the key is over its
+    /// limit. A cost closure ([`RateLimitLayerBuilder::cost`](crate::RateLimitLayerBuilder::cost)),
+    /// when set, gives each request's reservation instead.
+    pub fn reserve(mut self, units: u32) -> Self {
+        self.reserve = units;
+        self
+    }
+
+    /// Usage from the response field `name`, a decimal number, in the head or in the trailers
+    /// (gRPC: initial or trailing metadata).
+    pub fn header(self, name: HeaderName) -> Self {
+        let read = move |fields: &HeaderMap| -> Option<u64> {
+            fields.get(&name)?.to_str().ok()?.trim().parse().ok()
+        };
+        let read: Arc<FieldsFn> = Arc::new(read);
+        UsageReport {
+            head: Some(Arc::clone(&read)),
+            trailers: Some(read),
+            ..self
+        }
+    }
+
+    /// Usage from the response head's fields, as `read` finds it (`None`: not reported).
+    pub fn from_head<F>(mut self, read: F) -> Self
+    where
+        F: Fn(&HeaderMap) -> Option<u64> + Send + Sync + 'static,
+    {
+        self.head = Some(Arc::new(read));
+        self
+    }
+
+    /// Usage from the response's trailers, as `read` finds it (`None`: not reported).
+    pub fn from_trailers<F>(mut self, read: F) -> Self
+    where
+        F: Fn(&HeaderMap) -> Option<u64> + Send + Sync + 'static,
+    {
+        self.trailers = Some(Arc::new(read));
+        self
+    }
+}
+
+/// Settles with a store of a type the layer's response body does not name.
+pub(crate) trait Ledger: Send + Sync {
+    /// Starts `settlement` for `key` under the responder's policy; reports its failure.
+    fn settle(&self, key: Key, responder: Arc<Responder>, settlement: Settlement);
+}
+
+/// A [`Ledger`] over a store.
+pub(crate) struct StoreLedger<St>(pub(crate) St);
+
+impl<St: Store> Ledger for StoreLedger<St> {
+    fn settle(&self, key: Key, responder: Arc<Responder>, settlement: Settlement) {
+        let future = self.0.settle(&key, &responder.policy, settlement);
+        run(Box::pin(future), key, responder);
+    }
+}
+
+/// Runs a settle: at once when the store needs no waiting (the memory store), else in a task
+/// of its own, so that the response it follows is never held up.
+fn run<F>(mut future: Pin<Box<F>>, key: Key, responder: Arc<Responder>)
+where
+    F: Future<Output = Result<(), StoreError>> + Send + 'static,
+{
+    if let Poll::Ready(outcome) = future
+        .as_mut()
+        .poll(&mut Context::from_waker(Waker::noop()))
+    {
+        return report(outcome, &key, &responder);
+    }
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(async move { report(future.await, &key, &responder) });
+        }
+        Err(_) => report(
+            Err(StoreError::Config("no tokio runtime to settle in".into())),
+            &key,
+            &responder,
+        ),
+    }
+}
+
+fn report(outcome: Result<(), StoreError>, key: &Key, responder: &Responder) {
+    if let Err(error) = outcome {
+        Report::settle_error(&responder.policy);
+        tracing::warn!(
+            target: "tower_redis_ratelimit",
+            policy = responder.policy.name(),
+            key = %key.loggable(),
+            %error,
+            "rate-limit store failed to settle a request's usage"
+        );
+    }
+}
+
+/// What the layer needs to settle usage: how it is reported, and the store to settle with.
+pub(crate) struct Metering {
+    pub(crate) report: UsageReport,
+    pub(crate) ledger: Arc<dyn Ledger>,
+}
+
+/// The account of one admitted request: what it reserved, and what it reported so far.
+/// Dropping it settles (see the module's docs).
+pub(crate) struct Tab {
+    ledger: Arc<dyn Ledger>,
+    key: Key,
+    responder: Arc<Responder>,
+    decision: Decision,
+    meter: UsageMeter,
+    trailers: Option<Arc<FieldsFn>>,
+    head: Option<Arc<FieldsFn>>,
+    /// Usage reported by the head (extension or field), then by the trailers.
+    from_head: Option<u64>,
+    from_trailers: Option<u64>,
+}
+
+impl Tab {
+    /// A tab for a request `decision` admitted, settled through `ledger`.
+    pub(crate) fn open(
+        metering: &Metering,
+        ledger: Option<Arc<dyn Ledger>>,
+        key: Key,
+        responder: Arc<Responder>,
+        decision: Decision,
+        meter: UsageMeter,
+    ) -> Box<Tab> {
+        Box::new(Tab {
+            ledger: ledger.unwrap_or_else(|| Arc::clone(&metering.ledger)),
+            key,
+            responder,
+            decision,
+            meter,
+            trailers: metering.report.trailers.clone(),
+            head: metering.report.head.clone(),
+            from_head: None,
+            from_trailers: None,
+        })
+    }
+
+    /// Reads the usage a response's head reports.
+    pub(crate) fn read_head<B>(&mut self, response: &Response<B>) {
+        self.from_head = match response.extensions().get::<Usage>() {
+            Some(Usage(units)) => Some(*units),
+            None => self.head.as_ref().and_then(|read| read(response.headers())),
+        };
+    }
+
+    /// Reads the usage a response's trailers report.
+    pub(crate) fn read_trailers(&mut self, trailers: &HeaderMap) {
+        if let Some(read) = &self.trailers {
+            self.from_trailers = read(trailers).or(self.from_trailers);
+        }
+    }
+}
+
+impl Drop for Tab {
+    fn drop(&mut self) {
+        let Some(used) = self
+            .from_trailers
+            .or_else(|| self.meter.get())
+            .or(self.from_head)
+        else {
+            return;
+        };
+        let reserved = self.decision.recorded;
+        let settlement = match used.cmp(&reserved) {
+            std::cmp::Ordering::Greater => Settlement::charge(&self.decision, used - reserved),
+            std::cmp::Ordering::Less => Settlement::refund(&self.decision, reserved - used),
+            std::cmp::Ordering::Equal => None,
+        };
+        if let Some(settlement) = settlement.filter(|s| s.units() > 0) {
+            let key = self.key.clone();
+            let responder = Arc::clone(&self.responder);
+            self.ledger.settle(key, responder, settlement);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meter_adds_sets_and_saturates() {
+        let meter = UsageMeter::new();
+        let clone = meter.clone();
+        assert_eq!(meter.get(), None);
+        clone.add(0);
+        assert_eq!(meter.get(), Some(0));
+        meter.add(u64::MAX);
+        assert_eq!(meter.get(), Some(u64::MAX - 1));
+        clone.set(7);
+        assert_eq!(meter.get(), Some(7));
+    }
+
+    #[test]
+    fn header_reads_a_decimal_field() {
+        let report = UsageReport::new().header(HeaderName::from_static("x-usage"));
+        let mut fields = HeaderMap::new();
+        let read = report.head.unwrap();
+        assert_eq!(read(&fields), None);
+        fields.insert("x-usage", " 42 ".parse().unwrap());
+        assert_eq!(read(&fields), Some(42));
+        fields.insert("x-usage", "lots".parse().unwrap());
+        assert_eq!(read(&fields), None);
+    }
+}
