@@ -24,6 +24,11 @@
 //! **A client that disconnects early** is charged what the meter (or the head) reported so
 //! far, and its reservation if nothing was reported.
 //!
+//! **What is settled**: requests the store admitted, with the store that admitted them (the
+//! fallback store of [`FailureMode::Fallback`](crate::FailureMode::Fallback) when it did).
+//! Requests admitted without a decision (the store failed and the layer fails open) and, in
+//! shadow mode, requests passed on over the limit, recorded nothing and are not settled.
+//!
 //! **How far over a key can go.** A request is admitted only while the reservation fits, and
 //! its usage is recorded afterwards, even past the limit; later requests are then refused
 //! until enough usage has aged out of the window (drained, for GCRA), which their
