@@ -11,7 +11,8 @@
 //! `RateLimit-Policy` lists every limit of the policy (a multi-limit policy names each limit
 //! `<policy>-<window>`, e.g. `"api-1h"`); `RateLimit` describes the limit of the
 //! [`Decision`]: the one that refused, or the tightest after admitting. Seconds are rounded
-//! up, so `Retry-After` is never 0 while a client is refused.
+//! up, so `Retry-After` is never 0 while a client is refused, and a refusal's `t` is never
+//! less than its `Retry-After`.
 //!
 //! gRPC requests (`content-type: application/grpc*`, any case) are answered the gRPC way, in
 //! their own content type: HTTP 200 with no body and the status in `grpc-status` (8 `RESOURCE_EXHAUSTED` for a refusal, 14
@@ -145,7 +146,14 @@ impl Responder {
         // Built by hand: `format!` costs more than the rest of a refusal answered from the
         // deny cache. `concat` sizes the text exactly, so that the header value takes it over
         // without a second allocation.
-        let reset = decision.reset_after().as_micros().div_ceil(1_000_000);
+        // A refused client reads `t` as when to come back, so it is never before `Retry-After`,
+        // which is later than the limit's next reset when usage recorded after the fact took
+        // the key past its limit, or when the request costs more than one unit.
+        let reset = match decision.retry_after() {
+            Some(retry) if !decision.is_allowed() => decision.reset_after().max(retry),
+            _ => decision.reset_after(),
+        };
+        let reset = reset.as_micros().div_ceil(1_000_000);
         let (mut remaining, mut reset_secs) = (itoa::Buffer::new(), itoa::Buffer::new());
         let state = [
             "\"",
@@ -339,6 +347,27 @@ mod tests {
         let h = response.headers();
         assert_eq!(h[RETRY_AFTER], "8");
         assert_eq!(h[RATELIMIT], "\"default-10s\";r=0;t=8");
+
+        // Over the limit (usage recorded after the fact): the oldest entry leaves in 2 s, but
+        // the request fits only in 9.
+        let over = Decision::from_outcome(
+            Outcome {
+                allowed: false,
+                index: 1,
+                remaining: 0,
+                reset_after: 2_000_000,
+                retry_after: Some(8_500_000),
+            },
+            &policy,
+        );
+        let h = responder.rejection(&over, None).headers().clone();
+        assert_eq!(
+            (&h[RETRY_AFTER], &h[RATELIMIT]),
+            (
+                &"9".parse::<HeaderValue>().unwrap(),
+                &"\"default-10s\";r=0;t=9".parse::<HeaderValue>().unwrap()
+            )
+        );
 
         let web = HeaderValue::from_static("application/grpc-web+proto");
         let grpc = responder.rejection(&denied, Some(&web));

@@ -29,6 +29,10 @@
 //! Requests admitted without a decision (the store failed and the layer fails open) and, in
 //! shadow mode, requests passed on over the limit, recorded nothing and are not settled.
 //!
+//! **On the sliding log**, a request that is charged more than its reservation leaves two
+//! entries: the reservation at admission and the rest when its body ends, each aging out of
+//! the window on its own. A refund makes the reservation's entry lighter instead.
+//!
 //! **How far over a key can go.** A request is admitted only while the reservation fits, and
 //! its usage is recorded afterwards, even past the limit; later requests are then refused
 //! until enough usage has aged out of the window (drained, for GCRA), which their
@@ -57,16 +61,28 @@ pub struct Usage(pub u64);
 /// streamed body, and settled when the response body ends or is dropped.
 ///
 /// The layer puts one in the extensions of every request when usage is configured; clones
-/// share the count.
+/// share the count. A handler that may also run without the layer takes it as an option, so
+/// that it does not fail where there is none. A request that reported nothing costs its
+/// reservation: to give it back (a request that did no work), set the meter to 0.
 ///
 /// ```
+/// use axum::Extension;
 /// use tower_redis_ratelimit::usage::UsageMeter;
+///
+/// async fn export(meter: Option<Extension<UsageMeter>>) -> String {
+///     let rows = ["a", "b", "c"];
+///     if let Some(Extension(meter)) = meter {
+///         meter.add(rows.len() as u64);
+///     }
+///     rows.join("\n")
+/// }
 ///
 /// let meter = UsageMeter::new();
 /// assert_eq!(meter.get(), None);
 /// meter.add(120);
 /// meter.add(30);
 /// assert_eq!(meter.get(), Some(150));
+/// # let _: axum::routing::MethodRouter = axum::routing::get(export);
 /// ```
 #[derive(Debug, Clone)]
 pub struct UsageMeter(Arc<AtomicU64>);
