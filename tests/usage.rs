@@ -139,6 +139,40 @@ async fn redis_reservation_then_usage_refuses_the_third() {
     reserve_one_use_five_hundred(server.store().await).await;
 }
 
+/// Reservation 0 refuses only a key that is over its limit: under 1000/1m, requests that use
+/// 600 each are admitted while the key holds 0 and then 600, and refused once it holds 1 200,
+/// until the first request's usage ages out.
+async fn reserve_nothing<St: Store>(store: St) {
+    let policy = policy("1000/1m", Algorithm::SlidingLog);
+    let service = layer(store.clone(), policy.clone(), UsageReport::new().reserve(0)).layer(
+        service_fn(|_: Request<()>| async {
+            let mut response = Response::new(full("answer"));
+            response.extensions_mut().insert(Usage(600));
+            Ok::<_, Infallible>(response)
+        }),
+    );
+    for left in [400, 0] {
+        assert_eq!(exchange(&service).await.0, StatusCode::OK);
+        assert_eq!(remaining_becomes(&store, &policy, left).await, left);
+    }
+    let (status, retry_after, _) = exchange(&service).await;
+    assert_eq!(
+        (status, retry_after),
+        (StatusCode::TOO_MANY_REQUESTS, Some(60))
+    );
+}
+
+#[tokio::test]
+async fn memory_reservation_of_nothing_refuses_only_when_over() {
+    reserve_nothing(memory()).await;
+}
+
+#[tokio::test]
+async fn redis_reservation_of_nothing_refuses_only_when_over() {
+    let server = RedisServer::start();
+    reserve_nothing(server.store().await).await;
+}
+
 /// Reservation 100, usage 10 reported in a response header: 90 come back.
 async fn reserve_hundred_use_ten<St: Store>(store: St) {
     let policy = policy("1000/1m", Algorithm::SlidingLog);
