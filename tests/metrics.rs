@@ -191,3 +191,49 @@ async fn store_errors_and_fallbacks() {
         "{log}"
     );
 }
+
+/// Redis dies after a response's head was sent and before its body ended: the client still
+/// reads the whole body, and the settle of its usage that fails is logged and counted.
+#[tokio::test]
+async fn settle_failures_are_counted_and_leave_the_response_untouched() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use tower::{service_fn, Layer};
+    use tower_redis_ratelimit::usage::{Usage, UsageReport};
+
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber());
+    let handle = prometheus();
+    let mut server = RedisServer::start();
+    let layer = RateLimitLayer::builder()
+        .policy(policy("tokens", "1000/1m"))
+        .store(server.store().await)
+        .usage(UsageReport::new())
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(|_: http::Request<()>| async {
+        let mut response = http::Response::new(Full::new(Bytes::from_static(b"all of it")));
+        response.extensions_mut().insert(Usage(250));
+        Ok::<_, std::convert::Infallible>(response)
+    }));
+    let response = service.oneshot(request_from("192.0.2.9")).await.unwrap();
+    assert_eq!(response.status(), 200);
+    server.kill();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"all of it");
+
+    // The settle runs in a task of its own: wait for its failure to be counted.
+    let series = "ratelimit_settle_errors_total{policy=\"tokens\"}";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while sample(&handle.render(), series).is_none() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(sample(&handle.render(), series), Some(1.0));
+    let log = captured.text();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("failed to settle a request's usage")
+            && l.contains("key=192.0.2.9")),
+        "{log}"
+    );
+}
