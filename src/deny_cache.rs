@@ -57,6 +57,12 @@ impl DenyCache {
         }
     }
 
+    /// Forgets the refusal of `key` under `policy`, if any: a refund of usage (see
+    /// [`usage`](crate::usage)) may have made room before its retry-after.
+    pub(crate) fn forget(&self, key: &Key, policy: &Policy) {
+        self.entries.lock(key, policy).remove(key, policy);
+    }
+
     /// The refusal still in force for a request of `cost`, with its times brought up to now.
     pub(crate) fn refusal(&self, key: &Key, policy: &Policy, cost: u32) -> Option<Decision> {
         let now = self.now();

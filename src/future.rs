@@ -81,8 +81,9 @@ impl Check {
             Ok(d) if d.is_allowed() => {
                 options.tally(&self.responder.policy, &self.key, Tally::Allowed);
                 let tab = self.usage.as_ref().map(|(metering, meter)| {
-                    let (key, responder) = (self.key.clone(), Arc::clone(&self.responder));
-                    Tab::open(metering, ledger, key, responder, d, meter.clone())
+                    let about = (self.key.clone(), Arc::clone(&self.responder));
+                    let cache = self.deny_cache.clone();
+                    Tab::open(metering, ledger, about, d, meter.clone(), cache)
                 });
                 let fields = (!options.hide_allowed_headers).then(|| (d, self.responder.clone()));
                 Verdict::Call(Admitted { fields, tab })

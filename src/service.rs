@@ -83,11 +83,18 @@ where
 
     fn call(&mut self, mut request: Request<ReqB>) -> Self::Future {
         let config = &self.config;
-        // Every request gets a meter, so that a handler can always take it from the extensions.
+        // Every request gets a meter, so that a handler can always take it from the extensions;
+        // under several usage layers (per API key and per IP, say), all read the same one.
         let meter = config.usage.as_ref().map(|_| {
-            let meter = UsageMeter::new();
-            request.extensions_mut().insert(meter.clone());
-            meter
+            let extensions = request.extensions_mut();
+            match extensions.get::<UsageMeter>() {
+                Some(meter) => meter.clone(),
+                None => {
+                    let meter = UsageMeter::new();
+                    extensions.insert(meter.clone());
+                    meter
+                }
+            }
         });
         let head = RequestHead::of(&request);
         let grpc = grpc_content_type(head.headers);

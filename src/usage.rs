@@ -8,8 +8,8 @@
 //! [`Store::settle`] call. A request that reports nothing costs its
 //! reservation and no second call.
 //!
-//! The service reports usage in any of these ways; where several report, the last to arrive
-//! counts: trailers, then the [`UsageMeter`], then the response head.
+//! The service reports usage in any of these ways; where several report, the first of
+//! trailers, [`UsageMeter`] and response head that reported counts.
 //! - a [`Usage`] in the response's extensions;
 //! - a response header or trailer ([`UsageReport::header`], or a closure of your own over
 //!   the head's or the trailers' fields: gRPC metadata are both);
@@ -23,6 +23,18 @@
 //!
 //! **A client that disconnects early** is charged what the meter (or the head) reported so
 //! far, and its reservation if nothing was reported.
+//!
+//! **Reported usage is trusted**: it comes from your service, never from the client, and is
+//! charged as it is, however large.
+//!
+//! **Refunds and the deny cache.** A refund forgets this instance's cached refusal of the key
+//! (see [`deny_cache`](crate::RateLimitLayerBuilder::deny_cache)), so that the room it made is
+//! used at once. Other instances repeat their cached refusals until their `Retry-After`; where
+//! large reservations are refunded often, `.deny_cache(0)` asks the store every time.
+//!
+//! **Settles need a tokio runtime** when the store waits for I/O (Redis): a body dropped outside
+//! one is not settled, and that is logged and counted as a failure. A settle still under way
+//! when the runtime shuts down is lost.
 //!
 //! **What is settled**: requests the store admitted, with the store that admitted them (the
 //! fallback store of [`FailureMode::Fallback`](crate::FailureMode::Fallback) when it did).
@@ -46,7 +58,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use http::{HeaderMap, HeaderName, Response};
+use tracing::Instrument;
 
+use crate::deny_cache::DenyCache;
 use crate::metrics::Report;
 use crate::response::Responder;
 use crate::{Decision, Key, Settlement, Store, StoreError};
@@ -232,28 +246,38 @@ pub(crate) struct StoreLedger<St>(pub(crate) St);
 
 impl<St: Store> Ledger for StoreLedger<St> {
     fn settle(&self, key: Key, responder: Arc<Responder>, settlement: Settlement) {
+        // A store that does I/O needs a runtime even for its first poll (timers, sockets).
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        if runtime.is_none() && !self.0.is_local() {
+            let error = StoreError::Config("no tokio runtime to settle in".into());
+            return report(Err(error), &key, &responder);
+        }
         let future = self.0.settle(&key, &responder.policy, settlement);
-        run(Box::pin(future), key, responder);
+        run(Box::pin(future), runtime, key, responder);
     }
 }
 
 /// Runs a settle: at once when the store needs no waiting (the memory store), else in a task
 /// of its own, so that the response it follows is never held up.
-fn run<F>(mut future: Pin<Box<F>>, key: Key, responder: Arc<Responder>)
-where
+fn run<F>(
+    mut future: Pin<Box<F>>,
+    runtime: Option<tokio::runtime::Handle>,
+    key: Key,
+    responder: Arc<Responder>,
+) where
     F: Future<Output = Result<(), StoreError>> + Send + 'static,
 {
-    if let Poll::Ready(outcome) = future
-        .as_mut()
-        .poll(&mut Context::from_waker(Waker::noop()))
-    {
+    // Boxed, so that the future stays where it is when it moves into a task after this poll.
+    let mut first = Context::from_waker(Waker::noop());
+    if let Poll::Ready(outcome) = future.as_mut().poll(&mut first) {
         return report(outcome, &key, &responder);
     }
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => {
-            runtime.spawn(async move { report(future.await, &key, &responder) });
+    match runtime {
+        Some(runtime) => {
+            let settle = async move { report(future.await, &key, &responder) };
+            runtime.spawn(settle.in_current_span());
         }
-        Err(_) => report(
+        None => report(
             Err(StoreError::Config("no tokio runtime to settle in".into())),
             &key,
             &responder,
@@ -293,6 +317,8 @@ pub(crate) struct Tab {
     /// Usage reported by the head (extension or field), then by the trailers.
     from_head: Option<u64>,
     from_trailers: Option<u64>,
+    /// The layer's deny cache, whose refusal of the key a refund makes stale.
+    deny_cache: Option<DenyCache>,
 }
 
 impl Tab {
@@ -300,10 +326,10 @@ impl Tab {
     pub(crate) fn open(
         metering: &Metering,
         ledger: Option<Arc<dyn Ledger>>,
-        key: Key,
-        responder: Arc<Responder>,
+        (key, responder): (Key, Arc<Responder>),
         decision: Decision,
         meter: UsageMeter,
+        deny_cache: Option<DenyCache>,
     ) -> Box<Tab> {
         Box::new(Tab {
             ledger: ledger.unwrap_or_else(|| Arc::clone(&metering.ledger)),
@@ -315,6 +341,7 @@ impl Tab {
             head: metering.report.head.clone(),
             from_head: None,
             from_trailers: None,
+            deny_cache,
         })
     }
 
@@ -350,6 +377,9 @@ impl Drop for Tab {
             std::cmp::Ordering::Equal => None,
         };
         if let Some(settlement) = settlement.filter(|s| s.units() > 0) {
+            if let (true, Some(cache)) = (settlement.is_refund(), &self.deny_cache) {
+                cache.forget(&self.key, &self.responder.policy);
+            }
             let key = self.key.clone();
             let responder = Arc::clone(&self.responder);
             self.ledger.settle(key, responder, settlement);

@@ -185,7 +185,7 @@ async fn dispatch(
         let Some(first) = jobs.recv().await else {
             return;
         };
-        gather(&jobs, settings.gather).await;
+        gather(&jobs, settings.gather, settings.max_batch).await;
         let mut batch = Vec::with_capacity(settings.max_batch.min(jobs.len() + 1));
         batch.push(first);
         while batch.len() < settings.max_batch {
@@ -202,14 +202,20 @@ async fn dispatch(
 }
 
 /// Lets the runtime run the tasks that are ready, up to `passes` times while each pass queues
-/// more requests, so that a batch takes the requests already on their way rather than leaving
-/// them to the next call. In a Redis Cluster, each lane sees only its tags' share of the
-/// requests and has one call under way, so batches are small; a call's fixed cost to Redis
-/// and to this process is then paid for fewer requests. Under load the passes take a few
-/// microseconds; with nothing else ready, the first pass returns at once and ends the wait.
-async fn gather(jobs: &mpsc::UnboundedReceiver<Job>, passes: usize) {
+/// more requests and the batch (with the request taken already) is not full, so that a batch
+/// takes the requests already on their way rather than leaving them to the next call. In a
+/// Redis Cluster, each lane sees only its tags' share of the requests and has one call under
+/// way, so batches are small; a call's fixed cost to Redis and to this process is then paid
+/// for fewer requests. A pass lasts as long as the runtime takes to run the other ready tasks
+/// (at most a few dozen polls), which counts against the decisions' time budget; with nothing
+/// else ready it returns at once and ends the wait. A lone request on a free call slot never
+/// comes here.
+async fn gather(jobs: &mpsc::UnboundedReceiver<Job>, passes: usize, max_batch: usize) {
     for _ in 0..passes {
         let queued = jobs.len();
+        if queued + 1 >= max_batch {
+            return;
+        }
         tokio::task::yield_now().await;
         if jobs.len() == queued {
             return;
