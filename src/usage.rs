@@ -74,8 +74,8 @@ pub struct Usage(pub u64);
 /// The usage of one request, updated by the handler while it works, e.g. per chunk of a
 /// streamed body, and settled when the response body ends or is dropped.
 ///
-/// The layer puts one in the extensions of every request when usage is configured; clones
-/// share the count. A handler that may also run without the layer takes it as an option, so
+/// The layer puts one in the extensions of every request when usage is configured (several
+/// usage layers, per API key and per address say, share one); clones share the count. A handler that may also run without the layer takes it as an option, so
 /// that it does not fail where there is none. A request that reported nothing costs its
 /// reservation: to give it back (a request that did no work), set the meter to 0.
 ///
