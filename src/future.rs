@@ -33,7 +33,9 @@ pub(crate) struct Check {
 }
 
 /// What an admitted request's response gets: the rate-limit fields (unless hidden, or the store
-/// failed), and the tab its usage is settled on (when the layer limits by usage).
+/// failed), and the tab its usage is settled on (when the layer limits by usage); neither by
+/// default.
+#[derive(Default)]
 pub(crate) struct Admitted {
     pub(crate) fields: Option<(Decision, Arc<Responder>)>,
     pub(crate) tab: Option<Box<Tab>>,
@@ -129,10 +131,7 @@ impl Check {
                     FailureMode::Closed => {
                         Verdict::Answer(Responder::unavailable(self.grpc.as_ref()))
                     }
-                    _ => Verdict::Call(Admitted {
-                        fields: None,
-                        tab: None,
-                    }),
+                    _ => Verdict::Call(Admitted::default()),
                 }
             }
         }
@@ -197,11 +196,7 @@ where
 
     /// Calls the inner service with no decision to report (not limited, or allow-listed).
     pub(crate) fn calling(future: S::Future) -> Self {
-        let admitted = Admitted {
-            fields: None,
-            tab: None,
-        };
-        ResponseFuture::reporting(future, admitted)
+        ResponseFuture::reporting(future, Admitted::default())
     }
 
     /// Calls the inner service, adding rate-limit fields (if any) to its response and
