@@ -66,12 +66,7 @@ async fn killed_primary_fails_fast_then_the_promoted_replica_decides_exactly() {
     let promotion = killed.elapsed();
     let first_ok = load.wait_ok_after(0, kill_at, killed + RECOVERY).await;
     let recovered = killed.elapsed();
-    if first_ok.is_some() {
-        // A stretch of load after the recovery has settled, to see that it holds.
-        tokio::time::sleep(outage::SETTLE).await;
-        load.wait_for_requests(1000).await;
-    }
-    let samples = load.stop().await;
+    let samples = load.stop_after_failover(first_ok.is_some()).await;
 
     eprintln!(
         "kill to promotion of port {} named by every sentinel: {promotion:?}",

@@ -199,6 +199,16 @@ impl Load {
         }
     }
 
+    /// Stops the workers after a failover: once it recovered (`recovered`), only after a
+    /// stretch of load past [`SETTLE`] and 1 000 more requests, to see that it holds.
+    pub async fn stop_after_failover(self, recovered: bool) -> Vec<Sample> {
+        if recovered {
+            tokio::time::sleep(SETTLE).await;
+            self.wait_for_requests(1000).await;
+        }
+        self.stop().await
+    }
+
     /// Stops the workers; every sample, by sending time.
     pub async fn stop(self) -> Vec<Sample> {
         self.shared.stop.store(true, Ordering::Relaxed);
