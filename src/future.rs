@@ -85,7 +85,7 @@ impl Check {
                 let tab = self.usage.as_ref().map(|(metering, meter)| {
                     let about = (self.key.clone(), Arc::clone(&self.responder));
                     let cache = self.deny_cache.clone();
-                    Tab::open(metering, ledger, about, d, meter.clone(), cache)
+                    Tab::open(Arc::clone(metering), ledger, about, d, meter.clone(), cache)
                 });
                 let fields = (!options.hide_allowed_headers).then(|| (d, self.responder.clone()));
                 Verdict::Call(Admitted { fields, tab })

@@ -307,13 +307,13 @@ pub(crate) struct Metering {
 /// The account of one admitted request: what it reserved, and what it reported so far.
 /// Dropping it settles (see the module's docs).
 pub(crate) struct Tab {
-    ledger: Arc<dyn Ledger>,
+    metering: Arc<Metering>,
+    /// The store that admitted the request, where it is not the layer's own (the fallback).
+    fallback: Option<Arc<dyn Ledger>>,
     key: Key,
     responder: Arc<Responder>,
     decision: Decision,
     meter: UsageMeter,
-    trailers: Option<Arc<FieldsFn>>,
-    head: Option<Arc<FieldsFn>>,
     /// Usage reported by the head (extension or field), then by the trailers.
     from_head: Option<u64>,
     from_trailers: Option<u64>,
@@ -322,23 +322,23 @@ pub(crate) struct Tab {
 }
 
 impl Tab {
-    /// A tab for a request `decision` admitted, settled through `ledger`.
+    /// A tab for a request `decision` admitted, settled through `fallback` if given, else
+    /// through the layer's store.
     pub(crate) fn open(
-        metering: &Metering,
-        ledger: Option<Arc<dyn Ledger>>,
+        metering: Arc<Metering>,
+        fallback: Option<Arc<dyn Ledger>>,
         (key, responder): (Key, Arc<Responder>),
         decision: Decision,
         meter: UsageMeter,
         deny_cache: Option<DenyCache>,
     ) -> Box<Tab> {
         Box::new(Tab {
-            ledger: ledger.unwrap_or_else(|| Arc::clone(&metering.ledger)),
+            metering,
+            fallback,
             key,
             responder,
             decision,
             meter,
-            trailers: metering.report.trailers.clone(),
-            head: metering.report.head.clone(),
             from_head: None,
             from_trailers: None,
             deny_cache,
@@ -349,13 +349,18 @@ impl Tab {
     pub(crate) fn read_head<B>(&mut self, response: &Response<B>) {
         self.from_head = match response.extensions().get::<Usage>() {
             Some(Usage(units)) => Some(*units),
-            None => self.head.as_ref().and_then(|read| read(response.headers())),
+            None => self
+                .metering
+                .report
+                .head
+                .as_ref()
+                .and_then(|read| read(response.headers())),
         };
     }
 
     /// Reads the usage a response's trailers report.
     pub(crate) fn read_trailers(&mut self, trailers: &HeaderMap) {
-        if let Some(read) = &self.trailers {
+        if let Some(read) = &self.metering.report.trailers {
             self.from_trailers = read(trailers).or(self.from_trailers);
         }
     }
@@ -382,7 +387,8 @@ impl Drop for Tab {
             }
             let key = self.key.clone();
             let responder = Arc::clone(&self.responder);
-            self.ledger.settle(key, responder, settlement);
+            let ledger = self.fallback.as_ref().unwrap_or(&self.metering.ledger);
+            ledger.settle(key, responder, settlement);
         }
     }
 }
