@@ -172,6 +172,9 @@ fn parse_window(part: &str) -> Result<Duration, LimitError> {
 pub struct Policy {
     // Shared, so that cloning a policy into a request's future does not allocate.
     name: Arc<str>,
+    /// `<name>:<algorithm>:<limits>`, e.g. `api:gcra:100/1m+5000/1d`: everything that shapes
+    /// the stored state, made once (see [`Policy::identity`]).
+    identity: Arc<str>,
     /// Sorted by window, shortest first; no two share a window.
     limits: Arc<[Limit]>,
     /// The limits in the algorithms' units, computed once rather than per decision.
@@ -232,6 +235,7 @@ impl Policy {
         }
         let windows = limits.iter().map(Window::of).collect();
         Ok(Policy {
+            identity: identity(&name, Algorithm::SlidingLog, &limits),
             name: name.into(),
             limits: limits.into(),
             windows,
@@ -247,6 +251,7 @@ impl Policy {
     /// The same limits decided by another algorithm.
     pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
+        self.identity = identity(&self.name, algorithm, &self.limits);
         self
     }
 
@@ -258,6 +263,30 @@ impl Policy {
     /// The name, shared.
     pub(crate) fn shared_name(&self) -> Arc<str> {
         Arc::clone(&self.name)
+    }
+
+    /// What the policy's state is kept under: its name, algorithm and limits, e.g.
+    /// `api:gcra:100/1m+5000/1d`.
+    ///
+    /// Two policies share a budget only when their identities are equal: the same name, the
+    /// same algorithm and the same limits. Every store, lease and deny cache keys its state by
+    /// it, so two layers that happen to use one name (both parsed from strings are named
+    /// `default`) for different limits never count against each other. To share one budget
+    /// between routes or layers on purpose, give them the same policy (a clone, or one built
+    /// the same way). Changing a policy's limits in code starts its keys afresh.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// The identity, shared.
+    pub(crate) fn shared_identity(&self) -> Arc<str> {
+        Arc::clone(&self.identity)
+    }
+
+    /// The identity after the name and its colon: `<algorithm>:<limits>`.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn shape(&self) -> &str {
+        &self.identity[self.name.len() + 1..]
     }
 
     /// The limits, shortest window first.
@@ -315,12 +344,19 @@ impl TryFrom<&str> for Policy {
 impl From<Limit> for Policy {
     fn from(limit: Limit) -> Self {
         Policy {
+            identity: identity(Self::DEFAULT_NAME, Algorithm::SlidingLog, &[limit]),
             name: Self::DEFAULT_NAME.into(),
             limits: Arc::new([limit]),
             windows: Arc::new([Window::of(&limit)]),
             algorithm: Algorithm::SlidingLog,
         }
     }
+}
+
+/// `<name>:<algorithm>:<limit>+<limit>...`, limits shortest first as [`Limit`] displays them.
+fn identity(name: &str, algorithm: Algorithm, limits: &[Limit]) -> Arc<str> {
+    let limits: Vec<String> = limits.iter().map(Limit::to_string).collect();
+    format!("{name}:{}:{}", algorithm.tag(), limits.join("+")).into()
 }
 
 #[cfg(test)]

@@ -37,6 +37,7 @@ struct Shard<V> {
 /// What is kept about one key under one policy.
 pub(crate) struct Slot<V> {
     hash: u64,
+    /// The policy's identity (name, algorithm and limits), not its name alone.
     policy: Arc<str>,
     key: Key,
     /// When the value stops mattering; the slot is dead from then on.
@@ -77,7 +78,7 @@ impl<V> Shards<V> {
 
     /// Locks the shard of `key` under `policy`.
     pub(crate) fn lock(&self, key: &Key, policy: &Policy) -> Locked<'_, V> {
-        let hash = self.hasher.hash_one((policy.name(), key.as_str()));
+        let hash = self.hasher.hash_one((policy.identity(), key.as_str()));
         // Bits 32 and up pick the shard: the table inside uses the lowest bits for the bucket
         // and the top seven as a tag, so this choice leaves both evenly spread.
         let index = (hash >> 32) as usize & (self.shards.len() - 1);
@@ -126,7 +127,7 @@ impl<V> Locked<'_, V> {
         self.shard.make_room(now, self.capacity);
         let slot = Slot {
             hash: self.hash,
-            policy: policy.shared_name(),
+            policy: policy.shared_identity(),
             key: key.clone(),
             expires,
             used: now,
@@ -151,7 +152,7 @@ impl<V> Slot<V> {
 }
 
 fn matches<'a, V>(key: &'a Key, policy: &'a Policy) -> impl Fn(&Slot<V>) -> bool + 'a {
-    move |slot| slot.key == *key && *slot.policy == *policy.name()
+    move |slot| slot.key == *key && *slot.policy == *policy.identity()
 }
 
 /// A poisoned lock only means another thread panicked while holding it; every slot is valid

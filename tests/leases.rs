@@ -322,3 +322,608 @@ async fn a_lease_covers_every_limit_of_a_policy_and_costs() {
     let field = |i: usize| i64::from_le_bytes(raw[8 * i..8 * i + 8].try_into().unwrap());
     assert_eq!((field(1), field(3)), (admitted_units, admitted_units));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Leases at their edges: policies that share a name, a reset or a restart under held leases, a
+// drain during a fetch, stalls, settings that leave no burst, and what GCRA's headroom
+// promises.
+// ---------------------------------------------------------------------------------------------
+
+const MINUTE: u64 = 60_000_000;
+
+/// The body of the requests and responses of the layered test service.
+type Body = http_body_util::Full<bytes::Bytes>;
+
+/// Sleeps, if needed, until at least `need` is left in the current fixed 1-minute window
+/// (windows start at multiples of a minute since the Unix epoch), so that a test that must stay
+/// within one window does.
+async fn within_one_minute(need: Duration) {
+    let now = micros_now();
+    let left = MINUTE - now % MINUTE;
+    if left < need.as_micros() as u64 {
+        tokio::time::sleep(Duration::from_micros(left + 50_000)).await;
+    }
+}
+
+/// Asks as the layer does (`check_now`, else `check`); whether the request was admitted.
+async fn admit(store: &RedisStore, key: &Key, policy: &Policy, cost: u32) -> bool {
+    let outcome = match store.check_now(key, policy, cost) {
+        Some(outcome) => outcome,
+        None => store.check(key, policy, cost).await,
+    };
+    matches!(outcome, Ok(d) if d.is_allowed())
+}
+
+/// A leasing store with these settings and time budget.
+async fn leasing_with(url: String, leases: Leases, timeout: Duration) -> RedisStore {
+    RedisStore::builder(url)
+        .leases(leases)
+        .timeout(timeout)
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// Blocks the Redis behind `client` for `seconds` (`DEBUG SLEEP`, which needs a server started
+/// with `--enable-debug-command local`); returns when it answers again.
+async fn stall(client: &Client, seconds: f64) {
+    let debug = fred::types::CustomCommand::new_static("DEBUG", None, false);
+    let _: fred::types::Value = client
+        .custom(debug, vec!["SLEEP".to_owned(), seconds.to_string()])
+        .await
+        .expect("DEBUG SLEEP (is the debug command enabled?)");
+}
+
+/// Sends `n` requests with an `x-api-key` header of `key` through `service`; returns how many
+/// were answered 200.
+async fn through_layer<S, B>(service: &S, key: &'static str, n: usize) -> usize
+where
+    S: tower::Service<http::Request<Body>, Response = http::Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    use tower::ServiceExt;
+    let mut admitted = 0;
+    for _ in 0..n {
+        let request = http::Request::builder()
+            .header("x-api-key", key)
+            .body(Body::default())
+            .unwrap();
+        let response = service.clone().oneshot(request).await.unwrap();
+        match response.status().as_u16() {
+            200 => admitted += 1,
+            429 => {}
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    admitted
+}
+
+/// A service behind `layer` that answers every admitted request with 200.
+fn served<St: Store>(
+    layer: RateLimitLayer<tower_redis_ratelimit::Header, St>,
+) -> impl tower::Service<
+    http::Request<Body>,
+    Response = http::Response<impl Sized>,
+    Error = std::convert::Infallible,
+    Future = impl Send,
+> + Clone {
+    tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(tower::service_fn(|_: http::Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(Body::from("ok")))
+        }))
+}
+
+/// The `x-api-key` header as the layer's key.
+fn api_key() -> tower_redis_ratelimit::Header {
+    tower_redis_ratelimit::Header::new(http::HeaderName::from_static("x-api-key"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_named_policies_never_spend_each_others_leases() {
+    let server = RedisServer::start();
+    let store = leasing(server.url()).await;
+    // Both cases need the 20/1m fixed window to stay within one window.
+    within_one_minute(Duration::from_secs(20)).await;
+
+    // Case A: two policies parsed from text, so both named "default", of different algorithms.
+    let wide = RateLimitLayer::builder()
+        .policy("1000/1m")
+        .algorithm(Algorithm::Gcra)
+        .key(api_key())
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let narrow = RateLimitLayer::builder()
+        .policy("20/1m")
+        .algorithm(Algorithm::FixedWindow)
+        .key(api_key())
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let (wide, narrow) = (served(wide), served(narrow));
+    let first = through_layer(&wide, "key-a", 300).await;
+    let second = through_layer(&narrow, "key-a", 60).await;
+    eprintln!(
+        "case A (\"default\", GCRA 1000/1m then fixed 20/1m): {first} of 300, then {second} of 60"
+    );
+    let case_a = (first, second);
+
+    // Case B: both named "api", same algorithm, different limits.
+    let api = |limit: &str| {
+        Policy::new("api", [limit.parse().unwrap()])
+            .unwrap()
+            .with_algorithm(Algorithm::FixedWindow)
+    };
+    let wide = RateLimitLayer::builder()
+        .policy(api("1000/1m"))
+        .key(api_key())
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let narrow = RateLimitLayer::builder()
+        .policy(api("20/1m"))
+        .key(api_key())
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let (wide, narrow) = (served(wide), served(narrow));
+    let first = through_layer(&wide, "key-b", 300).await;
+    let second = through_layer(&narrow, "key-b", 60).await;
+    let case_b = (first, second);
+    eprintln!(
+        "case B (\"api\", fixed 1000/1m then fixed 20/1m): {first} of 300, then {second} of 60"
+    );
+    // Both cases are measured before either is judged, so that a failure shows both.
+    let (first, second) = case_a;
+    assert_eq!(first, 300, "GCRA 1000/1m admits 300 of 300");
+    assert_eq!(
+        second, 20,
+        "the fixed-window 20/1m policy admitted {second} of 60 after 300 requests under the \
+         GCRA 1000/1m policy of the same name on the same key (leases of one were spent by the \
+         other)"
+    );
+    let (first, second) = case_b;
+    assert_eq!(first, 300, "1000/1m admits 300 of 300");
+    assert_eq!(
+        second, 20,
+        "the 20/1m policy named \"api\" admitted {second} of 60 after 300 requests under the \
+         1000/1m policy of the same name on the same key"
+    );
+}
+
+/// Sends `n` requests through `store`, one every `every`; returns those admitted.
+async fn paced(store: &RedisStore, key: &Key, policy: &Policy, n: usize, every: Duration) -> u64 {
+    let mut admitted = 0;
+    let mut tick = tokio::time::interval(every);
+    for _ in 0..n {
+        tick.tick().await;
+        admitted += u64::from(admit(store, key, policy, 1).await);
+    }
+    admitted
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_does_not_let_old_give_backs_free_new_units() {
+    let server = RedisServer::start();
+    let client = server.client().await;
+    let (a, b) = (leasing(server.url()).await, leasing(server.url()).await);
+    let (key, policy) = (Key::from("reset"), fixed("100/1m"));
+    within_one_minute(Duration::from_secs(20)).await;
+    // A serves the key until it holds a lease.
+    let warm = paced(&a, &key, &policy, 30, Duration::from_millis(5)).await;
+    let leased = a.check_now(&key, &policy, 1);
+    assert!(
+        matches!(leased, Some(Ok(ref d)) if d.is_allowed()),
+        "A holds a lease after {warm} admitted: {leased:?}"
+    );
+    let held = counted(&client, &a, &key, &policy).await - warm as i64 - 1;
+    a.reset(&key, &policy).await.unwrap();
+    // Only B serves now, 200 requests over 2 s: A's sweeper gives its idle key's units back
+    // (after a quarter period, 250 ms) in between.
+    let after = paced(&b, &key, &policy, 200, Duration::from_millis(10)).await;
+    eprintln!(
+        "A: {warm} + 1 admitted, {held} units held at the reset; after the reset B admitted \
+         {after} of 200 under 100/1m"
+    );
+    assert!(
+        after <= 100,
+        "B admitted {after} under 100/1m after the reset (A held {held} units when it reset)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_does_not_let_old_give_backs_free_new_units() {
+    let mut server = RedisServer::start();
+    // A 2 s period: an idle key gives its units back after 500 ms, well after the restart
+    // is over (which leaves old give-backs to land on the new state, the case at hand).
+    let leases = Leases::new().period(Duration::from_secs(2));
+    let timeout = Duration::from_millis(200);
+    let stores: Vec<RedisStore> =
+        futures::future::join_all((0..3).map(|_| leasing_with(server.url(), leases, timeout)))
+            .await;
+    let (key, policy) = (Key::from("restart"), fixed("100/1m"));
+    within_one_minute(Duration::from_secs(20)).await;
+    // The first two serve the key until each holds a lease.
+    let warm = futures::future::join_all(
+        stores[..2]
+            .iter()
+            .map(|s| paced(s, &key, &policy, 30, Duration::from_millis(5))),
+    )
+    .await;
+    let client = server.client().await;
+    let held = counted(&client, &stores[0], &key, &policy).await - warm.iter().sum::<u64>() as i64;
+    drop(client);
+    let asked = tokio::time::Instant::now();
+    let mut server = tokio::task::spawn_blocking(move || {
+        server.restart();
+        server
+    })
+    .await
+    .unwrap();
+    // Until every connection of every store answers again (without a decision, which would
+    // trip a store's breaker).
+    for store in &stores {
+        for connection in store.pool().clients() {
+            loop {
+                let ping = connection.ping::<String>(None);
+                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(100), ping).await {
+                    break;
+                }
+                assert!(asked.elapsed() < Duration::from_secs(10), "no reconnection");
+            }
+        }
+    }
+    let back = asked.elapsed();
+    // Only the third serves: 200 requests over 2 s.
+    let after = paced(&stores[2], &key, &policy, 200, Duration::from_millis(10)).await;
+    eprintln!(
+        "warm: {warm:?} admitted, {held} units held; restarted and reconnected in {back:?}; \
+         then the third store admitted {after} of 200 under 100/1m"
+    );
+    assert!(
+        after <= 100,
+        "the third store admitted {after} under 100/1m after the restart ({held} units were \
+         held in leases when Redis restarted)"
+    );
+    server.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_waits_for_a_fetch_in_flight() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let client = server.client().await;
+    // A budget well over the stall, so that the fetch is answered rather than timed out.
+    let store = leasing_with(server.url(), Leases::new(), Duration::from_secs(1)).await;
+    let (key, policy) = (Key::from("drain-in-flight"), fixed("1000/1m"));
+    within_one_minute(Duration::from_secs(20)).await;
+    let mut admitted = paced(&store, &key, &policy, 100, Duration::from_millis(5)).await;
+    let held = counted(&client, &store, &key, &policy).await - admitted as i64;
+    assert!(held > 0, "the busy key holds a lease");
+    // Redis sleeps for 150 ms; meanwhile the lease is spent, which fetches the next one, and a
+    // request that the lease cannot answer goes to Redis.
+    let sleeper = server.client().await;
+    let stalled = tokio::spawn(async move { stall(&sleeper, 0.15).await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut from_lease = 0;
+    while let Some(outcome) = store.check_now(&key, &policy, 1) {
+        from_lease += 1;
+        admitted += u64::from(outcome.unwrap().is_allowed());
+        assert!(from_lease <= 1000, "the lease never ran out");
+    }
+    let asking = {
+        let (store, key, policy) = (store.clone(), key.clone(), policy.clone());
+        tokio::spawn(async move { store.check(&key, &policy, 1).await })
+    };
+    tokio::task::yield_now().await;
+    let drained = store.drain().await;
+    let asked = asking.await.unwrap();
+    stalled.await.unwrap();
+    admitted += u64::from(matches!(asked, Ok(ref d) if d.is_allowed()));
+    // Whatever fetch the spending started in the background has landed by now (Redis answers
+    // at once after the stall); the sweeper would give an idle key's units back only 250 ms
+    // after its last request, well after this.
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let count = counted(&client, &store, &key, &policy).await;
+    let after = store.check_now(&key, &policy, 1);
+    eprintln!(
+        "{held} units held before the stall, {from_lease} spent from leases during it; drain \
+         answered {drained:?}; the request sent during the stall: {asked:?}; {admitted} \
+         admitted, {count} counted in Redis; check_now after the drain: {after:?}"
+    );
+    assert_eq!(
+        count,
+        admitted as i64,
+        "after drain() and every request answered, Redis counts {count} units for {admitted} \
+         admitted ({} units leased and never given back; drain answered {drained:?})",
+        count - admitted as i64
+    );
+    assert!(
+        after.is_none(),
+        "after drain(), check_now still decides from a lease: {after:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn units_stranded_by_stalls_come_back() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let client = server.client().await;
+    let stores: Vec<RedisStore> = futures::future::join_all(
+        (0..4).map(|_| leasing_with(server.url(), Leases::new(), Duration::from_millis(200))),
+    )
+    .await;
+    let (key, policy) = (Key::from("stalls"), fixed("6000/1m"));
+    // About 12 s from the first request to the count: all of it within one fixed window.
+    within_one_minute(Duration::from_secs(20)).await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut load = Vec::new();
+    for store in &stores {
+        let (store, key, policy, stop) = (store.clone(), key.clone(), policy.clone(), stop.clone());
+        // 100 requests per second per instance.
+        load.push(tokio::spawn(async move {
+            let (mut sent, mut admitted) = (0u64, 0u64);
+            let mut tick = tokio::time::interval(Duration::from_millis(10));
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                tick.tick().await;
+                sent += 1;
+                admitted += u64::from(admit(&store, &key, &policy, 1).await);
+            }
+            (sent, admitted)
+        }));
+    }
+    // Four stalls of 1.2 s, a second apart.
+    let sleeper = server.client().await;
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        stall(&sleeper, 1.2).await;
+    }
+    let last_stall_ended = tokio::time::Instant::now();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut per_store = Vec::new();
+    for task in load {
+        per_store.push(task.await.unwrap());
+    }
+    // One lease period and a margin after the last stall and the last request: every lease
+    // has expired or gone idle, and its unspent units are back.
+    tokio::time::sleep_until(
+        last_stall_ended + Leases::DEFAULT_PERIOD + Duration::from_millis(700),
+    )
+    .await;
+    let admitted: u64 = per_store.iter().map(|&(_, a)| a).sum();
+    let count = counted(&client, &stores[0], &key, &policy).await;
+    let stranded = count - admitted as i64;
+    eprintln!(
+        "(sent, admitted) per instance: {per_store:?}; {admitted} admitted, {count} counted in \
+         Redis: {stranded} units counted and never admitted"
+    );
+    assert!(
+        stranded <= 60,
+        "{stranded} units counted in Redis and never admitted ({count} counted, {admitted} \
+         admitted) 1.7 s after four 1.2 s stalls; at most 60 (1 % of 6000/1m) may stay"
+    );
+}
+
+fn gcra(limit: &str) -> Policy {
+    Policy::new("gcra", [limit.parse().unwrap()])
+        .unwrap()
+        .with_algorithm(Algorithm::Gcra)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn impossible_lease_settings_fail_to_build() {
+    let server = RedisServer::start();
+    // GCRA's headroom would be the whole window: a burst of 10 * (1 - 1 s / 1 s) = 0.
+    let leases = Leases::new().max_share(1.0);
+    let store = leasing_with(server.url(), leases, Duration::from_millis(200)).await;
+    let policy = gcra("10/1s");
+    let supported = store.supports(&policy);
+    let built = RateLimitLayer::builder()
+        .policy(policy.clone())
+        .key(api_key())
+        .store(store.clone())
+        .build();
+    let mut what_it_admits = String::new();
+    if built.is_ok() || supported.is_ok() {
+        let key = Key::from("impossible");
+        let mut admitted = 0;
+        for _ in 0..20 {
+            admitted += u32::from(admit(&store, &key, &policy, 1).await);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        what_it_admits = format!("; the store admits {admitted} of 20 requests over 200 ms");
+    }
+    eprintln!(
+        "supports: {supported:?}; build: {:?}{what_it_admits}",
+        built.as_ref().map(|_| "Ok")
+    );
+    match &built {
+        Err(BuildError::Unsupported { policy, why }) => {
+            assert_eq!(policy, "gcra");
+            assert!(
+                why.contains("max_share"),
+                "the error names the setting: {why}"
+            );
+        }
+        Err(other) => panic!("expected BuildError::Unsupported, got {other:?}"),
+        Ok(_) => {
+            panic!("a layer with GCRA 10/1s over leases of max_share 1.0 built{what_it_admits}")
+        }
+    }
+    assert!(
+        supported.is_err(),
+        "supports(GCRA 10/1s) with max_share 1.0: {supported:?}{what_it_admits}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cost_over_the_leasing_burst_says_it_never_passes() {
+    let server = RedisServer::start();
+    // The headroom is 0.5 s of 1 s: the burst is 50.
+    let leases = Leases::new().max_share(0.5);
+    let store = leasing_with(server.url(), leases, Duration::from_millis(200)).await;
+    let (key, policy) = (Key::from("heavy"), gcra("100/1s"));
+    let decision = store.check(&key, &policy, 60).await.unwrap();
+    eprintln!("a request of cost 60 on a fresh key: {decision:?}");
+    assert!(
+        !decision.is_allowed(),
+        "a cost of 60 admitted where the burst is 50: {decision:?}"
+    );
+    assert_eq!(
+        decision.retry_after(),
+        None,
+        "a cost of 60 can never pass under a burst of 50, yet retry_after says when: \
+         {decision:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peek_and_remaining_agree_with_check_under_the_headroom() {
+    let server = RedisServer::start();
+    // The headroom is 0.25 s of 1 s: the burst is 75.
+    let leases = Leases::new().max_share(0.25);
+    let store = leasing_with(server.url(), leases, Duration::from_millis(200)).await;
+    let (key, policy) = (Key::from("agree"), gcra("100/1s"));
+    // A burst as the layer sends it, as fast as it goes: 200 requests (a unit drips back every
+    // 10 ms). After each of the first refusals, a peek.
+    let mut decisions = Vec::new();
+    let mut peeks = Vec::new();
+    let started = tokio::time::Instant::now();
+    for _ in 0..200 {
+        let sent = tokio::time::Instant::now();
+        let decision = match store.check_now(&key, &policy, 1) {
+            Some(outcome) => outcome.unwrap(),
+            None => store.check(&key, &policy, 1).await.unwrap(),
+        };
+        if !decision.is_allowed() && peeks.len() < 5 {
+            let peeked = store.peek(&key, &policy, 1).await.unwrap();
+            // Redis ran the refusal after `sent` and the peek before now: if less than the
+            // refusal's retry-after lies between, nothing has dripped back that could admit.
+            let between = sent.elapsed();
+            peeks.push((decisions.len(), decision.retry_after(), between, peeked));
+        }
+        decisions.push((decision.is_allowed(), decision.remaining()));
+    }
+    let took = started.elapsed();
+    let admitted = decisions.iter().filter(|d| d.0).count();
+    let first_refusal = decisions.iter().position(|d| !d.0);
+    eprintln!(
+        "{admitted} of 200 admitted in {took:?}, the first refusal at request {first_refusal:?}; \
+         (allowed, remaining) per request: {decisions:?}"
+    );
+    for (at, retry_after, between, peeked) in &peeks {
+        eprintln!(
+            "refusal at request {}: retry_after {retry_after:?}; a peek {between:?} after it was \
+             sent: allowed {} remaining {}",
+            at + 1,
+            peeked.is_allowed(),
+            peeked.remaining()
+        );
+    }
+    assert!(
+        first_refusal.is_some(),
+        "200 requests against a burst of 75"
+    );
+    for (i, &(allowed, remaining)) in decisions.iter().enumerate() {
+        assert!(
+            allowed || remaining == 0,
+            "request {} was refused while reporting remaining {remaining}",
+            i + 1
+        );
+    }
+    let mut judged = 0;
+    for (at, retry_after, between, peeked) in &peeks {
+        if retry_after.is_some_and(|r| *between < r) {
+            judged += 1;
+            assert!(
+                !peeked.is_allowed(),
+                "request {} was refused (retry after {retry_after:?}), but a peek {between:?} \
+                 later says allowed with remaining {}",
+                at + 1,
+                peeked.remaining()
+            );
+        }
+    }
+    assert!(
+        judged > 0,
+        "no peek came within a refusal's retry-after: {peeks:?}"
+    );
+    // A remaining of r promises r more admissions at that instant; the later requests of the
+    // burst (within a few ms, which only drips more in) were admitted at least that often.
+    for (i, &(allowed, remaining)) in decisions.iter().enumerate() {
+        let later = decisions[i + 1..].iter().filter(|d| d.0).count() as u64;
+        assert!(
+            !allowed || remaining <= later,
+            "request {} was admitted reporting remaining {remaining}, but only {later} of the \
+             {} requests after it were admitted",
+            i + 1,
+            decisions.len() - i - 1
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_of_four_keeps_gcra_within_its_bucket() {
+    let server = RedisServer::start();
+    let policy = gcra("200/2s");
+    let (count, window) = (200.0, 2_000_000.0);
+    let stores: Vec<RedisStore> =
+        futures::future::join_all((0..4).map(|_| leasing(server.url()))).await;
+    // Two clients, each sending three times its rate (300 per second), spread evenly over the
+    // four instances: 75 requests per second per instance and client, for 6 s.
+    let end = micros_now() + 6_000_000;
+    let admitted = Arc::new(std::sync::Mutex::new([Vec::new(), Vec::new()]));
+    let mut tasks = Vec::new();
+    for store in &stores {
+        for client in 0..2usize {
+            let (store, policy, admitted) = (store.clone(), policy.clone(), admitted.clone());
+            tasks.push(tokio::spawn(async move {
+                let key = Key::from(format!("client-{client}"));
+                let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / 75));
+                while micros_now() < end {
+                    tick.tick().await;
+                    let before = micros_now();
+                    if admit(&store, &key, &policy, 1).await {
+                        admitted.lock().unwrap()[client].push(before);
+                    }
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let mut admitted = admitted.lock().unwrap().clone();
+    for (client, times) in admitted.iter_mut().enumerate() {
+        times.sort_unstable();
+        // The bucket admits at most c * (t - s + w) / w units in any span [s, t]: a full
+        // bucket, then the rate. The times are this process's clock taken before each call,
+        // while Redis decides on its own clock a little later: 2 units of margin for that.
+        let mut worst = (f64::NEG_INFINITY, 0, 0);
+        for (i, &s) in times.iter().enumerate() {
+            for (j, &t) in times.iter().enumerate().skip(i) {
+                let units = (j - i + 1) as f64;
+                let bound = count * ((t - s) as f64 + window) / window;
+                if units - bound > worst.0 {
+                    worst = (units - bound, i, j);
+                }
+            }
+        }
+        let (excess, i, j) = worst;
+        eprintln!(
+            "client {client}: {} admitted in 6 s (at most about {} by the rate and a bucket); \
+             the closest to the bound: {excess:.1} units over it (under, if negative) in the {} \
+             admissions over {} µs",
+            times.len(),
+            200 + 600,
+            j - i + 1,
+            times[j] - times[i]
+        );
+        assert!(
+            excess <= 2.0,
+            "client {client}: {} admissions within {} µs, {excess:.1} units over \
+             c * (t - s + w) / w",
+            j - i + 1,
+            times[j] - times[i]
+        );
+    }
+}

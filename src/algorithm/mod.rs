@@ -59,8 +59,7 @@ impl Algorithm {
         }
     }
 
-    /// A short name, used in store keys.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    /// A short name, used in policy identities and store keys.
     pub(crate) fn tag(self) -> &'static str {
         match self {
             Algorithm::SlidingLog => "log",

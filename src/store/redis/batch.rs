@@ -22,8 +22,9 @@ use bytes::Bytes;
 use fred::clients::Pool;
 use fred::error::{Error, ErrorKind};
 use fred::interfaces::ClientLike;
+use fred::types::config::Options;
 use fred::types::scripts::Script;
-use fred::types::Key;
+use fred::types::{ClusterHash, CustomCommand, Key, Value};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::ask;
@@ -163,6 +164,56 @@ impl Batcher {
                 "no reply within the time budget",
             )),
         }
+    }
+
+    /// Decides one request at `place` in a call of its own, outside the batches, and waits
+    /// for Redis's reply for up to `patience` instead of the time budget. For a lease: Redis
+    /// counts its units when the script runs, so its reply is worth reading however late it
+    /// comes (see `lease/`). In a cluster, a slot that moved fails the call (nothing ran).
+    pub(super) async fn decide_patiently(
+        &self,
+        place: Place,
+        algorithm: Algorithm,
+        args: Vec<u8>,
+        patience: Duration,
+    ) -> Reply {
+        let Some((_, script)) = self.settings.scripts.iter().find(|(a, _)| *a == algorithm) else {
+            return Err(Error::new(
+                ErrorKind::Unknown,
+                "no script for this algorithm",
+            ));
+        };
+        let client = self.settings.pool.next_connected();
+        let options = Options {
+            timeout: Some(patience),
+            max_redirections: Some(0),
+            ..Options::default()
+        };
+        let patient = client.with_options(&options);
+        let slot = fred::util::redis_keyslot(place.key.as_bytes());
+        let command = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(slot), false);
+        let evalsha = vec![
+            Value::from(script.sha1().clone()),
+            Value::from(1),
+            Value::from(place.key),
+            Value::Bytes(Bytes::from(args)),
+        ];
+        let mut reply = patient
+            .custom::<Bytes, _>(command.clone(), evalsha.clone())
+            .await;
+        if reply
+            .as_ref()
+            .is_err_and(|e| e.details().starts_with("NOSCRIPT"))
+        {
+            script.load(client).await?;
+            reply = patient.custom::<Bytes, _>(command, evalsha).await;
+        }
+        let values = reply?;
+        if values.len() != 6 * INT {
+            let message = format!("{} bytes for one request", values.len());
+            return Err(Error::new(ErrorKind::Parse, message));
+        }
+        Ok(answer(&values, 0))
     }
 
     /// Whether the pool talks to a Redis Cluster.
@@ -351,8 +402,9 @@ async fn send_by_key(
 /// What a request asks a script to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Record {
-    /// Decide only (a peek).
-    No,
+    /// Decide only (a peek), against a GCRA capacity less `headroom` µs of drain, as a
+    /// leasing store's decisions are.
+    No { headroom: u64 },
     /// Decide, and record an admitted request's cost.
     Yes,
     /// Decide, and record as many units as fit now, up to `want` (at least the cost), keeping
@@ -366,12 +418,12 @@ pub(super) enum Record {
 
 /// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
 /// of limits, cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (µs, -1 for
-/// now), for a lease want and headroom, for a settlement refund (0 or 1) and admission time,
+/// now), for a lease or a look (0) want and headroom, for a settlement refund (0 or 1) and admission time,
 /// then count and window (µs) of each limit.
 pub(super) fn encode(cost: u64, record: Record, at: i64, windows: &[Window]) -> Vec<u8> {
     let mut args = Vec::with_capacity(INT * (6 + 2 * windows.len()));
     let (flag, extra) = match record {
-        Record::No => (0, None),
+        Record::No { headroom } => (0, Some([clamp(cost), clamp(headroom)])),
         Record::Yes => (1, None),
         Record::Lease { want, headroom } => (2, Some([clamp(want), clamp(headroom)])),
         Record::Settle { refund, admitted } => (3, Some([i64::from(refund), admitted])),

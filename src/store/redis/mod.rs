@@ -68,9 +68,10 @@ const SCRIPTS: [(Algorithm, &str); 4] = [
 /// trims, counts and records in one atomic step. If Redis has lost the script (`SCRIPT FLUSH`,
 /// a restart, a failover) it is loaded again and the call retried once.
 ///
-/// Keys are `<prefix>:{<policy>:<key>}:<algorithm>` (`log`, `sw`, `fw`, `gcra`) on a single
-/// Redis. On a Redis Cluster (a `redis-cluster://` URL) they are
-/// `<prefix>:{<tag>}:<policy>:<key>:<algorithm>`, where the hash tag is one of a fixed set
+/// Keys are `<prefix>:{<policy>:<key>}:<algorithm>:<limits>` (algorithm `log`, `sw`, `fw`,
+/// `gcra`; limits as in [`Policy::identity`]) on a single Redis. On a Redis Cluster (a
+/// `redis-cluster://` URL) they are `<prefix>:{<tag>}:<policy>:<key>:<algorithm>:<limits>`,
+/// where the hash tag is one of a fixed set
 /// ([`RedisStoreBuilder::cluster_tags`]) spread evenly over the slots: requests for many
 /// clients then share a slot, and so a script call. Either way, all the state of one decision
 /// is in one slot. Each key expires once its state no longer matters: the longest window
@@ -132,24 +133,63 @@ impl Inner {
         &self,
         call: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, StoreError> {
-        let breaker = &self.breaker;
-        if breaker.is_open() {
+        if self.breaker.is_open() {
             return Err(StoreError::Unavailable);
         }
-        let started = breaker.now();
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(Ok(value)) => {
-                breaker.close();
+        let started = self.breaker.now();
+        let reply = tokio::time::timeout(self.timeout, call).await.ok();
+        self.judge(started, reply)
+    }
+
+    /// Waits within the time budget for a reply that a task of its own reads from Redis, so
+    /// that a reply later than the budget is still read there; judged as [`guarded`] judges
+    /// its call. The caller checks the breaker before it starts the task.
+    ///
+    /// [`guarded`]: Self::guarded
+    async fn within_budget<T>(
+        &self,
+        mut reply: tokio::sync::oneshot::Receiver<Result<T, fred::error::Error>>,
+    ) -> Result<T, StoreError> {
+        let started = self.breaker.now();
+        let ended = || {
+            let message = "the call's task ended without a reply";
+            Err(fred::error::Error::new(
+                fred::error::ErrorKind::Canceled,
+                message,
+            ))
+        };
+        let reply = match tokio::time::timeout(self.timeout, &mut reply).await {
+            Ok(reply) => Some(reply.unwrap_or_else(|_| ended())),
+            // A reply sent as the budget ran out is taken, not left unread: once the channel
+            // is closed, the task sees that nobody took it and books it itself.
+            Err(_) => {
+                reply.close();
+                reply.try_recv().ok()
+            }
+        };
+        self.judge(started, reply)
+    }
+
+    /// The breaker's verdict on a call started at `started`: its reply, or `None` when it
+    /// took longer than the budget.
+    fn judge<T>(
+        &self,
+        started: u64,
+        reply: Option<Result<T, fred::error::Error>>,
+    ) -> Result<T, StoreError> {
+        match reply {
+            Some(Ok(value)) => {
+                self.breaker.close();
                 Ok(value)
             }
-            Ok(Err(error)) => {
+            Some(Err(error)) => {
                 if is_outage(&error) {
-                    breaker.trip(started);
+                    self.breaker.trip(started);
                 }
                 Err(error.into())
             }
-            Err(_) => {
-                breaker.trip(started);
+            None => {
+                self.breaker.trip(started);
                 Err(StoreError::Timeout(self.timeout))
             }
         }
@@ -250,7 +290,9 @@ impl RedisStore {
     /// Gives back every unit this instance holds in leases and takes no more: decisions go to
     /// Redis one by one from now on. Call it on graceful shutdown, after the server stopped
     /// taking requests, so that other instances can use the units at once instead of after
-    /// the leases expire. Returns the units given back; without leases, 0.
+    /// the leases expire. Leases being fetched are waited for (within the time budget) and
+    /// given back too; one that lands later is given back as it lands. From the call on,
+    /// nothing is spent from leases. Returns the units given back; without leases, 0.
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), tower_redis_ratelimit::StoreError> {
@@ -266,7 +308,7 @@ impl RedisStore {
     /// # Ok(()) }
     /// ```
     pub async fn drain(&self) -> Result<u64, StoreError> {
-        lease::stop(&self.inner);
+        lease::stop(&self.inner).await;
         lease::give_back(self, true).await
     }
 
@@ -577,10 +619,7 @@ impl Store for RedisStore {
     }
 
     fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
-        match lease::refuses(&self.inner, policy) {
-            Some(why) => Err(StoreError::Unsupported(why)),
-            None => Ok(()),
-        }
+        lease::supports(&self.inner, policy)
     }
 
     fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
@@ -601,8 +640,15 @@ impl Store for RedisStore {
         )
     }
 
+    /// What a decision would answer now: from this instance's lease when it holds the units,
+    /// as [`check_now`](Store::check_now) would, else from Redis, against the same GCRA
+    /// headroom a leasing store's decisions keep.
     fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        self.run(key, policy, cost, -1, Record::No)
+        if let Some(decision) = lease::peek_now(&self.inner, key, policy, cost) {
+            return Box::pin(std::future::ready(Ok(decision)));
+        }
+        let headroom = lease::headroom(&self.inner, policy);
+        self.run(key, policy, cost, -1, Record::No { headroom })
     }
 
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {

@@ -23,9 +23,10 @@ const SLOTS: usize = 16_384;
 /// How keys are named: one slot per client (a single Redis), or a fixed set of hash tags.
 #[derive(Debug, Clone)]
 pub(super) enum Placement {
-    /// `<prefix>:{<policy>:<key>}:<algorithm>`.
+    /// `<prefix>:{<policy>:<key>}:<algorithm>:<limits>`.
     PerClient,
-    /// `<prefix>:{<tag>}:<policy>:<key>:<algorithm>`, the tag chosen by a hash of policy and key.
+    /// `<prefix>:{<tag>}:<policy>:<key>:<algorithm>:<limits>`, the tag chosen by a hash of
+    /// policy name and key.
     Tagged(Vec<String>),
 }
 
@@ -52,18 +53,18 @@ impl Placement {
 
     /// Where `key`'s state under `policy` lives.
     pub(super) fn place(&self, prefix: &str, key: &Key, policy: &Policy) -> Place {
-        let (name, client, algorithm) = (policy.name(), key.as_str(), policy.algorithm().tag());
+        let (name, client, shape) = (policy.name(), key.as_str(), policy.shape());
         // `concat` allocates once, at the exact size.
         match self {
             Placement::PerClient => Place {
-                key: [prefix, ":{", name, ":", client, "}:", algorithm].concat(),
+                key: [prefix, ":{", name, ":", client, "}:", shape].concat(),
                 lane: 0,
             },
             Placement::Tagged(tags) => {
                 let lane = tag_index(name, client, tags.len());
                 let tag = &tags[lane];
                 Place {
-                    key: [prefix, ":{", tag, "}:", name, ":", client, ":", algorithm].concat(),
+                    key: [prefix, ":{", tag, "}:", name, ":", client, ":", shape].concat(),
                     lane,
                 }
             }
@@ -114,7 +115,7 @@ mod tests {
     #[test]
     fn a_single_redis_keeps_one_slot_per_client() {
         let place = Placement::PerClient.place("rl", &Key::from("c1"), &policy());
-        assert_eq!(place.key, "rl:{api:c1}:log");
+        assert_eq!(place.key, "rl:{api:c1}:log:10/1m");
         assert_eq!(place.lane, 0);
     }
 
@@ -145,7 +146,7 @@ mod tests {
             let tag = &key[key.find('{').unwrap() + 1..key.find('}').unwrap()];
             assert_eq!(texts[lane], tag);
             per_tag[lane] += 1;
-            assert!(key.ends_with(&format!("}}:api:c-{i}:log")), "{key}");
+            assert!(key.ends_with(&format!("}}:api:c-{i}:log:10/1m")), "{key}");
         }
         // 1000 expected per tag; a fair hash stays well within ±20 %.
         assert!(

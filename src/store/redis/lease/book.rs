@@ -74,9 +74,11 @@ pub(crate) struct Entry {
     pub(crate) fetching: bool,
     /// Local time of the last request.
     pub(crate) last_used: u64,
-    /// What Redis last answered for this key, for the rate-limit fields of requests admitted
-    /// from a lease: its remaining count already excludes every unit leased.
-    last: Option<Outcome>,
+    /// What Redis last answered for this key, and its Redis time, for the rate-limit fields
+    /// of requests admitted from a lease: its remaining count already excludes every unit
+    /// leased. Replies may land out of order (leases and plain decisions travel apart); the
+    /// latest by Redis time is kept, since an older one does not count the newer grants.
+    last: Option<(i64, Outcome)>,
 }
 
 impl Entry {
@@ -90,10 +92,7 @@ impl Entry {
     /// the outcome to answer with, and the Redis time of the grant the last unit came from
     /// (where Redis counted it).
     pub(crate) fn take(&mut self, now: u64, cost: u64) -> Option<(Outcome, Option<i64>)> {
-        let last = self.last?;
-        if self.units(now) < cost {
-            return None;
-        }
+        self.peek(now, cost)?;
         let mut left = cost;
         let mut granted = None;
         for grant in self.grants.iter_mut().filter(|g| g.expires > now) {
@@ -107,13 +106,25 @@ impl Entry {
                 granted = Some(grant.granted);
             }
         }
-        let outcome = Outcome {
+        Some((self.outcome(now)?, granted))
+    }
+
+    /// What [`take`](Self::take) would answer at `now` for `cost`, without spending: `None`
+    /// when the unexpired leases hold fewer units.
+    pub(crate) fn peek(&self, now: u64, cost: u64) -> Option<Outcome> {
+        (self.units(now) >= cost).then(|| self.outcome(now))?
+    }
+
+    /// An admission from the lease at `now`: what Redis last answered, with the units still
+    /// held added to its remaining count (Redis counted them as used).
+    fn outcome(&self, now: u64) -> Option<Outcome> {
+        let (_, last) = self.last?;
+        Some(Outcome {
             allowed: true,
             retry_after: None,
             remaining: last.remaining + self.units(now),
             ..last
-        };
-        Some((outcome, granted))
+        })
     }
 
     /// Unexpired units held at `now`.
@@ -146,16 +157,24 @@ impl Entry {
     /// Adds a grant of `units` (beyond the request that fetched it), and remembers what Redis
     /// answered.
     pub(crate) fn granted(&mut self, grant: Grant, outcome: Outcome) {
-        self.last = Some(outcome);
+        self.remember(grant.granted, outcome);
         if grant.units > 0 {
             self.grants.push_back(grant);
         }
     }
 
-    /// Remembers what Redis answered to a request of this key that took no lease.
-    pub(crate) fn answered(&mut self, outcome: Outcome) {
+    /// Remembers what Redis answered at Redis time `at` to a request of this key that took
+    /// no lease.
+    pub(crate) fn answered(&mut self, outcome: Outcome, at: i64) {
         if outcome.allowed {
-            self.last = Some(outcome);
+            self.remember(at, outcome);
+        }
+    }
+
+    /// Keeps `outcome` unless Redis answered later already.
+    fn remember(&mut self, at: i64, outcome: Outcome) {
+        if self.last.is_none_or(|(last, _)| last <= at) {
+            self.last = Some((at, outcome));
         }
     }
 

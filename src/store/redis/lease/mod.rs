@@ -26,11 +26,13 @@
 //! The sliding log cannot be leased: its exactness is per event, and units spent after they
 //! were logged would sit at the wrong times in it. A leasing store refuses it at build time.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use super::batch::{self, Answer, Record};
+use tokio::sync::{oneshot, Notify};
+
+use super::batch::{self, Record};
 use super::{Inner, RedisStore};
 use crate::algorithm::{window_start, Algorithm, Outcome};
 use crate::shards::Shards;
@@ -153,6 +155,28 @@ impl Leases {
     }
 }
 
+impl Leases {
+    /// Why these settings cannot lease `policy`, if they cannot: GCRA's headroom would leave
+    /// a bucket room for less than one unit, so that the key would never admit anything.
+    fn refuses(&self, policy: &Policy) -> Option<StoreError> {
+        let plan = self.plan(policy)?;
+        let starved = policy.windows().iter().find(|w| {
+            let room = u128::from(w.micros.saturating_sub(plan.headroom)) * u128::from(w.count);
+            room < u128::from(w.micros)
+        })?;
+        let limit = policy.limits()[policy.windows().iter().position(|w| w == starved)?];
+        Some(StoreError::Config(format!(
+            "leases with max_share {} and period {:?} keep {} ms of GCRA headroom, which leaves \
+             the {limit} limit of policy {:?} a burst under one unit: lower max_share or the \
+             lease period, or use a store without leases for this policy",
+            self.max_share,
+            self.period,
+            plan.headroom / 1_000,
+            policy.name(),
+        )))
+    }
+}
+
 /// How one policy is leased.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Plan {
@@ -165,12 +189,13 @@ pub(super) struct Plan {
 }
 
 impl Plan {
-    /// What a request that goes to Redis records: a lease of `want` units, or its cost alone.
-    fn record(&self, want: Option<u64>, cost: u32) -> Record {
-        match (want, self.headroom) {
-            (None, 0) => Record::Yes,
-            (want, headroom) => Record::Lease {
-                want: want.unwrap_or(cost.into()),
+    /// What a request of `cost` records that takes up to `want` units (its cost alone when
+    /// `want` is no more), keeping the policy's headroom.
+    fn record(&self, cost: u64, want: u64) -> Record {
+        match self.headroom {
+            0 if want <= cost => Record::Yes,
+            headroom => Record::Lease {
+                want: want.max(cost),
                 headroom,
             },
         }
@@ -193,13 +218,33 @@ impl Plan {
     }
 }
 
+/// How long a lease's reply is waited for, however long after its caller gave up: Redis
+/// counted its units when the script ran, so they are booked (spent or given back) when the
+/// reply comes. A reply later than this is not read, and its units count as used until Redis
+/// forgets them (the window ends, the bucket drains).
+const PATIENCE: Duration = Duration::from_secs(10);
+
 /// What a leasing store keeps.
 pub(super) struct State {
     settings: Leases,
     book: Shards<Held>,
     origin: tokio::time::Instant,
-    /// Set by [`RedisStore::drain`]: no new leases.
+    /// Set by [`RedisStore::drain`]: no new leases, and nothing spent from leases.
     drained: AtomicBool,
+    /// Lease calls whose reply has not been booked yet; `landed` is notified as each is.
+    taking: AtomicUsize,
+    landed: Notify,
+    /// Give-backs that failed, sent again with the next ones.
+    pending: Mutex<Vec<Due>>,
+}
+
+/// A give-back to send: where, its arguments for `scripts/release.lua`, its units, and the
+/// local time after which it no longer matters (every window that counted it has ended).
+struct Due {
+    key: String,
+    args: Vec<u8>,
+    units: u64,
+    until: u64,
 }
 
 /// One key's leases, with the policy they are for.
@@ -223,7 +268,14 @@ impl State {
             book: Shards::new(settings.max_keys),
             origin: tokio::time::Instant::now(),
             drained: AtomicBool::new(false),
+            taking: AtomicUsize::new(0),
+            landed: Notify::new(),
+            pending: Mutex::new(Vec::new()),
         }
+    }
+
+    fn is_drained(&self) -> bool {
+        self.drained.load(Ordering::Acquire)
     }
 
     /// Local µs since the store was made.
@@ -250,6 +302,7 @@ impl State {
 
 /// The decision of [`Store::check_now`](crate::Store::check_now): from this instance's lease,
 /// when it holds the units; the next lease is fetched in the background when few are left.
+/// After [`RedisStore::drain`], none: every decision goes to Redis.
 pub(super) fn check_now(
     inner: &Arc<Inner>,
     key: &Key,
@@ -258,26 +311,45 @@ pub(super) fn check_now(
 ) -> Option<Result<Decision, StoreError>> {
     let state = inner.leases.as_ref()?;
     let plan = state.settings.plan(policy)?;
+    if state.is_drained() {
+        return None;
+    }
     let now = state.now();
-    let drained = state.drained.load(Ordering::Relaxed);
     let (outcome, granted, prefetch) = state.with(key, policy, |entry| {
         let (outcome, granted) = entry.take(now, cost.into())?;
         entry.used(now, plan.period, cost.into());
-        let prefetch = entry
-            .should_prefetch(now, plan.period, plan.cap)
-            .filter(|_| !drained);
+        let prefetch = entry.should_prefetch(now, plan.period, plan.cap);
         entry.fetching |= prefetch.is_some();
         Some((outcome, granted, prefetch))
     })?;
     if let Some(want) = prefetch {
-        let (inner, key, policy) = (Arc::clone(inner), key.clone(), policy.clone());
-        tokio::spawn(async move {
-            let record = plan.record(Some(want), 0);
-            let _ = fetch(&inner, plan, &key, &policy, 0, record, true).await;
-        });
+        take(inner, plan, key, policy, 0, want, None);
     }
     let decision = Decision::from_outcome(outcome, policy);
     Some(Ok(decision.recorded_at(granted, cost.into())))
+}
+
+/// What [`Store::peek`](crate::Store::peek) answers from this instance's lease: allowed, as
+/// [`check_now`] would answer, when it holds `cost` units; else `None` (ask Redis).
+pub(super) fn peek_now(
+    inner: &Arc<Inner>,
+    key: &Key,
+    policy: &Policy,
+    cost: u32,
+) -> Option<Decision> {
+    let state = inner.leases.as_ref()?;
+    state.settings.plan(policy)?;
+    if state.is_drained() {
+        return None;
+    }
+    let now = state.now();
+    let outcome = state.with(key, policy, |entry| entry.peek(now, cost.into()))?;
+    Some(Decision::from_outcome(outcome, policy))
+}
+
+/// The GCRA headroom (µs) the store's decisions of `policy` keep; 0 when not leased.
+pub(super) fn headroom(inner: &Inner, policy: &Policy) -> u64 {
+    plan(inner, policy).map_or(0, |plan| plan.headroom)
 }
 
 /// The lease state of a store that was given a plan, so has leases.
@@ -301,61 +373,108 @@ pub(super) async fn check(
 ) -> Result<Decision, StoreError> {
     let state = state(&inner)?;
     let now = state.now();
-    let drained = state.drained.load(Ordering::Relaxed);
+    let drained = state.is_drained();
     let step = state.with(&key, &policy, |entry| {
         entry.used(now, plan.period, cost.into());
+        if drained {
+            return Ok(None);
+        }
         if let Some(taken) = entry.take(now, cost.into()) {
             return Err(taken);
         }
         let want = entry.want(now, plan.period, cost.into(), plan.cap);
-        let lease = want > u64::from(cost) && !entry.fetching && !drained;
+        let lease = want > u64::from(cost) && !entry.fetching;
         entry.fetching |= lease;
-        Ok(lease.then_some(want))
+        Ok(Some((lease.then_some(want), entry.fetching)))
     });
-    let want = match step {
+    match step {
         Err((outcome, granted)) => {
             let decision = Decision::from_outcome(outcome, &policy);
-            return Ok(decision.recorded_at(granted, cost.into()));
+            Ok(decision.recorded_at(granted, cost.into()))
         }
-        Ok(want) => want,
-    };
-    let record = plan.record(want, cost);
-    fetch(&inner, plan, &key, &policy, cost, record, want.is_some()).await
+        Ok(Some((Some(want), _))) => lease(&inner, plan, &key, &policy, cost, want).await,
+        Ok(Some((None, true))) => {
+            // This instance's own lease is on its way: Redis may refuse because of the units
+            // it is taking. Then the request waits for it (within the budget) rather than be
+            // refused while this instance holds room.
+            let decision = decide(&inner, plan, &key, &policy, cost).await?;
+            if decision.is_allowed() || !landed(state, &key, &policy, inner.timeout).await {
+                return Ok(decision);
+            }
+            let now = state.now();
+            match state.with(&key, &policy, |entry| entry.take(now, cost.into())) {
+                Some((outcome, granted)) => {
+                    let decision = Decision::from_outcome(outcome, &policy);
+                    Ok(decision.recorded_at(granted, cost.into()))
+                }
+                None => Ok(decision),
+            }
+        }
+        Ok(_) => decide(&inner, plan, &key, &policy, cost).await,
+    }
 }
 
-/// Asks Redis to decide a request of `cost` with `record`; `lease`: whether this call was
-/// counted as the key's fetch, which its answer ends.
-async fn fetch(
+/// Waits up to `budget` for the lease being fetched for `key` to be booked; whether it was.
+async fn landed(state: &State, key: &Key, policy: &Policy, budget: Duration) -> bool {
+    let fetching = || state.with(key, policy, |entry| entry.fetching);
+    until_landed(state, budget, || !fetching()).await
+}
+
+/// Waits up to `budget`, waking as each lease call is booked, until `done`; whether it came.
+async fn until_landed(state: &State, budget: Duration, done: impl Fn() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + budget;
+    loop {
+        let landed = state.landed.notified();
+        tokio::pin!(landed);
+        landed.as_mut().enable();
+        if done() {
+            return true;
+        }
+        if tokio::time::timeout_at(deadline, landed).await.is_err() {
+            return false;
+        }
+    }
+}
+
+/// Asks Redis to decide a request of `cost` that takes no lease, batched with the others.
+async fn decide(
     inner: &Arc<Inner>,
     plan: Plan,
     key: &Key,
     policy: &Policy,
     cost: u32,
-    record: Record,
-    lease: bool,
 ) -> Result<Decision, StoreError> {
     let state = state(inner)?;
-    let sent = state.now();
     let place = inner.place(key, policy);
-    let answer = inner.decide(place, policy, cost.into(), -1, record).await;
-    let parsed = answer.and_then(|a| Ok((super::parse_reply(&a.five, policy)?, a)));
-    state.with(key, policy, |entry| {
-        entry.fetching &= !lease;
-        if let Ok((outcome, Answer { time, .. })) = &parsed {
-            match record {
-                Record::Lease { .. } if outcome.0.allowed => {
-                    let grant = Grant {
-                        units: outcome.1,
-                        expires: plan.expiry(policy, sent, *time),
-                        granted: *time,
-                    };
-                    entry.granted(grant, outcome.0);
-                }
-                _ => entry.answered(outcome.0),
-            }
-        }
-    });
-    let ((outcome, extra), answer) = parsed?;
+    let record = plan.record(cost.into(), cost.into());
+    let answer = inner.decide(place, policy, cost.into(), -1, record).await?;
+    let (outcome, _) = super::parse_reply(&answer.five, policy)?;
+    state.with(key, policy, |entry| entry.answered(outcome, answer.time));
+    let decision = Decision::from_outcome(outcome, policy);
+    Ok(decision.recorded_at(Some(answer.time), cost.into()))
+}
+
+/// Asks Redis to decide a request of `cost` and take a lease of up to `want` units for the
+/// key, which is marked as fetching. The call runs on a task of its own ([`take`]), which
+/// books its units however late Redis answers; this request waits for it within the time
+/// budget.
+async fn lease(
+    inner: &Arc<Inner>,
+    plan: Plan,
+    key: &Key,
+    policy: &Policy,
+    cost: u32,
+    want: u64,
+) -> Result<Decision, StoreError> {
+    let state = state(inner)?;
+    if inner.breaker.is_open() {
+        state.with(key, policy, |entry| entry.fetching = false);
+        return Err(StoreError::Unavailable);
+    }
+    let (reply, answer) = oneshot::channel();
+    take(inner, plan, key, policy, cost, want, Some(reply));
+    let answer = inner.within_budget(answer).await?;
+    let (outcome, extra) = super::parse_reply(&answer.five, policy)?;
     let outcome = Outcome {
         remaining: outcome.remaining + extra,
         ..outcome
@@ -364,48 +483,139 @@ async fn fetch(
     Ok(decision.recorded_at(Some(answer.time), cost.into()))
 }
 
+/// Starts the call that takes a lease of up to `want` units for a request of `cost` (0 for a
+/// fetch ahead of need), on a task of its own that waits for Redis's reply up to
+/// [`PATIENCE`] and books it: the units beyond the cost go to the key's lease, and so does
+/// the cost itself when `caller` no longer waits (it gave up at its time budget), so that
+/// every unit Redis counted is spent or given back. A lease that lands after
+/// [`RedisStore::drain`] is given back at once.
+fn take(
+    inner: &Arc<Inner>,
+    plan: Plan,
+    key: &Key,
+    policy: &Policy,
+    cost: u32,
+    want: u64,
+    caller: Option<oneshot::Sender<batch::Reply>>,
+) {
+    let Some(state) = inner.leases.as_ref() else {
+        return;
+    };
+    state.taking.fetch_add(1, Ordering::AcqRel);
+    let sent = state.now();
+    let (inner, key, policy) = (Arc::clone(inner), key.clone(), policy.clone());
+    tokio::spawn(async move {
+        let place = inner.place(&key, &policy);
+        let record = plan.record(cost.into(), want);
+        let args = batch::encode(cost.into(), record, -1, policy.windows());
+        let reply = inner
+            .batcher
+            .decide_patiently(place, policy.algorithm(), args, PATIENCE)
+            .await;
+        let parsed = match &reply {
+            Ok(answer) => super::parse_reply(&answer.five, &policy)
+                .ok()
+                .map(|(outcome, extra)| (outcome, extra, answer.time)),
+            Err(_) => None,
+        };
+        let taken_by_caller = caller.is_some_and(|caller| caller.send(reply).is_ok());
+        if let Some(state) = inner.leases.as_ref() {
+            state.with(&key, &policy, |entry| {
+                entry.fetching = false;
+                let Some((outcome, extra, time)) = parsed else {
+                    return;
+                };
+                let units = match taken_by_caller || !outcome.allowed {
+                    true => extra,
+                    false => extra + u64::from(cost),
+                };
+                let grant = Grant {
+                    units,
+                    expires: plan.expiry(&policy, sent, time),
+                    granted: time,
+                };
+                match outcome.allowed {
+                    true => entry.granted(grant, outcome),
+                    false => entry.answered(outcome, time),
+                }
+            });
+            let drained = state.is_drained();
+            state.taking.fetch_sub(1, Ordering::AcqRel);
+            state.landed.notify_waiters();
+            if drained {
+                let store = RedisStore {
+                    inner: Arc::clone(&inner),
+                };
+                let _ = give_back(&store, true).await;
+            }
+        }
+    });
+}
+
 /// Gives back, at `now`, the units of expired leases, and all of those of idle keys (or of
-/// every key when `all`). Returns the units handed back.
+/// every key when `all`), with the give-backs that failed before and still matter. Returns
+/// the units handed back; those of a call that failed are kept to be sent again.
 pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, StoreError> {
     let Some(state) = store.inner.leases.as_ref() else {
         return Ok(0);
     };
     let now = state.now();
-    let mut keys = Vec::new();
-    let mut args = Vec::new();
-    let mut units = 0;
+    let mut due: Vec<Due> = std::mem::take(&mut *lock(&state.pending));
+    due.retain(|d| d.until > now);
     state.book.retain(|key, held| {
         let plan = state.settings.plan(&held.policy);
         let idle = plan.map_or(0, |p| p.period / 4);
-        for Return { units: u, granted } in held.entry.returns(now, idle, all) {
+        for Return { units, granted } in held.entry.returns(now, idle, all) {
             let policy = &held.policy;
-            keys.push(store.inner.place(key, policy).key);
             let windows = policy.windows();
-            args.push(batch::encode_release(
-                policy.algorithm(),
-                u,
-                granted,
-                windows,
-            ));
-            units += u;
+            due.push(Due {
+                key: store.inner.place(key, policy).key,
+                args: batch::encode_release(policy.algorithm(), units, granted, windows),
+                units,
+                until: now + micros(policy.longest_window()),
+            });
         }
         !(held.entry.is_empty() && now.saturating_sub(held.entry.last_used) >= idle)
     });
-    let mut result = Ok(units);
+    let keys: Vec<String> = due.iter().map(|d| d.key.clone()).collect();
+    let mut result = Ok(0);
+    let mut failed = Vec::new();
     for group in batch::by_slot(&keys, store.inner.batcher.is_clustered()) {
         for chunk in group.chunks(512) {
             let keys = chunk.iter().map(|&i| keys[i].clone()).collect();
-            let args = chunk
-                .iter()
-                .flat_map(|&i| args[i].iter().copied())
-                .collect();
-            let call = store.inner.batcher.release(keys, args);
-            if let Err(error) = store.inner.guarded(call).await {
-                result = Err(error);
+            let args = chunk.iter().flat_map(|&i| due[i].args.iter().copied());
+            let call = store.inner.batcher.release(keys, args.collect());
+            let units: u64 = chunk.iter().map(|&i| due[i].units).sum();
+            match store.inner.guarded(call).await {
+                Ok(_) => {
+                    if let Ok(sum) = &mut result {
+                        *sum += units;
+                    }
+                }
+                Err(error) => {
+                    failed.extend_from_slice(chunk);
+                    result = Err(error);
+                }
             }
         }
     }
+    if !failed.is_empty() {
+        let mut due: Vec<Option<Due>> = due.into_iter().map(Some).collect();
+        let mut pending = lock(&state.pending);
+        pending.extend(failed.into_iter().filter_map(|i| due[i].take()));
+        // Bounded like the book: past it, the oldest give-backs are dropped (their units
+        // count as used until their windows end).
+        let most = usize::try_from(state.settings.max_keys).unwrap_or(usize::MAX);
+        let over = pending.len().saturating_sub(most);
+        pending.drain(..over);
+    }
     result
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Gives back what idle keys and expired leases hold, every quarter of the lease period,
@@ -431,19 +641,34 @@ pub(super) fn spawn_sweeper(store: Weak<Inner>, period: Duration) {
     });
 }
 
-/// Stops new leases, for [`RedisStore::drain`].
-pub(super) fn stop(inner: &Inner) {
-    if let Some(state) = &inner.leases {
-        state.drained.store(true, Ordering::Relaxed);
-    }
+/// Stops new leases and spending from leases, for [`RedisStore::drain`], then waits (within
+/// the time budget) for the lease calls under way to be booked, so that the give-back that
+/// follows returns their units too.
+pub(super) async fn stop(inner: &Inner) {
+    let Some(state) = &inner.leases else {
+        return;
+    };
+    state.drained.store(true, Ordering::Release);
+    let idle = || state.taking.load(Ordering::Acquire) == 0;
+    until_landed(state, inner.timeout, idle).await;
 }
 
-/// Why a leasing store cannot take `policy`, if it cannot.
-pub(super) fn refuses(inner: &Inner, policy: &Policy) -> Option<&'static str> {
-    (inner.leases.is_some() && policy.algorithm() == Algorithm::SlidingLog).then_some(
-        "the sliding log cannot be leased: its events must be logged at the times they are \
-         admitted; use GCRA or a window counter with leases, or a store without leases",
-    )
+/// Whether the store can decide `policy`: a leasing store cannot lease the sliding log, nor
+/// a GCRA policy whose headroom would leave a bucket no room (see [`Leases::refuses`]).
+pub(super) fn supports(inner: &Inner, policy: &Policy) -> Result<(), StoreError> {
+    let Some(state) = &inner.leases else {
+        return Ok(());
+    };
+    if policy.algorithm() == Algorithm::SlidingLog {
+        return Err(StoreError::Unsupported(
+            "the sliding log cannot be leased: its events must be logged at the times they are \
+             admitted; use GCRA or a window counter with leases, or a store without leases",
+        ));
+    }
+    match state.settings.refuses(policy) {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
 }
 
 fn micros(d: Duration) -> u64 {

@@ -5,7 +5,7 @@
 use proptest::prelude::*;
 
 use super::book::{Entry, Grant};
-use super::Leases;
+use super::{Leases, Plan};
 use crate::algorithm::{window_start, Algorithm, Outcome};
 use crate::Policy;
 
@@ -75,15 +75,14 @@ struct Fetch {
     taken: Option<(u64, u64)>,
 }
 
-/// Runs `steps` (gap before the request, instance, cost, Redis delay, reply delay, sweep?)
-/// and returns the (time, units) admitted.
-fn simulate(
-    algorithm: Algorithm,
-    c: u64,
-    w: u64,
-    instances: usize,
-    steps: &[(u64, usize, u64, u64, u64, bool)],
-) -> Vec<(u64, u64)> {
+/// One request: the gap before it (µs), its instance, its cost, the delay before Redis runs
+/// the prefetch it may start, the delay before that reply lands, and whether the instances
+/// give back what is due first.
+type Step = (u64, usize, u64, u64, u64, bool);
+
+/// The policy of one limit of `c` per `w` µs under `algorithm`, and how it is leased: a share
+/// of 0.25, so a lease holds up to a quarter of `c` and GCRA's headroom is a quarter of `w`.
+fn leased(algorithm: Algorithm, c: u64, w: u64) -> (Policy, Plan) {
     let policy = Policy::new(
         "p",
         [crate::Limit::new(c, std::time::Duration::from_micros(w)).unwrap()],
@@ -91,6 +90,18 @@ fn simulate(
     .unwrap()
     .with_algorithm(algorithm);
     let plan = Leases::new().max_share(0.25).plan(&policy).expect("leased");
+    (policy, plan)
+}
+
+/// Runs `steps` and returns the (time, units, instance) admitted.
+fn simulate(
+    algorithm: Algorithm,
+    c: u64,
+    w: u64,
+    instances: usize,
+    steps: &[Step],
+) -> Vec<(u64, u64, usize)> {
+    let (policy, plan) = leased(algorithm, c, w);
     let mut redis = match algorithm {
         Algorithm::Gcra => Model::Gcra(0, 0),
         _ => Model::Fixed(0, 0),
@@ -141,14 +152,15 @@ fn simulate(
                 }
             }
         }
-        let entry = &mut entries[instance % instances];
+        let instance = instance % instances;
+        let entry = &mut entries[instance];
         if entry.take(now, cost).is_some() {
-            admitted.push((now, cost));
+            admitted.push((now, cost, instance));
             entry.used(now, plan.period, cost);
             if let Some(want) = entry.should_prefetch(now, plan.period, plan.cap) {
                 entry.fetching = true;
                 fetches.push(Fetch {
-                    instance: instance % instances,
+                    instance,
                     sent: now,
                     runs: now + run_delay,
                     lands: now + run_delay + land_delay,
@@ -163,7 +175,7 @@ fn simulate(
         let lease = want > cost && !entry.fetching;
         let ask = if lease { want } else { cost };
         if let Some(taken) = redis.lease(now, c, w, cost, ask, plan.headroom) {
-            admitted.push((now, cost));
+            admitted.push((now, cost, instance));
             let grant = Grant {
                 units: taken - cost,
                 expires: plan.expiry(&policy, now, now as i64),
@@ -177,7 +189,7 @@ fn simulate(
 
 const W: u64 = 1_000_000;
 
-fn steps() -> impl Strategy<Value = Vec<(u64, usize, u64, u64, u64, bool)>> {
+fn steps() -> impl Strategy<Value = Vec<Step>> {
     proptest::collection::vec(
         (
             // Bursts (no gap) and quiet spells, where leases are taken and spent apart.
@@ -192,6 +204,47 @@ fn steps() -> impl Strategy<Value = Vec<(u64, usize, u64, u64, u64, bool)>> {
     )
 }
 
+/// `held_lease`'s structure with its sizes, times and order drawn at random, a few times over:
+/// instance 0 warms up with one request of `warm`, leases with a request of 1 `after` later
+/// (about one `period`, when its use over the last period is highest), and spends `late`
+/// units of 1 among the others' `burst`, `early` before the lease expires. `steps` rarely
+/// builds it, so without this only `held_lease` would notice a bucket missing its headroom.
+fn held_leases() -> impl Strategy<Value = (u64, Vec<Step>)> {
+    (8u64..60).prop_flat_map(|c| {
+        let (policy, plan) = leased(Algorithm::Gcra, c, W);
+        let (cap, period) = (plan.cap, plan.period);
+        // How long a lease taken at 0 lasts.
+        let life = plan.expiry(&policy, 0, 0);
+        let episode = (
+            prop_oneof![Just(0u64), 0..2 * W],
+            1..=cap + 1,
+            prop_oneof![Just(period), period - period / 16..period + period / 16],
+            prop_oneof![Just(1u64), 1..life / 8],
+            proptest::collection::vec((1usize..4, 1u64..3), c as usize..3 * c as usize),
+            0..=cap + 1,
+            0usize..1_000,
+            (0u64..2_000, 0u64..2_000),
+        );
+        let steps = proptest::collection::vec(episode, 1..4).prop_map(move |episodes| {
+            let mut steps = Vec::new();
+            for (quiet, warm, after, early, burst, late, at, (runs, lands)) in episodes {
+                steps.push((quiet, 0, warm, runs, lands, false));
+                steps.push((after, 0, 1, runs, lands, false));
+                let mut burst: Vec<Step> = burst
+                    .into_iter()
+                    .map(|(instance, cost)| (0, instance, cost, runs, lands, false))
+                    .collect();
+                let at = at % (burst.len() + 1);
+                burst.splice(at..at, (0..late).map(|_| (0, 0, 1, runs, lands, false)));
+                burst[0].0 = life - early;
+                steps.extend(burst);
+            }
+            steps
+        });
+        (Just(c), steps)
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
@@ -199,7 +252,7 @@ proptest! {
     fn fixed_windows_never_admit_more_than_the_limit(c in 8u64..60, steps in steps()) {
         let admitted = simulate(Algorithm::FixedWindow, c, W, 4, &steps);
         let mut per_window = std::collections::BTreeMap::new();
-        for (t, units) in admitted {
+        for (t, units, _) in admitted {
             *per_window.entry(window_start(t, W)).or_insert(0) += units;
         }
         for (start, units) in per_window {
@@ -209,18 +262,86 @@ proptest! {
 
     #[test]
     fn gcra_admissions_fit_the_bucket(c in 8u64..60, steps in steps()) {
-        let admitted = simulate(Algorithm::Gcra, c, W, 4, &steps);
-        // A leaky bucket of c per w: for every s <= t, units admitted in [s, t] times w is at
-        // most c * (t - s + w).
-        for (i, &(s, _)) in admitted.iter().enumerate() {
-            let mut units = 0u128;
-            for &(t, k) in &admitted[i..] {
-                units += u128::from(k);
-                prop_assert!(
-                    units * u128::from(W) <= u128::from(c) * u128::from(t - s + W),
-                    "{units} units in [{s}, {t}] exceed a bucket of {c} per {W} us"
-                );
+        fits_the_bucket(c, &simulate(Algorithm::Gcra, c, W, 4, &steps))?;
+    }
+
+    #[test]
+    fn gcra_leases_held_through_a_drain_fit_the_bucket((c, steps) in held_leases()) {
+        fits_the_bucket(c, &simulate(Algorithm::Gcra, c, W, 4, &steps))?;
+    }
+}
+
+/// Whether `admitted` fits a leaky bucket of `c` per `W`: for every s <= t, units admitted in
+/// [s, t] times `W` is at most c * (t - s + W).
+fn fits_the_bucket(c: u64, admitted: &[(u64, u64, usize)]) -> Result<(), TestCaseError> {
+    for (i, &(s, _, _)) in admitted.iter().enumerate() {
+        let mut units = 0u128;
+        for &(t, k, _) in &admitted[i..] {
+            units += u128::from(k);
+            prop_assert!(
+                units * u128::from(W) <= u128::from(c) * u128::from(t - s + W),
+                "{units} units in [{s}, {t}] exceed a bucket of {c} per {W} us"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The interleaving GCRA's headroom is for, which random traffic rarely builds: instance 0
+/// holds a full lease through a drain while the others fill the bucket, then spends it late.
+///
+/// - At 0, instance 0 asks for `cap` units in one request, decided alone (a cold key asks for
+///   its cost), so that its use over the last `period` is `cap` at `t0 = period`.
+/// - At `t0`, a request of 1 from instance 0 leases `cap` units (it spends 1, holds `cap - 1`).
+///   The warm-up has drained by then (`cap` is at most `c / 4`, `h = period = w / 4`), so the
+///   bucket holds the lease alone.
+/// - At `t1`, 1 µs before the lease expires (`plan.expiry`, `h` after `t0`), the lease has
+///   drained too: the bucket is all but empty, and the other instances fill it with requests
+///   of 1, `2 * c` of them so that each spends whatever it leased on the way.
+/// - Still at `t1`, instance 0 spends its `cap - 1` units, counted at `t0`.
+///
+/// Without the headroom the others take the whole burst at `t1` but what the lease's last µs
+/// of drain leaves (`c - 1` units when `c / 4` is whole, `c` otherwise), and the instant admits
+/// `c + cap - 2` or `c + cap - 1`: more than `c` for every `c` here but 8 (`cap - 1 = 1` held
+/// unit against the one unit lost). With it they take at most `(w - h) * c / w`, and the
+/// `h * c / w >= cap` units kept free are what instance 0 spends.
+fn held_lease(c: u64, instances: usize) -> Vec<Step> {
+    let (policy, plan) = leased(Algorithm::Gcra, c, W);
+    let t0 = plan.period;
+    let t1 = plan.expiry(&policy, t0, t0 as i64) - 1;
+    let mut steps = vec![(0, 0, plan.cap, 0, 0, false), (t0, 0, 1, 0, 0, false)];
+    let mut gap = t1 - t0;
+    for i in 0..2 * c as usize {
+        let instance = 1 + i % (instances - 1);
+        steps.push((std::mem::take(&mut gap), instance, 1, 0, 0, false));
+    }
+    steps.extend((0..plan.cap).map(|_| (0, 0, 1, 0, 0, false)));
+    steps
+}
+
+#[test]
+fn gcra_keeps_room_for_a_lease_spent_late_after_a_burst() {
+    for instances in 2..=4 {
+        for c in 8u64..60 {
+            let (policy, plan) = leased(Algorithm::Gcra, c, W);
+            let t1 = plan.expiry(&policy, plan.period, plan.period as i64) - 1;
+            let admitted = simulate(Algorithm::Gcra, c, W, instances, &held_lease(c, instances));
+            if let Err(e) = fits_the_bucket(c, &admitted) {
+                panic!("{instances} instances, c = {c}: {e}");
             }
+            // The case still builds what it is for: instance 0 spends its lease at `t1`.
+            let late: u64 = admitted
+                .iter()
+                .filter(|&&(t, _, i)| t == t1 && i == 0)
+                .map(|&(_, units, _)| units)
+                .sum();
+            assert!(
+                late + 1 >= plan.cap,
+                "{instances} instances, c = {c}: instance 0 spent {late} units at {t1}, \
+                 not the {} it leased at {}",
+                plan.cap - 1,
+                plan.period
+            );
         }
     }
 }

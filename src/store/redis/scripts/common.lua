@@ -87,23 +87,36 @@ local function window_start(x, w)
 end
 
 -- The state of every limit, kept as one string of 64-bit little-endian integers: the m values
--- of limit 1, then those of limit 2, and so on. Returns them as one flat list (value j of
--- limit i at (i - 1) * m + j); empty when there is no state, or state of another shape (the
--- policy's limits changed), which counts as none.
+-- of limit 1, then those of limit 2, and so on, then the state's header: the Redis time (us)
+-- it was created at, and the last time a lease was taken from it (0: never). release.lua gives
+-- a lease back only to state created no later than the lease and holding it (see there).
+-- Returns the values as one flat list (value j of limit i at (i - 1) * m + j) and sets `born`
+-- and `leased`; the list is empty (and `born` nil) when there is no state, or state of
+-- another shape, which counts as none.
+local born, leased
 local function load_fields(m)
   local raw = redis.call('GET', key)
-  if raw and #raw == 8 * m * n then
-    local values = { sunpack(format(m * n), raw) }
+  born, leased = nil, 0
+  if raw and #raw == 8 * (m * n + 2) then
+    local values = { sunpack(format(m * n + 2), raw) }
     values[#values] = nil -- the position after the last value, which struct.unpack adds
+    leased = table.remove(values)
+    born = table.remove(values)
     return values
   end
   return {}
 end
 
--- Stores a flat list of integers as load_fields reads it, to expire after `ttl` microseconds
--- (nil: keep the key's expiry).
+-- Stores a flat list of integers as load_fields reads it, with the header (a lease taken now
+-- moves `leased` to now), to expire after `ttl` microseconds (nil: keep the key's expiry).
 local function store_fields(values, ttl)
-  local value = spack(format(#values), unpack(values))
+  if record == 2 then
+    leased = now
+  end
+  local m = #values
+  values[m + 1], values[m + 2] = born or now, leased
+  local value = spack(format(m + 2), unpack(values))
+  values[m + 1], values[m + 2] = nil, nil
   if ttl == nil then
     redis.call('SET', key, value, 'KEEPTTL')
   else

@@ -2,7 +2,7 @@
 --
 -- KEYS[k]   integers s1 c1 s2 c2 ... (as common.lua's load_fields): for limit i, the start of
 --           the window counted (us, a multiple of the window since the epoch) and the units
---           counted in it
+--           counted in it; then the header common.lua adds (creation time, last lease)
 -- ARGV      as prelude.lua (event times are -1: fixed windows take none)
 -- Reply     as prelude.lua
 --

@@ -6,8 +6,9 @@
 --
 -- KEYS[k]   request k's state: 64-bit little-endian integers t1 b1 t2 b2 ...; for limit i, the
 --           time of the last admission (us) and the backlog it left, in us scaled by the count
---           (so one unit of cost is exactly `window`). State of another length (the policy's
---           limits changed) counts as none.
+--           (so one unit of cost is exactly `window`); then a header of two: the Redis time
+--           (us) the state was created at and the last time a lease was taken from it (0:
+--           never), which release.lua checks. State of another length counts as none.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (-1: now; GCRA
 --           takes no other), for a lease want and headroom (us), for a settlement refund and
@@ -21,7 +22,9 @@
 --
 -- Headroom h: a store that leases keeps h of drain free in every bucket (capacity w * c - h * c
 -- instead of w * c), because leased units may be spent up to h after they were taken; the
--- bucket then never holds more than w * c of units as they were spent.
+-- bucket then never holds more than w * c of units as they were spent. Peeks carry the same h
+-- (prelude.lua), and `remaining` counts against the same capacity, so that what a peek and a
+-- refusal report agrees with what a decision admits.
 --
 -- Settlements: a charge is recorded as an admitted request, whatever the limits say
 -- (TAT = max(TAT, now) + n T, so a bucket may hold more than its size); a refund takes its
@@ -39,7 +42,7 @@ for k = 1, #KEYS do
   local key = KEYS[k]
   local n, cost, record, t, want, h, refund = next_request(counts, windows)
   local state = redis.call('GET', key)
-  if state and #state ~= 16 * n then
+  if state and #state ~= 16 * n + 16 then
     state = nil
   end
 
@@ -73,6 +76,15 @@ for k = 1, #KEYS do
     end
   end
 
+  -- The header: when the state was created, when a lease was last taken from it.
+  local born, leased = now, 0
+  if state then
+    born, leased = sunpack('<ll', state, state_byte)
+  end
+  if record == 2 then
+    leased = now
+  end
+
   -- Refused: report the refusing limit. Admitted (or settled): record, then report the limit
   -- with the fewest units left (the first of equals).
   local allowed, reported, retry = 0, denied, denied_retry
@@ -89,7 +101,7 @@ for k = 1, #KEYS do
       local ttl = windows[n]
       if n == 1 and refund == 0 then
         backlogs[1] = backlogs[1] + cost * windows[1]
-        value = spack('<ll', t, backlogs[1])
+        value = spack('<llll', t, backlogs[1], born, leased)
         if record == 3 then
           ttl = math.max(ttl, math.ceil(backlogs[1] / counts[1]))
         end
@@ -106,20 +118,21 @@ for k = 1, #KEYS do
             ttl = math.max(ttl, math.ceil(backlogs[i] / counts[i]))
           end
         end
+        parts[n + 1] = spack('<ll', born, leased)
         value = table.concat(parts)
       end
       redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
     end
     local least
     for i = 1, n do
-      local remaining = math.floor((windows[i] * counts[i] - backlogs[i]) / windows[i])
+      local remaining = math.floor(((windows[i] - h) * counts[i] - backlogs[i]) / windows[i])
       if least == nil or remaining < least then
         least, reported = remaining, i
       end
     end
   end
   local c, w, b = counts[reported], windows[reported], backlogs[reported]
-  reply[k] = spack('<lllll', allowed, reported - 1, math.max(math.floor((w * c - b) / w), 0),
+  reply[k] = spack('<lllll', allowed, reported - 1, math.max(math.floor(((w - h) * c - b) / w), 0),
     math.ceil(b / c), retry)
 end
 

@@ -8,9 +8,10 @@
 -- ARGV[1]   64-bit little-endian signed integers, for each request k in turn: n (its number
 --           of limits), cost (units, >= 0), record (1 to record an admitted request, 0 to
 --           only look, 2 for a lease, 3 for a settlement), event time in microseconds since
---           the epoch or -1 for now (Redis TIME); for a lease only, want (the most units to
---           take, >= cost) and headroom (us; GCRA keeps that much drain free in every
---           bucket); for a settlement only, refund (0: add `cost` units, 1: take them back)
+--           the epoch or -1 for now (Redis TIME); for a lease and a look (record 0), want
+--           (the most units to take, >= cost) and headroom (us; GCRA keeps that much drain
+--           free in every bucket, and a look reports against the same room); for a
+--           settlement only, refund (0: add `cost` units, 1: take them back)
 --           and the admission time (Redis time, us, of the request being settled; -1: not
 --           known); then count and window (microseconds) of limits 1..n, shortest first
 --
@@ -61,7 +62,7 @@ local function text(x)
 end
 
 -- Reads the next request's arguments: returns its number of limits n, cost, record (0 to 3),
--- event time (now for -1), want and headroom (cost and 0 unless a lease), refund (0 unless a
+-- event time (now for -1), want and headroom (cost and 0 unless a lease or a look), refund (0 unless a
 -- settlement) and admission time (-1 unless a settlement), and puts each limit's count and
 -- window in `counts[i]` and `windows[i]` (entries past n are left over from an earlier request
 -- and never read).
@@ -72,7 +73,7 @@ local function next_request(counts, windows)
     t = now
   end
   want, headroom, refund, admitted = cost, 0, 0, -1
-  if record == 2 then
+  if record == 2 or record == 0 then
     want, headroom, next_byte = sunpack('<ll', requests, next_byte)
   elseif record == 3 then
     refund, admitted, next_byte = sunpack('<ll', requests, next_byte)

@@ -10,6 +10,14 @@
 --
 -- Reply     the number of keys whose state changed
 --
+-- Gives back only to the state the lease was taken from: the state's header (gcra.lua,
+-- common.lua) holds the Redis time it was created at and the last time a lease was taken from
+-- it, and a give-back applies only where created <= granted <= last lease. State created after
+-- the grant (a reset, an expiry, a restart that lost the data) never held the units; state
+-- whose last lease is older than the grant (a replica promoted before the grant reached it)
+-- does not hold them either. Either way the give-back is a no-op, so that units returned late
+-- never free room that another instance already admitted into.
+--
 -- Never gives back more than the units still weigh, so that the state afterwards is at least
 -- what it would be had they never been taken:
 -- - counters: the units leave the window they were counted in (fixed: that window's count;
@@ -38,9 +46,17 @@ for k = 1, #KEYS do
   end
   local fields = ({ 2, 3, 2 })[algorithm]
   local raw = redis.call('GET', key)
-  if raw and fields and #raw == 8 * fields * n then
-    local values = { sunpack('<' .. string.rep('l', fields * n), raw) }
+  local values, size = nil, 0
+  if raw and fields and #raw == 8 * (fields * n + 2) then
+    size = fields * n + 2
+    values = { sunpack('<' .. string.rep('l', size), raw) }
     values[#values] = nil
+    -- The header: created at, last lease.
+    if not (values[size - 1] <= granted and granted <= values[size]) then
+      values = nil
+    end
+  end
+  if values then
     for i = 1, n do
       local c, w, at = counts[i], windows[i], (i - 1) * fields
       if algorithm == 1 then
@@ -61,7 +77,7 @@ for k = 1, #KEYS do
         values[at + 1], values[at + 2] = now, math.max(backlog - weight, 0)
       end
     end
-    redis.call('SET', key, spack('<' .. string.rep('l', fields * n), unpack(values)), 'KEEPTTL')
+    redis.call('SET', key, spack('<' .. string.rep('l', size), unpack(values)), 'KEEPTTL')
     changed = changed + 1
   end
 end

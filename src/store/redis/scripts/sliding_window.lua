@@ -3,7 +3,8 @@
 --
 -- KEYS[k]   integers s1 c1 p1 s2 c2 p2 ... (as common.lua's load_fields): for limit i, the
 --           start of the current window (us, a multiple of the window since the epoch), its
---           count and the previous window's count
+--           count and the previous window's count; then the header common.lua adds
+--           (creation time, last lease)
 -- ARGV      as prelude.lua (event times are -1: the counter takes none)
 -- Reply     as prelude.lua
 --
