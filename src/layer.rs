@@ -140,7 +140,8 @@ pub enum BuildError {
     /// A policy is invalid.
     #[error("invalid policy: {0}")]
     Policy(#[from] PolicyError),
-    /// Two different policies share a name, and so would share store keys.
+    /// Two different policies of one layer share a name: their state is kept apart (see
+    /// [`Policy::identity`]), but the `RateLimit` fields and metrics could not tell them apart.
     #[error("two different policies are named {0:?}; give each its own name")]
     PolicyConflict(String),
     /// A rule's path pattern is invalid.
