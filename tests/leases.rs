@@ -642,6 +642,12 @@ async fn drain_waits_for_a_fetch_in_flight() {
         after.is_none(),
         "after drain(), check_now still decides from a lease: {after:?}"
     );
+    // The lease ran out before the drain, so every unit it gives back is the fetch's: drain()
+    // waited for it rather than leave it to land on its own.
+    assert!(
+        matches!(drained, Ok(units) if units > 0),
+        "drain() answered {drained:?} while a lease was on its way"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -695,6 +701,13 @@ async fn units_stranded_by_stalls_come_back() {
     eprintln!(
         "(sent, admitted) per instance: {per_store:?}; {admitted} admitted, {count} counted in \
          Redis: {stranded} units counted and never admitted"
+    );
+    // Never the other way: a give-back applied twice (one whose reply was lost, sent again)
+    // would leave Redis counting less than the fleet admitted.
+    assert!(
+        stranded >= 0,
+        "Redis counts {count} units for {admitted} admitted: {} admitted units are not counted",
+        -stranded
     );
     assert!(
         stranded <= 60,

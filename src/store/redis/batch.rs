@@ -149,20 +149,41 @@ impl Batcher {
 
 impl Batcher {
     /// Runs `scripts/release.lua` once for `keys` (`args`: theirs, encoded one after the
-    /// other by [`encode_release`]), within the time budget; in a cluster the keys must share
-    /// a hash slot.
-    pub(super) async fn release(&self, keys: Vec<String>, args: Vec<u8>) -> Result<i64, Error> {
+    /// other by [`encode_release`]), waiting for the reply up to `patience`; in a cluster the
+    /// keys must share a hash slot. A give-back whose reply is not read cannot be sent again
+    /// safely (it may have run), so it is waited for as long as a lease is.
+    pub(super) async fn release(
+        &self,
+        keys: Vec<String>,
+        args: Vec<u8>,
+        patience: Duration,
+    ) -> Result<i64, Error> {
         let client = self.settings.pool.next_connected();
-        let call =
-            self.settings
-                .release
-                .evalsha_with_reload::<i64, _, _>(client, keys, Bytes::from(args));
-        match tokio::time::timeout(self.settings.timeout, call).await {
-            Ok(reply) => reply,
-            Err(_) => Err(Error::new(
-                ErrorKind::Timeout,
-                "no reply within the time budget",
-            )),
+        let options = Options {
+            timeout: Some(patience),
+            ..Options::default()
+        };
+        let patient = client.with_options(&options);
+        let script = &self.settings.release;
+        let slot = keys
+            .first()
+            .map_or(0, |key| fred::util::redis_keyslot(key.as_bytes()));
+        let command = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(slot), false);
+        let mut evalsha = vec![
+            Value::from(script.sha1().clone()),
+            Value::from(keys.len() as i64),
+        ];
+        evalsha.extend(keys.into_iter().map(Value::from));
+        evalsha.push(Value::Bytes(Bytes::from(args)));
+        let reply = patient
+            .custom::<i64, _>(command.clone(), evalsha.clone())
+            .await;
+        match reply {
+            Err(error) if error.details().starts_with("NOSCRIPT") => {
+                script.load(client).await?;
+                patient.custom::<i64, _>(command, evalsha).await
+            }
+            reply => reply,
         }
     }
 

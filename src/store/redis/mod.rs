@@ -292,7 +292,9 @@ impl RedisStore {
     /// taking requests, so that other instances can use the units at once instead of after
     /// the leases expire. Leases being fetched are waited for (within the time budget) and
     /// given back too; one that lands later is given back as it lands. From the call on,
-    /// nothing is spent from leases. Returns the units given back; without leases, 0.
+    /// nothing is spent from leases. The give-back waits for Redis's reply up to 10 s, since
+    /// one whose reply is lost cannot be sent again safely. Returns the units given back;
+    /// without leases, 0.
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), tower_redis_ratelimit::StoreError> {

@@ -234,7 +234,8 @@ pub(super) struct State {
     /// Lease calls whose reply has not been booked yet; `landed` is notified as each is.
     taking: AtomicUsize,
     landed: Notify,
-    /// Give-backs that failed, sent again with the next ones.
+    /// Give-backs that were not run (the breaker was open, Redis refused the script), sent
+    /// again with the next ones.
     pending: Mutex<Vec<Due>>,
 }
 
@@ -553,8 +554,10 @@ fn take(
 }
 
 /// Gives back, at `now`, the units of expired leases, and all of those of idle keys (or of
-/// every key when `all`), with the give-backs that failed before and still matter. Returns
-/// the units handed back; those of a call that failed are kept to be sent again.
+/// every key when `all`), with the give-backs that could not be sent before and still
+/// matter. Returns the units handed back. A give-back is sent again only when it certainly
+/// did not run (the breaker was open, or Redis refused the script); one whose reply was
+/// lost may have run, and is not sent twice.
 pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, StoreError> {
     let Some(state) = store.inner.leases.as_ref() else {
         return Ok(0);
@@ -579,30 +582,39 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
     });
     let keys: Vec<String> = due.iter().map(|d| d.key.clone()).collect();
     let mut result = Ok(0);
-    let mut failed = Vec::new();
+    let mut unsent = Vec::new();
     for group in batch::by_slot(&keys, store.inner.batcher.is_clustered()) {
         for chunk in group.chunks(512) {
+            // With the breaker open nothing is sent: these are kept for the next sweep.
+            if store.inner.breaker.is_open() {
+                unsent.extend_from_slice(chunk);
+                result = Err(StoreError::Unavailable);
+                continue;
+            }
             let keys = chunk.iter().map(|&i| keys[i].clone()).collect();
             let args = chunk.iter().flat_map(|&i| due[i].args.iter().copied());
-            let call = store.inner.batcher.release(keys, args.collect());
-            let units: u64 = chunk.iter().map(|&i| due[i].units).sum();
-            match store.inner.guarded(call).await {
+            let call = store.inner.batcher.release(keys, args.collect(), PATIENCE);
+            match call.await {
                 Ok(_) => {
                     if let Ok(sum) = &mut result {
-                        *sum += units;
+                        *sum += chunk.iter().map(|&i| due[i].units).sum::<u64>();
                     }
                 }
-                Err(error) => {
-                    failed.extend_from_slice(chunk);
-                    result = Err(error);
+                // Redis refused to run the script (busy, loading, a slot moving): sent again.
+                Err(error) if refused(&error) => {
+                    unsent.extend_from_slice(chunk);
+                    result = Err(error.into());
                 }
+                // It may have run: sending it again could give the units back twice. They
+                // count as used until their windows end.
+                Err(error) => result = Err(error.into()),
             }
         }
     }
-    if !failed.is_empty() {
+    if !unsent.is_empty() {
         let mut due: Vec<Option<Due>> = due.into_iter().map(Some).collect();
         let mut pending = lock(&state.pending);
-        pending.extend(failed.into_iter().filter_map(|i| due[i].take()));
+        pending.extend(unsent.into_iter().filter_map(|i| due[i].take()));
         // Bounded like the book: past it, the oldest give-backs are dropped (their units
         // count as used until their windows end).
         let most = usize::try_from(state.settings.max_keys).unwrap_or(usize::MAX);
@@ -610,6 +622,20 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
         pending.drain(..over);
     }
     result
+}
+
+/// Whether Redis answered `error` without running the script, so that sending it again
+/// cannot apply it twice.
+fn refused(error: &fred::error::Error) -> bool {
+    const REFUSALS: [&str; 6] = [
+        "BUSY",
+        "LOADING",
+        "MASTERDOWN",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+        "MOVED",
+    ];
+    REFUSALS.iter().any(|r| error.details().starts_with(r))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
