@@ -175,6 +175,9 @@ pub struct Policy {
     /// `<name>:<algorithm>:<limits>`, e.g. `api:gcra:100/1m+5000/1d`: everything that shapes
     /// the stored state, made once (see [`Policy::identity`]).
     identity: Arc<str>,
+    /// A hash of `identity` (unkeyed: policies are not chosen by clients), so that maps keyed
+    /// by identity and client hash eight bytes of it per lookup instead of its text.
+    identity_hash: u64,
     /// Sorted by window, shortest first; no two share a window.
     limits: Arc<[Limit]>,
     /// The limits in the algorithms' units, computed once rather than per decision.
@@ -234,8 +237,10 @@ impl Policy {
             });
         }
         let windows = limits.iter().map(Window::of).collect();
+        let identity = identity(&name, Algorithm::SlidingLog, &limits);
         Ok(Policy {
-            identity: identity(&name, Algorithm::SlidingLog, &limits),
+            identity_hash: hash(&identity),
+            identity,
             name: name.into(),
             limits: limits.into(),
             windows,
@@ -252,6 +257,7 @@ impl Policy {
     pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
         self.identity = identity(&self.name, algorithm, &self.limits);
+        self.identity_hash = hash(&self.identity);
         self
     }
 
@@ -281,6 +287,17 @@ impl Policy {
     /// The identity, shared.
     pub(crate) fn shared_identity(&self) -> Arc<str> {
         Arc::clone(&self.identity)
+    }
+
+    /// Whether `identity` is this policy's: the same shared text (a clone of this policy
+    /// made it), or equal text.
+    pub(crate) fn is(&self, identity: &Arc<str>) -> bool {
+        Arc::ptr_eq(identity, &self.identity) || **identity == *self.identity
+    }
+
+    /// A hash of the identity, made once.
+    pub(crate) fn identity_hash(&self) -> u64 {
+        self.identity_hash
     }
 
     /// The identity after the name and its colon: `<algorithm>:<limits>`.
@@ -343,8 +360,10 @@ impl TryFrom<&str> for Policy {
 
 impl From<Limit> for Policy {
     fn from(limit: Limit) -> Self {
+        let identity = identity(Self::DEFAULT_NAME, Algorithm::SlidingLog, &[limit]);
         Policy {
-            identity: identity(Self::DEFAULT_NAME, Algorithm::SlidingLog, &[limit]),
+            identity_hash: hash(&identity),
+            identity,
             name: Self::DEFAULT_NAME.into(),
             limits: Arc::new([limit]),
             windows: Arc::new([Window::of(&limit)]),
@@ -357,6 +376,11 @@ impl From<Limit> for Policy {
 fn identity(name: &str, algorithm: Algorithm, limits: &[Limit]) -> Arc<str> {
     let limits: Vec<String> = limits.iter().map(Limit::to_string).collect();
     format!("{name}:{}:{}", algorithm.tag(), limits.join("+")).into()
+}
+
+fn hash(identity: &str) -> u64 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::default().hash_one(identity)
 }
 
 #[cfg(test)]

@@ -78,7 +78,7 @@ impl<V> Shards<V> {
 
     /// Locks the shard of `key` under `policy`.
     pub(crate) fn lock(&self, key: &Key, policy: &Policy) -> Locked<'_, V> {
-        let hash = self.hasher.hash_one((policy.identity(), key.as_str()));
+        let hash = self.hasher.hash_one((policy.identity_hash(), key.as_str()));
         // Bits 32 and up pick the shard: the table inside uses the lowest bits for the bucket
         // and the top seven as a tag, so this choice leaves both evenly spread.
         let index = (hash >> 32) as usize & (self.shards.len() - 1);
@@ -152,7 +152,7 @@ impl<V> Slot<V> {
 }
 
 fn matches<'a, V>(key: &'a Key, policy: &'a Policy) -> impl Fn(&Slot<V>) -> bool + 'a {
-    move |slot| slot.key == *key && *slot.policy == *policy.identity()
+    move |slot| slot.key == *key && policy.is(&slot.policy)
 }
 
 /// A poisoned lock only means another thread panicked while holding it; every slot is valid

@@ -188,3 +188,28 @@ fn one_event_per_request_whatever_its_cost() {
         assert_eq!(store.events(&key, &policy), 100, "the first left, one came");
     });
 }
+
+/// Two policies that share a name (both parsed from strings are `default`) but not their
+/// limits or algorithm keep apart on one store: state is kept under the policy's identity.
+#[tokio::test]
+async fn same_named_policies_keep_apart() {
+    use tower_redis_ratelimit::{Algorithm, Store};
+    let store = MemoryStore::new();
+    let key = Key::from("client");
+    let login: Policy = "3/1m".parse().unwrap();
+    let search: Policy = "10/1m".parse().unwrap();
+    let search_gcra = search.clone().with_algorithm(Algorithm::Gcra);
+    assert_eq!((login.name(), search.name()), ("default", "default"));
+    let mut admitted = [0; 3];
+    for _ in 0..12 {
+        for (i, policy) in [&login, &search, &search_gcra].into_iter().enumerate() {
+            let decision = store.check(&key, policy, 1).await.unwrap();
+            admitted[i] += usize::from(decision.is_allowed());
+        }
+    }
+    assert_eq!(
+        admitted,
+        [3, 10, 10],
+        "login 3/1m, search 10/1m (log), search 10/1m (GCRA)"
+    );
+}

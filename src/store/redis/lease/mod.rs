@@ -467,13 +467,10 @@ async fn lease(
     cost: u32,
     want: u64,
 ) -> Result<Decision, StoreError> {
-    let state = state(inner)?;
-    if inner.breaker.is_open() {
-        state.with(key, policy, |entry| entry.fetching = false);
+    let (reply, answer) = oneshot::channel();
+    if !take(inner, plan, key, policy, cost, want, Some(reply)) {
         return Err(StoreError::Unavailable);
     }
-    let (reply, answer) = oneshot::channel();
-    take(inner, plan, key, policy, cost, want, Some(reply));
     let answer = inner.within_budget(answer).await?;
     let (outcome, extra) = super::parse_reply(&answer.five, policy)?;
     let outcome = Outcome {
@@ -489,7 +486,8 @@ async fn lease(
 /// [`PATIENCE`] and books it: the units beyond the cost go to the key's lease, and so does
 /// the cost itself when `caller` no longer waits (it gave up at its time budget), so that
 /// every unit Redis counted is spent or given back. A lease that lands after
-/// [`RedisStore::drain`] is given back at once.
+/// [`RedisStore::drain`] is given back at once. While the breaker is open nothing starts:
+/// the key's fetch ends, and the answer is `false`.
 fn take(
     inner: &Arc<Inner>,
     plan: Plan,
@@ -498,10 +496,14 @@ fn take(
     cost: u32,
     want: u64,
     caller: Option<oneshot::Sender<batch::Reply>>,
-) {
+) -> bool {
     let Some(state) = inner.leases.as_ref() else {
-        return;
+        return false;
     };
+    if inner.breaker.is_open() {
+        state.with(key, policy, |entry| entry.fetching = false);
+        return false;
+    }
     state.taking.fetch_add(1, Ordering::AcqRel);
     let sent = state.now();
     let (inner, key, policy) = (Arc::clone(inner), key.clone(), policy.clone());
@@ -551,6 +553,7 @@ fn take(
             }
         }
     });
+    true
 }
 
 /// Gives back, at `now`, the units of expired leases, and all of those of idle keys (or of
