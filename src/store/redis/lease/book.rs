@@ -259,6 +259,8 @@ mod tests {
         e.granted(first, outcome(10));
         e.granted(second, outcome(10));
         assert_eq!(e.units(0), 8);
+        // `spent > 0` in `take` as `>=` is equivalent: `peek` ensures the unexpired grants
+        // hold `cost`, so the last grant the loop visits always spends a unit.
         let (d, granted) = e.take(0, 4).expect("held");
         assert_eq!(granted, Some(8), "the last unit came from the second grant");
         assert_eq!(
@@ -325,5 +327,133 @@ mod tests {
         assert_eq!(e.should_prefetch(now, PERIOD, 1_000), Some(40));
         e.fetching = true;
         assert_eq!(e.should_prefetch(now, PERIOD, 1_000), None, "one at a time");
+    }
+
+    fn grant(units: u64, expires: u64, granted: i64) -> Grant {
+        Grant {
+            units,
+            expires,
+            granted,
+        }
+    }
+
+    #[test]
+    fn a_grant_is_not_spendable_at_its_expiry() {
+        let mut e = Entry::default();
+        e.granted(grant(2, 100 * MS, 1), outcome(0));
+        e.granted(grant(5, 200 * MS, 2), outcome(0));
+        assert_eq!(e.units(100 * MS - 1), 7);
+        assert_eq!(e.units(100 * MS), 5, "the first grant expires at 100 ms");
+        // At 100 ms the two units come from the second grant, not the expired first.
+        let (_, granted) = e.take(100 * MS, 2).expect("held");
+        assert_eq!(granted, Some(2));
+        assert_eq!(e.units(100 * MS), 3);
+        assert_eq!(e.units(200 * MS), 0);
+        assert!(
+            e.take(200 * MS, 1).is_none(),
+            "the second expires at 200 ms"
+        );
+    }
+
+    #[test]
+    fn spent_and_empty_grants_give_nothing_back() {
+        let mut e = Entry::default();
+        e.granted(grant(0, 100 * MS, 1), outcome(0));
+        assert!(e.is_empty(), "a grant of no units is not kept");
+        e.granted(grant(3, 100 * MS, 2), outcome(0));
+        e.take(0, 3).expect("held");
+        assert_eq!(e.returns(100 * MS, PERIOD, false), [], "all three spent");
+        assert!(e.is_empty());
+    }
+
+    #[test]
+    fn empty_only_without_grants_or_a_fetch() {
+        let mut e = Entry::default();
+        assert!(e.is_empty());
+        e.granted(grant(1, 100 * MS, 1), outcome(0));
+        assert!(!e.is_empty(), "holds a grant");
+        e.fetching = true;
+        assert!(!e.is_empty());
+        e.returns(0, PERIOD, true);
+        assert!(!e.is_empty(), "fetching");
+        e.fetching = false;
+        assert!(e.is_empty());
+    }
+
+    #[test]
+    fn the_latest_answer_by_redis_time_is_reported() {
+        let mut e = Entry::default();
+        e.granted(grant(4, PERIOD, 10), outcome(20));
+        assert_eq!(e.take(0, 1).expect("held").0.remaining, 20 + 3);
+        // An older answer, landing late, counts fewer grants: it is ignored.
+        e.answered(outcome(30), 9);
+        e.granted(grant(1, PERIOD, 8), outcome(40));
+        assert_eq!(e.peek(0, 1).expect("held").remaining, 20 + 4);
+        // One from the same Redis time, or later, replaces it.
+        e.answered(outcome(7), 10);
+        assert_eq!(e.peek(0, 1).expect("held").remaining, 7 + 4);
+        e.granted(grant(2, PERIOD, 11), outcome(5));
+        assert_eq!(e.peek(0, 1).expect("held").remaining, 5 + 6);
+    }
+
+    #[test]
+    fn only_an_allowed_answer_sets_what_a_lease_admission_reports() {
+        let mut e = Entry::default();
+        e.granted(grant(2, PERIOD, 1), outcome(9));
+        let allowed = Outcome {
+            index: 1,
+            reset_after: 500 * MS,
+            ..outcome(4)
+        };
+        e.answered(allowed, 2);
+        let (d, _) = e.take(0, 1).expect("held");
+        assert_eq!(
+            d,
+            Outcome {
+                remaining: 4 + 1,
+                ..allowed
+            }
+        );
+        let refused = Outcome {
+            allowed: false,
+            index: 0,
+            remaining: 0,
+            reset_after: 900 * MS,
+            retry_after: Some(100 * MS),
+        };
+        e.answered(refused, 3);
+        assert_eq!(e.peek(0, 1), Some(d), "a refusal is not remembered");
+    }
+
+    #[test]
+    fn a_lease_admission_is_allowed_with_no_wait() {
+        // The units are held: whatever Redis said with them, spending one admits.
+        let mut e = Entry::default();
+        let refused = Outcome {
+            allowed: false,
+            index: 0,
+            remaining: 0,
+            reset_after: 900 * MS,
+            retry_after: Some(100 * MS),
+        };
+        e.granted(grant(2, PERIOD, 1), refused);
+        let (d, _) = e.take(0, 1).expect("held");
+        assert!(d.allowed);
+        assert_eq!(d.retry_after, None);
+        assert_eq!(d.remaining, 1);
+    }
+
+    #[test]
+    fn prefetches_only_below_a_quarter() {
+        let mut e = Entry::default();
+        for i in 0..40 {
+            e.used(i * 25 * MS, PERIOD, 1);
+        }
+        e.granted(grant(10, 2 * PERIOD, 0), outcome(0));
+        let now = PERIOD - MS;
+        assert_eq!(e.want(now, PERIOD, 1, 1_000), 40);
+        assert_eq!(e.should_prefetch(now, PERIOD, 1_000), None, "10 of 40 left");
+        e.take(now, 1);
+        assert_eq!(e.should_prefetch(now, PERIOD, 1_000), Some(40), "9 of 40");
     }
 }
