@@ -231,6 +231,9 @@ pub(super) struct State {
     origin: tokio::time::Instant,
     /// Set by [`RedisStore::drain`]: no new leases, and nothing spent from leases.
     drained: AtomicBool,
+    /// Set once `drain` stopped waiting for the lease calls under way: a lease that lands
+    /// later is given back by the call that took it (earlier ones, by `drain`).
+    drain_waited: AtomicBool,
     /// Lease calls whose reply has not been booked yet; `landed` is notified as each is.
     taking: AtomicUsize,
     landed: Notify,
@@ -269,6 +272,7 @@ impl State {
             book: Shards::new(settings.max_keys),
             origin: tokio::time::Instant::now(),
             drained: AtomicBool::new(false),
+            drain_waited: AtomicBool::new(false),
             taking: AtomicUsize::new(0),
             landed: Notify::new(),
             pending: Mutex::new(Vec::new()),
@@ -542,10 +546,10 @@ fn take(
                     false => entry.answered(outcome, time),
                 }
             });
-            let drained = state.is_drained();
+            let late = state.drain_waited.load(Ordering::Acquire);
             state.taking.fetch_sub(1, Ordering::AcqRel);
             state.landed.notify_waiters();
-            if drained {
+            if late {
                 let store = RedisStore {
                     inner: Arc::clone(&inner),
                 };
@@ -680,6 +684,7 @@ pub(super) async fn stop(inner: &Inner) {
     state.drained.store(true, Ordering::Release);
     let idle = || state.taking.load(Ordering::Acquire) == 0;
     until_landed(state, inner.timeout, idle).await;
+    state.drain_waited.store(true, Ordering::Release);
 }
 
 /// Whether the store can decide `policy`: a leasing store cannot lease the sliding log, nor
