@@ -209,6 +209,17 @@ mod tests {
     const MS: u64 = 1_000;
     const PERIOD: u64 = 1_000 * MS;
 
+    /// What Redis answers when it refuses, with 100 ms to wait.
+    fn refused() -> Outcome {
+        Outcome {
+            allowed: false,
+            index: 0,
+            remaining: 0,
+            reset_after: 900 * MS,
+            retry_after: Some(100 * MS),
+        }
+    }
+
     fn outcome(remaining: u64) -> Outcome {
         Outcome {
             allowed: true,
@@ -414,13 +425,7 @@ mod tests {
                 ..allowed
             }
         );
-        let refused = Outcome {
-            allowed: false,
-            index: 0,
-            remaining: 0,
-            reset_after: 900 * MS,
-            retry_after: Some(100 * MS),
-        };
+        let refused = refused();
         e.answered(refused, 3);
         assert_eq!(e.peek(0, 1), Some(d), "a refusal is not remembered");
     }
@@ -429,13 +434,7 @@ mod tests {
     fn a_lease_admission_is_allowed_with_no_wait() {
         // The units are held: whatever Redis said with them, spending one admits.
         let mut e = Entry::default();
-        let refused = Outcome {
-            allowed: false,
-            index: 0,
-            remaining: 0,
-            reset_after: 900 * MS,
-            retry_after: Some(100 * MS),
-        };
+        let refused = refused();
         e.granted(grant(2, PERIOD, 1), refused);
         let (d, _) = e.take(0, 1).expect("held");
         assert!(d.allowed);
