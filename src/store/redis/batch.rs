@@ -158,33 +158,9 @@ impl Batcher {
         args: Vec<u8>,
         patience: Duration,
     ) -> Result<i64, Error> {
-        let client = self.settings.pool.next_connected();
-        let options = Options {
-            timeout: Some(patience),
-            ..Options::default()
-        };
-        let patient = client.with_options(&options);
-        let script = &self.settings.release;
-        let slot = keys
-            .first()
-            .map_or(0, |key| fred::util::redis_keyslot(key.as_bytes()));
-        let command = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(slot), false);
-        let mut evalsha = vec![
-            Value::from(script.sha1().clone()),
-            Value::from(keys.len() as i64),
-        ];
-        evalsha.extend(keys.into_iter().map(Value::from));
-        evalsha.push(Value::Bytes(Bytes::from(args)));
-        let reply = patient
-            .custom::<i64, _>(command.clone(), evalsha.clone())
-            .await;
-        match reply {
-            Err(error) if error.details().starts_with("NOSCRIPT") => {
-                script.load(client).await?;
-                patient.custom::<i64, _>(command, evalsha).await
-            }
-            reply => reply,
-        }
+        let keys = keys.into_iter().map(Key::from).collect();
+        self.evalsha_patiently(&self.settings.release, keys, args, patience)
+            .await
     }
 
     /// Decides one request at `place` in a call of its own, outside the batches, and waits
@@ -198,43 +174,49 @@ impl Batcher {
         args: Vec<u8>,
         patience: Duration,
     ) -> Reply {
-        let Some((_, script)) = self.settings.scripts.iter().find(|(a, _)| *a == algorithm) else {
-            return Err(Error::new(
-                ErrorKind::Unknown,
-                "no script for this algorithm",
-            ));
-        };
+        let script = script_for(&self.settings, algorithm)?;
+        let keys = vec![Key::from(place.key)];
+        let values: Bytes = self.evalsha_patiently(script, keys, args, patience).await?;
+        check_length(&values, 1)?;
+        Ok(answer(&values, 0))
+    }
+
+    /// `EVALSHA` of `script` over `keys` (one hash slot) with `args`, waiting for the reply
+    /// up to `patience` rather than the pool's time budget; loads the script and sends it
+    /// again once if Redis lost it.
+    async fn evalsha_patiently<R: fred::types::FromValue>(
+        &self,
+        script: &Script,
+        keys: Vec<Key>,
+        args: Vec<u8>,
+        patience: Duration,
+    ) -> Result<R, Error> {
         let client = self.settings.pool.next_connected();
         let options = Options {
             timeout: Some(patience),
-            max_redirections: Some(0),
             ..Options::default()
         };
         let patient = client.with_options(&options);
-        let slot = fred::util::redis_keyslot(place.key.as_bytes());
+        let slot = keys
+            .first()
+            .map_or(0, |key| fred::util::redis_keyslot(key.as_bytes()));
         let command = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(slot), false);
-        let evalsha = vec![
+        let mut evalsha = vec![
             Value::from(script.sha1().clone()),
-            Value::from(1),
-            Value::from(place.key),
-            Value::Bytes(Bytes::from(args)),
+            Value::from(keys.len() as i64),
         ];
-        let mut reply = patient
-            .custom::<Bytes, _>(command.clone(), evalsha.clone())
-            .await;
-        if reply
-            .as_ref()
-            .is_err_and(|e| e.details().starts_with("NOSCRIPT"))
+        evalsha.extend(keys.into_iter().map(Value::from));
+        evalsha.push(Value::Bytes(Bytes::from(args)));
+        match patient
+            .custom::<R, _>(command.clone(), evalsha.clone())
+            .await
         {
-            script.load(client).await?;
-            reply = patient.custom::<Bytes, _>(command, evalsha).await;
+            Err(error) if error.details().starts_with("NOSCRIPT") => {
+                script.load(client).await?;
+                patient.custom::<R, _>(command, evalsha).await
+            }
+            reply => reply,
         }
-        let values = reply?;
-        if values.len() != 6 * INT {
-            let message = format!("{} bytes for one request", values.len());
-            return Err(Error::new(ErrorKind::Parse, message));
-        }
-        Ok(answer(&values, 0))
     }
 
     /// Whether the pool talks to a Redis Cluster.
@@ -439,8 +421,8 @@ pub(super) enum Record {
 
 /// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
 /// of limits, cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (µs, -1 for
-/// now), for a lease or a look (0) want and headroom, for a settlement refund (0 or 1) and admission time,
-/// then count and window (µs) of each limit.
+/// now), for a lease or a look (0) want and headroom, for a settlement refund (0 or 1) and
+/// admission time, then count and window (µs) of each limit.
 pub(super) fn encode(cost: u64, record: Record, at: i64, windows: &[Window]) -> Vec<u8> {
     let mut args = Vec::with_capacity(INT * (6 + 2 * windows.len()));
     let (flag, extra) = match record {
@@ -513,12 +495,7 @@ async fn call(
     args: Bytes,
     requests: usize,
 ) -> Result<Bytes, Error> {
-    let Some((_, script)) = settings.scripts.iter().find(|(a, _)| *a == algorithm) else {
-        return Err(Error::new(
-            ErrorKind::Unknown,
-            "no script for this algorithm",
-        ));
-    };
+    let script = script_for(settings, algorithm)?;
     let client = settings.pool.next_connected();
     let call = async {
         if !client.is_clustered() {
@@ -559,11 +536,28 @@ async fn call(
             return Err(error);
         }
     };
+    check_length(&values, requests)?;
+    Ok(values)
+}
+
+/// The script of `algorithm`.
+fn script_for(settings: &Settings, algorithm: Algorithm) -> Result<&Script, Error> {
+    match settings.scripts.iter().find(|(a, _)| *a == algorithm) {
+        Some((_, script)) => Ok(script),
+        None => Err(Error::new(
+            ErrorKind::Unknown,
+            "no script for this algorithm",
+        )),
+    }
+}
+
+/// Whether `values` is a reply to `requests` requests: five integers each, then the time.
+fn check_length(values: &[u8], requests: usize) -> Result<(), Error> {
     if values.len() != (5 * requests + 1) * INT {
         let message = format!("{} bytes for {requests} requests", values.len());
         return Err(Error::new(ErrorKind::Parse, message));
     }
-    Ok(values)
+    Ok(())
 }
 
 /// Whether a call that failed with `error` may succeed if sent again shortly, while a Redis
