@@ -157,8 +157,8 @@ fn matches<'a, V>(key: &'a Key, policy: &'a Policy) -> impl Fn(&Slot<V>) -> bool
 
 /// A poisoned lock only means another thread panicked while holding it; every slot is valid
 /// between two field writes, so keep using it.
-fn lock<V>(shard: &Mutex<Shard<V>>) -> MutexGuard<'_, Shard<V>> {
-    shard.lock().unwrap_or_else(|p| p.into_inner())
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl<V> Shard<V> {

@@ -35,7 +35,7 @@ use tokio::sync::{oneshot, Notify};
 use super::batch::{self, Record};
 use super::{Inner, RedisStore};
 use crate::algorithm::{window_start, Algorithm, Outcome};
-use crate::shards::Shards;
+use crate::shards::{lock, Shards};
 use crate::{Decision, Key, Policy, StoreError};
 
 mod book;
@@ -153,18 +153,16 @@ impl Leases {
             headroom,
         })
     }
-}
 
-impl Leases {
     /// Why these settings cannot lease `policy`, if they cannot: GCRA's headroom would leave
     /// a bucket room for less than one unit, so that the key would never admit anything.
     fn refuses(&self, policy: &Policy) -> Option<StoreError> {
         let plan = self.plan(policy)?;
-        let starved = policy.windows().iter().find(|w| {
+        let starved = policy.windows().iter().position(|w| {
             let room = u128::from(w.micros.saturating_sub(plan.headroom)) * u128::from(w.count);
             room < u128::from(w.micros)
         })?;
-        let limit = policy.limits()[policy.windows().iter().position(|w| w == starved)?];
+        let limit = policy.limits()[starved];
         Some(StoreError::Config(format!(
             "leases with max_share {} and period {:?} keep {} ms of GCRA headroom, which leaves \
              the {limit} limit of policy {:?} a burst under one unit: lower max_share or the \
@@ -330,8 +328,23 @@ pub(super) fn check_now(
     if let Some(want) = prefetch {
         take(inner, plan, key, policy, 0, want, None);
     }
-    let decision = Decision::from_outcome(outcome, policy);
-    Some(Ok(decision.recorded_at(granted, cost.into())))
+    Some(Ok(spent(outcome, granted, policy, cost)))
+}
+
+/// The decision of a request of `cost` admitted from a lease, counted in Redis at `granted`.
+fn spent(outcome: Outcome, granted: Option<i64>, policy: &Policy, cost: u32) -> Decision {
+    Decision::from_outcome(outcome, policy).recorded_at(granted, cost.into())
+}
+
+/// What [`check`] does with a request once it has looked at the key's lease.
+enum Step {
+    /// Spent from the lease: the outcome, and the Redis time its last unit was counted.
+    Spent(Outcome, Option<i64>),
+    /// Goes to Redis taking a lease of up to this many units.
+    Lease(u64),
+    /// Goes to Redis for itself alone; `behind`: while this instance's own lease is on its
+    /// way.
+    Redis { behind: bool },
 }
 
 /// What [`Store::peek`](crate::Store::peek) answers from this instance's lease: allowed, as
@@ -382,23 +395,25 @@ pub(super) async fn check(
     let step = state.with(&key, &policy, |entry| {
         entry.used(now, plan.period, cost.into());
         if drained {
-            return Ok(None);
+            return Step::Redis { behind: false };
         }
-        if let Some(taken) = entry.take(now, cost.into()) {
-            return Err(taken);
+        if let Some((outcome, granted)) = entry.take(now, cost.into()) {
+            return Step::Spent(outcome, granted);
         }
         let want = entry.want(now, plan.period, cost.into(), plan.cap);
-        let lease = want > u64::from(cost) && !entry.fetching;
-        entry.fetching |= lease;
-        Ok(Some((lease.then_some(want), entry.fetching)))
+        if want > u64::from(cost) && !entry.fetching {
+            entry.fetching = true;
+            return Step::Lease(want);
+        }
+        Step::Redis {
+            behind: entry.fetching,
+        }
     });
     match step {
-        Err((outcome, granted)) => {
-            let decision = Decision::from_outcome(outcome, &policy);
-            Ok(decision.recorded_at(granted, cost.into()))
-        }
-        Ok(Some((Some(want), _))) => lease(&inner, plan, &key, &policy, cost, want).await,
-        Ok(Some((None, true))) => {
+        Step::Spent(outcome, granted) => Ok(spent(outcome, granted, &policy, cost)),
+        Step::Lease(want) => lease(&inner, plan, &key, &policy, cost, want).await,
+        Step::Redis { behind: false } => decide(&inner, plan, &key, &policy, cost).await,
+        Step::Redis { behind: true } => {
             // This instance's own lease is on its way: Redis may refuse because of the units
             // it is taking. Then the request waits for it (within the budget) rather than be
             // refused while this instance holds room.
@@ -408,14 +423,10 @@ pub(super) async fn check(
             }
             let now = state.now();
             match state.with(&key, &policy, |entry| entry.take(now, cost.into())) {
-                Some((outcome, granted)) => {
-                    let decision = Decision::from_outcome(outcome, &policy);
-                    Ok(decision.recorded_at(granted, cost.into()))
-                }
+                Some((outcome, granted)) => Ok(spent(outcome, granted, &policy, cost)),
                 None => Ok(decision),
             }
         }
-        Ok(_) => decide(&inner, plan, &key, &policy, cost).await,
     }
 }
 
@@ -526,35 +537,36 @@ fn take(
             Err(_) => None,
         };
         let taken_by_caller = caller.is_some_and(|caller| caller.send(reply).is_ok());
-        if let Some(state) = inner.leases.as_ref() {
-            state.with(&key, &policy, |entry| {
-                entry.fetching = false;
-                let Some((outcome, extra, time)) = parsed else {
-                    return;
-                };
-                let units = match taken_by_caller || !outcome.allowed {
-                    true => extra,
-                    false => extra + u64::from(cost),
-                };
-                let grant = Grant {
-                    units,
-                    expires: plan.expiry(&policy, sent, time),
-                    granted: time,
-                };
-                match outcome.allowed {
-                    true => entry.granted(grant, outcome),
-                    false => entry.answered(outcome, time),
-                }
-            });
-            let late = state.drain_waited.load(Ordering::Acquire);
-            state.taking.fetch_sub(1, Ordering::AcqRel);
-            state.landed.notify_waiters();
-            if late {
-                let store = RedisStore {
-                    inner: Arc::clone(&inner),
-                };
-                let _ = give_back(&store, true).await;
+        let Some(state) = inner.leases.as_ref() else {
+            return;
+        };
+        state.with(&key, &policy, |entry| {
+            entry.fetching = false;
+            let Some((outcome, extra, time)) = parsed else {
+                return;
+            };
+            let units = match taken_by_caller || !outcome.allowed {
+                true => extra,
+                false => extra + u64::from(cost),
+            };
+            let grant = Grant {
+                units,
+                expires: plan.expiry(&policy, sent, time),
+                granted: time,
+            };
+            match outcome.allowed {
+                true => entry.granted(grant, outcome),
+                false => entry.answered(outcome, time),
             }
+        });
+        let late = state.drain_waited.load(Ordering::Acquire);
+        state.taking.fetch_sub(1, Ordering::AcqRel);
+        state.landed.notify_waiters();
+        if late {
+            let store = RedisStore {
+                inner: Arc::clone(&inner),
+            };
+            let _ = give_back(&store, true).await;
         }
     });
     true
@@ -589,12 +601,12 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
     });
     let keys: Vec<String> = due.iter().map(|d| d.key.clone()).collect();
     let mut result = Ok(0);
-    let mut unsent = Vec::new();
+    let mut unsent = vec![false; due.len()];
     for group in batch::by_slot(&keys, store.inner.batcher.is_clustered()) {
         for chunk in group.chunks(512) {
             // With the breaker open nothing is sent: these are kept for the next sweep.
             if store.inner.breaker.is_open() {
-                unsent.extend_from_slice(chunk);
+                chunk.iter().for_each(|&i| unsent[i] = true);
                 result = Err(StoreError::Unavailable);
                 continue;
             }
@@ -609,7 +621,7 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
                 }
                 // Redis refused to run the script (busy, loading, a slot moving): sent again.
                 Err(error) if refused(&error) => {
-                    unsent.extend_from_slice(chunk);
+                    chunk.iter().for_each(|&i| unsent[i] = true);
                     result = Err(error.into());
                 }
                 // It may have run: sending it again could give the units back twice. They
@@ -618,10 +630,10 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
             }
         }
     }
-    if !unsent.is_empty() {
-        let mut due: Vec<Option<Due>> = due.into_iter().map(Some).collect();
+    if unsent.contains(&true) {
         let mut pending = lock(&state.pending);
-        pending.extend(unsent.into_iter().filter_map(|i| due[i].take()));
+        let kept = due.into_iter().zip(unsent).filter(|(_, unsent)| *unsent);
+        pending.extend(kept.map(|(due, _)| due));
         // Bounded like the book: past it, the oldest give-backs are dropped (their units
         // count as used until their windows end).
         let most = usize::try_from(state.settings.max_keys).unwrap_or(usize::MAX);
@@ -643,12 +655,6 @@ fn refused(error: &fred::error::Error) -> bool {
         "MOVED",
     ];
     REFUSALS.iter().any(|r| error.details().starts_with(r))
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Gives back what idle keys and expired leases hold, every quarter of the lease period,
