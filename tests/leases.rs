@@ -16,12 +16,7 @@ use tower_redis_ratelimit::{
 };
 
 async fn leasing(url: String) -> RedisStore {
-    RedisStore::builder(url)
-        .leases(Leases::new())
-        .timeout(Duration::from_millis(200))
-        .connect()
-        .await
-        .unwrap()
+    leasing_with(url, Leases::new(), Duration::from_millis(200)).await
 }
 
 fn micros_now() -> u64 {
@@ -153,9 +148,13 @@ async fn busy(store: &RedisStore, key: &Key, policy: &Policy, n: usize) -> i64 {
 }
 
 fn fixed(limit: &str) -> Policy {
-    Policy::new("idle", [limit.parse().unwrap()])
+    named("idle", limit, Algorithm::FixedWindow)
+}
+
+fn named(name: &str, limit: &str, algorithm: Algorithm) -> Policy {
+    Policy::new(name, [limit.parse().unwrap()])
         .unwrap()
-        .with_algorithm(Algorithm::FixedWindow)
+        .with_algorithm(algorithm)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -717,9 +716,7 @@ async fn units_stranded_by_stalls_come_back() {
 }
 
 fn gcra(limit: &str) -> Policy {
-    Policy::new("gcra", [limit.parse().unwrap()])
-        .unwrap()
-        .with_algorithm(Algorithm::Gcra)
+    named("gcra", limit, Algorithm::Gcra)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
