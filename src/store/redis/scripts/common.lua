@@ -35,9 +35,10 @@ end
 -- give_back(): a refund of `cost` units of a request recorded at `admitted` (known: >= 0);
 -- returns whether it changed the state.
 local function decide(fits, apply, report, give_back)
+  local denied, denied_retry = nil, nil
   if record == 3 then
     -- A settlement decides nothing: a charge records like an admitted request, whatever the
-    -- limits say.
+    -- limits say; the reply reports the state it leaves, as an admission's does.
     if cost > 0 then
       if refund == 1 then
         give_back()
@@ -45,13 +46,12 @@ local function decide(fits, apply, report, give_back)
         apply()
       end
     end
-    return 1, 0, 0, 0, -1
-  end
-  local denied, denied_retry = nil, nil
-  for i = 1, n do
-    local retry = fits(i)
-    if retry ~= nil and later(retry, denied_retry) then
-      denied, denied_retry = i, retry
+  else
+    for i = 1, n do
+      local retry = fits(i)
+      if retry ~= nil and later(retry, denied_retry) then
+        denied, denied_retry = i, retry
+      end
     end
   end
   if denied then
@@ -68,7 +68,7 @@ local function decide(fits, apply, report, give_back)
     end
     allowed, cost = 1 + take - cost, take
   end
-  if record ~= 0 then
+  if record == 1 or record == 2 then
     apply()
   end
   local best, best_remaining, best_reset = 1, nil, 0

@@ -19,7 +19,8 @@
 --        allowed (0 when refused; when admitted, 1 plus the units leased beyond the cost),
 --        limit index (0-based), remaining, reset_after (us), retry_after (us; -1 when
 --        admitted, -2 when no wait helps); then, once per call, Redis TIME in us. A
---        settlement's five are those of an admitted request, and are not read
+--        settlement's five are those of an admitted request: remaining and reset_after
+--        after it (a refund on the sliding log answers 1 0 0 0 -1)
 --
 -- Settlements (Store::settle, `settle` in src/algorithm/mod.rs) decide nothing: a charge
 -- records `cost` units now as an admitted request would, past the limits if need be; a refund
