@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::algorithm::MAX_UNITS;
+
 /// The answer of a [`Store`](crate::Store) for one request.
 ///
 /// It describes one limit of the policy: the limit that refused the request, or, when the
@@ -122,6 +124,9 @@ pub struct Settlement {
     pub(crate) change: Change,
     pub(crate) units: u64,
     pub(crate) admitted_at: Option<i64>,
+    /// The units the request recorded at admission: on the sliding log, a refund finds the
+    /// request's own entry by its time and this weight.
+    pub(crate) recorded: u64,
 }
 
 /// Whether a [`Settlement`] adds units or takes them back.
@@ -133,11 +138,24 @@ pub(crate) enum Change {
 
 impl Settlement {
     /// Adds `units` for the request that got `decision`; `None` when it was refused.
+    ///
+    /// A charge over 2^52 units, more than any state holds, is recorded as 2^52 (and logged
+    /// as a warning): the key is then refused as long as its algorithm allows for that much,
+    /// at least three windows (see `docs/operations.md`, "Range").
     pub fn charge(decision: &Decision, units: u64) -> Option<Settlement> {
+        if units > MAX_UNITS {
+            tracing::warn!(
+                target: "tower_redis_ratelimit",
+                units,
+                recorded = MAX_UNITS,
+                "a charge past the largest usage a store holds is recorded as that much"
+            );
+        }
         decision.allowed.then_some(Settlement {
             change: Change::Charge,
-            units,
+            units: units.min(MAX_UNITS),
             admitted_at: decision.admitted_at,
+            recorded: decision.recorded,
         })
     }
 
@@ -148,6 +166,7 @@ impl Settlement {
             change: Change::Refund,
             units: units.min(decision.recorded),
             admitted_at: decision.admitted_at,
+            recorded: decision.recorded,
         })
     }
 

@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::algorithm::{Algorithm, Window};
+use crate::algorithm::{Algorithm, Window, MAX_GCRA_BUCKET};
 
 /// One rate limit: at most `count` units of cost in any window of `window`.
 ///
@@ -59,19 +59,50 @@ pub enum LimitError {
     /// The window is shorter than one millisecond.
     #[error("limit window must be at least 1ms")]
     ZeroWindow,
+    /// The count is above [`Limit::MAX_COUNT`].
+    #[error(
+        "limit count {count} is above the largest supported, 2^50 = {}",
+        Limit::MAX_COUNT
+    )]
+    CountTooLarge {
+        /// The count given.
+        count: u64,
+    },
+    /// The window is longer than [`Limit::MAX_WINDOW`].
+    #[error("limit window {window:?} is longer than the longest supported, 3650 days")]
+    WindowTooLong {
+        /// The window given.
+        window: Duration,
+    },
 }
 
 impl Limit {
+    /// The largest count, 2^50 (about 1.1 * 10^15): every store keeps counts, sums and
+    /// products of them exact within it, Redis' Lua (whose numbers are doubles) included.
+    /// See `docs/operations.md`, "Range".
+    pub const MAX_COUNT: u64 = 1 << 50;
+
+    /// The longest window, 3650 days.
+    pub const MAX_WINDOW: Duration = Duration::from_secs(3650 * 86_400);
+
     /// A limit of `count` units per `window`.
     ///
     /// Windows are kept with millisecond precision: anything below a millisecond is dropped.
+    /// The count is at most [`MAX_COUNT`](Limit::MAX_COUNT), the window at most
+    /// [`MAX_WINDOW`](Limit::MAX_WINDOW).
     pub fn new(count: u64, window: Duration) -> Result<Self, LimitError> {
         if count == 0 {
             return Err(LimitError::ZeroCount);
         }
+        if count > Limit::MAX_COUNT {
+            return Err(LimitError::CountTooLarge { count });
+        }
         let window = Duration::from_millis(window.as_millis().min(u64::MAX as u128) as u64);
         if window.is_zero() {
             return Err(LimitError::ZeroWindow);
+        }
+        if window > Limit::MAX_WINDOW {
+            return Err(LimitError::WindowTooLong { window });
         }
         Ok(Limit { count, window })
     }
@@ -183,6 +214,8 @@ pub struct Policy {
     /// The limits in the algorithms' units, computed once rather than per decision.
     windows: Arc<[Window]>,
     algorithm: Algorithm,
+    /// Whether the algorithm can decide these limits exactly (see [`Policy::out_of_range`]).
+    in_range: bool,
 }
 
 /// Why a [`Policy`] could not be built.
@@ -245,6 +278,7 @@ impl Policy {
             limits: limits.into(),
             windows,
             algorithm: Algorithm::SlidingLog,
+            in_range: true,
         })
     }
 
@@ -254,11 +288,34 @@ impl Policy {
     }
 
     /// The same limits decided by another algorithm.
+    ///
+    /// GCRA keeps each bucket in units of `gcd(count, window in µs) / count` µs, and a bucket
+    /// must hold at most 2^50 of them (`count * window / gcd`): a monthly budget of 5 000 000
+    /// is 2.6 * 10^12, but a count sharing few factors with a long window (1 000 003 per
+    /// 30 days) is too fine. Such a policy builds, and the layer's builder and every store
+    /// refuse it (see [`out_of_range`](Policy::out_of_range)).
     pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
         self.identity = identity(&self.name, algorithm, &self.limits);
         self.identity_hash = hash(&self.identity);
+        self.in_range = algorithm != Algorithm::Gcra
+            || self
+                .windows
+                .iter()
+                .all(|w| w.gcra_bucket() <= MAX_GCRA_BUCKET);
         self
+    }
+
+    /// Why the policy's algorithm cannot decide its limits exactly, if it cannot: a GCRA
+    /// limit whose bucket, `count * window (µs) / gcd(count, window)`, is over 2^50. The
+    /// layer's builder fails with [`BuildError::Unsupported`](crate::BuildError::Unsupported)
+    /// for it and stores answer [`StoreError::Unsupported`](crate::StoreError::Unsupported);
+    /// a count with more factors in common with the window, or another algorithm, fits.
+    pub fn out_of_range(&self) -> Option<&'static str> {
+        (!self.in_range).then_some(
+            "a GCRA limit's count * window (us) / gcd(count, window) is over 2^50; \
+             choose a count that divides the window more evenly, or another algorithm",
+        )
     }
 
     /// The policy's name.
@@ -368,6 +425,7 @@ impl From<Limit> for Policy {
             limits: Arc::new([limit]),
             windows: Arc::new([Window::of(&limit)]),
             algorithm: Algorithm::SlidingLog,
+            in_range: true,
         }
     }
 }

@@ -7,7 +7,7 @@
 //! `reset_after` is the time until the current window ends. `scripts/fixed_window.lua` is the
 //! same procedure over a hash.
 
-use super::{window_start, Fit, Limiter, Window};
+use super::{window_start, Fit, Limiter, Refund, Window, MAX_UNITS};
 
 /// Per limit: (start of the window counted, units counted in it).
 #[derive(Debug, Default, Clone)]
@@ -26,7 +26,7 @@ impl FixedWindow {
 
 impl Limiter for FixedWindow {
     fn fits(&self, now: u64, i: usize, w: &Window, cost: u64) -> Fit {
-        if self.used(now, i, w) + cost <= w.count {
+        if self.used(now, i, w).saturating_add(cost) <= w.count {
             Fit::Yes
         } else {
             let next = window_start(now, w.micros) + w.micros;
@@ -38,7 +38,8 @@ impl Limiter for FixedWindow {
         self.slots.resize(windows.len(), (0, 0));
         for (i, w) in windows.iter().enumerate() {
             let used = self.used(now, i, w);
-            self.slots[i] = (window_start(now, w.micros), used + cost);
+            let used = used.saturating_add(cost).min(MAX_UNITS);
+            self.slots[i] = (window_start(now, w.micros), used);
         }
     }
 
@@ -49,8 +50,15 @@ impl Limiter for FixedWindow {
 
     /// The units leave the count of the window that holds `at`, if that is still the current
     /// window (an older one counts nothing any more); without `at`, nothing changes.
-    fn refund(&mut self, now: u64, windows: &[Window], units: u64, at: Option<u64>) {
-        let Some(at) = at else { return };
+    fn refund(&mut self, now: u64, windows: &[Window], back: Refund) {
+        let Refund {
+            units,
+            at: Some(at),
+            ..
+        } = back
+        else {
+            return;
+        };
         for (slot, w) in self.slots.iter_mut().zip(windows) {
             let start = window_start(now, w.micros);
             if slot.0 == start && window_start(at, w.micros) == start {
@@ -67,10 +75,7 @@ mod tests {
 
     #[test]
     fn counts_per_aligned_window() {
-        let w = [Window {
-            count: 2,
-            micros: 1_000_000,
-        }];
+        let w = [Window::new(2, 1_000_000)];
         let mut s = FixedWindow::default();
         assert!(decide(&mut s, 10_200_000, &w, 1, true).allowed);
         assert!(decide(&mut s, 10_900_000, &w, 1, true).allowed);
@@ -85,22 +90,20 @@ mod tests {
 
     #[test]
     fn settles_in_the_admission_window_only() {
-        use crate::algorithm::{settle, Settle};
+        use crate::algorithm::{settle, Refund, Settle};
         const M: u64 = 60_000_000;
-        let w = [Window {
-            count: 1000,
-            micros: M,
-        }];
+        let w = [Window::new(1000, M)];
         let mut s = FixedWindow::default();
         assert!(decide(&mut s, M, &w, 100, true).allowed);
         settle(
             &mut s,
             M + 1,
             &w,
-            Settle::Refund {
+            Settle::Refund(Refund {
                 units: 90,
                 at: Some(M),
-            },
+                recorded: u64::MAX,
+            }),
         );
         assert_eq!(decide(&mut s, M + 2, &w, 1, true).remaining, 1000 - 10 - 1);
         // A charge goes past the limit; the next window starts afresh.
@@ -113,10 +116,11 @@ mod tests {
             &mut s,
             2 * M + 1,
             &w,
-            Settle::Refund {
+            Settle::Refund(Refund {
                 units: 90,
                 at: Some(M),
-            },
+                recorded: u64::MAX,
+            }),
         );
         assert_eq!(decide(&mut s, 2 * M + 2, &w, 1, true).remaining, 499);
         // Never below zero, and nothing without the admission time.
@@ -124,12 +128,22 @@ mod tests {
             &mut s,
             2 * M + 3,
             &w,
-            Settle::Refund {
+            Settle::Refund(Refund {
                 units: 9999,
                 at: Some(2 * M),
-            },
+                recorded: u64::MAX,
+            }),
         );
-        settle(&mut s, 2 * M + 3, &w, Settle::Refund { units: 1, at: None });
+        settle(
+            &mut s,
+            2 * M + 3,
+            &w,
+            Settle::Refund(Refund {
+                units: 1,
+                at: None,
+                recorded: u64::MAX,
+            }),
+        );
         assert_eq!(decide(&mut s, 2 * M + 4, &w, 1, false).remaining, 1000);
     }
 }

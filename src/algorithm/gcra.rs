@@ -2,37 +2,52 @@
 //!
 //! A limit of `c` per `w` is a bucket of capacity `c` that drains one unit every
 //! `T = w / c`. GCRA keeps, instead of a level, the bucket's backlog as a time: how long until
-//! it is empty. To keep `T` exact, time inside this module is scaled by `c` (one scaled unit is
-//! `1/c` µs), so a unit of cost adds exactly `w` scaled units. Per limit the state is the time
-//! `at` of the last admission and the backlog `b` it left (scaled). At `now`:
+//! it is empty. To keep `T` exact, the backlog is counted in GCRA units of `g / c` µs, where
+//! `g = gcd(c, w)`: a unit of cost then weighs exactly `u = w / g` of them and the bucket
+//! drains `d = c / g` of them per µs, both whole numbers. Per limit the state is the time `at`
+//! of the last write and the backlog `b` it left. At `now`:
 //!
 //! ```text
-//! backlog = max(0, b - (now - at) * c)          what is still queued
-//! new     = backlog + cost * w                  the backlog if admitted
-//! fits   <=> new <= w * c                        the bucket holds at most w (c units)
-//! retry   = ceil((new - w * c) / c)             until enough has drained
-//! remaining = floor((w * c - backlog) / w)      whole units that fit now
-//! reset   = ceil(backlog / c)                   until the bucket is empty
+//! backlog = max(0, b - (now - at) * d)          what is still queued
+//! new     = backlog + cost * u                  the backlog if admitted
+//! fits   <=> new <= w * d                        the bucket holds at most c units
+//! retry   = ceil((new - w * d) / d)             until enough has drained
+//! remaining = floor((w * d - backlog) / u)      whole units that fit now
+//! reset   = ceil(backlog / d)                   until the bucket is empty
 //! ```
 //!
 //! So `c` requests pass at once, then one per `T`. This is what redis-cell's `CL.THROTTLE`
 //! computes (limited, limit, remaining, retry-after, reset-after), with `c` as the capacity.
-//! `scripts/gcra.lua` is the same procedure; it stores `at` and `b` in a hash, which keeps its
-//! floating-point arithmetic exact while `w * c` (in µs) stays below 2^53.
+//!
+//! Range: the bucket `w * d = c * w / g` must stay within [`MAX_GCRA_BUCKET`] (2^50), which
+//! the policy checks when it is built; a monthly budget of 5 000 000 units is 2.6 * 10^12.
+//! A backlog saturates at [`MAX_UNITS`] (2^52, at least three buckets), so that a charge far
+//! past the limit keeps the key refused for at least three windows instead of wrapping.
+//! `scripts/gcra.lua` is the same procedure; every value it computes stays below 2^53, where
+//! Lua's doubles are exact.
+//!
+//! [`MAX_GCRA_BUCKET`]: super::MAX_GCRA_BUCKET
+//! [`MAX_UNITS`]: super::MAX_UNITS
 
-use super::{div_ceil, Fit, Limiter, Window};
+use super::{div_ceil, Fit, Limiter, Refund, Window, MAX_UNITS};
 
-/// Per limit: (time of last admission, backlog scaled by count).
+/// Per limit: (time of the last write, backlog in GCRA units).
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Gcra {
     slots: Vec<(u64, u128)>,
+}
+
+/// A limit's weight of one unit of cost (`u`) and drain per µs (`d`), in GCRA units.
+fn units(w: &Window) -> (u128, u128) {
+    let g = u128::from(w.scale);
+    (u128::from(w.micros) / g, u128::from(w.count) / g)
 }
 
 impl Gcra {
     fn backlog(&self, now: u64, i: usize, w: &Window) -> u128 {
         match self.slots.get(i) {
             Some(&(at, b)) => {
-                let drained = u128::from(now.saturating_sub(at)) * u128::from(w.count);
+                let drained = u128::from(now.saturating_sub(at)) * units(w).1;
                 b.saturating_sub(drained)
             }
             None => 0,
@@ -42,42 +57,49 @@ impl Gcra {
 
 impl Limiter for Gcra {
     fn fits(&self, now: u64, i: usize, w: &Window, cost: u64) -> Fit {
-        let capacity = u128::from(w.micros) * u128::from(w.count);
-        let new = self.backlog(now, i, w) + u128::from(cost) * u128::from(w.micros);
+        let (u, d) = units(w);
+        let capacity = u128::from(w.micros) * d;
+        let new = self.backlog(now, i, w) + u128::from(cost) * u;
         if new <= capacity {
             Fit::Yes
         } else if cost > w.count {
             Fit::No(None)
         } else {
-            Fit::No(Some(div_ceil(new - capacity, u128::from(w.count))))
+            Fit::No(Some(div_ceil(new - capacity, d)))
         }
     }
 
     fn record(&mut self, now: u64, windows: &[Window], cost: u64) {
         self.slots.resize(windows.len(), (0, 0));
         for (i, w) in windows.iter().enumerate() {
-            let new = self.backlog(now, i, w) + u128::from(cost) * u128::from(w.micros);
-            self.slots[i] = (now, new);
+            let new = self.backlog(now, i, w) + u128::from(cost) * units(w).0;
+            self.slots[i] = (now, new.min(u128::from(MAX_UNITS)));
         }
     }
 
     fn report(&self, now: u64, i: usize, w: &Window) -> (u64, u64) {
-        let capacity = u128::from(w.micros) * u128::from(w.count);
+        let (u, d) = units(w);
+        let capacity = u128::from(w.micros) * d;
         let backlog = self.backlog(now, i, w);
-        let remaining = capacity.saturating_sub(backlog) / u128::from(w.micros);
-        (remaining as u64, div_ceil(backlog, u128::from(w.count)))
+        let remaining = capacity.saturating_sub(backlog) / u;
+        (remaining as u64, div_ceil(backlog, d))
     }
 
-    /// `TAT = max(TAT - units * T, now)`: the backlog shrinks by the units, not below empty.
-    /// Units that have drained already are not taken twice, so no admission time is needed.
-    fn refund(&mut self, now: u64, windows: &[Window], units: u64, _: Option<u64>) {
+    /// The units leave the backlog as far as they still weigh in it: units taken at `at` have
+    /// drained for `now - at` since, so at most `units * u - (now - at) * d` of the backlog is
+    /// theirs (the lease give-back, `scripts/release.lua`, takes the same). Without `at`,
+    /// nothing changes: what still weighs cannot be known.
+    fn refund(&mut self, now: u64, windows: &[Window], back: Refund) {
+        let Some(at) = back.at else { return };
         if self.slots.len() != windows.len() {
             return;
         }
         for (i, w) in windows.iter().enumerate() {
+            let (u, d) = units(w);
+            let weight =
+                (u128::from(back.units) * u).saturating_sub(u128::from(now.saturating_sub(at)) * d);
             let left = self.backlog(now, i, w);
-            let new = left.saturating_sub(u128::from(units) * u128::from(w.micros));
-            self.slots[i] = (now, new);
+            self.slots[i] = (now, left.saturating_sub(weight));
         }
     }
 }
@@ -89,7 +111,7 @@ impl Gcra {
         windows
             .iter()
             .enumerate()
-            .map(|(i, w)| div_ceil(self.backlog(now, i, w), u128::from(w.count)))
+            .map(|(i, w)| div_ceil(self.backlog(now, i, w), units(w).1))
             .max()
             .unwrap_or(0)
     }
@@ -103,10 +125,7 @@ mod tests {
     #[test]
     fn burst_then_steady_rate() {
         // 3 per second: a burst of 3, then one every 333 333.3 µs.
-        let w = [Window {
-            count: 3,
-            micros: 1_000_000,
-        }];
+        let w = [Window::new(3, 1_000_000)];
         let mut s = Gcra::default();
         for left in [2, 1, 0] {
             let d = decide(&mut s, 0, &w, 1, true);
@@ -124,12 +143,9 @@ mod tests {
 
     #[test]
     fn settles_by_moving_the_theoretical_arrival_time() {
-        use crate::algorithm::{settle, Settle};
+        use crate::algorithm::{settle, Refund, Settle};
         // 1000 per minute: T = 60 ms.
-        let w = [Window {
-            count: 1000,
-            micros: 60_000_000,
-        }];
+        let w = [Window::new(1000, 60_000_000)];
         let mut s = Gcra::default();
         assert!(decide(&mut s, 0, &w, 1, true).allowed);
         settle(&mut s, 0, &w, Settle::Charge(499));
@@ -143,28 +159,100 @@ mod tests {
         assert_eq!(s.drained_in(0, &w), 120_000_000);
         let d = decide(&mut s, 0, &w, 1, true);
         assert_eq!(d.retry_after, Some(60_000_000 + 60_000));
-        // A refund: TAT = max(TAT - n * T, now).
+        // A refund of units taken now: TAT = max(TAT - n * T, now).
         settle(
             &mut s,
             0,
             &w,
-            Settle::Refund {
+            Settle::Refund(Refund {
                 units: 1500,
-                at: None,
-            },
+                at: Some(0),
+                recorded: u64::MAX,
+            }),
         );
         assert_eq!(decide(&mut s, 0, &w, 1, false).remaining, 500);
         settle(
             &mut s,
             60_000,
             &w,
-            Settle::Refund {
+            Settle::Refund(Refund {
                 units: 10_000,
-                at: None,
-            },
+                at: Some(0),
+                recorded: u64::MAX,
+            }),
         );
         assert_eq!(s.drained_in(60_000, &w), 0);
         assert_eq!(decide(&mut s, 60_000, &w, 1, false).remaining, 1000);
+    }
+
+    #[test]
+    fn a_late_refund_frees_only_what_still_weighs() {
+        use crate::algorithm::{settle, Refund, Settle};
+        const S: u64 = 1_000_000;
+        let w = [Window::new(100, 10 * S)];
+        let mut s = Gcra::default();
+        // A reserves 100 at 0; by 20 s they have drained; B uses 100 at 20 s.
+        assert!(decide(&mut s, 0, &w, 100, true).allowed);
+        assert!(decide(&mut s, 20 * S, &w, 100, true).allowed);
+        let late = Settle::Refund(Refund {
+            units: 100,
+            at: Some(0),
+            recorded: u64::MAX,
+        });
+        settle(&mut s, 20 * S, &w, late);
+        assert!(!decide(&mut s, 20 * S, &w, 100, false).allowed);
+        // Half drained: half of A's units still weigh, and only those leave.
+        let mut s = Gcra::default();
+        assert!(decide(&mut s, 0, &w, 100, true).allowed);
+        settle(&mut s, 5 * S, &w, late);
+        assert_eq!(decide(&mut s, 5 * S, &w, 1, false).remaining, 100);
+        let mut s = Gcra::default();
+        assert!(decide(&mut s, 0, &w, 60, true).allowed);
+        assert!(decide(&mut s, 2 * S, &w, 40, true).allowed);
+        settle(
+            &mut s,
+            5 * S,
+            &w,
+            Settle::Refund(Refund {
+                units: 60,
+                at: Some(0),
+                recorded: u64::MAX,
+            }),
+        );
+        // Backlog at 5 s: 100 - 50 drained = 50 units; A's 60 weigh 10 of them at most.
+        assert_eq!(decide(&mut s, 5 * S, &w, 1, false).remaining, 60);
+        // Without the admission time, nothing.
+        settle(
+            &mut s,
+            5 * S,
+            &w,
+            Settle::Refund(Refund {
+                units: 60,
+                at: None,
+                recorded: u64::MAX,
+            }),
+        );
+        assert_eq!(decide(&mut s, 5 * S, &w, 1, false).remaining, 60);
+    }
+
+    #[test]
+    fn a_monthly_budget_neither_wraps_nor_leaks() {
+        use crate::algorithm::{settle, Settle, MAX_GCRA_BUCKET};
+        // 5 000 000 per 30 days, spent 1 000 000 at a time: five pass.
+        let month = 30 * 86_400 * 1_000_000;
+        let w = [Window::new(5_000_000, month)];
+        assert!(w[0].gcra_bucket() <= MAX_GCRA_BUCKET);
+        let mut s = Gcra::default();
+        let admitted = (0..7)
+            .filter(|_| decide(&mut s, 1_000, &w, 1_000_000, true).allowed)
+            .count();
+        assert_eq!(admitted, 5);
+        let d = decide(&mut s, 1_000, &w, 1, false);
+        assert_eq!((d.remaining, d.retry_after), (0, Some(518_400)));
+        // The largest charge saturates: refused for at least three windows, never wrapped.
+        settle(&mut s, 1_000, &w, Settle::Charge(u64::MAX));
+        assert!(!decide(&mut s, 1_000 + 3 * month, &w, 1, false).allowed);
+        assert!(decide(&mut s, 1_000 + 4000 * month, &w, 1, false).allowed);
     }
 
     /// A leaky bucket of capacity `c` draining one unit per `w / c` admits a request at `t`
@@ -200,7 +288,7 @@ mod tests {
             window_ms in 1u64..30,
             steps in proptest::collection::vec((0u64..400_000, 0u64..4), 1..80),
         ) {
-            let w = Window { count, micros: window_ms * 100_000 };
+            let w = Window::new(count, window_ms * 100_000);
             let (mut state, mut history, mut now) = (Gcra::default(), vec![], 0u64);
             for (gap, cost) in steps {
                 now += gap;

@@ -70,20 +70,54 @@ impl Algorithm {
     }
 }
 
+/// The most units any state holds: counts, a sliding log's running totals and GCRA's backlog
+/// saturate here (2^52), so that every value stays exact in the doubles of Redis' Lua (2^53),
+/// and a sum of two of them too. See `docs/operations.md`, "Range".
+pub(crate) const MAX_UNITS: u64 = 1 << 52;
+
+/// The largest bucket GCRA keeps, in its units (see [`gcra`]): `count * window / scale`. A
+/// request's weight stays below it, and a backlog saturated at [`MAX_UNITS`] is still at least
+/// three buckets, so that a charge far over the limit keeps a key refused for at least three
+/// windows.
+pub(crate) const MAX_GCRA_BUCKET: u128 = 1 << 50;
+
 /// A limit in the units the algorithms use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Window {
     pub count: u64,
     pub micros: u64,
+    /// `gcd(count, micros)`: GCRA divides its units by it (see [`gcra`]), which keeps a
+    /// monthly budget of millions of units exact in 50 bits.
+    pub scale: u64,
 }
 
 impl Window {
     pub(crate) fn of(limit: &crate::Limit) -> Window {
+        let count = limit.count();
+        let micros = limit.window().as_micros().min(u64::MAX as u128) as u64;
+        Window::new(count, micros)
+    }
+
+    pub(crate) fn new(count: u64, micros: u64) -> Window {
         Window {
-            count: limit.count(),
-            micros: limit.window().as_micros().min(u64::MAX as u128) as u64,
+            count,
+            micros,
+            scale: gcd(count, micros).max(1),
         }
     }
+
+    /// GCRA's bucket for this limit, in its units: `count * micros / scale`.
+    pub(crate) fn gcra_bucket(&self) -> u128 {
+        u128::from(self.count) * u128::from(self.micros) / u128::from(self.scale)
+    }
+}
+
+/// The greatest common divisor (`gcd(0, b) = b`).
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while a != 0 {
+        (a, b) = (b % a, a);
+    }
+    b
 }
 
 /// What an algorithm decided, in microseconds.
@@ -114,9 +148,10 @@ pub(crate) trait Limiter {
     fn record(&mut self, now: u64, windows: &[Window], cost: u64);
     /// Units left in limit `i` and microseconds until it resets.
     fn report(&self, now: u64, i: usize, w: &Window) -> (u64, u64);
-    /// Takes back at `now` up to `units` of those a request recorded at `at` (`None`: not
-    /// known), from every limit, never below what the state would be without them.
-    fn refund(&mut self, now: u64, windows: &[Window], units: u64, at: Option<u64>);
+    /// Takes back at `now` up to `units` of the `recorded` units a request recorded at `at`
+    /// (`None`: not known), from every limit, as far as they still weigh: never below what
+    /// the state would be without them.
+    fn refund(&mut self, now: u64, windows: &[Window], back: Refund);
 }
 
 /// A [`Settlement`](crate::Settlement) in the algorithms' units.
@@ -124,8 +159,19 @@ pub(crate) trait Limiter {
 pub(crate) enum Settle {
     /// Records `n` more units now, whatever the limits say.
     Charge(u64),
-    /// Takes back `units` of a request recorded at `at` (µs; `None`: not known).
-    Refund { units: u64, at: Option<u64> },
+    /// Takes units back from a request.
+    Refund(Refund),
+}
+
+/// A refund in the algorithms' units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Refund {
+    /// The units to take back.
+    pub units: u64,
+    /// When the request was recorded (µs; `None`: not known).
+    pub at: Option<u64>,
+    /// The units it recorded then (its entry's weight, on the sliding log).
+    pub recorded: u64,
 }
 
 /// Records a settlement at `now` against every limit, deciding nothing: a charge is recorded
@@ -133,9 +179,9 @@ pub(crate) enum Settle {
 /// algorithm's own [`Limiter::refund`]. The scripts' record mode 3 is the same.
 pub(crate) fn settle<L: Limiter>(state: &mut L, now: u64, windows: &[Window], settle: Settle) {
     match settle {
-        Settle::Charge(0) | Settle::Refund { units: 0, .. } => {}
+        Settle::Charge(0) | Settle::Refund(Refund { units: 0, .. }) => {}
         Settle::Charge(units) => state.record(now, windows, units),
-        Settle::Refund { units, at } => state.refund(now, windows, units, at),
+        Settle::Refund(back) => state.refund(now, windows, back),
     }
 }
 

@@ -34,7 +34,7 @@
 
 use std::collections::VecDeque;
 
-use super::{Fit, Limiter, Window};
+use super::{Fit, Limiter, Refund, Window, MAX_UNITS};
 
 /// One admitted request.
 #[derive(Debug, Clone, Copy)]
@@ -117,10 +117,10 @@ impl SlidingLog {
 impl Limiter for SlidingLog {
     fn fits(&self, t: u64, _: usize, w: &Window, cost: u64) -> Fit {
         let (past, fullest) = self.used(t, w.micros);
-        if fullest + cost <= w.count {
+        if fullest.saturating_add(cost) <= w.count {
             return Fit::Yes;
         }
-        if cost > w.count || past + cost <= w.count {
+        if cost > w.count || past.saturating_add(cost) <= w.count {
             return Fit::No(None);
         }
         // Oldest first from the window's first event, the first whose running total frees
@@ -139,7 +139,16 @@ impl Limiter for SlidingLog {
         }
     }
 
-    fn record(&mut self, t: u64, _: &[Window], cost: u64) {
+    /// The event weighs `cost`, but at most one unit more than the largest count, which no
+    /// decision tells from more (each window holding it is full for every request), and at
+    /// most what keeps the log's units within [`MAX_UNITS`]: so a charge of any size refuses
+    /// the key for exactly as long as the log holds it.
+    fn record(&mut self, t: u64, windows: &[Window], cost: u64) {
+        let largest = windows.iter().map(|w| w.count).max().unwrap_or(0);
+        let held = self.mark(self.events.len()).wrapping_sub(self.base);
+        let cost = cost
+            .min(largest.saturating_add(1))
+            .min(MAX_UNITS.saturating_sub(held));
         if cost == 0 {
             return;
         }
@@ -162,20 +171,23 @@ impl Limiter for SlidingLog {
         (w.count.saturating_sub(fullest), reset)
     }
 
-    /// The request's own event, the last one at `at` (events of one microsecond weigh the
-    /// same in every window), weighs up to `units` less, and goes when it weighs nothing; the
-    /// events after it carry that much less in their totals. Nothing when it has aged out
-    /// (been trimmed) or `at` is not known.
-    fn refund(&mut self, _: u64, _: &[Window], units: u64, at: Option<u64>) {
-        let Some(at) = at else { return };
-        let Some(i) = self.events.partition_point(|e| e.time <= at).checked_sub(1) else {
+    /// The request's own event weighs up to `units` less, and goes when it weighs nothing;
+    /// the events after it carry that much less in their totals. Its own event is one at `at`
+    /// that weighs what it recorded (the last such: events of one microsecond and one weight
+    /// are alike in every window), so that two requests of one microsecond each refund their
+    /// own. Nothing when there is none (aged out, reset) or `at` is not known.
+    fn refund(&mut self, _: u64, _: &[Window], back: Refund) {
+        let Some(at) = back.at else { return };
+        let end = self.events.partition_point(|e| e.time <= at);
+        let start = self.events.partition_point(|e| e.time < at);
+        let Some(i) = (start..end)
+            .rev()
+            .find(|&i| self.events[i].total.wrapping_sub(self.mark(i)) == back.recorded)
+        else {
             return;
         };
-        if self.events[i].time != at {
-            return;
-        }
-        let weight = self.events[i].total.wrapping_sub(self.mark(i));
-        let take = units.min(weight);
+        let weight = back.recorded;
+        let take = back.units.min(weight);
         for e in self.events.range_mut(i..) {
             e.total = e.total.wrapping_sub(take);
         }
@@ -194,10 +206,7 @@ mod tests {
 
     fn windows(spec: &[(u64, u64)]) -> Vec<Window> {
         spec.iter()
-            .map(|&(count, secs)| Window {
-                count,
-                micros: secs * S,
-            })
+            .map(|&(count, secs)| Window::new(count, secs * S))
             .collect()
     }
 
@@ -281,7 +290,7 @@ mod tests {
 
     #[test]
     fn settles_the_requests_own_event() {
-        use crate::algorithm::{settle, Settle};
+        use crate::algorithm::{settle, Refund, Settle};
         let w = windows(&[(1000, 60)]);
         let mut log = SlidingLog::default();
         assert!(check(&mut log, 0, &w, 1).allowed);
@@ -296,44 +305,70 @@ mod tests {
         let mut log = SlidingLog::default();
         assert!(check(&mut log, 0, &w, 100).allowed);
         assert!(check(&mut log, S, &w, 100).allowed);
+        let refund = |units, at, recorded| {
+            Settle::Refund(Refund {
+                units,
+                at: Some(at),
+                recorded,
+            })
+        };
         // The first request's event weighs 10; the later one's total follows.
-        settle(
-            &mut log,
-            2 * S,
-            &w,
-            Settle::Refund {
-                units: 90,
-                at: Some(0),
-            },
-        );
+        settle(&mut log, 2 * S, &w, refund(90, 0, 100));
         assert_eq!((log.len(), log.events()), (110, 2));
         assert_eq!(check(&mut log, 2 * S, &w, 1).remaining, 1000 - 110 - 1);
         // At most its own units: the event goes, the others stay.
-        settle(
-            &mut log,
-            2 * S,
-            &w,
-            Settle::Refund {
-                units: 500,
-                at: Some(0),
-            },
-        );
-        assert_eq!((log.len(), log.events()), (101, 2));
-        // No event at that time (aged out, or never), or no time: nothing.
-        settle(
-            &mut log,
-            2 * S,
-            &w,
-            Settle::Refund {
-                units: 5,
-                at: Some(7),
-            },
-        );
-        settle(&mut log, 2 * S, &w, Settle::Refund { units: 5, at: None });
-        assert_eq!(log.len(), 101);
-        // The retry follows the new weights: 100 of the 101 units leave at 61 s.
+        settle(&mut log, 2 * S, &w, refund(500, S, 100));
+        assert_eq!((log.len(), log.events()), (11, 2));
+        // No event of that time and weight (aged out, reset, or never), or no time: nothing.
+        settle(&mut log, 2 * S, &w, refund(5, 7, 100));
+        settle(&mut log, 2 * S, &w, refund(5, 0, 100));
+        let unknown = Refund {
+            units: 5,
+            at: None,
+            recorded: 10,
+        };
+        settle(&mut log, 2 * S, &w, Settle::Refund(unknown));
+        assert_eq!(log.len(), 11);
+        // The retry follows the new weights: 10 of the 11 units leave at 60 s.
         let d = check(&mut log, 3 * S, &w, 999);
-        assert_eq!(d.retry_after, Some(58 * S));
+        assert_eq!(d.retry_after, Some(57 * S));
+    }
+
+    #[test]
+    fn requests_of_one_microsecond_each_refund_their_own_event() {
+        use crate::algorithm::{settle, Refund, Settle};
+        let w = windows(&[(1000, 60)]);
+        let mut log = SlidingLog::default();
+        assert!(check(&mut log, S, &w, 100).allowed);
+        assert!(check(&mut log, S, &w, 100).allowed);
+        for _ in 0..2 {
+            let back = Refund {
+                units: 90,
+                at: Some(S),
+                recorded: 100,
+            };
+            settle(&mut log, 2 * S, &w, Settle::Refund(back));
+        }
+        assert_eq!((log.len(), log.events()), (20, 2));
+        assert_eq!(check(&mut log, 2 * S, &w, 0).remaining, 980);
+    }
+
+    #[test]
+    fn a_charge_of_any_size_weighs_as_a_full_window() {
+        use crate::algorithm::{settle, Settle, MAX_UNITS};
+        let w = windows(&[(10, 1), (1000, 60)]);
+        let mut log = SlidingLog::default();
+        assert!(check(&mut log, 0, &w, 5).allowed);
+        // u64::MAX and 2^52 weigh 1001: every window holding them refuses, until they leave.
+        settle(&mut log, S, &w, Settle::Charge(u64::MAX));
+        settle(&mut log, S, &w, Settle::Charge(MAX_UNITS));
+        assert_eq!(log.len(), 5 + 2 * 1001);
+        let d = check(&mut log, 2 * S, &w, 1);
+        assert_eq!(
+            (d.allowed, d.remaining, d.retry_after),
+            (false, 0, Some(59 * S))
+        );
+        assert!(check(&mut log, 61 * S, &w, 1).allowed);
     }
 
     /// The definition, computed the slow way: every admitted event is kept with its cost.
@@ -403,10 +438,7 @@ mod tests {
         // Windows in units of 100 ms, distinct and sorted as a Policy keeps them.
         let mut windows: Vec<Window> = limits
             .iter()
-            .map(|&(count, w)| Window {
-                count,
-                micros: w * 100_000,
-            })
+            .map(|&(count, w)| Window::new(count, w * 100_000))
             .collect();
         windows.sort_by_key(|w| w.micros);
         windows.dedup_by_key(|w| w.micros);

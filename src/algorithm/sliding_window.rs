@@ -23,7 +23,7 @@
 //! have passed, i.e. until the full quota is back. `scripts/sliding_window.lua` is the same
 //! procedure over a hash.
 
-use super::{window_start, Fit, Limiter, Window};
+use super::{window_start, Fit, Limiter, Refund, Window, MAX_UNITS};
 
 /// Per limit: (start of current window, curr, prev).
 #[derive(Debug, Default, Clone)]
@@ -70,7 +70,8 @@ impl Limiter for SlidingWindow {
         self.slots.resize(windows.len(), (0, 0, 0));
         for (i, w) in windows.iter().enumerate() {
             let (_, curr, prev) = self.counts(now, i, w);
-            self.slots[i] = (window_start(now, w.micros), curr + cost, prev);
+            let curr = curr.saturating_add(cost).min(MAX_UNITS);
+            self.slots[i] = (window_start(now, w.micros), curr, prev);
         }
     }
 
@@ -90,8 +91,15 @@ impl Limiter for SlidingWindow {
     /// The units leave the count of the window that holds `at` while it is stored: as the
     /// current window, or as the previous one after a rollover; an older window counts
     /// nothing any more. Without `at`, nothing changes.
-    fn refund(&mut self, _: u64, windows: &[Window], units: u64, at: Option<u64>) {
-        let Some(at) = at else { return };
+    fn refund(&mut self, _: u64, windows: &[Window], back: Refund) {
+        let Refund {
+            units,
+            at: Some(at),
+            ..
+        } = back
+        else {
+            return;
+        };
         for (slot, w) in self.slots.iter_mut().zip(windows) {
             let start = window_start(at, w.micros);
             if slot.0 == start {
@@ -112,10 +120,7 @@ mod tests {
 
     #[test]
     fn weighs_the_previous_window() {
-        let w = [Window {
-            count: 10,
-            micros: 10 * S,
-        }];
+        let w = [Window::new(10, 10 * S)];
         let mut s = SlidingWindow::default();
         // 10 in window [0, 10 s).
         for _ in 0..10 {
@@ -133,10 +138,7 @@ mod tests {
 
     #[test]
     fn full_current_window_waits_for_the_next() {
-        let w = [Window {
-            count: 4,
-            micros: 10 * S,
-        }];
+        let w = [Window::new(4, 10 * S)];
         let mut s = SlidingWindow::default();
         for _ in 0..4 {
             assert!(decide(&mut s, 2 * S, &w, 1, true).allowed);
@@ -150,11 +152,8 @@ mod tests {
 
     #[test]
     fn settles_in_the_current_or_previous_window() {
-        use crate::algorithm::{settle, Settle};
-        let w = [Window {
-            count: 1000,
-            micros: 60 * S,
-        }];
+        use crate::algorithm::{settle, Refund, Settle};
+        let w = [Window::new(1000, 60 * S)];
         let mut s = SlidingWindow::default();
         assert!(decide(&mut s, 0, &w, 1, true).allowed);
         settle(&mut s, 0, &w, Settle::Charge(499));
@@ -167,10 +166,11 @@ mod tests {
             &mut s,
             61 * S,
             &w,
-            Settle::Refund {
+            Settle::Refund(Refund {
                 units: 400,
                 at: Some(0),
-            },
+                recorded: u64::MAX,
+            }),
         );
         assert!(decide(&mut s, 61 * S, &w, 100, true).allowed);
         // Into the current one, never below zero.
@@ -178,10 +178,11 @@ mod tests {
             &mut s,
             62 * S,
             &w,
-            Settle::Refund {
+            Settle::Refund(Refund {
                 units: 500,
                 at: Some(61 * S),
-            },
+                recorded: u64::MAX,
+            }),
         );
         let (_, curr, prev) = s.counts(62 * S, 0, &w[0]);
         assert_eq!((curr, prev), (0, 600));
@@ -191,10 +192,11 @@ mod tests {
             &mut s,
             185 * S,
             &w,
-            Settle::Refund {
+            Settle::Refund(Refund {
                 units: 5,
                 at: Some(62 * S),
-            },
+                recorded: u64::MAX,
+            }),
         );
         assert_eq!(s.counts(185 * S, 0, &w[0]).1, 7);
     }
@@ -208,7 +210,7 @@ mod tests {
             window_ms in 1u64..20,
             steps in proptest::collection::vec((0u64..150_000, 1u64..3), 1..300),
         ) {
-            let w = Window { count, micros: window_ms * 100_000 };
+            let w = Window::new(count, window_ms * 100_000);
             let (mut state, mut admitted, mut now) = (SlidingWindow::default(), vec![], 0u64);
             for (gap, cost) in steps {
                 now += gap;

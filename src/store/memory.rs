@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use super::{Store, StoreError};
 use crate::algorithm::{
     decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
-    sliding_window::SlidingWindow, Algorithm, Outcome, Settle,
+    sliding_window::SlidingWindow, Algorithm, Outcome, Refund, Settle,
 };
 use crate::decision::Change;
 use crate::shards::Shards;
@@ -120,8 +120,17 @@ struct Shared {
     clock: Arc<dyn Clock>,
 }
 
-/// One key's state under the algorithm of its policy.
-enum State {
+/// One key's state: when it was created, and its algorithm's state.
+struct State {
+    /// The store's time (µs) the state was created at. A refund applies only to state created
+    /// no later than the request it refunds: state made afresh since (a reset, an expiry,
+    /// an eviction) never held its units.
+    born: u64,
+    of: Of,
+}
+
+/// The state of one key under the algorithm of its policy.
+enum Of {
     Log(SlidingLog),
     Sliding(SlidingWindow),
     Fixed(FixedWindow),
@@ -129,35 +138,36 @@ enum State {
 }
 
 impl State {
-    fn new(algorithm: Algorithm) -> State {
-        match algorithm {
-            Algorithm::SlidingLog => State::Log(SlidingLog::default()),
-            Algorithm::SlidingWindow => State::Sliding(SlidingWindow::default()),
-            Algorithm::FixedWindow => State::Fixed(FixedWindow::default()),
-            Algorithm::Gcra => State::Gcra(Gcra::default()),
-        }
+    fn new(algorithm: Algorithm, now: u64) -> State {
+        let of = match algorithm {
+            Algorithm::SlidingLog => Of::Log(SlidingLog::default()),
+            Algorithm::SlidingWindow => Of::Sliding(SlidingWindow::default()),
+            Algorithm::FixedWindow => Of::Fixed(FixedWindow::default()),
+            Algorithm::Gcra => Of::Gcra(Gcra::default()),
+        };
+        State { born: now, of }
     }
 
     fn algorithm(&self) -> Algorithm {
-        match self {
-            State::Log(_) => Algorithm::SlidingLog,
-            State::Sliding(_) => Algorithm::SlidingWindow,
-            State::Fixed(_) => Algorithm::FixedWindow,
-            State::Gcra(_) => Algorithm::Gcra,
+        match self.of {
+            Of::Log(_) => Algorithm::SlidingLog,
+            Of::Sliding(_) => Algorithm::SlidingWindow,
+            Of::Fixed(_) => Algorithm::FixedWindow,
+            Of::Gcra(_) => Algorithm::Gcra,
         }
     }
 
     /// Decides at `t` (µs); `now` is the store's time, which may differ for event times.
     fn decide(&mut self, now: u64, t: u64, policy: &Policy, cost: u64, record: bool) -> Outcome {
         let windows = policy.windows();
-        match self {
-            State::Log(log) => {
+        match &mut self.of {
+            Of::Log(log) => {
                 trim(log, now.min(t), policy);
                 decide(log, t, windows, cost, record)
             }
-            State::Sliding(s) => decide(s, t, windows, cost, record),
-            State::Fixed(s) => decide(s, t, windows, cost, record),
-            State::Gcra(s) => decide(s, t, windows, cost, record),
+            Of::Sliding(s) => decide(s, t, windows, cost, record),
+            Of::Fixed(s) => decide(s, t, windows, cost, record),
+            Of::Gcra(s) => decide(s, t, windows, cost, record),
         }
     }
 
@@ -165,21 +175,26 @@ impl State {
     /// that can be longer than the policy's retention (a GCRA bucket charged past its size).
     fn settle(&mut self, now: u64, policy: &Policy, change: Settle) -> u64 {
         let windows = policy.windows();
-        match self {
-            State::Log(log) => {
+        if let Settle::Refund(Refund { at, .. }) = change {
+            if at.is_none_or(|at| at < self.born) {
+                return 0;
+            }
+        }
+        match &mut self.of {
+            Of::Log(log) => {
                 trim(log, now, policy);
                 settle(log, now, windows, change);
                 0
             }
-            State::Sliding(s) => {
+            Of::Sliding(s) => {
                 settle(s, now, windows, change);
                 0
             }
-            State::Fixed(s) => {
+            Of::Fixed(s) => {
                 settle(s, now, windows, change);
                 0
             }
-            State::Gcra(s) => {
+            Of::Gcra(s) => {
                 settle(s, now, windows, change);
                 s.drained_in(now, windows)
             }
@@ -231,8 +246,8 @@ impl MemoryStore {
         let now = self.now();
         let mut shard = self.shared.entries.lock(key, policy);
         match shard.get(key, policy, now) {
-            Some(slot) if slot.is_live(now) => match &mut slot.value {
-                State::Log(log) => {
+            Some(slot) if slot.is_live(now) => match &mut slot.value.of {
+                Of::Log(log) => {
                     trim(log, now, policy);
                     log.events()
                 }
@@ -261,6 +276,9 @@ impl MemoryStore {
         record: bool,
     ) -> Ready<Result<Decision, StoreError>> {
         let algorithm = policy.algorithm();
+        if let Err(error) = super::in_range(policy) {
+            return ready(Err(error));
+        }
         if at.is_some() && algorithm != Algorithm::SlidingLog {
             return ready(Err(StoreError::Unsupported(
                 "event times need the sliding log algorithm",
@@ -273,7 +291,7 @@ impl MemoryStore {
         let outcome = match shard.get(key, policy, now) {
             Some(slot) => {
                 if !slot.is_live(now) || slot.value.algorithm() != algorithm {
-                    slot.value = State::new(algorithm);
+                    slot.value = State::new(algorithm, now);
                 }
                 let outcome = slot.value.decide(now, t, policy, cost, record);
                 if outcome.allowed && record {
@@ -282,7 +300,7 @@ impl MemoryStore {
                 outcome
             }
             None => {
-                let mut state = State::new(algorithm);
+                let mut state = State::new(algorithm, now);
                 let outcome = state.decide(now, t, policy, cost, record);
                 if outcome.allowed && record {
                     shard.insert(key, policy, now, expiry(policy, now, t), state);
@@ -305,16 +323,17 @@ impl MemoryStore {
         let algorithm = policy.algorithm();
         let change = match settlement.change {
             Change::Charge => Settle::Charge(settlement.units),
-            Change::Refund => Settle::Refund {
+            Change::Refund => Settle::Refund(Refund {
                 units: settlement.units,
                 at: settlement.admitted_at.and_then(|at| u64::try_from(at).ok()),
-            },
+                recorded: settlement.recorded,
+            }),
         };
         let mut shard = self.shared.entries.lock(key, policy);
         match shard.get(key, policy, now) {
             Some(slot) => {
                 if !slot.is_live(now) || slot.value.algorithm() != algorithm {
-                    slot.value = State::new(algorithm);
+                    slot.value = State::new(algorithm, now);
                 }
                 let drained = slot.value.settle(now, policy, change);
                 if let Settle::Charge(_) = change {
@@ -325,7 +344,7 @@ impl MemoryStore {
             // Nothing recorded is left to refund.
             None if matches!(change, Settle::Refund { .. }) => {}
             None => {
-                let mut state = State::new(algorithm);
+                let mut state = State::new(algorithm, now);
                 let drained = state.settle(now, policy, change);
                 let expires = expiry(policy, now, now).max(now.saturating_add(drained));
                 shard.insert(key, policy, now, expires, state);
@@ -404,6 +423,9 @@ impl Store for MemoryStore {
     }
 
     fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture {
+        if let Err(error) = super::in_range(policy) {
+            return ready(Err(error));
+        }
         self.settle_now(key, policy, settlement);
         ready(Ok(()))
     }

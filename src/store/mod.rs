@@ -90,11 +90,11 @@ pub trait Store: Clone + Send + Sync + 'static {
     }
 
     /// Whether this store can decide `policy`; the layer's builder asks for each policy and
-    /// fails with [`BuildError::Unsupported`](crate::BuildError::Unsupported) if not. Every
-    /// policy by default; a [`RedisStore`] with leases refuses the sliding log.
+    /// fails with [`BuildError::Unsupported`](crate::BuildError::Unsupported) if not. By
+    /// default every policy that is in range ([`Policy::out_of_range`]); a [`RedisStore`]
+    /// with leases also refuses the sliding log.
     fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
-        let _ = policy;
-        Ok(())
+        in_range(policy)
     }
 
     /// Whether decisions are made in this process, without I/O. The layer's deny cache is off
@@ -102,6 +102,14 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// quickly.
     fn is_local(&self) -> bool {
         false
+    }
+}
+
+/// [`StoreError::Unsupported`] for a policy out of range ([`Policy::out_of_range`]).
+pub(crate) fn in_range(policy: &Policy) -> Result<(), StoreError> {
+    match policy.out_of_range() {
+        Some(why) => Err(StoreError::Unsupported(why)),
+        None => Ok(()),
     }
 }
 

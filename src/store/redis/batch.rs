@@ -414,36 +414,43 @@ pub(super) enum Record {
     /// `headroom` µs of drain free in every GCRA bucket: a lease.
     Lease { want: u64, headroom: u64 },
     /// Decide nothing: record a settlement of `cost` units now, added (a charge) or taken
-    /// back (`refund`) from what a request recorded at `admitted` (Redis time, µs; -1: not
-    /// known).
-    Settle { refund: bool, admitted: i64 },
+    /// back (`refund`) from the `recorded` units a request recorded at `admitted` (Redis
+    /// time, µs; -1: not known).
+    Settle {
+        refund: bool,
+        admitted: i64,
+        recorded: u64,
+    },
 }
 
 /// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
 /// of limits, cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (µs, -1 for
-/// now), for a lease or a look (0) want and headroom, for a settlement refund (0 or 1) and
-/// admission time, then count and window (µs) of each limit.
+/// now), for a lease or a look (0) want and headroom, for a settlement refund (0 or 1),
+/// admission time and the units recorded then, then count, window (µs) and scale of each
+/// limit.
 pub(super) fn encode(cost: u64, record: Record, at: i64, windows: &[Window]) -> Vec<u8> {
-    let mut args = Vec::with_capacity(INT * (6 + 2 * windows.len()));
-    let (flag, extra) = match record {
-        Record::No { headroom } => (0, Some([clamp(cost), clamp(headroom)])),
-        Record::Yes => (1, None),
-        Record::Lease { want, headroom } => (2, Some([clamp(want), clamp(headroom)])),
-        Record::Settle { refund, admitted } => (3, Some([i64::from(refund), admitted])),
+    let mut args = Vec::with_capacity(INT * (7 + 3 * windows.len()));
+    let (flag, extra, extras) = match record {
+        Record::No { headroom } => (0, [clamp(cost), clamp(headroom), 0], 2),
+        Record::Yes => (1, [0; 3], 0),
+        Record::Lease { want, headroom } => (2, [clamp(want), clamp(headroom), 0], 2),
+        Record::Settle {
+            refund,
+            admitted,
+            recorded,
+        } => (3, [i64::from(refund), admitted, clamp(recorded)], 3),
     };
     let head = [windows.len() as i64, clamp(cost), flag, at];
-    let tail = windows
-        .iter()
-        .flat_map(|w| [clamp(w.count), clamp(w.micros)]);
-    let values = head.into_iter().chain(extra.into_iter().flatten());
-    for value in values.chain(tail) {
+    let values = head.into_iter().chain(extra.into_iter().take(extras));
+    for value in values.chain(limits(windows)) {
         args.extend_from_slice(&value.to_le_bytes());
     }
     args
 }
 
 /// One give-back's arguments as `scripts/release.lua` reads them: algorithm, number of
-/// limits, units, the Redis time of the grant (µs), then count and window of each limit.
+/// limits, units, the Redis time of the grant (µs), then count, window and scale of each
+/// limit.
 pub(super) fn encode_release(
     algorithm: Algorithm,
     units: u64,
@@ -456,11 +463,8 @@ pub(super) fn encode_release(
         _ => 3,
     };
     let head = [code, windows.len() as i64, clamp(units), granted];
-    let tail = windows
-        .iter()
-        .flat_map(|w| [clamp(w.count), clamp(w.micros)]);
     head.into_iter()
-        .chain(tail)
+        .chain(limits(windows))
         .flat_map(i64::to_le_bytes)
         .collect()
 }
@@ -480,6 +484,13 @@ pub(super) fn by_slot(keys: &[String], clustered: bool) -> Vec<Vec<usize>> {
         }
     }
     groups.into_iter().map(|(_, group)| group).collect()
+}
+
+/// Count, window (µs) and scale of each limit.
+fn limits(windows: &[Window]) -> impl Iterator<Item = i64> + '_ {
+    windows
+        .iter()
+        .flat_map(|w| [clamp(w.count), clamp(w.micros), clamp(w.scale)])
 }
 
 fn clamp(v: u64) -> i64 {

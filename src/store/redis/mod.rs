@@ -121,6 +121,7 @@ impl Inner {
         at: i64,
         record: Record,
     ) -> Result<Answer, StoreError> {
+        super::in_range(policy)?;
         let args = batch::encode(cost, record, at, policy.windows());
         // The budget covers the whole decision: the queue, the call and a script reload.
         let decision = self.batcher.decide(place, policy.algorithm(), args);
@@ -621,6 +622,7 @@ impl Store for RedisStore {
     }
 
     fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
+        super::in_range(policy)?;
         lease::supports(&self.inner, policy)
     }
 
@@ -671,6 +673,7 @@ impl Store for RedisStore {
         let record = Record::Settle {
             refund: settlement.change == Change::Refund,
             admitted: settlement.admitted_at.unwrap_or(-1),
+            recorded: settlement.recorded,
         };
         Box::pin(async move {
             if settlement.units == 0 {

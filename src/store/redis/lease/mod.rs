@@ -377,6 +377,10 @@ fn state(inner: &Inner) -> Result<&State, StoreError> {
 
 /// How `policy` is leased by the store of `inner`, if it is.
 pub(super) fn plan(inner: &Inner, policy: &Policy) -> Option<Plan> {
+    // A policy out of range is refused by the store's own path.
+    if policy.out_of_range().is_some() {
+        return None;
+    }
     inner.leases.as_ref()?.settings.plan(policy)
 }
 

@@ -132,10 +132,11 @@ local state
 -- combines fits, apply and report (or settles, with apply or give_back); the reply
 -- concatenates the answers.
 local function each_stored_request(fields, fits, apply, report, give_back)
-  -- A refund needs the admission time, and writes only where a window still held the request;
-  -- the key keeps its expiry.
+  -- A refund needs the admission time, and writes only where a window still held the request
+  -- and the state is the one it was recorded in (created no later than the admission: a
+  -- reset or a restart since turns it into a no-op); the key keeps its expiry.
   local function refund_units()
-    if admitted >= 0 and give_back() then
+    if admitted >= 0 and born ~= nil and born <= admitted and give_back() then
       store_fields(state, nil)
     end
   end

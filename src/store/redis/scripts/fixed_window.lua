@@ -6,10 +6,11 @@
 -- ARGV      as prelude.lua (event times are -1: fixed windows take none)
 -- Reply     as prelude.lua
 --
--- Writes: an admitted request, or a charge, adds its cost to every limit's current window and
--- sets the key to expire after the longest window; a refund takes up to its units (not below
--- 0) from each limit's count whose window holds the admission time and is still the current
--- one (none when that time is not known), keeping the key's expiry.
+-- Writes: an admitted request, or a charge, adds its cost to every limit's current window (a
+-- count saturates at MAX_UNITS) and sets the key to expire after the longest window; a refund
+-- takes up to its units (not below 0) from each limit's count whose window holds the
+-- admission time and is still the current one (none when that time is not known, or the
+-- state was created after it), keeping the key's expiry.
 
 -- `state` (from common.lua), per limit i: state[2i - 1] = start of the window counted,
 -- state[2i] = its count.
@@ -34,7 +35,7 @@ end
 local function apply()
   local new = {}
   for i = 1, n do
-    new[2 * i - 1], new[2 * i] = window_start(t, windows[i]), used(i) + cost
+    new[2 * i - 1], new[2 * i] = window_start(t, windows[i]), math.min(used(i) + cost, MAX_UNITS)
   end
   state = new
   store_fields(state, longest)

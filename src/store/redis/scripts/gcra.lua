@@ -5,42 +5,46 @@
 -- decision's work in Redis. It combines limits exactly as the driver's `decide` does.
 --
 -- KEYS[k]   request k's state: 64-bit little-endian integers t1 b1 t2 b2 ...; for limit i, the
---           time of the last admission (us) and the backlog it left, in us scaled by the count
---           (so one unit of cost is exactly `window`); then a header of two: the Redis time
---           (us) the state was created at and the last time a lease was taken from it (0:
---           never), which release.lua checks. State of another length counts as none.
+--           time of the last write (us) and the backlog it left, in GCRA units of scale/count
+--           us (gcra.rs: one unit of cost weighs window/scale of them, and count/scale drain
+--           per us); then a header of two: the Redis time (us) the state was created at and
+--           the last time a lease was taken from it (0: never), which refunds and release.lua
+--           check. State of another length counts as none.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (-1: now; GCRA
---           takes no other), for a lease want and headroom (us), for a settlement refund and
---           admission time (not needed here), then count and window (us) of limits 1..n,
---           shortest first
+--           takes no other), for a lease want and headroom (us), for a settlement refund,
+--           admission time and the units recorded then, then count, window (us) and scale of
+--           limits 1..n, shortest first
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, five per
 --           request: allowed (0 refused, else 1 + units leased beyond the cost), limit index
 --           (0-based), remaining, reset_after (us), retry_after (us; -1 when admitted, -2
 --           when no wait helps); then Redis TIME
 --
--- Headroom h: a store that leases keeps h of drain free in every bucket (capacity w * c - h * c
--- instead of w * c), because leased units may be spent up to h after they were taken; the
--- bucket then never holds more than w * c of units as they were spent. Peeks carry the same h
--- (prelude.lua), and `remaining` counts against the same capacity, so that what a peek and a
--- refusal report agrees with what a decision admits.
+-- Headroom h: a store that leases keeps h of drain free in every bucket (capacity (w - h) * d
+-- instead of w * d), because leased units may be spent up to h after they were taken; the
+-- bucket then never holds more than its size of units as they were spent. Peeks carry the
+-- same h (prelude.lua), and `remaining` counts against the same capacity, so that what a peek
+-- and a refusal report agrees with what a decision admits.
 --
 -- Settlements: a charge is recorded as an admitted request, whatever the limits say
--- (TAT = max(TAT, now) + n T, so a bucket may hold more than its size); a refund takes its
--- units off every backlog, not below empty (TAT = max(TAT - n T, now)), and writes nothing
--- where there is no state.
+-- (TAT = max(TAT, now) + n T, so a bucket may hold more than its size), the backlog saturating
+-- at MAX_UNITS (at least three buckets: policy.rs keeps a bucket within 2^50). A refund takes
+-- its units off every backlog as far as they still weigh, units * u - (now - admitted) * d
+-- (what has drained since the admission is not taken twice), not below empty, and only from
+-- state created no later than the admission (a reset or a restart since turns it into a
+-- no-op); it writes nothing where there is no state or no admission time.
 --
 -- Writes: an admitted request, or a settlement, stores every limit's new backlog and sets the
 -- key to expire once every bucket has drained: after the longest window, or longer where a
 -- charge overfilled a bucket.
 
 -- Per limit of the request at hand (entries past its n are left over and never read).
-local counts, windows, backlogs = {}, {}, {}
+local counts, windows, scales, backlogs = {}, {}, {}, {}
 
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local n, cost, record, t, want, h, refund = next_request(counts, windows)
+  local n, cost, record, t, want, h, refund, admitted = next_request(counts, windows, scales)
   local state = redis.call('GET', key)
   if state and #state ~= 16 * n + 16 then
     state = nil
@@ -51,25 +55,26 @@ for k = 1, #KEYS do
   local state_byte = 1
   local denied, denied_retry, room = nil, nil, nil
   for i = 1, n do
-    local c, w, at, left = counts[i], windows[i]
+    local c, w, g, at, left = counts[i], windows[i], scales[i]
+    local u, d = w / g, c / g
     local b = 0
     if state then
       at, left, state_byte = sunpack('<ll', state, state_byte)
-      b = math.max(left - math.max(t - at, 0) * c, 0)
+      b = math.max(left - math.max(t - at, 0) * d, 0)
     end
     backlogs[i] = b
-    local capacity = (w - h) * c
-    local new = b + cost * w
+    local capacity = (w - h) * d
+    local new = b + cost * u
     if new > capacity and record ~= 3 then
       local retry = -2
-      if cost * w <= capacity then
-        retry = math.ceil((new - capacity) / c)
+      if cost * u <= capacity then
+        retry = ceil_div(new - capacity, d)
       end
       if later(retry, denied_retry) then
         denied, denied_retry = i, retry
       end
     elseif record == 2 then
-      local fit = math.floor((capacity - b) / w)
+      local fit = floor_div(capacity - b, u)
       if room == nil or fit < room then
         room = fit
       end
@@ -86,37 +91,39 @@ for k = 1, #KEYS do
   end
 
   -- Refused: report the refusing limit. Admitted (or settled): record, then report the limit
-  -- with the fewest units left (the first of equals).
+  -- with the fewest units left (the first of equals). A refund writes only to state that held
+  -- the request (created no later than its admission).
   local allowed, reported, retry = 0, denied, denied_retry
   if denied == nil then
     allowed, retry = 1, -1
-    if record ~= 0 and not (refund == 1 and state == nil) then
+    local held = refund == 0 or (state ~= nil and admitted >= 0 and born <= admitted)
+    if record ~= 0 and held then
       if record == 2 then
         local take = math.min(want, room)
         allowed, cost = 1 + take - cost, take
       end
-      local value
       -- The longest window, the same for every request of a call (so `text` formats it
       -- once), unless a charge overfilled a bucket: it then lives until that one drains.
       local ttl = windows[n]
-      if n == 1 and refund == 0 then
-        backlogs[1] = backlogs[1] + cost * windows[1]
-        value = spack('<llll', t, backlogs[1], born, leased)
-        if record == 3 then
-          ttl = math.max(ttl, math.ceil(backlogs[1] / counts[1]))
+      for i = 1, n do
+        local u, d = windows[i] / scales[i], counts[i] / scales[i]
+        if refund == 1 then
+          local weight = math.max(cost * u - math.max(t - admitted, 0) * d, 0)
+          backlogs[i] = math.max(backlogs[i] - weight, 0)
+        else
+          backlogs[i] = math.min(backlogs[i] + cost * u, MAX_UNITS)
         end
+        if record == 3 then
+          ttl = math.max(ttl, ceil_div(backlogs[i], d))
+        end
+      end
+      local value
+      if n == 1 then
+        value = spack('<llll', t, backlogs[1], born, leased)
       else
         local parts = {}
         for i = 1, n do
-          if refund == 1 then
-            backlogs[i] = math.max(backlogs[i] - cost * windows[i], 0)
-          else
-            backlogs[i] = backlogs[i] + cost * windows[i]
-          end
           parts[i] = spack('<ll', t, backlogs[i])
-          if record == 3 then
-            ttl = math.max(ttl, math.ceil(backlogs[i] / counts[i]))
-          end
         end
         parts[n + 1] = spack('<ll', born, leased)
         value = table.concat(parts)
@@ -125,15 +132,17 @@ for k = 1, #KEYS do
     end
     local least
     for i = 1, n do
-      local remaining = math.floor(((windows[i] - h) * counts[i] - backlogs[i]) / windows[i])
+      local u, d = windows[i] / scales[i], counts[i] / scales[i]
+      local remaining = floor_div((windows[i] - h) * d - backlogs[i], u)
       if least == nil or remaining < least then
         least, reported = remaining, i
       end
     end
   end
-  local c, w, b = counts[reported], windows[reported], backlogs[reported]
-  reply[k] = spack('<lllll', allowed, reported - 1, math.max(math.floor(((w - h) * c - b) / w), 0),
-    math.ceil(b / c), retry)
+  local w, g, b = windows[reported], scales[reported], backlogs[reported]
+  local u, d = w / g, counts[reported] / g
+  reply[k] = spack('<lllll', allowed, reported - 1, math.max(floor_div((w - h) * d - b, u), 0),
+    ceil_div(b, d), retry)
 end
 
 return finish()

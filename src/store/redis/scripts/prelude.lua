@@ -11,9 +11,15 @@
 --           the epoch or -1 for now (Redis TIME); for a lease and a look (record 0), want
 --           (the most units to take, >= cost) and headroom (us; GCRA keeps that much drain
 --           free in every bucket, and a look reports against the same room); for a
---           settlement only, refund (0: add `cost` units, 1: take them back)
---           and the admission time (Redis time, us, of the request being settled; -1: not
---           known); then count and window (microseconds) of limits 1..n, shortest first
+--           settlement only, refund (0: add `cost` units, 1: take them back), the
+--           admission time (Redis time, us, of the request being settled; -1: not known) and
+--           the units that request recorded; then count, window (microseconds) and scale
+--           (gcd of the two, GCRA's divisor) of limits 1..n, shortest first
+--
+-- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
+-- 2255), and every state saturates at MAX_UNITS (2^52) units, so that every number the
+-- scripts compute stays below 2^53, where Lua's doubles are exact (src/policy.rs checks the
+-- limits; docs/operations.md, "Range").
 --
 -- Reply: one string of 64-bit little-endian signed integers, five per request in turn:
 --        allowed (0 when refused; when admitted, 1 plus the units leased beyond the cost),
@@ -62,27 +68,51 @@ local function text(x)
   return s
 end
 
+-- The most units a state holds (2^52; src/algorithm/mod.rs).
+local MAX_UNITS = 4503599627370496
+
 -- Reads the next request's arguments: returns its number of limits n, cost, record (0 to 3),
--- event time (now for -1), want and headroom (cost and 0 unless a lease or a look), refund (0 unless a
--- settlement) and admission time (-1 unless a settlement), and puts each limit's count and
--- window in `counts[i]` and `windows[i]` (entries past n are left over from an earlier request
--- and never read).
-local function next_request(counts, windows)
-  local n, cost, record, t, want, headroom, refund, admitted
+-- event time (now for -1), want and headroom (cost and 0 unless a lease or a look), refund (0
+-- unless a settlement), admission time (-1 unless a settlement) and the units the settled
+-- request recorded, and puts each limit's count, window and scale in `counts[i]`,
+-- `windows[i]` and `scales[i]` (entries past n are left over from an earlier request and
+-- never read; `scales` may be nil).
+local function next_request(counts, windows, scales)
+  local n, cost, record, t, want, headroom, refund, admitted, weight
   n, cost, record, t, next_byte = sunpack('<llll', requests, next_byte)
   if t < 0 then
     t = now
   end
-  want, headroom, refund, admitted = cost, 0, 0, -1
+  want, headroom, refund, admitted, weight = cost, 0, 0, -1, 0
   if record == 2 or record == 0 then
     want, headroom, next_byte = sunpack('<ll', requests, next_byte)
   elseif record == 3 then
-    refund, admitted, next_byte = sunpack('<ll', requests, next_byte)
+    refund, admitted, weight, next_byte = sunpack('<lll', requests, next_byte)
   end
+  local scale
   for i = 1, n do
-    counts[i], windows[i], next_byte = sunpack('<ll', requests, next_byte)
+    counts[i], windows[i], scale, next_byte = sunpack('<lll', requests, next_byte)
+    if scales then
+      scales[i] = scale
+    end
   end
-  return n, cost, record, t, want, headroom, refund, admitted
+  return n, cost, record, t, want, headroom, refund, admitted, weight
+end
+
+-- floor(a / b) and ceil(a / b) for integers below 2^53, b > 0, exactly: a double quotient
+-- can round across an integer when a is above 2^52, and is corrected by one.
+local function floor_div(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then
+    q = q - 1
+  elseif (q + 1) * b <= a then
+    q = q + 1
+  end
+  return q
+end
+
+local function ceil_div(a, b)
+  return -floor_div(-a, b)
 end
 
 -- The reply of the whole call: every request's answer, then the time.

@@ -6,7 +6,8 @@
 --           fixed_window.lua, sliding_window.lua)
 -- ARGV[1]   64-bit little-endian signed integers, for each give-back k in turn: algorithm
 --           (1 fixed window, 2 sliding window, 3 GCRA), n (number of limits), units, the Redis
---           time (us) the lease was granted at, then count and window (us) of limits 1..n
+--           time (us) the lease was granted at, then count, window (us) and scale (their gcd)
+--           of limits 1..n
 --
 -- Reply     the number of keys whose state changed
 --
@@ -23,7 +24,8 @@
 -- - counters: the units leave the window they were counted in (fixed: that window's count;
 --   sliding: the current or, after one rollover, the previous count), if it is still stored;
 -- - GCRA: a bucket drains whatever it holds, so units taken at t0 weigh at most
---   units * w - (now - t0) * c of its backlog now (scaled as in gcra.lua); that much leaves.
+--   units * u - (now - t0) * d of its backlog now (in gcra.lua's units, u = w / scale and
+--   d = c / scale); that much leaves.
 -- State of another shape (the policy changed) is left alone. Writes keep the key's expiry.
 
 local time = redis.call('TIME')
@@ -31,7 +33,7 @@ local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local spack, sunpack = struct.pack, struct.unpack
 local args, next_byte = ARGV[1], 1
 local changed = 0
-local counts, windows = {}, {}
+local counts, windows, scales = {}, {}, {}
 
 local function window_start(x, w)
   return x - math.fmod(x, w)
@@ -42,7 +44,7 @@ for k = 1, #KEYS do
   local algorithm, n, units, granted
   algorithm, n, units, granted, next_byte = sunpack('<llll', args, next_byte)
   for i = 1, n do
-    counts[i], windows[i], next_byte = sunpack('<ll', args, next_byte)
+    counts[i], windows[i], scales[i], next_byte = sunpack('<lll', args, next_byte)
   end
   local fields = ({ 2, 3, 2 })[algorithm]
   local raw = redis.call('GET', key)
@@ -71,9 +73,10 @@ for k = 1, #KEYS do
           values[at + 3] = math.max(values[at + 3] - units, 0)
         end
       else
+        local u, d = w / scales[i], c / scales[i]
         local elapsed = math.max(now - values[at + 1], 0)
-        local backlog = math.max(values[at + 2] - elapsed * c, 0)
-        local weight = math.max(units * w - math.max(now - granted, 0) * c, 0)
+        local backlog = math.max(values[at + 2] - elapsed * d, 0)
+        local weight = math.max(units * u - math.max(now - granted, 0) * d, 0)
         values[at + 1], values[at + 2] = now, math.max(backlog - weight, 0)
       end
     end

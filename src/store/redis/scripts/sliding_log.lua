@@ -53,7 +53,7 @@ local find, sub, max, min, format = string.find, string.sub, math.max, math.min,
 -- window, units in (t - w, t], the most any window (a, a + w] containing t holds, and the time
 -- of the first event of (t - w, t] (false: none).
 local counts, windows, pasts, fullests, firsts = {}, {}, {}, {}, {}
-local TOTAL_LIMIT = 4503599627370496
+local TOTAL_LIMIT = MAX_UNITS
 
 -- Time, total and weight of the member "<time>:<total>:<weight>". Reading them from the
 -- member instead of asking for scores spares Redis printing a double and Lua parsing it.
@@ -96,20 +96,28 @@ local function shift(key, members, delta)
   end
 end
 
--- A refund of `units` of the request admitted at `admitted` (see the header).
-local function give_back(key, units, admitted)
+-- A refund of `units` of the request that recorded `recorded` units at `admitted` (see the
+-- header): its own member is one of that time and weight (the last such; members of one
+-- microsecond and one weight are alike in every window).
+local function give_back(key, units, admitted, recorded)
   if admitted >= 0 then
     local at = text(admitted)
-    local own = call('ZREVRANGEBYSCORE', key, at, at, 'LIMIT', '0', '1')[1]
-    -- A member of the earlier one-per-unit layout ("<time>:<n>") is left alone.
-    if own and #own >= find(own, ':', 1, true) + 18 then
-      local e, total, weight = event(own)
-      local take = min(units, weight)
-      if take > 0 then
-        shift(key, call('ZRANGEBYSCORE', key, '(' .. at, '+inf'), -take)
-        call('ZREM', key, own)
-        if take < weight then
-          call('ZADD', key, at, member(e, total - take, weight - take))
+    local same = call('ZRANGEBYSCORE', key, at, at)
+    for j = #same, 1, -1 do
+      local own = same[j]
+      -- A member of the earlier one-per-unit layout ("<time>:<n>") is left alone.
+      if #own >= find(own, ':', 1, true) + 18 then
+        local e, total, weight = event(own)
+        if weight == recorded then
+          local take = min(units, weight)
+          if take > 0 then
+            shift(key, call('ZRANGEBYSCORE', key, '(' .. at, '+inf'), -take)
+            call('ZREM', key, own)
+            if take < weight then
+              call('ZADD', key, at, member(e, total - take, weight - take))
+            end
+          end
+          break
         end
       end
     end
@@ -225,6 +233,27 @@ local function decide(key, n, cost, record, t)
   local allowed, reported, retry = 0, denied, denied_retry
   if denied == nil then
     allowed, retry = 1, -1
+    -- An event weighs at most one unit more than the largest count: no decision tells more
+    -- from that (sliding_log.rs, `record`).
+    if record ~= 0 then
+      local largest = 0
+      for i = 1, n do
+        largest = max(largest, counts[i])
+      end
+      cost = min(cost, largest + 1)
+    end
+    if record ~= 0 and cost > 0 and newest_t ~= nil and newest_total + cost > TOTAL_LIMIT then
+      -- Totals restart from the oldest member; the log's units stay within TOTAL_LIMIT
+      -- (MAX_UNITS), the event weighing less if need be.
+      local _, total, weight = event(call('ZRANGE', key, '0', '0')[1])
+      local base = total - weight
+      shift(key, call('ZRANGE', key, '0', '-1'), -base)
+      newest_total = newest_total - base
+      if upto then
+        upto = upto - base
+      end
+      cost = min(cost, TOTAL_LIMIT - newest_total)
+    end
     if record ~= 0 and cost > 0 then
       -- The total before the new event: through the last event at or before t, else before
       -- the oldest (all after t), else 0 (an empty set).
@@ -238,12 +267,6 @@ local function decide(key, n, cost, record, t)
         else
           local _, total, weight = event(call('ZRANGE', key, '0', '0')[1])
           before = total - weight
-        end
-        if newest_total + cost > TOTAL_LIMIT then
-          local _, total, weight = event(call('ZRANGE', key, '0', '0')[1])
-          local base = total - weight
-          shift(key, call('ZRANGE', key, '0', '-1'), -base)
-          before = before - base
         end
         if newest_t > t then
           shift(key, call('ZRANGEBYSCORE', key, '(' .. at, '+inf'), cost)
@@ -280,9 +303,9 @@ end
 
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local n, cost, record, t, _, _, refund, admitted = next_request(counts, windows)
+  local n, cost, record, t, _, _, refund, admitted, recorded = next_request(counts, windows)
   if record == 3 and refund == 1 then
-    reply[k] = give_back(key, cost, admitted)
+    reply[k] = give_back(key, cost, admitted, recorded)
   else
     reply[k] = decide(key, n, cost, record, t)
   end

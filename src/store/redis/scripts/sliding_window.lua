@@ -8,11 +8,54 @@
 -- ARGV      as prelude.lua (event times are -1: the counter takes none)
 -- Reply     as prelude.lua
 --
--- Writes: an admitted request, or a charge, adds its cost to every limit's current window and
--- sets the key to expire after twice the longest window (the previous window still weighs
--- until then); a refund takes up to its units (not below 0) from the count of each limit's
--- window that holds the admission time, while it is stored (as the current window, or as the
--- previous one after a rollover; none when that time is not known), keeping the key's expiry.
+-- Writes: an admitted request, or a charge, adds its cost to every limit's current window (a
+-- count saturates at MAX_UNITS) and sets the key to expire after twice the longest window
+-- (the previous window still weighs until then); a refund takes up to its units (not below
+-- 0) from the count of each limit's window that holds the admission time, while it is stored
+-- (as the current window, or as the previous one after a rollover; none when that time is not
+-- known, or the state was created after it), keeping the key's expiry.
+--
+-- Exactness: the weighing multiplies counts (up to 2^52) by times in us (up to 2^49), past
+-- the 2^53 where Lua's doubles are exact, so products are compared and divided exactly with
+-- `product` (Dekker's two-product: a * b is p + e, both doubles, exactly), as the Rust does
+-- in 128-bit integers.
+
+-- a * b as p + e exactly, for integers a, b below 2^53: p the double nearest the product and
+-- e the rest (Dekker's algorithm; splitting at 2^27 + 1 makes every partial product exact).
+local SPLIT = 134217729
+local function product(a, b)
+  local p = a * b
+  local x = SPLIT * a
+  local ah = x - (x - a)
+  local al = a - ah
+  x = SPLIT * b
+  local bh = x - (x - b)
+  local bl = b - bh
+  return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+end
+
+-- Whether a * b <= x * y, exactly.
+local function at_most(a, b, x, y)
+  local p, e = product(a, b)
+  local q, f = product(x, y)
+  return p < q or (p == q and e <= f)
+end
+
+-- floor(a * b / d) exactly, for d > 0 and a quotient below 2^53: the double quotient, off by
+-- a little, corrected by the exact remainder a * b - q * d (p - r is exact: r is close to p).
+local function mul_div(a, b, d)
+  local p, e = product(a, b)
+  local q = math.floor(p / d)
+  local r, f = product(q, d)
+  local rest = (p - r) + (e - f)
+  while rest < 0 do
+    q, rest = q - 1, rest + d
+  end
+  while rest >= d do
+    q, rest = q + 1, rest - d
+  end
+  return q
+end
 
 -- `state` (from common.lua), per limit i: state[3i - 2] = start of the current window,
 -- state[3i - 1] = its count, state[3i] = the previous window's count.
@@ -32,32 +75,43 @@ end
 local function fits(i)
   local c, w = counts[i], windows[i]
   local e, curr, prev = current(i)
-  if prev * (w - e) + (curr + cost) * w <= c * w then
+  -- prev * (w - e) + (curr + cost) * w <= c * w, with room = c - curr - cost.
+  local room = c - curr - cost
+  if room >= 0 and at_most(prev, w - e, room, w) then
     return nil
   end
   if cost > c then
     return -2
   end
-  if curr + cost <= c then
-    return w - math.floor((c - curr - cost) * w / prev) - e
+  if room >= 0 then
+    return w - mul_div(room, w, prev) - e
   end
-  return (w - e) + math.max(0, w - math.floor((c - cost) * w / curr))
+  return (w - e) + math.max(0, w - mul_div(c - cost, w, curr))
 end
 
 local function apply()
   local new = {}
   for i = 1, n do
     local _, curr, prev = current(i)
-    new[3 * i - 2], new[3 * i - 1], new[3 * i] = window_start(t, windows[i]), curr + cost, prev
+    new[3 * i - 2], new[3 * i - 1], new[3 * i] = window_start(t, windows[i]),
+      math.min(curr + cost, MAX_UNITS), prev
   end
   state = new
   store_fields(state, 2 * longest)
 end
 
+-- Units left, floor(c - curr - prev * (w - e) / w), and until both windows have passed.
 local function report(i)
   local c, w = counts[i], windows[i]
   local e, curr, prev = current(i)
-  local remaining = math.floor(math.max(c * w - prev * (w - e) - curr * w, 0) / w)
+  local remaining = 0
+  if curr < c then
+    local weighed = mul_div(prev, w - e, w)
+    if not at_most(prev, w - e, weighed, w) then
+      weighed = weighed + 1
+    end
+    remaining = math.max(c - curr - weighed, 0)
+  end
   local reset = 0
   if curr > 0 then
     reset = 2 * w - e
