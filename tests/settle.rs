@@ -3,10 +3,11 @@
 
 mod common;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
+use common::time::Time;
 use common::RedisServer;
-use tower_redis_ratelimit::store::{Clock, Leases, ManualClock};
+use tower_redis_ratelimit::store::{Leases, ManualClock};
 use tower_redis_ratelimit::{
     Algorithm, Key, MemoryStore, Policy, RedisStore, Settlement, Store, StoreError,
 };
@@ -20,57 +21,6 @@ const ALGORITHMS: [Algorithm; 4] = [
 
 const MS: Duration = Duration::from_millis(1);
 const MINUTE: Duration = Duration::from_secs(60);
-
-/// The time a scenario runs in: a virtual clock (the memory store's), or real time (Redis's).
-#[derive(Clone)]
-enum Time {
-    Manual(ManualClock),
-    Real,
-}
-
-impl Time {
-    fn now(&self) -> Duration {
-        match self {
-            Time::Manual(clock) => clock.now(),
-            Time::Real => SystemTime::now().duration_since(UNIX_EPOCH).unwrap(),
-        }
-    }
-
-    async fn pass(&self, by: Duration) {
-        match self {
-            Time::Manual(clock) => clock.advance(by),
-            Time::Real => tokio::time::sleep(by).await,
-        }
-    }
-
-    /// Waits until `offset` after the next multiple of `period` since the epoch.
-    async fn align(&self, period: Duration, offset: Duration) {
-        let (now, period) = (self.now().as_micros(), period.as_micros());
-        let wait = period - now % period + offset.as_micros();
-        self.pass(Duration::from_micros(wait as u64)).await;
-    }
-
-    /// Time elapsed in the current window of `w`.
-    fn elapsed_in_window(&self, w: Duration) -> Duration {
-        Duration::from_micros((self.now().as_micros() % w.as_micros()) as u64)
-    }
-
-    /// Makes sure the current minute has at least 5 s left, so that a scenario on minute
-    /// windows stays within one.
-    async fn away_from_minute_edge(&self) {
-        if MINUTE - self.elapsed_in_window(MINUTE) < Duration::from_secs(5) {
-            self.align(MINUTE, 50 * MS).await;
-        }
-    }
-
-    /// How far figures that depend on time may drift.
-    fn margin(&self) -> Duration {
-        match self {
-            Time::Manual(_) => Duration::ZERO,
-            Time::Real => 300 * MS,
-        }
-    }
-}
 
 fn policy(spec: &str, algorithm: Algorithm) -> Policy {
     spec.parse::<Policy>().unwrap().with_algorithm(algorithm)

@@ -8,6 +8,7 @@ pub mod load;
 pub mod outage;
 pub mod scenarios;
 pub mod sentinel;
+pub mod time;
 
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};

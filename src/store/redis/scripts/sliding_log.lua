@@ -111,8 +111,15 @@ local function give_back(key, units, admitted, recorded)
         if weight == recorded then
           local take = min(units, weight)
           if take > 0 then
-            shift(key, call('ZRANGEBYSCORE', key, '(' .. at, '+inf'), -take)
+            -- Every member after it carries `take` less: those of the same microsecond that
+            -- sort after it, and all later ones.
+            local after = { unpack(same, j + 1) }
+            local later = call('ZRANGEBYSCORE', key, '(' .. at, '+inf')
+            for m = 1, #later do
+              after[#after + 1] = later[m]
+            end
             call('ZREM', key, own)
+            shift(key, after, -take)
             if take < weight then
               call('ZADD', key, at, member(e, total - take, weight - take))
             end
