@@ -665,11 +665,13 @@ impl Store for RedisStore {
     }
 
     /// One call of the policy's script in its settle mode (`record` 3), batched with
-    /// decisions, behind the breaker and within the time budget; with leases as without.
+    /// decisions, behind the breaker and within the time budget; with leases as without,
+    /// except that a reply showing the key full ends this instance's leases of it
+    /// (`lease::settled`).
     fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture {
         let inner = Arc::clone(&self.inner);
         let place = inner.place(key, policy);
-        let policy = policy.clone();
+        let (key, policy) = (key.clone(), policy.clone());
         let record = Record::Settle {
             refund: settlement.change == Change::Refund,
             admitted: settlement.admitted_at.unwrap_or(-1),
@@ -679,9 +681,10 @@ impl Store for RedisStore {
             if settlement.units == 0 {
                 return Ok(());
             }
-            inner
+            let answer = inner
                 .decide(place, &policy, settlement.units, -1, record)
                 .await?;
+            lease::settled(&inner, &key, &policy, &answer);
             Ok(())
         })
     }

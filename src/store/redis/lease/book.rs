@@ -79,6 +79,11 @@ pub(crate) struct Entry {
     /// leased. Replies may land out of order (leases and plain decisions travel apart); the
     /// latest by Redis time is kept, since an older one does not count the newer grants.
     last: Option<(i64, Outcome)>,
+    /// The Redis time of the latest answer that showed the key full (a settlement's charge
+    /// filled it, or a fetch found it over its limit): no grant Redis made until then is
+    /// spent, including one whose reply lands later (it ran before the answer, and Redis may
+    /// now hold more than the limit without the units this instance still holds).
+    filled: Option<i64>,
 }
 
 impl Entry {
@@ -155,11 +160,27 @@ impl Entry {
     }
 
     /// Adds a grant of `units` (beyond the request that fetched it), and remembers what Redis
-    /// answered.
-    pub(crate) fn granted(&mut self, grant: Grant, outcome: Outcome) {
+    /// answered. A grant made no later than an answer that showed the key full is never spent:
+    /// it is kept as expired, for the sweeper to give back.
+    pub(crate) fn granted(&mut self, mut grant: Grant, outcome: Outcome) {
         self.remember(grant.granted, outcome);
+        if self.filled.is_some_and(|filled| grant.granted <= filled) {
+            grant.expires = 0;
+        }
         if grant.units > 0 {
             self.grants.push_back(grant);
+        }
+    }
+
+    /// Redis answered at Redis time `at` that the key is full: the grants it made until then
+    /// are spent no more (and so are those that land later, see [`granted`](Self::granted)).
+    /// They are kept as expired, so that the sweeper gives them back: Redis counted them and
+    /// nobody was admitted with them, and once they are back Redis decides every request as
+    /// it would without leases.
+    pub(crate) fn fill(&mut self, at: i64) {
+        self.filled = Some(self.filled.map_or(at, |filled| filled.max(at)));
+        for grant in self.grants.iter_mut().filter(|g| g.granted <= at) {
+            grant.expires = 0;
         }
     }
 
@@ -454,5 +475,71 @@ mod tests {
         assert_eq!(e.should_prefetch(now, PERIOD, 1_000), None, "10 of 40 left");
         e.take(now, 1);
         assert_eq!(e.should_prefetch(now, PERIOD, 1_000), Some(40), "9 of 40");
+    }
+
+    #[test]
+    fn a_fill_ends_the_grants_made_until_then_and_gives_them_back() {
+        let mut e = Entry::default();
+        e.used(0, PERIOD, 1);
+        e.granted(grant(4, PERIOD, 10), outcome(0));
+        e.granted(grant(6, PERIOD, 20), outcome(0));
+        e.fill(10);
+        assert_eq!(e.units(0), 6, "only the grant made after the fill is spent");
+        assert!(e.take(0, 7).is_none());
+        e.fill(20);
+        assert_eq!(
+            e.units(0),
+            0,
+            "a grant made at the fill's time is ended too"
+        );
+        assert!(e.take(0, 1).is_none());
+        // Both are given back by the next sweep, as expired grants are, busy key or not.
+        assert_eq!(
+            e.returns(0, PERIOD, false),
+            [
+                Return {
+                    units: 4,
+                    granted: 10
+                },
+                Return {
+                    units: 6,
+                    granted: 20
+                }
+            ]
+        );
+        assert!(e.is_empty());
+    }
+
+    #[test]
+    fn a_grant_landing_after_a_fill_it_ran_before_is_never_spent() {
+        let mut e = Entry::default();
+        e.used(0, PERIOD, 1);
+        e.fetching = true;
+        // The settlement's reply (Redis time 50) is read before the fetch's (Redis time 40).
+        e.fill(50);
+        e.fetching = false;
+        e.granted(grant(5, PERIOD, 40), outcome(0));
+        assert_eq!(e.units(0), 0, "counted before the fill, landed after it");
+        // An older fill does not move the mark back.
+        e.fill(30);
+        e.granted(grant(3, PERIOD, 50), outcome(0));
+        assert_eq!(e.units(0), 0, "a grant at the fill's own time is ended");
+        // A grant Redis made after the fill took only units that fit then.
+        e.granted(grant(2, PERIOD, 51), outcome(0));
+        assert_eq!(e.units(0), 2);
+        assert_eq!(
+            e.returns(0, PERIOD, false),
+            [
+                Return {
+                    units: 5,
+                    granted: 40
+                },
+                Return {
+                    units: 3,
+                    granted: 50
+                }
+            ]
+        );
+        assert_eq!(e.units(0), 2);
     }
 }

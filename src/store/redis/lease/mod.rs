@@ -19,6 +19,12 @@
 //!   the rate is unchanged. `h` is at most the lease period and `max_share` of the shortest
 //!   window.
 //!
+//! **A charge that fills a key** (a usage settlement, [`Store::settle`](crate::Store::settle))
+//! ends this instance's leases of it: once the settlement's reply shows the key full, the units
+//! granted until then are spent no more and go back to Redis ([`settled`]); other instances stop
+//! at their own next settlement's reply, at a fetch Redis refuses, or when their lease expires
+//! (`docs/leases.md` has the bound).
+//!
 //! **Under-admission** is the price: units one instance holds are refused to the others until
 //! they are spent or given back, at most `max_share` of the limit per instance and key, and for
 //! at most one lease period (sooner when the key goes idle).
@@ -199,6 +205,21 @@ impl Plan {
         }
     }
 
+    /// Whether a settlement's reply that `remaining` units are left (in the limit with the
+    /// fewest) may mean that the key is full: Redis counts the units this instance holds as
+    /// used, and with none left it may count more than the limit without them, which spending
+    /// them would admit past. For the counters, when none is left. A settlement's reply counts GCRA's `remaining` without the headroom
+    /// (`scripts/gcra.lua`), against `w·c` rather than `(w − h)·c`: the key may be full when
+    /// fewer than `1 + h·c/w` units are left, in any limit, since the limit with the fewest
+    /// units left without the headroom need not be the one with the fewest with it.
+    fn full(&self, policy: &Policy, remaining: u64) -> bool {
+        let room = |count: u64, micros: u64| {
+            u128::from(remaining) * u128::from(micros)
+                < u128::from(micros) + u128::from(self.headroom) * u128::from(count)
+        };
+        policy.windows().iter().any(|w| room(w.count, w.micros))
+    }
+
     /// Local time until which units granted at Redis time `granted`, for a request sent at
     /// local time `sent`, may be spent. Measured from the sending, which is before Redis ran
     /// the script.
@@ -334,6 +355,32 @@ pub(super) fn check_now(
 /// The decision of a request of `cost` admitted from a lease, counted in Redis at `granted`.
 fn spent(outcome: Outcome, granted: Option<i64>, policy: &Policy, cost: u32) -> Decision {
     Decision::from_outcome(outcome, policy).recorded_at(granted, cost.into())
+}
+
+/// Reads Redis's reply to a settlement of `key` under `policy` (`answer`, the state the
+/// settlement left): where it may leave the key full ([`Plan::full`]), this instance spends
+/// no more of the units Redis granted it for the key until then, nor of a grant whose reply
+/// lands later; the sweeper gives them back within a quarter period. Without this, a charge
+/// that fills a key would leave its leases admitting requests, each charged its usage in turn,
+/// until they ran out or expired. Touches only a key this instance keeps an entry for: one
+/// without holds nothing and fetches nothing.
+pub(super) fn settled(inner: &Inner, key: &Key, policy: &Policy, answer: &batch::Answer) {
+    let Some(state) = inner.leases.as_ref() else {
+        return;
+    };
+    let Some(plan) = state.settings.plan(policy) else {
+        return;
+    };
+    let Ok((outcome, _)) = super::parse_reply(&answer.five, policy) else {
+        return;
+    };
+    if plan.full(policy, outcome.remaining) {
+        let now = state.now();
+        let mut locked = state.book.lock(key, policy);
+        if let Some(slot) = locked.get(key, policy, now) {
+            slot.value.entry.fill(answer.time);
+        }
+    }
 }
 
 /// What [`check`] does with a request once it has looked at the key's lease.
@@ -560,6 +607,10 @@ fn take(
             };
             match outcome.allowed {
                 true => entry.granted(grant, outcome),
+                // A fetch ahead of need (no cost) that Redis refuses found the key over its
+                // limit, which only a settlement's charge makes it: one that this instance did
+                // not see (another instance's) filled the key.
+                false if cost == 0 => entry.fill(time),
                 false => entry.answered(outcome, time),
             }
         });
@@ -717,4 +768,35 @@ pub(super) fn supports(inner: &Inner, policy: &Policy) -> Result<(), StoreError>
 
 fn micros(d: Duration) -> u64 {
     d.as_micros().min(u64::MAX as u128) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(limit: &str, algorithm: Algorithm) -> Policy {
+        let policy: Policy = limit.parse().unwrap();
+        policy.with_algorithm(algorithm)
+    }
+
+    #[test]
+    fn a_counter_is_full_when_nothing_is_left() {
+        let fixed = policy("1000/1m", Algorithm::FixedWindow);
+        let plan = Leases::new().plan(&fixed).unwrap();
+        assert!(plan.full(&fixed, 0));
+        assert!(!plan.full(&fixed, 1));
+    }
+
+    #[test]
+    fn gcra_is_full_when_what_is_left_may_all_be_headroom() {
+        // h = 1 s of a 1 min bucket of 1000: 16.7 units of headroom, which a settlement's
+        // reply counts as remaining. With 17 left, the bucket may hold less than one unit of
+        // room under the headroom; with 18, it holds at least 1.3.
+        let bucket = policy("1000/1m", Algorithm::Gcra);
+        let plan = Leases::new().plan(&bucket).unwrap();
+        assert_eq!(plan.headroom, 1_000_000);
+        assert!(plan.full(&bucket, 0));
+        assert!(plan.full(&bucket, 17));
+        assert!(!plan.full(&bucket, 18));
+    }
 }
