@@ -662,23 +662,37 @@ impl Store for RedisStore {
         })
     }
 
-    /// One call of the policy's script in its settle mode (`record` 3), batched with
-    /// decisions, behind the breaker and within the time budget; with leases as without.
+    /// One call of the policy's script in its settle mode (`record` 3), behind the breaker,
+    /// in a call of its own that waits for Redis's reply up to 3 s rather than the time
+    /// budget; with leases as without.
     fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture {
+        /// How long a settle waits for its reply. Redis records a settle when the script runs,
+        /// however late the reply comes, and one whose reply is not read cannot be sent again
+        /// safely: so a settle outlasts a Redis paused well past the time budget (a fork, a
+        /// slow command), and a failure reported means that it did not run, or that no reply
+        /// came within this long. Shorter than a lease's patience, so that a Redis that is
+        /// gone is reported within a typical shutdown deadline.
+        const PATIENCE: Duration = Duration::from_secs(3);
         let inner = Arc::clone(&self.inner);
         let place = inner.place(key, policy);
-        let policy = policy.clone();
+        let algorithm = policy.algorithm();
         let record = Record::Settle {
             refund: settlement.change == Change::Refund,
             admitted: settlement.admitted_at.unwrap_or(-1),
         };
+        let args = batch::encode(settlement.units, record, -1, policy.windows());
         Box::pin(async move {
             if settlement.units == 0 {
                 return Ok(());
             }
-            inner
-                .decide(place, &policy, settlement.units, -1, record)
-                .await?;
+            if inner.breaker.is_open() {
+                return Err(StoreError::Unavailable);
+            }
+            let started = inner.breaker.now();
+            let call = inner
+                .batcher
+                .decide_patiently(place, algorithm, args, PATIENCE);
+            inner.judge(started, Some(call.await))?;
             Ok(())
         })
     }
