@@ -147,3 +147,47 @@ impl DenyCache {
 fn micros(d: Duration) -> u64 {
     d.as_micros().min(u128::from(u64::MAX)) as u64
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Outcome;
+
+    fn refusal(policy: &Policy) -> Decision {
+        let outcome = Outcome {
+            allowed: false,
+            index: 0,
+            remaining: 0,
+            reset_after: 30_000_000,
+            retry_after: Some(30_000_000),
+        };
+        Decision::from_outcome(outcome, policy)
+    }
+
+    #[test]
+    fn a_refund_keeps_refusals_decided_before_it_out() {
+        let cache = DenyCache::new(1000);
+        let policy: Policy = "150/1m".parse().unwrap();
+        let (key, other) = (Key::from("k"), Key::from("other"));
+
+        // Decided, then a refund was sent before the refusal came in: not cached.
+        let before = cache.ticket(&key, &policy);
+        cache.forget(&key, &policy);
+        cache.remember(&key, &policy, 100, refusal(&policy), before);
+        assert!(cache.refusal(&key, &policy, 100).is_none());
+
+        // Decided after the refund: cached, for requests that cost as much or more.
+        let after = cache.ticket(&key, &policy);
+        cache.remember(&key, &policy, 100, refusal(&policy), after);
+        assert!(cache.refusal(&key, &policy, 100).is_some());
+        assert!(cache.refusal(&key, &policy, 99).is_none());
+
+        // Another key's refund leaves this key's entry alone.
+        cache.forget(&other, &policy);
+        assert!(cache.refusal(&key, &policy, 100).is_some());
+
+        // A refund that lands after the refusal was cached forgets it.
+        cache.forget(&key, &policy);
+        assert!(cache.refusal(&key, &policy, 100).is_none());
+    }
+}

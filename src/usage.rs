@@ -18,8 +18,25 @@
 //!
 //! The settle happens when the response body ends (its last frame, its trailers, an error) or
 //! is dropped. It never holds up or fails the response: it runs in a task of its own, and a
-//! settle the store cannot make is logged and counted
+//! settle the store cannot make is logged (WARN) and counted
 //! (`ratelimit_settle_errors_total`, see [`metrics`](crate::metrics)).
+//!
+//! **What counts as a failed settle.** On Redis a settle is one script call of its own that
+//! waits up to 3 s for its reply, not the decisions' time budget: Redis records it when the
+//! script runs, however late the reply, so a settle that outlasts a paused or slow Redis
+//! lands and is not counted. Counted are the settles that did not run (the store was found
+//! unreachable moments ago, the connection failed, Redis answered an error), those with no
+//! reply within 3 s (Redis down, or paused for longer: these may still run later), and those
+//! abandoned under way because their runtime shut down (these may or may not have reached
+//! Redis; see shutdown below).
+//!
+//! **Stacked layers.** A request that another layer refuses, inside this one, costs this one
+//! nothing: a rate-limit layer of this crate (from its store or its deny cache) or a
+//! [`BlocklistLayer`](crate::blocklist::BlocklistLayer) marks every answer of its own with
+//! [`Refused`](crate::response::Refused) in the response's extensions, and a usage layer
+//! outside that admitted the request settles it to zero, giving its whole reservation back,
+//! whatever the meter says. Refusals by your own middleware count the same once they carry the
+//! marker. A layer outside that does not limit by usage keeps the request's cost.
 //!
 //! **A client that disconnects early** is charged what the meter (or the head) reported so
 //! far, and its reservation if nothing was reported.
@@ -28,13 +45,17 @@
 //! charged as it is, however large.
 //!
 //! **Refunds and the deny cache.** A refund forgets this instance's cached refusal of the key
-//! (see [`deny_cache`](crate::RateLimitLayerBuilder::deny_cache)), so that the room it made is
-//! used at once. Other instances repeat their cached refusals until their `Retry-After`; where
-//! large reservations are refunded often, `.deny_cache(0)` asks the store every time.
+//! (see [`deny_cache`](crate::RateLimitLayerBuilder::deny_cache)) when it is sent and again
+//! when it has landed, so that the room it made is used at once; and a refusal the store
+//! decided before the refund landed, whose reply comes in after, is not cached. Other
+//! instances repeat their cached refusals until their `Retry-After`; where large reservations
+//! are refunded often, `.deny_cache(0)` asks the store every time.
 //!
 //! **Settles need a tokio runtime** when the store waits for I/O (Redis): a body dropped outside
 //! one is not settled, and that is logged and counted as a failure. A settle still under way
-//! when the runtime shuts down is lost.
+//! when the runtime shuts down is abandoned, and logged and counted as such; on graceful
+//! shutdown, wait for the settles under way with
+//! [`RateLimitLayer::settled`](crate::RateLimitLayer::settled) before the runtime stops.
 //!
 //! **What is settled**: requests the store admitted, with the store that admitted them (the
 //! fallback store of [`FailureMode::Fallback`](crate::FailureMode::Fallback) when it did).
