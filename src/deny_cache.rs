@@ -6,11 +6,29 @@
 //! admitted. Nothing is admitted locally, so the cache never loosens a limit. Entries expire
 //! with their retry-after; the cache holds a bounded number of them, evicting the least
 //! recently used.
+//!
+//! A refund of usage (see [`usage`](crate::usage)) may make room before a refusal's
+//! retry-after, so it forgets the key's refusal when it is sent and again when it lands. A
+//! refusal the store decided while a refund was on its way would still be cached after both,
+//! when its reply comes last: so each decision takes a [`Ticket`] before it asks the store,
+//! and its refusal is cached only if no refund of its (policy, key) was sent or landed since.
+//! Refunds are counted per stripe of (policy, key)s in atomics, not per key, so that taking a
+//! ticket costs a hash and a load; a refund of another key of the stripe only makes a refusal
+//! go uncached, which costs one more store call, never a wrong answer.
 
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+
+use foldhash::fast::RandomState;
 
 use crate::shards::Shards;
 use crate::{Decision, Key, Policy};
+
+/// Stripes of the refund counts: enough that concurrent refunds of other keys rarely keep a
+/// refusal out of the cache.
+const STRIPES: usize = 64;
 
 /// One remembered refusal; its slot expires when the retry-after has passed.
 #[derive(Clone, Copy)]
@@ -19,10 +37,21 @@ struct Denial {
     cost: u32,
 }
 
+/// The refunds of a stripe counted when a decision started; see [`DenyCache::remember`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ticket {
+    stripe: usize,
+    refunds: u64,
+}
+
 /// Refusals by (policy, key). Clones share entries.
 #[derive(Clone)]
 pub(crate) struct DenyCache {
-    entries: std::sync::Arc<Shards<Denial>>,
+    entries: Arc<Shards<Denial>>,
+    /// Refunds sent or landed, per stripe of (policy, key)s.
+    refunds: Arc<[AtomicU64; STRIPES]>,
+    /// Seeded per cache, so that clients cannot choose keys that share a stripe.
+    hasher: RandomState,
     /// Times are µs since this instant, on tokio's clock, so that they follow paused test time.
     origin: tokio::time::Instant,
 }
@@ -30,7 +59,9 @@ pub(crate) struct DenyCache {
 impl DenyCache {
     pub(crate) fn new(capacity: u64) -> Self {
         DenyCache {
-            entries: std::sync::Arc::new(Shards::new(capacity)),
+            entries: Arc::new(Shards::new(capacity)),
+            refunds: Arc::new(std::array::from_fn(|_| AtomicU64::new(0))),
+            hasher: RandomState::default(),
             origin: tokio::time::Instant::now(),
         }
     }
@@ -39,8 +70,30 @@ impl DenyCache {
         micros(self.origin.elapsed())
     }
 
-    /// Remembers a refusal that says when to retry.
-    pub(crate) fn remember(&self, key: &Key, policy: &Policy, cost: u32, decision: Decision) {
+    fn stripe(&self, key: &Key, policy: &Policy) -> usize {
+        let hash = self.hasher.hash_one((policy.identity_hash(), key.as_str()));
+        (hash >> 32) as usize % STRIPES
+    }
+
+    /// Taken before the store is asked about `key` under `policy`, and given back with its
+    /// refusal to [`remember`](Self::remember).
+    pub(crate) fn ticket(&self, key: &Key, policy: &Policy) -> Ticket {
+        let stripe = self.stripe(key, policy);
+        let refunds = self.refunds[stripe].load(Ordering::Acquire);
+        Ticket { stripe, refunds }
+    }
+
+    /// Remembers a refusal that says when to retry, unless a refund of the key was sent or
+    /// landed since `ticket` was taken: the store may have decided before the refund made
+    /// room.
+    pub(crate) fn remember(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        decision: Decision,
+        ticket: Ticket,
+    ) {
         let Some(retry) = decision.retry_after() else {
             return;
         };
@@ -48,6 +101,11 @@ impl DenyCache {
         let expires = now.saturating_add(micros(retry));
         let denial = Denial { decision, cost };
         let mut shard = self.entries.lock(key, policy);
+        // Read under the lock that `forget` takes after counting its refund: either this
+        // sees the count, or `forget` comes after the insert and removes it.
+        if self.refunds[ticket.stripe].load(Ordering::Acquire) != ticket.refunds {
+            return;
+        }
         match shard.get(key, policy, now) {
             Some(slot) => {
                 slot.expires = expires;
@@ -57,9 +115,12 @@ impl DenyCache {
         }
     }
 
-    /// Forgets the refusal of `key` under `policy`, if any: a refund of usage (see
-    /// [`usage`](crate::usage)) may have made room before its retry-after.
+    /// Forgets the refusal of `key` under `policy`, if any, and keeps refusals decided before
+    /// now out of the cache: a refund of usage (see [`usage`](crate::usage)), sent or landed,
+    /// may have made room before their retry-after.
     pub(crate) fn forget(&self, key: &Key, policy: &Policy) {
+        let stripe = self.stripe(key, policy);
+        self.refunds[stripe].fetch_add(1, Ordering::AcqRel);
         self.entries.lock(key, policy).remove(key, policy);
     }
 
@@ -85,4 +146,48 @@ impl DenyCache {
 
 fn micros(d: Duration) -> u64 {
     d.as_micros().min(u128::from(u64::MAX)) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Outcome;
+
+    fn refusal(policy: &Policy) -> Decision {
+        let outcome = Outcome {
+            allowed: false,
+            index: 0,
+            remaining: 0,
+            reset_after: 30_000_000,
+            retry_after: Some(30_000_000),
+        };
+        Decision::from_outcome(outcome, policy)
+    }
+
+    #[test]
+    fn a_refund_keeps_refusals_decided_before_it_out() {
+        let cache = DenyCache::new(1000);
+        let policy: Policy = "150/1m".parse().unwrap();
+        let (key, other) = (Key::from("k"), Key::from("other"));
+
+        // Decided, then a refund was sent before the refusal came in: not cached.
+        let before = cache.ticket(&key, &policy);
+        cache.forget(&key, &policy);
+        cache.remember(&key, &policy, 100, refusal(&policy), before);
+        assert!(cache.refusal(&key, &policy, 100).is_none());
+
+        // Decided after the refund: cached, for requests that cost as much or more.
+        let after = cache.ticket(&key, &policy);
+        cache.remember(&key, &policy, 100, refusal(&policy), after);
+        assert!(cache.refusal(&key, &policy, 100).is_some());
+        assert!(cache.refusal(&key, &policy, 99).is_none());
+
+        // Another key's refund leaves this key's entry alone.
+        cache.forget(&other, &policy);
+        assert!(cache.refusal(&key, &policy, 100).is_some());
+
+        // A refund that lands after the refusal was cached forgets it.
+        cache.forget(&key, &policy);
+        assert!(cache.refusal(&key, &policy, 100).is_none());
+    }
 }

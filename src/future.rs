@@ -12,7 +12,7 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::deny_cache::DenyCache;
+use crate::deny_cache::{DenyCache, Ticket};
 use crate::metrics::{Report, Started};
 use crate::response::{FailureMode, Responder, Tally};
 use crate::usage::{Ledger, Metering, StoreLedger, Tab, UsageMeter};
@@ -25,7 +25,8 @@ pub(crate) struct Check {
     pub(crate) cost: u32,
     /// The request's gRPC content type, for a gRPC request.
     pub(crate) grpc: Option<http::HeaderValue>,
-    pub(crate) deny_cache: Option<DenyCache>,
+    /// The layer's deny cache, with the ticket taken before the store was asked.
+    pub(crate) deny_cache: Option<(DenyCache, Ticket)>,
     /// When the store was asked.
     pub(crate) started: Started,
     /// How usage is settled, and the request's meter, when the layer limits by usage.
@@ -84,7 +85,7 @@ impl Check {
                 options.tally(&self.responder.policy, &self.key, Tally::Allowed);
                 let tab = self.usage.as_ref().map(|(metering, meter)| {
                     let about = (self.key.clone(), Arc::clone(&self.responder));
-                    let cache = self.deny_cache.clone();
+                    let cache = self.deny_cache.as_ref().map(|(cache, _)| cache.clone());
                     Tab::open(Arc::clone(metering), ledger, about, d, meter.clone(), cache)
                 });
                 let fields = (!options.hide_allowed_headers).then(|| (d, self.responder.clone()));
@@ -113,8 +114,8 @@ impl Check {
                     retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
                     "rate limit exceeded; refused"
                 );
-                if let Some(cache) = &self.deny_cache {
-                    cache.remember(&self.key, &self.responder.policy, self.cost, d);
+                if let Some((cache, ticket)) = &self.deny_cache {
+                    cache.remember(&self.key, &self.responder.policy, self.cost, d, *ticket);
                 }
                 Verdict::Answer(self.responder.rejection(&d, self.grpc.as_ref()))
             }

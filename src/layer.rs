@@ -120,6 +120,48 @@ impl<K, St> RateLimitLayer<K, St> {
     pub fn policy(&self) -> Option<&Policy> {
         self.config.default.as_ref().map(|r| &r.policy)
     }
+
+    /// Waits up to `timeout` for the [usage](crate::usage) settles under way to finish; returns
+    /// how many are still under way then (0: all finished). Settles that start meanwhile are
+    /// waited for too.
+    ///
+    /// A settle runs in a task of its own after its response has ended, so a server that
+    /// stops its runtime at once after its last response loses the settles still waiting for
+    /// Redis (each is logged and counted as failed, since it may not have been recorded). Call
+    /// this on graceful shutdown, once the server has stopped taking requests, on the layer or
+    /// any clone of it: clones share their settles, so a clone kept when the layer went into a
+    /// router sees the router's. A layer that does not limit by usage has none and answers 0
+    /// at once.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    ///
+    /// use axum::{routing::get, Router};
+    /// use tower_redis_ratelimit::{usage::UsageReport, RateLimitLayer};
+    ///
+    /// # async fn run(listener: tokio::net::TcpListener) -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = RateLimitLayer::builder()
+    ///     .policy("2000/1m")
+    ///     .usage(UsageReport::new())
+    ///     .build()?;
+    /// let app: Router = Router::new()
+    ///     .route("/", get(|| async { "hello" }))
+    ///     .layer(layer.clone());
+    /// axum::serve(listener, app)
+    ///     .with_graceful_shutdown(async { let _ = tokio::signal::ctrl_c().await; })
+    ///     .await?;
+    /// let unsettled = layer.settled(Duration::from_secs(5)).await;
+    /// if unsettled > 0 {
+    ///     eprintln!("{unsettled} usage settles did not finish");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn settled(&self, timeout: std::time::Duration) -> usize {
+        match &self.config.usage {
+            Some(metering) => metering.in_flight.settled(timeout).await,
+            None => 0,
+        }
+    }
 }
 
 impl<S, K, St> Layer<S> for RateLimitLayer<K, St> {
@@ -469,7 +511,12 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         let default_cost = usage.as_ref().map_or(1, |report| report.reserve);
         let metering = usage.map(|report| {
             let ledger = Arc::new(StoreLedger(self.store.clone()));
-            Arc::new(Metering { report, ledger })
+            let in_flight = Arc::default();
+            Arc::new(Metering {
+                report,
+                ledger,
+                in_flight,
+            })
         });
         Ok(RateLimitLayer {
             config: Arc::new(Config {

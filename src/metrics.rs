@@ -8,7 +8,7 @@
 //! | `ratelimit_denied_total` | counter | `policy`, `source` | requests refused: `source="store"` when the store said no (in shadow mode too), `"deny_cache"` when the deny cache repeated a refusal |
 //! | `ratelimit_store_errors_total` | counter | `policy` | decisions the store could not make (the failure mode then applies) |
 //! | `ratelimit_fallbacks_total` | counter | `policy` | of those, decisions made by the fallback store instead |
-//! | `ratelimit_settle_errors_total` | counter | `policy` | usage settlements the store could not record (see [`usage`](crate::usage)); the responses were not affected |
+//! | `ratelimit_settle_errors_total` | counter | `policy` | usage settlements that did not run, got no reply within their patience (3 s on Redis), or were abandoned when their runtime shut down (see [`usage`](crate::usage)); a late settle that landed is not counted; the responses were not affected |
 //! | `ratelimit_decision_seconds` | histogram | `policy` | time from asking the store to its answer, failures included |
 //!
 //! Without the feature these functions do nothing and cost nothing.

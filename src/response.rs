@@ -35,6 +35,31 @@ pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-poli
 /// The `RateLimit` header field name.
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
+/// Marks a response that a layer of this crate answered itself, without calling the service
+/// it wraps: a refusal (`429`, gRPC `RESOURCE_EXHAUSTED`), a blocked client's `403`, or the
+/// `503`/`400`/`500` of a store failure or a missing key. Found in the response's extensions.
+///
+/// A usage-limited layer further out, which admitted the request and reserved units for it,
+/// settles such a request to zero: a request refused by one limiter costs the others nothing
+/// (see [`usage`](crate::usage)). A middleware of your own that refuses requests can insert it
+/// too, for the same effect.
+///
+/// ```
+/// use tower_redis_ratelimit::response::Refused;
+///
+/// let mut response = http::Response::new(());
+/// response.extensions_mut().insert(Refused);
+/// assert!(response.extensions().get::<Refused>().is_some());
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Refused;
+
+/// Marks `response` as the layer's own answer (see [`Refused`]).
+fn refused<B>(mut response: Response<B>) -> Response<B> {
+    response.extensions_mut().insert(Refused);
+    response
+}
+
 /// Builds the response for a refused request; see
 /// [`RateLimitLayerBuilder::on_rejection`](crate::RateLimitLayerBuilder::on_rejection).
 pub(crate) type RejectionFn = dyn Fn(&Decision) -> Response<Bytes> + Send + Sync;
@@ -210,7 +235,7 @@ impl Responder {
         if !headers.contains_key(RATELIMIT) {
             self.add_headers(headers, decision);
         }
-        response.map(Full::new)
+        refused(response.map(Full::new))
     }
 
     /// The answer when no key could be extracted and [`MissingKey::Reject`] applies.
@@ -223,33 +248,33 @@ impl Responder {
             _ => (StatusCode::BAD_REQUEST, 3),
         };
         let text = format!("rate limiter: {error}");
-        match grpc {
+        refused(match grpc {
             Some(content_type) => grpc_status(content_type, code, &text, None),
             None => plain(status, text + "\n", None),
-        }
+        })
     }
 
-    /// The answer when the store failed and [`FailureMode::Closed`] applies.
     /// The answer to a blocked client: 403, or gRPC `PERMISSION_DENIED`.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn forbidden(grpc: Option<&HeaderValue>) -> Response<Full<Bytes>> {
         let text = "Forbidden: this client is blocked";
-        match grpc {
+        refused(match grpc {
             Some(content_type) => grpc_status(content_type, 7, text, None),
             None => plain(StatusCode::FORBIDDEN, format!("{text}\n"), None),
-        }
+        })
     }
 
+    /// The answer when the store failed and [`FailureMode::Closed`] applies.
     pub(crate) fn unavailable(grpc: Option<&HeaderValue>) -> Response<Full<Bytes>> {
         let text = "Service Unavailable: rate limiter store is unreachable";
-        match grpc {
+        refused(match grpc {
             Some(content_type) => grpc_status(content_type, 14, text, Some(Duration::from_secs(1))),
             None => plain(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("{text}\n"),
                 Some(1),
             ),
-        }
+        })
     }
 }
 

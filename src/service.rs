@@ -127,12 +127,15 @@ where
             options.tally(&responder.policy, &key, Tally::DeniedCached);
             return ResponseFuture::answer(responder.rejection(&refusal, grpc.as_ref()));
         }
+        // Taken before the store is asked, so that a refund sent meanwhile keeps its refusal
+        // out of the cache.
+        let deny_cache = deny_cache.map(|c| (c.clone(), c.ticket(&key, &responder.policy)));
         let check = Check {
             responder: Arc::clone(responder),
             key,
             cost,
             grpc,
-            deny_cache: deny_cache.cloned(),
+            deny_cache,
             started: Started::now(),
             usage: config.usage.clone().zip(meter),
         };

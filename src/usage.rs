@@ -18,8 +18,25 @@
 //!
 //! The settle happens when the response body ends (its last frame, its trailers, an error) or
 //! is dropped. It never holds up or fails the response: it runs in a task of its own, and a
-//! settle the store cannot make is logged and counted
+//! settle the store cannot make is logged (WARN) and counted
 //! (`ratelimit_settle_errors_total`, see [`metrics`](crate::metrics)).
+//!
+//! **What counts as a failed settle.** On Redis a settle is one script call of its own that
+//! waits up to 3 s for its reply, not the decisions' time budget: Redis records it when the
+//! script runs, however late the reply, so a settle that outlasts a paused or slow Redis
+//! lands and is not counted. Counted are the settles that did not run (the store was found
+//! unreachable moments ago, the connection failed, Redis answered an error), those with no
+//! reply within 3 s (Redis down, or paused for longer: these may still run later), and those
+//! abandoned under way because their runtime shut down (these may or may not have reached
+//! Redis; see shutdown below).
+//!
+//! **Stacked layers.** A request that another layer refuses, inside this one, costs this one
+//! nothing: a rate-limit layer of this crate (from its store or its deny cache) or a
+//! [`BlocklistLayer`](crate::blocklist::BlocklistLayer) marks every answer of its own with
+//! [`Refused`](crate::response::Refused) in the response's extensions, and a usage layer
+//! outside that admitted the request settles it to zero, giving its whole reservation back,
+//! whatever the meter says. Refusals by your own middleware count the same once they carry the
+//! marker. A layer outside that does not limit by usage keeps the request's cost.
 //!
 //! **A client that disconnects early** is charged what the meter (or the head) reported so
 //! far, and its reservation if nothing was reported.
@@ -28,13 +45,17 @@
 //! charged as it is, however large.
 //!
 //! **Refunds and the deny cache.** A refund forgets this instance's cached refusal of the key
-//! (see [`deny_cache`](crate::RateLimitLayerBuilder::deny_cache)), so that the room it made is
-//! used at once. Other instances repeat their cached refusals until their `Retry-After`; where
-//! large reservations are refunded often, `.deny_cache(0)` asks the store every time.
+//! (see [`deny_cache`](crate::RateLimitLayerBuilder::deny_cache)) when it is sent and again
+//! when it has landed, so that the room it made is used at once; and a refusal the store
+//! decided before the refund landed, whose reply comes in after, is not cached. Other
+//! instances repeat their cached refusals until their `Retry-After`; where large reservations
+//! are refunded often, `.deny_cache(0)` asks the store every time.
 //!
 //! **Settles need a tokio runtime** when the store waits for I/O (Redis): a body dropped outside
 //! one is not settled, and that is logged and counted as a failure. A settle still under way
-//! when the runtime shuts down is lost.
+//! when the runtime shuts down is abandoned, and logged and counted as such; on graceful
+//! shutdown, wait for the settles under way with
+//! [`RateLimitLayer::settled`](crate::RateLimitLayer::settled) before the runtime stops.
 //!
 //! **What is settled**: requests the store admitted, with the store that admitted them (the
 //! fallback store of [`FailureMode::Fallback`](crate::FailureMode::Fallback) when it did).
@@ -53,16 +74,18 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Response};
+use tokio::sync::Notify;
 use tracing::Instrument;
 
 use crate::deny_cache::DenyCache;
 use crate::metrics::Report;
-use crate::response::Responder;
+use crate::response::{Refused, Responder};
 use crate::{Decision, Key, Settlement, Store, StoreError};
 
 /// Units a response used, put in its extensions by the inner service:
@@ -237,23 +260,25 @@ impl UsageReport {
 
 /// Settles with a store of a type the layer's response body does not name.
 pub(crate) trait Ledger: Send + Sync {
-    /// Starts `settlement` for `key` under the responder's policy; reports its failure.
-    fn settle(&self, key: Key, responder: Arc<Responder>, settlement: Settlement);
+    /// Starts `entry`, counted in `in_flight` until it has finished; reports its failure.
+    fn settle(&self, entry: Entry, in_flight: &Arc<InFlight>);
 }
 
 /// A [`Ledger`] over a store.
 pub(crate) struct StoreLedger<St>(pub(crate) St);
 
 impl<St: Store> Ledger for StoreLedger<St> {
-    fn settle(&self, key: Key, responder: Arc<Responder>, settlement: Settlement) {
+    fn settle(&self, entry: Entry, in_flight: &Arc<InFlight>) {
         // A store that does I/O needs a runtime even for its first poll (timers, sockets).
         let runtime = tokio::runtime::Handle::try_current().ok();
         if runtime.is_none() && !self.0.is_local() {
             let error = StoreError::Config("no tokio runtime to settle in".into());
-            return report(Err(error), &key, &responder);
+            return entry.finish(Err(error));
         }
-        let future = self.0.settle(&key, &responder.policy, settlement);
-        run(Box::pin(future), runtime, key, responder);
+        let future = self
+            .0
+            .settle(&entry.key, &entry.responder.policy, entry.settlement);
+        run(Box::pin(future), runtime, entry, in_flight);
     }
 }
 
@@ -262,46 +287,139 @@ impl<St: Store> Ledger for StoreLedger<St> {
 fn run<F>(
     mut future: Pin<Box<F>>,
     runtime: Option<tokio::runtime::Handle>,
-    key: Key,
-    responder: Arc<Responder>,
+    entry: Entry,
+    in_flight: &Arc<InFlight>,
 ) where
     F: Future<Output = Result<(), StoreError>> + Send + 'static,
 {
     // Boxed, so that the future stays where it is when it moves into a task after this poll.
     let mut first = Context::from_waker(Waker::noop());
     if let Poll::Ready(outcome) = future.as_mut().poll(&mut first) {
-        return report(outcome, &key, &responder);
+        return entry.finish(outcome);
     }
     match runtime {
         Some(runtime) => {
-            let settle = async move { report(future.await, &key, &responder) };
+            let pending = Pending::start(entry, Arc::clone(in_flight));
+            let settle = async move { pending.finish(future.await) };
             runtime.spawn(settle.in_current_span());
         }
-        None => report(
-            Err(StoreError::Config("no tokio runtime to settle in".into())),
-            &key,
-            &responder,
-        ),
+        None => entry.finish(Err(StoreError::Config(
+            "no tokio runtime to settle in".into(),
+        ))),
     }
 }
 
-fn report(outcome: Result<(), StoreError>, key: &Key, responder: &Responder) {
-    if let Err(error) = outcome {
-        Report::settle_error(&responder.policy);
-        tracing::warn!(
-            target: "tower_redis_ratelimit",
-            policy = responder.policy.name(),
-            key = %key.loggable(),
-            %error,
-            "rate-limit store failed to settle a request's usage"
-        );
+/// One settle: what it is about, and the deny cache a refund makes stale.
+pub(crate) struct Entry {
+    key: Key,
+    responder: Arc<Responder>,
+    settlement: Settlement,
+    /// A refund's deny cache, whose refusals of the key are forgotten when the refund is sent
+    /// and again when it has landed: a refusal the store decided before the refund applied may
+    /// have been cached in between.
+    deny_cache: Option<DenyCache>,
+}
+
+impl Entry {
+    /// What follows a settle's outcome: the deny cache forgets the key after a refund (one
+    /// that failed made no room, but forgetting costs only a store call), and a failure is
+    /// logged and counted.
+    fn finish(self, outcome: Result<(), StoreError>) {
+        if let Some(cache) = &self.deny_cache {
+            cache.forget(&self.key, &self.responder.policy);
+        }
+        if let Err(error) = outcome {
+            Report::settle_error(&self.responder.policy);
+            tracing::warn!(
+                target: "tower_redis_ratelimit",
+                policy = self.responder.policy.name(),
+                key = %self.key.loggable(),
+                %error,
+                "rate-limit store failed to settle a request's usage"
+            );
+        }
     }
 }
 
-/// What the layer needs to settle usage: how it is reported, and the store to settle with.
+/// A settle under way in a task: counted in [`InFlight`] until it finishes, or until its task
+/// is dropped without finishing (the runtime shut down), which is reported as a failure.
+struct Pending {
+    entry: Option<Entry>,
+    in_flight: Arc<InFlight>,
+}
+
+impl Pending {
+    fn start(entry: Entry, in_flight: Arc<InFlight>) -> Self {
+        in_flight.count.fetch_add(1, Ordering::AcqRel);
+        Pending {
+            entry: Some(entry),
+            in_flight,
+        }
+    }
+
+    fn finish(mut self, outcome: Result<(), StoreError>) {
+        if let Some(entry) = self.entry.take() {
+            entry.finish(outcome);
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(entry) = self.entry.take() {
+            // The task was dropped before the store answered: the settle may or may not have
+            // reached it, and nobody will know which. Counted, so that it is not lost silently.
+            Report::settle_error(&entry.responder.policy);
+            tracing::warn!(
+                target: "tower_redis_ratelimit",
+                policy = entry.responder.policy.name(),
+                key = %entry.key.loggable(),
+                "a settle of a request's usage was abandoned (its runtime shut down) before \
+                 the store answered; it may or may not have been recorded"
+            );
+        }
+        // After the outcome is reported, so that a waiter sees its effects.
+        if self.in_flight.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.in_flight.idle.notify_waiters();
+        }
+    }
+}
+
+/// The settles of a layer (and its clones) under way in tasks, for
+/// [`RateLimitLayer::settled`](crate::RateLimitLayer::settled).
+#[derive(Debug, Default)]
+pub(crate) struct InFlight {
+    count: AtomicUsize,
+    /// Notified when the count falls to zero.
+    idle: Notify,
+}
+
+impl InFlight {
+    /// Waits up to `timeout` until no settle is under way; the number still under way then.
+    pub(crate) async fn settled(&self, timeout: Duration) -> usize {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            // Registered before the count is read, so that a fall to zero in between wakes it.
+            let idle = self.idle.notified();
+            let mut idle = std::pin::pin!(idle);
+            idle.as_mut().enable();
+            let count = self.count.load(Ordering::Acquire);
+            if count == 0 {
+                return 0;
+            }
+            if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                return self.count.load(Ordering::Acquire);
+            }
+        }
+    }
+}
+
+/// What the layer needs to settle usage: how it is reported, the store to settle with, and
+/// the settles under way.
 pub(crate) struct Metering {
     pub(crate) report: UsageReport,
     pub(crate) ledger: Arc<dyn Ledger>,
+    pub(crate) in_flight: Arc<InFlight>,
 }
 
 /// The account of one admitted request: what it reserved, and what it reported so far.
@@ -317,6 +435,9 @@ pub(crate) struct Tab {
     /// Usage reported by the head (extension or field), then by the trailers.
     from_head: Option<u64>,
     from_trailers: Option<u64>,
+    /// Whether a layer inside this one answered the request itself ([`Refused`]): it used
+    /// nothing here, whatever else reports.
+    refused: bool,
     /// The layer's deny cache, whose refusal of the key a refund makes stale.
     deny_cache: Option<DenyCache>,
 }
@@ -341,13 +462,16 @@ impl Tab {
             meter,
             from_head: None,
             from_trailers: None,
+            refused: false,
             deny_cache,
         })
     }
 
-    /// Reads the usage a response's head reports.
+    /// Reads the usage a response's head reports, and whether a layer inside refused it.
     pub(crate) fn read_head<B>(&mut self, response: &Response<B>) {
-        self.from_head = match response.extensions().get::<Usage>() {
+        let extensions = response.extensions();
+        self.refused = extensions.get::<Refused>().is_some();
+        self.from_head = match extensions.get::<Usage>() {
             Some(Usage(units)) => Some(*units),
             None => self
                 .metering
@@ -368,11 +492,14 @@ impl Tab {
 
 impl Drop for Tab {
     fn drop(&mut self) {
-        let Some(used) = self
-            .from_trailers
-            .or_else(|| self.meter.get())
-            .or(self.from_head)
-        else {
+        let used = match self.refused {
+            true => Some(0),
+            false => self
+                .from_trailers
+                .or_else(|| self.meter.get())
+                .or(self.from_head),
+        };
+        let Some(used) = used else {
             return;
         };
         let reserved = self.decision.recorded;
@@ -381,15 +508,24 @@ impl Drop for Tab {
             std::cmp::Ordering::Less => Settlement::refund(&self.decision, reserved - used),
             std::cmp::Ordering::Equal => None,
         };
-        if let Some(settlement) = settlement.filter(|s| s.units() > 0) {
-            if let (true, Some(cache)) = (settlement.is_refund(), &self.deny_cache) {
-                cache.forget(&self.key, &self.responder.policy);
-            }
-            let key = self.key.clone();
-            let responder = Arc::clone(&self.responder);
-            let ledger = self.fallback.as_ref().unwrap_or(&self.metering.ledger);
-            ledger.settle(key, responder, settlement);
+        let Some(settlement) = settlement.filter(|s| s.units() > 0) else {
+            return;
+        };
+        let deny_cache = match settlement.is_refund() {
+            true => self.deny_cache.clone(),
+            false => None,
+        };
+        if let Some(cache) = &deny_cache {
+            cache.forget(&self.key, &self.responder.policy);
         }
+        let entry = Entry {
+            key: self.key.clone(),
+            responder: Arc::clone(&self.responder),
+            settlement,
+            deny_cache,
+        };
+        let ledger = self.fallback.as_ref().unwrap_or(&self.metering.ledger);
+        ledger.settle(entry, &self.metering.in_flight);
     }
 }
 

@@ -664,30 +664,60 @@ impl Store for RedisStore {
         })
     }
 
-    /// One call of the policy's script in its settle mode (`record` 3), batched with
-    /// decisions, behind the breaker and within the time budget; with leases as without,
-    /// except that a reply showing the key full ends this instance's leases of it
-    /// (`lease::settled`).
+    /// One call of the policy's script in its settle mode (`record` 3), behind the breaker,
+    /// in a call of its own that waits for Redis's reply up to 3 s rather than the time
+    /// budget; a call Redis refused without running it (a cluster redirect, `TRYAGAIN`
+    /// during a slot move) goes again through the batched path, which follows them. With
+    /// leases as without, except that a reply showing the key full ends this instance's
+    /// leases of it (`lease::settled`).
     fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture {
+        /// How long a settle waits for its reply. Redis records a settle when the script runs,
+        /// however late the reply comes, and one whose reply is not read cannot be sent again
+        /// safely: so a settle outlasts a Redis paused well past the time budget (a fork, a
+        /// slow command), and a failure reported means that it did not run, or that no reply
+        /// came within this long. Shorter than a lease's patience, so that a Redis that is
+        /// gone is reported within a typical shutdown deadline.
+        const PATIENCE: Duration = Duration::from_secs(3);
         let inner = Arc::clone(&self.inner);
         let place = inner.place(key, policy);
+        let algorithm = policy.algorithm();
         let (key, policy) = (key.clone(), policy.clone());
         let record = Record::Settle {
             refund: settlement.change == Change::Refund,
             admitted: settlement.admitted_at.unwrap_or(-1),
             recorded: settlement.recorded,
         };
+        let args = batch::encode(settlement.units, record, -1, policy.windows());
         Box::pin(async move {
             if settlement.units == 0 {
                 return Ok(());
             }
-            let answer = inner
-                .decide(place, &policy, settlement.units, -1, record)
-                .await?;
+            super::in_range(&policy)?;
+            if inner.breaker.is_open() {
+                return Err(StoreError::Unavailable);
+            }
+            let started = inner.breaker.now();
+            let call = inner
+                .batcher
+                .decide_patiently(place.clone(), algorithm, args, PATIENCE);
+            let answer = match call.await {
+                Err(error) if lease::refused(&error) || is_redirect(&error) => {
+                    let units = settlement.units;
+                    inner.decide(place, &policy, units, -1, record).await?
+                }
+                reply => inner.judge(started, Some(reply))?,
+            };
             lease::settled(&inner, &key, &policy, &answer);
             Ok(())
         })
     }
+}
+
+/// Whether `error` is a cluster redirect that fred did not follow to the end: the node that
+/// answered it did not run the script.
+fn is_redirect(error: &fred::error::Error) -> bool {
+    let details = error.details();
+    details.starts_with("ASK") || details.starts_with("MOVED") || details.contains("redirection")
 }
 
 /// Reads `{allowed, index, remaining, reset_after, retry_after}`; with the outcome, the units

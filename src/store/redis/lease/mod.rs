@@ -700,7 +700,7 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
 
 /// Whether Redis answered `error` without running the script, so that sending it again
 /// cannot apply it twice.
-fn refused(error: &fred::error::Error) -> bool {
+pub(super) fn refused(error: &fred::error::Error) -> bool {
     const REFUSALS: [&str; 6] = [
         "BUSY",
         "LOADING",
