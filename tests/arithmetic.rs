@@ -145,8 +145,9 @@ async fn a_refund_after_a_reset_frees_nothing_on_redis() {
 
 #[tokio::test]
 async fn a_refund_after_a_restart_frees_nothing_on_redis() {
-    let server = std::sync::Mutex::new(RedisServer::start());
-    let store = server.lock().unwrap().store().await;
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let server = std::sync::Mutex::new(server);
     let restart = async |key: &Key, policy: &Policy| {
         // Without persistence: the state is lost.
         server.lock().unwrap().restart();

@@ -11,6 +11,8 @@ use fred::types::scripts::Script;
 
 mod ask;
 mod batch;
+#[cfg(test)]
+mod differential;
 mod health;
 mod lease;
 mod placement;

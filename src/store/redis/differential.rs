@@ -1,0 +1,517 @@
+//! A differential property test: the algorithms the memory store runs (`src/algorithm/`) and
+//! the scripts a real Redis runs, fed the same random sequences of decisions, charges and
+//! refunds at the same instants, decide alike to the microsecond; and neither admits more
+//! than a brute-force model of the algorithm's definition allows.
+//!
+//! The scripts take an explicit event time (prelude.lua), which the stores use only for the
+//! sliding log: here every request carries one, so that both sides see the same clock. The
+//! sliding log runs in the past (Redis trims a log at the earlier of its time and the event
+//! time), the other algorithms in the future (their state's creation time, Redis' own, then
+//! precedes every admission, as it does in production). Windows are a minute or longer, so
+//! that no key expires in the real time a case takes.
+//!
+//! The range covers what the parser accepts: counts up to 2^50, windows from a minute to ten
+//! years, costs up to `u32::MAX`, usage up to `u64::MAX` (2^53 ± 1, 2^63 included); the
+//! monthly budget that once wrapped (`5000000/30d`, a million at a time) is a fixed case.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use fred::prelude::{Builder, ClientLike, Config};
+use fred::types::{ClusterHash, CustomCommand, Value};
+use proptest::prelude::*;
+use proptest::test_runner::{Config as Cases, TestCaseError, TestRunner};
+
+use super::batch::{self, Record};
+use super::SCRIPTS;
+use crate::algorithm::{
+    decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
+    sliding_window::SlidingWindow, window_start, Algorithm, Limiter, Outcome, Refund, Settle,
+    Window,
+};
+use crate::{Limit, Policy};
+
+/// A `redis-server` of this test's own on a free port, killed when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Server {
+    fn start() -> Server {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let binary = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+        let child = Command::new(binary)
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server runs");
+        Server { child, port }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One step of a sequence.
+#[derive(Debug, Clone)]
+enum Op {
+    /// A decision of this cost.
+    Check(u32),
+    /// A charge of this usage.
+    Charge(u64),
+    /// A refund of up to this many units of the `n`-th admitted request (modulo their number),
+    /// once per request.
+    Refund(usize, u64),
+}
+
+/// The state of one key on the Rust side, as the memory store keeps it.
+enum State {
+    Log(SlidingLog),
+    Sliding(SlidingWindow),
+    Fixed(FixedWindow),
+    Gcra(Gcra),
+}
+
+impl State {
+    fn new(algorithm: Algorithm) -> State {
+        match algorithm {
+            Algorithm::SlidingLog => State::Log(SlidingLog::default()),
+            Algorithm::SlidingWindow => State::Sliding(SlidingWindow::default()),
+            Algorithm::FixedWindow => State::Fixed(FixedWindow::default()),
+            Algorithm::Gcra => State::Gcra(Gcra::default()),
+        }
+    }
+
+    /// `f` over the algorithm's state; the log first trimmed as the memory store trims it.
+    fn with<R>(&mut self, t: u64, windows: &[Window], f: impl FnOnce(&mut dyn Lim) -> R) -> R {
+        match self {
+            State::Log(log) => {
+                let longest = windows.last().map_or(0, |w| w.micros);
+                if let Some(cutoff) = t.checked_sub(longest) {
+                    log.trim(cutoff);
+                }
+                f(log)
+            }
+            State::Sliding(s) => f(s),
+            State::Fixed(s) => f(s),
+            State::Gcra(s) => f(s),
+        }
+    }
+}
+
+/// [`decide`] and [`settle`] behind one object-safe trait.
+trait Lim {
+    fn decide(&mut self, t: u64, windows: &[Window], cost: u64, record: bool) -> Outcome;
+    fn settle(&mut self, t: u64, windows: &[Window], change: Settle);
+}
+
+impl<L: Limiter> Lim for L {
+    fn decide(&mut self, t: u64, windows: &[Window], cost: u64, record: bool) -> Outcome {
+        decide(self, t, windows, cost, record)
+    }
+
+    fn settle(&mut self, t: u64, windows: &[Window], change: Settle) {
+        settle(self, t, windows, change)
+    }
+}
+
+/// The scripts' side: one connection, one key per case.
+struct Scripts {
+    client: fred::clients::Client,
+}
+
+impl Scripts {
+    async fn call(
+        &self,
+        algorithm: Algorithm,
+        key: &str,
+        cost: u64,
+        record: Record,
+        t: u64,
+        windows: &[Window],
+    ) -> Outcome {
+        let script = SCRIPTS.iter().find(|(a, _)| *a == algorithm).unwrap().1;
+        let args = batch::encode(cost, record, t as i64, windows);
+        let eval = CustomCommand::new_static("EVAL", ClusterHash::FirstKey, false);
+        let values = vec![
+            Value::from(script),
+            Value::from(1),
+            Value::from(key),
+            Value::Bytes(Bytes::from(args)),
+        ];
+        let reply: Bytes = self.client.custom(eval, values).await.expect("EVAL");
+        let int = |i: usize| i64::from_le_bytes(reply[8 * i..8 * i + 8].try_into().unwrap());
+        let retry = int(4);
+        Outcome {
+            allowed: int(0) >= 1,
+            index: int(1) as usize,
+            remaining: int(2) as u64,
+            reset_after: int(3) as u64,
+            retry_after: (retry >= 0).then_some(retry as u64),
+        }
+    }
+}
+
+/// What was recorded, raw (uncapped, in u128), for the brute-force models: events of
+/// `(time, units)`, admissions first with their cost, a refund lowering its own.
+#[derive(Default)]
+struct History {
+    events: Vec<(u64, u128)>,
+    /// Whether a charge went past what the algorithm holds exactly (GCRA past a bucket, the
+    /// log near its 2^52 units), so that both sides may saturate where the model does not.
+    saturated: bool,
+    /// The units charged, each at most the largest count and one.
+    charged: u128,
+}
+
+impl History {
+    fn units_in(&self, from: u64, to: u64) -> u128 {
+        let inside = |&&(e, _): &&(u64, u128)| from <= e && e <= to;
+        self.events.iter().filter(inside).map(|&(_, u)| u).sum()
+    }
+
+    /// Whether the definition admits `cost` at `t` under every limit.
+    fn admits(&self, algorithm: Algorithm, t: u64, windows: &[Window], cost: u64) -> bool {
+        let cost = u128::from(cost);
+        windows.iter().all(|w| {
+            let (c, wu) = (u128::from(w.count), u128::from(w.micros));
+            match algorithm {
+                // Units in (t - w, t].
+                Algorithm::SlidingLog => {
+                    self.units_in((t + 1).saturating_sub(w.micros), t) + cost <= c
+                }
+                // The counters never hold more than c in a fixed window.
+                Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+                    let start = window_start(t, w.micros);
+                    self.units_in(start, t) + cost <= c
+                }
+                // A bucket of c draining c per w: the units since any earlier event, with
+                // this one, drain within the time since plus one window.
+                Algorithm::Gcra => {
+                    let starts = self.events.iter().map(|&(s, _)| s).chain([t]);
+                    starts.filter(|&s| s <= t).all(|s| {
+                        let units = self.units_in(s, t) + cost;
+                        units * wu <= c * (u128::from(t - s) + wu)
+                    })
+                }
+            }
+        })
+    }
+}
+
+/// A case: an algorithm, its limits, and the steps with the time before each.
+#[derive(Debug, Clone)]
+struct Case {
+    algorithm: Algorithm,
+    limits: Vec<(u64, u64)>,
+    steps: Vec<(u64, Op)>,
+}
+
+/// What the cases exercised, printed at the end so that a run shows it tested something.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    cases: u64,
+    out_of_range: u64,
+    admitted: u64,
+    refused: u64,
+    charges: u64,
+    refunds: u64,
+}
+
+/// Runs one case on both sides; `key` names its Redis key.
+async fn run(
+    scripts: &Scripts,
+    key: &str,
+    case: &Case,
+    tally: &std::cell::Cell<Tally>,
+) -> Result<(), TestCaseError> {
+    let mut counts = tally.get();
+    let result = run_counted(scripts, key, case, &mut counts).await;
+    tally.set(counts);
+    result
+}
+
+async fn run_counted(
+    scripts: &Scripts,
+    key: &str,
+    case: &Case,
+    tally: &mut Tally,
+) -> Result<(), TestCaseError> {
+    tally.cases += 1;
+    let limits = case
+        .limits
+        .iter()
+        .map(|&(c, ms)| Limit::new(c, Duration::from_millis(ms)).expect("limits in range"));
+    let Ok(policy) = Policy::new("d", limits) else {
+        return Ok(()); // two limits of one window
+    };
+    let policy = policy.with_algorithm(case.algorithm);
+    if policy.out_of_range().is_some() {
+        tally.out_of_range += 1;
+        return Ok(()); // refused by both stores, tested apart
+    }
+    let windows = policy.windows();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    // The log in the past, the others in the future (see the module's docs).
+    let mut t = match case.algorithm {
+        Algorithm::SlidingLog => now - 6 * 365 * 86_400_000_000,
+        _ => now + 3_600_000_000,
+    };
+    let (mut state, mut history) = (State::new(case.algorithm), History::default());
+    // Admissions that may still be refunded: (time, cost, index in history).
+    let mut admitted: Vec<Option<(u64, u64, usize)>> = vec![];
+    for (step, (gap, op)) in case.steps.iter().enumerate() {
+        t += gap;
+        let at = format!("step {step} at +{} us: {op:?}", t);
+        match *op {
+            Op::Check(cost) => {
+                let cost = u64::from(cost);
+                let allowed_by_model = history.admits(case.algorithm, t, windows, cost);
+                let ours = state.with(t, windows, |s| s.decide(t, windows, cost, true));
+                let theirs = scripts
+                    .call(case.algorithm, key, cost, Record::Yes, t, windows)
+                    .await;
+                prop_assert_eq!(ours, theirs, "{}", at);
+                tally.admitted += u64::from(ours.allowed);
+                tally.refused += u64::from(!ours.allowed);
+                if ours.allowed {
+                    prop_assert!(
+                        allowed_by_model || history.saturated,
+                        "{}: admitted past the definition",
+                        at
+                    );
+                    if cost > 0 {
+                        history.events.push((t, u128::from(cost)));
+                    }
+                    admitted.push(Some((t, cost, history.events.len().wrapping_sub(1))));
+                }
+            }
+            // A settle of nothing is never sent (`Store::settle`).
+            Op::Charge(0) => {}
+            Op::Charge(units) => {
+                tally.charges += 1;
+                state.with(t, windows, |s| s.settle(t, windows, Settle::Charge(units)));
+                let record = Record::Settle {
+                    refund: false,
+                    admitted: -1,
+                    recorded: 0,
+                };
+                scripts
+                    .call(case.algorithm, key, units, record, t, windows)
+                    .await;
+                history.events.push((t, u128::from(units)));
+                // GCRA saturates its backlog at 2^52 (at least three buckets), and the log
+                // its units at 2^52 (an event weighing at most the largest count and one):
+                // past those the model, which does not, is stricter than both sides.
+                let largest = windows.iter().map(|w| w.count).max().unwrap_or(0);
+                history.charged += u128::from(units.min(largest + 1));
+                history.saturated |= match case.algorithm {
+                    Algorithm::Gcra => units > largest,
+                    Algorithm::SlidingLog => history.charged > 1 << 51,
+                    _ => false,
+                };
+            }
+            Op::Refund(n, units) => {
+                let Some(slot) = (!admitted.is_empty()).then(|| n % admitted.len()) else {
+                    continue;
+                };
+                let Some((at, recorded, event)) = admitted[slot].take() else {
+                    continue;
+                };
+                let units = units.min(recorded);
+                if units == 0 {
+                    continue;
+                }
+                tally.refunds += 1;
+                let back = Refund {
+                    units,
+                    at: Some(at),
+                    recorded,
+                };
+                state.with(t, windows, |s| s.settle(t, windows, Settle::Refund(back)));
+                let record = Record::Settle {
+                    refund: true,
+                    admitted: at as i64,
+                    recorded,
+                };
+                scripts
+                    .call(case.algorithm, key, units, record, t, windows)
+                    .await;
+                // As if the request had cost less from the start: what a refund may free.
+                if recorded > 0 {
+                    history.events[event].1 -= u128::from(units);
+                }
+            }
+        }
+        // Both sides hold the same state: a look at it agrees.
+        let ours = state.with(t, windows, |s| s.decide(t, windows, 1, false));
+        let look = Record::No { headroom: 0 };
+        let theirs = scripts.call(case.algorithm, key, 1, look, t, windows).await;
+        prop_assert_eq!(ours, theirs, "look after {}", at);
+    }
+    Ok(())
+}
+
+fn count() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        1u64..10,
+        1u64..1_000,
+        1u64..1_000_000,
+        1u64..1_000_000_000_000,
+        Just(Limit::MAX_COUNT),
+        Just(1_000_000),
+        Just(5_000_000),
+    ]
+}
+
+fn window_ms() -> impl Strategy<Value = u64> {
+    const YEAR: u64 = 365 * 86_400_000;
+    prop_oneof![
+        60_000u64..3_600_000,
+        60_000u64..YEAR,
+        Just(60_000),
+        Just(3_600_000),
+        Just(86_400_000),
+        Just(30 * 86_400_000),
+        Just(YEAR),
+        Just(3650 * 86_400_000),
+    ]
+}
+
+fn usage() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        Just(0),
+        1u64..100,
+        1u64..1_000_000_000_000,
+        Just((1 << 53) - 1),
+        Just(1 << 53),
+        Just((1 << 53) + 1),
+        Just(1 << 63),
+        Just(u64::MAX),
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => prop_oneof![
+            1 => Just(0u32),
+            4 => 1u32..4,
+            2 => 1u32..1_000_000,
+            1 => any::<u32>(),
+        ].prop_map(Op::Check),
+        1 => usage().prop_map(Op::Charge),
+        2 => (any::<usize>(), 0u64..u64::from(u32::MAX)).prop_map(|(n, u)| Op::Refund(n, u)),
+    ]
+}
+
+fn gap() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        Just(0u64),
+        1u64..1_000,
+        1u64..60_000_000,
+        1u64..3_600_000_000,
+        1u64..31_536_000_000_000 / 64,
+    ]
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    let algorithm = prop_oneof![
+        Just(Algorithm::SlidingLog),
+        Just(Algorithm::SlidingWindow),
+        Just(Algorithm::FixedWindow),
+        Just(Algorithm::Gcra),
+    ];
+    (
+        algorithm,
+        proptest::collection::vec((count(), window_ms()), 1..=3),
+        proptest::collection::vec((gap(), op()), 1..40),
+    )
+        .prop_map(|(algorithm, limits, steps)| Case {
+            algorithm,
+            limits,
+            steps,
+        })
+}
+
+#[test]
+fn the_scripts_decide_as_the_algorithms_over_the_whole_range() {
+    let server = Server::start();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let scripts = runtime.block_on(async {
+        let url = format!("redis://127.0.0.1:{}", server.port);
+        let client = Builder::from_config(Config::from_url(&url).unwrap())
+            .build()
+            .unwrap();
+        for _ in 0..100 {
+            if client.init().await.is_ok() {
+                return Scripts { client };
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("redis-server did not come up");
+    });
+
+    let tally = std::cell::Cell::new(Tally::default());
+    // The monthly budget, a million at a time: five of seven, then the largest usages.
+    let mut steps: Vec<(u64, Op)> = (0..7).map(|_| (0, Op::Check(1_000_000))).collect();
+    steps.extend([
+        (1, Op::Charge(u64::MAX)),
+        (1, Op::Check(1)),
+        (1, Op::Refund(0, 1)),
+    ]);
+    for algorithm in [
+        Algorithm::Gcra,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+    ] {
+        let monthly = Case {
+            algorithm,
+            limits: vec![(5_000_000, 30 * 86_400_000)],
+            steps: steps.clone(),
+        };
+        runtime
+            .block_on(run(
+                &scripts,
+                &format!("monthly {algorithm:?}"),
+                &monthly,
+                &tally,
+            ))
+            .unwrap();
+    }
+
+    let mut runner = TestRunner::new(Cases {
+        cases: 320,
+        failure_persistence: None,
+        ..Cases::default()
+    });
+    let n = std::cell::Cell::new(0u64);
+    let outcome = runner.run(&case(), |case| {
+        n.set(n.get() + 1);
+        runtime.block_on(run(&scripts, &format!("case {}", n.get()), &case, &tally))
+    });
+    if let Err(failure) = outcome {
+        panic!("{failure}");
+    }
+    let tally = tally.get();
+    eprintln!("{tally:?}");
+    assert!(tally.admitted > 500 && tally.refused > 500, "{tally:?}");
+    assert!(tally.charges > 200 && tally.refunds > 150, "{tally:?}");
+}
