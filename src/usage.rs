@@ -42,7 +42,14 @@
 //! far, and its reservation if nothing was reported.
 //!
 //! **Reported usage is trusted**: it comes from your service, never from the client, and is
-//! charged as it is, however large.
+//! charged as it is, up to 2^52 units: more than any state holds, so a larger value (up to
+//! `u64::MAX`) is charged as 2^52 and logged, and the key is refused as long as its algorithm
+//! allows for that much (`docs/operations.md`, "Range").
+//!
+//! **Refunds free only what still weighs**, in the state the request was recorded in: a
+//! refund that lands after the key was reset (or expired, or Redis restarted) frees nothing,
+//! nor does one of GCRA units that have drained since the admission (see
+//! [`Store::settle`]).
 //!
 //! **Refunds and the deny cache.** A refund forgets this instance's cached refusal of the key
 //! (see [`deny_cache`](crate::RateLimitLayerBuilder::deny_cache)) when it is sent and again
@@ -70,7 +77,10 @@
 //! its usage is recorded afterwards, even past the limit; later requests are then refused
 //! until enough usage has aged out of the window (drained, for GCRA), which their
 //! `Retry-After` says. So a key's recorded usage exceeds its limit by at most the usage of
-//! the requests that were in flight when it filled, less their reservations.
+//! the requests that were in flight when it filled, less their reservations. With
+//! [leases](crate::store::Leases), a charge that fills a key also ends the leases of the
+//! instance that made it; other instances stop at their own next charge or lease fetch
+//! (`docs/leases.md` states their bound).
 
 use std::future::Future;
 use std::pin::Pin;

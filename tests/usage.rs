@@ -534,3 +534,41 @@ fn redis_body_dropped_outside_a_runtime_does_not_panic() {
     drop(body);
     drop(server);
 }
+
+/// Usage of `u64::MAX` (or 2^63) through the layer, on every algorithm: charged as the most a
+/// state holds, so the next request is refused; nothing panics (a debug build checks every
+/// addition) and the key is never wrapped to empty.
+#[tokio::test]
+async fn memory_usage_past_any_state_is_saturated() {
+    const ALGORITHMS: [Algorithm; 4] = [
+        Algorithm::SlidingLog,
+        Algorithm::SlidingWindow,
+        Algorithm::FixedWindow,
+        Algorithm::Gcra,
+    ];
+    for algorithm in ALGORITHMS {
+        for units in [1 << 63, u64::MAX] {
+            let store = memory();
+            let policy = policy("1000/1m", algorithm);
+            let service = layer(store.clone(), policy.clone(), UsageReport::new()).layer(
+                service_fn(move |_: Request<()>| async move {
+                    let mut response = Response::new(full("answer"));
+                    response.extensions_mut().insert(Usage(units));
+                    Ok::<_, Infallible>(response)
+                }),
+            );
+            let (status, _, _) = exchange(&service).await;
+            assert_eq!(status, StatusCode::OK);
+            let (status, retry_after, _) = exchange(&service).await;
+            assert_eq!(
+                status,
+                StatusCode::TOO_MANY_REQUESTS,
+                "{algorithm:?} {units}"
+            );
+            assert!(
+                retry_after >= Some(1),
+                "{algorithm:?} {units}: {retry_after:?}"
+            );
+        }
+    }
+}

@@ -62,18 +62,21 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// never refuses, and later requests are refused until enough usage has aged out (or
     /// drained), which their `retry_after` tells. Per algorithm:
     ///
-    /// | algorithm | charge `n` | refund `n` |
+    /// | algorithm | charge `n` | refund `n` of a request admitted at `a` |
     /// |---|---|---|
-    /// | [`Gcra`](crate::Algorithm::Gcra) | `TAT = max(TAT, now) + n·T` | `TAT = max(TAT − n·T, now)` |
+    /// | [`Gcra`](crate::Algorithm::Gcra) | `TAT = max(TAT, now) + n·T` | `TAT = max(TAT − max(n·T − (now − a), 0), now)`: what has drained since `a` is not taken twice |
     /// | [`FixedWindow`](crate::Algorithm::FixedWindow) | `n` more in the current window | `n` less (not below 0) in the admission's window, if it is still the current one |
     /// | [`SlidingWindow`](crate::Algorithm::SlidingWindow) | `n` more in the current window | `n` less (not below 0) in the admission's window, if it is the current or the previous one |
-    /// | [`SlidingLog`](crate::Algorithm::SlidingLog) | one event of weight `n` now | the request's own event (the last one at its admission time) weighs up to `n` less, and goes when it weighs nothing; nothing once it has aged out |
+    /// | [`SlidingLog`](crate::Algorithm::SlidingLog) | one event of weight `n` now | the request's own event (of its admission time and weight) weighs up to `n` less, and goes when it weighs nothing; nothing once it has aged out |
     ///
     /// A refund never takes back more than the request recorded
     /// ([`Settlement::refund`] caps it at the decision's cost), so the state afterwards is at
-    /// least what it would be had the request cost less from the start. Where the admission
-    /// time is not known, a refund changes GCRA only, which needs none, and nothing else.
-    /// A settle that cannot reach the store fails as a decision would; it never panics.
+    /// least what it would be had the request cost less from the start. It applies only to
+    /// the state the request was recorded in: state created after the admission (a
+    /// [`reset`](Store::reset), an expiry, a Redis restart) never held its units, and is left
+    /// alone. Where the admission time is not known, a refund changes nothing. A charge past
+    /// what a state holds saturates (`docs/operations.md`, "Range"). A settle that cannot
+    /// reach the store fails as a decision would; it never panics.
     fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture;
 
     /// The decision of [`check`](Store::check), when the store can make it without waiting;

@@ -217,6 +217,8 @@ struct Case {
     algorithm: Algorithm,
     limits: Vec<(u64, u64)>,
     steps: Vec<(u64, Op)>,
+    /// The time of the first step (µs since the epoch); `None`: as the module's docs say.
+    start: Option<u64>,
 }
 
 /// What the cases exercised, printed at the end so that a run shows it tested something.
@@ -268,9 +270,10 @@ async fn run_counted(
         .unwrap()
         .as_micros() as u64;
     // The log in the past, the others in the future (see the module's docs).
-    let mut t = match case.algorithm {
-        Algorithm::SlidingLog => now - 6 * 365 * 86_400_000_000,
-        _ => now + 3_600_000_000,
+    let mut t = match (case.start, case.algorithm) {
+        (Some(start), _) => start,
+        (None, Algorithm::SlidingLog) => now - 6 * 365 * 86_400_000_000,
+        (None, _) => now + 3_600_000_000,
     };
     let (mut state, mut history) = (State::new(case.algorithm), History::default());
     // Admissions that may still be refunded: (time, cost, index in history).
@@ -445,7 +448,38 @@ fn case() -> impl Strategy<Value = Case> {
             algorithm,
             limits,
             steps,
+            start: None,
         })
+}
+
+/// A sliding window case where the weighed previous window passes the room by less than the
+/// doubles' rounding: `prev * (w - e)` is a few units more than `(c - 1) * w`, both near 2^76,
+/// and the two round to one double, so that a comparison in doubles would admit.
+fn near_tie() -> Case {
+    let (c, w): (u64, u64) = (1_000_000_000_000, 86_400_000_000);
+    let room = u128::from(c - 1) * u128::from(w);
+    let (prev, m) = (1..w)
+        .map(|k| w - k)
+        .find_map(|m| {
+            let prev = room / u128::from(m) + 1;
+            let over = prev * u128::from(m) - room;
+            let rounds_equal = prev as f64 * m as f64 <= room as f64;
+            (over > 0 && rounds_equal).then_some((prev as u64, m))
+        })
+        .expect("a near tie");
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    // A window boundary an hour or more ahead: `prev` in that window, the check `w - m` into
+    // the next.
+    let start = window_start(now + 3_600_000_000, w) + w;
+    Case {
+        algorithm: Algorithm::SlidingWindow,
+        limits: vec![(c, w / 1000)],
+        steps: vec![(0, Op::Charge(prev)), (w + (w - m), Op::Check(1))],
+        start: Some(start),
+    }
 }
 
 #[test]
@@ -486,6 +520,7 @@ fn the_scripts_decide_as_the_algorithms_over_the_whole_range() {
             algorithm,
             limits: vec![(5_000_000, 30 * 86_400_000)],
             steps: steps.clone(),
+            start: None,
         };
         runtime
             .block_on(run(
@@ -496,6 +531,10 @@ fn the_scripts_decide_as_the_algorithms_over_the_whole_range() {
             ))
             .unwrap();
     }
+
+    runtime
+        .block_on(run(&scripts, "near tie", &near_tie(), &tally))
+        .unwrap();
 
     let mut runner = TestRunner::new(Cases {
         cases: 320,

@@ -35,6 +35,13 @@
 -- state created no later than the admission (a reset or a restart since turns it into a
 -- no-op); it writes nothing where there is no state or no admission time.
 --
+-- Exactness: a bucket is at most 2^50 units and a backlog at most MAX_UNITS (2^52), so every
+-- sum and difference here stays below 2^53, and so does every numerator divided: a double
+-- quotient a / b of such integers is never rounded across an integer (when it is not one, it
+-- is at least 1 / b from one, more than its rounding error a / b * 2^-53), so math.floor and
+-- math.ceil of it are exact. A drain `elapsed * d` past 2^53 is inexact, but then larger than
+-- any backlog, which it empties either way.
+--
 -- Writes: an admitted request, or a settlement, stores every limit's new backlog and sets the
 -- key to expire once every bucket has drained: after the longest window, or longer where a
 -- charge overfilled a bucket.
@@ -68,13 +75,13 @@ for k = 1, #KEYS do
     if new > capacity and record ~= 3 then
       local retry = -2
       if cost * u <= capacity then
-        retry = ceil_div(new - capacity, d)
+        retry = math.ceil((new - capacity) / d)
       end
       if later(retry, denied_retry) then
         denied, denied_retry = i, retry
       end
     elseif record == 2 then
-      local fit = floor_div(capacity - b, u)
+      local fit = math.floor((capacity - b) / u)
       if room == nil or fit < room then
         room = fit
       end
@@ -114,7 +121,7 @@ for k = 1, #KEYS do
           backlogs[i] = math.min(backlogs[i] + cost * u, MAX_UNITS)
         end
         if record == 3 then
-          ttl = math.max(ttl, ceil_div(backlogs[i], d))
+          ttl = math.max(ttl, math.ceil(backlogs[i] / d))
         end
       end
       local value
@@ -133,7 +140,7 @@ for k = 1, #KEYS do
     local least
     for i = 1, n do
       local u, d = windows[i] / scales[i], counts[i] / scales[i]
-      local remaining = floor_div((windows[i] - h) * d - backlogs[i], u)
+      local remaining = math.floor(((windows[i] - h) * d - backlogs[i]) / u)
       if least == nil or remaining < least then
         least, reported = remaining, i
       end
@@ -141,8 +148,8 @@ for k = 1, #KEYS do
   end
   local w, g, b = windows[reported], scales[reported], backlogs[reported]
   local u, d = w / g, counts[reported] / g
-  reply[k] = spack('<lllll', allowed, reported - 1, math.max(floor_div((w - h) * d - b, u), 0),
-    ceil_div(b, d), retry)
+  reply[k] = spack('<lllll', allowed, reported - 1, math.max(math.floor(((w - h) * d - b) / u), 0),
+    math.ceil(b / d), retry)
 end
 
 return finish()

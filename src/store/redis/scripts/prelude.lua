@@ -99,22 +99,6 @@ local function next_request(counts, windows, scales)
   return n, cost, record, t, want, headroom, refund, admitted, weight
 end
 
--- floor(a / b) and ceil(a / b) for integers below 2^53, b > 0, exactly: a double quotient
--- can round across an integer when a is above 2^52, and is corrected by one.
-local function floor_div(a, b)
-  local q = math.floor(a / b)
-  if q * b > a then
-    q = q - 1
-  elseif (q + 1) * b <= a then
-    q = q + 1
-  end
-  return q
-end
-
-local function ceil_div(a, b)
-  return -floor_div(-a, b)
-end
-
 -- The reply of the whole call: every request's answer, then the time.
 local function finish()
   reply[#reply + 1] = spack('<l', now)
