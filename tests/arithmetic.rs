@@ -119,6 +119,9 @@ async fn refund_after(store: &impl Store, time: &Time, replace: impl AsyncFn(&Ke
         let b = check(store, &key, &policy, 100).await;
         assert!(b.is_allowed(), "{algorithm:?}: {b:?}");
         settle(store, &key, &policy, Settlement::refund(&a, 100).unwrap()).await;
+        // Nothing freed, not even part of it.
+        let left = store.peek(&key, &policy, 1).await.unwrap().remaining();
+        assert_eq!(left, 0, "{algorithm:?}");
         let c = check(store, &key, &policy, 100).await;
         assert!(!c.is_allowed(), "{algorithm:?}: 200 in one window: {c:?}");
     }

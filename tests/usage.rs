@@ -536,10 +536,12 @@ fn redis_body_dropped_outside_a_runtime_does_not_panic() {
 }
 
 /// Usage of `u64::MAX` (or 2^63) through the layer, on every algorithm: charged as the most a
-/// state holds, so the next request is refused; nothing panics (a debug build checks every
-/// addition) and the key is never wrapped to empty.
+/// state holds, and logged, so the next request is refused; nothing panics (a debug build
+/// checks every addition) and the key is never wrapped to empty.
 #[tokio::test]
 async fn memory_usage_past_any_state_is_saturated() {
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber());
     const ALGORITHMS: [Algorithm; 4] = [
         Algorithm::SlidingLog,
         Algorithm::SlidingWindow,
@@ -571,4 +573,11 @@ async fn memory_usage_past_any_state_is_saturated() {
             );
         }
     }
+    let logs = captured.text();
+    let saturated = "a charge past the largest usage a store holds is recorded as that much";
+    assert_eq!(logs.matches(saturated).count(), 8, "{logs}");
+    assert!(
+        logs.contains("units=18446744073709551614 recorded=4503599627370496"),
+        "{logs}"
+    );
 }

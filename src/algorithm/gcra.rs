@@ -39,8 +39,7 @@ pub(crate) struct Gcra {
 
 /// A limit's weight of one unit of cost (`u`) and drain per µs (`d`), in GCRA units.
 fn units(w: &Window) -> (u128, u128) {
-    let g = u128::from(w.scale);
-    (u128::from(w.micros) / g, u128::from(w.count) / g)
+    (u128::from(w.gcra.0), u128::from(w.gcra.1))
 }
 
 impl Gcra {

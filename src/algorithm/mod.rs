@@ -89,6 +89,9 @@ pub(crate) struct Window {
     /// `gcd(count, micros)`: GCRA divides its units by it (see [`gcra`]), which keeps a
     /// monthly budget of millions of units exact in 50 bits.
     pub scale: u64,
+    /// GCRA's weight of one unit of cost, `micros / scale`, and its drain per µs,
+    /// `count / scale`, computed once rather than per decision.
+    pub gcra: (u64, u64),
 }
 
 impl Window {
@@ -99,10 +102,12 @@ impl Window {
     }
 
     pub(crate) fn new(count: u64, micros: u64) -> Window {
+        let scale = gcd(count, micros).max(1);
         Window {
             count,
             micros,
-            scale: gcd(count, micros).max(1),
+            scale,
+            gcra: (micros / scale, count / scale),
         }
     }
 

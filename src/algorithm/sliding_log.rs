@@ -186,7 +186,7 @@ impl Limiter for SlidingLog {
         else {
             return;
         };
-        let weight = back.recorded;
+        let weight = self.events[i].total.wrapping_sub(self.mark(i));
         let take = back.units.min(weight);
         for e in self.events.range_mut(i..) {
             e.total = e.total.wrapping_sub(take);
