@@ -8,18 +8,12 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use common::time::Time;
 use common::RedisServer;
+use common::ALGORITHMS;
 use tower_redis_ratelimit::store::ManualClock;
 use tower_redis_ratelimit::{
     Algorithm, BuildError, Decision, Key, Limit, LimitError, MemoryStore, Policy, RateLimitLayer,
     Settlement, Store, StoreError,
 };
-
-const ALGORITHMS: [Algorithm; 4] = [
-    Algorithm::SlidingLog,
-    Algorithm::SlidingWindow,
-    Algorithm::FixedWindow,
-    Algorithm::Gcra,
-];
 
 const MINUTE: Duration = Duration::from_secs(60);
 

@@ -6,15 +6,9 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use common::conformance::{self, SCENARIOS};
 use common::RedisServer;
+use common::ALGORITHMS;
 use tower_redis_ratelimit::store::TokioClock;
-use tower_redis_ratelimit::{Algorithm, MemoryStore};
-
-const ALGORITHMS: [Algorithm; 4] = [
-    Algorithm::SlidingLog,
-    Algorithm::SlidingWindow,
-    Algorithm::FixedWindow,
-    Algorithm::Gcra,
-];
+use tower_redis_ratelimit::MemoryStore;
 
 /// A memory store whose virtual clock starts at the epoch, a boundary of every window.
 fn memory() -> MemoryStore {

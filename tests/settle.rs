@@ -7,17 +7,11 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use common::time::Time;
 use common::RedisServer;
+use common::ALGORITHMS;
 use tower_redis_ratelimit::store::{Leases, ManualClock};
 use tower_redis_ratelimit::{
     Algorithm, Key, MemoryStore, Policy, RedisStore, Settlement, Store, StoreError,
 };
-
-const ALGORITHMS: [Algorithm; 4] = [
-    Algorithm::SlidingLog,
-    Algorithm::SlidingWindow,
-    Algorithm::FixedWindow,
-    Algorithm::Gcra,
-];
 
 const MS: Duration = Duration::from_millis(1);
 const MINUTE: Duration = Duration::from_secs(60);

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
+use common::ALGORITHMS;
 use common::{evalsha_calls, RedisServer};
 use fred::interfaces::SortedSetsInterface;
 use futures::channel::mpsc;
@@ -542,12 +543,6 @@ fn redis_body_dropped_outside_a_runtime_does_not_panic() {
 async fn memory_usage_past_any_state_is_saturated() {
     let captured = common::Captured::default();
     let _guard = tracing::subscriber::set_default(captured.subscriber());
-    const ALGORITHMS: [Algorithm; 4] = [
-        Algorithm::SlidingLog,
-        Algorithm::SlidingWindow,
-        Algorithm::FixedWindow,
-        Algorithm::Gcra,
-    ];
     for algorithm in ALGORITHMS {
         for units in [1 << 63, u64::MAX] {
             let store = memory();

@@ -25,7 +25,7 @@ use tower_redis_ratelimit::blocklist::{Blocklist, BlocklistLayer};
 use tower_redis_ratelimit::key::Header;
 use tower_redis_ratelimit::store::ManualClock;
 use tower_redis_ratelimit::usage::{Usage, UsageReport};
-use tower_redis_ratelimit::{Global, Key, MemoryStore, Policy, RateLimitLayer, Store};
+use tower_redis_ratelimit::{Global, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Store};
 
 type Body = BoxBody<Bytes, Infallible>;
 type Frames = futures::channel::mpsc::UnboundedSender<Result<http_body::Frame<Bytes>, Infallible>>;
@@ -325,6 +325,34 @@ async fn settles_outlast_a_paused_redis_and_only_losses_count() {
     }
 }
 
+/// Sends `requests` concurrent streaming requests (reserving 10, using 2 each) through a
+/// usage layer on `server`, pauses Redis, and ends every stream: their refunds are then under
+/// way. Returns the layer (a clone went into the service) and the pause.
+async fn end_streams_while_paused(
+    server: &RedisServer,
+    policy: Policy,
+    requests: u64,
+) -> (RateLimitLayer<Header, RedisStore>, Paused) {
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .policy(policy)
+        .store(server.store().await)
+        .usage(UsageReport::new().reserve(10))
+        .build()
+        .unwrap();
+    let (senders, bodies) = futures::channel::mpsc::unbounded();
+    let service = layer.clone().layer(streaming(2, senders));
+    let responses = join_all((0..requests).map(|_| service.clone().oneshot(request("k")))).await;
+    let frames: Vec<Frames> = bodies.take(requests as usize).collect().await;
+    let paused = Paused::pause(server).await;
+    drop(frames);
+    join_all(responses.into_iter().map(|response| async move {
+        response.unwrap().into_body().collect().await.unwrap();
+    }))
+    .await;
+    (layer, paused)
+}
+
 /// Point 7, shutdown: 100 concurrent requests end while Redis is paused, so their settles
 /// are under way; `settled` on the layer (a clone went into the service) reports them, then
 /// waits for them once Redis resumes; the runtime is dropped after, and nothing is lost.
@@ -341,24 +369,7 @@ fn settled_waits_for_the_settles_under_way_before_shutdown() {
         .build()
         .unwrap();
     let (waiting, left) = runtime.block_on(async {
-        let layer = RateLimitLayer::builder()
-            .key(api_key())
-            .policy(policy.clone())
-            .store(server.store().await)
-            .usage(UsageReport::new().reserve(10))
-            .build()
-            .unwrap();
-        let (senders, bodies) = futures::channel::mpsc::unbounded();
-        let service = layer.clone().layer(streaming(2, senders));
-        let responses =
-            join_all((0..REQUESTS).map(|_| service.clone().oneshot(request("k")))).await;
-        let frames: Vec<Frames> = bodies.take(REQUESTS as usize).collect().await;
-        let paused = Paused::pause(&server).await;
-        drop(frames);
-        join_all(responses.into_iter().map(|response| async move {
-            response.unwrap().into_body().collect().await.unwrap();
-        }))
-        .await;
+        let (layer, paused) = end_streams_while_paused(&server, policy.clone(), REQUESTS).await;
         let waiting = layer.settled(Duration::from_millis(200)).await;
         paused.resume();
         let left = layer.settled(Duration::from_secs(5)).await;
@@ -395,23 +406,7 @@ fn settles_abandoned_at_shutdown_are_counted() {
         .build()
         .unwrap();
     let paused = runtime.block_on(async {
-        let layer = RateLimitLayer::builder()
-            .key(api_key())
-            .policy(daily(name))
-            .store(server.store().await)
-            .usage(UsageReport::new().reserve(10))
-            .build()
-            .unwrap();
-        let (senders, bodies) = futures::channel::mpsc::unbounded();
-        let service = layer.clone().layer(streaming(2, senders));
-        let responses =
-            join_all((0..REQUESTS).map(|_| service.clone().oneshot(request("k")))).await;
-        let frames: Vec<Frames> = bodies.take(REQUESTS as usize).collect().await;
-        let paused = Paused::pause(&server).await;
-        drop(frames);
-        for response in responses {
-            drop(response.unwrap().into_body().collect().await.unwrap());
-        }
+        let (layer, paused) = end_streams_while_paused(&server, daily(name), REQUESTS).await;
         abandoned.store(
             layer.settled(Duration::from_millis(100)).await as u64,
             Ordering::Relaxed,

@@ -51,12 +51,7 @@ impl Limiter for FixedWindow {
     /// The units leave the count of the window that holds `at`, if that is still the current
     /// window (an older one counts nothing any more); without `at`, nothing changes.
     fn refund(&mut self, now: u64, windows: &[Window], back: Refund) {
-        let Refund {
-            units,
-            at: Some(at),
-            ..
-        } = back
-        else {
+        let Some((units, at)) = back.timed() else {
             return;
         };
         for (slot, w) in self.slots.iter_mut().zip(windows) {

@@ -208,29 +208,18 @@ mod tests {
         let mut s = Gcra::default();
         assert!(decide(&mut s, 0, &w, 60, true).allowed);
         assert!(decide(&mut s, 2 * S, &w, 40, true).allowed);
-        settle(
-            &mut s,
-            5 * S,
-            &w,
+        let back = |at| {
             Settle::Refund(Refund {
                 units: 60,
-                at: Some(0),
-                recorded: u64::MAX,
-            }),
-        );
+                at,
+                recorded: 60,
+            })
+        };
+        settle(&mut s, 5 * S, &w, back(Some(0)));
         // Backlog at 5 s: 100 - 50 drained = 50 units; A's 60 weigh 10 of them at most.
         assert_eq!(decide(&mut s, 5 * S, &w, 1, false).remaining, 60);
         // Without the admission time, nothing.
-        settle(
-            &mut s,
-            5 * S,
-            &w,
-            Settle::Refund(Refund {
-                units: 60,
-                at: None,
-                recorded: u64::MAX,
-            }),
-        );
+        settle(&mut s, 5 * S, &w, back(None));
         assert_eq!(decide(&mut s, 5 * S, &w, 1, false).remaining, 60);
     }
 

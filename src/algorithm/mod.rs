@@ -179,6 +179,14 @@ pub(crate) struct Refund {
     pub recorded: u64,
 }
 
+impl Refund {
+    /// The units and the admission time, when that is known: a counter takes the units from
+    /// the window that held it, and does nothing without it.
+    pub(crate) fn timed(&self) -> Option<(u64, u64)> {
+        self.at.map(|at| (self.units, at))
+    }
+}
+
 /// Records a settlement at `now` against every limit, deciding nothing: a charge is recorded
 /// as an admitted request of that cost would be, even past the limits; a refund is the
 /// algorithm's own [`Limiter::refund`]. The scripts' record mode 3 is the same.

@@ -92,12 +92,7 @@ impl Limiter for SlidingWindow {
     /// current window, or as the previous one after a rollover; an older window counts
     /// nothing any more. Without `at`, nothing changes.
     fn refund(&mut self, _: u64, windows: &[Window], back: Refund) {
-        let Refund {
-            units,
-            at: Some(at),
-            ..
-        } = back
-        else {
+        let Some((units, at)) = back.timed() else {
             return;
         };
         for (slot, w) in self.slots.iter_mut().zip(windows) {

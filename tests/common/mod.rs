@@ -15,7 +15,15 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fred::prelude::*;
-use tower_redis_ratelimit::RedisStore;
+use tower_redis_ratelimit::{Algorithm, RedisStore};
+
+/// Every algorithm, for scenarios that run on each.
+pub const ALGORITHMS: [Algorithm; 4] = [
+    Algorithm::SlidingLog,
+    Algorithm::SlidingWindow,
+    Algorithm::FixedWindow,
+    Algorithm::Gcra,
+];
 
 /// A `redis-server` child process, killed when dropped.
 pub struct RedisServer {
