@@ -33,7 +33,7 @@
 //! **Stacked layers.** A request that another layer refuses, inside this one, costs this one
 //! nothing: a rate-limit layer of this crate (from its store or its deny cache) or a
 //! [`BlocklistLayer`](crate::blocklist::BlocklistLayer) marks every answer of its own with
-//! [`Refused`](crate::response::Refused) in the response's extensions, and a usage layer
+//! [`Refused`] in the response's extensions, and a usage layer
 //! outside that admitted the request settles it to zero, giving its whole reservation back,
 //! whatever the meter says. Refusals by your own middleware count the same once they carry the
 //! marker. A layer outside that does not limit by usage keeps the request's cost.
