@@ -133,6 +133,28 @@ struct Scripts {
 }
 
 impl Scripts {
+    /// The script's reply to one request at `t` (-1: now), or its error.
+    async fn eval(
+        &self,
+        algorithm: Algorithm,
+        key: &str,
+        cost: u64,
+        record: Record,
+        t: i64,
+        windows: &[Window],
+    ) -> Result<Bytes, fred::error::Error> {
+        let script = SCRIPTS.iter().find(|(a, _)| *a == algorithm).unwrap().1;
+        let args = batch::encode(cost, record, t, windows);
+        let eval = CustomCommand::new_static("EVAL", ClusterHash::FirstKey, false);
+        let values = vec![
+            Value::from(script),
+            Value::from(1),
+            Value::from(key),
+            Value::Bytes(Bytes::from(args)),
+        ];
+        self.client.custom(eval, values).await
+    }
+
     async fn call(
         &self,
         algorithm: Algorithm,
@@ -142,16 +164,10 @@ impl Scripts {
         t: u64,
         windows: &[Window],
     ) -> Outcome {
-        let script = SCRIPTS.iter().find(|(a, _)| *a == algorithm).unwrap().1;
-        let args = batch::encode(cost, record, t as i64, windows);
-        let eval = CustomCommand::new_static("EVAL", ClusterHash::FirstKey, false);
-        let values = vec![
-            Value::from(script),
-            Value::from(1),
-            Value::from(key),
-            Value::Bytes(Bytes::from(args)),
-        ];
-        let reply: Bytes = self.client.custom(eval, values).await.expect("EVAL");
+        let reply = self
+            .eval(algorithm, key, cost, record, t as i64, windows)
+            .await;
+        let reply = reply.expect("EVAL");
         let int = |i: usize| i64::from_le_bytes(reply[8 * i..8 * i + 8].try_into().unwrap());
         let retry = int(4);
         Outcome {
@@ -535,6 +551,25 @@ fn the_scripts_decide_as_the_algorithms_over_the_whole_range() {
     runtime
         .block_on(run(&scripts, "near tie", &near_tie(), &tally))
         .unwrap();
+
+    // Limits out of range are an error in the scripts too, never decided inexactly.
+    let out_of_range = [
+        (
+            Algorithm::FixedWindow,
+            Window::new(Limit::MAX_COUNT + 1, 60_000_000),
+        ),
+        (
+            Algorithm::SlidingLog,
+            Window::new(10, 3651 * 86_400_000_000),
+        ),
+        (Algorithm::Gcra, Window::new(1_000_003, 30 * 86_400_000_000)),
+    ];
+    for (algorithm, window) in out_of_range {
+        let reply =
+            runtime.block_on(scripts.eval(algorithm, "range", 1, Record::Yes, -1, &[window]));
+        let error = reply.expect_err("refused");
+        assert!(error.details().contains("out of range"), "{error:?}");
+    }
 
     let mut runner = TestRunner::new(Cases {
         cases: 320,

@@ -46,6 +46,10 @@
 -- key to expire once every bucket has drained: after the longest window, or longer where a
 -- charge overfilled a bucket.
 
+-- The largest bucket, in GCRA units (2^50; MAX_GCRA_BUCKET in src/algorithm/mod.rs): past it
+-- the arithmetic would not be exact, so such a request is an error (the policy refuses it).
+local MAX_BUCKET = 1125899906842624
+
 -- Per limit of the request at hand (entries past its n are left over and never read).
 local counts, windows, scales, backlogs = {}, {}, {}, {}
 
@@ -64,6 +68,9 @@ for k = 1, #KEYS do
   for i = 1, n do
     local c, w, g, at, left = counts[i], windows[i], scales[i]
     local u, d = w / g, c / g
+    if u * c > MAX_BUCKET then
+      error('GCRA bucket out of range: ' .. c .. ' per ' .. w .. ' us')
+    end
     local b = 0
     if state then
       at, left, state_byte = sunpack('<ll', state, state_byte)

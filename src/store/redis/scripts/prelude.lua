@@ -68,8 +68,11 @@ local function text(x)
   return s
 end
 
--- The most units a state holds (2^52; src/algorithm/mod.rs).
+-- The most units a state holds (2^52; src/algorithm/mod.rs), the largest count (2^50,
+-- Limit::MAX_COUNT) and the longest window (3650 days in us, Limit::MAX_WINDOW): a request
+-- past those is an error, never decided inexactly.
 local MAX_UNITS = 4503599627370496
+local MAX_COUNT, MAX_WINDOW = 1125899906842624, 315360000000000
 
 -- Reads the next request's arguments: returns its number of limits n, cost, record (0 to 3),
 -- event time (now for -1), want and headroom (cost and 0 unless a lease or a look), refund (0
@@ -92,6 +95,9 @@ local function next_request(counts, windows, scales)
   local scale
   for i = 1, n do
     counts[i], windows[i], scale, next_byte = sunpack('<lll', requests, next_byte)
+    if counts[i] > MAX_COUNT or windows[i] > MAX_WINDOW or counts[i] < 1 or windows[i] < 1 then
+      error('limit out of range: ' .. counts[i] .. ' per ' .. windows[i] .. ' us')
+    end
     if scales then
       scales[i] = scale
     end
