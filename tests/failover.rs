@@ -13,7 +13,7 @@ use common::cluster::RedisCluster;
 use common::outage::{self, Counts, Load, RECOVERY};
 use tokio::task::block_in_place;
 use tokio::time::Instant;
-use tower_redis_ratelimit::{Key, Policy, RedisStore};
+use tower_redis_ratelimit::{Key, Policy, RedisStore, Store};
 
 /// Fresh pairs of clients whose keys under the exactness policy live on primary `owner`.
 fn pairs_on(
@@ -229,5 +229,92 @@ async fn slot_moved_under_load_loses_no_decision_and_keeps_limits_exact() {
     for client in &clients {
         let redis_key = store.redis_key(client, &policy);
         assert_eq!(cluster.cli(to, &["exists", &redis_key]).trim(), "1");
+    }
+}
+
+/// Sends `each` concurrent checks for every client; returns (admitted, failed).
+async fn burst(
+    store: &RedisStore,
+    policy: &Policy,
+    clients: &[Key],
+    each: usize,
+) -> (usize, usize) {
+    let checks = clients
+        .iter()
+        .flat_map(|client| (0..each).map(move |_| store.check(client, policy, 1)));
+    let decisions = futures::future::join_all(checks).await;
+    let admitted = decisions
+        .iter()
+        .filter(|d| d.as_ref().is_ok_and(|d| d.is_allowed()))
+        .count();
+    let failed = decisions.iter().filter(|d| d.is_err()).count();
+    (admitted, failed)
+}
+
+// A slot that moves while an instance is idle leaves the instance's slot map stale: its next
+// call meets `MOVED` from the old owner, which fred reports as it reports `ASK`. If the slot
+// is then moving on to a third node, the call must still run on the owner while it holds the
+// keys; sent to the importing node instead, it would make a fresh copy of each key there
+// (clients admitted afresh) and the operator's `MIGRATE` of the real keys would fail with
+// `BUSYKEY`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_moved_twice_keeps_limits_and_one_copy_of_each_key() {
+    const LIMIT: usize = 5;
+    let cluster = block_in_place(|| RedisCluster::start(3));
+    let store = outage::store(cluster.url()).await;
+    let policy: Policy = format!("{LIMIT}/1h").parse().unwrap();
+    let (clients, slot) = clients_in_one_slot(&cluster, &store, &policy, 4);
+    let a = cluster.owner_of_slot(slot);
+    let others: Vec<usize> = cluster
+        .primaries()
+        .into_iter()
+        .filter(|&p| p != a)
+        .collect();
+    let (b, c) = (others[0], others[1]);
+    for client in &clients {
+        for _ in 0..LIMIT {
+            assert!(store.check(client, &policy, 1).await.unwrap().is_allowed());
+        }
+    }
+
+    // A to B while this instance is idle, then B starts moving the slot on to C.
+    block_in_place(|| cluster.move_slot(slot, a, b, 10));
+    block_in_place(|| cluster.begin_migration(slot, b, c));
+    let on_b = burst(&store, &policy, &clients, 25).await;
+    eprintln!("(admitted, failed) of 100 with the keys on B: {on_b:?}");
+    // The operator moves the keys (`migrate_keys` asserts each MIGRATE answers OK), with
+    // requests between the batches and after, while the slot is still migrating.
+    let mut moved = 0;
+    loop {
+        let n = block_in_place(|| cluster.migrate_keys(slot, b, c, 1));
+        if n == 0 {
+            break;
+        }
+        moved += n;
+        burst(&store, &policy, &clients, 5).await;
+    }
+    let on_c = burst(&store, &policy, &clients, 25).await;
+    block_in_place(|| cluster.finish_migration(slot, b, c));
+    let after = burst(&store, &policy, &clients, 25).await;
+    eprintln!(
+        "slot {slot}: ports {} -> {} idle, then -> {} under load ({moved} keys); \
+         (admitted, failed) with the keys on B {on_b:?}, on C {on_c:?}, after {after:?}",
+        cluster.nodes[a].port(),
+        cluster.nodes[b].port(),
+        cluster.nodes[c].port()
+    );
+    assert_eq!(moved, clients.len(), "every client's key was on B");
+    assert_eq!(
+        (on_b.0, on_c.0, after.0),
+        (0, 0, 0),
+        "admitted over the limit"
+    );
+    for client in &clients {
+        let key = store.redis_key(client, &policy);
+        let copies: Vec<bool> = [a, b, c]
+            .iter()
+            .map(|&node| cluster.keys_in_slot(node, slot, 100).contains(&key))
+            .collect();
+        assert_eq!(copies, [false, false, true], "{key}: one copy, on C");
     }
 }

@@ -7,6 +7,15 @@
 //! node, then the command to the old one again), and past two redirections its connection task
 //! stops for good; with `max_redirections` at 0 it answers `Too many redirections.` instead,
 //! without the node the `ASK` named. [`call_asking`] finds that node and sends the call there.
+//!
+//! fred answers a `MOVED` the same way (after refreshing its view of the cluster), so that
+//! error alone does not say whether the key has left its owner. A slot moved while this
+//! instance was idle (`MOVED` from the old owner), and now moving on to a third node, would
+//! otherwise have its call sent with `ASKING` to the third node while the key is still on the
+//! owner: the script would make a second, fresh copy of the key there (a client admitted
+//! afresh, and the operator's `MIGRATE` refused with `BUSYKEY`). So the call first goes to
+//! the owner itself, the node whose `CLUSTER NODES` says it migrates the slot: it runs there
+//! while the owner holds the keys, and only the owner's own redirection sends it on.
 
 use bytes::Bytes;
 use fred::clients::{Client, Pipeline};
@@ -26,11 +35,14 @@ pub(super) fn is_unfollowed_redirection(error: &Error) -> bool {
     *error.kind() == ErrorKind::Routing && error.details() == "Too many redirections."
 }
 
-/// Runs `script` with `keys` and `args` on the primary that imports `slot`, after `ASKING`:
-/// what a client does on `ASK`. Asks the slot's owner, as the client's routing table has it,
-/// which node it migrates the slot to (`CLUSTER NODES`); fails with [`NO_MIGRATION`] when it
-/// migrates it nowhere (the move has ended, or the table is out of date: send the call again
-/// as usual). The script is loaded on that node if it is missing there.
+/// Runs `script` with `keys` and `args` where the slot's keys are while `slot` moves: on the
+/// owner while it holds them, else on the primary that imports the slot, after `ASKING`
+/// (what a client does on `ASK`). Asks the slot's owner, as the client's routing table has it
+/// (fred refreshes it on `MOVED`), which node it migrates the slot to (`CLUSTER NODES`);
+/// fails with [`NO_MIGRATION`] when it migrates it nowhere (the move has ended, or the table
+/// is out of date: send the call again as usual). The call then goes to that owner, directly:
+/// only if the owner redirects it too (its keys are gone) does it go to the importing node.
+/// The script is loaded on a node that lacks it.
 pub(super) async fn call_asking(
     client: &Client,
     slot: u16,
@@ -44,7 +56,7 @@ pub(super) async fn call_asking(
             vec!["NODES"],
         )
         .await?;
-    let Some(target) = migration_target(&nodes, slot) else {
+    let Some((owner, target)) = migration(&nodes, slot) else {
         let message = format!("{NO_MIGRATION} (slot {slot})");
         return Err(Error::new(ErrorKind::Routing, message));
     };
@@ -53,22 +65,38 @@ pub(super) async fn call_asking(
     evalsha.push(Value::from(keys.len() as i64));
     evalsha.extend(keys.into_iter().map(Value::from));
     evalsha.push(Value::Bytes(args));
-    // A connection of the client's own to that node when it has one (the node holds slots);
-    // otherwise one of its own, for this call only.
+    match run_on(client, &owner, script, evalsha.clone(), false).await {
+        Err(error) if is_unfollowed_redirection(&error) => {
+            run_on(client, &target, script, evalsha, true).await
+        }
+        reply => reply,
+    }
+}
+
+/// Sends `EVALSHA` (`evalsha`: its arguments) to `node`, after `ASKING` if `asking`, over a
+/// connection of the client's own to it when it has one (the node holds slots), otherwise one
+/// of its own, for this call only.
+async fn run_on(
+    client: &Client,
+    node: &Target,
+    script: &Script,
+    evalsha: Vec<Value>,
+    asking: bool,
+) -> Result<Bytes, Error> {
     let known = client
         .active_connections()
         .into_iter()
-        .find(|server| target.is(server));
+        .find(|server| node.is(server));
     match known {
-        Some(server) => on_node(client, Some(server), script, evalsha).await,
+        Some(server) => on_node(client, Some(server), script, evalsha, asking).await,
         None => {
             let mut config = client.client_config();
             config.server = ServerConfig::Centralized {
-                server: target.server(),
+                server: node.server(),
             };
             let dedicated = Dedicated(fred::types::Builder::from_config(config).build()?);
             dedicated.0.init().await?;
-            on_node(&dedicated.0, None, script, evalsha).await
+            on_node(&dedicated.0, None, script, evalsha, asking).await
         }
     }
 }
@@ -85,9 +113,9 @@ impl Drop for Dedicated {
     }
 }
 
-/// Sends `ASKING` then `EVALSHA` (`evalsha`: its arguments) as one pipeline to `server` (to
-/// the only node of a client connected to one node: `None`), loading the script there first
-/// and sending both again if the node lacks it.
+/// Sends `ASKING` (if `asking`) then `EVALSHA` (`evalsha`: its arguments) as one pipeline to
+/// `server` (to the only node of a client connected to one node: `None`), loading the script
+/// there first and sending the pipeline again if the node lacks it.
 ///
 /// fred's router writes the commands of a pipeline one after the other, before it takes up any
 /// other command, so nothing comes between them on the connection. A redirection of the
@@ -97,6 +125,7 @@ async fn on_node(
     server: Option<Server>,
     script: &Script,
     evalsha: Vec<Value>,
+    asking: bool,
 ) -> Result<Bytes, Error> {
     let options = Options {
         cluster_node: server,
@@ -108,16 +137,22 @@ async fn on_node(
     let mut loaded = false;
     loop {
         let pipeline = Pipeline::from(node.clone());
-        pipeline
-            .custom::<(), _>(command("ASKING"), Vec::<Value>::new())
-            .await?;
+        if asking {
+            pipeline
+                .custom::<(), _>(command("ASKING"), Vec::<Value>::new())
+                .await?;
+        }
         pipeline
             .custom::<(), _>(command("EVALSHA"), evalsha.clone())
             .await?;
         let mut replies = pipeline.try_all::<Value>().await.into_iter();
-        let asking = replies.next();
+        // Without ASKING, the EVALSHA's reply stands in for it.
+        let first = match asking {
+            true => replies.next(),
+            false => Some(Ok(Value::Null)),
+        };
         let reply = replies.next();
-        match (asking, reply) {
+        match (first, reply) {
             (Some(Err(error)), _) => return Err(error),
             (Some(Ok(_)), Some(Err(error)))
                 if !loaded && error.details().starts_with("NOSCRIPT") =>
@@ -134,7 +169,7 @@ async fn on_node(
             }
             (Some(Ok(_)), Some(reply)) => return reply?.convert(),
             _ => {
-                let message = "no reply to ASKING and EVALSHA";
+                let message = "no reply to EVALSHA";
                 return Err(Error::new(ErrorKind::Protocol, message));
             }
         }
@@ -164,45 +199,53 @@ impl Target {
 }
 
 /// Reads, in `CLUSTER NODES` of the node that owns `slot` (only a node's own line shows its
-/// migrations), the node it migrates `slot` to (`[<slot>->-<id>]`) and that node's address.
+/// migrations), that node's address and the node it migrates `slot` to (`[<slot>->-<id>]`).
 /// `None` without such a migration, or if the text is not as expected.
-fn migration_target(nodes: &str, slot: u16) -> Option<Target> {
+fn migration(nodes: &str, slot: u16) -> Option<(Target, Target)> {
     let marker = format!("[{slot}->-");
-    let target_id = nodes.lines().find_map(|line| {
+    let (owner, target_id) = nodes.lines().find_map(|line| {
         let mut fields = line.split_whitespace();
-        let flags = fields.nth(2)?;
+        let _id = fields.next()?;
+        let address = fields.next()?;
+        let flags = fields.next()?;
         if !flags.split(',').any(|flag| flag == "myself") {
             return None;
         }
-        fields.find_map(|field| {
+        let target_id = fields.find_map(|field| {
             field
                 .strip_prefix(marker.as_str())?
                 .strip_suffix(']')
                 .map(str::to_owned)
-        })
+        })?;
+        Some((address, target_id))
     })?;
-    nodes.lines().find_map(|line| {
+    let target = nodes.lines().find_map(|line| {
         let mut fields = line.split_whitespace();
         if fields.next()? != target_id {
             return None;
         }
-        // ip:port@cport[,hostname]; an IPv6 address holds colons too, the port follows the last.
-        let field = fields.next()?;
-        let (address, hostname) = match field.split_once(',') {
-            Some((address, hostname)) => (address, Some(hostname)),
-            None => (field, None),
-        };
-        let address = address.split('@').next()?;
-        let (ip, port) = address.rsplit_once(':')?;
-        let ip = ip.trim_start_matches('[').trim_end_matches(']');
-        if ip.is_empty() {
-            return None;
-        }
-        Some(Target {
-            ip: ip.to_owned(),
-            port: port.parse().ok().filter(|&port| port != 0)?,
-            hostname: hostname.filter(|h| !h.is_empty()).map(str::to_owned),
-        })
+        address(fields.next()?)
+    })?;
+    Some((address(owner)?, target))
+}
+
+/// The node at `field` of a `CLUSTER NODES` line: `ip:port@cport[,hostname]`.
+fn address(field: &str) -> Option<Target> {
+    // An IPv6 address holds colons too, the port follows the last.
+    let (address, hostname) = match field.split_once(',') {
+        Some((address, hostname)) => (address, Some(hostname)),
+        None => (field, None),
+    };
+    let address = address.split('@').next()?;
+    let (ip, port) = address.rsplit_once(':')?;
+    let ip = ip.trim_start_matches('[').trim_end_matches(']');
+    if ip.is_empty() {
+        return None;
+    }
+    Some(Target {
+        ip: ip.to_owned(),
+        port: port.parse().ok().filter(|&port| port != 0)?,
+        hostname: hostname.filter(|h| !h.is_empty()).map(str::to_owned),
     })
 }
 
@@ -217,17 +260,35 @@ mod tests {
 e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 127.0.0.1:30001@31001 myself,master - 0 0 1 connected 0-5460 [93->-292f8b365bb7edb5e285caf0b7e6ddc7265d2f4f] [77->-67ed2db8d677e59ec4a4cefb06858cf2a1a89fa1] [1002-<-67ed2db8d677e59ec4a4cefb06858cf2a1a89fa1]
 ";
 
+    fn target_of(nodes: &str, slot: u16) -> Option<Target> {
+        migration(nodes, slot).map(|(_, target)| target)
+    }
+
+    #[test]
+    fn finds_the_owner_of_a_migrating_slot() {
+        let (owner, _) = migration(MIGRATING, 77).unwrap();
+        assert_eq!(
+            owner,
+            Target {
+                ip: "127.0.0.1".into(),
+                port: 30001,
+                hostname: None,
+            }
+        );
+        assert_eq!(migration(MIGRATING, 1002), None);
+    }
+
     #[test]
     fn finds_the_node_a_slot_migrates_to() {
         assert_eq!(
-            migration_target(MIGRATING, 77),
+            target_of(MIGRATING, 77),
             Some(Target {
                 ip: "127.0.0.1".into(),
                 port: 30002,
                 hostname: None,
             })
         );
-        let target = migration_target(MIGRATING, 93).unwrap();
+        let target = target_of(MIGRATING, 93).unwrap();
         assert_eq!(
             target,
             Target {
@@ -245,19 +306,19 @@ e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 127.0.0.1:30001@31001 myself,master - 0
     #[test]
     fn no_target_without_a_migrating_marker_on_its_own_line() {
         // Importing, not migrating; a slot in a range; a prefix of a marked slot.
-        assert_eq!(migration_target(MIGRATING, 1002), None);
-        assert_eq!(migration_target(MIGRATING, 100), None);
-        assert_eq!(migration_target(MIGRATING, 9), None);
+        assert_eq!(target_of(MIGRATING, 1002), None);
+        assert_eq!(target_of(MIGRATING, 100), None);
+        assert_eq!(target_of(MIGRATING, 9), None);
         // Another node's line: only the owner's own line counts.
         let seen_elsewhere = MIGRATING.replace("myself,master", "master");
-        assert_eq!(migration_target(&seen_elsewhere, 77), None);
+        assert_eq!(target_of(&seen_elsewhere, 77), None);
         // The target is missing from the list, or its address is unreadable.
         let unknown = MIGRATING.replace("[77->-67ed", "[77->-ffff");
-        assert_eq!(migration_target(&unknown, 77), None);
+        assert_eq!(target_of(&unknown, 77), None);
         let no_port = MIGRATING.replace("127.0.0.1:30002@31002", ":0@0");
-        assert_eq!(migration_target(&no_port, 77), None);
-        assert_eq!(migration_target("", 77), None);
-        assert_eq!(migration_target("garbage\n\n", 77), None);
+        assert_eq!(target_of(&no_port, 77), None);
+        assert_eq!(target_of("", 77), None);
+        assert_eq!(target_of("garbage\n\n", 77), None);
     }
 
     #[test]
@@ -266,7 +327,7 @@ e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 127.0.0.1:30001@31001 myself,master - 0
 a ::1:7000@17000 myself,master - 0 0 1 connected 0-100 [5->-b]
 b [::1]:7001@17001 master - 0 0 2 connected 101-200
 ";
-        let target = migration_target(nodes, 5).unwrap();
+        let target = target_of(nodes, 5).unwrap();
         assert_eq!((target.ip.as_str(), target.port), ("::1", 7001));
     }
 
