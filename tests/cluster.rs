@@ -10,7 +10,7 @@ use common::evalsha_calls;
 use common::scenarios::{self, MARGIN};
 use fred::prelude::*;
 use futures::future::join_all;
-use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store};
+use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store, StoreError};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_are_exact_for_keys_on_every_primary() {
@@ -126,4 +126,43 @@ async fn keys_share_one_tag_per_primary_by_default() {
     // Three tags, one in each third of the slots, which is what each primary holds.
     let thirds: Vec<u16> = slots.iter().map(|slot| slot / (16_384 / 3 + 1)).collect();
     assert_eq!(thirds, [0, 1, 2], "slots {slots:?}");
+}
+
+/// Instances with different `cluster_tags` would keep a client's state under different keys
+/// and admit it once per layout: the first to connect records its number in the cluster, and
+/// another number is refused at `connect` (or logged as an ERROR by `connect_lazy`). On one
+/// thread, so that the logs of the lazy store's task are captured.
+#[tokio::test]
+async fn instances_with_other_cluster_tags_are_refused() {
+    let cluster = RedisCluster::start(3);
+    let builder = |tags| RedisStore::builder(cluster.url()).cluster_tags(tags);
+    builder(3).connect().await.expect("the first records 3");
+    let refused = builder(4).connect().await;
+    let why = match refused {
+        Err(StoreError::Config(why)) => why,
+        other => panic!("another number of tags was not refused: {other:?}"),
+    };
+    assert!(why.contains("cluster_tags is 4 here but 3"), "{why}");
+    builder(3)
+        .connect()
+        .await
+        .expect("the same number is welcome");
+    // Another prefix is another set of keys, with a layout of its own.
+    let other_prefix = builder(4).prefix("other").connect().await;
+    other_prefix.expect("another prefix records its own number");
+
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber());
+    let lazy = builder(5).connect_lazy().expect("built");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !captured.text().contains("cluster_tags is 5 here but 3") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{}",
+            captured.text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(captured.text().contains("ERROR"), "{}", captured.text());
+    drop(lazy);
 }

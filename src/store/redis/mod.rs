@@ -14,6 +14,7 @@ mod batch;
 #[cfg(test)]
 mod differential;
 mod health;
+mod layout;
 mod lease;
 mod placement;
 
@@ -387,7 +388,11 @@ impl RedisStoreBuilder {
     /// one. Set it to the number of primaries, or a small multiple of it where each instance
     /// has many requests under way: the default suits the usual three primaries, and leaves a
     /// fourth primary without limiter keys. Every instance must use the same number: changing
-    /// it moves every key, which starts every client's limits afresh.
+    /// it moves every key, which starts every client's limits afresh. The first instance to
+    /// connect records its number in the cluster (`<prefix>:{layout}:cluster_tags`), and
+    /// [`connect`](Self::connect) refuses another number with [`StoreError::Config`]
+    /// ([`connect_lazy`](Self::connect_lazy) logs it as an ERROR once connected); to change
+    /// it on purpose, delete that key once every instance uses the new one.
     pub fn cluster_tags(mut self, tags: usize) -> Self {
         self.cluster_tags = tags;
         self
@@ -459,11 +464,18 @@ impl RedisStoreBuilder {
 
     /// Connects the pool and loads the scripts. Fails if Redis cannot be reached now; see
     /// [`connect_lazy`](Self::connect_lazy) for a service that must start without it.
+    ///
+    /// On a Redis Cluster it also records [`cluster_tags`](Self::cluster_tags) in the
+    /// cluster, or checks it against the number the instances already running recorded, and
+    /// fails with [`StoreError::Config`] if they differ.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
         let (pool, scripts) = self.pool(true)?;
         pool.init().await?;
         for (_, script) in &scripts {
             script.load(pool.next()).await?;
+        }
+        if pool.next().is_clustered() {
+            layout::check(pool.next(), &self.prefix, self.cluster_tags).await?;
         }
         Ok(self.store(pool, scripts))
     }
@@ -494,6 +506,9 @@ impl RedisStoreBuilder {
         let (pool, scripts) = self.pool(false)?;
         // The connection tasks run on; reconnecting is the pool's policy.
         drop(pool.connect_pool());
+        if pool.next().is_clustered() {
+            layout::check_later(pool.next().clone(), &self.prefix, self.cluster_tags);
+        }
         Ok(self.store(pool, scripts))
     }
 
