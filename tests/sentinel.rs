@@ -99,3 +99,76 @@ async fn killed_primary_fails_fast_then_the_promoted_replica_decides_exactly() {
         assert_eq!(stored, 1, "the state is on the promoted replica");
     }
 }
+
+/// Split brain: the primary is paused (SIGSTOP) until its replica is promoted, then resumes
+/// and still takes itself for the primary until the sentinels demote it. An instance connected
+/// before the pause would go on deciding on it while one connected after decides on the new
+/// primary: one client, two budgets. With `min-replicas-to-write 1` and
+/// `min-replicas-max-lag 2`, the resumed primary refuses writes (`NOREPLICAS`) once it sees
+/// that its replica stopped acknowledging, and the store then reconnects through the
+/// sentinels at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_primary_with_min_replicas_admits_no_second_budget() {
+    let args = [
+        "--min-replicas-to-write",
+        "1",
+        "--min-replicas-max-lag",
+        "2",
+    ];
+    let group = block_in_place(|| SentinelGroup::start_with(&args));
+    let policy: Policy = "10/1m".parse().unwrap();
+    let before = RedisStore::connect(&group.url()).await.unwrap();
+    assert!(before
+        .check(&Key::from("warm"), &policy, 1)
+        .await
+        .unwrap()
+        .is_allowed());
+
+    group.primary.signal("-STOP");
+    block_in_place(|| group.wait_for_promotion());
+    group.primary.signal("-CONT");
+    let resumed = Instant::now();
+    // How long the resumed primary accepts a write: until its replication cron (once a
+    // second) counts no replica acknowledging within the lag, or until it is demoted.
+    let old = group.primary.port();
+    let accepted_for = block_in_place(|| loop {
+        let reply = common::cluster::cli(old, &["set", "probe", "1"]);
+        if reply.trim() != "OK" {
+            break (resumed.elapsed(), reply.trim().to_owned());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    });
+    let after = RedisStore::connect(&group.url()).await.unwrap();
+
+    // One client, ten requests through each instance, in turn.
+    let key = Key::from("split");
+    let (mut admitted, mut failed) = ([0; 2], [0; 2]);
+    for _ in 0..10 {
+        for (i, store) in [&before, &after].into_iter().enumerate() {
+            match store.check(&key, &policy, 1).await {
+                Ok(d) => admitted[i] += usize::from(d.is_allowed()),
+                Err(_) => failed[i] += 1,
+            }
+        }
+    }
+    // The instance connected before decides again, on the new primary.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while before.check(&Key::from("later"), &policy, 1).await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the old instance never decided again"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "resumed primary accepted writes for {:?} (then: {}); admitted (before, after): \
+         {admitted:?}, failed: {failed:?}; the old instance decides again {:?} after the resume",
+        accepted_for.0,
+        accepted_for.1,
+        resumed.elapsed()
+    );
+    assert!(
+        admitted[0] + admitted[1] <= 10,
+        "two budgets: {admitted:?} admitted at 10/1m"
+    );
+}

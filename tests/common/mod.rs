@@ -94,6 +94,17 @@ impl RedisServer {
         self.port
     }
 
+    /// Sends `signal` to the server's process, e.g. `-STOP` to pause it and `-CONT` to let it
+    /// go on.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("a running server").id();
+        let status = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+
     fn wait_until_up(&mut self) -> bool {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {

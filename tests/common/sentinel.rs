@@ -114,12 +114,20 @@ impl SentinelGroup {
     /// Starts the group and returns once the replica is in sync and the sentinels know each
     /// other and the replica, and agree they could fail the primary over.
     pub fn start() -> SentinelGroup {
+        SentinelGroup::start_with(&[])
+    }
+
+    /// [`start`](Self::start), the primary started with extra arguments, e.g.
+    /// `["--min-replicas-to-write", "1"]`.
+    pub fn start_with(primary_args: &[&str]) -> SentinelGroup {
         let n = GROUPS.fetch_add(1, Ordering::SeqCst);
         let dir = std::env::temp_dir().join(format!("rl-sentinel-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         // The replica writes the RDB of its initial sync in `--dir`: the temporary folder.
         let dir_arg = dir.to_str().unwrap().to_owned();
-        let primary = RedisServer::start_with(&["--dir", &dir_arg]);
+        let mut args = vec!["--dir", dir_arg.as_str()];
+        args.extend_from_slice(primary_args);
+        let primary = RedisServer::start_with(&args);
         let port = primary.port().to_string();
         let replica =
             RedisServer::start_with(&["--dir", &dir_arg, "--replicaof", "127.0.0.1", &port]);

@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use fred::clients::Pool;
 use fred::prelude::{ClientLike, Config, KeysInterface, ReconnectPolicy};
+use fred::types::config::ReconnectError;
 use fred::types::scripts::Script;
 
 mod ask;
@@ -558,6 +559,11 @@ impl RedisStoreBuilder {
                 // none allowed it answers `Too many redirections.` instead, which the batcher
                 // handles itself (`batch.rs`, `ask.rs`).
                 c.max_redirections = 0;
+                // A primary that was demoted (`READONLY`), or that refuses writes because its
+                // replicas are gone (`NOREPLICAS`, with `min-replicas-to-write`), is no longer
+                // the one to decide on: reconnect at once, which under Sentinel asks the
+                // sentinels for the primary now (see `docs/operations.md`, "Redis Sentinel").
+                c.reconnect_errors = vec![ReconnectError::ReadOnly, ReconnectError::NoReplicas];
             })
             // Reconnect soon after a failover: at most half a second between attempts.
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
