@@ -208,10 +208,11 @@ impl Plan {
     /// Whether a settlement's reply that `remaining` units are left (in the limit with the
     /// fewest) may mean that the key is full: Redis counts the units this instance holds as
     /// used, and with none left it may count more than the limit without them, which spending
-    /// them would admit past. For the counters, when none is left. A settlement's reply counts GCRA's `remaining` without the headroom
-    /// (`scripts/gcra.lua`), against `w·c` rather than `(w − h)·c`: the key may be full when
-    /// fewer than `1 + h·c/w` units are left, in any limit, since the limit with the fewest
-    /// units left without the headroom need not be the one with the fewest with it.
+    /// them would admit past. For the counters, when none is left. A settlement's reply
+    /// counts GCRA's `remaining` without the headroom (`scripts/gcra.lua`), against `w·c`
+    /// rather than `(w − h)·c`: the key may be full when fewer than `1 + h·c/w` units are
+    /// left, in any limit, since the limit with the fewest units left without the headroom
+    /// need not be the one with the fewest with it.
     fn full(&self, policy: &Policy, remaining: u64) -> bool {
         let room = |count: u64, micros: u64| {
             u128::from(remaining) * u128::from(micros)
