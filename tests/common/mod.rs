@@ -124,11 +124,23 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
-    /// A store connected to this server.
+    /// A store connected to this server. A connection the new server resets is tried again
+    /// (a few times, 50 ms apart): the harness picks free ports by binding and releasing
+    /// them, so another test may briefly have held this one.
     pub async fn store(&self) -> RedisStore {
-        RedisStore::connect(&self.url())
-            .await
-            .expect("connect store")
+        let mut tries = 0;
+        loop {
+            match RedisStore::connect(&self.url()).await {
+                Ok(store) => return store,
+                Err(tower_redis_ratelimit::StoreError::Redis(error))
+                    if *error.kind() == fred::error::ErrorKind::IO && tries < 5 =>
+                {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(error) => panic!("connect store: {error:?}"),
+            }
+        }
     }
 
     /// A plain fred client, to inspect what the store wrote.
