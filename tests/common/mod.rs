@@ -113,34 +113,45 @@ impl RedisServer {
                 return false; // exited, e.g. the port was taken meanwhile
             }
             if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return true;
+                // The server listening is this one, not another test's that took the port
+                // first (this one then fails to bind and exits).
+                return self.answers_as_itself();
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         false
     }
 
+    /// Whether the server on this port is this child: false only when it answers with
+    /// another process id (a server that wants a password or TLS does not say, and is
+    /// taken to be this one).
+    fn answers_as_itself(&self) -> bool {
+        let Some(child) = &self.child else {
+            return false;
+        };
+        let port = self.port.to_string();
+        let info = Command::new("redis-cli")
+            .args(["-p", &port, "info", "server"])
+            .output();
+        let Ok(info) = info else {
+            return true;
+        };
+        let text = String::from_utf8_lossy(&info.stdout);
+        let reported = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("process_id:"));
+        reported.is_none_or(|pid| pid == child.id().to_string())
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
-    /// A store connected to this server. A connection the new server resets is tried again
-    /// (a few times, 50 ms apart): the harness picks free ports by binding and releasing
-    /// them, so another test may briefly have held this one.
+    /// A store connected to this server.
     pub async fn store(&self) -> RedisStore {
-        let mut tries = 0;
-        loop {
-            match RedisStore::connect(&self.url()).await {
-                Ok(store) => return store,
-                Err(tower_redis_ratelimit::StoreError::Redis(error))
-                    if *error.kind() == fred::error::ErrorKind::IO && tries < 5 =>
-                {
-                    tries += 1;
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(error) => panic!("connect store: {error:?}"),
-            }
-        }
+        RedisStore::connect(&self.url())
+            .await
+            .expect("connect store")
     }
 
     /// A plain fred client, to inspect what the store wrote.
