@@ -51,7 +51,9 @@
 local MAX_BUCKET = 1125899906842624
 
 -- Per limit of the request at hand (entries past its n are left over and never read).
-local counts, windows, scales, backlogs = {}, {}, {}, {}
+-- Per limit, also the weight of one unit of cost and the drain per us, in GCRA units (gcra.rs),
+-- computed once per request.
+local counts, windows, scales, backlogs, weights, drains = {}, {}, {}, {}, {}, {}
 
 for k = 1, #KEYS do
   local key = KEYS[k]
@@ -68,6 +70,7 @@ for k = 1, #KEYS do
   for i = 1, n do
     local c, w, g, at, left = counts[i], windows[i], scales[i]
     local u, d = w / g, c / g
+    weights[i], drains[i] = u, d
     if u * c > MAX_BUCKET then
       error('GCRA bucket out of range: ' .. c .. ' per ' .. w .. ' us')
     end
@@ -120,7 +123,7 @@ for k = 1, #KEYS do
       -- once), unless a charge overfilled a bucket: it then lives until that one drains.
       local ttl = windows[n]
       for i = 1, n do
-        local u, d = windows[i] / scales[i], counts[i] / scales[i]
+        local u, d = weights[i], drains[i]
         if refund == 1 then
           local weight = math.max(cost * u - math.max(t - admitted, 0) * d, 0)
           backlogs[i] = math.max(backlogs[i] - weight, 0)
@@ -146,15 +149,15 @@ for k = 1, #KEYS do
     end
     local least
     for i = 1, n do
-      local u, d = windows[i] / scales[i], counts[i] / scales[i]
+      local u, d = weights[i], drains[i]
       local remaining = math.floor(((windows[i] - h) * d - backlogs[i]) / u)
       if least == nil or remaining < least then
         least, reported = remaining, i
       end
     end
   end
-  local w, g, b = windows[reported], scales[reported], backlogs[reported]
-  local u, d = w / g, counts[reported] / g
+  local w, b = windows[reported], backlogs[reported]
+  local u, d = weights[reported], drains[reported]
   reply[k] = spack('<lllll', allowed, reported - 1, math.max(math.floor(((w - h) * d - b) / u), 0),
     math.ceil(b / d), retry)
 end
