@@ -143,7 +143,7 @@ impl Settlement {
     /// as a warning): the key is then refused as long as its algorithm allows for that much,
     /// at least three windows (see `docs/operations.md`, "Range").
     pub fn charge(decision: &Decision, units: u64) -> Option<Settlement> {
-        if units > MAX_UNITS {
+        if decision.allowed && units > MAX_UNITS {
             tracing::warn!(
                 target: "tower_redis_ratelimit",
                 units,
