@@ -60,11 +60,7 @@ pub(super) async fn call_asking(
         let message = format!("{NO_MIGRATION} (slot {slot})");
         return Err(Error::new(ErrorKind::Routing, message));
     };
-    let mut evalsha = Vec::with_capacity(3 + keys.len());
-    evalsha.push(Value::from(script.sha1().clone()));
-    evalsha.push(Value::from(keys.len() as i64));
-    evalsha.extend(keys.into_iter().map(Value::from));
-    evalsha.push(Value::Bytes(args));
+    let evalsha = super::batch::evalsha_args(script, keys, args);
     match run_on(client, &owner, script, evalsha.clone(), false).await {
         Err(error) if is_unfollowed_redirection(&error) => {
             run_on(client, &target, script, evalsha, true).await

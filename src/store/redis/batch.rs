@@ -201,12 +201,7 @@ impl Batcher {
             .first()
             .map_or(0, |key| fred::util::redis_keyslot(key.as_bytes()));
         let command = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(slot), false);
-        let mut evalsha = vec![
-            Value::from(script.sha1().clone()),
-            Value::from(keys.len() as i64),
-        ];
-        evalsha.extend(keys.into_iter().map(Value::from));
-        evalsha.push(Value::Bytes(Bytes::from(args)));
+        let evalsha = evalsha_args(script, keys, Bytes::from(args));
         match patient
             .custom::<R, _>(command.clone(), evalsha.clone())
             .await
@@ -491,6 +486,17 @@ fn limits(windows: &[Window]) -> impl Iterator<Item = i64> + '_ {
     windows
         .iter()
         .flat_map(|w| [clamp(w.count), clamp(w.micros), clamp(w.scale)])
+}
+
+/// The arguments of `EVALSHA` for `script` over `keys` with `args`, for a call sent as a
+/// command of its own.
+pub(super) fn evalsha_args(script: &Script, keys: Vec<Key>, args: Bytes) -> Vec<Value> {
+    let mut evalsha = Vec::with_capacity(3 + keys.len());
+    evalsha.push(Value::from(script.sha1().clone()));
+    evalsha.push(Value::from(keys.len() as i64));
+    evalsha.extend(keys.into_iter().map(Value::from));
+    evalsha.push(Value::Bytes(args));
+    evalsha
 }
 
 fn clamp(v: u64) -> i64 {

@@ -724,7 +724,7 @@ impl Store for RedisStore {
                 .batcher
                 .decide_patiently(place.clone(), algorithm, args, PATIENCE);
             let answer = match call.await {
-                Err(error) if lease::refused(&error) || is_redirect(&error) => {
+                Err(error) if lease::refused(&error) || ask::is_unfollowed_redirection(&error) => {
                     let units = settlement.units;
                     inner.decide(place, &policy, units, -1, record).await?
                 }
@@ -734,13 +734,6 @@ impl Store for RedisStore {
             Ok(())
         })
     }
-}
-
-/// Whether `error` is a cluster redirect that fred did not follow to the end: the node that
-/// answered it did not run the script.
-fn is_redirect(error: &fred::error::Error) -> bool {
-    let details = error.details();
-    details.starts_with("ASK") || details.starts_with("MOVED") || details.contains("redirection")
 }
 
 /// Reads `{allowed, index, remaining, reset_after, retry_after}`; with the outcome, the units
