@@ -15,6 +15,29 @@ use tokio::task::block_in_place;
 use tokio::time::Instant;
 use tower_redis_ratelimit::{Key, Policy, RedisStore, Store};
 
+/// `count` clients, each with the primary that holds its key under `policy`; every primary
+/// of the cluster holds some.
+fn clients_by_primary(
+    cluster: &RedisCluster,
+    store: &RedisStore,
+    policy: &Policy,
+    count: usize,
+) -> Vec<(Key, usize)> {
+    let keys: Vec<(Key, usize)> = (0..count)
+        .map(|i| {
+            let key = Key::from(format!("client-{i}"));
+            let owner = cluster.owner_of_key(&store.redis_key(&key, policy));
+            (key, owner)
+        })
+        .collect();
+    let primaries = cluster.primaries();
+    assert_eq!(primaries.len(), 3);
+    for p in &primaries {
+        assert!(keys.iter().any(|(_, g)| g == p), "no client on primary {p}");
+    }
+    keys
+}
+
 /// Fresh pairs of clients whose keys under the exactness policy live on primary `owner`.
 fn pairs_on(
     cluster: &RedisCluster,
@@ -38,22 +61,11 @@ async fn killed_primary_fails_fast_then_its_promoted_replica_decides_exactly() {
     let store = outage::store(cluster.url()).await;
     let policy: Policy = "1000000/1m".parse().unwrap();
 
-    // 30 clients, grouped by the primary that holds their key.
-    let keys: Vec<(Key, usize)> = (0..30)
-        .map(|i| {
-            let key = Key::from(format!("client-{i}"));
-            let owner = cluster.owner_of_key(&store.redis_key(&key, &policy));
-            (key, owner)
-        })
-        .collect();
+    let keys = clients_by_primary(&cluster, &store, &policy, 30);
     let victim = keys[0].1;
     let victim_slot = cluster.keyslot(&store.redis_key(&keys[0].0, &policy));
     let on_victim = keys.iter().filter(|(_, g)| *g == victim).count();
     let primaries = cluster.primaries();
-    assert_eq!(primaries.len(), 3);
-    for p in &primaries {
-        assert!(keys.iter().any(|(_, g)| g == p), "no client on primary {p}");
-    }
     let pairs = pairs_on(&cluster, &store, victim, "fresh", 5);
     eprintln!(
         "{} clients, {on_victim} of them on the primary to kill (port {})",
@@ -316,5 +328,120 @@ async fn a_slot_moved_twice_keeps_limits_and_one_copy_of_each_key() {
             .map(|&node| cluster.keys_in_slot(node, slot, 100).contains(&key))
             .collect();
         assert_eq!(copies, [false, false, true], "{key}: one copy, on C");
+    }
+}
+
+/// A cluster without replicas that serves the slots it still has
+/// (`cluster-require-full-coverage no`): one primary killed under load costs only the keys it
+/// held. Decisions for the other primaries' keys go on (each primary has connections of its
+/// own, and each hash tag a breaker of its own), the lost keys fail rather than start afresh
+/// elsewhere, and stores connected after the kill, through a URL that names the dead node
+/// first or one that leaves it out, decide for the live primaries' keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_primary_without_a_replica_costs_only_its_own_keys() {
+    let mut cluster = block_in_place(|| RedisCluster::start_serving_partial(3));
+    let store = outage::store(cluster.url()).await;
+    let policy: Policy = "1000000/1m".parse().unwrap();
+    let keys = clients_by_primary(&cluster, &store, &policy, 30);
+    let victim = keys[0].1;
+    // The URL an instance was configured with before the kill, the doomed node first.
+    let others: Vec<String> = (0..3)
+        .filter(|&i| i != victim)
+        .map(|i| format!("node=127.0.0.1:{}", cluster.nodes[i].port()))
+        .collect();
+    let url_before = format!(
+        "redis-cluster://127.0.0.1:{}?{}",
+        cluster.nodes[victim].port(),
+        others.join("&")
+    );
+
+    let load = Load::start(&store, &policy, &keys, 16, Duration::from_millis(5));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for p in cluster.primaries() {
+        let ok = load.wait_ok_after(p, Duration::ZERO, deadline).await;
+        assert!(ok.is_some(), "no decision for the keys of primary {p}");
+    }
+    load.wait_for_requests(500).await;
+    let kill_at = load.elapsed();
+    cluster.kill(victim);
+    let killed = load.elapsed();
+    block_in_place(|| cluster.wait_until_failed(victim));
+    let marked = load.elapsed();
+    // Load on past the moment the cluster marks the node failed, when every node drops it.
+    load.wait_for_requests(1500).await;
+    let samples = load.stop().await;
+
+    let settled = kill_at + outage::BUDGET + Duration::from_secs(1);
+    let (lost, kept): (Vec<_>, Vec<_>) = samples
+        .iter()
+        .filter(|s| s.at >= kill_at)
+        .partition(|s| s.group == victim);
+    let early = kept.iter().copied().filter(|s| s.at < settled);
+    let late: Vec<_> = kept.iter().copied().filter(|s| s.at >= settled).collect();
+    eprintln!(
+        "kill to marked failed by every node: {:?}; the run went on to +{:?}",
+        marked - kill_at,
+        samples.iter().map(|s| s.at).max().unwrap_or_default() - kill_at
+    );
+    eprintln!(
+        "other primaries' keys, first {:?} after the kill: {}",
+        settled - kill_at,
+        Counts::of(early)
+    );
+    let late_counts = Counts::of(late.iter().copied());
+    eprintln!("other primaries' keys, after that: {late_counts}");
+    eprintln!(
+        "lost primary's keys after the kill: {}",
+        Counts::of(lost.iter().copied())
+    );
+    for (error, n) in outage::errors(&samples) {
+        eprintln!("  error x{n}: {error}");
+    }
+    assert!(
+        late.len() >= 500,
+        "only {} decisions after {settled:?}",
+        late.len()
+    );
+    assert_eq!(
+        late_counts.failed, 0,
+        "decisions for the live primaries' keys failed once settled"
+    );
+    let admitted_lost = lost.iter().filter(|s| s.at >= killed && s.result.is_ok());
+    assert_eq!(
+        admitted_lost.count(),
+        0,
+        "a lost primary's key was decided elsewhere"
+    );
+
+    // Stores that connect now: through the URL that names the dead node first, and through
+    // the live nodes only; one that connects in the background too.
+    let live_only = cluster.url();
+    for url in [url_before.clone(), live_only] {
+        let fresh = RedisStore::builder(url.as_str())
+            .connect()
+            .await
+            .unwrap_or_else(|e| panic!("connect through {url} with a primary gone: {e}"));
+        for (key, owner) in &keys {
+            let decided = fresh.check(key, &policy, 1).await;
+            assert_eq!(
+                decided.is_ok(),
+                *owner != victim,
+                "{url}, {key:?} on {owner}: {decided:?}"
+            );
+        }
+    }
+    let lazy = RedisStore::builder(url_before).connect_lazy().unwrap();
+    let (key, _) = keys.iter().find(|(_, owner)| *owner != victim).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while lazy.check(key, &policy, 1).await.is_err() {
+        assert!(Instant::now() < deadline, "a lazy store never decided");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for (key, owner) in keys.iter().filter(|(_, owner)| *owner != victim) {
+        let decided = lazy.check(key, &policy, 1).await;
+        assert!(
+            decided.is_ok(),
+            "lazy store, {key:?} on {owner}: {decided:?}"
+        );
     }
 }

@@ -217,7 +217,7 @@ impl Blocklist {
                 .pool()
                 .next()
                 .sismember::<bool, _, _>(shared.set_key.as_str(), key);
-            let member = shared.store.guarded(ask).await?;
+            let member = shared.store.guarded(&shared.set_key, ask).await?;
             if member {
                 shared.stats.blocked.fetch_add(1, Ordering::Relaxed);
             }

@@ -71,6 +71,19 @@ impl RedisCluster {
         cluster
     }
 
+    /// `primaries` primaries, no replica, a 1 s node timeout, and
+    /// `cluster-require-full-coverage no`: once a killed primary is marked failed, the others
+    /// go on serving their own slots.
+    pub fn start_serving_partial(primaries: usize) -> RedisCluster {
+        let partial = [
+            "--cluster-node-timeout",
+            "1000",
+            "--cluster-require-full-coverage",
+            "no",
+        ];
+        RedisCluster::create(primaries, 0, &partial)
+    }
+
     fn create(primaries: usize, replicas: usize, extra: &[&str]) -> RedisCluster {
         let n = CLUSTERS.fetch_add(1, Ordering::SeqCst);
         let dir = std::env::temp_dir().join(format!("rl-cluster-{}-{n}", std::process::id()));
@@ -244,6 +257,24 @@ impl RedisCluster {
     pub fn kill(&mut self, node: usize) {
         self.nodes[node].kill();
         self.dead.push(node);
+    }
+
+    /// After [`kill`](Self::kill)ing `node`: waits until every live node marks it failed.
+    pub fn wait_until_failed(&self, node: usize) {
+        let deadline = Instant::now() + DEADLINE;
+        let port = self.nodes[node].port();
+        loop {
+            let failed = self.live().all(|i| {
+                self.nodes_seen_by(i)
+                    .iter()
+                    .any(|n| n.port == port && n.flags.iter().any(|f| f == "fail"))
+            });
+            if failed {
+                return;
+            }
+            assert!(Instant::now() < deadline, "node {node} never marked failed");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// After [`kill`](Self::kill)ing the primary of `slot`: waits until a live node owns the

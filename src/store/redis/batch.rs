@@ -21,13 +21,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::clients::Pool;
 use fred::error::{Error, ErrorKind};
-use fred::interfaces::ClientLike;
+use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::config::Options;
 use fred::types::scripts::Script;
 use fred::types::{ClusterHash, CustomCommand, Key, Value};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::ask;
+use super::nodes::Nodes;
 use super::placement::Place;
 use crate::algorithm::{Algorithm, Window};
 
@@ -73,9 +74,17 @@ struct Lane {
     slots: Arc<Semaphore>,
 }
 
+/// Where the calls go.
+pub(super) enum Redis {
+    /// A single Redis, or the primary that Sentinel names: fred's pool.
+    Single(Pool),
+    /// A Redis Cluster: the store's own routing, a pool per primary (see `nodes.rs`).
+    Cluster(Arc<Nodes>),
+}
+
 /// What the calls need.
 pub(super) struct Settings {
-    pub(super) pool: Pool,
+    pub(super) redis: Redis,
     pub(super) scripts: Vec<(Algorithm, Script)>,
     /// `scripts/release.lua`, which gives leased units back.
     pub(super) release: Script,
@@ -191,16 +200,21 @@ impl Batcher {
         args: Vec<u8>,
         patience: Duration,
     ) -> Result<R, Error> {
-        let client = self.settings.pool.next_connected();
+        let pool = match &self.settings.redis {
+            Redis::Cluster(nodes) => {
+                return nodes
+                    .evalsha(script, keys, Bytes::from(args), Some(patience))
+                    .await
+            }
+            Redis::Single(pool) => pool,
+        };
+        let client = pool.next_connected();
         let options = Options {
             timeout: Some(patience),
             ..Options::default()
         };
         let patient = client.with_options(&options);
-        let slot = keys
-            .first()
-            .map_or(0, |key| fred::util::redis_keyslot(key.as_bytes()));
-        let command = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(slot), false);
+        let command = CustomCommand::new_static("EVALSHA", ClusterHash::Random, false);
         let evalsha = evalsha_args(script, keys, Bytes::from(args));
         match patient
             .custom::<R, _>(command.clone(), evalsha.clone())
@@ -214,9 +228,17 @@ impl Batcher {
         }
     }
 
-    /// Whether the pool talks to a Redis Cluster.
+    /// Deletes `key` (a reset), in a cluster on the primary that holds it.
+    pub(super) async fn del(&self, key: String) -> Result<(), Error> {
+        match &self.settings.redis {
+            Redis::Single(pool) => pool.next().del::<(), _>(key).await,
+            Redis::Cluster(nodes) => nodes.del(key).await,
+        }
+    }
+
+    /// Whether the calls go to a Redis Cluster.
     pub(super) fn is_clustered(&self) -> bool {
-        self.settings.pool.next().is_clustered()
+        matches!(self.settings.redis, Redis::Cluster(_))
     }
 }
 
@@ -225,7 +247,7 @@ async fn dispatch(
     slots: Arc<Semaphore>,
     settings: Arc<Settings>,
 ) {
-    let clustered = settings.pool.next().is_clustered();
+    let clustered = matches!(settings.redis, Redis::Cluster(_));
     loop {
         // Wait for a free call slot first, so that requests queue up while all are taken.
         let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
@@ -321,9 +343,9 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
     }
     let args = Bytes::from(args);
     // Only a cluster answers `TRYAGAIN`, which needs the keys again.
-    let kept = match settings.pool.next().is_clustered() {
-        true => Some(keys.clone()),
-        false => None,
+    let kept = match settings.redis {
+        Redis::Cluster(_) => Some(keys.clone()),
+        Redis::Single(_) => None,
     };
     let reply = call(&settings, algorithm, keys, args.clone(), requests).await;
     if let Some(keys) = kept {
@@ -513,32 +535,26 @@ async fn call(
     requests: usize,
 ) -> Result<Bytes, Error> {
     let script = script_for(settings, algorithm)?;
-    let client = settings.pool.next_connected();
     let call = async {
-        if !client.is_clustered() {
+        let nodes = match &settings.redis {
             // No redirections outside a cluster: nothing to keep for a second try.
-            return script.evalsha_with_reload(client, keys, args).await;
-        }
+            Redis::Single(pool) => {
+                return script
+                    .evalsha_with_reload(pool.next_connected(), keys, args)
+                    .await
+            }
+            Redis::Cluster(nodes) => nodes,
+        };
         // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
         let one_key = keys.iter().all(|key| *key == keys[0]);
         loop {
-            let reply = script
-                .evalsha_with_reload::<Bytes, _, _>(client, keys.clone(), args.clone())
+            let reply = nodes
+                .evalsha(script, keys.clone(), args.clone(), None)
                 .await;
-            let reply = match reply {
-                // An `ASK` during a slot migration (see `ask.rs`); every key shares the slot.
-                Err(error) if ask::is_unfollowed_redirection(&error) => match keys.first() {
-                    Some(key) => {
-                        let slot = fred::util::redis_keyslot(key.as_bytes());
-                        ask::call_asking(client, slot, script, keys.clone(), args.clone()).await
-                    }
-                    None => Err(error),
-                },
-                reply => reply,
-            };
             match reply {
                 // The keys are split between the two nodes of a slot migration, or the slot
-                // moved on meanwhile: try again shortly, within the time budget.
+                // moved on more often than one call follows: try again shortly, within the
+                // time budget.
                 Err(error) if is_transient(&error) && (one_key || !is_split(&error)) => {
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
@@ -549,6 +565,10 @@ async fn call(
     let values: Bytes = match tokio::time::timeout(settings.timeout, call).await {
         Ok(reply) => reply?,
         Err(_) => {
+            // The slot's node may be gone, its slots failing over to a replica.
+            if let Redis::Cluster(nodes) = &settings.redis {
+                nodes.refresh_soon();
+            }
             let error = Error::new(ErrorKind::Timeout, "no reply within the time budget");
             return Err(error);
         }
@@ -579,11 +599,9 @@ fn check_length(values: &[u8], requests: usize) -> Result<(), Error> {
 
 /// Whether a call that failed with `error` may succeed if sent again shortly, while a Redis
 /// Cluster moves a slot: `TRYAGAIN` (a call's keys are split between the two nodes), or a
-/// redirection that found the slot moved on.
+/// redirection left when the slot moved on more often than one call follows.
 fn is_transient(error: &Error) -> bool {
-    is_split(error)
-        || ask::is_unfollowed_redirection(error)
-        || error.details().starts_with(ask::NO_MIGRATION)
+    is_split(error) || ask::is_redirection(error)
 }
 
 /// Whether a call was refused because its keys are split between the two nodes of a slot

@@ -68,10 +68,7 @@ impl Breaker {
 /// cluster that is moving a slot (`TRYAGAIN`, a redirection the store follows itself): a call
 /// that still fails so within its budget times out, which does count.
 pub(crate) fn is_outage(error: &Error) -> bool {
-    if super::ask::is_unfollowed_redirection(error)
-        || error.details().starts_with(super::ask::NO_MIGRATION)
-        || error.details().starts_with("TRYAGAIN")
-    {
+    if super::ask::is_redirection(error) || error.details().starts_with("TRYAGAIN") {
         return false;
     }
     matches!(
@@ -107,8 +104,10 @@ mod tests {
         assert!(!breaker.is_down());
         assert!(is_outage(&Error::new(ErrorKind::IO, "refused")));
         assert!(!is_outage(&Error::new(ErrorKind::Unknown, "WRONGTYPE")));
-        let moving = Error::new(ErrorKind::Routing, "Too many redirections.");
+        let moving = Error::new(ErrorKind::Cluster, "ASK 3999 127.0.0.1:7001");
         assert!(!is_outage(&moving), "a slot move is not an outage");
+        let moved = Error::new(ErrorKind::Cluster, "MOVED 3999 127.0.0.1:7001");
+        assert!(!is_outage(&moved), "a slot move is not an outage");
         assert!(is_outage(&Error::new(
             ErrorKind::Routing,
             "Max attempts reached."

@@ -5,10 +5,13 @@
 //! of 1 000 clients). The first instance to connect records its number in the cluster; the
 //! others compare theirs with it.
 
-use fred::clients::Client;
+use std::sync::Weak;
+use std::time::Duration;
+
 use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::SetOptions;
 
+use super::nodes::Nodes;
 use crate::StoreError;
 
 /// Where the instances using `prefix` record their number of tags (a slot of its own).
@@ -18,8 +21,10 @@ fn key(prefix: &str) -> String {
 
 /// Records `tags` for `prefix` unless a number is recorded already, then fails with
 /// [`StoreError::Config`] if that number is another.
-pub(super) async fn check(client: &Client, prefix: &str, tags: usize) -> Result<(), StoreError> {
+pub(super) async fn check(nodes: &Nodes, prefix: &str, tags: usize) -> Result<(), StoreError> {
     let key = key(prefix);
+    let client = nodes.client(fred::util::redis_keyslot(key.as_bytes()))?;
+    client.wait_for_connect().await?;
     let recorded: Option<String> = client
         .set(&key, tags.to_string(), None, Some(SetOptions::NX), true)
         .await?;
@@ -33,16 +38,28 @@ pub(super) async fn check(client: &Client, prefix: &str, tags: usize) -> Result<
     }
 }
 
-/// [`check`] once `client` has connected, logging a mismatch as an ERROR: for a store
-/// that connects in the background.
-pub(super) fn check_later(client: Client, prefix: &str, tags: usize) {
+/// [`check`] in the background, tried again every second while the cluster does not answer
+/// (up to a minute), logging a mismatch as an ERROR: for a store that connects in the
+/// background, or whose layout key's primary was gone at connect.
+pub(super) fn check_later(nodes: Weak<Nodes>, prefix: &str, tags: usize) {
     let prefix = prefix.to_owned();
     tokio::spawn(async move {
-        if client.wait_for_connect().await.is_err() {
-            return;
-        }
-        if let Err(error) = check(&client, &prefix, tags).await {
-            tracing::error!(target: "tower_redis_ratelimit", %error, "rate-limit store misconfigured");
+        for _ in 0..60 {
+            let Some(strong) = nodes.upgrade() else {
+                return;
+            };
+            let checked =
+                tokio::time::timeout(Duration::from_secs(1), check(&strong, &prefix, tags));
+            match checked.await {
+                Ok(Ok(())) => return,
+                Ok(Err(error @ StoreError::Config(_))) => {
+                    tracing::error!(target: "tower_redis_ratelimit", %error, "rate-limit store misconfigured");
+                    return;
+                }
+                _ => {}
+            }
+            drop(strong);
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
     });
 }

@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use fred::clients::Pool;
-use fred::prelude::{ClientLike, Config, KeysInterface, ReconnectPolicy};
+use fred::prelude::{ClientLike, Config, ReconnectPolicy};
 use fred::types::config::ReconnectError;
 use fred::types::scripts::Script;
+use fred::types::Builder;
 
 mod ask;
 mod batch;
@@ -17,12 +18,14 @@ mod differential;
 mod health;
 mod layout;
 mod lease;
+mod nodes;
 mod placement;
 
 pub use lease::Leases;
 
 use batch::{Answer, Batcher, Record};
 use health::{is_outage, Breaker};
+use nodes::Nodes;
 use placement::{Place, Placement};
 
 use super::{Store, StoreError};
@@ -49,6 +52,9 @@ macro_rules! script {
         )
     };
 }
+
+/// Each algorithm's script, as the store holds them.
+type Scripts = Vec<(Algorithm, Script)>;
 
 const SCRIPTS: [(Algorithm, &str); 4] = [
     // GCRA and the sliding log do without the driver, for speed (their headers say why).
@@ -101,10 +107,10 @@ struct Inner {
     placement: Placement,
     batcher: Batcher,
     timeout: Duration,
-    /// One breaker for every call. Not one per hash tag: fred reconnects a cluster client as
-    /// a whole, so one dead primary holds up every tag's calls anyway, and a success on any
-    /// tag is what shows that fred has reconnected (see `Breaker`).
-    breaker: Breaker,
+    /// A breaker per batching lane: one on a single Redis; in a Redis Cluster one per hash
+    /// tag, so that a primary that is gone cuts off only the tags it serves (each primary
+    /// has connections of its own, see `nodes.rs`).
+    breakers: Vec<Breaker>,
     /// Set when the store leases ([`RedisStoreBuilder::leases`]).
     leases: Option<lease::State>,
 }
@@ -128,22 +134,41 @@ impl Inner {
         super::in_range(policy)?;
         let args = batch::encode(cost, record, at, policy.windows());
         // The budget covers the whole decision: the queue, the call and a script reload.
+        let lane = place.lane;
         let decision = self.batcher.decide(place, policy.algorithm(), args);
-        self.guarded(decision).await
+        self.guarded(lane, decision).await
     }
 
-    /// Runs `call` within the time budget, behind the breaker: fails at once while it is
-    /// open; a failure that shows Redis unreachable or too slow trips it, a success closes it.
+    /// The breaker of batching lane `lane`.
+    fn breaker(&self, lane: usize) -> &Breaker {
+        &self.breakers[lane % self.breakers.len()]
+    }
+
+    /// The lane whose breaker guards calls on `redis_key`, which may be a key of the store's
+    /// own placement or another (a blocklist's, a give-back's): in a cluster, the tag whose
+    /// range of slots holds its slot (the tags divide the slots in equal ranges).
+    fn lane_of(&self, redis_key: &str) -> usize {
+        let lanes = self.breakers.len();
+        match self.batcher.is_clustered() {
+            true => usize::from(fred::util::redis_keyslot(redis_key.as_bytes())) * lanes / 16_384,
+            false => 0,
+        }
+    }
+
+    /// Runs `call` within the time budget, behind lane `lane`'s breaker: fails at once while
+    /// it is open; a failure that shows Redis unreachable or too slow trips it, a success
+    /// closes it.
     async fn guarded<T>(
         &self,
+        lane: usize,
         call: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, StoreError> {
-        if self.breaker.is_open() {
+        if self.breaker(lane).is_open() {
             return Err(StoreError::Unavailable);
         }
-        let started = self.breaker.now();
+        let started = self.breaker(lane).now();
         let reply = tokio::time::timeout(self.timeout, call).await.ok();
-        self.judge(started, reply)
+        self.judge(lane, started, reply)
     }
 
     /// Waits within the time budget for a reply that a task of its own reads from Redis, so
@@ -153,9 +178,10 @@ impl Inner {
     /// [`guarded`]: Self::guarded
     async fn within_budget<T>(
         &self,
+        lane: usize,
         mut reply: tokio::sync::oneshot::Receiver<Result<T, fred::error::Error>>,
     ) -> Result<T, StoreError> {
-        let started = self.breaker.now();
+        let started = self.breaker(lane).now();
         let ended = || {
             let message = "the call's task ended without a reply";
             Err(fred::error::Error::new(
@@ -172,29 +198,31 @@ impl Inner {
                 reply.try_recv().ok()
             }
         };
-        self.judge(started, reply)
+        self.judge(lane, started, reply)
     }
 
-    /// The breaker's verdict on a call started at `started`: its reply, or `None` when it
-    /// took longer than the budget.
+    /// Lane `lane`'s breaker's verdict on a call started at `started`: its reply, or `None`
+    /// when it took longer than the budget.
     fn judge<T>(
         &self,
+        lane: usize,
         started: u64,
         reply: Option<Result<T, fred::error::Error>>,
     ) -> Result<T, StoreError> {
+        let breaker = self.breaker(lane);
         match reply {
             Some(Ok(value)) => {
-                self.breaker.close();
+                breaker.close();
                 Ok(value)
             }
             Some(Err(error)) => {
                 if is_outage(&error) {
-                    self.breaker.trip(started);
+                    breaker.trip(started);
                 }
                 Err(error.into())
             }
             None => {
-                self.breaker.trip(started);
+                breaker.trip(started);
                 Err(StoreError::Timeout(self.timeout))
             }
         }
@@ -319,13 +347,16 @@ impl RedisStore {
         lease::give_back(self, true).await
     }
 
-    /// Runs `call` behind the store's breaker and within its time budget, as a decision does,
-    /// for other features that use this Redis (the blocklist).
+    /// Runs `call` on `redis_key` behind the store's breaker for that key and within its
+    /// time budget, as a decision does, for other features that use this Redis (the
+    /// blocklist).
     pub(crate) async fn guarded<T>(
         &self,
+        redis_key: &str,
         call: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, StoreError> {
-        self.inner.guarded(call).await
+        let lane = self.inner.lane_of(redis_key);
+        self.inner.guarded(lane, call).await
     }
 
     /// The prefix of every key this store writes.
@@ -341,9 +372,11 @@ impl RedisStore {
     /// Whether Redis answered the last decision. `false` after a decision found Redis
     /// unreachable or slower than the timeout, until a later one reaches it again; in between,
     /// decisions fail at once (see [`RedisStoreBuilder::retry_interval`]) and the layer
-    /// follows its [`FailureMode`](crate::FailureMode).
+    /// follows its [`FailureMode`](crate::FailureMode). In a Redis Cluster each hash tag
+    /// has its own breaker, and the store is healthy while any tag's last decision reached
+    /// Redis: a primary that is gone costs only the keys it holds.
     pub fn is_healthy(&self) -> bool {
-        !self.inner.breaker.is_down()
+        !self.inner.breakers.iter().all(Breaker::is_down)
     }
 }
 
@@ -469,16 +502,38 @@ impl RedisStoreBuilder {
     /// On a Redis Cluster it also records [`cluster_tags`](Self::cluster_tags) in the
     /// cluster, or checks it against the number the instances already running recorded, and
     /// fails with [`StoreError::Config`] if they differ.
+    ///
+    /// On a Redis Cluster it succeeds while any node of the URL answers `CLUSTER SLOTS`,
+    /// even with a primary gone: the scripts run on connections of the store's own to each
+    /// primary, which fail only the calls for their own slots.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
-        let (pool, scripts) = self.pool(true)?;
-        pool.init().await?;
-        for (_, script) in &scripts {
-            script.load(pool.next()).await?;
+        let (builder, pool, scripts) = self.pool(true)?;
+        if !pool.next().is_clustered() {
+            pool.init().await?;
+            for (_, script) in &scripts {
+                script.load(pool.next()).await?;
+            }
+            return Ok(self.store(pool, None, scripts));
         }
-        if pool.next().is_clustered() {
-            layout::check(pool.next(), &self.prefix, self.cluster_tags).await?;
+        let nodes = Nodes::new(builder, self.pool_size, self.patience());
+        nodes.refresh().await?;
+        // fred's own cluster client (`RedisStore::pool`) connects to every primary at once,
+        // and one that is gone would hold it up: it connects in the background.
+        drop(pool.connect_pool());
+        match layout::check(&nodes, &self.prefix, self.cluster_tags).await {
+            Err(error @ StoreError::Config(_)) => return Err(error),
+            Err(error) => {
+                tracing::warn!(target: "tower_redis_ratelimit", %error, "cluster_tags not checked yet");
+                layout::check_later(Arc::downgrade(&nodes), &self.prefix, self.cluster_tags);
+            }
+            Ok(()) => {}
         }
-        Ok(self.store(pool, scripts))
+        Ok(self.store(pool, Some(nodes), scripts))
+    }
+
+    /// How long to wait for a node's slot map: the time budget, at least a second.
+    fn patience(&self) -> Duration {
+        self.timeout.max(Duration::from_secs(1))
     }
 
     /// Returns the store at once and connects in the background, retrying until Redis
@@ -504,18 +559,26 @@ impl RedisStoreBuilder {
                 "connect_lazy must be called within a tokio runtime".into(),
             ));
         }
-        let (pool, scripts) = self.pool(false)?;
+        let (builder, pool, scripts) = self.pool(false)?;
         // The connection tasks run on; reconnecting is the pool's policy.
         drop(pool.connect_pool());
-        if pool.next().is_clustered() {
-            layout::check_later(pool.next().clone(), &self.prefix, self.cluster_tags);
+        if !pool.next().is_clustered() {
+            return Ok(self.store(pool, None, scripts));
         }
-        Ok(self.store(pool, scripts))
+        let nodes = Nodes::new(builder, self.pool_size, self.patience());
+        let (weak, retry) = (Arc::downgrade(&nodes), self.retry_interval);
+        let (prefix, tags) = (self.prefix.clone(), self.cluster_tags);
+        tokio::spawn(async move {
+            Nodes::refresh_until_known(weak.clone(), retry).await;
+            layout::check_later(weak, &prefix, tags);
+        });
+        Ok(self.store(pool, Some(nodes), scripts))
     }
 
-    /// Validates the settings and builds the pool, not yet connected. `fail_fast`: whether
-    /// the first connection's failure is returned rather than retried.
-    fn pool(&self, fail_fast: bool) -> Result<(Pool, Vec<(Algorithm, Script)>), StoreError> {
+    /// Validates the settings and builds the pool, not yet connected, with the fred builder
+    /// that made it. `fail_fast`: whether the first connection's failure is returned rather
+    /// than retried.
+    fn pool(&self, fail_fast: bool) -> Result<(Builder, Pool, Scripts), StoreError> {
         if !(1..=16_384).contains(&self.cluster_tags) {
             return Err(StoreError::Config(format!(
                 "{} cluster tags: there must be 1 to 16 384, one per hash slot at most",
@@ -550,7 +613,8 @@ impl RedisStoreBuilder {
         if let Some(connector) = self.tls.clone() {
             config.tls = Some(connector.into());
         }
-        let pool = fred::types::Builder::from_config(config)
+        let mut builder = Builder::from_config(config);
+        builder
             .with_performance_config(|p| p.default_command_timeout = self.timeout)
             .with_connection_config(|c| {
                 c.connection_timeout = self.timeout.max(Duration::from_secs(1));
@@ -566,25 +630,30 @@ impl RedisStoreBuilder {
                 c.reconnect_errors = vec![ReconnectError::ReadOnly, ReconnectError::NoReplicas];
             })
             // Reconnect soon after a failover: at most half a second between attempts.
-            .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
-            .build_pool(self.pool_size)?;
+            .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2));
+        let pool = builder.build_pool(self.pool_size)?;
         let scripts = SCRIPTS
             .into_iter()
             .map(|(algorithm, lua)| (algorithm, Script::from_lua(lua)))
             .collect();
-        Ok((pool, scripts))
+        Ok((builder, pool, scripts))
     }
 
-    /// The store over `pool`, its batching task started.
-    fn store(self, pool: Pool, scripts: Vec<(Algorithm, Script)>) -> RedisStore {
-        let placement = match pool.next().is_clustered() {
-            true => Placement::tagged(self.cluster_tags),
-            false => Placement::PerClient,
+    /// The store over `pool`, or in a Redis Cluster over `nodes` for its scripts, its
+    /// batching tasks started.
+    fn store(self, pool: Pool, nodes: Option<Arc<Nodes>>, scripts: Scripts) -> RedisStore {
+        let placement = match nodes {
+            Some(_) => Placement::tagged(self.cluster_tags),
+            None => Placement::PerClient,
         };
+        let lanes = placement.lanes();
         let batcher = Batcher::spawn(
-            placement.lanes(),
+            lanes,
             batch::Settings {
-                pool: pool.clone(),
+                redis: match nodes {
+                    Some(nodes) => batch::Redis::Cluster(nodes),
+                    None => batch::Redis::Single(pool.clone()),
+                },
                 scripts,
                 release: Script::from_lua(include_str!("scripts/release.lua")),
                 max_batch: self.max_batch,
@@ -611,7 +680,9 @@ impl RedisStoreBuilder {
             placement,
             batcher,
             timeout: self.timeout,
-            breaker: Breaker::new(self.retry_interval),
+            breakers: (0..lanes)
+                .map(|_| Breaker::new(self.retry_interval))
+                .collect(),
             leases: self.leases.map(lease::State::new),
         });
         if let Some(leases) = &self.leases {
@@ -682,7 +753,7 @@ impl Store for RedisStore {
         let inner = Arc::clone(&self.inner);
         let redis_key = self.redis_key(key, policy);
         Box::pin(async move {
-            inner.pool.next().del::<(), _>(redis_key).await?;
+            inner.batcher.del(redis_key).await?;
             Ok(())
         })
     }
@@ -716,19 +787,20 @@ impl Store for RedisStore {
                 return Ok(());
             }
             super::in_range(&policy)?;
-            if inner.breaker.is_open() {
+            let lane = place.lane;
+            if inner.breaker(lane).is_open() {
                 return Err(StoreError::Unavailable);
             }
-            let started = inner.breaker.now();
+            let started = inner.breaker(lane).now();
             let call = inner
                 .batcher
                 .decide_patiently(place.clone(), algorithm, args, PATIENCE);
             let answer = match call.await {
-                Err(error) if lease::refused(&error) || ask::is_unfollowed_redirection(&error) => {
+                Err(error) if lease::refused(&error) || ask::is_redirection(&error) => {
                     let units = settlement.units;
                     inner.decide(place, &policy, units, -1, record).await?
                 }
-                reply => inner.judge(started, Some(reply))?,
+                reply => inner.judge(lane, started, Some(reply))?,
             };
             lease::settled(&inner, &key, &policy, &answer);
             Ok(())

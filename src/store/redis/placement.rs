@@ -71,6 +71,15 @@ impl Placement {
         }
     }
 
+    /// The batching lane of `key` under `policy` (see [`Place::lane`]), without naming its
+    /// key.
+    pub(super) fn lane(&self, key: &Key, policy: &Policy) -> usize {
+        match self {
+            Placement::PerClient => 0,
+            Placement::Tagged(tags) => tag_index(policy.name(), key.as_str(), tags.len()),
+        }
+    }
+
     /// How many slots the keys may fall in, for the batcher's lanes: the tags, or one for
     /// a single Redis.
     pub(super) fn lanes(&self) -> usize {

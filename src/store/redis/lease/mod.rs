@@ -538,7 +538,8 @@ async fn lease(
     if !take(inner, plan, key, policy, cost, want, Some(reply)) {
         return Err(StoreError::Unavailable);
     }
-    let answer = inner.within_budget(answer).await?;
+    let lane = inner.placement.lane(key, policy);
+    let answer = inner.within_budget(lane, answer).await?;
     let (outcome, extra) = super::parse_reply(&answer.five, policy)?;
     let outcome = Outcome {
         remaining: outcome.remaining + extra,
@@ -567,7 +568,7 @@ fn take(
     let Some(state) = inner.leases.as_ref() else {
         return false;
     };
-    if inner.breaker.is_open() {
+    if inner.breaker(inner.placement.lane(key, policy)).is_open() {
         state.with(key, policy, |entry| entry.fetching = false);
         return false;
     }
@@ -661,7 +662,11 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
     for group in batch::by_slot(&keys, store.inner.batcher.is_clustered()) {
         for chunk in group.chunks(512) {
             // With the breaker open nothing is sent: these are kept for the next sweep.
-            if store.inner.breaker.is_open() {
+            if store
+                .inner
+                .breaker(store.inner.lane_of(&keys[chunk[0]]))
+                .is_open()
+            {
                 chunk.iter().for_each(|&i| unsent[i] = true);
                 result = Err(StoreError::Unavailable);
                 continue;
