@@ -29,6 +29,14 @@ static CLUSTERS: AtomicUsize = AtomicUsize::new(0);
 /// How long the cluster helpers wait for a state before failing the test.
 const DEADLINE: Duration = Duration::from_secs(30);
 
+/// A 1 s node timeout, then a cluster that serves the slots it has left.
+const FAST_FAILURE: [&str; 4] = [
+    "--cluster-node-timeout",
+    "1000",
+    "--cluster-require-full-coverage",
+    "no",
+];
+
 /// One line of `CLUSTER NODES`: what a node reports about itself or a peer.
 #[derive(Debug, Clone)]
 pub struct NodeInfo {
@@ -65,23 +73,18 @@ impl RedisCluster {
     /// killed primary is marked failed and its replica promoted within a few seconds. Returns
     /// once the cluster is `ok` and every replica is in sync with its primary.
     pub fn start_with_replicas(primaries: usize, replicas: usize) -> RedisCluster {
-        let cluster =
-            RedisCluster::create(primaries, replicas, &["--cluster-node-timeout", "1000"]);
+        let cluster = RedisCluster::create(primaries, replicas, &FAST_FAILURE[..2]);
         cluster.wait_for_replicas();
         cluster
     }
 
-    /// `primaries` primaries, no replica, a 1 s node timeout, and
-    /// `cluster-require-full-coverage no`: once a killed primary is marked failed, the others
-    /// go on serving their own slots.
-    pub fn start_serving_partial(primaries: usize) -> RedisCluster {
-        let partial = [
-            "--cluster-node-timeout",
-            "1000",
-            "--cluster-require-full-coverage",
-            "no",
-        ];
-        RedisCluster::create(primaries, 0, &partial)
+    /// `primaries` primaries with `replicas` replicas each (none: no wait for them), a 1 s
+    /// node timeout, and `cluster-require-full-coverage no`: while a killed primary's slots
+    /// have no owner, the other primaries go on serving theirs.
+    pub fn start_serving_partial(primaries: usize, replicas: usize) -> RedisCluster {
+        let cluster = RedisCluster::create(primaries, replicas, &FAST_FAILURE);
+        cluster.wait_for_replicas();
+        cluster
     }
 
     fn create(primaries: usize, replicas: usize, extra: &[&str]) -> RedisCluster {

@@ -362,6 +362,8 @@ pub struct Failover {
     pub victim_last_failure: Option<Duration>,
     /// Failed decisions for the other keys after the kill.
     pub others_failed: usize,
+    /// When the other keys' last failed decision was sent, from the kill.
+    pub others_last_failure: Option<Duration>,
 }
 
 pub fn report_failover(
@@ -431,5 +433,6 @@ pub fn report_failover(
         victim_failed: victim_failures.len(),
         victim_last_failure: victim_failures.last().copied(),
         others_failed: other_failures.len(),
+        others_last_failure: other_failures.last().copied(),
     }
 }

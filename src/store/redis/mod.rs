@@ -364,7 +364,9 @@ impl RedisStore {
         &self.inner.prefix
     }
 
-    /// The fred connection pool, e.g. to inspect keys in tests.
+    /// The fred connection pool, e.g. to inspect keys in tests. On a Redis Cluster this is
+    /// fred's cluster client, which the scripts do not use (they run on the store's own
+    /// connections to each primary): it holds every command while any primary is gone.
     pub fn pool(&self) -> &fred::clients::Pool {
         &self.inner.pool
     }
@@ -620,8 +622,10 @@ impl RedisStoreBuilder {
                 c.connection_timeout = self.timeout.max(Duration::from_secs(1));
                 // fred 10.1 follows `ASK` wrongly (it re-sends the command to the old node),
                 // and past two redirections of one command it stops the client for good. With
-                // none allowed it answers `Too many redirections.` instead, which the batcher
-                // handles itself (`batch.rs`, `ask.rs`).
+                // none allowed it answers `Too many redirections.` instead: fred's cluster
+                // client (`RedisStore::pool`) fails a command on a moving slot rather than
+                // stopping. The scripts follow redirections themselves, on the store's own
+                // connections to each primary (`nodes.rs`).
                 c.max_redirections = 0;
                 // A primary that was demoted (`READONLY`), or that refuses writes because its
                 // replicas are gone (`NOREPLICAS`, with `min-replicas-to-write`), is no longer
