@@ -87,7 +87,25 @@ impl RedisCluster {
         cluster
     }
 
+    /// Starts the nodes and joins them into a cluster. A node's cluster bus listens on its
+    /// port plus 10 000, which nothing reserves for it while other tests start servers too:
+    /// when `redis-cli --cluster create` fails, the attempt is printed and made again on
+    /// fresh nodes.
     fn create(primaries: usize, replicas: usize, extra: &[&str]) -> RedisCluster {
+        for attempt in 1..=3 {
+            match RedisCluster::try_create(primaries, replicas, extra) {
+                Ok(cluster) => return cluster,
+                Err(why) => eprintln!("cluster creation, attempt {attempt}: {why}"),
+            }
+        }
+        panic!("redis-cli --cluster create failed three times");
+    }
+
+    fn try_create(
+        primaries: usize,
+        replicas: usize,
+        extra: &[&str],
+    ) -> Result<RedisCluster, String> {
         let n = CLUSTERS.fetch_add(1, Ordering::SeqCst);
         let dir = std::env::temp_dir().join(format!("rl-cluster-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -117,18 +135,26 @@ impl RedisCluster {
             .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .expect("redis-cli (from redis-tools) is needed to create a cluster");
-        assert!(
-            created.status.success(),
-            "redis-cli --cluster create: {}",
-            String::from_utf8_lossy(&created.stdout)
-        );
+        if !created.status.success() {
+            // Dropping the half-made cluster stops its nodes and removes its files.
+            drop(RedisCluster {
+                nodes,
+                dir,
+                dead: Vec::new(),
+            });
+            return Err(format!(
+                "{}; {}",
+                String::from_utf8_lossy(&created.stdout).trim(),
+                String::from_utf8_lossy(&created.stderr).trim()
+            ));
+        }
         let cluster = RedisCluster {
             nodes,
             dir,
             dead: Vec::new(),
         };
         cluster.wait_until_ok();
-        cluster
+        Ok(cluster)
     }
 
     /// Waits until every live node reports `cluster_state:ok` and sees every other live node

@@ -175,7 +175,9 @@ impl Batcher {
     /// Decides one request at `place` in a call of its own, outside the batches, and waits
     /// for Redis's reply for up to `patience` instead of the time budget. For a lease: Redis
     /// counts its units when the script runs, so its reply is worth reading however late it
-    /// comes (see `lease/`). In a cluster, a slot that moved fails the call (nothing ran).
+    /// comes (see `lease/`). In a cluster, redirections are followed as a few at most; a
+    /// slot that keeps moving, or keys split by a migration (`TRYAGAIN`), fail the call
+    /// (nothing ran).
     pub(super) async fn decide_patiently(
         &self,
         place: Place,

@@ -127,8 +127,9 @@ impl Nodes {
     pub(super) fn client(&self, slot: u16) -> Result<Client, Error> {
         let table = self.read();
         if table.owners.is_empty() {
-            let message = "the cluster's slot map is not known yet";
-            return Err(Error::new(ErrorKind::IO, message));
+            // Worded as Redis words a refusal, so that callers know nothing ran.
+            let message = "CLUSTERDOWN the cluster's slot map is not known yet";
+            return Err(Error::new(ErrorKind::Cluster, message));
         }
         match table.owners.get(usize::from(slot)).copied() {
             Some(i) if i != NONE => Ok(table.nodes[usize::from(i)].1.next_connected().clone()),
@@ -218,6 +219,10 @@ impl Nodes {
         let mut last = Error::new(ErrorKind::Config, "no cluster node to ask for its slots");
         while let Some(answer) = questions.join_next().await {
             match answer {
+                // A node that knows no slot (not yet joined, or reset) is no guide.
+                Ok(Ok(routing)) if routing.slots().is_empty() => {
+                    last = Error::new(ErrorKind::Cluster, "a node knows no slot owner");
+                }
                 Ok(Ok(routing)) => {
                     self.route(&routing)?;
                     return Ok(());
@@ -383,11 +388,22 @@ async fn slots_of(
     };
     config.fail_fast = true;
     builder.set_config(config);
-    let client = builder.build()?;
-    client.init().await?;
-    let answer = ask(client.clone()).await;
-    let _ = client.quit().await;
-    answer
+    let client = Dedicated(builder.build()?);
+    client.0.init().await?;
+    ask(client.0.clone()).await
+}
+
+/// A client of its own for one question, shut down when dropped, also when the question is
+/// (another node answered first).
+struct Dedicated(Client);
+
+impl Drop for Dedicated {
+    fn drop(&mut self) {
+        let client = self.0.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { client.quit().await });
+        }
+    }
 }
 
 /// Sends `EVALSHA` (`evalsha`: its arguments) through `client` with `options`, after
