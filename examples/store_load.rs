@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release --example store_load -- gcra
 //! cargo run --release --example store_load -- gcra --cluster 3
+//! cargo run --release --example store_load -- gcra --overrides 1000
 //! ```
 //!
 //! It starts its own `redis-server` on a free loopback port (`$REDIS_SERVER` or
@@ -18,6 +19,8 @@
 //! decisions per second, CPU time per decision of this process (`/proc/self/stat`) and of
 //! Redis (`INFO cpu`), and heap allocations per decision in this process (every thread, fred's
 //! tasks included; the harness's own `format!` of the key is one of them, for every limiter).
+//! With `--overrides N`, the first `N` keys each have an override of their own (a count as
+//! far out of reach), which every decision of theirs reads in its script call.
 
 mod support;
 
@@ -26,6 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fred::prelude::*;
+use tower_redis_ratelimit::store::{Override, Scope};
 use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store};
 
 const TASKS: usize = 32;
@@ -63,14 +67,21 @@ impl Limiter {
 async fn main() -> Result<(), Error> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let which = args.first().cloned().unwrap_or_else(|| "gcra".into());
-    let primaries = match args.get(1).map(String::as_str) {
-        Some("--cluster") => args
-            .get(2)
-            .and_then(|n| n.parse().ok())
-            .ok_or("--cluster N")?,
-        Some(other) => return Err(format!("unknown argument {other:?}").into()),
-        None => 0,
-    };
+    let (mut primaries, mut overrides) = (0, 0);
+    let mut flags = args.iter().skip(1);
+    while let Some(flag) = flags.next() {
+        let mut number = |name: &str| {
+            flags
+                .next()
+                .and_then(|n| n.parse::<usize>().ok())
+                .ok_or(format!("{name} N"))
+        };
+        match flag.as_str() {
+            "--cluster" => primaries = number("--cluster")?,
+            "--overrides" => overrides = number("--overrides")?,
+            other => return Err(format!("unknown argument {other:?}").into()),
+        }
+    }
     // Our own Redis (or cluster) unless `REDIS_URL` names one; stopped when this returns.
     let scratch = match std::env::var("REDIS_URL") {
         Ok(_) => None,
@@ -83,6 +94,13 @@ async fn main() -> Result<(), Error> {
     let admin = support::redis::Admin::connect(&url).await?;
     admin.flush().await?;
     let limiter = limiter(&url, &which).await?;
+    if let Limiter::Ours(store, policy) = &limiter {
+        let far = Override::Limits(vec!["2000000/1s".parse()?]);
+        for i in 0..overrides.min(KEYS) {
+            let key = Scope::Key(Key::from(format!("c{i}")));
+            store.overrides().set(policy, &key, &far).await?;
+        }
+    }
 
     let decided = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -119,6 +137,10 @@ async fn main() -> Result<(), Error> {
     let app = process_cpu() - cpu_before;
     let redis = redis_cpu(&admin).await? - redis_before;
     let evals = (evalsha_calls(&admin).await? - evals_before) as f64;
+    let which = match overrides {
+        0 => which,
+        n => format!("{which} with {n} overrides"),
+    };
     println!(
         "{which}: {:.0} decisions/s, CPU per decision {:.1} µs here and {:.1} µs in Redis \
          ({} server(s)), {:.3} EVALSHA per decision, {:.1} allocations ({:.0} bytes) per \

@@ -82,6 +82,32 @@ impl Decision {
         }
     }
 
+    /// The refusal of a key blocked by an override: a limit of 0, nothing left, and no
+    /// wait that helps.
+    pub(crate) fn blocked(policy: &crate::Policy) -> Decision {
+        let limit = policy.limits()[0];
+        Decision {
+            allowed: false,
+            limit_index: 0,
+            limit: 0,
+            window: limit.window(),
+            remaining: 0,
+            reset_after: Duration::ZERO,
+            retry_after: None,
+            admitted_at: None,
+            recorded: 0,
+        }
+    }
+
+    /// This decision at a limit of `count` when an override set it (`None`: as it is).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn with_limit(self, count: Option<u64>) -> Decision {
+        match count {
+            Some(limit) => Decision { limit, ..self },
+            None => self,
+        }
+    }
+
     /// This decision, recording `units` at `at` (µs on the store's clock) when it admits.
     pub(crate) fn recorded_at(self, at: Option<i64>, units: u64) -> Decision {
         match self.allowed {

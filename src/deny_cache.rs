@@ -15,6 +15,11 @@
 //! Refunds are counted per stripe of (policy, key)s in atomics, not per key, so that taking a
 //! ticket costs a hash and a load; a refund of another key of the stripe only makes a refusal
 //! go uncached, which costs one more store call, never a wrong answer.
+//!
+//! Limits that change at run time (the store's overrides, `store/overrides.rs`) may make room
+//! too: the store's limits version ([`Store::limits_version`](crate::Store::limits_version))
+//! changes with them, and a refusal decided under another version is neither cached nor
+//! repeated.
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,6 +40,8 @@ const STRIPES: usize = 64;
 struct Denial {
     decision: Decision,
     cost: u32,
+    /// The store's limits version the refusal was decided under.
+    version: u64,
 }
 
 /// The refunds of a stripe counted when a decision started; see [`DenyCache::remember`].
@@ -42,7 +49,11 @@ struct Denial {
 pub(crate) struct Ticket {
     stripe: usize,
     refunds: u64,
+    version: u64,
 }
+
+/// The store's limits version, read by the cache (`Store::limits_version`).
+pub(crate) type Version = Arc<dyn Fn() -> u64 + Send + Sync>;
 
 /// Refusals by (policy, key). Clones share entries.
 #[derive(Clone)]
@@ -54,15 +65,18 @@ pub(crate) struct DenyCache {
     hasher: RandomState,
     /// Times are µs since this instant, on tokio's clock, so that they follow paused test time.
     origin: tokio::time::Instant,
+    version: Version,
 }
 
 impl DenyCache {
-    pub(crate) fn new(capacity: u64) -> Self {
+    /// A cache of up to `capacity` refusals, for a store whose limits version `version` reads.
+    pub(crate) fn new(capacity: u64, version: Version) -> Self {
         DenyCache {
             entries: Arc::new(Shards::new(capacity)),
             refunds: Arc::new(std::array::from_fn(|_| AtomicU64::new(0))),
             hasher: RandomState::default(),
             origin: tokio::time::Instant::now(),
+            version,
         }
     }
 
@@ -71,7 +85,7 @@ impl DenyCache {
     }
 
     fn stripe(&self, key: &Key, policy: &Policy) -> usize {
-        let hash = self.hasher.hash_one((policy.identity_hash(), key.as_str()));
+        let hash = self.hasher.hash_one((policy.terms_id().hash, key.as_str()));
         (hash >> 32) as usize % STRIPES
     }
 
@@ -80,12 +94,17 @@ impl DenyCache {
     pub(crate) fn ticket(&self, key: &Key, policy: &Policy) -> Ticket {
         let stripe = self.stripe(key, policy);
         let refunds = self.refunds[stripe].load(Ordering::Acquire);
-        Ticket { stripe, refunds }
+        let version = (self.version)();
+        Ticket {
+            stripe,
+            refunds,
+            version,
+        }
     }
 
     /// Remembers a refusal that says when to retry, unless a refund of the key was sent or
-    /// landed since `ticket` was taken: the store may have decided before the refund made
-    /// room.
+    /// landed since `ticket` was taken, or the limits changed: the store may have decided
+    /// before the refund or the change made room.
     pub(crate) fn remember(
         &self,
         key: &Key,
@@ -99,19 +118,25 @@ impl DenyCache {
         };
         let now = self.now();
         let expires = now.saturating_add(micros(retry));
-        let denial = Denial { decision, cost };
-        let mut shard = self.entries.lock(key, policy);
+        let denial = Denial {
+            decision,
+            cost,
+            version: ticket.version,
+        };
+        let mut shard = self.entries.lock(key, policy.terms_id());
         // Read under the lock that `forget` takes after counting its refund: either this
         // sees the count, or `forget` comes after the insert and removes it.
-        if self.refunds[ticket.stripe].load(Ordering::Acquire) != ticket.refunds {
+        if self.refunds[ticket.stripe].load(Ordering::Acquire) != ticket.refunds
+            || (self.version)() != ticket.version
+        {
             return;
         }
-        match shard.get(key, policy, now) {
+        match shard.get(key, policy.terms_id(), now) {
             Some(slot) => {
                 slot.expires = expires;
                 slot.value = denial;
             }
-            None => shard.insert(key, policy, now, expires, denial),
+            None => shard.insert(key, policy.terms_id(), now, expires, denial),
         }
     }
 
@@ -121,15 +146,17 @@ impl DenyCache {
     pub(crate) fn forget(&self, key: &Key, policy: &Policy) {
         let stripe = self.stripe(key, policy);
         self.refunds[stripe].fetch_add(1, Ordering::AcqRel);
-        self.entries.lock(key, policy).remove(key, policy);
+        self.entries
+            .lock(key, policy.terms_id())
+            .remove(key, policy.terms_id());
     }
 
     /// The refusal still in force for a request of `cost`, with its times brought up to now.
     pub(crate) fn refusal(&self, key: &Key, policy: &Policy, cost: u32) -> Option<Decision> {
         let now = self.now();
-        let mut shard = self.entries.lock(key, policy);
-        let slot = shard.get(key, policy, now)?;
-        if !slot.is_live(now) || cost < slot.value.cost {
+        let mut shard = self.entries.lock(key, policy.terms_id());
+        let slot = shard.get(key, policy.terms_id(), now)?;
+        if !slot.is_live(now) || cost < slot.value.cost || slot.value.version != (self.version)() {
             return None;
         }
         let left = Duration::from_micros(slot.expires - now);
@@ -166,7 +193,7 @@ mod tests {
 
     #[test]
     fn a_refund_keeps_refusals_decided_before_it_out() {
-        let cache = DenyCache::new(1000);
+        let cache = DenyCache::new(1000, Arc::new(|| 0));
         let policy: Policy = "150/1m".parse().unwrap();
         let (key, other) = (Key::from("k"), Key::from("other"));
 

@@ -518,6 +518,16 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
                 in_flight,
             })
         });
+        let deny_cache = match deny_cache.unwrap_or(default_deny_cache) {
+            0 => None,
+            capacity => {
+                let store = self.store.clone();
+                Some(DenyCache::new(
+                    capacity,
+                    Arc::new(move || store.limits_version()),
+                ))
+            }
+        };
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 key: self.key,
@@ -532,10 +542,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
                 default_cost,
                 missing_key,
                 usage: metering,
-                deny_cache: match deny_cache.unwrap_or(default_deny_cache) {
-                    0 => None,
-                    capacity => Some(DenyCache::new(capacity)),
-                },
+                deny_cache,
             }),
         })
     }

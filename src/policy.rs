@@ -203,12 +203,22 @@ fn parse_window(part: &str) -> Result<Duration, LimitError> {
 pub struct Policy {
     // Shared, so that cloning a policy into a request's future does not allocate.
     name: Arc<str>,
-    /// `<name>:<algorithm>:<limits>`, e.g. `api:gcra:100/1m+5000/1d`: everything that shapes
-    /// the stored state, made once (see [`Policy::identity`]).
+    /// What the state is kept under, made once (see [`Policy::identity`]):
+    /// `<name>:<algorithm>:<windows>` for a named policy, e.g. `api:gcra:1m+1d`, and
+    /// `default:<algorithm>:<limits>` for an unnamed one.
     identity: Arc<str>,
     /// A hash of `identity` (unkeyed: policies are not chosen by clients), so that maps keyed
     /// by identity and client hash eight bytes of it per lookup instead of its text.
     identity_hash: u64,
+    /// The state and the limits it is decided against, `<name>:<algorithm>:<limits>`, e.g.
+    /// `api:gcra:100/1m+5000/1d`: what a decision remembered outside the store (a cached
+    /// refusal, a lease) holds for.
+    terms: Arc<str>,
+    /// A hash of `terms`, as `identity_hash`.
+    terms_hash: u64,
+    /// A hash of `identity` that every process and version computes alike, below 2^52 (exact
+    /// in Lua's doubles): the field of the policy's own override in Redis.
+    override_id: u64,
     /// Sorted by window, shortest first; no two share a window.
     limits: Arc<[Limit]>,
     /// The limits in the algorithms' units, computed once rather than per decision.
@@ -233,6 +243,13 @@ pub enum PolicyError {
     DuplicateWindow {
         /// The shared window, e.g. `1m`.
         window: String,
+    },
+    /// Other limits for a policy ([`Policy::with_limits`]) must keep its windows: the
+    /// state is kept per window.
+    #[error("the limits must have the policy's windows, {expected}")]
+    OtherWindows {
+        /// The policy's windows, e.g. `1m+1h+1d`.
+        expected: String,
     },
     /// The name is empty, longer than 64 bytes, or has a character outside `[A-Za-z0-9_.-]`.
     #[error("policy name {name:?} must be 1 to 64 characters of A-Z a-z 0-9 _ . -")]
@@ -271,9 +288,13 @@ impl Policy {
         }
         let windows = limits.iter().map(Window::of).collect();
         let identity = identity(&name, Algorithm::SlidingLog, &limits);
+        let terms = terms(&name, Algorithm::SlidingLog, &limits);
         Ok(Policy {
             identity_hash: hash(&identity),
+            override_id: stable_hash(&identity),
             identity,
+            terms_hash: hash(&terms),
+            terms,
             name: name.into(),
             limits: limits.into(),
             windows,
@@ -296,14 +317,55 @@ impl Policy {
     /// refuse it (see [`out_of_range`](Policy::out_of_range)).
     pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
-        self.identity = identity(&self.name, algorithm, &self.limits);
+        // `<name>:<algorithm>:<rest>`; a name has no colon.
+        let rest = self.identity.splitn(3, ':').nth(2).unwrap_or_default();
+        self.identity = format!("{}:{}:{rest}", self.name, algorithm.tag()).into();
         self.identity_hash = hash(&self.identity);
-        self.in_range = algorithm != Algorithm::Gcra
-            || self
-                .windows
-                .iter()
-                .all(|w| w.gcra_bucket() <= MAX_GCRA_BUCKET);
+        self.override_id = stable_hash(&self.identity);
+        self.terms = terms(&self.name, algorithm, &self.limits);
+        self.terms_hash = hash(&self.terms);
+        self.in_range = in_range(algorithm, &self.windows);
         self
+    }
+
+    /// The same policy decided against other counts: `limits` must have the policy's windows
+    /// (in any order), and the state stays the policy's, so that usage recorded under the old
+    /// counts still counts. Raising `5/1h` to `8/1h` after five requests admits three more;
+    /// lowering it refuses until enough usage has aged out. See [`Policy::identity`] for what
+    /// carrying the state over means for each algorithm.
+    ///
+    /// ```
+    /// use tower_redis_ratelimit::{Limit, Policy};
+    ///
+    /// let sms = Policy::new("sms", ["1/1m".parse::<Limit>()?, "5/1h".parse()?, "10/1d".parse()?])?;
+    /// let vip = sms.with_limits(["1/1m".parse::<Limit>()?, "50/1h".parse()?, "100/1d".parse()?])?;
+    /// assert_eq!(vip.identity(), sms.identity());
+    /// assert_eq!(vip.limits()[1].count(), 50);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_limits(
+        &self,
+        limits: impl IntoIterator<Item = Limit>,
+    ) -> Result<Policy, PolicyError> {
+        let other = Policy::new(self.name.to_string(), limits)?;
+        let same_windows = other.limits.len() == self.limits.len()
+            && other
+                .limits
+                .iter()
+                .zip(self.limits.iter())
+                .all(|(a, b)| a.window == b.window);
+        if !same_windows {
+            return Err(PolicyError::OtherWindows {
+                expected: window_labels(&self.limits).join("+"),
+            });
+        }
+        let mut policy = self.clone();
+        policy.windows = other.windows;
+        policy.limits = other.limits;
+        policy.terms = terms(&self.name, self.algorithm, &policy.limits);
+        policy.terms_hash = hash(&policy.terms);
+        policy.in_range = in_range(self.algorithm, &policy.windows);
+        Ok(policy)
     }
 
     /// Why the policy's algorithm cannot decide its limits exactly, if it cannot: a GCRA
@@ -328,36 +390,62 @@ impl Policy {
         Arc::clone(&self.name)
     }
 
-    /// What the policy's state is kept under: its name, algorithm and limits, e.g.
-    /// `api:gcra:100/1m+5000/1d`.
+    /// What the policy's state is kept under: for a named policy its name, algorithm and
+    /// windows, e.g. `api:gcra:1m+1d`; for an unnamed one (parsed from a string, or made from
+    /// a [`Limit`], both named [`Policy::DEFAULT_NAME`]) its algorithm and whole limits, e.g.
+    /// `default:gcra:100/1m+5000/1d`.
     ///
-    /// Two policies share a budget only when their identities are equal: the same name, the
-    /// same algorithm and the same limits. Every store, lease and deny cache keys its state by
-    /// it, so two layers that happen to use one name (both parsed from strings are named
-    /// `default`) for different limits never count against each other. To share one budget
-    /// between routes or layers on purpose, give them the same policy (a clone, or one built
-    /// the same way). Changing a policy's limits in code starts its keys afresh.
+    /// Two policies share a budget exactly when their identities are equal. Every store keys
+    /// its state by it (in Redis, the key ends in the identity after the name).
+    ///
+    /// - **A named policy owns its state by name.** Its counts may change (a new deploy,
+    ///   [`Policy::with_limits`]) and the usage recorded so far carries over; instances that
+    ///   run with other counts for one name (a rolling deploy) share the state, and each
+    ///   refuses at its own counts. A change of algorithm or windows starts the keys afresh.
+    ///   To keep two budgets apart, give them different names.
+    /// - **Unnamed policies never share by accident**: two layers that parse `"100/1m"` and
+    ///   `"5/1m"` keep apart budgets; two that parse the same text share one. Changing an
+    ///   unnamed policy's limits in code starts its keys afresh.
+    ///
+    /// Caches outside the store (refusals, leases) key by the whole limits as well, so that
+    /// what was decided under some counts never answers for others.
+    ///
+    /// What carrying usage over to other counts means for each algorithm: the sliding log
+    /// compares the same entries, the sliding window and the fixed window the same counters,
+    /// with the new counts. GCRA keeps each bucket's backlog, the units queued at the last
+    /// write: the same number of units, which drain at the new rate from that write on
+    /// (rounded up to GCRA's finer units, never down), so that `5/1h` raised to `8/1h` after
+    /// five requests at once admits three more.
     pub fn identity(&self) -> &str {
         &self.identity
     }
 
-    /// The identity, shared.
-    pub(crate) fn shared_identity(&self) -> Arc<str> {
-        Arc::clone(&self.identity)
+    /// The field of the policy's own override in a store's hash of overrides (Redis): a hash
+    /// of the identity that every instance computes alike.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn override_id(&self) -> u64 {
+        self.override_id
     }
 
-    /// Whether `identity` is this policy's: the same shared text (a clone of this policy
-    /// made it), or equal text.
-    pub(crate) fn is(&self, identity: &Arc<str>) -> bool {
-        Arc::ptr_eq(identity, &self.identity) || **identity == *self.identity
+    /// What maps of state key by: the identity.
+    pub(crate) fn state_id(&self) -> Id<'_> {
+        Id {
+            text: &self.identity,
+            hash: self.identity_hash,
+        }
     }
 
-    /// A hash of the identity, made once.
-    pub(crate) fn identity_hash(&self) -> u64 {
-        self.identity_hash
+    /// What maps of decisions kept outside the store (refusals, leases) key by: the name,
+    /// algorithm and whole limits, so that other counts under one identity miss them.
+    pub(crate) fn terms_id(&self) -> Id<'_> {
+        Id {
+            text: &self.terms,
+            hash: self.terms_hash,
+        }
     }
 
-    /// The identity after the name and its colon: `<algorithm>:<limits>`.
+    /// The identity after the name and its colon: `<algorithm>:<windows>`, or
+    /// `<algorithm>:<limits>` for an unnamed policy.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn shape(&self) -> &str {
         &self.identity[self.name.len() + 1..]
@@ -393,6 +481,22 @@ impl Policy {
     }
 }
 
+/// A policy's key in a map ([`Policy::state_id`] or [`Policy::terms_id`]): its text,
+/// shared, and a hash of it made once, so that a lookup hashes eight bytes of it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Id<'a> {
+    pub(crate) text: &'a Arc<str>,
+    pub(crate) hash: u64,
+}
+
+impl Id<'_> {
+    /// Whether `text` is this key: the same shared text (a clone of the policy made it), or
+    /// equal text.
+    pub(crate) fn is(&self, text: &Arc<str>) -> bool {
+        Arc::ptr_eq(text, self.text) || **text == **self.text
+    }
+}
+
 /// Parses `"5/10s"` or `"1/1m + 5/1h + 10/1d"` (limits separated by `+` or `,`) into a policy
 /// named [`Policy::DEFAULT_NAME`].
 impl FromStr for Policy {
@@ -420,6 +524,9 @@ impl From<Limit> for Policy {
         let identity = identity(Self::DEFAULT_NAME, Algorithm::SlidingLog, &[limit]);
         Policy {
             identity_hash: hash(&identity),
+            override_id: stable_hash(&identity),
+            terms_hash: hash(&identity),
+            terms: Arc::clone(&identity),
             identity,
             name: Self::DEFAULT_NAME.into(),
             limits: Arc::new([limit]),
@@ -430,10 +537,43 @@ impl From<Limit> for Policy {
     }
 }
 
-/// `<name>:<algorithm>:<limit>+<limit>...`, limits shortest first as [`Limit`] displays them.
+/// What the state of a policy is kept under (see [`Policy::identity`]):
+/// `<name>:<algorithm>:<window>+<window>...` for a named policy, the full limits (as
+/// [`terms`]) for an unnamed one.
 fn identity(name: &str, algorithm: Algorithm, limits: &[Limit]) -> Arc<str> {
+    if name == Policy::DEFAULT_NAME {
+        return terms(name, algorithm, limits);
+    }
+    format!(
+        "{name}:{}:{}",
+        algorithm.tag(),
+        window_labels(limits).join("+")
+    )
+    .into()
+}
+
+/// `<name>:<algorithm>:<limit>+<limit>...`, limits shortest first as [`Limit`] displays them.
+fn terms(name: &str, algorithm: Algorithm, limits: &[Limit]) -> Arc<str> {
     let limits: Vec<String> = limits.iter().map(Limit::to_string).collect();
     format!("{name}:{}:{}", algorithm.tag(), limits.join("+")).into()
+}
+
+/// Whether `algorithm` decides `windows` exactly (see [`Policy::out_of_range`]).
+fn in_range(algorithm: Algorithm, windows: &[Window]) -> bool {
+    algorithm != Algorithm::Gcra || windows.iter().all(|w| w.gcra_bucket() <= MAX_GCRA_BUCKET)
+}
+
+/// Each limit's window as [`Limit`] displays it, e.g. `1m`.
+fn window_labels(limits: &[Limit]) -> Vec<String> {
+    limits.iter().map(Limit::window_label).collect()
+}
+
+/// BLAKE3 of `identity`, its first 52 bits: the same in every process and version.
+fn stable_hash(identity: &str) -> u64 {
+    let digest = blake3::hash(identity.as_bytes());
+    let mut first = [0; 8];
+    first.copy_from_slice(&digest.as_bytes()[..8]);
+    u64::from_le_bytes(first) & ((1 << 52) - 1)
 }
 
 fn hash(identity: &str) -> u64 {

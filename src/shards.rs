@@ -14,7 +14,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 
-use crate::{Key, Policy};
+use crate::policy::Id;
+use crate::Key;
 
 /// How often a shard drops expired slots while new keys arrive, at most (µs).
 const SWEEP_INTERVAL: u64 = 1_000_000;
@@ -76,9 +77,9 @@ impl<V> Shards<V> {
         }
     }
 
-    /// Locks the shard of `key` under `policy`.
-    pub(crate) fn lock(&self, key: &Key, policy: &Policy) -> Locked<'_, V> {
-        let hash = self.hasher.hash_one((policy.identity_hash(), key.as_str()));
+    /// Locks the shard of `key` under `policy` (one of a policy's ids).
+    pub(crate) fn lock(&self, key: &Key, policy: Id<'_>) -> Locked<'_, V> {
+        let hash = self.hasher.hash_one((policy.hash, key.as_str()));
         // Bits 32 and up pick the shard: the table inside uses the lowest bits for the bucket
         // and the top seven as a tag, so this choice leaves both evenly spread.
         let index = (hash >> 32) as usize & (self.shards.len() - 1);
@@ -115,7 +116,7 @@ impl<V> Shards<V> {
 
 impl<V> Locked<'_, V> {
     /// The slot of `key` under `policy`, live or expired, marked as used at `now`.
-    pub(crate) fn get(&mut self, key: &Key, policy: &Policy, now: u64) -> Option<&mut Slot<V>> {
+    pub(crate) fn get(&mut self, key: &Key, policy: Id<'_>, now: u64) -> Option<&mut Slot<V>> {
         let slot = self.shard.slots.find_mut(self.hash, matches(key, policy))?;
         slot.used = now;
         Some(slot)
@@ -123,11 +124,11 @@ impl<V> Locked<'_, V> {
 
     /// Adds a slot for `key` under `policy`, which [`get`](Self::get) just did not find,
     /// making room first if the shard is full.
-    pub(crate) fn insert(&mut self, key: &Key, policy: &Policy, now: u64, expires: u64, value: V) {
+    pub(crate) fn insert(&mut self, key: &Key, policy: Id<'_>, now: u64, expires: u64, value: V) {
         self.shard.make_room(now, self.capacity);
         let slot = Slot {
             hash: self.hash,
-            policy: policy.shared_identity(),
+            policy: Arc::clone(policy.text),
             key: key.clone(),
             expires,
             used: now,
@@ -137,7 +138,7 @@ impl<V> Locked<'_, V> {
     }
 
     /// Forgets `key` under `policy`.
-    pub(crate) fn remove(&mut self, key: &Key, policy: &Policy) {
+    pub(crate) fn remove(&mut self, key: &Key, policy: Id<'_>) {
         if let Ok(slot) = self.shard.slots.find_entry(self.hash, matches(key, policy)) {
             slot.remove();
         }
@@ -151,7 +152,7 @@ impl<V> Slot<V> {
     }
 }
 
-fn matches<'a, V>(key: &'a Key, policy: &'a Policy) -> impl Fn(&Slot<V>) -> bool + 'a {
+fn matches<'a, V>(key: &'a Key, policy: Id<'a>) -> impl Fn(&Slot<V>) -> bool + 'a {
     move |slot| slot.key == *key && policy.is(&slot.policy)
 }
 
@@ -188,6 +189,7 @@ impl<V> Shard<V> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Policy;
 
     fn policy() -> Policy {
         "1/1s".parse().unwrap()
@@ -198,14 +200,27 @@ mod tests {
         let map = Shards::new(1_000);
         let (a, b, p) = (Key::from("a"), Key::from("b"), policy());
         let other = p.clone().named("other").unwrap();
-        map.lock(&a, &p).insert(&a, &p, 0, 10, 'a');
-        assert_eq!(map.lock(&a, &p).get(&a, &p, 1).map(|s| s.value), Some('a'));
-        assert!(map.lock(&b, &p).get(&b, &p, 1).is_none());
-        assert!(map.lock(&a, &other).get(&a, &other, 1).is_none());
+        map.lock(&a, p.state_id())
+            .insert(&a, p.state_id(), 0, 10, 'a');
+        assert_eq!(
+            map.lock(&a, p.state_id())
+                .get(&a, p.state_id(), 1)
+                .map(|s| s.value),
+            Some('a')
+        );
+        assert!(map
+            .lock(&b, p.state_id())
+            .get(&b, p.state_id(), 1)
+            .is_none());
+        assert!(map
+            .lock(&a, other.state_id())
+            .get(&a, other.state_id(), 1)
+            .is_none());
         assert_eq!(map.len(5), 1);
         assert_eq!(map.len(10), 0, "expired at 10");
-        map.lock(&b, &p).insert(&b, &p, 0, 10, 'b');
-        map.lock(&b, &p).remove(&b, &p);
+        map.lock(&b, p.state_id())
+            .insert(&b, p.state_id(), 0, 10, 'b');
+        map.lock(&b, p.state_id()).remove(&b, p.state_id());
         assert_eq!(map.len(0), 0);
     }
 
@@ -215,14 +230,25 @@ mod tests {
         let p = policy();
         let keys: Vec<Key> = (0..8).map(|i| Key::from(format!("k{i}"))).collect();
         for (t, key) in keys.iter().enumerate() {
-            map.lock(key, &p).insert(key, &p, t as u64, u64::MAX, ());
+            map.lock(key, p.state_id())
+                .insert(key, p.state_id(), t as u64, u64::MAX, ());
         }
         // k0 is the oldest insertion but was used last.
-        assert!(map.lock(&keys[0], &p).get(&keys[0], &p, 100).is_some());
+        assert!(map
+            .lock(&keys[0], p.state_id())
+            .get(&keys[0], p.state_id(), 100)
+            .is_some());
         let new = Key::from("new");
-        map.lock(&new, &p).insert(&new, &p, 101, u64::MAX, ());
+        map.lock(&new, p.state_id())
+            .insert(&new, p.state_id(), 101, u64::MAX, ());
         assert_eq!(map.len(101), 8);
-        assert!(map.lock(&keys[0], &p).get(&keys[0], &p, 102).is_some());
-        assert!(map.lock(&keys[1], &p).get(&keys[1], &p, 102).is_none());
+        assert!(map
+            .lock(&keys[0], p.state_id())
+            .get(&keys[0], p.state_id(), 102)
+            .is_some());
+        assert!(map
+            .lock(&keys[1], p.state_id())
+            .get(&keys[1], p.state_id(), 102)
+            .is_none());
     }
 }

@@ -166,3 +166,48 @@ async fn instances_with_other_cluster_tags_are_refused() {
     assert!(captured.text().contains("ERROR"), "{}", captured.text());
     drop(lazy);
 }
+
+/// Overrides on a cluster: a key's lives in its key's slot, a policy's in every tag's, and
+/// the decisions of keys on every primary follow them (a call whose keys spanned slots would
+/// fail with `CROSSSLOT`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_govern_keys_on_every_primary() {
+    use tower_redis_ratelimit::store::{Override, Scope};
+
+    let cluster = RedisCluster::start(3);
+    let store = RedisStore::connect(&cluster.url()).await.unwrap();
+    let policy = Policy::new("sms", ["5/1h".parse().unwrap()]).unwrap();
+    let keys: Vec<Key> = (0..12).map(|i| Key::from(format!("phone-{i}"))).collect();
+    let owners: std::collections::BTreeSet<usize> = keys
+        .iter()
+        .map(|key| cluster.owner_of_key(&store.redis_key(key, &policy)))
+        .collect();
+    assert_eq!(owners.len(), 3, "keys on every primary");
+    let admitted = |key: Key, tries: usize| {
+        let (store, policy) = (store.clone(), policy.clone());
+        async move {
+            let mut admitted = 0;
+            for _ in 0..tries {
+                admitted += usize::from(store.check(&key, &policy, 1).await.unwrap().is_allowed());
+            }
+            admitted
+        }
+    };
+    let limits = |n: &str| Override::Limits(vec![n.parse().unwrap()]);
+    let overrides = store.overrides();
+    overrides
+        .set(&policy, &Scope::All, &limits("7/1h"))
+        .await
+        .unwrap();
+    overrides
+        .set(&policy, &Scope::Key(keys[0].clone()), &limits("2/1h"))
+        .await
+        .unwrap();
+    let counts = join_all(keys.iter().map(|key| admitted(key.clone(), 9))).await;
+    assert_eq!(counts[0], 2, "the key's own override");
+    assert!(counts[1..].iter().all(|&n| n == 7), "{counts:?}");
+    assert_eq!(overrides.list(&policy).await.unwrap().len(), 2);
+    assert!(overrides.remove(&policy, &Scope::All).await.unwrap());
+    let fresh = Key::from("phone-fresh");
+    assert_eq!(admitted(fresh, 9).await, 5, "the policy's own counts again");
+}

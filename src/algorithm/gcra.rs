@@ -26,15 +26,22 @@
 //! `scripts/gcra.lua` is the same procedure; every value it computes stays below 2^53, where
 //! Lua's doubles are exact.
 //!
+//! Other counts for the same windows ([`Policy::with_limits`](crate::Policy::with_limits)):
+//! each slot keeps the `u` it was written under. A backlog `b` of another `u` holds `b / u`
+//! units of cost, and is read as as many units under the counts at hand, rounded up
+//! (`ceil(b * u' / u)`, saturating at [`MAX_UNITS`]); it then drains at their rate from the
+//! last write on. A change of counts so never forgets usage, nor invents it.
+//!
 //! [`MAX_GCRA_BUCKET`]: super::MAX_GCRA_BUCKET
 //! [`MAX_UNITS`]: super::MAX_UNITS
 
 use super::{div_ceil, Fit, Limiter, Refund, Window, MAX_UNITS};
 
-/// Per limit: (time of the last write, backlog in GCRA units).
+/// Per limit: time of the last write, backlog in GCRA units, and the weight of one unit of
+/// cost (`u`) of the counts it was written under.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Gcra {
-    slots: Vec<(u64, u128)>,
+    slots: Vec<(u64, u128, u64)>,
 }
 
 /// A limit's weight of one unit of cost (`u`) and drain per µs (`d`), in GCRA units.
@@ -45,13 +52,25 @@ fn units(w: &Window) -> (u128, u128) {
 impl Gcra {
     fn backlog(&self, now: u64, i: usize, w: &Window) -> u128 {
         match self.slots.get(i) {
-            Some(&(at, b)) => {
-                let drained = u128::from(now.saturating_sub(at)) * units(w).1;
-                b.saturating_sub(drained)
+            Some(&(at, b, from)) => {
+                let (u, d) = units(w);
+                let drained = u128::from(now.saturating_sub(at)) * d;
+                reweigh(b, from, u).saturating_sub(drained)
             }
             None => 0,
         }
     }
+}
+
+/// `b` GCRA units of weight `from` per unit of cost as units of weight `to`:
+/// `ceil(b * to / from)`, saturating at [`MAX_UNITS`] (`reweigh` in `scripts/exact.lua`).
+fn reweigh(b: u128, from: u64, to: u128) -> u128 {
+    if from == 0 || u128::from(from) == to {
+        return b;
+    }
+    (b * to)
+        .div_ceil(u128::from(from))
+        .min(u128::from(MAX_UNITS))
 }
 
 impl Limiter for Gcra {
@@ -69,10 +88,10 @@ impl Limiter for Gcra {
     }
 
     fn record(&mut self, now: u64, windows: &[Window], cost: u64) {
-        self.slots.resize(windows.len(), (0, 0));
+        self.slots.resize(windows.len(), (0, 0, 0));
         for (i, w) in windows.iter().enumerate() {
             let new = self.backlog(now, i, w) + u128::from(cost) * units(w).0;
-            self.slots[i] = (now, new.min(u128::from(MAX_UNITS)));
+            self.slots[i] = (now, new.min(u128::from(MAX_UNITS)), w.gcra.0);
         }
     }
 
@@ -98,7 +117,7 @@ impl Limiter for Gcra {
             let weight =
                 (u128::from(back.units) * u).saturating_sub(u128::from(now.saturating_sub(at)) * d);
             let left = self.backlog(now, i, w);
-            self.slots[i] = (now, left.saturating_sub(weight));
+            self.slots[i] = (now, left.saturating_sub(weight), w.gcra.0);
         }
     }
 }

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use super::overrides::{Applied, Overrides, Table};
 use super::{Store, StoreError};
 use crate::algorithm::{
     decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
@@ -118,6 +119,7 @@ pub struct MemoryStore {
 struct Shared {
     entries: Shards<State>,
     clock: Arc<dyn Clock>,
+    overrides: Arc<Table>,
 }
 
 /// One key's state: when it was created, and its algorithm's state.
@@ -244,8 +246,8 @@ impl MemoryStore {
     /// Meant for tests and diagnostics; 0 for other algorithms and expired keys.
     pub fn events(&self, key: &Key, policy: &Policy) -> usize {
         let now = self.now();
-        let mut shard = self.shared.entries.lock(key, policy);
-        match shard.get(key, policy, now) {
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        match shard.get(key, policy.state_id(), now) {
             Some(slot) if slot.is_live(now) => match &mut slot.value.of {
                 Of::Log(log) => {
                     trim(log, now, policy);
@@ -255,6 +257,12 @@ impl MemoryStore {
             },
             _ => 0,
         }
+    }
+
+    /// The store's overrides: limits changed at run time for a key or a whole policy,
+    /// applied to every decision of this store and its clones from the next one on.
+    pub fn overrides(&self) -> Overrides {
+        Overrides::memory(Arc::clone(&self.shared.overrides))
     }
 
     /// The number of keys held, once expired ones are dropped.
@@ -287,8 +295,17 @@ impl MemoryStore {
         let now = self.now();
         let t = at.map_or(now, |at| micros(since_epoch(at)));
         let cost = u64::from(cost);
-        let mut shard = self.shared.entries.lock(key, policy);
-        let outcome = match shard.get(key, policy, now) {
+        let other;
+        let policy = match self.shared.overrides.apply(key, policy) {
+            Applied::Own(policy) => policy,
+            Applied::Other(policy) => {
+                other = policy;
+                &other
+            }
+            Applied::Blocked => return ready(Ok(Decision::blocked(policy))),
+        };
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        let outcome = match shard.get(key, policy.state_id(), now) {
             Some(slot) => {
                 if !slot.is_live(now) || slot.value.algorithm() != algorithm {
                     slot.value = State::new(algorithm, now);
@@ -303,7 +320,7 @@ impl MemoryStore {
                 let mut state = State::new(algorithm, now);
                 let outcome = state.decide(now, t, policy, cost, record);
                 if outcome.allowed && record {
-                    shard.insert(key, policy, now, expiry(policy, now, t), state);
+                    shard.insert(key, policy.state_id(), now, expiry(policy, now, t), state);
                 }
                 outcome
             }
@@ -320,6 +337,15 @@ impl MemoryStore {
     /// Records `settlement` for `key` under `policy`, now.
     fn settle_now(&self, key: &Key, policy: &Policy, settlement: Settlement) {
         let now = self.now();
+        // Settled under the counts the key is decided by; a blocked key's under its own.
+        let other;
+        let policy = match self.shared.overrides.apply(key, policy) {
+            Applied::Other(policy) => {
+                other = policy;
+                &other
+            }
+            _ => policy,
+        };
         let algorithm = policy.algorithm();
         let change = match settlement.change {
             Change::Charge => Settle::Charge(settlement.units),
@@ -329,8 +355,8 @@ impl MemoryStore {
                 recorded: settlement.recorded,
             }),
         };
-        let mut shard = self.shared.entries.lock(key, policy);
-        match shard.get(key, policy, now) {
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        match shard.get(key, policy.state_id(), now) {
             Some(slot) => {
                 if !slot.is_live(now) || slot.value.algorithm() != algorithm {
                     slot.value = State::new(algorithm, now);
@@ -347,7 +373,7 @@ impl MemoryStore {
                 let mut state = State::new(algorithm, now);
                 let drained = state.settle(now, policy, change);
                 let expires = expiry(policy, now, now).max(now.saturating_add(drained));
-                shard.insert(key, policy, now, expires, state);
+                shard.insert(key, policy.state_id(), now, expires, state);
             }
         }
     }
@@ -396,6 +422,7 @@ impl MemoryStoreBuilder {
                 clock: self
                     .clock
                     .unwrap_or_else(|| Arc::new(TokioClock::default())),
+                overrides: Arc::default(),
             }),
         }
     }
@@ -418,7 +445,10 @@ impl Store for MemoryStore {
     }
 
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
-        self.shared.entries.lock(key, policy).remove(key, policy);
+        self.shared
+            .entries
+            .lock(key, policy.state_id())
+            .remove(key, policy.state_id());
         ready(Ok(()))
     }
 
@@ -441,5 +471,9 @@ impl Store for MemoryStore {
 
     fn is_local(&self) -> bool {
         true
+    }
+
+    fn limits_version(&self) -> u64 {
+        self.shared.overrides.version()
     }
 }

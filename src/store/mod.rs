@@ -10,10 +10,12 @@ use std::time::SystemTime;
 use crate::{Decision, Key, Policy, Settlement};
 
 pub(crate) mod memory;
+pub(crate) mod overrides;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
 pub use memory::{Clock, ManualClock, MemoryStore, MemoryStoreBuilder, TokioClock};
+pub use overrides::{Override, OverrideError, Overrides, Scope};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::{Leases, RedisStore, RedisStoreBuilder};
@@ -98,6 +100,15 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// with leases also refuses the sliding log.
     fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
         in_range(policy)
+    }
+
+    /// A number that changes whenever the limits this store decides by may have changed: an
+    /// override set or removed ([`Overrides`]), here or, for a store shared by a fleet, by
+    /// another instance (which a [`RedisStore`] sees within a quarter of a second). The layer's
+    /// deny cache neither keeps nor repeats a refusal decided under another number. `0` by
+    /// default, for a store whose limits never change.
+    fn limits_version(&self) -> u64 {
+        0
     }
 
     /// Whether decisions are made in this process, without I/O. The layer's deny cache is off

@@ -19,9 +19,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::clients::Pool;
+use fred::clients::{Client, Pool};
 use fred::error::{Error, ErrorKind};
-use fred::interfaces::{ClientLike, KeysInterface};
+use fred::interfaces::ClientLike;
 use fred::types::config::Options;
 use fred::types::scripts::Script;
 use fred::types::{ClusterHash, CustomCommand, Key, Value};
@@ -32,7 +32,7 @@ use super::nodes::Nodes;
 use super::placement::Place;
 use crate::algorithm::{Algorithm, Window};
 
-/// The reply of one request: its five integers and the Redis time of the call, in µs (see
+/// The reply of one request: its six integers and the Redis time of the call, in µs (see
 /// `scripts/prelude.lua`).
 pub(super) type Reply = Result<Answer, Error>;
 
@@ -40,8 +40,8 @@ pub(super) type Reply = Result<Answer, Error>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Answer {
     /// Allowed (0, or 1 + units leased beyond the cost), limit index, remaining, reset after,
-    /// retry after.
-    pub(super) five: [i64; 5],
+    /// retry after, and the count of the reported limit when an override set it (-1: none).
+    pub(super) ints: [i64; 6],
     /// Redis `TIME` during the call, µs since the epoch.
     pub(super) time: i64,
 }
@@ -53,8 +53,7 @@ const INT: usize = std::mem::size_of::<i64>();
 struct Job {
     algorithm: Algorithm,
     key: Key,
-    /// The request's arguments, encoded: number of limits, cost, record, time, then count and
-    /// window of each limit.
+    /// The request's arguments, encoded (see [`encode`]).
     args: Vec<u8>,
     reply: oneshot::Sender<Reply>,
 }
@@ -85,6 +84,9 @@ pub(super) enum Redis {
 /// What the calls need.
 pub(super) struct Settings {
     pub(super) redis: Redis,
+    /// The name of each lane's hash of overrides (`overrides.rs`), its calls' second
+    /// argument.
+    pub(super) overrides: Vec<Value>,
     pub(super) scripts: Vec<(Algorithm, Script)>,
     /// `scripts/release.lua`, which gives leased units back.
     pub(super) release: Script,
@@ -113,10 +115,15 @@ impl Batcher {
     pub(super) fn spawn(lanes: usize, settings: Settings) -> Batcher {
         let settings = Arc::new(settings);
         let lanes = (0..lanes.max(1))
-            .map(|_| {
+            .map(|lane| {
                 let (queue, jobs) = mpsc::unbounded_channel();
                 let slots = Arc::new(Semaphore::new(settings.in_flight.max(1)));
-                tokio::spawn(dispatch(jobs, Arc::clone(&slots), Arc::clone(&settings)));
+                tokio::spawn(dispatch(
+                    lane,
+                    jobs,
+                    Arc::clone(&slots),
+                    Arc::clone(&settings),
+                ));
                 Lane { queue, slots }
             })
             .collect();
@@ -125,14 +132,22 @@ impl Batcher {
 
     /// Decides one request at `place`: `args` as in [`Job::args`] (see [`encode`]).
     pub(super) async fn decide(&self, place: Place, algorithm: Algorithm, args: Vec<u8>) -> Reply {
-        let lane = &self.lanes[place.lane % self.lanes.len()];
+        let index = place.lane % self.lanes.len();
+        let lane = &self.lanes[index];
         // fred's key type shares the text, so copies of it (a retry's) cost no copy of it.
         let key = Key::from(place.key);
         // A free slot means nothing is waiting: no batch to join, so go at once.
         if let Ok(slot) = Arc::clone(&lane.slots).try_acquire_owned() {
             // Boxed because fred's call future takes kilobytes: inline, it would make every
             // decision's future that large, including the queued ones that never send.
-            let call = call(&self.settings, algorithm, vec![key], Bytes::from(args), 1);
+            let call = call(
+                &self.settings,
+                index,
+                algorithm,
+                vec![key],
+                Bytes::from(args),
+                1,
+            );
             let reply = Box::pin(call).await;
             drop(slot);
             return reply.map(|values| answer(&values, 0));
@@ -168,7 +183,8 @@ impl Batcher {
         patience: Duration,
     ) -> Result<i64, Error> {
         let keys = keys.into_iter().map(Key::from).collect();
-        self.evalsha_patiently(&self.settings.release, keys, args, patience)
+        let argv = vec![Value::Bytes(Bytes::from(args))];
+        self.evalsha_patiently(&self.settings.release, keys, argv, patience)
             .await
     }
 
@@ -187,26 +203,25 @@ impl Batcher {
     ) -> Reply {
         let script = script_for(&self.settings, algorithm)?;
         let keys = vec![Key::from(place.key)];
-        let values: Bytes = self.evalsha_patiently(script, keys, args, patience).await?;
+        let argv = argv(&self.settings, place.lane, Bytes::from(args));
+        let values: Bytes = self.evalsha_patiently(script, keys, argv, patience).await?;
         check_length(&values, 1)?;
         Ok(answer(&values, 0))
     }
 
-    /// `EVALSHA` of `script` over `keys` (one hash slot) with `args`, waiting for the reply
-    /// up to `patience` rather than the pool's time budget; loads the script and sends it
-    /// again once if Redis lost it.
+    /// `EVALSHA` of `script` over `keys` (one hash slot) with arguments `argv`, waiting for
+    /// the reply up to `patience` rather than the pool's time budget; loads the script and
+    /// sends it again once if Redis lost it.
     async fn evalsha_patiently<R: fred::types::FromValue>(
         &self,
         script: &Script,
         keys: Vec<Key>,
-        args: Vec<u8>,
+        argv: Vec<Value>,
         patience: Duration,
     ) -> Result<R, Error> {
         let pool = match &self.settings.redis {
             Redis::Cluster(nodes) => {
-                return nodes
-                    .evalsha(script, keys, Bytes::from(args), Some(patience))
-                    .await
+                return nodes.evalsha(script, keys, argv, Some(patience)).await;
             }
             Redis::Single(pool) => pool,
         };
@@ -217,7 +232,7 @@ impl Batcher {
         };
         let patient = client.with_options(&options);
         let command = CustomCommand::new_static("EVALSHA", ClusterHash::Random, false);
-        let evalsha = evalsha_args(script, keys, Bytes::from(args));
+        let evalsha = evalsha_args(script, keys, argv);
         match patient
             .custom::<R, _>(command.clone(), evalsha.clone())
             .await
@@ -230,11 +245,19 @@ impl Batcher {
         }
     }
 
-    /// Deletes `key` (a reset), in a cluster on the primary that holds it.
-    pub(super) async fn del(&self, key: String) -> Result<(), Error> {
+    /// Runs `command`, one command on `key` (or keys of its slot), on the Redis that holds
+    /// it: in a cluster the primary of its slot, following `MOVED`.
+    pub(super) async fn on<R, F, Fut>(&self, key: &str, command: F) -> Result<R, Error>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<R, Error>>,
+    {
         match &self.settings.redis {
-            Redis::Single(pool) => pool.next().del::<(), _>(key).await,
-            Redis::Cluster(nodes) => nodes.del(key).await,
+            Redis::Single(pool) => command(pool.next().clone()).await,
+            Redis::Cluster(nodes) => {
+                let slot = fred::util::redis_keyslot(key.as_bytes());
+                nodes.on_owner(slot, command).await
+            }
         }
     }
 
@@ -245,6 +268,7 @@ impl Batcher {
 }
 
 async fn dispatch(
+    lane: usize,
     mut jobs: mpsc::UnboundedReceiver<Job>,
     slots: Arc<Semaphore>,
     settings: Arc<Settings>,
@@ -269,7 +293,7 @@ async fn dispatch(
         }
         let slot = Arc::new(slot);
         for group in groups(batch, clustered) {
-            tokio::spawn(send(group, Arc::clone(&settings), Arc::clone(&slot)));
+            tokio::spawn(send(lane, group, Arc::clone(&settings), Arc::clone(&slot)));
         }
     }
 }
@@ -328,7 +352,12 @@ fn groups(batch: Vec<Job>, clustered: bool) -> Vec<Vec<Job>> {
 }
 
 /// Sends one call and answers each of its requests.
-async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphorePermit>) {
+async fn send(
+    lane: usize,
+    group: Vec<Job>,
+    settings: Arc<Settings>,
+    _slot: Arc<OwnedSemaphorePermit>,
+) {
     let Some(algorithm) = group.first().map(|job| job.algorithm) else {
         return;
     };
@@ -349,10 +378,10 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
         Redis::Cluster(_) => Some(keys.clone()),
         Redis::Single(_) => None,
     };
-    let reply = call(&settings, algorithm, keys, args.clone(), requests).await;
+    let reply = call(&settings, lane, algorithm, keys, args.clone(), requests).await;
     if let Some(keys) = kept {
         if reply.as_ref().is_err_and(is_split) && keys.iter().any(|key| *key != keys[0]) {
-            send_by_key(&settings, algorithm, keys, &args, &lens, replies).await;
+            send_by_key(&settings, lane, algorithm, keys, &args, &lens, replies).await;
             return;
         }
     }
@@ -374,6 +403,7 @@ async fn send(group: Vec<Job>, settings: Arc<Settings>, _slot: Arc<OwnedSemaphor
 /// length of each request's arguments in `args`.
 async fn send_by_key(
     settings: &Arc<Settings>,
+    lane: usize,
     algorithm: Algorithm,
     keys: Vec<Key>,
     args: &[u8],
@@ -404,7 +434,7 @@ async fn send_by_key(
             let settings = Arc::clone(settings);
             tokio::spawn(async move {
                 let (keys, args) = (vec![key; replies.len()], Bytes::from(args));
-                let reply = call(&settings, algorithm, keys, args, replies.len()).await;
+                let reply = call(&settings, lane, algorithm, keys, args, replies.len()).await;
                 for (i, requester) in replies.into_iter().enumerate() {
                     let result = match &reply {
                         Ok(values) => Ok(answer(values, i)),
@@ -444,11 +474,11 @@ pub(super) enum Record {
 
 /// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
 /// of limits, cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (µs, -1 for
-/// now), for a lease or a look (0) want and headroom, for a settlement refund (0 or 1),
-/// admission time and the units recorded then, then count, window (µs) and scale of each
-/// limit.
-pub(super) fn encode(cost: u64, record: Record, at: i64, windows: &[Window]) -> Vec<u8> {
-    let mut args = Vec::with_capacity(INT * (7 + 3 * windows.len()));
+/// now), the policy's override id (`Policy::override_id`), for a lease or a look (0) want and
+/// headroom, for a settlement refund (0 or 1), admission time and the units recorded then,
+/// then count, window (µs) and scale of each limit.
+pub(super) fn encode(cost: u64, record: Record, at: i64, id: u64, windows: &[Window]) -> Vec<u8> {
+    let mut args = Vec::with_capacity(INT * (8 + 3 * windows.len()));
     let (flag, extra, extras) = match record {
         Record::No { headroom } => (0, [clamp(cost), clamp(headroom), 0], 2),
         Record::Yes => (1, [0; 3], 0),
@@ -459,7 +489,7 @@ pub(super) fn encode(cost: u64, record: Record, at: i64, windows: &[Window]) -> 
             recorded,
         } => (3, [i64::from(refund), admitted, clamp(recorded)], 3),
     };
-    let head = [windows.len() as i64, clamp(cost), flag, at];
+    let head = [windows.len() as i64, clamp(cost), flag, at, clamp(id)];
     let values = head.into_iter().chain(extra.into_iter().take(extras));
     for value in values.chain(limits(windows)) {
         args.extend_from_slice(&value.to_le_bytes());
@@ -512,46 +542,58 @@ fn limits(windows: &[Window]) -> impl Iterator<Item = i64> + '_ {
         .flat_map(|w| [clamp(w.count), clamp(w.micros), clamp(w.scale)])
 }
 
-/// The arguments of `EVALSHA` for `script` over `keys` with `args`, for a call sent as a
+/// The arguments of `EVALSHA` for `script` over `keys` with `argv`, for a call sent as a
 /// command of its own.
-pub(super) fn evalsha_args(script: &Script, keys: Vec<Key>, args: Bytes) -> Vec<Value> {
-    let mut evalsha = Vec::with_capacity(3 + keys.len());
+pub(super) fn evalsha_args(script: &Script, keys: Vec<Key>, argv: Vec<Value>) -> Vec<Value> {
+    let mut evalsha = Vec::with_capacity(2 + keys.len() + argv.len());
     evalsha.push(Value::from(script.sha1().clone()));
     evalsha.push(Value::from(keys.len() as i64));
     evalsha.extend(keys.into_iter().map(Value::from));
-    evalsha.push(Value::Bytes(args));
+    evalsha.extend(argv);
     evalsha
+}
+
+/// An algorithm script's arguments for a call of lane `lane`: the requests' (`args`), and
+/// the name of the lane's hash of overrides. The hash is read by name, not passed as a key:
+/// while a slot migrates, a call whose keys include one that is missing on a node is
+/// refused (`TRYAGAIN`), and the hash usually does not exist at all (`prelude.lua`).
+fn argv(settings: &Settings, lane: usize, args: Bytes) -> Vec<Value> {
+    let hash = &settings.overrides[lane % settings.overrides.len()];
+    vec![Value::Bytes(args), hash.clone()]
 }
 
 fn clamp(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-/// Runs the algorithm's script for `requests` requests (`args`: theirs, encoded one after
-/// the other), within the time budget; the reply has five integers per request.
+/// Runs the algorithm's script for `requests` requests of lane `lane` (`args`: theirs,
+/// encoded one after the other), within the time budget; the reply has six integers per
+/// request.
 async fn call(
     settings: &Settings,
+    lane: usize,
     algorithm: Algorithm,
     keys: Vec<Key>,
     args: Bytes,
     requests: usize,
 ) -> Result<Bytes, Error> {
     let script = script_for(settings, algorithm)?;
+    // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
+    let one_key = keys.iter().all(|key| *key == keys[0]);
+    let argv = argv(settings, lane, args);
     let call = async {
         let nodes = match &settings.redis {
             // No redirections outside a cluster: nothing to keep for a second try.
             Redis::Single(pool) => {
                 return script
-                    .evalsha_with_reload(pool.next_connected(), keys, args)
+                    .evalsha_with_reload(pool.next_connected(), keys, argv)
                     .await
             }
             Redis::Cluster(nodes) => nodes,
         };
-        // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
-        let one_key = keys.iter().all(|key| *key == keys[0]);
         loop {
             let reply = nodes
-                .evalsha(script, keys.clone(), args.clone(), None)
+                .evalsha(script, keys.clone(), argv.clone(), None)
                 .await;
             match reply {
                 // The keys are split between the two nodes of a slot migration, or the slot
@@ -590,9 +632,9 @@ fn script_for(settings: &Settings, algorithm: Algorithm) -> Result<&Script, Erro
     }
 }
 
-/// Whether `values` is a reply to `requests` requests: five integers each, then the time.
+/// Whether `values` is a reply to `requests` requests: six integers each, then the time.
 fn check_length(values: &[u8], requests: usize) -> Result<(), Error> {
-    if values.len() != (5 * requests + 1) * INT {
+    if values.len() != (6 * requests + 1) * INT {
         let message = format!("{} bytes for {requests} requests", values.len());
         return Err(Error::new(ErrorKind::Parse, message));
     }
@@ -619,12 +661,12 @@ fn answer(values: &[u8], i: usize) -> Answer {
         le.copy_from_slice(&values[at..at + INT]);
         i64::from_le_bytes(le)
     };
-    let mut five = [0; 5];
-    for (j, value) in five.iter_mut().enumerate() {
-        *value = int((5 * i + j) * INT);
+    let mut ints = [0; 6];
+    for (j, value) in ints.iter_mut().enumerate() {
+        *value = int((6 * i + j) * INT);
     }
     Answer {
-        five,
+        ints,
         time: int(values.len() - INT),
     }
 }

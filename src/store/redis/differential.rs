@@ -74,6 +74,9 @@ enum Op {
     /// A refund of up to this many units of the `n`-th admitted request (modulo their number),
     /// once per request.
     Refund(usize, u64),
+    /// Other counts for the same windows from now on (`Policy::with_limits`), the first of
+    /// these for the first limit and so on.
+    Recount(Vec<u64>),
 }
 
 /// The state of one key on the Rust side, as the memory store keeps it.
@@ -144,13 +147,15 @@ impl Scripts {
         windows: &[Window],
     ) -> Result<Bytes, fred::error::Error> {
         let script = SCRIPTS.iter().find(|(a, _)| *a == algorithm).unwrap().1;
-        let args = batch::encode(cost, record, t, windows);
+        let args = batch::encode(cost, record, t, 0, windows);
         let eval = CustomCommand::new_static("EVAL", ClusterHash::FirstKey, false);
+        // No override is ever set: the hash of overrides does not exist.
         let values = vec![
             Value::from(script),
             Value::from(1),
             Value::from(key),
             Value::Bytes(Bytes::from(args)),
+            Value::from("overrides"),
         ];
         self.client.custom(eval, values).await
     }
@@ -190,6 +195,9 @@ struct History {
     saturated: bool,
     /// The units charged, each at most the largest count and one.
     charged: u128,
+    /// Whether GCRA's counts changed, after which the model (one rate throughout) no longer
+    /// holds; the two sides must still agree.
+    recounted: bool,
 }
 
 impl History {
@@ -215,6 +223,7 @@ impl History {
                 }
                 // A bucket of c draining c per w: the units since any earlier event, with
                 // this one, drain within the time since plus one window.
+                Algorithm::Gcra if self.recounted => true,
                 Algorithm::Gcra => {
                     let starts = self.events.iter().map(|&(s, _)| s).chain([t]);
                     starts.filter(|&s| s <= t).all(|s| {
@@ -246,6 +255,7 @@ struct Tally {
     refused: u64,
     charges: u64,
     refunds: u64,
+    recounts: u64,
 }
 
 /// Runs one case on both sides; `key` names its Redis key.
@@ -280,7 +290,8 @@ async fn run_counted(
         tally.out_of_range += 1;
         return Ok(()); // refused by both stores, tested apart
     }
-    let windows = policy.windows();
+    let mut policy = policy;
+    let mut windows = policy.windows().to_vec();
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
@@ -300,6 +311,7 @@ async fn run_counted(
         match *op {
             Op::Check(cost) => {
                 let cost = u64::from(cost);
+                let windows = &windows[..];
                 let allowed_by_model = history.admits(case.algorithm, t, windows, cost);
                 let ours = state.with(t, windows, |s| s.decide(t, windows, cost, true));
                 let theirs = scripts
@@ -323,6 +335,7 @@ async fn run_counted(
             // A settle of nothing is never sent (`Store::settle`).
             Op::Charge(0) => {}
             Op::Charge(units) => {
+                let windows = &windows[..];
                 tally.charges += 1;
                 state.with(t, windows, |s| s.settle(t, windows, Settle::Charge(units)));
                 let record = Record::Settle {
@@ -333,11 +346,17 @@ async fn run_counted(
                 scripts
                     .call(case.algorithm, key, units, record, t, windows)
                     .await;
-                history.events.push((t, u128::from(units)));
-                // GCRA saturates its backlog at 2^52 (at least three buckets), and the log
-                // its units at 2^52 (an event weighing at most the largest count and one):
-                // past those the model, which does not, is stricter than both sides.
+                // The log records an event of at most the largest count and one (no decision
+                // under these counts tells more), and counts it so after a change of counts.
                 let largest = windows.iter().map(|w| w.count).max().unwrap_or(0);
+                let weight = match case.algorithm {
+                    Algorithm::SlidingLog => units.min(largest + 1),
+                    _ => units,
+                };
+                history.events.push((t, u128::from(weight)));
+                // GCRA saturates its backlog at 2^52 (at least three buckets), and the log
+                // its units at 2^52: past those the model, which does not, is stricter than
+                // both sides.
                 history.charged += u128::from(units.min(largest + 1));
                 history.saturated |= match case.algorithm {
                     Algorithm::Gcra => units > largest,
@@ -345,7 +364,21 @@ async fn run_counted(
                     _ => false,
                 };
             }
+            Op::Recount(ref counts) => {
+                let limits = policy.limits().iter().zip(counts).map(|(limit, &count)| {
+                    Limit::new(count, limit.window()).expect("counts in range")
+                });
+                let other = policy.with_limits(limits).expect("the same windows");
+                if other.out_of_range().is_some() {
+                    continue;
+                }
+                tally.recounts += 1;
+                history.recounted |= case.algorithm == Algorithm::Gcra;
+                policy = other;
+                windows = policy.windows().to_vec();
+            }
             Op::Refund(n, units) => {
+                let windows = &windows[..];
                 let Some(slot) = (!admitted.is_empty()).then(|| n % admitted.len()) else {
                     continue;
                 };
@@ -378,6 +411,7 @@ async fn run_counted(
             }
         }
         // Both sides hold the same state: a look at it agrees.
+        let windows = &windows[..];
         let ours = state.with(t, windows, |s| s.decide(t, windows, 1, false));
         let look = Record::No { headroom: 0 };
         let theirs = scripts.call(case.algorithm, key, 1, look, t, windows).await;
@@ -435,6 +469,7 @@ fn op() -> impl Strategy<Value = Op> {
         ].prop_map(Op::Check),
         1 => usage().prop_map(Op::Charge),
         2 => (any::<usize>(), 0u64..u64::from(u32::MAX)).prop_map(|(n, u)| Op::Refund(n, u)),
+        1 => proptest::collection::vec(count(), 3).prop_map(Op::Recount),
     ]
 }
 
@@ -588,4 +623,5 @@ fn the_scripts_decide_as_the_algorithms_over_the_whole_range() {
     eprintln!("{tally:?}");
     assert!(tally.admitted > 500 && tally.refused > 500, "{tally:?}");
     assert!(tally.charges > 200 && tally.refunds > 150, "{tally:?}");
+    assert!(tally.recounts > 100, "{tally:?}");
 }

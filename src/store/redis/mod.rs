@@ -2,11 +2,12 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use fred::clients::Pool;
-use fred::prelude::{ClientLike, Config, ReconnectPolicy};
+use fred::prelude::{ClientLike, Config, KeysInterface, ReconnectPolicy};
 use fred::types::config::ReconnectError;
 use fred::types::scripts::Script;
 use fred::types::Builder;
@@ -19,6 +20,7 @@ mod health;
 mod layout;
 mod lease;
 mod nodes;
+mod overrides;
 mod placement;
 
 pub use lease::Leases;
@@ -38,14 +40,20 @@ use crate::{Decision, Key, Policy, Settlement};
 /// 0.25 to 0.15 (one pass: 0.18), near a single Redis's 0.14; `docs/performance.md`.
 const CLUSTER_GATHER_PASSES: usize = 4;
 
-/// A script: the shared prelude (arguments, reply, `TIME`), then, for the algorithms that use
-/// it, the driver that combines limits, then the algorithm's own file.
+/// A script: exact arithmetic past 2^53, the shared prelude (arguments, reply, `TIME`), then,
+/// for the algorithms that use it, the driver that combines limits, then the algorithm's own
+/// file.
 macro_rules! script {
     ($file:literal) => {
-        concat!(include_str!("scripts/prelude.lua"), include_str!($file))
+        concat!(
+            include_str!("scripts/exact.lua"),
+            include_str!("scripts/prelude.lua"),
+            include_str!($file)
+        )
     };
     (driver, $file:literal) => {
         concat!(
+            include_str!("scripts/exact.lua"),
             include_str!("scripts/prelude.lua"),
             include_str!("scripts/common.lua"),
             include_str!($file)
@@ -113,9 +121,19 @@ struct Inner {
     breakers: Vec<Breaker>,
     /// Set when the store leases ([`RedisStoreBuilder::leases`]).
     leases: Option<lease::State>,
+    /// The limits version last seen in Redis (`overrides.rs`).
+    limits_version: AtomicU64,
 }
 
 impl Inner {
+    /// Records the limits version `version` read from Redis; when it is another, the leases
+    /// held now are spent no more (`lease::limits_changed`).
+    fn limits_seen(&self, version: u64) {
+        if self.limits_version.swap(version, Ordering::AcqRel) != version {
+            lease::limits_changed(self);
+        }
+    }
+
     /// Where the state of `key` under `policy` lives.
     fn place(&self, key: &Key, policy: &Policy) -> Place {
         self.placement.place(&self.prefix, key, policy)
@@ -132,7 +150,7 @@ impl Inner {
         record: Record,
     ) -> Result<Answer, StoreError> {
         super::in_range(policy)?;
-        let args = batch::encode(cost, record, at, policy.windows());
+        let args = batch::encode(cost, record, at, policy.override_id(), policy.windows());
         // The budget covers the whole decision: the queue, the call and a script reload.
         let lane = place.lane;
         let decision = self.batcher.decide(place, policy.algorithm(), args);
@@ -308,8 +326,7 @@ impl RedisStore {
             let answer = inner
                 .decide(place, &policy, cost.into(), at, record)
                 .await?;
-            let (outcome, _) = parse_reply(&answer.five, &policy)?;
-            let decision = Decision::from_outcome(outcome, &policy);
+            let decision = parse_reply(&answer.ints, &policy)?.decision(&policy);
             Ok(match record {
                 // The script records at the event time, or at the call's `TIME`.
                 Record::Yes => {
@@ -654,12 +671,20 @@ impl RedisStoreBuilder {
         let batcher = Batcher::spawn(
             lanes,
             batch::Settings {
+                overrides: (0..lanes)
+                    .map(|lane| {
+                        fred::types::Value::from(placement.overrides_key(&self.prefix, lane))
+                    })
+                    .collect(),
                 redis: match nodes {
                     Some(nodes) => batch::Redis::Cluster(nodes),
                     None => batch::Redis::Single(pool.clone()),
                 },
                 scripts,
-                release: Script::from_lua(include_str!("scripts/release.lua")),
+                release: Script::from_lua(concat!(
+                    include_str!("scripts/exact.lua"),
+                    include_str!("scripts/release.lua")
+                )),
                 max_batch: self.max_batch,
                 // Without batching, waiting for a slot gains nothing: send everything at once, as
                 // fred pipelines it.
@@ -688,7 +713,9 @@ impl RedisStoreBuilder {
                 .map(|_| Breaker::new(self.retry_interval))
                 .collect(),
             leases: self.leases.map(lease::State::new),
+            limits_version: AtomicU64::new(0),
         });
+        overrides::spawn_watch(Arc::downgrade(&inner));
         if let Some(leases) = &self.leases {
             lease::spawn_sweeper(Arc::downgrade(&inner), leases.period_length());
         }
@@ -724,6 +751,10 @@ impl Store for RedisStore {
         lease::supports(&self.inner, policy)
     }
 
+    fn limits_version(&self) -> u64 {
+        self.inner.limits_version.load(Ordering::Acquire)
+    }
+
     fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
         if policy.algorithm() != Algorithm::SlidingLog {
             let unsupported = StoreError::Unsupported("event times need the sliding log algorithm");
@@ -757,7 +788,11 @@ impl Store for RedisStore {
         let inner = Arc::clone(&self.inner);
         let redis_key = self.redis_key(key, policy);
         Box::pin(async move {
-            inner.batcher.del(redis_key).await?;
+            let del = |client: fred::clients::Client| {
+                let key = redis_key.clone();
+                async move { client.del::<(), _>(key).await }
+            };
+            inner.batcher.on(&redis_key, del).await?;
             Ok(())
         })
     }
@@ -785,7 +820,8 @@ impl Store for RedisStore {
             admitted: settlement.admitted_at.unwrap_or(-1),
             recorded: settlement.recorded,
         };
-        let args = batch::encode(settlement.units, record, -1, policy.windows());
+        let id = policy.override_id();
+        let args = batch::encode(settlement.units, record, -1, id, policy.windows());
         Box::pin(async move {
             if settlement.units == 0 {
                 return Ok(());
@@ -812,11 +848,26 @@ impl Store for RedisStore {
     }
 }
 
-/// Reads `{allowed, index, remaining, reset_after, retry_after}`; with the outcome, the units
-/// leased beyond the request's cost.
-fn parse_reply(reply: &[i64; 5], policy: &Policy) -> Result<(Outcome, u64), StoreError> {
+/// A script's answer to one request, read.
+struct Reply {
+    outcome: Outcome,
+    /// The units leased beyond the request's cost.
+    extra: u64,
+    /// The count of the reported limit when an override set it.
+    count: Option<u64>,
+}
+
+impl Reply {
+    /// The decision it tells, under `policy` or the override's count.
+    fn decision(&self, policy: &Policy) -> Decision {
+        Decision::from_outcome(self.outcome, policy).with_limit(self.count)
+    }
+}
+
+/// Reads `{allowed, index, remaining, reset_after, retry_after, count}`.
+fn parse_reply(reply: &[i64; 6], policy: &Policy) -> Result<Reply, StoreError> {
     let bad = || StoreError::Reply(format!("{reply:?}"));
-    let &[allowed, index, remaining, reset_after, retry_after] = reply;
+    let &[allowed, index, remaining, reset_after, retry_after, count] = reply;
     let index = usize::try_from(index)
         .ok()
         .filter(|&i| i < policy.limits().len())
@@ -832,5 +883,12 @@ fn parse_reply(reply: &[i64; 5], policy: &Policy) -> Result<(Outcome, u64), Stor
             v => Some(non_negative(v)?),
         },
     };
-    Ok((outcome, non_negative(allowed.max(1) - 1)?))
+    Ok(Reply {
+        outcome,
+        extra: non_negative(allowed.max(1) - 1)?,
+        count: match count {
+            -1 => None,
+            v => Some(non_negative(v)?),
+        },
+    })
 }

@@ -18,10 +18,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use fred::clients::{Client, Pool};
 use fred::error::{Error, ErrorKind};
-use fred::interfaces::{ClientLike, KeysInterface};
+use fred::interfaces::ClientLike;
 use fred::types::cluster::ClusterRouting;
 use fred::types::config::{Options, Server, ServerConfig};
 use fred::types::scripts::Script;
@@ -282,20 +281,20 @@ impl Nodes {
         }
     }
 
-    /// Runs `script` over `keys` (all of one slot) with `args` where the slot's keys are,
+    /// Runs `script` over `keys` (all of one slot) with `argv` where the slot's keys are,
     /// following `MOVED` and `ASK`, waiting for each reply up to `patience` (`None`: the
     /// store's timeout). A call that finds a node unreachable asks for a fresh slot map.
     pub(super) async fn evalsha<R: FromValue>(
         self: &Arc<Self>,
         script: &Script,
         keys: Vec<Key>,
-        args: Bytes,
+        argv: Vec<Value>,
         patience: Option<Duration>,
     ) -> Result<R, Error> {
         let slot = keys
             .first()
             .map_or(0, |key| fred::util::redis_keyslot(key.as_bytes()));
-        let evalsha = super::batch::evalsha_args(script, keys, args);
+        let evalsha = super::batch::evalsha_args(script, keys, argv);
         let options = Options {
             timeout: patience,
             ..Options::default()
@@ -327,12 +326,20 @@ impl Nodes {
         }
     }
 
-    /// Deletes `key` on the primary that holds it, following `MOVED`.
-    pub(super) async fn del(self: &Arc<Self>, key: String) -> Result<(), Error> {
-        let slot = fred::util::redis_keyslot(key.as_bytes());
+    /// Runs `command` (one command on one key of `slot`) on the primary that holds the slot,
+    /// following `MOVED`.
+    pub(super) async fn on_owner<R, F, Fut>(
+        self: &Arc<Self>,
+        slot: u16,
+        command: F,
+    ) -> Result<R, Error>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<R, Error>>,
+    {
         let mut redirections = 0;
         loop {
-            let reply = self.client(slot)?.del::<(), _>(key.as_str()).await;
+            let reply = command(self.client(slot)?).await;
             match reply.as_ref().err().and_then(ask::redirection) {
                 Some(Redirection::Moved(slot, server)) if redirections < MAX_REDIRECTIONS => {
                     self.moved(slot, &server);

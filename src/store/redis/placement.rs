@@ -80,6 +80,17 @@ impl Placement {
         }
     }
 
+    /// The hash of overrides that the calls of lane `lane` read (`overrides.rs`): on a
+    /// single Redis one for every key, in a cluster one per tag, in the tag's slot.
+    pub(super) fn overrides_key(&self, prefix: &str, lane: usize) -> String {
+        match self {
+            Placement::PerClient => format!("{prefix}:overrides"),
+            Placement::Tagged(tags) => {
+                format!("{prefix}:{{{}}}:overrides", tags[lane % tags.len()])
+            }
+        }
+    }
+
     /// How many slots the keys may fall in, for the batcher's lanes: the tags, or one for
     /// a single Redis.
     pub(super) fn lanes(&self) -> usize {
@@ -124,8 +135,12 @@ mod tests {
     #[test]
     fn a_single_redis_keeps_one_slot_per_client() {
         let place = Placement::PerClient.place("rl", &Key::from("c1"), &policy());
-        assert_eq!(place.key, "rl:{api:c1}:log:10/1m");
+        assert_eq!(place.key, "rl:{api:c1}:log:1m");
         assert_eq!(place.lane, 0);
+        // An unnamed policy's key carries its whole limits (see `Policy::identity`).
+        let unnamed = "10/1m".parse::<Policy>().unwrap();
+        let place = Placement::PerClient.place("rl", &Key::from("c1"), &unnamed);
+        assert_eq!(place.key, "rl:{default:c1}:log:10/1m");
     }
 
     #[test]
@@ -155,7 +170,7 @@ mod tests {
             let tag = &key[key.find('{').unwrap() + 1..key.find('}').unwrap()];
             assert_eq!(texts[lane], tag);
             per_tag[lane] += 1;
-            assert!(key.ends_with(&format!("}}:api:c-{i}:log:10/1m")), "{key}");
+            assert!(key.ends_with(&format!("}}:api:c-{i}:log:1m")), "{key}");
         }
         // 1000 expected per tag; a fair hash stays well within ±20 %.
         assert!(

@@ -184,6 +184,14 @@ impl Entry {
         }
     }
 
+    /// The limits may have changed (an override): the grants held now were taken under the
+    /// old ones, and are spent no more; the sweeper gives them back.
+    pub(crate) fn expire_grants(&mut self) {
+        for grant in self.grants.iter_mut() {
+            grant.expires = 0;
+        }
+    }
+
     /// Remembers what Redis answered at Redis time `at` to a request of this key that took
     /// no lease.
     pub(crate) fn answered(&mut self, outcome: Outcome, at: i64) {

@@ -311,8 +311,8 @@ impl State {
     /// Runs `f` on the entry of `key` under `policy`, made if missing.
     fn with<T>(&self, key: &Key, policy: &Policy, f: impl FnOnce(&mut Entry) -> T) -> T {
         let now = self.now();
-        let mut locked = self.book.lock(key, policy);
-        if let Some(slot) = locked.get(key, policy, now) {
+        let mut locked = self.book.lock(key, policy.terms_id());
+        if let Some(slot) = locked.get(key, policy.terms_id(), now) {
             return f(&mut slot.value.entry);
         }
         let mut held = Held {
@@ -320,7 +320,7 @@ impl State {
             entry: Entry::default(),
         };
         let out = f(&mut held.entry);
-        locked.insert(key, policy, now, u64::MAX, held);
+        locked.insert(key, policy.terms_id(), now, u64::MAX, held);
         out
     }
 }
@@ -372,15 +372,28 @@ pub(super) fn settled(inner: &Inner, key: &Key, policy: &Policy, answer: &batch:
     let Some(plan) = state.settings.plan(policy) else {
         return;
     };
-    let Ok((outcome, _)) = super::parse_reply(&answer.five, policy) else {
+    let Ok(super::Reply { outcome, .. }) = super::parse_reply(&answer.ints, policy) else {
         return;
     };
     if plan.full(policy, outcome.remaining) {
         let now = state.now();
-        let mut locked = state.book.lock(key, policy);
-        if let Some(slot) = locked.get(key, policy, now) {
+        let mut locked = state.book.lock(key, policy.terms_id());
+        if let Some(slot) = locked.get(key, policy.terms_id(), now) {
             slot.value.entry.fill(answer.time);
         }
+    }
+}
+
+/// The store's limits version changed (an override was set or removed, here or elsewhere):
+/// every lease held now was taken under limits that may no longer hold, so none is spent any
+/// more; the sweeper gives their units back. A lease call under way may still land and be
+/// spent: at most one grant per key.
+pub(super) fn limits_changed(inner: &Inner) {
+    if let Some(state) = inner.leases.as_ref() {
+        state.book.retain(|_, held| {
+            held.entry.expire_grants();
+            true
+        });
     }
 }
 
@@ -516,9 +529,11 @@ async fn decide(
     let place = inner.place(key, policy);
     let record = plan.record(cost.into(), cost.into());
     let answer = inner.decide(place, policy, cost.into(), -1, record).await?;
-    let (outcome, _) = super::parse_reply(&answer.five, policy)?;
-    state.with(key, policy, |entry| entry.answered(outcome, answer.time));
-    let decision = Decision::from_outcome(outcome, policy);
+    let reply = super::parse_reply(&answer.ints, policy)?;
+    state.with(key, policy, |entry| {
+        entry.answered(reply.outcome, answer.time)
+    });
+    let decision = reply.decision(policy);
     Ok(decision.recorded_at(Some(answer.time), cost.into()))
 }
 
@@ -540,12 +555,12 @@ async fn lease(
     }
     let lane = inner.placement.lane(key, policy);
     let answer = inner.within_budget(lane, answer).await?;
-    let (outcome, extra) = super::parse_reply(&answer.five, policy)?;
+    let reply = super::parse_reply(&answer.ints, policy)?;
     let outcome = Outcome {
-        remaining: outcome.remaining + extra,
-        ..outcome
+        remaining: reply.outcome.remaining + reply.extra,
+        ..reply.outcome
     };
-    let decision = Decision::from_outcome(outcome, policy);
+    let decision = Decision::from_outcome(outcome, policy).with_limit(reply.count);
     Ok(decision.recorded_at(Some(answer.time), cost.into()))
 }
 
@@ -578,15 +593,16 @@ fn take(
     tokio::spawn(async move {
         let place = inner.place(&key, &policy);
         let record = plan.record(cost.into(), want);
-        let args = batch::encode(cost.into(), record, -1, policy.windows());
+        let id = policy.override_id();
+        let args = batch::encode(cost.into(), record, -1, id, policy.windows());
         let reply = inner
             .batcher
             .decide_patiently(place, policy.algorithm(), args, PATIENCE)
             .await;
         let parsed = match &reply {
-            Ok(answer) => super::parse_reply(&answer.five, &policy)
+            Ok(answer) => super::parse_reply(&answer.ints, &policy)
                 .ok()
-                .map(|(outcome, extra)| (outcome, extra, answer.time)),
+                .map(|reply| (reply.outcome, reply.extra, answer.time)),
             Err(_) => None,
         };
         let taken_by_caller = caller.is_some_and(|caller| caller.send(reply).is_ok());

@@ -18,14 +18,14 @@ end
 -- is a refund and the admission time (entries past n are left over from an earlier request
 -- and never read). The counters take no headroom: a leased unit is spent in the window it
 -- was counted in.
-local key, cost, record, t, want, n, longest, refund, admitted
+local key, cost, record, t, want, n, longest, refund, admitted, blocked
 local counts, windows = {}, {}
 
 -- Reads request k's arguments into the variables above.
 local function load_request(k)
   key = KEYS[k]
   local _
-  n, cost, record, t, want, _, refund, admitted = next_request(counts, windows)
+  n, cost, record, t, want, _, refund, admitted, _, blocked = next_request(counts, windows, nil, k)
   longest = windows[n]
 end
 
@@ -140,10 +140,16 @@ local function each_stored_request(fields, fits, apply, report, give_back)
       store_fields(state, nil)
     end
   end
-  for k = 1, #KEYS do
+  for k = 1, REQUESTS do
     load_request(k)
-    state = load_fields(fields)
-    reply[k] = spack('<lllll', decide(fits, apply, report, refund_units))
+    if blocked then
+      reply[k] = BLOCKED
+    else
+      state = load_fields(fields)
+      local allowed, index, remaining, reset, retry = decide(fits, apply, report, refund_units)
+      local shown = overridden and counts[index + 1] or -1
+      reply[k] = spack('<llllll', allowed, index, remaining, reset, retry, shown)
+    end
   end
   return finish()
 end

@@ -4,22 +4,23 @@
 -- paths, and the driver (closures, a table per request for its state) costs about a third of a
 -- decision's work in Redis. It combines limits exactly as the driver's `decide` does.
 --
--- KEYS[k]   request k's state: 64-bit little-endian integers t1 b1 t2 b2 ...; for limit i, the
---           time of the last write (us) and the backlog it left, in GCRA units of scale/count
---           us (gcra.rs: one unit of cost weighs window/scale of them, and count/scale drain
---           per us); then a header of two: the Redis time (us) the state was created at and
---           the last time a lease was taken from it (0: never), which refunds and release.lua
---           check. State of another length counts as none.
+-- KEYS[k]   request k's state: 64-bit little-endian integers t1 b1 u1 t2 b2 u2 ...; for limit
+--           i, the time of the last write (us), the backlog it left, in GCRA units of
+--           scale/count us (gcra.rs: one unit of cost weighs u = window/scale of them, and
+--           count/scale drain per us), and the u of the counts it was written under; then a
+--           header of two: the Redis time (us) the state was created at and the last time a
+--           lease was taken from it (0: never), which refunds and release.lua check. State of
+--           another length counts as none.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (-1: now; GCRA
---           takes no other), for a lease want and headroom (us), for a settlement refund,
---           admission time and the units recorded then, then count, window (us) and scale of
---           limits 1..n, shortest first
+--           takes no other), override id, for a lease want and headroom (us), for a
+--           settlement refund, admission time and the units recorded then, then count, window
+--           (us) and scale of limits 1..n, shortest first; the last key holds the overrides
 --
--- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, five per
+-- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
 --           request: allowed (0 refused, else 1 + units leased beyond the cost), limit index
 --           (0-based), remaining, reset_after (us), retry_after (us; -1 when admitted, -2
---           when no wait helps); then Redis TIME
+--           when no wait helps), the overriding count (-1: none); then Redis TIME
 --
 -- Headroom h: a store that leases keeps h of drain free in every bucket (capacity (w - h) * d
 -- instead of w * d), because leased units may be spent up to h after they were taken; the
@@ -34,6 +35,10 @@
 -- (what has drained since the admission is not taken twice), not below empty, and only from
 -- state created no later than the admission (a reset or a restart since turns it into a
 -- no-op); it writes nothing where there is no state or no admission time.
+--
+-- Other counts (Policy::with_limits, the same windows): a backlog written under another u
+-- holds b / u units of cost; it is read as as many units of the counts at hand, rounded up
+-- (exact.lua's `reweigh`), and drains at their rate from the last write on.
 --
 -- Exactness: a bucket is at most 2^50 units and a backlog at most MAX_UNITS (2^52), so every
 -- sum and difference here stays below 2^53, and so does every numerator divided: a double
@@ -55,111 +60,120 @@ local MAX_BUCKET = 1125899906842624
 -- computed once per request.
 local counts, windows, scales, backlogs, weights, drains = {}, {}, {}, {}, {}, {}
 
-for k = 1, #KEYS do
+for k = 1, REQUESTS do
   local key = KEYS[k]
-  local n, cost, record, t, want, h, refund, admitted = next_request(counts, windows, scales)
-  local state = redis.call('GET', key)
-  if state and #state ~= 16 * n + 16 then
-    state = nil
-  end
-
-  -- Each limit's backlog now, and the limit that refuses with the latest retry (-2, no wait
-  -- helps, is the latest of all); `room`, the fewest whole units that fit in any limit.
-  local state_byte = 1
-  local denied, denied_retry, room = nil, nil, nil
-  for i = 1, n do
-    local c, w, g, at, left = counts[i], windows[i], scales[i]
-    local u, d = w / g, c / g
-    weights[i], drains[i] = u, d
-    if u * c > MAX_BUCKET then
-      error('GCRA bucket out of range: ' .. c .. ' per ' .. w .. ' us')
+  local n, cost, record, t, want, h, refund, admitted, _, blocked =
+    next_request(counts, windows, scales, k)
+  if blocked then
+    reply[k] = BLOCKED
+  else
+    local state = redis.call('GET', key)
+    if state and #state ~= 24 * n + 16 then
+      state = nil
     end
-    local b = 0
+
+    -- Each limit's backlog now, and the limit that refuses with the latest retry (-2, no wait
+    -- helps, is the latest of all); `room`, the fewest whole units that fit in any limit.
+    local state_byte = 1
+    local denied, denied_retry, room = nil, nil, nil
+    for i = 1, n do
+      local c, w, g, at, left = counts[i], windows[i], scales[i]
+      local u, d = w / g, c / g
+      weights[i], drains[i] = u, d
+      if u * c > MAX_BUCKET then
+        error('GCRA bucket out of range: ' .. c .. ' per ' .. w .. ' us')
+      end
+      local b = 0
+      if state then
+        local from
+        at, left, from, state_byte = sunpack('<lll', state, state_byte)
+        if from ~= u then
+          left = reweigh(left, from, u)
+        end
+        b = math.max(left - math.max(t - at, 0) * d, 0)
+      end
+      backlogs[i] = b
+      local capacity = (w - h) * d
+      local new = b + cost * u
+      if new > capacity and record ~= 3 then
+        local retry = -2
+        if cost * u <= capacity then
+          retry = math.ceil((new - capacity) / d)
+        end
+        if later(retry, denied_retry) then
+          denied, denied_retry = i, retry
+        end
+      elseif record == 2 then
+        local fit = math.floor((capacity - b) / u)
+        if room == nil or fit < room then
+          room = fit
+        end
+      end
+    end
+
+    -- The header: when the state was created, when a lease was last taken from it.
+    local born, leased = now, 0
     if state then
-      at, left, state_byte = sunpack('<ll', state, state_byte)
-      b = math.max(left - math.max(t - at, 0) * d, 0)
+      born, leased = sunpack('<ll', state, state_byte)
     end
-    backlogs[i] = b
-    local capacity = (w - h) * d
-    local new = b + cost * u
-    if new > capacity and record ~= 3 then
-      local retry = -2
-      if cost * u <= capacity then
-        retry = math.ceil((new - capacity) / d)
-      end
-      if later(retry, denied_retry) then
-        denied, denied_retry = i, retry
-      end
-    elseif record == 2 then
-      local fit = math.floor((capacity - b) / u)
-      if room == nil or fit < room then
-        room = fit
-      end
+    if record == 2 then
+      leased = now
     end
-  end
 
-  -- The header: when the state was created, when a lease was last taken from it.
-  local born, leased = now, 0
-  if state then
-    born, leased = sunpack('<ll', state, state_byte)
-  end
-  if record == 2 then
-    leased = now
-  end
-
-  -- Refused: report the refusing limit. Admitted (or settled): record, then report the limit
-  -- with the fewest units left (the first of equals). A refund writes only to state that held
-  -- the request (created no later than its admission).
-  local allowed, reported, retry = 0, denied, denied_retry
-  if denied == nil then
-    allowed, retry = 1, -1
-    local held = refund == 0 or (state ~= nil and admitted >= 0 and born <= admitted)
-    if record ~= 0 and held then
-      if record == 2 then
-        local take = math.min(want, room)
-        allowed, cost = 1 + take - cost, take
+    -- Refused: report the refusing limit. Admitted (or settled): record, then report the limit
+    -- with the fewest units left (the first of equals). A refund writes only to state that held
+    -- the request (created no later than its admission).
+    local allowed, reported, retry = 0, denied, denied_retry
+    if denied == nil then
+      allowed, retry = 1, -1
+      local held = refund == 0 or (state ~= nil and admitted >= 0 and born <= admitted)
+      if record ~= 0 and held then
+        if record == 2 then
+          local take = math.min(want, room)
+          allowed, cost = 1 + take - cost, take
+        end
+        -- The longest window, the same for every request of a call (so `text` formats it
+        -- once), unless a charge overfilled a bucket: it then lives until that one drains.
+        local ttl = windows[n]
+        for i = 1, n do
+          local u, d = weights[i], drains[i]
+          if refund == 1 then
+            local weight = math.max(cost * u - math.max(t - admitted, 0) * d, 0)
+            backlogs[i] = math.max(backlogs[i] - weight, 0)
+          else
+            backlogs[i] = math.min(backlogs[i] + cost * u, MAX_UNITS)
+          end
+          if record == 3 then
+            ttl = math.max(ttl, math.ceil(backlogs[i] / d))
+          end
+        end
+        local value
+        if n == 1 then
+          value = spack('<lllll', t, backlogs[1], weights[1], born, leased)
+        else
+          local parts = {}
+          for i = 1, n do
+            parts[i] = spack('<lll', t, backlogs[i], weights[i])
+          end
+          parts[n + 1] = spack('<ll', born, leased)
+          value = table.concat(parts)
+        end
+        redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
       end
-      -- The longest window, the same for every request of a call (so `text` formats it
-      -- once), unless a charge overfilled a bucket: it then lives until that one drains.
-      local ttl = windows[n]
+      local least
       for i = 1, n do
         local u, d = weights[i], drains[i]
-        if refund == 1 then
-          local weight = math.max(cost * u - math.max(t - admitted, 0) * d, 0)
-          backlogs[i] = math.max(backlogs[i] - weight, 0)
-        else
-          backlogs[i] = math.min(backlogs[i] + cost * u, MAX_UNITS)
+        local remaining = math.floor(((windows[i] - h) * d - backlogs[i]) / u)
+        if least == nil or remaining < least then
+          least, reported = remaining, i
         end
-        if record == 3 then
-          ttl = math.max(ttl, math.ceil(backlogs[i] / d))
-        end
-      end
-      local value
-      if n == 1 then
-        value = spack('<llll', t, backlogs[1], born, leased)
-      else
-        local parts = {}
-        for i = 1, n do
-          parts[i] = spack('<ll', t, backlogs[i])
-        end
-        parts[n + 1] = spack('<ll', born, leased)
-        value = table.concat(parts)
-      end
-      redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
-    end
-    local least
-    for i = 1, n do
-      local u, d = weights[i], drains[i]
-      local remaining = math.floor(((windows[i] - h) * d - backlogs[i]) / u)
-      if least == nil or remaining < least then
-        least, reported = remaining, i
       end
     end
+    local w, b = windows[reported], backlogs[reported]
+    local u, d = weights[reported], drains[reported]
+    reply[k] = spack('<llllll', allowed, reported - 1, math.max(math.floor(((w - h) * d - b) / u), 0),
+      math.ceil(b / d), retry, overridden and counts[reported] or -1)
   end
-  local w, b = windows[reported], backlogs[reported]
-  local u, d = weights[reported], drains[reported]
-  reply[k] = spack('<lllll', allowed, reported - 1, math.max(math.floor(((w - h) * d - b) / u), 0),
-    math.ceil(b / d), retry)
 end
 
 return finish()

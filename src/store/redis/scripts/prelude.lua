@@ -1,4 +1,4 @@
--- Prelude of every rate-limit script: the algorithm's file (gcra.lua, sliding_log.lua), or
+-- Prelude of every rate-limit script (after exact.lua): the algorithm's file (gcra.lua, sliding_log.lua), or
 -- common.lua's driver and then the algorithm's file (fixed and sliding window), is appended to
 -- it. One call decides a batch of requests, one after the other, exactly as if each were its
 -- own call.
@@ -8,25 +8,39 @@
 -- ARGV[1]   64-bit little-endian signed integers, for each request k in turn: n (its number
 --           of limits), cost (units, >= 0), record (1 to record an admitted request, 0 to
 --           only look, 2 for a lease, 3 for a settlement), event time in microseconds since
---           the epoch or -1 for now (Redis TIME); for a lease and a look (record 0), want
+--           the epoch or -1 for now (Redis TIME), the policy's override id (the field of its
+--           own override in the hash); for a lease and a look (record 0), want
 --           (the most units to take, >= cost) and headroom (us; GCRA keeps that much drain
 --           free in every bucket, and a look reports against the same room); for a
 --           settlement only, refund (0: add `cost` units, 1: take them back), the
 --           admission time (Redis time, us, of the request being settled; -1: not known) and
 --           the units that request recorded; then count, window (microseconds) and scale
 --           (gcd of the two, GCRA's divisor) of limits 1..n, shortest first
+-- ARGV[2]   the name of the hash of overrides of the call's slot (src/store/redis/overrides.rs)
 --
 -- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
 -- 2255), and every state saturates at MAX_UNITS (2^52) units, so that every number the
 -- scripts compute stays below 2^53, where Lua's doubles are exact (src/policy.rs checks the
 -- limits; docs/operations.md, "Range").
 --
--- Reply: one string of 64-bit little-endian signed integers, five per request in turn:
+-- Reply: one string of 64-bit little-endian signed integers, six per request in turn:
 --        allowed (0 when refused; when admitted, 1 plus the units leased beyond the cost),
 --        limit index (0-based), remaining, reset_after (us), retry_after (us; -1 when
---        admitted, -2 when no wait helps); then, once per call, Redis TIME in us. A
---        settlement's five are those of an admitted request: remaining and reset_after
---        after it (a refund on the sliding log answers 1 0 0 0 -1)
+--        admitted, -2 when no wait helps), and the count of the reported limit when an
+--        override set it (0 for a block; -1: the request's own); then, once per call, Redis
+--        TIME in us. A settlement's six are those of an admitted request: remaining and
+--        reset_after after it (a refund on the sliding log answers 1 0 0 0 -1 -1)
+--
+-- Overrides (src/store/overrides.rs): a request other than a settlement is decided by the
+-- counts its key's own override sets (field: the key's name), else its policy's (field: the
+-- override id), else its own. The hash is in the slot of the call's keys but is not one of
+-- them: while a slot migrates, Redis refuses (TRYAGAIN) a call whose keys are not all on one
+-- node, and the hash usually does not exist at all. It is read with pcall: where Redis
+-- refuses the read (the hash on the other node of a migration), the call decides by the
+-- requests' own counts. An override's value is 64-bit little-endian integers: m, then
+-- count and scale of limits 1..m (the policy's windows; m = 0 blocks: the request is refused,
+-- no wait helps). Settlements record under the request's own counts: GCRA reweighs a backlog
+-- between counts (exact.lua), and the counters do not depend on them.
 --
 -- Settlements (Store::settle, `settle` in src/algorithm/mod.rs) decide nothing: a charge
 -- records `cost` units now as an admitted request would, past the limits if need be; a refund
@@ -57,6 +71,20 @@ local spack, sunpack = struct.pack, struct.unpack
 local requests, next_byte = ARGV[1], 1
 local reply = {}
 
+-- The hash of overrides of the call's slot, read only where it exists, so that a store
+-- without overrides pays one EXISTS per call.
+local REQUESTS = #KEYS
+local OVERRIDES = ARGV[2]
+local any_override = OVERRIDES ~= nil and redis.pcall('EXISTS', OVERRIDES) == 1
+-- Whether the request at hand is decided by an override's counts (the last of its six
+-- integers is then the count of the reported limit, `counts[i]`; else -1).
+local overridden = false
+-- The keys' own overrides (by request index; false: none), read for every key of the call
+-- with one HMGET when the first request needs them, and the policies' (by override id).
+local own_overrides, policy_overrides = nil, {}
+-- The answer to a blocked request: refused at a limit of 0, no wait helps.
+local BLOCKED = spack('<llllll', 0, 0, 0, 0, -2, 0)
+
 -- The decimal text of the integer x, made once per call.
 local texts = {}
 local function text(x)
@@ -68,21 +96,42 @@ local function text(x)
   return s
 end
 
--- The most units a state holds (2^52; src/algorithm/mod.rs), the largest count (2^50,
--- Limit::MAX_COUNT) and the longest window (3650 days in us, Limit::MAX_WINDOW): a request
--- past those is an error, never decided inexactly.
-local MAX_UNITS = 4503599627370496
+-- The largest count (2^50, Limit::MAX_COUNT) and the longest window (3650 days in us,
+-- Limit::MAX_WINDOW): a request past those is an error, never decided inexactly. (The most
+-- units a state holds, MAX_UNITS, is in exact.lua.)
 local MAX_COUNT, MAX_WINDOW = 1125899906842624, 315360000000000
 
--- Reads the next request's arguments: returns its number of limits n, cost, record (0 to 3),
--- event time (now for -1), want and headroom (cost and 0 unless a lease or a look), refund (0
--- unless a settlement), admission time (-1 unless a settlement) and the units the settled
--- request recorded, and puts each limit's count, window and scale in `counts[i]`,
+-- The override that governs request k of a policy with override id `id`: its value, or
+-- false.
+local function override_of(k, id)
+  if own_overrides == nil then
+    local got = redis.pcall('HMGET', OVERRIDES, unpack(KEYS))
+    own_overrides = (got.err == nil) and got or {}
+  end
+  local value = own_overrides[k]
+  if value then
+    return value
+  end
+  local field = text(id)
+  value = policy_overrides[field]
+  if value == nil then
+    local got = redis.pcall('HGET', OVERRIDES, field)
+    value = type(got) == 'string' and got
+    policy_overrides[field] = value
+  end
+  return value
+end
+
+-- Reads the next request's arguments, request k's: returns its number of limits
+-- n, cost, record (0 to 3), event time (now for -1), want and headroom (cost and 0 unless a
+-- lease or a look), refund (0 unless a settlement), admission time (-1 unless a settlement),
+-- the units the settled request recorded, and whether an override blocks it; puts each
+-- limit's count (an override's, if one applies), window and scale in `counts[i]`,
 -- `windows[i]` and `scales[i]` (entries past n are left over from an earlier request and
--- never read; `scales` may be nil).
-local function next_request(counts, windows, scales)
-  local n, cost, record, t, want, headroom, refund, admitted, weight
-  n, cost, record, t, next_byte = sunpack('<llll', requests, next_byte)
+-- never read; `scales` may be nil), and sets `overridden`.
+local function next_request(counts, windows, scales, k)
+  local n, cost, record, t, id, want, headroom, refund, admitted, weight
+  n, cost, record, t, id, next_byte = sunpack('<lllll', requests, next_byte)
   if t < 0 then
     t = now
   end
@@ -102,7 +151,26 @@ local function next_request(counts, windows, scales)
       scales[i] = scale
     end
   end
-  return n, cost, record, t, want, headroom, refund, admitted, weight
+  overridden = false
+  local blocked = false
+  if any_override and record ~= 3 then
+    local value = override_of(k, id)
+    if value then
+      local m, at = sunpack('<l', value)
+      if m == 0 then
+        blocked = true
+      elseif m == n then
+        overridden = true
+        for i = 1, n do
+          counts[i], scale, at = sunpack('<ll', value, at)
+          if scales then
+            scales[i] = scale
+          end
+        end
+      end
+    end
+  end
+  return n, cost, record, t, want, headroom, refund, admitted, weight, blocked
 end
 
 -- The reply of the whole call: every request's answer, then the time.

@@ -1,6 +1,6 @@
 -- Gives back leased units that were never spent (src/store/redis/lease/ says when): for each
 -- key, removes them from the state they were added to, where that state still counts them.
--- Stands alone, without prelude.lua: it decides nothing.
+-- Stands alone, without prelude.lua (only exact.lua before it): it decides nothing.
 --
 -- KEYS[k]   the state of give-back k, as the algorithm's own script keeps it (gcra.lua,
 --           fixed_window.lua, sliding_window.lua)
@@ -25,7 +25,8 @@
 --   sliding: the current or, after one rollover, the previous count), if it is still stored;
 -- - GCRA: a bucket drains whatever it holds, so units taken at t0 weigh at most
 --   units * u - (now - t0) * d of its backlog now (in gcra.lua's units, u = w / scale and
---   d = c / scale); that much leaves.
+--   d = c / scale); that much leaves. A backlog written under other counts is first read in
+--   the lease's units (exact.lua's `reweigh`), and written back in them.
 -- State of another shape (the policy changed) is left alone. Writes keep the key's expiry.
 
 local time = redis.call('TIME')
@@ -46,7 +47,7 @@ for k = 1, #KEYS do
   for i = 1, n do
     counts[i], windows[i], scales[i], next_byte = sunpack('<lll', args, next_byte)
   end
-  local fields = ({ 2, 3, 2 })[algorithm]
+  local fields = ({ 2, 3, 3 })[algorithm]
   local raw = redis.call('GET', key)
   local values, size = nil, 0
   if raw and fields and #raw == 8 * (fields * n + 2) then
@@ -75,9 +76,10 @@ for k = 1, #KEYS do
       else
         local u, d = w / scales[i], c / scales[i]
         local elapsed = math.max(now - values[at + 1], 0)
-        local backlog = math.max(values[at + 2] - elapsed * d, 0)
+        local held = reweigh(values[at + 2], values[at + 3], u)
+        local backlog = math.max(held - elapsed * d, 0)
         local weight = math.max(units * u - math.max(now - granted, 0) * d, 0)
-        values[at + 1], values[at + 2] = now, math.max(backlog - weight, 0)
+        values[at + 1], values[at + 2], values[at + 3] = now, math.max(backlog - weight, 0), u
       end
     end
     redis.call('SET', key, spack('<' .. string.rep('l', size), unpack(values)), 'KEEPTTL')

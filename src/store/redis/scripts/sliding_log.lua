@@ -13,13 +13,14 @@
 --           the total before its first (total - weight): two members, however many units.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (1, 0, or 3 for a settlement), event time (-1: now; any other time,
---           past or future, is taken), for a settlement refund (0 or 1) and the admission
---           time of the request settled (us; -1: not known), then count and window (us) of
---           limits 1..n, shortest first
+--           past or future, is taken), override id, for a settlement refund (0 or 1) and the
+--           admission time of the request settled (us; -1: not known), then count and window
+--           (us) of limits 1..n, shortest first; the last key holds the overrides
 --
--- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, five per
+-- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
 --           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
---           retry_after (us; -1 when admitted, -2 when no wait helps), then Redis TIME
+--           retry_after (us; -1 when admitted, -2 when no wait helps), the overriding count
+--           (-1: none), then Redis TIME
 --
 -- The log is never leased (the store refuses it): record 2 is not sent here.
 --
@@ -129,7 +130,7 @@ local function give_back(key, units, admitted, recorded)
       end
     end
   end
-  return spack('<lllll', 1, 0, 0, 0, -1)
+  return spack('<llllll', 1, 0, 0, 0, -1, -1)
 end
 
 -- Decides (record 0 or 1) or charges (record 3) a request of `cost` at `t`; returns its answer.
@@ -305,13 +306,17 @@ local function decide(key, n, cost, record, t)
   if firsts[reported] then
     reset = firsts[reported] + w - t
   end
-  return spack('<lllll', allowed, reported - 1, max(c - fullests[reported], 0), reset, retry)
+  return spack('<llllll', allowed, reported - 1, max(c - fullests[reported], 0), reset, retry,
+    overridden and counts[reported] or -1)
 end
 
-for k = 1, #KEYS do
+for k = 1, REQUESTS do
   local key = KEYS[k]
-  local n, cost, record, t, _, _, refund, admitted, recorded = next_request(counts, windows)
-  if record == 3 and refund == 1 then
+  local n, cost, record, t, _, _, refund, admitted, recorded, blocked =
+    next_request(counts, windows, nil, k)
+  if blocked then
+    reply[k] = BLOCKED
+  elseif record == 3 and refund == 1 then
     reply[k] = give_back(key, cost, admitted, recorded)
   else
     reply[k] = decide(key, n, cost, record, t)
