@@ -215,6 +215,8 @@ impl Responder {
                         " s\n",
                     ]
                     .concat(),
+                    // A limit of 0: an override blocks the key (`store::Override::Block`).
+                    None if decision.limit() == 0 => "Too Many Requests: blocked\n".into(),
                     None => "Too Many Requests: this request exceeds the limit itself\n".into(),
                 };
                 let mut response = Response::new(Bytes::from(text));

@@ -535,3 +535,50 @@ async fn a_fleet_follows_a_change_within_a_second() {
     }
     assert_eq!(late, 0, "admitted after the cut was followed");
 }
+
+/// A blocked key through the layer: 429 with `RateLimit-Limit`-style limit 0, no `Retry-After`
+/// (no wait helps), and a body that says so; other keys pass.
+#[tokio::test]
+async fn a_blocked_key_is_answered_429_without_retry_after() {
+    use tower::ServiceExt;
+
+    let store = MemoryStore::new();
+    let api = Policy::new("api", ["5/1m".parse().unwrap()]).unwrap();
+    let layer = tower_redis_ratelimit::RateLimitLayer::builder()
+        .policy(api.clone())
+        .key(tower_redis_ratelimit::Header::new(
+            http::HeaderName::from_static("x-api-key"),
+        ))
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let service = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(tower::service_fn(|_: http::Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(Body::default()))
+        }));
+    let block = Scope::Key(Key::from("abuser"));
+    store
+        .overrides()
+        .set(&api, &block, &Override::Block)
+        .await
+        .unwrap();
+    let request = |key: &str| {
+        http::Request::builder()
+            .header("x-api-key", key)
+            .body(Body::default())
+            .unwrap()
+    };
+    let refused = service.clone().oneshot(request("abuser")).await.unwrap();
+    assert_eq!(refused.status(), 429);
+    assert!(refused.headers().get("retry-after").is_none());
+    let body = http_body_util::BodyExt::collect(refused.into_body())
+        .await
+        .unwrap();
+    assert_eq!(body.to_bytes(), "Too Many Requests: blocked\n");
+    let other = service.clone().oneshot(request("someone")).await.unwrap();
+    assert_eq!(other.status(), 200);
+    store.overrides().remove(&api, &block).await.unwrap();
+    let back = service.oneshot(request("abuser")).await.unwrap();
+    assert_eq!(back.status(), 200);
+}
