@@ -38,7 +38,8 @@ struct Shard<V> {
 /// What is kept about one key under one policy.
 pub(crate) struct Slot<V> {
     hash: u64,
-    /// The policy's identity (name, algorithm and limits), not its name alone.
+    /// The policy's id the map is keyed by (`Policy::state_id` or `Policy::terms_id`), not
+    /// its name alone.
     policy: Arc<str>,
     key: Key,
     /// When the value stops mattering; the slot is dead from then on.

@@ -12,7 +12,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use common::time::Time;
 use common::RedisServer;
 use common::ALGORITHMS;
-use tower_redis_ratelimit::store::{ManualClock, Override, Overrides, Scope};
+use tower_redis_ratelimit::store::{ManualClock, Override, OverrideError, Overrides, Scope};
 use tower_redis_ratelimit::{
     Algorithm, Decision, Key, Limit, MemoryStore, Policy, PolicyError, RedisStore, Store,
 };
@@ -381,6 +381,18 @@ async fn overrides_must_keep_the_windows() {
         .unwrap_err();
     assert!(error.to_string().contains("1m+1h"), "{error}");
     assert_eq!(store.overrides().list(&sms).await.unwrap(), vec![]);
+    // Counts the algorithm cannot decide exactly are refused, as a policy of them would be.
+    let month = Duration::from_secs(30 * 86_400);
+    let budget = Policy::new("tokens", [Limit::new(5_000_000, month).unwrap()])
+        .unwrap()
+        .with_algorithm(Algorithm::Gcra);
+    let odd = Override::Limits(vec![Limit::new(1_000_003, month).unwrap()]);
+    let error = store
+        .overrides()
+        .set(&budget, &Scope::All, &odd)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, OverrideError::OutOfRange(_)), "{error}");
 }
 
 type Body = http_body_util::Full<bytes::Bytes>;

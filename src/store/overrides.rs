@@ -44,6 +44,9 @@ pub enum OverrideError {
     /// The limits do not fit the policy: another set of windows, or an invalid limit.
     #[error("override: {0}")]
     Policy(#[from] PolicyError),
+    /// The counts are out of the algorithm's range (see [`Policy::out_of_range`]).
+    #[error("override: {0}")]
+    OutOfRange(&'static str),
     /// The store could not be reached, or answered with an error; nothing was changed unless
     /// the error says that only some hash tags were written (Redis Cluster: set it again).
     #[error("override: {0}")]
@@ -192,10 +195,16 @@ pub(crate) enum Entry {
 }
 
 impl Entry {
-    /// `to` for `policy`, checked: limits must keep the policy's windows.
-    pub(crate) fn new(policy: &Policy, to: &Override) -> Result<Entry, PolicyError> {
+    /// `to` for `policy`, checked: limits must keep the policy's windows, and be in range.
+    pub(crate) fn new(policy: &Policy, to: &Override) -> Result<Entry, OverrideError> {
         Ok(match to {
-            Override::Limits(limits) => Entry::Limits(policy.with_limits(limits.iter().copied())?),
+            Override::Limits(limits) => {
+                let other = policy.with_limits(limits.iter().copied())?;
+                if let Some(why) = other.out_of_range() {
+                    return Err(OverrideError::OutOfRange(why));
+                }
+                Entry::Limits(other)
+            }
             Override::Block => Entry::Block,
         })
     }

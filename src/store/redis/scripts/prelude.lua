@@ -1,7 +1,7 @@
--- Prelude of every rate-limit script (after exact.lua): the algorithm's file (gcra.lua, sliding_log.lua), or
--- common.lua's driver and then the algorithm's file (fixed and sliding window), is appended to
--- it. One call decides a batch of requests, one after the other, exactly as if each were its
--- own call.
+-- Prelude of every rate-limit script (after exact.lua): the algorithm's file (gcra.lua,
+-- sliding_log.lua), or common.lua's driver and then the algorithm's file (fixed and sliding
+-- window), is appended to it. One call decides a batch of requests, one after the other,
+-- exactly as if each were its own call.
 --
 -- KEYS[k]   the state of request k (the algorithm's file says its format); in Redis Cluster
 --           all keys of one call are in one hash slot
