@@ -586,3 +586,37 @@ async fn a_blocked_key_is_answered_429_without_retry_after() {
     let back = service.oneshot(request("abuser")).await.unwrap();
     assert_eq!(back.status(), 200);
 }
+
+/// A rolling deploy that changes a named policy's counts: old instances run `api` at 10 per
+/// hour, new ones at 20 (an hour, so that no window ends during the test). They share one state (the name and window are the same), and each
+/// refuses at its own counts: together they never admit more than the larger count, and the
+/// old ones stop at theirs, whoever spent the usage.
+#[tokio::test]
+async fn instances_with_other_counts_for_one_name_share_the_state() {
+    let server = RedisServer::start();
+    let (old, new): (RedisStore, RedisStore) = (server.store().await, server.store().await);
+    let api = |count| Policy::new("api", [hourly(count)]);
+    let (ten, twenty) = (api(10).unwrap(), api(20).unwrap());
+    assert_eq!(
+        old.redis_key(&Key::from("c"), &ten),
+        new.redis_key(&Key::from("c"), &twenty)
+    );
+    for algorithm in ALGORITHMS {
+        let key = Key::from(format!("client-{algorithm:?}"));
+        let (ten, twenty) = (
+            ten.clone().with_algorithm(algorithm),
+            twenty.clone().with_algorithm(algorithm),
+        );
+        assert_eq!(admitted(&old, &key, &ten, 6).await, 6, "{algorithm:?}");
+        assert_eq!(
+            admitted(&new, &key, &twenty, 20).await,
+            14,
+            "{algorithm:?}: 20 in all"
+        );
+        assert_eq!(
+            admitted(&old, &key, &ten, 5).await,
+            0,
+            "{algorithm:?}: old at its 10"
+        );
+    }
+}
