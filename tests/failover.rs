@@ -295,11 +295,11 @@ async fn burst(
 }
 
 // A slot that moves while an instance is idle leaves the instance's slot map stale: its next
-// call meets `MOVED` from the old owner, which fred reports as it reports `ASK`. If the slot
-// is then moving on to a third node, the call must still run on the owner while it holds the
-// keys; sent to the importing node instead, it would make a fresh copy of each key there
-// (clients admitted afresh) and the operator's `MIGRATE` of the real keys would fail with
-// `BUSYKEY`.
+// call meets `MOVED` from the old owner. If the slot is then moving on to a third node, the
+// call must still run on the owner while it holds the keys; sent to the importing node with
+// `ASKING` instead (what taking the `MOVED` for an `ASK` did), it would make a fresh copy of
+// each key there (clients admitted afresh) and the operator's `MIGRATE` of the real keys would
+// fail with `BUSYKEY`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_moved_twice_keeps_limits_and_one_copy_of_each_key() {
     const LIMIT: usize = 5;

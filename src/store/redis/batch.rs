@@ -21,14 +21,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::clients::{Client, Pool};
 use fred::error::{Error, ErrorKind};
-use fred::interfaces::ClientLike;
 use fred::types::config::Options;
 use fred::types::scripts::Script;
-use fred::types::{ClusterHash, CustomCommand, Key, Value};
+use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::ask;
-use super::nodes::Nodes;
+use super::nodes::{self, Nodes};
 use super::placement::Place;
 use crate::algorithm::{Algorithm, Window};
 
@@ -225,24 +224,12 @@ impl Batcher {
             }
             Redis::Single(pool) => pool,
         };
-        let client = pool.next_connected();
         let options = Options {
             timeout: Some(patience),
             ..Options::default()
         };
-        let patient = client.with_options(&options);
-        let command = CustomCommand::new_static("EVALSHA", ClusterHash::Random, false);
         let evalsha = evalsha_args(script, keys, argv);
-        match patient
-            .custom::<R, _>(command.clone(), evalsha.clone())
-            .await
-        {
-            Err(error) if error.details().starts_with("NOSCRIPT") => {
-                script.load(client).await?;
-                patient.custom::<R, _>(command, evalsha).await
-            }
-            reply => reply,
-        }
+        nodes::evalsha_on(pool.next_connected(), &options, script, evalsha, false).await
     }
 
     /// Runs `command`, one command on `key` (or keys of its slot), on the Redis that holds

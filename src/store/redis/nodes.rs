@@ -102,14 +102,7 @@ impl Nodes {
 
     /// A pool for `server`, connecting in the background and reconnecting on its own.
     fn pool(&self, server: &Server) -> Result<Pool, Error> {
-        let mut config = self.builder.get_config().cloned().unwrap_or_default();
-        config.server = ServerConfig::Centralized {
-            server: server.clone(),
-        };
-        config.fail_fast = false;
-        let mut builder = self.builder.clone();
-        builder.set_config(config);
-        let pool = builder.build_pool(self.pool_size)?;
+        let pool = for_node(&self.builder, server, false).build_pool(self.pool_size)?;
         drop(pool.connect_pool());
         Ok(pool)
     }
@@ -299,29 +292,21 @@ impl Nodes {
             timeout: patience,
             ..Options::default()
         };
-        let mut redirections = 0;
-        loop {
-            let client = self.client(slot)?;
-            let reply = evalsha_on(&client, &options, script, evalsha.clone(), false).await;
-            let redirection = match &reply {
-                Err(error) => ask::redirection(error),
-                Ok(_) => None,
-            };
-            match redirection {
-                Some(Redirection::Moved(slot, server)) if redirections < MAX_REDIRECTIONS => {
-                    self.moved(slot, &server);
-                    redirections += 1;
+        let on_owner = |client: Client| {
+            let (options, evalsha) = (&options, evalsha.clone());
+            async move { evalsha_on(&client, options, script, evalsha, false).await }
+        };
+        let reply = self.on_owner(slot, on_owner).await;
+        match reply.as_ref().err().and_then(ask::redirection) {
+            Some(Redirection::Ask(server)) => {
+                let target = self.client_at(&server)?;
+                evalsha_on(&target, &options, script, evalsha, true).await
+            }
+            _ => {
+                if reply.as_ref().is_err_and(super::health::is_outage) {
+                    self.refresh_soon();
                 }
-                Some(Redirection::Ask(server)) => {
-                    let target = self.client_at(&server)?;
-                    return evalsha_on(&target, &options, script, evalsha, true).await;
-                }
-                _ => {
-                    if reply.as_ref().is_err_and(super::health::is_outage) {
-                        self.refresh_soon();
-                    }
-                    return reply;
-                }
+                reply
             }
         }
     }
@@ -379,7 +364,7 @@ fn shut_down(pool: Pool) {
 async fn slots_of(
     server: &Server,
     client: Option<Client>,
-    mut builder: Builder,
+    builder: Builder,
 ) -> Result<ClusterRouting, Error> {
     let command = CustomCommand::new_static("CLUSTER", ClusterHash::Random, false);
     let ask = |client: Client| async move {
@@ -389,15 +374,22 @@ async fn slots_of(
     if let Some(client) = client {
         return ask(client).await;
     }
+    let client = Dedicated(for_node(&builder, server, true).build()?);
+    client.0.init().await?;
+    ask(client.0.clone()).await
+}
+
+/// The store's settings (`builder`) for a client of `server` alone; `fail_fast`: whether its
+/// first connection's failure is returned rather than retried.
+fn for_node(builder: &Builder, server: &Server, fail_fast: bool) -> Builder {
     let mut config = builder.get_config().cloned().unwrap_or_default();
     config.server = ServerConfig::Centralized {
         server: server.clone(),
     };
-    config.fail_fast = true;
+    config.fail_fast = fail_fast;
+    let mut builder = builder.clone();
     builder.set_config(config);
-    let client = Dedicated(builder.build()?);
-    client.0.init().await?;
-    ask(client.0.clone()).await
+    builder
 }
 
 /// A client of its own for one question, shut down when dropped, also when the question is
@@ -415,7 +407,7 @@ impl Drop for Dedicated {
 
 /// Sends `EVALSHA` (`evalsha`: its arguments) through `client` with `options`, after
 /// `ASKING` if `asking`; loads the script and sends it again if the node lacks it.
-async fn evalsha_on<R: FromValue>(
+pub(super) async fn evalsha_on<R: FromValue>(
     client: &Client,
     options: &Options,
     script: &Script,
