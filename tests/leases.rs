@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use common::http::{api_key, passes, served, LayerBody};
 use common::{evalsha_calls, RedisServer};
 use fred::prelude::*;
 use tower_redis_ratelimit::store::Leases;
@@ -331,7 +332,7 @@ async fn a_lease_covers_every_limit_of_a_policy_and_costs() {
 const MINUTE: u64 = 60_000_000;
 
 /// The body of the requests and responses of the layered test service.
-type Body = http_body_util::Full<bytes::Bytes>;
+type Body = LayerBody;
 
 /// Sleeps, if needed, until at least `need` is left in the current fixed 1-minute window
 /// (windows start at multiples of a minute since the Unix epoch), so that a test that must stay
@@ -380,42 +381,11 @@ where
     S: tower::Service<http::Request<Body>, Response = http::Response<B>> + Clone,
     S::Error: std::fmt::Debug,
 {
-    use tower::ServiceExt;
     let mut admitted = 0;
     for _ in 0..n {
-        let request = http::Request::builder()
-            .header("x-api-key", key)
-            .body(Body::default())
-            .unwrap();
-        let response = service.clone().oneshot(request).await.unwrap();
-        match response.status().as_u16() {
-            200 => admitted += 1,
-            429 => {}
-            other => panic!("unexpected status {other}"),
-        }
+        admitted += usize::from(passes(service, key).await);
     }
     admitted
-}
-
-/// A service behind `layer` that answers every admitted request with 200.
-fn served<St: Store>(
-    layer: RateLimitLayer<tower_redis_ratelimit::Header, St>,
-) -> impl tower::Service<
-    http::Request<Body>,
-    Response = http::Response<impl Sized>,
-    Error = std::convert::Infallible,
-    Future = impl Send,
-> + Clone {
-    tower::ServiceBuilder::new()
-        .layer(layer)
-        .service(tower::service_fn(|_: http::Request<Body>| async {
-            Ok::<_, std::convert::Infallible>(http::Response::new(Body::from("ok")))
-        }))
-}
-
-/// The `x-api-key` header as the layer's key.
-fn api_key() -> tower_redis_ratelimit::Header {
-    tower_redis_ratelimit::Header::new(http::HeaderName::from_static("x-api-key"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

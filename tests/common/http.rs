@@ -47,3 +47,51 @@ pub async fn get(addr: SocketAddr, path: &str) -> Reply {
         body: String::from_utf8_lossy(&body).into_owned(),
     }
 }
+
+/// The body of the requests and responses of a service behind a layer, called in process.
+pub type LayerBody = http_body_util::Full<Bytes>;
+
+/// The `x-api-key` header as a layer's key.
+pub fn api_key() -> tower_redis_ratelimit::Header {
+    tower_redis_ratelimit::Header::new(http::HeaderName::from_static("x-api-key"))
+}
+
+/// A service behind `layer` that answers every admitted request with 200.
+pub fn served<St: tower_redis_ratelimit::Store>(
+    layer: tower_redis_ratelimit::RateLimitLayer<tower_redis_ratelimit::Header, St>,
+) -> impl tower::Service<
+    Request<LayerBody>,
+    Response = http::Response<impl Sized>,
+    Error = std::convert::Infallible,
+    Future = impl Send,
+> + Clone {
+    tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(tower::service_fn(|_: Request<LayerBody>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(LayerBody::from("ok")))
+        }))
+}
+
+/// A request with an `x-api-key` header of `key`.
+pub fn keyed(key: &str) -> Request<LayerBody> {
+    Request::builder()
+        .header("x-api-key", key)
+        .body(LayerBody::default())
+        .unwrap()
+}
+
+/// Whether one request for `key` through `service` is admitted: 200, or 429 for a refusal
+/// (any other status fails the test).
+pub async fn passes<S, B>(service: &S, key: &str) -> bool
+where
+    S: tower::Service<Request<LayerBody>, Response = http::Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    use tower::ServiceExt;
+    let response = service.clone().oneshot(keyed(key)).await.unwrap();
+    match response.status().as_u16() {
+        200 => true,
+        429 => false,
+        other => panic!("unexpected status {other}"),
+    }
+}
