@@ -12,7 +12,8 @@ use tower_layer::Layer;
 
 use crate::deny_cache::DenyCache;
 use crate::response::{Options, Responder};
-use crate::rule::{Matcher, RequestHead};
+use crate::rule::{PlanFn, RequestHead};
+use crate::table::{Compiler, RuleTable, Rules};
 use crate::usage::{Metering, StoreLedger, UsageReport};
 use crate::{
     Algorithm, Decision, FailureMode, Key, MemoryStore, MissingKey, PeerIp, Policy, PolicyError,
@@ -46,9 +47,11 @@ pub(crate) type CostFn = dyn Fn(&RequestHead<'_>) -> u32 + Send + Sync;
 pub(crate) struct Config<K, St> {
     pub(crate) key: K,
     pub(crate) store: St,
-    /// First match wins; then `default`; no policy at all means the request is not limited.
-    pub(crate) rules: Vec<(Matcher, Arc<Responder>)>,
-    pub(crate) default: Option<Arc<Responder>>,
+    /// Which policy applies to a request: first matching rule, then the default; no policy at
+    /// all means the request is not limited.
+    pub(crate) table: RuleTable,
+    /// Which plan a request is on, for policies with plans.
+    pub(crate) plan: Option<Arc<PlanFn>>,
     pub(crate) allow: AllowList,
     pub(crate) cost: Option<Arc<CostFn>>,
     /// A request's cost when there is no cost function: 1, or the usage reservation.
@@ -59,13 +62,10 @@ pub(crate) struct Config<K, St> {
 }
 
 impl<K, St> Config<K, St> {
-    /// The responder of the policy that applies to `head`, if any.
-    pub(crate) fn responder(&self, head: &RequestHead<'_>) -> Option<&Arc<Responder>> {
-        self.rules
-            .iter()
-            .find(|(matcher, _)| matcher.matches(head))
-            .map(|(_, responder)| responder)
-            .or(self.default.as_ref())
+    /// The responder of the policy (and plan) that applies to `head`, if any.
+    pub(crate) fn responder(&self, head: &RequestHead<'_>) -> Option<Arc<Responder>> {
+        let table = self.table.load();
+        table.responder(head, self.plan.as_deref()).cloned()
     }
 }
 
@@ -98,8 +98,7 @@ impl<K, St> Clone for RateLimitLayer<K, St> {
 impl<K, St> std::fmt::Debug for RateLimitLayer<K, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimitLayer")
-            .field("default", &self.policy())
-            .field("rules", &self.config.rules.len())
+            .field("rules", &self.config.table)
             .finish_non_exhaustive()
     }
 }
@@ -116,9 +115,15 @@ impl RateLimitLayer {
 }
 
 impl<K, St> RateLimitLayer<K, St> {
-    /// The default policy: the one for requests that no rule matches.
-    pub fn policy(&self) -> Option<&Policy> {
-        self.config.default.as_ref().map(|r| &r.policy)
+    /// The default policy in force: the one for requests that no rule matches.
+    pub fn policy(&self) -> Option<Policy> {
+        self.config.table.load().default_policy().cloned()
+    }
+
+    /// The handle that replaces the layer's rules and default policy at run time (see
+    /// [`RuleTable`]); the layer, its clones and the services they made follow it.
+    pub fn rule_table(&self) -> RuleTable {
+        self.config.table.clone()
     }
 
     /// Waits up to `timeout` for the [usage](crate::usage) settles under way to finish; returns
@@ -186,6 +191,16 @@ pub enum BuildError {
     /// [`Policy::identity`]), but the `RateLimit` fields and metrics could not tell them apart.
     #[error("two different policies are named {0:?}; give each its own name")]
     PolicyConflict(String),
+    /// A rule's [plan](Rule::plan) is invalid: its limits, or its name given twice.
+    #[error("policy {policy:?}, plan {plan:?}: {why}")]
+    Plan {
+        /// The policy's name.
+        policy: String,
+        /// The plan's name.
+        plan: String,
+        /// What is wrong with it.
+        why: String,
+    },
     /// A rule's path pattern is invalid.
     #[error("path pattern {pattern:?}: {why}")]
     Pattern {
@@ -216,8 +231,8 @@ impl From<Infallible> for BuildError {
 /// Everything the builder holds but the key extractor and the store.
 #[derive(Default)]
 struct Settings {
-    policy: Option<Result<Policy, BuildError>>,
-    rules: Vec<Rule>,
+    rules: Rules,
+    plan: Option<Arc<PlanFn>>,
     algorithm: Option<Algorithm>,
     allow_keys: Vec<Key>,
     allow_networks: Vec<String>,
@@ -239,7 +254,6 @@ pub struct RateLimitLayerBuilder<K = PeerIp, St = MemoryStore> {
 impl<K, St> std::fmt::Debug for RateLimitLayerBuilder<K, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimitLayerBuilder")
-            .field("policy", &self.settings.policy)
             .field("rules", &self.settings.rules)
             .finish_non_exhaustive()
     }
@@ -255,13 +269,35 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         P: TryInto<Policy>,
         P::Error: Into<BuildError>,
     {
-        self.settings.policy = Some(policy.try_into().map_err(Into::into));
+        self.settings.rules = self.settings.rules.policy(policy);
         self
     }
 
     /// Adds a rule; the first rule that matches a request chooses its policy.
     pub fn rule(mut self, rule: Rule) -> Self {
-        self.settings.rules.push(rule);
+        self.settings.rules = self.settings.rules.rule(rule);
+        self
+    }
+
+    /// Starts from these rules and default policy (e.g. read from a file), replacing those
+    /// given so far; [`RateLimitLayer::rule_table`] replaces them at run time.
+    pub fn rules(mut self, rules: Rules) -> Self {
+        self.settings.rules = rules;
+        self
+    }
+
+    /// Which plan a request is on, for policies with [plans](Rule::plan): a plan name from
+    /// the request's head, typically an extension that your authentication middleware set, or
+    /// a claim of a verified token. `None`, or a plan the policy does not name, gets the
+    /// policy's own limits. Asked only for requests whose policy has plans.
+    ///
+    /// A plan read from a header the client sets is the client's choice: read it from
+    /// something the client cannot forge.
+    pub fn plan<F>(mut self, plan: F) -> Self
+    where
+        F: for<'a> Fn(&RequestHead<'a>) -> Option<&'a str> + Send + Sync + 'static,
+    {
+        self.settings.plan = Some(Arc::new(plan));
         self
     }
 
@@ -450,8 +486,8 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         St: Store,
     {
         let Settings {
-            policy,
             rules,
+            plan,
             algorithm,
             allow_keys,
             allow_networks,
@@ -461,44 +497,18 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             deny_cache,
             options,
         } = self.settings;
-        if policy.is_none() && rules.is_empty() {
-            return Err(BuildError::NoPolicy);
-        }
         let default_deny_cache = if self.store.is_local() {
             0
         } else {
             DEFAULT_DENY_CACHE
         };
-        let store = &self.store;
-        let mut seen: Vec<Policy> = Vec::new();
-        let mut responder = |policy: Policy| -> Result<Arc<Responder>, BuildError> {
-            let policy = match algorithm {
-                Some(a) => policy.with_algorithm(a),
-                None => policy,
-            };
-            if let Err(error) = store.supports(&policy) {
-                return Err(BuildError::Unsupported {
-                    policy: policy.name().to_owned(),
-                    why: error.to_string(),
-                });
-            }
-            match seen.iter().find(|p| p.name() == policy.name()) {
-                Some(same) if *same != policy => {
-                    return Err(BuildError::PolicyConflict(policy.name().to_owned()))
-                }
-                Some(_) => {}
-                None => seen.push(policy.clone()),
-            }
-            Ok(Arc::new(Responder::new(policy, options.clone())))
+        let store = self.store.clone();
+        let compiler = Compiler {
+            algorithm,
+            options,
+            supports: Box::new(move |policy| store.supports(policy)),
         };
-        let rules = rules
-            .into_iter()
-            .map(|rule| {
-                let (matcher, policy) = rule.build()?;
-                Ok((matcher, responder(policy)?))
-            })
-            .collect::<Result<Vec<_>, BuildError>>()?;
-        let default = policy.transpose()?.map(&mut responder).transpose()?;
+        let table = RuleTable::new(compiler, rules)?;
         let networks = allow_networks
             .iter()
             .map(|n| {
@@ -532,8 +542,8 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             config: Arc::new(Config {
                 key: self.key,
                 store: self.store,
-                rules,
-                default,
+                table,
+                plan,
                 allow: AllowList {
                     keys: allow_keys.into_iter().collect(),
                     networks,

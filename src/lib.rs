@@ -21,6 +21,7 @@ mod rule;
 mod service;
 mod shards;
 pub mod store;
+mod table;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod unique;
@@ -39,6 +40,7 @@ pub use service::RateLimit;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::RedisStore;
 pub use store::{MemoryStore, Store, StoreError};
+pub use table::{RuleTable, Rules};
 
 /// The code blocks of the operations guide, compiled as doctests so that they keep up with the
 /// API.

@@ -9,7 +9,9 @@
 //! ```
 //!
 //! `RateLimit-Policy` lists every limit of the policy (a multi-limit policy names each limit
-//! `<policy>-<window>`, e.g. `"api-1h"`); `RateLimit` describes the limit of the
+//! `<policy>-<window>`, e.g. `"api-1h"`), with the counts of the request's plan, or only the
+//! limit of the decision, at the count it was decided by, when an override in the store
+//! changed it (see [`store::Overrides`](crate::store::Overrides)); `RateLimit` describes the limit of the
 //! [`Decision`]: the one that refused, or the tightest after admitting. Seconds are rounded
 //! up, so `Retry-After` is never 0 while a client is refused, and a refusal's `t` is never
 //! less than its `Retry-After`.
@@ -189,7 +191,18 @@ impl Responder {
             reset_secs.format(u64::try_from(reset).unwrap_or(u64::MAX)),
         ]
         .concat();
-        headers.insert(RATELIMIT_POLICY, self.policy_header.clone());
+        // An override in the store decided the request by other counts than the policy's own:
+        // the field then states the one limit the decision knows, as it was decided.
+        let own = self.policy.limits().get(decision.limit_index());
+        let policy = match own {
+            Some(limit) if limit.count() != decision.limit() => value(format!(
+                "\"{name}\";q={};w={}",
+                decision.limit(),
+                ceil_secs(limit.window())
+            )),
+            _ => self.policy_header.clone(),
+        };
+        headers.insert(RATELIMIT_POLICY, policy);
         headers.insert(RATELIMIT, value(state));
     }
 

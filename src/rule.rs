@@ -4,12 +4,20 @@
 //! [`Rule`]; the first rule that matches a request decides its policy, and the layer's default
 //! policy (if any) takes the rest. Each policy keeps its own budget (store keys carry the
 //! policy name), and the `RateLimit-Policy` field names the policy that applied.
+//!
+//! A rule's policy can have other limits for the customers of a [plan](Rule::plan): the layer
+//! asks its [plan function](crate::RateLimitLayerBuilder::plan) which plan a request is on and
+//! decides it against that plan's limits, under the policy's name and state, so a customer who
+//! changes plans keeps the usage recorded so far.
 
 use std::sync::Arc;
 
 use http::{Extensions, HeaderMap, Method, Request, Uri};
 
-use crate::{BuildError, Policy};
+use crate::{BuildError, Policy, PolicyError};
+
+/// A rule's plans and the policy each decides by.
+pub(crate) type Plans = Vec<(String, Policy)>;
 
 /// What rule predicates and cost functions see of a request: everything but the body.
 #[derive(Debug, Clone, Copy)]
@@ -37,6 +45,9 @@ impl<'a> RequestHead<'a> {
 
 pub(crate) type Predicate = dyn Fn(&RequestHead<'_>) -> bool + Send + Sync;
 
+/// Which plan a request is on: see [`RateLimitLayerBuilder::plan`](crate::RateLimitLayerBuilder::plan).
+pub(crate) type PlanFn = dyn for<'a> Fn(&RequestHead<'a>) -> Option<&'a str> + Send + Sync;
+
 /// A policy and the requests it applies to: a method, a path pattern, a predicate, or any
 /// combination (all must match); a rule with none matches every request.
 ///
@@ -63,6 +74,8 @@ pub struct Rule {
     method: Option<Method>,
     path: Option<String>,
     predicate: Option<Arc<Predicate>>,
+    /// Each plan's limits, in the order given.
+    plans: Vec<(String, Result<Policy, BuildError>)>,
 }
 
 impl std::fmt::Debug for Rule {
@@ -72,6 +85,7 @@ impl std::fmt::Debug for Rule {
             .field("method", &self.method)
             .field("path", &self.path)
             .field("predicate", &self.predicate.is_some())
+            .field("plans", &self.plans)
             .finish()
     }
 }
@@ -89,6 +103,7 @@ impl Rule {
             method: None,
             path: None,
             predicate: None,
+            plans: Vec::new(),
         }
     }
 
@@ -113,15 +128,78 @@ impl Rule {
         self
     }
 
-    /// Checks the rule: its policy and its path pattern.
-    pub(crate) fn build(self) -> Result<(Matcher, Policy), BuildError> {
+    /// The limits of the rule's policy for requests on plan `plan` (as the layer's
+    /// [plan function](crate::RateLimitLayerBuilder::plan) names it): a [`Policy`] or text such
+    /// as `"600/1m + 10000/1d"`, of which only the limits count. They must have the policy's
+    /// windows, checked by `build()`: the plan's limits decide the policy's own state, which
+    /// a customer keeps when changing plans (upgrading after 60 requests of a free `60/1m`
+    /// leaves 540 of a pro `600/1m`). A request on no plan, or on one the rule does not
+    /// name, gets the policy's own limits. An [override](crate::store::Overrides) in the
+    /// store, for the key or for the whole policy, wins over a plan's limits.
+    ///
+    /// ```
+    /// use tower_redis_ratelimit::{Policy, RateLimitLayer, Rule};
+    ///
+    /// #[derive(Clone)]
+    /// struct Plan(&'static str); // set by the authentication middleware
+    ///
+    /// let layer = RateLimitLayer::builder()
+    ///     .plan(|head| head.extensions.get::<Plan>().map(|plan| plan.0))
+    ///     .rule(
+    ///         Rule::new(Policy::new("api", ["60/1m".parse()?, "1000/1d".parse()?])?)
+    ///             .plan("pro", "600/1m + 10000/1d")
+    ///             .plan("enterprise", "6000/1m + 100000/1d"),
+    ///     )
+    ///     .build()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn plan<P>(self, plan: impl Into<String>, limits: P) -> Self
+    where
+        P: TryInto<Policy>,
+        P::Error: Into<BuildError>,
+    {
+        self.plan_checked(plan.into(), limits.try_into().map_err(Into::into))
+    }
+
+    /// Adds a plan whose limits have been read already.
+    pub(crate) fn plan_checked(mut self, plan: String, limits: Result<Policy, BuildError>) -> Self {
+        self.plans.push((plan, limits));
+        self
+    }
+
+    /// Checks the rule: its policy, its plans' limits and its path pattern.
+    pub(crate) fn build(self) -> Result<(Matcher, Policy, Plans), BuildError> {
         let path = self.path.as_deref().map(PathPattern::parse).transpose()?;
         let matcher = Matcher {
             method: self.method,
             path,
             predicate: self.predicate,
         };
-        Ok((matcher, self.policy?))
+        let policy = self.policy?;
+        let plans = self
+            .plans
+            .into_iter()
+            .map(|(plan, limits)| {
+                let error = |error: PolicyError| BuildError::Plan {
+                    policy: policy.name().to_owned(),
+                    plan: plan.clone(),
+                    why: error.to_string(),
+                };
+                let limits = limits?;
+                let limits = policy
+                    .with_limits(limits.limits().iter().copied())
+                    .map_err(error)?;
+                Ok((plan, limits))
+            })
+            .collect::<Result<Plans, BuildError>>()?;
+        if let Some(i) = (1..plans.len()).find(|&i| plans[..i].iter().any(|p| p.0 == plans[i].0)) {
+            return Err(BuildError::Plan {
+                policy: policy.name().to_owned(),
+                plan: plans[i].0.clone(),
+                why: "the plan is named twice".into(),
+            });
+        }
+        Ok((matcher, policy, plans))
     }
 }
 

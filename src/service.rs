@@ -62,7 +62,7 @@ impl<S: std::fmt::Debug, K, St> std::fmt::Debug for RateLimit<S, K, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("rules", &self.config.rules.len())
+            .field("rules", &self.config.table)
             .finish_non_exhaustive()
     }
 }
@@ -131,7 +131,7 @@ where
         // out of the cache.
         let deny_cache = deny_cache.map(|c| (c.clone(), c.ticket(&key, &responder.policy)));
         let check = Check {
-            responder: Arc::clone(responder),
+            responder,
             key,
             cost,
             grpc,
