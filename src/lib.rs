@@ -8,6 +8,9 @@ mod algorithm;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod blocklist;
 pub mod body;
+#[cfg(feature = "config")]
+#[cfg_attr(docsrs, doc(cfg(feature = "config")))]
+pub mod config;
 mod decision;
 mod deny_cache;
 mod future;

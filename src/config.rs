@@ -1,0 +1,309 @@
+//! Rules read from a TOML file (feature `config`): the same [`Rules`] the builder takes, so that
+//! operators change limits by editing a file and [`RuleTable::watch_file`] (or a reload of
+//! your own, on `SIGHUP` say) puts them in force without a redeploy.
+//!
+//! ```toml
+//! # The policy for requests that no rule matches (optional).
+//! [default]
+//! limits = "300/1m"
+//!
+//! # Rules, first match wins. `name` keeps the state: a policy whose counts change but whose
+//! # name, algorithm and windows stay keeps the usage recorded so far.
+//! [[rule]]
+//! name = "login"
+//! limits = "5/1m + 20/1h"
+//! method = "POST"
+//! path = "/login"
+//!
+//! [[rule]]
+//! name = "api"
+//! limits = "60/1m + 1000/1d"
+//! algorithm = "gcra"          # sliding-log (default), sliding-window, fixed-window, gcra
+//! path = "/api/{*rest}"
+//! plans = { pro = "600/1m + 10000/1d", enterprise = "6000/1m + 100000/1d" }
+//! ```
+//!
+//! Every field but `limits` is optional; `name` defaults to `default`, which only one policy of
+//! a table can have. A rule without `method` or `path` matches every request. Plans need the
+//! layer's [plan function](crate::RateLimitLayerBuilder::plan). Predicates and costs are code,
+//! not configuration: give them to the builder.
+//!
+//! A file with an error is refused as a whole, with the line and the problem
+//! ([`ConfigError`]): a table is never half-replaced.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::Method;
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::{Algorithm, BuildError, Policy, PolicyError, Rule, RuleTable, Rules};
+
+/// Why a rules file was refused; the rules in force stay.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{}: {error}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What reading it said.
+        #[source]
+        error: std::io::Error,
+    },
+    /// The file is not valid TOML, or not a valid table of rules.
+    #[error("line {line}: {message}")]
+    Invalid {
+        /// The line of the problem, from 1.
+        line: usize,
+        /// The problem.
+        message: String,
+    },
+    /// The layer cannot take the rules, e.g. its store cannot decide one of the policies.
+    #[error(transparent)]
+    Build(#[from] BuildError),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    default: Option<Spanned<Entry>>,
+    #[serde(default)]
+    rule: Vec<Spanned<Entry>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Entry {
+    name: Option<Spanned<String>>,
+    limits: Spanned<String>,
+    algorithm: Option<Spanned<String>>,
+    method: Option<Spanned<String>>,
+    path: Option<Spanned<String>>,
+    #[serde(default)]
+    plans: BTreeMap<String, Spanned<String>>,
+}
+
+/// Reports problems by line.
+struct Lines<'a>(&'a str);
+
+impl Lines<'_> {
+    fn at<T>(&self, spanned: &Spanned<T>, message: impl std::fmt::Display) -> ConfigError {
+        ConfigError::Invalid {
+            line: self.line(spanned.span().start),
+            message: message.to_string(),
+        }
+    }
+
+    fn line(&self, offset: usize) -> usize {
+        let before = self.0.get(..offset).unwrap_or(self.0);
+        before.bytes().filter(|&b| b == b'\n').count() + 1
+    }
+}
+
+impl Rules {
+    /// Reads rules from TOML text in the format of [`config`](crate::config); an error names
+    /// the line and the problem.
+    ///
+    /// ```
+    /// use tower_redis_ratelimit::Rules;
+    ///
+    /// let rules = Rules::from_toml(r#"
+    /// [[rule]]
+    /// name = "login"
+    /// limits = "5/1m"
+    /// path = "/login"
+    /// "#)?;
+    /// let error = Rules::from_toml("[[rule]]\nname = \"login\"\nlimits = \"5/1fortnight\"\n").unwrap_err();
+    /// assert!(error.to_string().starts_with("line 3:"), "{error}");
+    /// # Ok::<(), tower_redis_ratelimit::config::ConfigError>(())
+    /// ```
+    pub fn from_toml(text: &str) -> Result<Rules, ConfigError> {
+        let lines = Lines(text);
+        let file: File = toml::from_str(text).map_err(|error| ConfigError::Invalid {
+            line: error.span().map_or(1, |span| lines.line(span.start)),
+            message: error.message().trim_end().to_owned(),
+        })?;
+        let mut rules = Rules::new();
+        // One name, one policy: what the layer's builder checks too, reported here by line.
+        let mut seen: Vec<(Rule, String)> = Vec::new();
+        let mut check = |entry: &Spanned<Entry>, rule: &Rule| -> Result<(), ConfigError> {
+            let (_, policy, plans) = rule.clone().build().map_err(|e| lines.at(entry, e))?;
+            for (earlier, name) in &seen {
+                let (_, other, other_plans) = earlier.clone().build()?;
+                if *name == policy.name() && (other != policy || other_plans != plans) {
+                    let why = BuildError::PolicyConflict(name.clone());
+                    return Err(lines.at(entry, why));
+                }
+            }
+            seen.push((rule.clone(), policy.name().to_owned()));
+            Ok(())
+        };
+        for entry in &file.rule {
+            let rule = read_rule(&lines, entry.get_ref())?;
+            check(entry, &rule)?;
+            rules = rules.rule(rule);
+        }
+        if let Some(entry) = &file.default {
+            let fields = entry.get_ref();
+            if let Some(field) = fields.method.as_ref().or(fields.path.as_ref()) {
+                return Err(lines.at(field, "the default policy takes no method or path"));
+            }
+            let rule = read_rule(&lines, fields)?;
+            check(entry, &rule)?;
+            let (_, policy, plans) = rule.build()?;
+            rules = rules.policy(policy);
+            for (plan, limits) in plans {
+                rules = rules.plan(plan, limits);
+            }
+        }
+        if file.default.is_none() && file.rule.is_empty() {
+            return Err(ConfigError::Invalid {
+                line: 1,
+                message: BuildError::NoPolicy.to_string(),
+            });
+        }
+        Ok(rules)
+    }
+}
+
+/// Reads one entry, reporting a problem at the line of the field that has it.
+fn read_rule(lines: &Lines<'_>, entry: &Entry) -> Result<Rule, ConfigError> {
+    let limits: Policy = entry
+        .limits
+        .get_ref()
+        .parse()
+        .map_err(|e: PolicyError| lines.at(&entry.limits, e))?;
+    let mut policy = match &entry.name {
+        Some(name) => limits
+            .named(name.get_ref().as_str())
+            .map_err(|e| lines.at(name, e))?,
+        None => limits,
+    };
+    if let Some(algorithm) = &entry.algorithm {
+        policy = policy.with_algorithm(algorithm_named(algorithm.get_ref()).ok_or_else(|| {
+            lines.at(
+                algorithm,
+                format!(
+                    "unknown algorithm {:?}: sliding-log, sliding-window, fixed-window or gcra",
+                    algorithm.get_ref()
+                ),
+            )
+        })?);
+    }
+    let mut rule = Rule::new(policy.clone());
+    if let Some(method) = &entry.method {
+        let parsed = Method::from_bytes(method.get_ref().to_ascii_uppercase().as_bytes())
+            .map_err(|_| lines.at(method, format!("invalid method {:?}", method.get_ref())))?;
+        rule = rule.method(parsed);
+    }
+    if let Some(path) = &entry.path {
+        let with_path = rule.clone().path(path.get_ref().as_str());
+        with_path.clone().build().map_err(|e| lines.at(path, e))?;
+        rule = with_path;
+    }
+    for (plan, limits) in &entry.plans {
+        let plan_limits: Policy = limits
+            .get_ref()
+            .parse()
+            .map_err(|e: PolicyError| lines.at(limits, format!("plan {plan:?}: {e}")))?;
+        let with_plan = rule.clone().plan(plan.as_str(), plan_limits);
+        with_plan.clone().build().map_err(|e| lines.at(limits, e))?;
+        rule = with_plan;
+    }
+    Ok(rule)
+}
+
+fn algorithm_named(name: &str) -> Option<Algorithm> {
+    Some(match name.to_ascii_lowercase().replace('_', "-").as_str() {
+        "sliding-log" => Algorithm::SlidingLog,
+        "sliding-window" => Algorithm::SlidingWindow,
+        "fixed-window" => Algorithm::FixedWindow,
+        "gcra" => Algorithm::Gcra,
+        _ => return None,
+    })
+}
+
+impl RuleTable {
+    /// Reads the rules file at `path` and puts its rules in force (see [`RuleTable::replace`]);
+    /// on an error the rules in force stay. Feature `config`.
+    pub fn load_file(&self, path: impl AsRef<Path>) -> Result<(), ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
+            path: path.to_owned(),
+            error,
+        })?;
+        self.replace(Rules::from_toml(&text)?)?;
+        Ok(())
+    }
+
+    /// Reads the rules file at `path` every `every` and, when its content has changed, puts
+    /// its rules in force. Each change is logged (`tracing`, target `tower_redis_ratelimit`):
+    /// INFO with the policies applied, or WARN with the line and the problem when the file is
+    /// refused and the rules in force stay. Runs until the returned task is aborted. Call it
+    /// within a Tokio runtime. Feature `config`.
+    ///
+    /// The content is compared rather than the modification time, so that an edit within the
+    /// time's resolution is not missed; an editor that replaces the file (write, then rename)
+    /// is followed too.
+    pub fn watch_file(
+        &self,
+        path: impl Into<PathBuf>,
+        every: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let (table, path) = (self.clone(), path.into());
+        tokio::spawn(async move {
+            let mut last: Option<Result<String, String>> = None;
+            loop {
+                let read = match std::fs::read_to_string(&path) {
+                    Ok(text) => Ok(text),
+                    Err(error) => Err(error.to_string()),
+                };
+                if last.as_ref() != Some(&read) {
+                    table.apply(&path, &read);
+                    last = Some(read);
+                }
+                tokio::time::sleep(every).await;
+            }
+        })
+    }
+
+    /// Applies what [`watch_file`](Self::watch_file) read, and logs it.
+    fn apply(&self, path: &Path, read: &Result<String, String>) {
+        let file = path.display();
+        let outcome = match read {
+            Ok(text) => Rules::from_toml(text).and_then(|rules| Ok(self.replace(rules)?)),
+            Err(error) => {
+                let error = std::io::Error::other(error.clone());
+                let path = path.to_owned();
+                Err(ConfigError::Read { path, error })
+            }
+        };
+        match outcome {
+            Ok(()) => {
+                let policies: Vec<String> = self.policies().iter().map(describe).collect();
+                tracing::info!(
+                    target: "tower_redis_ratelimit",
+                    %file,
+                    policies = %policies.join(", "),
+                    "rate-limit rules applied"
+                );
+            }
+            Err(error) => tracing::warn!(
+                target: "tower_redis_ratelimit",
+                %file,
+                %error,
+                "rate-limit rules refused; the rules in force stay"
+            ),
+        }
+    }
+}
+
+/// `login 5/1m + 20/1h`.
+fn describe(policy: &Policy) -> String {
+    let limits: Vec<String> = policy.limits().iter().map(|l| l.to_string()).collect();
+    format!("{} {}", policy.name(), limits.join(" + "))
+}

@@ -1,0 +1,191 @@
+//! The rule table replaced at run time: by `RuleTable::replace`, and from a TOML file that
+//! `RuleTable::watch_file` follows. The next requests follow a new table; a policy that keeps
+//! its name, algorithm and windows keeps its state; an invalid table or file is refused with
+//! the line and the problem, and the rules in force stay.
+
+mod common;
+
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use common::http::{api_key, passes, served};
+use common::Captured;
+use tower_redis_ratelimit::config::ConfigError;
+use tower_redis_ratelimit::store::ManualClock;
+use tower_redis_ratelimit::{BuildError, MemoryStore, Policy, RateLimitLayer, Rule, Rules};
+
+fn hourly(name: &str, count: u64) -> Policy {
+    Policy::new(name, [format!("{count}/1h").parse().unwrap()]).unwrap()
+}
+
+async fn admitted<S, B>(service: &S, key: &str, tries: usize) -> usize
+where
+    S: tower::Service<http::Request<common::http::LayerBody>, Response = http::Response<B>>
+        + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let mut admitted = 0;
+    for _ in 0..tries {
+        admitted += usize::from(passes(service, key).await);
+    }
+    admitted
+}
+
+fn store() -> MemoryStore {
+    let clock = ManualClock::starting_at(UNIX_EPOCH + Duration::from_secs(1_700_000_040));
+    MemoryStore::builder().clock(clock).build()
+}
+
+#[tokio::test]
+async fn a_replaced_table_decides_the_next_requests_and_keeps_state_by_name() {
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store())
+        .policy(hourly("api", 5))
+        .build()
+        .unwrap();
+    let table = layer.rule_table();
+    let service = served(layer.clone());
+    assert_eq!(admitted(&service, "c", 6).await, 5);
+
+    // Same name and window, another count: the five used still count.
+    table.replace(Rules::new().policy(hourly("api", 8))).unwrap();
+    assert_eq!(admitted(&service, "c", 4).await, 3);
+    assert_eq!(layer.policy().unwrap().limits()[0].count(), 8);
+
+    // An invalid table is refused as a whole; the one in force stays.
+    let broken = Rules::new()
+        .rule(Rule::new(hourly("login", 1)).path("no-slash"))
+        .policy(hourly("api", 100));
+    assert!(matches!(
+        table.replace(broken),
+        Err(BuildError::Pattern { .. })
+    ));
+    assert_eq!(admitted(&service, "c", 1).await, 0);
+    assert!(matches!(
+        table.replace(Rules::new()),
+        Err(BuildError::NoPolicy)
+    ));
+
+    // A rule added at run time takes its requests; the others keep the default.
+    table
+        .replace(
+            Rules::new()
+                .rule(Rule::new(hourly("vip", 2)).when(|head| head.headers.contains_key("x-vip")))
+                .policy(hourly("api", 8)),
+        )
+        .unwrap();
+    let vip = || {
+        let mut request = common::http::keyed("c");
+        request.headers_mut().insert("x-vip", "1".parse().unwrap());
+        request
+    };
+    let mut vip_admitted = 0;
+    for _ in 0..3 {
+        use tower::ServiceExt;
+        let response = service.clone().oneshot(vip()).await.unwrap();
+        vip_admitted += usize::from(response.status() == 200);
+    }
+    assert_eq!(vip_admitted, 2, "the new rule's own budget");
+    assert_eq!(admitted(&service, "c", 1).await, 0, "the default's state");
+}
+
+/// Files with one problem each, and the line and words the refusal must carry.
+#[test]
+fn a_broken_file_is_refused_with_its_line_and_problem() {
+    let good = "[default]\nlimits = \"100/1m\"\n";
+    assert!(Rules::from_toml(good).is_ok());
+    let cases: [(&str, usize, &str); 10] = [
+        ("[[rule]]\nname = \"a\"\nlimits = \"5/1fortnight\"\n", 3, "fortnight"),
+        ("[[rule]]\nname = \"a\"\nlimits = \"-5/1m\"\n", 3, "-5"),
+        ("[[rule]]\nname = \"a\"\nlimits = \"5/-1m\"\n", 3, "-1m"),
+        ("[[rule]]\nname = \"a b\"\nlimits = \"5/1m\"\n", 2, "a b"),
+        ("[[rule]]\nlimits = \"5/1m\"\npath = \"login\"\n", 3, "must start with /"),
+        ("[[rule]]\nlimits = \"5/1m\"\nalgorithm = \"bucket\"\n", 3, "bucket"),
+        ("[[rule]]\nlimits = \"5/1m\"\nlimit = \"6/1m\"\n", 3, "unknown field"),
+        (
+            "[[rule]]\nname = \"api\"\nlimits = \"60/1m\"\nplans = { pro = \"600/1h\" }\n",
+            4,
+            "1m",
+        ),
+        (
+            "[[rule]]\nname = \"a\"\nlimits = \"5/1m\"\npath = \"/x\"\n\n[[rule]]\nname = \"a\"\nlimits = \"6/1m\"\n",
+            6,
+            "two different policies",
+        ),
+        ("[[rule]]\nname = \"a\"\nlimits = \"5/1m\n", 3, ""),
+    ];
+    for (text, line, words) in cases {
+        match Rules::from_toml(text) {
+            Err(ConfigError::Invalid { line: at, message }) => {
+                assert_eq!(at, line, "{text:?}: {message}");
+                assert!(message.contains(words), "{text:?}: {message}");
+            }
+            other => panic!("{text:?}: {other:?}"),
+        }
+    }
+    assert!(matches!(
+        Rules::from_toml("# nothing\n"),
+        Err(ConfigError::Invalid { .. })
+    ));
+}
+
+/// Waits up to five seconds for `condition`.
+async fn eventually<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "{what}: not within 5 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_watched_file_is_followed_and_a_broken_one_keeps_the_rules_in_force() {
+    let captured = Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber());
+    let dir = std::env::temp_dir().join(format!("rule-table-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("rules.toml");
+    let write = |limits: &str| {
+        let text = format!("[default]\nname = \"api\"\nlimits = \"{limits}\"\n");
+        std::fs::write(&file, text).unwrap();
+    };
+    write("2/1h");
+    let rules = Rules::from_toml(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store())
+        .rules(rules)
+        .build()
+        .unwrap();
+    let watch = layer
+        .rule_table()
+        .watch_file(file.clone(), Duration::from_millis(20));
+    let service = served(layer.clone());
+    assert_eq!(admitted(&service, "c", 3).await, 2);
+
+    write("4/1h");
+    let count = || layer.policy().unwrap().limits()[0].count();
+    eventually("the raise", || async { count() == 4 }).await;
+    assert_eq!(admitted(&service, "c", 3).await, 2, "two more of 4/1h");
+    assert!(captured.text().contains("rate-limit rules applied"));
+
+    std::fs::write(&file, "[default]\nname = \"api\"\nlimits = \"9/1h\"\nextra = 1\n").unwrap();
+    eventually("the refusal logged", || async {
+        captured.text().contains("rules refused")
+    })
+    .await;
+    let log = captured.text();
+    assert!(log.contains("line 4") && log.contains("unknown field"), "{log}");
+    assert_eq!(count(), 4, "the rules in force stay");
+    assert_eq!(admitted(&service, "c", 1).await, 0);
+
+    write("5/1h");
+    eventually("the fixed file", || async { count() == 5 }).await;
+    assert_eq!(admitted(&service, "c", 2).await, 1);
+    watch.abort();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
