@@ -45,7 +45,7 @@ async fn serve<St: Store>(
     let limits: Vec<String> = layer
         .policy()
         .into_iter()
-        .flat_map(|p| p.limits())
+        .flat_map(|p| p.limits().to_vec())
         .map(|l| l.to_string())
         .collect();
     let app = Router::new()

@@ -19,8 +19,7 @@ fn hourly(name: &str, count: u64) -> Policy {
 
 async fn admitted<S, B>(service: &S, key: &str, tries: usize) -> usize
 where
-    S: tower::Service<http::Request<common::http::LayerBody>, Response = http::Response<B>>
-        + Clone,
+    S: tower::Service<http::Request<common::http::LayerBody>, Response = http::Response<B>> + Clone,
     S::Error: std::fmt::Debug,
 {
     let mut admitted = 0;
@@ -48,7 +47,9 @@ async fn a_replaced_table_decides_the_next_requests_and_keeps_state_by_name() {
     assert_eq!(admitted(&service, "c", 6).await, 5);
 
     // Same name and window, another count: the five used still count.
-    table.replace(Rules::new().policy(hourly("api", 8))).unwrap();
+    table
+        .replace(Rules::new().policy(hourly("api", 8)))
+        .unwrap();
     assert_eq!(admitted(&service, "c", 4).await, 3);
     assert_eq!(layer.policy().unwrap().limits()[0].count(), 8);
 
@@ -94,7 +95,8 @@ async fn a_replaced_table_decides_the_next_requests_and_keeps_state_by_name() {
 fn a_broken_file_is_refused_with_its_line_and_problem() {
     let good = "[default]\nlimits = \"100/1m\"\n";
     assert!(Rules::from_toml(good).is_ok());
-    let cases: [(&str, usize, &str); 10] = [
+    let cases: [(&str, usize, &str); 11] = [
+        ("[[rule]]\nname = \"a\"\nlimits = \"5/100000d\"\n", 3, "3650 days"),
         ("[[rule]]\nname = \"a\"\nlimits = \"5/1fortnight\"\n", 3, "fortnight"),
         ("[[rule]]\nname = \"a\"\nlimits = \"-5/1m\"\n", 3, "-5"),
         ("[[rule]]\nname = \"a\"\nlimits = \"5/-1m\"\n", 3, "-1m"),
@@ -173,13 +175,20 @@ async fn a_watched_file_is_followed_and_a_broken_one_keeps_the_rules_in_force() 
     assert_eq!(admitted(&service, "c", 3).await, 2, "two more of 4/1h");
     assert!(captured.text().contains("rate-limit rules applied"));
 
-    std::fs::write(&file, "[default]\nname = \"api\"\nlimits = \"9/1h\"\nextra = 1\n").unwrap();
+    std::fs::write(
+        &file,
+        "[default]\nname = \"api\"\nlimits = \"9/1h\"\nextra = 1\n",
+    )
+    .unwrap();
     eventually("the refusal logged", || async {
         captured.text().contains("rules refused")
     })
     .await;
     let log = captured.text();
-    assert!(log.contains("line 4") && log.contains("unknown field"), "{log}");
+    assert!(
+        log.contains("line 4") && log.contains("unknown field"),
+        "{log}"
+    );
     assert_eq!(count(), 4, "the rules in force stay");
     assert_eq!(admitted(&service, "c", 1).await, 0);
 
