@@ -139,11 +139,14 @@ impl Table {
     }
 }
 
+/// Whether the layer's store can decide a policy ([`Store::supports`](crate::Store::supports)).
+pub(crate) type Supports = dyn Fn(&Policy) -> Result<(), StoreError> + Send + Sync;
+
 /// What checks a table against the layer: its algorithm, its store, its response options.
 pub(crate) struct Compiler {
     pub(crate) algorithm: Option<Algorithm>,
     pub(crate) options: Options,
-    pub(crate) supports: Box<dyn Fn(&Policy) -> Result<(), StoreError> + Send + Sync>,
+    pub(crate) supports: Box<Supports>,
 }
 
 impl Compiler {

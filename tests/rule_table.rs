@@ -90,6 +90,23 @@ async fn a_replaced_table_decides_the_next_requests_and_keeps_state_by_name() {
     assert_eq!(admitted(&service, "c", 1).await, 0, "the default's state");
 }
 
+/// The documented example file parses, and gives what it says.
+#[test]
+fn the_example_file_is_valid() {
+    let rules = Rules::from_toml(include_str!("../examples/rules.toml")).unwrap();
+    let layer = RateLimitLayer::builder().rules(rules).build().unwrap();
+    let names: Vec<String> = layer
+        .rule_table()
+        .policies()
+        .iter()
+        .map(|p| p.identity().to_owned())
+        .collect();
+    assert_eq!(
+        names,
+        ["login:log:1m+1h", "api:gcra:1m+1d", "default:log:300/1m"]
+    );
+}
+
 /// Files with one problem each, and the line and words the refusal must carry.
 #[test]
 fn a_broken_file_is_refused_with_its_line_and_problem() {
