@@ -10,7 +10,7 @@ use common::evalsha_calls;
 use common::scenarios::{self, MARGIN};
 use fred::prelude::*;
 use futures::future::join_all;
-use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store, StoreError};
+use tower_redis_ratelimit::{Algorithm, Key, Limit, Policy, RedisStore, Store, StoreError};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_are_exact_for_keys_on_every_primary() {
@@ -210,4 +210,52 @@ async fn overrides_govern_keys_on_every_primary() {
     assert!(overrides.remove(&policy, &Scope::All).await.unwrap());
     let fresh = Key::from("phone-fresh");
     assert_eq!(admitted(fresh, 9).await, 5, "the policy's own counts again");
+}
+
+/// Two operators set a policy's override at once, round after round: a policy's override is
+/// one write per primary's hash, and every primary must end with the same operator's value,
+/// the one `get` reads, so that the whole policy is decided by one set of counts.
+#[tokio::test]
+async fn concurrent_writers_of_a_policys_override_leave_one_value_everywhere() {
+    use tower_redis_ratelimit::store::{Override, Scope};
+
+    let cluster = RedisCluster::start(3);
+    let (a, b) = (
+        RedisStore::connect(&cluster.url()).await.unwrap(),
+        RedisStore::connect(&cluster.url()).await.unwrap(),
+    );
+    let policy = Policy::new("sms", ["5/1h".parse().unwrap()]).unwrap();
+    let keys: Vec<Key> = (0..12).map(|i| Key::from(format!("phone-{i}"))).collect();
+    let owners: std::collections::BTreeSet<usize> = keys
+        .iter()
+        .map(|key| cluster.owner_of_key(&a.redis_key(key, &policy)))
+        .collect();
+    assert_eq!(owners.len(), 3, "keys on every primary");
+    let limits = |n: u64| Override::Limits(vec![Limit::new(n, Duration::from_secs(3600)).unwrap()]);
+    for round in 0..40u64 {
+        let (first, second) = (100 + 2 * round, 101 + 2 * round);
+        let (set_a, set_b) = (limits(first), limits(second));
+        let (oa, ob) = (a.overrides(), b.overrides());
+        let (ra, rb) = tokio::join!(
+            oa.set(&policy, &Scope::All, &set_a),
+            ob.set(&policy, &Scope::All, &set_b),
+        );
+        ra.unwrap();
+        rb.unwrap();
+        // The counts each primary decides by, read through a decision of a key it holds.
+        let decided: Vec<u64> = join_all(keys.iter().map(|key| a.check(key, &policy, 0)))
+            .await
+            .into_iter()
+            .map(|d| d.unwrap().limit())
+            .collect();
+        let got = match oa.get(&policy, &Scope::All).await.unwrap() {
+            Some(Override::Limits(limits)) => limits[0].count(),
+            other => panic!("round {round}: {other:?}"),
+        };
+        assert!(got == first || got == second, "round {round}: {got}");
+        assert!(
+            decided.iter().all(|&n| n == got),
+            "round {round}: get says {got}, primaries decide by {decided:?}"
+        );
+    }
 }

@@ -14,11 +14,12 @@
 //! before (`Store::limits_version`), and the leases held are spent no more
 //! (`lease::limits_changed`), so that every instance follows a change within that time.
 
-use std::sync::Weak;
+use std::sync::{LazyLock, Weak};
 use std::time::Duration;
 
 use fred::clients::Client;
 use fred::interfaces::{HashesInterface, KeysInterface};
+use fred::types::scripts::Script;
 use fred::types::Value;
 
 use super::{Inner, RedisStore};
@@ -89,19 +90,78 @@ impl RedisStore {
         entry: &Entry,
     ) -> Result<(), StoreError> {
         let value = encode(policy, scope, entry);
-        for (hash, field) in self.fields(policy, scope) {
-            let set = |client: Client| {
-                let (hash, field, value) = (hash.clone(), field.clone(), value.clone());
-                async move { client.hset::<(), _, _>(hash, (field, value)).await }
-            };
-            let written = self.inner.batcher.on(&hash, set);
-            self.guarded(&hash, written).await?;
+        match scope {
+            Scope::Key(_) => {
+                for (hash, field) in self.fields(policy, scope) {
+                    let set = |client: Client| {
+                        let (hash, field, value) = (hash.clone(), field.clone(), value.clone());
+                        async move { client.hset::<(), _, _>(hash, (field, value)).await }
+                    };
+                    let written = self.inner.batcher.on(&hash, set);
+                    self.guarded(&hash, written).await?;
+                }
+            }
+            Scope::All => {
+                self.write_everywhere(policy, value).await?;
+            }
         }
-        self.announce().await
+        self.announce().await.map(drop)
     }
 
-    /// Increments the limits version after a change, so that every store follows it.
-    async fn announce(&self) -> Result<(), StoreError> {
+    /// Writes (or, with an empty `value`, removes) `policy`'s own override in every lane's
+    /// hash through `scripts/override_write.lua`, stamped so that of two writes at once every
+    /// lane ends with the later one's value; whether a hash changed.
+    async fn write_everywhere(&self, policy: &Policy, value: Vec<u8>) -> Result<bool, StoreError> {
+        static STAMP: LazyLock<Script> =
+            LazyLock::new(|| Script::from_lua(include_str!("scripts/override_stamp.lua")));
+        static WRITE: LazyLock<Script> =
+            LazyLock::new(|| Script::from_lua(include_str!("scripts/override_write.lua")));
+        let key = version_key(&self.inner.prefix);
+        let take = |client: Client| {
+            let key = key.clone();
+            async move {
+                STAMP
+                    .evalsha_with_reload::<Vec<i64>, _, _>(&client, key, ())
+                    .await
+            }
+        };
+        let stamp = self
+            .guarded(&key, self.inner.batcher.on(&key, take))
+            .await?;
+        let [seconds, micros, version] = stamp[..] else {
+            let why = format!("override stamp: {stamp:?}");
+            let error = fred::error::Error::new(fred::error::ErrorKind::Parse, why);
+            return Err(StoreError::Redis(error));
+        };
+        self.inner.limits_seen(version as u64);
+        let mut changed = false;
+        for (hash, field) in self.fields(policy, &Scope::All) {
+            let write = |client: Client| {
+                let keys = vec![hash.clone(), format!("{hash}:stamps")];
+                let args: Vec<Value> = vec![
+                    field.clone().into(),
+                    Value::Bytes(value.clone().into()),
+                    Value::Integer(seconds),
+                    Value::Integer(micros),
+                    Value::Integer(version),
+                ];
+                async move {
+                    WRITE
+                        .evalsha_with_reload::<i64, _, _>(&client, keys, args)
+                        .await
+                }
+            };
+            let reply = self
+                .guarded(&hash, self.inner.batcher.on(&hash, write))
+                .await?;
+            changed |= reply == 1;
+        }
+        Ok(changed)
+    }
+
+    /// Increments the limits version after a change, so that every store follows it; the
+    /// new version.
+    async fn announce(&self) -> Result<u64, StoreError> {
         let key = version_key(&self.inner.prefix);
         let incr = |client: Client| {
             let key = key.clone();
@@ -111,7 +171,7 @@ impl RedisStore {
             .guarded(&key, self.inner.batcher.on(&key, incr))
             .await?;
         self.inner.limits_seen(version);
-        Ok(())
+        Ok(version)
     }
 
     pub(crate) async fn get_override(
@@ -137,17 +197,23 @@ impl RedisStore {
         policy: &Policy,
         scope: &Scope,
     ) -> Result<bool, StoreError> {
-        let mut removed = false;
-        for (hash, field) in self.fields(policy, scope) {
-            let del = |client: Client| {
-                let (hash, field) = (hash.clone(), field.clone());
-                async move { client.hdel::<u64, _, _>(hash, field).await }
-            };
-            removed |= self
-                .guarded(&hash, self.inner.batcher.on(&hash, del))
-                .await?
-                > 0;
-        }
+        let removed = match scope {
+            Scope::All => self.write_everywhere(policy, Vec::new()).await?,
+            Scope::Key(_) => {
+                let mut removed = false;
+                for (hash, field) in self.fields(policy, scope) {
+                    let del = |client: Client| {
+                        let (hash, field) = (hash.clone(), field.clone());
+                        async move { client.hdel::<u64, _, _>(hash, field).await }
+                    };
+                    removed |= self
+                        .guarded(&hash, self.inner.batcher.on(&hash, del))
+                        .await?
+                        > 0;
+                }
+                removed
+            }
+        };
         if removed {
             self.announce().await?;
         }
