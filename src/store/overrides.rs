@@ -117,6 +117,11 @@ impl Overrides {
     }
 
     /// Sets the override of `policy` for `scope`, replacing any before it.
+    ///
+    /// Writers at once: each override is written whole, never half, and the last write wins.
+    /// On Redis a policy's own override ([`Scope::All`]) is one write per hash tag; of two at
+    /// once, every tag ends with the one stamped later by Redis' clock, even where the other
+    /// arrived last (the earlier `set` still returns `Ok`: it was replaced).
     pub async fn set(
         &self,
         policy: &Policy,
