@@ -17,6 +17,7 @@
 //! | `redis_log_lean` | the same without rate-limit headers on admitted answers, which is what `tower-rate-limit-fred` does |
 //! | `redis_gcra` | this crate, `RedisStore`, GCRA, `1000000/1s` per key |
 //! | `redis_gcra_lean` | the same without rate-limit headers on admitted answers |
+//! | `redis_gcra_overrides` | `redis_gcra_lean` with 1 000 overrides in Redis, one per key of the load (`2000000/1s`): every decision reads its key's override in its script call |
 //! | `redis_gcra_lease` | `redis_gcra_lean` with leases (`RedisStoreBuilder::leases`, the defaults), `60000000/1m` per key: the same rate over a minute, so that GCRA's headroom allows a full lease period |
 //! | `redis_fw_lease` | the same with the fixed window counter |
 //! | `fred_peer` | `tower-rate-limit-fred` (GCRA in Redis), capacity 65 535, 1 per ms |
@@ -98,6 +99,7 @@ use tower_governor::key_extractor::KeyExtractor;
 use tower_governor::{GovernorError, GovernorLayer};
 use tower_rate_limit_fred::KeyResolver;
 use tower_redis_ratelimit::store::Leases;
+use tower_redis_ratelimit::store::{Override, Scope};
 use tower_redis_ratelimit::{
     Algorithm, Decision, Header, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Settlement,
     Store, StoreError,
@@ -266,6 +268,7 @@ enum Scenario {
     RedisLogLean,
     RedisGcra,
     RedisGcraLean,
+    RedisGcraOverrides,
     RedisGcraLease,
     RedisFwLease,
     FredPeer,
@@ -275,7 +278,7 @@ enum Scenario {
 }
 
 impl Scenario {
-    const ALL: [Scenario; 14] = [
+    const ALL: [Scenario; 15] = [
         Scenario::Bare,
         Scenario::Memory,
         Scenario::MemoryGcra,
@@ -285,6 +288,7 @@ impl Scenario {
         Scenario::RedisLogLean,
         Scenario::RedisGcra,
         Scenario::RedisGcraLean,
+        Scenario::RedisGcraOverrides,
         Scenario::RedisGcraLease,
         Scenario::RedisFwLease,
         Scenario::FredPeer,
@@ -302,6 +306,7 @@ impl Scenario {
             Scenario::RedisLogLean => "redis_log_lean",
             Scenario::RedisGcra => "redis_gcra",
             Scenario::RedisGcraLean => "redis_gcra_lean",
+            Scenario::RedisGcraOverrides => "redis_gcra_overrides",
             Scenario::RedisGcraLease => "redis_gcra_lease",
             Scenario::RedisFwLease => "redis_fw_lease",
             Scenario::FredPeer => "fred_peer",
@@ -331,6 +336,8 @@ impl Scenario {
             | Scenario::RedisLogLean
             | Scenario::RedisGcra
             | Scenario::RedisGcraLean => Some(Scenario::FredPeer),
+            // What overrides cost: the same configuration without them.
+            Scenario::RedisGcraOverrides => Some(Scenario::RedisGcraLean),
             // What leases are for: in-process speed with a limit shared through Redis.
             Scenario::RedisGcraLease | Scenario::RedisFwLease => Some(Scenario::MemoryGcra),
             _ => None,
@@ -361,7 +368,7 @@ impl Scenario {
                     .headers_on_allowed(self == Scenario::RedisLog);
                 route.layer(ours.policy(LOG_LIMIT).build()?)
             }
-            Scenario::RedisGcra | Scenario::RedisGcraLean => {
+            Scenario::RedisGcra | Scenario::RedisGcraLean | Scenario::RedisGcraOverrides => {
                 let ours = ours_on_redis()?
                     .algorithm(Algorithm::Gcra)
                     .headers_on_allowed(self == Scenario::RedisGcra);
@@ -638,6 +645,20 @@ impl RedisCounters {
 // One measurement
 
 /// Serves `scenario`, loads it for the warm-up and the measured phase, and stops it.
+/// An override for each of the first `n` keys of the load, at a count no request reaches.
+async fn set_overrides(redis: &RedisBackend, n: usize) -> Result<(), Error> {
+    let policy = HIGH_LIMIT
+        .parse::<Policy>()?
+        .with_algorithm(Algorithm::Gcra);
+    let far = Override::Limits(vec!["2000000/1s".parse()?]);
+    let overrides = redis.store.overrides();
+    for i in 0..n {
+        let key = Scope::Key(Key::from(format!("c{i}")));
+        overrides.set(&policy, &key, &far).await?;
+    }
+    Ok(())
+}
+
 async fn measure(
     scenario: Scenario,
     round: usize,
@@ -646,6 +667,9 @@ async fn measure(
 ) -> Result<Measurement, Error> {
     if let Some(redis) = redis {
         redis.flush().await?;
+    }
+    if let (Scenario::RedisGcraOverrides, Some(redis)) = (scenario, redis) {
+        set_overrides(redis, args.keys.min(1000)).await?;
     }
     let server = Server::start(scenario.app(redis)?).await?;
     let keys = match scenario.is_flood() {

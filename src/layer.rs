@@ -191,7 +191,8 @@ pub enum BuildError {
     /// [`Policy::identity`]), but the `RateLimit` fields and metrics could not tell them apart.
     #[error("two different policies are named {0:?}; give each its own name")]
     PolicyConflict(String),
-    /// A rule's [plan](Rule::plan) is invalid: its limits, or its name given twice.
+    /// A rule's [plan](Rule::plan) is invalid: its limits, its name given twice, or the layer
+    /// has no [plan function](RateLimitLayerBuilder::plan) to choose it.
     #[error("policy {policy:?}, plan {plan:?}: {why}")]
     Plan {
         /// The policy's name.
@@ -507,6 +508,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             algorithm,
             options,
             supports: Box::new(move |policy| store.supports(policy)),
+            plans_apply: plan.is_some(),
         };
         let table = RuleTable::new(compiler, rules)?;
         let networks = allow_networks

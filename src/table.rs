@@ -147,6 +147,8 @@ pub(crate) struct Compiler {
     pub(crate) algorithm: Option<Algorithm>,
     pub(crate) options: Options,
     pub(crate) supports: Box<Supports>,
+    /// Whether the layer has a plan function: without one, plans would never apply.
+    pub(crate) plans_apply: bool,
 }
 
 impl Compiler {
@@ -160,6 +162,13 @@ impl Compiler {
         // metrics name them, and their state is one.
         let mut seen: Vec<(Policy, Plans)> = Vec::new();
         let mut choice = |policy: Policy, plans: Plans| -> Result<Choice, BuildError> {
+            if let (false, Some((plan, _))) = (self.plans_apply, plans.first()) {
+                return Err(BuildError::Plan {
+                    policy: policy.name().to_owned(),
+                    plan: plan.clone(),
+                    why: "the layer has no plan function (RateLimitLayerBuilder::plan)".into(),
+                });
+            }
             let (policy, plans) = match self.algorithm {
                 Some(a) => {
                     let plans = plans.into_iter().map(|(n, p)| (n, p.with_algorithm(a)));

@@ -155,7 +155,13 @@ async fn plans_share_the_policy_state_on_redis() {
 
 #[test]
 fn plans_are_checked_when_the_layer_is_built() {
-    let build = |rule: Rule| RateLimitLayer::builder().rule(rule).build().map(drop);
+    let build = |rule: Rule| {
+        RateLimitLayer::builder()
+            .plan(|head| head.uri.query())
+            .rule(rule)
+            .build()
+            .map(drop)
+    };
     let api = || Policy::new("api", ["60/1m".parse().unwrap()]).unwrap();
     let other_windows = build(Rule::new(api()).plan("pro", "600/1h")).unwrap_err();
     assert!(
@@ -167,8 +173,17 @@ fn plans_are_checked_when_the_layer_is_built() {
     assert!(matches!(twice, Err(BuildError::Plan { .. })), "{twice:?}");
     let bad = build(Rule::new(api()).plan("pro", "600/1parsec"));
     assert!(bad.is_err());
+    // Plans with nothing to choose them would never apply.
+    let unused = RateLimitLayer::builder()
+        .rule(Rule::new(api()).plan("pro", "600/1m"))
+        .build();
+    assert!(
+        matches!(&unused, Err(BuildError::Plan { why, .. }) if why.contains("plan function")),
+        "{unused:?}"
+    );
     // One policy name, two rules that disagree about a plan: one state, two answers.
     let conflict = RateLimitLayer::builder()
+        .plan(|head| head.uri.query())
         .rule(Rule::new(api()).path("/a").plan("pro", "600/1m"))
         .rule(Rule::new(api()).path("/b").plan("pro", "700/1m"))
         .build();
@@ -177,6 +192,7 @@ fn plans_are_checked_when_the_layer_is_built() {
         BuildError::PolicyConflict("api".into())
     );
     let agree = RateLimitLayer::builder()
+        .plan(|head| head.uri.query())
         .rule(Rule::new(api()).path("/a").plan("pro", "600/1m"))
         .rule(Rule::new(api()).path("/b").plan("pro", "600/1m"))
         .build();

@@ -94,7 +94,11 @@ async fn a_replaced_table_decides_the_next_requests_and_keeps_state_by_name() {
 #[test]
 fn the_example_file_is_valid() {
     let rules = Rules::from_toml(include_str!("../examples/rules.toml")).unwrap();
-    let layer = RateLimitLayer::builder().rules(rules).build().unwrap();
+    let layer = RateLimitLayer::builder()
+        .plan(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
+        .rules(rules)
+        .build()
+        .unwrap();
     let names: Vec<String> = layer
         .rule_table()
         .policies()
