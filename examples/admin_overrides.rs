@@ -71,17 +71,18 @@ pub fn admin(overrides: Overrides, table: RuleTable, token: &str) -> Router {
 }
 
 impl Admin {
-    fn policy(&self, name: &str) -> Result<Policy, Response> {
+    /// The layer's policy named `name`, or the `404` answer.
+    fn policy(&self, name: &str) -> Result<Policy, Box<Response>> {
         let policies = self.table.policies();
         let found = policies.into_iter().find(|p| p.name() == name);
-        found
-            .ok_or_else(|| (StatusCode::NOT_FOUND, format!("no policy {name:?}\n")).into_response())
+        let unknown = (StatusCode::NOT_FOUND, format!("no policy {name:?}\n"));
+        found.ok_or_else(|| Box::new(unknown.into_response()))
     }
 
     async fn set(&self, name: &str, scope: Scope, body: &[u8]) -> Response {
         let policy = match self.policy(name) {
             Ok(policy) => policy,
-            Err(response) => return response,
+            Err(response) => return *response,
         };
         let text = String::from_utf8_lossy(body);
         let to = match text.trim() {
@@ -102,7 +103,7 @@ impl Admin {
     async fn remove(&self, name: &str, scope: Scope) -> Response {
         let policy = match self.policy(name) {
             Ok(policy) => policy,
-            Err(response) => return response,
+            Err(response) => return *response,
         };
         match self.overrides.remove(&policy, &scope).await {
             Ok(true) => (StatusCode::OK, "removed\n").into_response(),
@@ -135,7 +136,7 @@ fn failed(error: OverrideError) -> Response {
 async fn list(State(admin): State<Admin>, Path(name): Path<String>) -> Response {
     let policy = match admin.policy(&name) {
         Ok(policy) => policy,
-        Err(response) => return response,
+        Err(response) => return *response,
     };
     match admin.overrides.list(&policy).await {
         Ok(listed) => {
