@@ -131,10 +131,11 @@ impl Rules {
         // One name, one policy: what the layer's builder checks too, reported here by line.
         let mut seen: Vec<(Rule, String)> = Vec::new();
         let mut check = |entry: &Spanned<Entry>, rule: &Rule| -> Result<(), ConfigError> {
-            let (_, policy, plans) = rule.clone().build().map_err(|e| lines.at(entry, e))?;
+            let built = rule.clone().build().map_err(|e| lines.at(entry, e))?;
+            let (policy, plans) = (built.policy, built.plans);
             for (earlier, name) in &seen {
-                let (_, other, other_plans) = earlier.clone().build()?;
-                if *name == policy.name() && (other != policy || other_plans != plans) {
+                let other = earlier.clone().build()?;
+                if *name == policy.name() && (other.policy != policy || other.plans != plans) {
                     let why = BuildError::PolicyConflict(name.clone());
                     return Err(lines.at(entry, why));
                 }
@@ -154,9 +155,9 @@ impl Rules {
             }
             let rule = read_rule(&lines, fields)?;
             check(entry, &rule)?;
-            let (_, policy, plans) = rule.build()?;
-            rules = rules.policy(policy);
-            for (plan, limits) in plans {
+            let built = rule.build()?;
+            rules = rules.policy(built.policy);
+            for (plan, limits) in built.plans {
                 rules = rules.plan(plan, limits);
             }
         }

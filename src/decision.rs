@@ -206,3 +206,70 @@ impl Settlement {
         self.units
     }
 }
+
+/// What the rate-limit layers decided about a request, found in its extensions by the
+/// handler (`Extension<Decisions>` in axum): one entry per layer that decided it, outermost
+/// first, each with the policy that applied. A handler can show the quota left, or, under a
+/// [soft](crate::Rule::soft) policy, see that the key is over its limit and ask for a captcha
+/// instead of refusing.
+///
+/// The entries are the layers' own decisions, the same that their `RateLimit` fields describe.
+/// A request that no policy applies to, an allow-listed key, or a decision the store could not
+/// make (failing open) adds no entry.
+///
+/// ```
+/// use axum::{routing::get, Extension, Router};
+/// use tower_redis_ratelimit::{Decisions, RateLimitLayer};
+///
+/// async fn handler(Extension(decisions): Extension<Decisions>) -> String {
+///     match decisions.get("default") {
+///         Some(d) => format!("{} of {} left", d.remaining(), d.limit()),
+///         None => "not limited".into(),
+///     }
+/// }
+///
+/// let app: Router = Router::new()
+///     .route("/", get(handler))
+///     .layer(RateLimitLayer::builder().policy("100/1m").build()?);
+/// # Ok::<(), tower_redis_ratelimit::BuildError>(())
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct Decisions {
+    // The first entry inline: one layer, the common case, allocates no list.
+    first: Option<(std::sync::Arc<str>, Decision)>,
+    rest: Vec<(std::sync::Arc<str>, Decision)>,
+}
+
+impl Decisions {
+    /// Adds the decision of a layer inside the ones already there.
+    pub(crate) fn push(&mut self, policy: std::sync::Arc<str>, decision: Decision) {
+        match self.first {
+            None => self.first = Some((policy, decision)),
+            Some(_) => self.rest.push((policy, decision)),
+        }
+    }
+
+    /// Each layer's policy name and decision, outermost layer first.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Decision)> {
+        self.first
+            .iter()
+            .chain(&self.rest)
+            .map(|(policy, decision)| (&**policy, decision))
+    }
+
+    /// The decision of the (outermost) layer whose policy is named `policy`.
+    pub fn get(&self, policy: &str) -> Option<&Decision> {
+        self.iter().find(|(p, _)| *p == policy).map(|(_, d)| d)
+    }
+
+    /// Whether any layer found the key over its limit: a request passed on by a soft policy
+    /// (or in shadow mode) that would otherwise have been refused.
+    pub fn is_over(&self) -> bool {
+        self.iter().any(|(_, d)| !d.is_allowed())
+    }
+
+    /// Whether no layer decided the request.
+    pub fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+}

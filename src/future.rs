@@ -16,7 +16,7 @@ use crate::deny_cache::{DenyCache, Ticket};
 use crate::metrics::{Report, Started};
 use crate::response::{FailureMode, Responder, Tally};
 use crate::usage::{Ledger, Metering, StoreLedger, Tab, UsageMeter};
-use crate::{Decision, Key, Store, StoreError};
+use crate::{Decision, Decisions, Key, Store, StoreError};
 
 /// What a pending decision is about.
 pub(crate) struct Check {
@@ -40,6 +40,26 @@ pub(crate) struct Check {
 pub(crate) struct Admitted {
     pub(crate) fields: Option<(Decision, Arc<Responder>)>,
     pub(crate) tab: Option<Box<Tab>>,
+    /// The policy and decision for the request's [`Decisions`].
+    pub(crate) decided: Option<(Arc<str>, Decision)>,
+}
+
+impl Admitted {
+    /// Adds the decision to the request's [`Decisions`], inside those of outer layers.
+    pub(crate) fn mark<B>(&mut self, request: &mut Request<B>) {
+        let Some((policy, decision)) = self.decided.take() else {
+            return;
+        };
+        let extensions = request.extensions_mut();
+        match extensions.get_mut::<Decisions>() {
+            Some(decisions) => decisions.push(policy, decision),
+            None => {
+                let mut decisions = Decisions::default();
+                decisions.push(policy, decision);
+                extensions.insert(decisions);
+            }
+        }
+    }
 }
 
 /// What to do with a request once its decision is in.
@@ -89,7 +109,27 @@ impl Check {
                     Tab::open(Arc::clone(metering), ledger, about, d, meter.clone(), cache)
                 });
                 let fields = (!options.hide_allowed_headers).then(|| (d, self.responder.clone()));
-                Verdict::Call(Admitted { fields, tab })
+                let decided = Some((self.responder.policy.shared_name(), d));
+                Verdict::Call(Admitted {
+                    fields,
+                    tab,
+                    decided,
+                })
+            }
+            Ok(d) if options.soft && !options.shadow => {
+                options.tally(&self.responder.policy, &self.key, Tally::Denied);
+                tracing::debug!(
+                    target: "tower_redis_ratelimit",
+                    policy,
+                    key = %self.key.loggable(),
+                    retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
+                    "rate limit exceeded; passed on marked over (soft limit)"
+                );
+                Verdict::Call(Admitted {
+                    fields: Some((d, self.responder.clone())),
+                    tab: None,
+                    decided: Some((self.responder.policy.shared_name(), d)),
+                })
             }
             Ok(d) if options.shadow => {
                 options.tally(&self.responder.policy, &self.key, Tally::Denied);
@@ -103,6 +143,7 @@ impl Check {
                 Verdict::Call(Admitted {
                     fields: Some((d, self.responder.clone())),
                     tab: None,
+                    decided: Some((self.responder.policy.shared_name(), d)),
                 })
             }
             Ok(d) => {
@@ -236,10 +277,12 @@ where
                             return Poll::Ready(Ok(response.map(ResponseBody::own)))
                         }
                     };
-                    let (mut service, request) = pending
+                    let (mut service, mut request) = pending
                         .call
                         .take()
                         .expect("ResponseFuture polled after completion");
+                    let mut admitted = admitted;
+                    admitted.mark(&mut request);
                     let future = service.call(request);
                     this.state.set(State::Calling { future, admitted });
                 }

@@ -412,6 +412,13 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         self
     }
 
+    /// Makes every policy of the layer soft (see [`Rule::soft`]): a request over the limit is
+    /// passed on, marked over in its [`Decisions`](crate::Decisions), instead of refused.
+    pub fn soft(mut self, enabled: bool) -> Self {
+        self.settings.options.soft = enabled;
+        self
+    }
+
     /// Whether admitted responses carry the `RateLimit-Policy` and `RateLimit` fields
     /// (default `true`). Rejections always carry them.
     pub fn headers_on_allowed(mut self, enabled: bool) -> Self {

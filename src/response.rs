@@ -101,6 +101,8 @@ pub enum FailureMode {
 pub(crate) struct Options {
     pub(crate) hide_allowed_headers: bool,
     pub(crate) shadow: bool,
+    /// Requests over the limit are passed on, marked, instead of refused (`Rule::soft`).
+    pub(crate) soft: bool,
     pub(crate) on_rejection: Option<Arc<RejectionFn>>,
     pub(crate) failure_mode: FailureMode,
     #[cfg(feature = "redis")]
@@ -202,8 +204,8 @@ impl Responder {
             )),
             _ => self.policy_header.clone(),
         };
-        headers.insert(RATELIMIT_POLICY, policy);
-        headers.insert(RATELIMIT, value(state));
+        add_member(headers, RATELIMIT_POLICY, policy);
+        add_member(headers, RATELIMIT, value(state));
     }
 
     /// The `429 Too Many Requests` answer to a refused request.
@@ -345,6 +347,26 @@ fn plain(status: StatusCode, text: String, retry_after: Option<u64>) -> Response
         headers.insert(RETRY_AFTER, HeaderValue::from(secs));
     }
     response
+}
+
+/// Adds `member` to the list field `name`: after the members that layers further in put there
+/// (each layer of a stack adds its own policy's; draft-ietf-httpapi-ratelimit-headers-10 makes
+/// both fields lists), or as the field itself.
+fn add_member(headers: &mut HeaderMap, name: HeaderName, member: HeaderValue) {
+    match headers.get(&name) {
+        Some(inner) => {
+            let mut list = Vec::with_capacity(inner.len() + 2 + member.len());
+            list.extend_from_slice(inner.as_bytes());
+            list.extend_from_slice(b", ");
+            list.extend_from_slice(member.as_bytes());
+            if let Ok(list) = HeaderValue::from_bytes(&list) {
+                headers.insert(name, list);
+            }
+        }
+        None => {
+            headers.insert(name, member);
+        }
+    }
 }
 
 /// Whole seconds, rounded up, and at least 1.

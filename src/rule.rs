@@ -19,6 +19,14 @@ use crate::{BuildError, Policy, PolicyError};
 /// A rule's plans and the policy each decides by.
 pub(crate) type Plans = Vec<(String, Policy)>;
 
+/// A checked rule.
+pub(crate) struct Built {
+    pub(crate) matcher: Matcher,
+    pub(crate) policy: Policy,
+    pub(crate) plans: Plans,
+    pub(crate) soft: bool,
+}
+
 /// What rule predicates and cost functions see of a request: everything but the body.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestHead<'a> {
@@ -76,6 +84,8 @@ pub struct Rule {
     predicate: Option<Arc<Predicate>>,
     /// Each plan's limits, in the order given.
     plans: Vec<(String, Result<Policy, BuildError>)>,
+    /// Pass requests over the limit on, marked, instead of refusing them.
+    soft: bool,
 }
 
 impl std::fmt::Debug for Rule {
@@ -86,6 +96,7 @@ impl std::fmt::Debug for Rule {
             .field("path", &self.path)
             .field("predicate", &self.predicate.is_some())
             .field("plans", &self.plans)
+            .field("soft", &self.soft)
             .finish()
     }
 }
@@ -104,6 +115,7 @@ impl Rule {
             path: None,
             predicate: None,
             plans: Vec::new(),
+            soft: false,
         }
     }
 
@@ -167,8 +179,38 @@ impl Rule {
         self
     }
 
+    /// A soft limit: a request over it is passed on to the service instead of refused, with
+    /// its decision, not allowed, in the request's [`Decisions`](crate::Decisions) and the
+    /// `RateLimit` fields on the response, so that the handler decides what to do (ask for a
+    /// captcha, degrade the answer). It counts as refused in the metrics, records nothing
+    /// (a refused request never does), and the deny cache does not answer for it.
+    /// [`RateLimitLayerBuilder::soft`](crate::RateLimitLayerBuilder::soft) makes every policy
+    /// of a layer soft.
+    ///
+    /// ```
+    /// use axum::{routing::post, Extension, Router};
+    /// use tower_redis_ratelimit::{Decisions, Policy, RateLimitLayer, Rule};
+    ///
+    /// async fn login(Extension(decisions): Extension<Decisions>) -> &'static str {
+    ///     if decisions.is_over() {
+    ///         return "solve the captcha first";
+    ///     }
+    ///     "welcome"
+    /// }
+    ///
+    /// let layer = RateLimitLayer::builder()
+    ///     .rule(Rule::new(Policy::new("login", ["3/1m".parse()?])?).soft())
+    ///     .build()?;
+    /// let app: Router = Router::new().route("/login", post(login)).layer(layer);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn soft(mut self) -> Self {
+        self.soft = true;
+        self
+    }
+
     /// Checks the rule: its policy, its plans' limits and its path pattern.
-    pub(crate) fn build(self) -> Result<(Matcher, Policy, Plans), BuildError> {
+    pub(crate) fn build(self) -> Result<Built, BuildError> {
         let path = self.path.as_deref().map(PathPattern::parse).transpose()?;
         let matcher = Matcher {
             method: self.method,
@@ -199,7 +241,13 @@ impl Rule {
                 why: "the plan is named twice".into(),
             });
         }
-        Ok((matcher, policy, plans))
+        let soft = self.soft;
+        Ok(Built {
+            matcher,
+            policy,
+            plans,
+            soft,
+        })
     }
 }
 

@@ -121,7 +121,7 @@ where
         let deny_cache = config
             .deny_cache
             .as_ref()
-            .filter(|_| !responder.options.shadow);
+            .filter(|_| !responder.options.shadow && !responder.options.soft);
         if let Some(refusal) = deny_cache.and_then(|c| c.refusal(&key, &responder.policy, cost)) {
             let options = &responder.options;
             options.tally(&responder.policy, &key, Tally::DeniedCached);
@@ -146,7 +146,8 @@ where
             .check_now(&check.key, &check.responder.policy, cost)
         {
             return match check.settle(outcome) {
-                Verdict::Call(admitted) => {
+                Verdict::Call(mut admitted) => {
+                    admitted.mark(&mut request);
                     ResponseFuture::reporting(self.inner.call(request), admitted)
                 }
                 Verdict::Answer(response) => ResponseFuture::answer(response),

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use crate::response::{Options, Responder};
-use crate::rule::{Matcher, PlanFn, Plans, RequestHead};
+use crate::rule::{Built, Matcher, PlanFn, Plans, RequestHead};
 use crate::{Algorithm, BuildError, Policy, Rule, StoreError};
 
 /// A layer's rules and default policy, as a value: what [`RuleTable::replace`] puts in force,
@@ -161,7 +161,7 @@ impl Compiler {
         // Policies of one name must agree in every rule, plans included: the fields and the
         // metrics name them, and their state is one.
         let mut seen: Vec<(Policy, Plans)> = Vec::new();
-        let mut choice = |policy: Policy, plans: Plans| -> Result<Choice, BuildError> {
+        let mut choice = |policy: Policy, plans: Plans, soft: bool| -> Result<Choice, BuildError> {
             if let (false, Some((plan, _))) = (self.plans_apply, plans.first()) {
                 return Err(BuildError::Plan {
                     policy: policy.name().to_owned(),
@@ -191,7 +191,9 @@ impl Compiler {
                 Some(_) => {}
                 None => seen.push((policy.clone(), plans.clone())),
             }
-            let responder = |policy| Arc::new(Responder::new(policy, self.options.clone()));
+            let mut options = self.options.clone();
+            options.soft |= soft;
+            let responder = |policy| Arc::new(Responder::new(policy, options.clone()));
             let plans = plans
                 .into_iter()
                 .map(|(name, policy)| (name.into_boxed_str(), responder(policy)))
@@ -205,14 +207,19 @@ impl Compiler {
             .rules
             .into_iter()
             .map(|rule| {
-                let (matcher, policy, plans) = rule.build()?;
-                Ok((matcher, choice(policy, plans)?))
+                let Built {
+                    matcher,
+                    policy,
+                    plans,
+                    soft,
+                } = rule.build()?;
+                Ok((matcher, choice(policy, plans, soft)?))
             })
             .collect::<Result<Vec<_>, BuildError>>()?;
         let default = match default.transpose()? {
             Some(rule) => {
-                let (_, policy, plans) = rule.build()?;
-                Some(choice(policy, plans)?)
+                let built = rule.build()?;
+                Some(choice(built.policy, built.plans, built.soft)?)
             }
             None => None,
         };
