@@ -185,6 +185,17 @@ impl Settlement {
         })
     }
 
+    /// A charge of `units` for a request counted by its outcome, which recorded nothing
+    /// before it was called, admitted or over a soft limit.
+    pub(crate) fn count(units: u64) -> Settlement {
+        Settlement {
+            change: Change::Charge,
+            units: units.min(MAX_UNITS),
+            admitted_at: None,
+            recorded: 0,
+        }
+    }
+
     /// Takes back `units` of those the request that got `decision` recorded, at most all of
     /// them (its cost); `None` when it was refused.
     pub fn refund(decision: &Decision, units: u64) -> Option<Settlement> {

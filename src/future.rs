@@ -71,6 +71,12 @@ pub(crate) enum Verdict {
 }
 
 impl Check {
+    /// Whether requests count only by their outcome: the store only looks before the call.
+    pub(crate) fn counts_outcomes(&self) -> bool {
+        let usage = self.usage.as_ref();
+        usage.is_some_and(|(metering, _)| metering.report.outcome.is_some())
+    }
+
     /// Applies the layer's options to the store's answer: fallback, shadow mode, the deny
     /// cache, the failure mode; logs what an operator should see.
     pub(crate) fn settle(&self, outcome: Result<Decision, StoreError>) -> Verdict {
@@ -96,18 +102,32 @@ impl Check {
                 if self.usage.is_some() {
                     ledger = Some(Arc::new(StoreLedger(local.clone())));
                 }
-                local.check(&self.key, policy, self.cost).into_inner()
+                match self.counts_outcomes() {
+                    true => local.peek(&self.key, policy, self.cost).into_inner(),
+                    false => local.check(&self.key, policy, self.cost).into_inner(),
+                }
             }
             (outcome, _) => outcome,
+        };
+        let tab = |d: Decision| {
+            self.usage.as_ref().map(|(metering, meter)| {
+                let about = (self.key.clone(), Arc::clone(&self.responder));
+                let cache = self.deny_cache.as_ref().map(|(cache, _)| cache.clone());
+                let charged = (d, self.cost);
+                Tab::open(
+                    Arc::clone(metering),
+                    ledger,
+                    about,
+                    charged,
+                    meter.clone(),
+                    cache,
+                )
+            })
         };
         match outcome {
             Ok(d) if d.is_allowed() => {
                 options.tally(&self.responder.policy, &self.key, Tally::Allowed);
-                let tab = self.usage.as_ref().map(|(metering, meter)| {
-                    let about = (self.key.clone(), Arc::clone(&self.responder));
-                    let cache = self.deny_cache.as_ref().map(|(cache, _)| cache.clone());
-                    Tab::open(Arc::clone(metering), ledger, about, d, meter.clone(), cache)
-                });
+                let tab = tab(d);
                 let fields = (!options.hide_allowed_headers).then(|| (d, self.responder.clone()));
                 let decided = Some((self.responder.policy.shared_name(), d));
                 Verdict::Call(Admitted {
@@ -125,9 +145,11 @@ impl Check {
                     retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
                     "rate limit exceeded; passed on marked over (soft limit)"
                 );
+                // Counted by outcome, a request over a soft limit still counts when it matches.
+                let tab = if self.counts_outcomes() { tab(d) } else { None };
                 Verdict::Call(Admitted {
                     fields: Some((d, self.responder.clone())),
-                    tab: None,
+                    tab,
                     decided: Some((self.responder.policy.shared_name(), d)),
                 })
             }

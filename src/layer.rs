@@ -404,6 +404,31 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         self
     }
 
+    /// Counts a request only when its response matches `outcome`, e.g. a failed login's
+    /// `401`: a request that does not match costs nothing and is never refused for attempts in
+    /// flight; a key is refused (or marked over, when soft) once its counted requests leave no
+    /// room for one more. Short for `.usage(UsageReport::count_when(outcome))`, which says
+    /// how far over concurrent attempts can take a key.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use tower_redis_ratelimit::{key::Header, Policy, RateLimitLayer};
+    ///
+    /// // Three failed logins a minute per user name.
+    /// let layer = RateLimitLayer::builder()
+    ///     .key(Header::new(http::HeaderName::from_static("x-user")))
+    ///     .policy(Policy::new("login-failures", ["3/1m".parse()?])?)
+    ///     .count_when(|response| response.status == StatusCode::UNAUTHORIZED)
+    ///     .build()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn count_when<F>(self, outcome: F) -> Self
+    where
+        F: Fn(&crate::ResponseHead<'_>) -> bool + Send + Sync + 'static,
+    {
+        self.usage(UsageReport::count_when(outcome))
+    }
+
     /// Shadow mode, for a safe roll-out: requests are counted and their responses carry the
     /// `RateLimit` fields, but a request over the limit is passed on instead of refused, and a
     /// `tracing` event (target `tower_redis_ratelimit`, level INFO) reports it.

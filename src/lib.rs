@@ -37,7 +37,7 @@ pub use key::{ClientIp, Global, Header, Key, KeyError, KeyExtractor, PeerIp};
 pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder, DEFAULT_DENY_CACHE};
 pub use policy::{Limit, LimitError, Policy, PolicyError};
 pub use response::{FailureMode, MissingKey};
-pub use rule::{RequestHead, Rule};
+pub use rule::{RequestHead, ResponseHead, Rule};
 pub use service::RateLimit;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]

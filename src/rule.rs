@@ -53,6 +53,28 @@ impl<'a> RequestHead<'a> {
 
 pub(crate) type Predicate = dyn Fn(&RequestHead<'_>) -> bool + Send + Sync;
 
+/// What an outcome condition ([`RateLimitLayerBuilder::count_when`](crate::RateLimitLayerBuilder::count_when))
+/// sees of a response: everything but the body.
+#[derive(Debug, Clone, Copy)]
+pub struct ResponseHead<'a> {
+    /// The response status.
+    pub status: http::StatusCode,
+    /// The response headers.
+    pub headers: &'a HeaderMap,
+    /// The response extensions.
+    pub extensions: &'a Extensions,
+}
+
+impl<'a> ResponseHead<'a> {
+    pub(crate) fn of<B>(response: &'a http::Response<B>) -> Self {
+        ResponseHead {
+            status: response.status(),
+            headers: response.headers(),
+            extensions: response.extensions(),
+        }
+    }
+}
+
 /// Which plan a request is on: see [`RateLimitLayerBuilder::plan`](crate::RateLimitLayerBuilder::plan).
 pub(crate) type PlanFn = dyn for<'a> Fn(&RequestHead<'a>) -> Option<&'a str> + Send + Sync;
 

@@ -141,10 +141,15 @@ where
         };
         // A store that decides without waiting lets the inner service be called right here,
         // with no clone of it for a later call.
-        if let Some(outcome) = config
-            .store
-            .check_now(&check.key, &check.responder.policy, cost)
-        {
+        // Counted by outcome, the store only looks: whether one more would fit.
+        let counts_outcomes = check.counts_outcomes();
+        let now = match counts_outcomes {
+            true => None,
+            false => config
+                .store
+                .check_now(&check.key, &check.responder.policy, cost),
+        };
+        if let Some(outcome) = now {
             return match check.settle(outcome) {
                 Verdict::Call(mut admitted) => {
                     admitted.mark(&mut request);
@@ -153,9 +158,12 @@ where
                 Verdict::Answer(response) => ResponseFuture::answer(response),
             };
         }
-        let decision = config
-            .store
-            .check(&check.key, &check.responder.policy, cost);
+        let decision = match counts_outcomes {
+            true => config.store.peek(&check.key, &check.responder.policy, cost),
+            false => config
+                .store
+                .check(&check.key, &check.responder.policy, cost),
+        };
         let clone = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, clone);
         ResponseFuture::checking(decision, check, ready, request)

@@ -96,6 +96,7 @@ use tracing::Instrument;
 use crate::deny_cache::DenyCache;
 use crate::metrics::Report;
 use crate::response::{Refused, Responder};
+use crate::rule::ResponseHead;
 use crate::{Decision, Key, Settlement, Store, StoreError};
 
 /// Units a response used, put in its extensions by the inner service:
@@ -176,6 +177,9 @@ impl UsageMeter {
 /// Reads a usage from a response's head or trailers.
 pub(crate) type FieldsFn = dyn Fn(&HeaderMap) -> Option<u64> + Send + Sync;
 
+/// Whether a response is an outcome that counts ([`UsageReport::count_when`]).
+pub(crate) type OutcomeFn = dyn Fn(&ResponseHead<'_>) -> bool + Send + Sync;
+
 /// How the inner service reports usage, and what the layer reserves before calling it; given
 /// to [`RateLimitLayerBuilder::usage`](crate::RateLimitLayerBuilder::usage).
 ///
@@ -198,6 +202,8 @@ pub struct UsageReport {
     pub(crate) reserve: u32,
     pub(crate) head: Option<Arc<FieldsFn>>,
     pub(crate) trailers: Option<Arc<FieldsFn>>,
+    /// Count a request only when its response matches: see [`UsageReport::count_when`].
+    pub(crate) outcome: Option<Arc<OutcomeFn>>,
 }
 
 impl Default for UsageReport {
@@ -212,6 +218,7 @@ impl std::fmt::Debug for UsageReport {
             .field("reserve", &self.reserve)
             .field("head", &self.head.is_some())
             .field("trailers", &self.trailers.is_some())
+            .field("outcome", &self.outcome.is_some())
             .finish()
     }
 }
@@ -223,6 +230,34 @@ impl UsageReport {
             reserve: 1,
             head: None,
             trailers: None,
+            outcome: None,
+        }
+    }
+
+    /// Counts a request only when its response matches `outcome` (a failed login's `401`, a
+    /// wrong OTP), for its cost (1 unless a cost closure says otherwise), and nothing
+    /// otherwise; what else reports usage is not read. Before the call, the key is refused
+    /// (or marked over, under a [soft](crate::Rule::soft) policy) exactly when the requests
+    /// counted so far leave no room for one more: with `3/1m`, the fourth failure is refused,
+    /// and a success never counts, nor is ever refused for attempts in flight. The check
+    /// before the call records nothing; the count is one [`Store::settle`] once the response
+    /// head is in.
+    ///
+    /// **Concurrent attempts.** Attempts in flight at once are all let through while the
+    /// key has room for one, so a key can end up to (attempts in flight − 1) counts over its
+    /// limit; the ones after are refused until the excess has aged out. A request passed on
+    /// over a soft limit is counted too when it matches, so that failures past the captcha
+    /// still add up (towards a longer limit of the same policy, say).
+    ///
+    /// [`RateLimitLayerBuilder::count_when`](crate::RateLimitLayerBuilder::count_when) is the
+    /// short way to set it.
+    pub fn count_when<F>(outcome: F) -> Self
+    where
+        F: Fn(&ResponseHead<'_>) -> bool + Send + Sync + 'static,
+    {
+        UsageReport {
+            outcome: Some(Arc::new(outcome)),
+            ..UsageReport::new()
         }
     }
 
@@ -441,6 +476,8 @@ pub(crate) struct Tab {
     key: Key,
     responder: Arc<Responder>,
     decision: Decision,
+    /// The request's cost: what it is counted when its outcome matches.
+    cost: u32,
     meter: UsageMeter,
     /// Usage reported by the head (extension or field), then by the trailers.
     from_head: Option<u64>,
@@ -459,7 +496,7 @@ impl Tab {
         metering: Arc<Metering>,
         fallback: Option<Arc<dyn Ledger>>,
         (key, responder): (Key, Arc<Responder>),
-        decision: Decision,
+        (decision, cost): (Decision, u32),
         meter: UsageMeter,
         deny_cache: Option<DenyCache>,
     ) -> Box<Tab> {
@@ -469,6 +506,7 @@ impl Tab {
             key,
             responder,
             decision,
+            cost,
             meter,
             from_head: None,
             from_trailers: None,
@@ -481,6 +519,11 @@ impl Tab {
     pub(crate) fn read_head<B>(&mut self, response: &Response<B>) {
         let extensions = response.extensions();
         self.refused = extensions.get::<Refused>().is_some();
+        if let Some(outcome) = &self.metering.report.outcome {
+            let counts = outcome(&ResponseHead::of(response));
+            self.from_head = Some(if counts { u64::from(self.cost) } else { 0 });
+            return;
+        }
         self.from_head = match extensions.get::<Usage>() {
             Some(Usage(units)) => Some(*units),
             None => self
@@ -494,6 +537,9 @@ impl Tab {
 
     /// Reads the usage a response's trailers report.
     pub(crate) fn read_trailers(&mut self, trailers: &HeaderMap) {
+        if self.metering.report.outcome.is_some() {
+            return;
+        }
         if let Some(read) = &self.metering.report.trailers {
             self.from_trailers = read(trailers).or(self.from_trailers);
         }
@@ -502,9 +548,11 @@ impl Tab {
 
 impl Drop for Tab {
     fn drop(&mut self) {
-        let used = match self.refused {
-            true => Some(0),
-            false => self
+        let used = match (self.refused, &self.metering.report.outcome) {
+            (true, _) => Some(0),
+            // Counted by outcome: the head's verdict alone, none when the head never came.
+            (false, Some(_)) => self.from_head,
+            (false, None) => self
                 .from_trailers
                 .or_else(|| self.meter.get())
                 .or(self.from_head),
@@ -514,6 +562,11 @@ impl Drop for Tab {
         };
         let reserved = self.decision.recorded;
         let settlement = match used.cmp(&reserved) {
+            // Counted by outcome, over a soft limit included: the look before it recorded
+            // nothing, whatever it found.
+            _ if self.metering.report.outcome.is_some() => {
+                (used > 0).then(|| Settlement::count(used))
+            }
             std::cmp::Ordering::Greater => Settlement::charge(&self.decision, used - reserved),
             std::cmp::Ordering::Less => Settlement::refund(&self.decision, reserved - used),
             std::cmp::Ordering::Equal => None,
