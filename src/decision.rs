@@ -23,6 +23,8 @@ pub struct Decision {
     pub(crate) admitted_at: Option<i64>,
     /// The units the request recorded (its cost; 0 for a peek or a refusal).
     pub(crate) recorded: u64,
+    /// Refused because the key is in its policy's penalty box.
+    pub(crate) penalty: bool,
 }
 
 impl Decision {
@@ -79,6 +81,32 @@ impl Decision {
             retry_after: outcome.retry_after.map(Duration::from_micros),
             admitted_at: None,
             recorded: 0,
+            penalty: false,
+        }
+    }
+
+    /// Whether the request was refused because its key is in the policy's penalty box
+    /// ([`Policy::block_for`](crate::Policy::block_for)): it hit the limit, and is refused
+    /// until [`retry_after`](Self::retry_after), the block's end, whatever the windows say.
+    pub fn in_penalty_box(&self) -> bool {
+        self.penalty
+    }
+
+    /// The refusal of a key in `policy`'s penalty box for `left` more (also the limit the
+    /// box was set for; the reply names the policy's first limit).
+    pub(crate) fn boxed(policy: &crate::Policy, left: Duration) -> Decision {
+        let limit = policy.limits()[0];
+        Decision {
+            allowed: false,
+            limit_index: 0,
+            limit: limit.count(),
+            window: limit.window(),
+            remaining: 0,
+            reset_after: left,
+            retry_after: Some(left),
+            admitted_at: None,
+            recorded: 0,
+            penalty: true,
         }
     }
 
@@ -96,6 +124,7 @@ impl Decision {
             retry_after: None,
             admitted_at: None,
             recorded: 0,
+            penalty: false,
         }
     }
 

@@ -226,6 +226,8 @@ pub struct Policy {
     algorithm: Algorithm,
     /// Whether the algorithm can decide these limits exactly (see [`Policy::out_of_range`]).
     in_range: bool,
+    /// The penalty box: how long (µs) a key that hits its limit is refused; 0 for none.
+    block_micros: u64,
 }
 
 /// Why a [`Policy`] could not be built.
@@ -250,6 +252,12 @@ pub enum PolicyError {
     OtherWindows {
         /// The policy's windows, e.g. `1m+1h+1d`.
         expected: String,
+    },
+    /// A penalty box ([`Policy::block_for`]) shorter than 1 ms or longer than 3650 days.
+    #[error("a penalty box of {duration:?} is out of range: 1 ms to 3650 days")]
+    Block {
+        /// The duration given.
+        duration: Duration,
     },
     /// The name is empty, longer than 64 bytes, or has a character outside `[A-Za-z0-9_.-]`.
     #[error("policy name {name:?} must be 1 to 64 characters of A-Z a-z 0-9 _ . -")]
@@ -300,12 +308,17 @@ impl Policy {
             windows,
             algorithm: Algorithm::SlidingLog,
             in_range: true,
+            block_micros: 0,
         })
     }
 
     /// The same limits under another name.
     pub fn named(self, name: impl Into<String>) -> Result<Self, PolicyError> {
-        Policy::new(name, self.limits.iter().copied()).map(|p| p.with_algorithm(self.algorithm))
+        let block_micros = self.block_micros;
+        Policy::new(name, self.limits.iter().copied()).map(|p| Policy {
+            block_micros,
+            ..p.with_algorithm(self.algorithm)
+        })
     }
 
     /// The same limits decided by another algorithm.
@@ -326,6 +339,44 @@ impl Policy {
         self.terms_hash = hash(&self.terms);
         self.in_range = in_range(algorithm, &self.windows);
         self
+    }
+
+    /// The penalty box: once a key hits the policy's limit (a request refused by it, or a
+    /// charge, such as a failed login counted by outcome, that leaves no room for one more),
+    /// every request of the key is refused for `duration`, whatever the windows say, with a
+    /// `Retry-After` to the block's end ([`Decision::in_penalty_box`](crate::Decision::in_penalty_box)).
+    /// The block is set in the same atomic step as the decision that triggers it (one script
+    /// call on Redis), repeated by the deny cache until it ends, and cleared by
+    /// [`Store::reset`](crate::Store::reset). A look ([`Store::peek`](crate::Store::peek))
+    /// never sets it. The duration is from 1 ms to 3650 days.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_redis_ratelimit::Policy;
+    ///
+    /// // Ten failures an hour, then fifteen minutes out.
+    /// let failures = Policy::new("login-failures", ["10/1h".parse()?])?
+    ///     .block_for(Duration::from_secs(15 * 60))?;
+    /// assert_eq!(failures.block(), Some(Duration::from_secs(900)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn block_for(mut self, duration: Duration) -> Result<Policy, PolicyError> {
+        let micros = u64::try_from(duration.as_micros()).unwrap_or(u64::MAX);
+        if duration < Duration::from_millis(1) || duration > Limit::MAX_WINDOW {
+            return Err(PolicyError::Block { duration });
+        }
+        self.block_micros = micros;
+        Ok(self)
+    }
+
+    /// The penalty box's duration, if the policy has one (see [`Policy::block_for`]).
+    pub fn block(&self) -> Option<Duration> {
+        (self.block_micros > 0).then(|| Duration::from_micros(self.block_micros))
+    }
+
+    /// The penalty box's duration in µs; 0 for none.
+    pub(crate) fn block_micros(&self) -> u64 {
+        self.block_micros
     }
 
     /// The same policy decided against other counts: `limits` must have the policy's windows
@@ -533,6 +584,7 @@ impl From<Limit> for Policy {
             windows: Arc::new([Window::of(&limit)]),
             algorithm: Algorithm::SlidingLog,
             in_range: true,
+            block_micros: 0,
         }
     }
 }

@@ -129,6 +129,8 @@ struct State {
     /// an eviction) never held its units.
     born: u64,
     of: Of,
+    /// Until when (µs) the key is in its policy's penalty box; 0 when it never was.
+    boxed_until: u64,
 }
 
 /// The state of one key under the algorithm of its policy.
@@ -147,7 +149,25 @@ impl State {
             Algorithm::FixedWindow => Of::Fixed(FixedWindow::default()),
             Algorithm::Gcra => Of::Gcra(Gcra::default()),
         };
-        State { born: now, of }
+        State {
+            born: now,
+            of,
+            boxed_until: 0,
+        }
+    }
+
+    /// Puts the key in `policy`'s penalty box from `now`, if it has one; until when.
+    fn penalize(&mut self, now: u64, policy: &Policy) -> Option<u64> {
+        let block = policy.block_micros();
+        (block > 0).then(|| {
+            self.boxed_until = now.saturating_add(block);
+            self.boxed_until
+        })
+    }
+
+    /// Whether a look for one more unit at `now` would be refused: the key is full.
+    fn is_full(&mut self, now: u64, policy: &Policy) -> bool {
+        !self.decide(now, now, policy, 1, false).allowed
     }
 
     fn algorithm(&self) -> Algorithm {
@@ -305,14 +325,23 @@ impl MemoryStore {
             Applied::Blocked => return ready(Ok(Decision::blocked(policy))),
         };
         let mut shard = self.shared.entries.lock(key, policy.state_id());
+        // Set when the key is in its penalty box: until when.
+        let mut boxed = None;
         let outcome = match shard.get(key, policy.state_id(), now) {
             Some(slot) => {
                 if !slot.is_live(now) || slot.value.algorithm() != algorithm {
                     slot.value = State::new(algorithm, now);
                 }
+                if slot.value.boxed_until > now {
+                    let left = Duration::from_micros(slot.value.boxed_until - now);
+                    return ready(Ok(Decision::boxed(policy, left)));
+                }
                 let outcome = slot.value.decide(now, t, policy, cost, record);
                 if outcome.allowed && record {
                     slot.expires = slot.expires.max(expiry(policy, now, t));
+                } else if record {
+                    boxed = slot.value.penalize(now, policy);
+                    slot.expires = slot.expires.max(boxed.unwrap_or(0));
                 }
                 outcome
             }
@@ -321,11 +350,22 @@ impl MemoryStore {
                 let outcome = state.decide(now, t, policy, cost, record);
                 if outcome.allowed && record {
                     shard.insert(key, policy.state_id(), now, expiry(policy, now, t), state);
+                } else if record {
+                    boxed = state.penalize(now, policy);
+                    if let Some(until) = boxed {
+                        shard.insert(key, policy.state_id(), now, until, state);
+                    }
                 }
                 outcome
             }
         };
         drop(shard);
+        if let Some(until) = boxed {
+            return ready(Ok(Decision::boxed(
+                policy,
+                Duration::from_micros(until - now),
+            )));
+        }
         let decision = Decision::from_outcome(outcome, policy);
         let at = i64::try_from(t).ok();
         ready(Ok(match record {
@@ -364,6 +404,11 @@ impl MemoryStore {
                 let drained = slot.value.settle(now, policy, change);
                 if let Settle::Charge(_) = change {
                     slot.expires = slot.expires.max(expiry(policy, now, now));
+                    // A charge that fills the key puts it in the penalty box.
+                    if policy.block_micros() > 0 && slot.value.is_full(now, policy) {
+                        let until = slot.value.penalize(now, policy).unwrap_or(0);
+                        slot.expires = slot.expires.max(until);
+                    }
                 }
                 slot.expires = slot.expires.max(now.saturating_add(drained));
             }
@@ -372,7 +417,10 @@ impl MemoryStore {
             None => {
                 let mut state = State::new(algorithm, now);
                 let drained = state.settle(now, policy, change);
-                let expires = expiry(policy, now, now).max(now.saturating_add(drained));
+                let mut expires = expiry(policy, now, now).max(now.saturating_add(drained));
+                if policy.block_micros() > 0 && state.is_full(now, policy) {
+                    expires = expires.max(state.penalize(now, policy).unwrap_or(0));
+                }
                 shard.insert(key, policy.state_id(), now, expires, state);
             }
         }

@@ -461,11 +461,19 @@ pub(super) enum Record {
 
 /// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
 /// of limits, cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (µs, -1 for
-/// now), the policy's override id (`Policy::override_id`), for a lease or a look (0) want and
+/// now), the policy's override id (`Policy::override_id`), its penalty box (µs, 0: none;
+/// `Policy::block_for`), for a lease or a look (0) want and
 /// headroom, for a settlement refund (0 or 1), admission time and the units recorded then,
 /// then count, window (µs) and scale of each limit.
-pub(super) fn encode(cost: u64, record: Record, at: i64, id: u64, windows: &[Window]) -> Vec<u8> {
-    let mut args = Vec::with_capacity(INT * (8 + 3 * windows.len()));
+pub(super) fn encode(
+    cost: u64,
+    record: Record,
+    at: i64,
+    policy: (u64, u64),
+    windows: &[Window],
+) -> Vec<u8> {
+    let (id, block) = policy;
+    let mut args = Vec::with_capacity(INT * (9 + 3 * windows.len()));
     let (flag, extra, extras) = match record {
         Record::No { headroom } => (0, [clamp(cost), clamp(headroom), 0], 2),
         Record::Yes => (1, [0; 3], 0),
@@ -476,7 +484,14 @@ pub(super) fn encode(cost: u64, record: Record, at: i64, id: u64, windows: &[Win
             recorded,
         } => (3, [i64::from(refund), admitted, clamp(recorded)], 3),
     };
-    let head = [windows.len() as i64, clamp(cost), flag, at, clamp(id)];
+    let head = [
+        windows.len() as i64,
+        clamp(cost),
+        flag,
+        at,
+        clamp(id),
+        clamp(block),
+    ];
     let values = head.into_iter().chain(extra.into_iter().take(extras));
     for value in values.chain(limits(windows)) {
         args.extend_from_slice(&value.to_le_bytes());

@@ -147,7 +147,7 @@ impl Scripts {
         windows: &[Window],
     ) -> Result<Bytes, fred::error::Error> {
         let script = SCRIPTS.iter().find(|(a, _)| *a == algorithm).unwrap().1;
-        let args = batch::encode(cost, record, t, 0, windows);
+        let args = batch::encode(cost, record, t, (0, 0), windows);
         let eval = CustomCommand::new_static("EVAL", ClusterHash::FirstKey, false);
         // No override is ever set: the hash of overrides does not exist.
         let values = vec![

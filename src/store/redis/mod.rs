@@ -150,7 +150,8 @@ impl Inner {
         record: Record,
     ) -> Result<Answer, StoreError> {
         super::in_range(policy)?;
-        let args = batch::encode(cost, record, at, policy.override_id(), policy.windows());
+        let terms = (policy.override_id(), policy.block_micros());
+        let args = batch::encode(cost, record, at, terms, policy.windows());
         // The budget covers the whole decision: the queue, the call and a script reload.
         let lane = place.lane;
         let decision = self.batcher.decide(place, policy.algorithm(), args);
@@ -788,9 +789,10 @@ impl Store for RedisStore {
         let inner = Arc::clone(&self.inner);
         let redis_key = self.redis_key(key, policy);
         Box::pin(async move {
+            // The state, and the penalty box beside it (same hash slot).
             let del = |client: fred::clients::Client| {
-                let key = redis_key.clone();
-                async move { client.del::<(), _>(key).await }
+                let keys = vec![redis_key.clone(), format!("{redis_key}:box")];
+                async move { client.del::<(), _>(keys).await }
             };
             inner.batcher.on(&redis_key, del).await?;
             Ok(())
@@ -820,8 +822,8 @@ impl Store for RedisStore {
             admitted: settlement.admitted_at.unwrap_or(-1),
             recorded: settlement.recorded,
         };
-        let id = policy.override_id();
-        let args = batch::encode(settlement.units, record, -1, id, policy.windows());
+        let terms = (policy.override_id(), policy.block_micros());
+        let args = batch::encode(settlement.units, record, -1, terms, policy.windows());
         Box::pin(async move {
             if settlement.units == 0 {
                 return Ok(());
@@ -855,11 +857,32 @@ struct Reply {
     extra: u64,
     /// The count of the reported limit when an override set it.
     count: Option<u64>,
+    /// How long (µs) the key stays in the policy's penalty box, when it is in it.
+    boxed: Option<u64>,
 }
 
 impl Reply {
+    /// The answer for a key in its policy's penalty box for `left` µs more.
+    fn boxed(left: u64) -> Reply {
+        Reply {
+            outcome: Outcome {
+                allowed: false,
+                index: 0,
+                remaining: 0,
+                reset_after: left,
+                retry_after: Some(left),
+            },
+            extra: 0,
+            count: None,
+            boxed: Some(left),
+        }
+    }
+
     /// The decision it tells, under `policy` or the override's count.
     fn decision(&self, policy: &Policy) -> Decision {
+        if let Some(left) = self.boxed {
+            return Decision::boxed(policy, std::time::Duration::from_micros(left));
+        }
         Decision::from_outcome(self.outcome, policy).with_limit(self.count)
     }
 }
@@ -868,6 +891,11 @@ impl Reply {
 fn parse_reply(reply: &[i64; 6], policy: &Policy) -> Result<Reply, StoreError> {
     let bad = || StoreError::Reply(format!("{reply:?}"));
     let &[allowed, index, remaining, reset_after, retry_after, count] = reply;
+    if index == -1 {
+        // The key is in the policy's penalty box, for `retry_after` µs more.
+        let left = u64::try_from(retry_after).map_err(|_| bad())?;
+        return Ok(Reply::boxed(left));
+    }
     let index = usize::try_from(index)
         .ok()
         .filter(|&i| i < policy.limits().len())
@@ -890,5 +918,6 @@ fn parse_reply(reply: &[i64; 6], policy: &Policy) -> Result<Reply, StoreError> {
             -1 => None,
             v => Some(non_negative(v)?),
         },
+        boxed: None,
     })
 }

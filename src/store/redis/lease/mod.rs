@@ -138,9 +138,12 @@ impl Leases {
         Ok(())
     }
 
-    /// How `policy` is leased; `None` when it is not (the sliding log, or a share under two
-    /// units).
+    /// How `policy` is leased; `None` when it is not (the sliding log, a share under two
+    /// units, or a policy with a penalty box, which every decision must read in Redis).
     fn plan(&self, policy: &Policy) -> Option<Plan> {
+        if policy.block().is_some() {
+            return None;
+        }
         let smallest = policy.windows().iter().map(|w| w.count).min()?;
         let cap = (smallest as f64 * self.max_share) as u64;
         let shortest = policy.windows()[0].micros;
@@ -593,8 +596,8 @@ fn take(
     tokio::spawn(async move {
         let place = inner.place(&key, &policy);
         let record = plan.record(cost.into(), want);
-        let id = policy.override_id();
-        let args = batch::encode(cost.into(), record, -1, id, policy.windows());
+        let terms = (policy.override_id(), policy.block_micros());
+        let args = batch::encode(cost.into(), record, -1, terms, policy.windows());
         let reply = inner
             .batcher
             .decide_patiently(place, policy.algorithm(), args, PATIENCE)

@@ -143,12 +143,15 @@ local function each_stored_request(fields, fits, apply, report, give_back)
   for k = 1, REQUESTS do
     load_request(k)
     if blocked then
-      reply[k] = BLOCKED
+      reply[k] = blocked
     else
       state = load_fields(fields)
       local allowed, index, remaining, reset, retry = decide(fits, apply, report, refund_units)
       local shown = overridden and counts[index + 1] or -1
       reply[k] = spack('<llllll', allowed, index, remaining, reset, retry, shown)
+      if box_ms > 0 then
+        reply[k] = penalize(k, reply[k])
+      end
     end
   end
   return finish()

@@ -13,7 +13,7 @@
 --           another length counts as none.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (-1: now; GCRA
---           takes no other), override id, for a lease want and headroom (us), for a
+--           takes no other), override id, penalty box (us), for a lease want and headroom (us), for a
 --           settlement refund, admission time and the units recorded then, then count, window
 --           (us) and scale of limits 1..n, shortest first; the last key holds the overrides
 --
@@ -65,7 +65,7 @@ for k = 1, REQUESTS do
   local n, cost, record, t, want, h, refund, admitted, _, blocked =
     next_request(counts, windows, scales, k)
   if blocked then
-    reply[k] = BLOCKED
+    reply[k] = blocked
   else
     local state = redis.call('GET', key)
     if state and #state ~= 24 * n + 16 then
@@ -173,6 +173,9 @@ for k = 1, REQUESTS do
     local u, d = weights[reported], drains[reported]
     reply[k] = spack('<llllll', allowed, reported - 1, math.max(math.floor(((w - h) * d - b) / u), 0),
       math.ceil(b / d), retry, overridden and counts[reported] or -1)
+    if box_ms > 0 then
+      reply[k] = penalize(k, reply[k])
+    end
   end
 end
 

@@ -9,7 +9,8 @@
 --           of limits), cost (units, >= 0), record (1 to record an admitted request, 0 to
 --           only look, 2 for a lease, 3 for a settlement), event time in microseconds since
 --           the epoch or -1 for now (Redis TIME), the policy's override id (the field of its
---           own override in the hash); for a lease and a look (record 0), want
+--           own override in the hash), its penalty box (us; 0: none, Policy::block_for); for
+--           a lease and a look (record 0), want
 --           (the most units to take, >= cost) and headroom (us; GCRA keeps that much drain
 --           free in every bucket, and a look reports against the same room); for a
 --           settlement only, refund (0: add `cost` units, 1: take them back), the
@@ -41,6 +42,13 @@
 -- count and scale of limits 1..m (the policy's windows; m = 0 blocks: the request is refused,
 -- no wait helps). Settlements record under the request's own counts: GCRA reweighs a backlog
 -- between counts (exact.lua), and the counters do not depend on them.
+--
+-- Penalty box (Policy::block_for): a request of a policy with one is refused while the key
+-- `<KEYS[k]>:box` lives (same hash slot: the key's hash tag), answered 0 -1 0 left left -1
+-- (left: its PTTL in us; index -1 tells the store). A request refused by a limit (record 1
+-- or 2, a wait that helps), or a charge that leaves the key no unit (record 3), sets it for
+-- the box's length, in the same call; the refusal then answers as a boxed one. A look
+-- (record 0) never sets it. Read only for policies with a box.
 --
 -- Settlements (Store::settle, `settle` in src/algorithm/mod.rs) decide nothing: a charge
 -- records `cost` units now as an admitted request would, past the limits if need be; a refund
@@ -84,6 +92,9 @@ local overridden = false
 local own_overrides, policy_overrides = nil, {}
 -- The answer to a blocked request: refused at a limit of 0, no wait helps.
 local BLOCKED = spack('<llllll', 0, 0, 0, 0, -2, 0)
+-- The penalty box of the request at hand: its length in ms (0: the policy has none), and the
+-- request's record and refund, which say whether its answer sets the box.
+local box_ms, box_record, box_refund = 0, 0, 0
 
 -- The decimal text of the integer x, made once per call.
 local texts = {}
@@ -125,13 +136,14 @@ end
 -- Reads the next request's arguments, request k's: returns its number of limits
 -- n, cost, record (0 to 3), event time (now for -1), want and headroom (cost and 0 unless a
 -- lease or a look), refund (0 unless a settlement), admission time (-1 unless a settlement),
--- the units the settled request recorded, and whether an override blocks it; puts each
+-- the units the settled request recorded, and its answer when an override blocks it or the
+-- key is in its penalty box (else false); puts each
 -- limit's count (an override's, if one applies), window and scale in `counts[i]`,
 -- `windows[i]` and `scales[i]` (entries past n are left over from an earlier request and
 -- never read; `scales` may be nil), and sets `overridden`.
 local function next_request(counts, windows, scales, k)
-  local n, cost, record, t, id, want, headroom, refund, admitted, weight
-  n, cost, record, t, id, next_byte = sunpack('<lllll', requests, next_byte)
+  local n, cost, record, t, id, box, want, headroom, refund, admitted, weight
+  n, cost, record, t, id, box, next_byte = sunpack('<llllll', requests, next_byte)
   if t < 0 then
     t = now
   end
@@ -153,12 +165,22 @@ local function next_request(counts, windows, scales, k)
   end
   overridden = false
   local blocked = false
-  if any_override and record ~= 3 then
+  box_ms, box_record, box_refund = 0, record, refund
+  if box > 0 and record ~= 3 then
+    local left = redis.call('PTTL', KEYS[k] .. ':box')
+    if left > 0 then
+      blocked = spack('<llllll', 0, -1, 0, left * 1000, left * 1000, -1)
+    end
+  end
+  if box > 0 then
+    box_ms = math.ceil(box / 1000)
+  end
+  if any_override and record ~= 3 and not blocked then
     local value = override_of(k, id)
     if value then
       local m, at = sunpack('<l', value)
       if m == 0 then
-        blocked = true
+        blocked = BLOCKED
       elseif m == n then
         overridden = true
         for i = 1, n do
@@ -171,6 +193,22 @@ local function next_request(counts, windows, scales, k)
     end
   end
   return n, cost, record, t, want, headroom, refund, admitted, weight, blocked
+end
+
+-- Request k's `answer`, or the penalty box's when the answer puts the key in it (see the
+-- header); called only where the request's policy has a box.
+local function penalize(k, answer)
+  local allowed, _, remaining, _, retry = sunpack('<lllll', answer)
+  local refused = allowed == 0 and retry ~= -2 and (box_record == 1 or box_record == 2)
+  local filled = box_record == 3 and box_refund == 0 and remaining == 0
+  if not (refused or filled) then
+    return answer
+  end
+  redis.call('SET', KEYS[k] .. ':box', '1', 'PX', text(box_ms))
+  if filled then
+    return answer
+  end
+  return spack('<llllll', 0, -1, 0, box_ms * 1000, box_ms * 1000, -1)
 end
 
 -- The reply of the whole call: every request's answer, then the time.

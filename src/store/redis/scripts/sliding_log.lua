@@ -13,7 +13,7 @@
 --           the total before its first (total - weight): two members, however many units.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (1, 0, or 3 for a settlement), event time (-1: now; any other time,
---           past or future, is taken), override id, for a settlement refund (0 or 1) and the
+--           past or future, is taken), override id, penalty box (us), for a settlement refund (0 or 1) and the
 --           admission time of the request settled (us; -1: not known), then count and window
 --           (us) of limits 1..n, shortest first; the last key holds the overrides
 --
@@ -315,11 +315,14 @@ for k = 1, REQUESTS do
   local n, cost, record, t, _, _, refund, admitted, recorded, blocked =
     next_request(counts, windows, nil, k)
   if blocked then
-    reply[k] = BLOCKED
+    reply[k] = blocked
   elseif record == 3 and refund == 1 then
     reply[k] = give_back(key, cost, admitted, recorded)
   else
     reply[k] = decide(key, n, cost, record, t)
+    if box_ms > 0 then
+      reply[k] = penalize(k, reply[k])
+    end
   end
 end
 

@@ -1,0 +1,245 @@
+//! The penalty box (`Policy::block_for`): once a key hits its limit, every request of it is
+//! refused for the box's length, whatever the windows say, with a `Retry-After` counting down
+//! to its end; a charge that fills the key sets it too; `reset` clears it. The memory store on
+//! a manual clock, every algorithm; Redis with short durations.
+
+mod common;
+
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use common::http::{api_key, keyed};
+use common::RedisServer;
+use common::ALGORITHMS;
+use tower::ServiceExt;
+use tower_redis_ratelimit::store::ManualClock;
+use tower_redis_ratelimit::{
+    Algorithm, Decision, Key, MemoryStore, Policy, RateLimitLayer, Settlement, Store,
+};
+
+const BOX: Duration = Duration::from_secs(15 * 60);
+
+fn boxed(algorithm: Algorithm) -> Policy {
+    Policy::new("login", ["3/1m".parse().unwrap()])
+        .unwrap()
+        .with_algorithm(algorithm)
+        .block_for(BOX)
+        .unwrap()
+}
+
+async fn check<St: Store>(store: &St, key: &Key, policy: &Policy) -> Decision {
+    store.check(key, policy, 1).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_key_that_hits_its_limit_is_refused_for_the_box_on_memory() {
+    for algorithm in ALGORITHMS {
+        let clock = ManualClock::starting_at(UNIX_EPOCH + Duration::from_secs(1_700_000_000));
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let (policy, key) = (boxed(algorithm), Key::from("mallory"));
+        for _ in 0..3 {
+            assert!(
+                check(&store, &key, &policy).await.is_allowed(),
+                "{algorithm:?}"
+            );
+        }
+        let hit = check(&store, &key, &policy).await;
+        assert!(
+            !hit.is_allowed() && hit.in_penalty_box(),
+            "{algorithm:?}: {hit:?}"
+        );
+        assert_eq!(hit.retry_after(), Some(BOX), "{algorithm:?}");
+        // A minute on, the window would admit again; the box still refuses, counting down.
+        clock.advance(Duration::from_secs(61));
+        let still = check(&store, &key, &policy).await;
+        assert!(still.in_penalty_box(), "{algorithm:?}: {still:?}");
+        assert_eq!(still.retry_after(), Some(BOX - Duration::from_secs(61)));
+        // A look is refused too, and sets nothing.
+        assert!(store.peek(&key, &policy, 1).await.unwrap().in_penalty_box());
+        clock.advance(BOX - Duration::from_secs(61));
+        assert!(
+            check(&store, &key, &policy).await.is_allowed(),
+            "{algorithm:?}: free"
+        );
+
+        // Another key, boxed, then reset: free at once.
+        let other = Key::from("trudy");
+        for _ in 0..4 {
+            check(&store, &other, &policy).await;
+        }
+        assert!(check(&store, &other, &policy).await.in_penalty_box());
+        store.reset(&other, &policy).await.unwrap();
+        assert!(
+            check(&store, &other, &policy).await.is_allowed(),
+            "{algorithm:?}: reset"
+        );
+
+        // Without a box, the same policy refuses only until the window allows.
+        let plain = Policy::new("plain", ["3/1m".parse().unwrap()])
+            .unwrap()
+            .with_algorithm(algorithm);
+        let key = Key::from("carol");
+        for _ in 0..4 {
+            check(&store, &key, &plain).await;
+        }
+        clock.advance(Duration::from_secs(61));
+        assert!(
+            check(&store, &key, &plain).await.is_allowed(),
+            "{algorithm:?}"
+        );
+    }
+}
+
+/// A charge that leaves the key no unit (a counted failure, a usage charge) boxes it too.
+#[tokio::test]
+async fn a_charge_that_fills_the_key_boxes_it() {
+    for algorithm in ALGORITHMS {
+        let clock = ManualClock::starting_at(UNIX_EPOCH + Duration::from_secs(1_700_000_000));
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let (policy, key) = (boxed(algorithm), Key::from("eve"));
+        let first = check(&store, &key, &policy).await;
+        let charge = Settlement::charge(&first, 1).unwrap();
+        store.settle(&key, &policy, charge).await.unwrap();
+        assert!(
+            !check(&store, &key, &policy).await.in_penalty_box(),
+            "{algorithm:?}"
+        );
+        // 3 of 3 used: the next charge is past the limit and fills it.
+        let charge = Settlement::charge(&first, 1).unwrap();
+        store.settle(&key, &policy, charge).await.unwrap();
+        let boxed = check(&store, &key, &policy).await;
+        assert!(boxed.in_penalty_box(), "{algorithm:?}: {boxed:?}");
+        assert_eq!(boxed.retry_after(), Some(BOX));
+    }
+}
+
+/// Through the layer: `Retry-After` to the box's end, counting down, and the fields.
+#[tokio::test]
+async fn the_layer_answers_the_box_with_its_retry_after() {
+    let clock = ManualClock::starting_at(UNIX_EPOCH + Duration::from_secs(1_700_000_000));
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store)
+        .policy(boxed(Algorithm::Gcra))
+        .build()
+        .unwrap();
+    let service = common::http::served(layer);
+    let send = || async {
+        let response = service.clone().oneshot(keyed("mallory")).await.unwrap();
+        let field = |name: &str| {
+            let value = response.headers().get(name);
+            value.map(|v| v.to_str().unwrap().to_owned())
+        };
+        (
+            response.status().as_u16(),
+            field("retry-after"),
+            field("ratelimit"),
+        )
+    };
+    for _ in 0..3 {
+        assert_eq!(send().await.0, 200);
+    }
+    assert_eq!(
+        send().await,
+        (429, Some("900".into()), Some("\"login\";r=0;t=900".into()))
+    );
+    clock.advance(Duration::from_secs(300));
+    assert_eq!(send().await.1, Some("600".into()));
+    clock.advance(Duration::from_secs(600));
+    assert_eq!(send().await.0, 200);
+}
+
+/// On Redis, every algorithm: a box of 2 s over a window of 300 ms. The window has passed
+/// long before the box ends, so each answer tells which one refused.
+#[tokio::test]
+async fn a_key_that_hits_its_limit_is_refused_for_the_box_on_redis() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let block = Duration::from_secs(2);
+    for algorithm in ALGORITHMS {
+        let policy = Policy::new("login", ["2/300ms".parse().unwrap()])
+            .unwrap()
+            .with_algorithm(algorithm)
+            .block_for(block)
+            .unwrap();
+        let key = Key::from(format!("mallory-{algorithm:?}"));
+        for _ in 0..2 {
+            assert!(
+                check(&store, &key, &policy).await.is_allowed(),
+                "{algorithm:?}"
+            );
+        }
+        let boxed_at = Instant::now();
+        let hit = check(&store, &key, &policy).await;
+        assert!(hit.in_penalty_box(), "{algorithm:?}: {hit:?}");
+        assert_eq!(hit.retry_after(), Some(block));
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let still = check(&store, &key, &policy).await;
+        assert!(still.in_penalty_box(), "{algorithm:?}: {still:?}");
+        let left = still.retry_after().unwrap();
+        assert!(
+            left <= block - boxed_at.elapsed() + Duration::from_millis(5),
+            "{algorithm:?}: {left:?} counts down"
+        );
+        tokio::time::sleep(left + Duration::from_millis(100)).await;
+        assert!(
+            check(&store, &key, &policy).await.is_allowed(),
+            "{algorithm:?}: free"
+        );
+
+        let other = Key::from(format!("trudy-{algorithm:?}"));
+        for _ in 0..3 {
+            check(&store, &other, &policy).await;
+        }
+        assert!(check(&store, &other, &policy).await.in_penalty_box());
+        store.reset(&other, &policy).await.unwrap();
+        assert!(
+            check(&store, &other, &policy).await.is_allowed(),
+            "{algorithm:?}: reset"
+        );
+
+        // A charge that fills the key boxes it in the same call.
+        let filler = Key::from(format!("eve-{algorithm:?}"));
+        let first = check(&store, &filler, &policy).await;
+        let charge = Settlement::charge(&first, 1).unwrap();
+        store.settle(&filler, &policy, charge).await.unwrap();
+        let boxed = check(&store, &filler, &policy).await;
+        assert!(boxed.in_penalty_box(), "{algorithm:?}: {boxed:?}");
+    }
+}
+
+/// The deny cache (on for Redis) answers a boxed key locally, for the box's length.
+#[tokio::test]
+async fn the_deny_cache_repeats_the_box() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let policy = Policy::new("login", ["1/1h".parse().unwrap()])
+        .unwrap()
+        .block_for(BOX)
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store.clone())
+        .policy(policy.clone())
+        .build()
+        .unwrap();
+    let service = common::http::served(layer);
+    let send = || async {
+        let response = service.clone().oneshot(keyed("k")).await.unwrap();
+        let retry = response.headers().get("retry-after").cloned();
+        (response.status().as_u16(), retry)
+    };
+    assert_eq!(send().await.0, 200);
+    let admin = common::client(&server.url()).await;
+    let before = common::evalsha_calls(&admin).await;
+    for _ in 0..5 {
+        let (status, retry) = send().await;
+        assert_eq!(status, 429);
+        assert_eq!(retry.unwrap(), "900");
+    }
+    assert_eq!(
+        common::evalsha_calls(&admin).await - before,
+        1,
+        "the first refusal asked Redis; the deny cache answered the rest"
+    );
+}
