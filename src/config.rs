@@ -21,6 +21,13 @@
 //! algorithm = "gcra"          # sliding-log (default), sliding-window, fixed-window, gcra
 //! path = "/api/{*rest}"
 //! plans = { pro = "600/1m + 10000/1d", enterprise = "6000/1m + 100000/1d" }
+//!
+//! [[rule]]
+//! name = "password-reset"
+//! limits = "3/1m + 10/1h"
+//! path = "/password-reset"
+//! soft = true                 # pass requests over the limit on, marked (Rule::soft)
+//! block_for = "15m"           # the penalty box (Policy::block_for)
 //! ```
 //!
 //! Every field but `limits` is optional; `name` defaults to `default`, which only one policy of
@@ -85,6 +92,11 @@ struct Entry {
     path: Option<Spanned<String>>,
     #[serde(default)]
     plans: BTreeMap<String, Spanned<String>>,
+    /// Pass requests over the limit on, marked (`Rule::soft`).
+    #[serde(default)]
+    soft: bool,
+    /// The penalty box (`Policy::block_for`), e.g. `"15m"`.
+    block_for: Option<Spanned<String>>,
 }
 
 /// Reports problems by line.
@@ -157,6 +169,7 @@ impl Rules {
             check(entry, &rule)?;
             let built = rule.build()?;
             rules = rules.policy(built.policy);
+            rules.default_soft = built.soft;
             for (plan, limits) in built.plans {
                 rules = rules.plan(plan, limits);
             }
@@ -195,7 +208,15 @@ fn read_rule(lines: &Lines<'_>, entry: &Entry) -> Result<Rule, ConfigError> {
             )
         })?);
     }
+    if let Some(block) = &entry.block_for {
+        let duration =
+            crate::policy::parse_window(block.get_ref().trim()).map_err(|e| lines.at(block, e))?;
+        policy = policy.block_for(duration).map_err(|e| lines.at(block, e))?;
+    }
     let mut rule = Rule::new(policy.clone());
+    if entry.soft {
+        rule = rule.soft();
+    }
     if let Some(method) = &entry.method {
         let parsed = Method::from_bytes(method.get_ref().to_ascii_uppercase().as_bytes())
             .map_err(|_| lines.at(method, format!("invalid method {:?}", method.get_ref())))?;

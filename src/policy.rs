@@ -156,7 +156,8 @@ impl FromStr for Limit {
     }
 }
 
-fn parse_window(part: &str) -> Result<Duration, LimitError> {
+/// A duration such as `10s`, `1m`, `15m`, `1h`, `1d` or `500ms`.
+pub(crate) fn parse_window(part: &str) -> Result<Duration, LimitError> {
     let bad = || LimitError::Window {
         part: part.to_owned(),
     };

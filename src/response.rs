@@ -8,6 +8,10 @@
 //! Retry-After: 7
 //! ```
 //!
+//! Each layer adds its own members after those of layers further in, so that stacked layers
+//! (per route and site-wide, per API key and per IP) each show their policy; a refusal by a
+//! layer further in keeps its member, with `r=0`.
+//!
 //! `RateLimit-Policy` lists every limit of the policy (a multi-limit policy names each limit
 //! `<policy>-<window>`, e.g. `"api-1h"`), with the counts of the request's plan, or only the
 //! limit of the decision, at the count it was decided by, when an override in the store

@@ -34,6 +34,8 @@ pub struct Rules {
     pub(crate) rules: Vec<Rule>,
     /// The default policy's plans.
     pub(crate) default_plans: Vec<(String, Result<Policy, BuildError>)>,
+    /// Whether the default policy is soft (a rules file's `soft = true` under `[default]`).
+    pub(crate) default_soft: bool,
 }
 
 impl Rules {

@@ -21,6 +21,10 @@
 //! settle the store cannot make is logged (WARN) and counted
 //! (`ratelimit_settle_errors_total`, see [`metrics`](crate::metrics)).
 //!
+//! **Counting by outcome** ([`UsageReport::count_when`]) is the same settle with nothing
+//! reserved: the store only looks whether one more would fit before the call, and the request
+//! is charged its cost once its response head matches (a failed login), or nothing.
+//!
 //! **What counts as a failed settle.** On Redis a settle is one script call of its own that
 //! waits up to 3 s for its reply, not the decisions' time budget: Redis records it when the
 //! script runs, however late the reply, so a settle that outlasts a paused or slow Redis
@@ -248,6 +252,9 @@ impl UsageReport {
     /// limit; the ones after are refused until the excess has aged out. A request passed on
     /// over a soft limit is counted too when it matches, so that failures past the captcha
     /// still add up (towards a longer limit of the same policy, say).
+    ///
+    /// The request's `RateLimit` fields and [`Decisions`](crate::Decisions) describe the look:
+    /// the units left before the request counts.
     ///
     /// [`RateLimitLayerBuilder::count_when`](crate::RateLimitLayerBuilder::count_when) is the
     /// short way to set it.

@@ -25,10 +25,23 @@ async fn tonic_client_sees_resource_exhausted() {
         .key(ClientIp::new())
         .build()
         .unwrap();
+    // Around it, a site-wide limit: a stacked layer adds its own member to the fields.
+    let site = RateLimitLayer::builder()
+        .policy(
+            "100/1m"
+                .parse::<tower_redis_ratelimit::Policy>()
+                .unwrap()
+                .named("site")
+                .unwrap(),
+        )
+        .key(ClientIp::new())
+        .build()
+        .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(
         Server::builder()
+            .layer(site)
             .layer(layer)
             .add_service(health)
             .serve_with_incoming(TcpIncoming::from(listener)),
@@ -71,5 +84,10 @@ async fn tonic_client_sees_resource_exhausted() {
         retry_after,
         Duration::from_millis(pushback).as_secs_f64().ceil() as u64
     );
-    assert!(metadata.get("ratelimit").is_some());
+    // The refusing policy's member with nothing left, and the site's after it.
+    let fields = metadata.get("ratelimit").unwrap().to_str().unwrap();
+    let members: Vec<&str> = fields.split(", ").collect();
+    assert_eq!(members.len(), 2, "{fields}");
+    assert!(members[0].starts_with("\"default\";r=0;t="), "{fields}");
+    assert!(members[1].starts_with("\"site\";r=97;t="), "{fields}");
 }

@@ -111,12 +111,53 @@ fn the_example_file_is_valid() {
     );
 }
 
+/// `soft` and `block_for` in a file: the rule passes requests over its limit on, marked, and
+/// the default policy locks a key out once it hits its limit.
+#[tokio::test]
+async fn a_file_sets_soft_limits_and_penalty_boxes() {
+    let text = "[default]\nname = \"api\"\nlimits = \"1/1h\"\nblock_for = \"15m\"\n\n\
+                [[rule]]\nname = \"login\"\nlimits = \"1/1h\"\npath = \"/login\"\nsoft = true\n";
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store())
+        .rules(Rules::from_toml(text).unwrap())
+        .build()
+        .unwrap();
+    assert_eq!(
+        layer.policy().unwrap().block(),
+        Some(Duration::from_secs(900))
+    );
+    let service = served(layer);
+    let send = |path: &'static str| {
+        let service = service.clone();
+        async move {
+            use tower::ServiceExt;
+            let mut request = common::http::keyed("c");
+            *request.uri_mut() = path.parse().unwrap();
+            let response = service.oneshot(request).await.unwrap();
+            let retry = response.headers().get("retry-after").cloned();
+            (response.status().as_u16(), retry)
+        }
+    };
+    assert_eq!(send("/login").await.0, 200);
+    assert_eq!(
+        send("/login").await.0,
+        200,
+        "soft: passed on over the limit"
+    );
+    assert_eq!(send("/").await.0, 200);
+    let boxed = send("/").await;
+    assert_eq!((boxed.0, boxed.1.unwrap()), (429, "900".parse().unwrap()));
+}
+
 /// Files with one problem each, and the line and words the refusal must carry.
 #[test]
 fn a_broken_file_is_refused_with_its_line_and_problem() {
     let good = "[default]\nlimits = \"100/1m\"\n";
     assert!(Rules::from_toml(good).is_ok());
-    let cases: [(&str, usize, &str); 11] = [
+    let cases: [(&str, usize, &str); 13] = [
+        ("[[rule]]\nlimits = \"5/1m\"\nblock_for = \"0s\"\n", 3, "at least 1ms"),
+        ("[[rule]]\nlimits = \"5/1m\"\n\nblock_for = \"15q\"\n", 4, "15q"),
         ("[[rule]]\nname = \"a\"\nlimits = \"5/100000d\"\n", 3, "3650 days"),
         ("[[rule]]\nname = \"a\"\nlimits = \"5/1fortnight\"\n", 3, "fortnight"),
         ("[[rule]]\nname = \"a\"\nlimits = \"-5/1m\"\n", 3, "-5"),
