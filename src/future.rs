@@ -124,12 +124,15 @@ impl Check {
                 )
             })
         };
+        // What goes into the request's `Decisions`, unless the layer turned them off.
+        let decided =
+            |d: Decision| (!options.no_decisions).then(|| (self.responder.policy.shared_name(), d));
         match outcome {
             Ok(d) if d.is_allowed() => {
                 options.tally(&self.responder.policy, &self.key, Tally::Allowed);
                 let tab = tab(d);
                 let fields = (!options.hide_allowed_headers).then(|| (d, self.responder.clone()));
-                let decided = Some((self.responder.policy.shared_name(), d));
+                let decided = decided(d);
                 Verdict::Call(Admitted {
                     fields,
                     tab,
@@ -150,7 +153,7 @@ impl Check {
                 Verdict::Call(Admitted {
                     fields: Some((d, self.responder.clone())),
                     tab,
-                    decided: Some((self.responder.policy.shared_name(), d)),
+                    decided: decided(d),
                 })
             }
             Ok(d) if options.shadow => {
@@ -165,7 +168,7 @@ impl Check {
                 Verdict::Call(Admitted {
                     fields: Some((d, self.responder.clone())),
                     tab: None,
-                    decided: Some((self.responder.policy.shared_name(), d)),
+                    decided: decided(d),
                 })
             }
             Ok(d) => {

@@ -107,6 +107,8 @@ pub(crate) struct Options {
     pub(crate) shadow: bool,
     /// Requests over the limit are passed on, marked, instead of refused (`Rule::soft`).
     pub(crate) soft: bool,
+    /// Decisions are not put in the requests' extensions (`RateLimitLayerBuilder::decisions`).
+    pub(crate) no_decisions: bool,
     pub(crate) on_rejection: Option<Arc<RejectionFn>>,
     pub(crate) failure_mode: FailureMode,
     #[cfg(feature = "redis")]
@@ -357,18 +359,19 @@ fn plain(status: StatusCode, text: String, retry_after: Option<u64>) -> Response
 /// (each layer of a stack adds its own policy's; draft-ietf-httpapi-ratelimit-headers-10 makes
 /// both fields lists), or as the field itself.
 fn add_member(headers: &mut HeaderMap, name: HeaderName, member: HeaderValue) {
-    match headers.get(&name) {
-        Some(inner) => {
+    match headers.entry(name) {
+        http::header::Entry::Occupied(mut inner) => {
+            let inner = inner.get_mut();
             let mut list = Vec::with_capacity(inner.len() + 2 + member.len());
             list.extend_from_slice(inner.as_bytes());
             list.extend_from_slice(b", ");
             list.extend_from_slice(member.as_bytes());
             if let Ok(list) = HeaderValue::from_bytes(&list) {
-                headers.insert(name, list);
+                *inner = list;
             }
         }
-        None => {
-            headers.insert(name, member);
+        http::header::Entry::Vacant(empty) => {
+            empty.insert(member);
         }
     }
 }

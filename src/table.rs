@@ -195,6 +195,14 @@ impl Compiler {
             }
             let mut options = self.options.clone();
             options.soft |= soft;
+            if options.soft && options.no_decisions {
+                return Err(BuildError::Unsupported {
+                    policy: policy.name().to_owned(),
+                    why: "a soft limit needs the decisions in the requests (.decisions(true)), \
+                          for the handler to see a request over it"
+                        .into(),
+                });
+            }
             let responder = |policy| Arc::new(Responder::new(policy, options.clone()));
             let plans = plans
                 .into_iter()

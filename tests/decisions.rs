@@ -231,3 +231,36 @@ async fn a_soft_limit_passes_the_request_on_marked_over() {
         assert_eq!(response.status() == 200, i < 100, "request {i}");
     }
 }
+
+/// `.decisions(false)` keeps the decisions out of the requests; a soft limit needs them.
+#[tokio::test]
+async fn decisions_can_be_left_out() {
+    let seen = |request: Request<axum::body::Body>| async move {
+        let found = request.extensions().get::<Decisions>().is_some();
+        Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from(
+            found.to_string(),
+        )))
+    };
+    for enabled in [true, false] {
+        let layer = RateLimitLayer::builder()
+            .key(api_key())
+            .policy("5/1m")
+            .decisions(enabled)
+            .build()
+            .unwrap();
+        let service = tower::ServiceBuilder::new()
+            .layer(layer)
+            .service(tower::service_fn(seen));
+        let response = service.oneshot(request("GET", "/", "k")).await.unwrap();
+        let bytes = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert_eq!(bytes, enabled.to_string());
+    }
+    let soft = RateLimitLayer::builder()
+        .rule(Rule::new("5/1m").soft())
+        .decisions(false)
+        .build();
+    assert!(soft.is_err());
+}
