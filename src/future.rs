@@ -139,35 +139,34 @@ impl Check {
                     decided,
                 })
             }
-            Ok(d) if options.soft && !options.shadow => {
+            // Passed on over the limit: shadow mode (logged for the roll-out) or a soft limit
+            // (the handler sees it in the decisions).
+            Ok(d) if options.shadow || options.soft => {
                 options.tally(&self.responder.policy, &self.key, Tally::Denied);
-                tracing::debug!(
-                    target: "tower_redis_ratelimit",
-                    policy,
-                    key = %self.key.loggable(),
-                    retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
-                    "rate limit exceeded; passed on marked over (soft limit)"
-                );
+                let retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64);
+                let key = self.key.loggable();
+                if options.shadow {
+                    tracing::info!(
+                        target: "tower_redis_ratelimit",
+                        policy,
+                        key = %key,
+                        retry_after_ms,
+                        "rate limit exceeded; passed on (shadow mode)"
+                    );
+                } else {
+                    tracing::debug!(
+                        target: "tower_redis_ratelimit",
+                        policy,
+                        key = %key,
+                        retry_after_ms,
+                        "rate limit exceeded; passed on marked over (soft limit)"
+                    );
+                }
                 // Counted by outcome, a request over a soft limit still counts when it matches.
-                let tab = if self.counts_outcomes() { tab(d) } else { None };
+                let counted = !options.shadow && self.counts_outcomes();
                 Verdict::Call(Admitted {
                     fields: Some((d, self.responder.clone())),
-                    tab,
-                    decided: decided(d),
-                })
-            }
-            Ok(d) if options.shadow => {
-                options.tally(&self.responder.policy, &self.key, Tally::Denied);
-                tracing::info!(
-                    target: "tower_redis_ratelimit",
-                    policy,
-                    key = %self.key.loggable(),
-                    retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
-                    "rate limit exceeded; passed on (shadow mode)"
-                );
-                Verdict::Call(Admitted {
-                    fields: Some((d, self.responder.clone())),
-                    tab: None,
+                    tab: if counted { tab(d) } else { None },
                     decided: decided(d),
                 })
             }
