@@ -259,3 +259,31 @@ async fn concurrent_writers_of_a_policys_override_leave_one_value_everywhere() {
         );
     }
 }
+
+/// The penalty box on a cluster: its key sits beside the state, in the state's hash slot, so
+/// that the decision's one call reads and sets it on the state's primary, whichever it is.
+#[tokio::test]
+async fn the_penalty_box_holds_on_every_primary() {
+    let cluster = RedisCluster::start(3);
+    let store = RedisStore::connect(&cluster.url()).await.unwrap();
+    let policy = Policy::new("login", ["2/1h".parse().unwrap()])
+        .unwrap()
+        .block_for(Duration::from_secs(900))
+        .unwrap();
+    let keys: Vec<Key> = (0..12).map(|i| Key::from(format!("user-{i}"))).collect();
+    let owners: std::collections::BTreeSet<usize> = keys
+        .iter()
+        .map(|key| cluster.owner_of_key(&store.redis_key(key, &policy)))
+        .collect();
+    assert_eq!(owners.len(), 3, "keys on every primary");
+    for key in &keys {
+        for _ in 0..3 {
+            store.check(key, &policy, 1).await.unwrap();
+        }
+        let boxed = store.check(key, &policy, 1).await.unwrap();
+        assert!(boxed.in_penalty_box(), "{key:?}: {boxed:?}");
+        assert!(boxed.retry_after().unwrap() > Duration::from_secs(890));
+        store.reset(key, &policy).await.unwrap();
+        assert!(store.check(key, &policy, 1).await.unwrap().is_allowed());
+    }
+}
