@@ -239,3 +239,43 @@ async fn the_deny_cache_repeats_the_box() {
         "the first refusal asked Redis; the deny cache answered the rest"
     );
 }
+
+/// An operator's reset frees a boxed key on every instance, although each one's deny cache
+/// holds the box's refusal for its whole length: the reset moves the limits version, and every
+/// store drops the refusals decided before it.
+#[tokio::test]
+async fn a_reset_frees_a_boxed_key_on_every_instance() {
+    let server = RedisServer::start();
+    let (instance, operator) = (server.store().await, server.store().await);
+    let policy = Policy::new("login", ["1/1h".parse().unwrap()])
+        .unwrap()
+        .block_for(BOX)
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(instance)
+        .policy(policy.clone())
+        .build()
+        .unwrap();
+    let service = common::http::served(layer);
+    let status = || async {
+        let response = service.clone().oneshot(keyed("mallory")).await.unwrap();
+        response.status().as_u16()
+    };
+    assert_eq!(status().await, 200);
+    assert_eq!(status().await, 429);
+    assert_eq!(status().await, 429, "repeated from the deny cache");
+    operator
+        .reset(&Key::from("mallory"), &policy)
+        .await
+        .unwrap();
+    let reset = Instant::now();
+    while status().await != 200 {
+        assert!(
+            reset.elapsed() < Duration::from_secs(1),
+            "still refused a second after the reset"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    println!("admitted again {:?} after the reset", reset.elapsed());
+}

@@ -497,6 +497,9 @@ impl Store for MemoryStore {
             .entries
             .lock(key, policy.state_id())
             .remove(key, policy.state_id());
+        // A deny cache over this store drops the refusals decided before (a penalty box's
+        // included).
+        self.shared.overrides.bump();
         ready(Ok(()))
     }
 

@@ -30,7 +30,7 @@ use crate::{Key, Policy, StoreError};
 const WATCH: Duration = Duration::from_millis(250);
 
 /// The key of the limits version of the stores using `prefix`.
-fn version_key(prefix: &str) -> String {
+pub(super) fn version_key(prefix: &str) -> String {
     format!("{prefix}:{{overrides}}:version")
 }
 
