@@ -76,12 +76,18 @@ impl Rules {
     fn default_rule(&mut self) -> Option<Result<Rule, BuildError>> {
         let policy = self.default.take()?;
         let plans = std::mem::take(&mut self.default_plans);
+        let soft = self.default_soft;
         Some(policy.map(|policy| {
-            plans
+            let rule = plans
                 .into_iter()
                 .fold(Rule::new(policy), |rule, (plan, limits)| {
                     rule.plan_checked(plan, limits)
-                })
+                });
+            if soft {
+                rule.soft()
+            } else {
+                rule
+            }
         }))
     }
 }

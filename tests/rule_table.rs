@@ -111,43 +111,53 @@ fn the_example_file_is_valid() {
     );
 }
 
-/// `soft` and `block_for` in a file: the rule passes requests over its limit on, marked, and
-/// the default policy locks a key out once it hits its limit.
+/// `soft` and `block_for` in a file, on a rule and on the default policy.
 #[tokio::test]
 async fn a_file_sets_soft_limits_and_penalty_boxes() {
-    let text = "[default]\nname = \"api\"\nlimits = \"1/1h\"\nblock_for = \"15m\"\n\n\
-                [[rule]]\nname = \"login\"\nlimits = \"1/1h\"\npath = \"/login\"\nsoft = true\n";
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(store())
-        .rules(Rules::from_toml(text).unwrap())
-        .build()
-        .unwrap();
-    assert_eq!(
-        layer.policy().unwrap().block(),
-        Some(Duration::from_secs(900))
-    );
-    let service = served(layer);
-    let send = |path: &'static str| {
-        let service = service.clone();
+    let send = |layer: &RateLimitLayer<tower_redis_ratelimit::Header, MemoryStore>,
+                path: &'static str| {
+        let service = served(layer.clone());
         async move {
             use tower::ServiceExt;
             let mut request = common::http::keyed("c");
             *request.uri_mut() = path.parse().unwrap();
             let response = service.oneshot(request).await.unwrap();
             let retry = response.headers().get("retry-after").cloned();
-            (response.status().as_u16(), retry)
+            (
+                response.status().as_u16(),
+                retry.map(|r| r.to_str().unwrap().to_owned()),
+            )
         }
     };
-    assert_eq!(send("/login").await.0, 200);
+    let build = |text: &str| {
+        RateLimitLayer::builder()
+            .key(api_key())
+            .store(store())
+            .rules(Rules::from_toml(text).unwrap())
+            .build()
+            .unwrap()
+    };
+    let boxed = build(
+        "[default]\nname = \"api\"\nlimits = \"1/1h\"\nblock_for = \"15m\"\n\n\
+         [[rule]]\nname = \"login\"\nlimits = \"1/1h\"\npath = \"/login\"\nsoft = true\n",
+    );
     assert_eq!(
-        send("/login").await.0,
+        boxed.policy().unwrap().block(),
+        Some(Duration::from_secs(900))
+    );
+    assert_eq!(send(&boxed, "/login").await.0, 200);
+    assert_eq!(
+        send(&boxed, "/login").await.0,
         200,
         "soft: passed on over the limit"
     );
-    assert_eq!(send("/").await.0, 200);
-    let boxed = send("/").await;
-    assert_eq!((boxed.0, boxed.1.unwrap()), (429, "900".parse().unwrap()));
+    assert_eq!(send(&boxed, "/").await.0, 200);
+    assert_eq!(send(&boxed, "/").await, (429, Some("900".into())));
+
+    let soft_default = build("[default]\nlimits = \"1/1h\"\nsoft = true\n");
+    assert_eq!(send(&soft_default, "/").await.0, 200);
+    let over = send(&soft_default, "/").await;
+    assert_eq!(over.0, 200, "the default policy is soft too");
 }
 
 /// Files with one problem each, and the line and words the refusal must carry.
