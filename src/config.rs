@@ -218,9 +218,26 @@ fn read_rule(lines: &Lines<'_>, entry: &Entry) -> Result<Rule, ConfigError> {
         rule = rule.soft();
     }
     if let Some(method) = &entry.method {
-        let parsed = Method::from_bytes(method.get_ref().to_ascii_uppercase().as_bytes())
-            .map_err(|_| lines.at(method, format!("invalid method {:?}", method.get_ref())))?;
-        rule = rule.method(parsed);
+        // The standard methods only: an extension method is more likely a typo ("PSOT") that
+        // would never match than a method the service serves.
+        const KNOWN: [Method; 9] = [
+            Method::GET,
+            Method::HEAD,
+            Method::POST,
+            Method::PUT,
+            Method::DELETE,
+            Method::PATCH,
+            Method::OPTIONS,
+            Method::CONNECT,
+            Method::TRACE,
+        ];
+        let given = method.get_ref().to_ascii_uppercase();
+        let parsed = KNOWN.into_iter().find(|known| known.as_str() == given);
+        let unknown = || {
+            let why = format!("unknown method {:?}: GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS, CONNECT or TRACE", method.get_ref());
+            lines.at(method, why)
+        };
+        rule = rule.method(parsed.ok_or_else(unknown)?);
     }
     if let Some(path) = &entry.path {
         let with_path = rule.clone().path(path.get_ref().as_str());

@@ -39,6 +39,9 @@ const STRIPES: usize = 64;
 #[derive(Clone, Copy)]
 struct Denial {
     decision: Decision,
+    /// When (µs) the refusal's own retry-after ends; the entry may expire before (a penalty
+    /// box is held a second at a time).
+    until: u64,
     cost: u32,
     /// The store's limits version the refusal was decided under.
     version: u64,
@@ -56,6 +59,9 @@ pub(crate) struct Ticket {
 pub(crate) type Version = Arc<dyn Fn() -> u64 + Send + Sync>;
 
 /// Refusals by (policy, key). Clones share entries.
+/// The longest the cache repeats a penalty box's refusal before asking the store again.
+const PENALTY_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
 #[derive(Clone)]
 pub(crate) struct DenyCache {
     entries: Arc<Shards<Denial>>,
@@ -116,10 +122,18 @@ impl DenyCache {
         let Some(retry) = decision.retry_after() else {
             return;
         };
+        // A penalty box is held for a second at a time, not its whole length, so that a reset
+        // (or a box removed from the policy) frees the key on every instance within a second,
+        // at one store call per second and key while it is boxed.
+        let hold = match decision.in_penalty_box() {
+            true => retry.min(PENALTY_RECHECK),
+            false => retry,
+        };
         let now = self.now();
-        let expires = now.saturating_add(micros(retry));
+        let expires = now.saturating_add(micros(hold));
         let denial = Denial {
             decision,
+            until: now.saturating_add(micros(retry)),
             cost,
             version: ticket.version,
         };
@@ -159,7 +173,7 @@ impl DenyCache {
         if !slot.is_live(now) || cost < slot.value.cost || slot.value.version != (self.version)() {
             return None;
         }
-        let left = Duration::from_micros(slot.expires - now);
+        let left = Duration::from_micros(slot.value.until.saturating_sub(now));
         let mut decision = slot.value.decision;
         let elapsed = decision
             .retry_after

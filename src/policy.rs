@@ -347,7 +347,7 @@ impl Policy {
     /// every request of the key is refused for `duration`, whatever the windows say, with a
     /// `Retry-After` to the block's end ([`Decision::in_penalty_box`](crate::Decision::in_penalty_box)).
     /// The block is set in the same atomic step as the decision that triggers it (one script
-    /// call on Redis), repeated by the deny cache until it ends, and cleared by
+    /// call on Redis), repeated by the deny cache a second at a time, and cleared by
     /// [`Store::reset`](crate::Store::reset). A look ([`Store::peek`](crate::Store::peek))
     /// never sets it. The duration is from 1 ms to 3650 days.
     ///

@@ -165,7 +165,8 @@ async fn a_file_sets_soft_limits_and_penalty_boxes() {
 fn a_broken_file_is_refused_with_its_line_and_problem() {
     let good = "[default]\nlimits = \"100/1m\"\n";
     assert!(Rules::from_toml(good).is_ok());
-    let cases: [(&str, usize, &str); 13] = [
+    let cases: [(&str, usize, &str); 14] = [
+        ("[[rule]]\nlimits = \"5/1m\"\nmethod = \"PSOT\"\n", 3, "unknown method"),
         ("[[rule]]\nlimits = \"5/1m\"\nblock_for = \"0s\"\n", 3, "at least 1ms"),
         ("[[rule]]\nlimits = \"5/1m\"\n\nblock_for = \"15q\"\n", 4, "15q"),
         ("[[rule]]\nname = \"a\"\nlimits = \"5/100000d\"\n", 3, "3650 days"),

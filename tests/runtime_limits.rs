@@ -622,3 +622,40 @@ async fn an_override_for_a_key_over_128_bytes_governs_that_client_on_redis() {
     let store = server.store().await;
     long_key(store.clone(), store.overrides()).await;
 }
+
+/// Stamps of policy-wide override writes never go back: after a failover to a replica whose
+/// clock is behind, or a clock step, a write still gets a later stamp than the last one, which
+/// the lanes' hashes may hold, so it is not taken for an earlier write and dropped. The stamp
+/// script run as the store runs it, with the last stamp an hour ahead of Redis' clock.
+#[tokio::test]
+async fn override_stamps_never_go_back() {
+    use fred::prelude::*;
+
+    let server = RedisServer::start();
+    let admin = common::client(&server.url()).await;
+    let script = include_str!("../src/store/redis/scripts/override_stamp.lua");
+    let ahead = std::time::SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    let keys = vec!["t:{overrides}:version", "t:{overrides}:version:stamp"];
+    let _: () = admin
+        .set(keys[1], format!("{ahead}:999999"), None, None, false)
+        .await
+        .unwrap();
+    let mut stamps = Vec::new();
+    for _ in 0..3 {
+        let stamp: Vec<i64> = admin.eval(script, keys.clone(), ()).await.unwrap();
+        stamps.push(stamp);
+    }
+    let ahead = ahead as i64;
+    assert_eq!(
+        stamps,
+        [
+            vec![ahead + 1, 0, 1],
+            vec![ahead + 1, 1, 2],
+            vec![ahead + 1, 2, 3]
+        ]
+    );
+}

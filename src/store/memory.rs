@@ -339,7 +339,9 @@ impl MemoryStore {
                 let outcome = slot.value.decide(now, t, policy, cost, record);
                 if outcome.allowed && record {
                     slot.expires = slot.expires.max(expiry(policy, now, t));
-                } else if record {
+                } else if record && outcome.retry_after.is_some() {
+                    // Refused by a limit that a wait satisfies: not a request larger than the
+                    // limit itself, which no wait helps and the key did not earn.
                     boxed = slot.value.penalize(now, policy);
                     slot.expires = slot.expires.max(boxed.unwrap_or(0));
                 }
@@ -350,7 +352,7 @@ impl MemoryStore {
                 let outcome = state.decide(now, t, policy, cost, record);
                 if outcome.allowed && record {
                     shard.insert(key, policy.state_id(), now, expiry(policy, now, t), state);
-                } else if record {
+                } else if record && outcome.retry_after.is_some() {
                     boxed = state.penalize(now, policy);
                     if let Some(until) = boxed {
                         shard.insert(key, policy.state_id(), now, until, state);
@@ -497,9 +499,6 @@ impl Store for MemoryStore {
             .entries
             .lock(key, policy.state_id())
             .remove(key, policy.state_id());
-        // A deny cache over this store drops the refusals decided before (a penalty box's
-        // included).
-        self.shared.overrides.bump();
         ready(Ok(()))
     }
 

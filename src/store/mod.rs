@@ -52,10 +52,10 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// `remaining` then counts the units left before this request.
     fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future;
 
-    /// Forgets everything recorded for `key` under `policy`, its penalty box included. The
-    /// deny caches of layers over the store stop repeating refusals decided before: at once
-    /// over a memory store, and on every instance sharing a Redis within 250 ms (a reset
-    /// moves the limits version that overrides move, see [`limits_version`](Self::limits_version)).
+    /// Forgets everything recorded for `key` under `policy`, its penalty box included. A
+    /// layer's deny cache repeats a penalty box's refusal for a second at most before asking
+    /// the store again, so a reset frees a boxed key on every instance within a second; other
+    /// refusals it repeats until their own retry-after.
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture;
 
     /// Records what an admitted request actually used, without deciding anything: a

@@ -274,12 +274,6 @@ impl Table {
         self.version.load(Ordering::Acquire)
     }
 
-    /// Counts a change that makes earlier refusals stale without changing an override: a
-    /// reset.
-    pub(crate) fn bump(&self) {
-        self.version.fetch_add(1, Ordering::AcqRel);
-    }
-
     fn set(&self, policy: &Policy, scope: &Scope, entry: Entry) {
         let mut by_policy = self.by_policy.write().unwrap_or_else(|e| e.into_inner());
         let overrides = by_policy.entry(Arc::from(policy.identity())).or_default();

@@ -795,15 +795,6 @@ impl Store for RedisStore {
                 async move { client.del::<(), _>(keys).await }
             };
             inner.batcher.on(&redis_key, del).await?;
-            // Every store's deny cache drops the refusals decided before, within the limits
-            // version's watch (a penalty box repeated locally included).
-            let version = overrides::version_key(&inner.prefix);
-            let incr = |client: fred::clients::Client| {
-                let key = version.clone();
-                async move { client.incr::<u64, _>(key).await }
-            };
-            let seen = inner.batcher.on(&version, incr).await?;
-            inner.limits_seen(seen);
             Ok(())
         })
     }

@@ -30,7 +30,7 @@ use crate::{Key, Policy, StoreError};
 const WATCH: Duration = Duration::from_millis(250);
 
 /// The key of the limits version of the stores using `prefix`.
-pub(super) fn version_key(prefix: &str) -> String {
+fn version_key(prefix: &str) -> String {
     format!("{prefix}:{{overrides}}:version")
 }
 
@@ -118,10 +118,10 @@ impl RedisStore {
             LazyLock::new(|| Script::from_lua(include_str!("scripts/override_write.lua")));
         let key = version_key(&self.inner.prefix);
         let take = |client: Client| {
-            let key = key.clone();
+            let keys = vec![key.clone(), format!("{key}:stamp")];
             async move {
                 STAMP
-                    .evalsha_with_reload::<Vec<i64>, _, _>(&client, key, ())
+                    .evalsha_with_reload::<Vec<i64>, _, _>(&client, keys, ())
                     .await
             }
         };

@@ -40,15 +40,18 @@
 -- refuses the read (the hash on the other node of a migration), the call decides by the
 -- requests' own counts. An override's value is 64-bit little-endian integers: m, then
 -- count and scale of limits 1..m (the policy's windows; m = 0 blocks: the request is refused,
--- no wait helps). Settlements record under the request's own counts: GCRA reweighs a backlog
--- between counts (exact.lua), and the counters do not depend on them.
+-- no wait helps). Settlements go by the counts decisions go by (an override's where one
+-- applies, as the memory store's do), so that the answer of a charge, and the penalty box it
+-- may set, say whether the key is full under those counts; a block does not stop a
+-- settlement. GCRA state written under other counts is reweighed (exact.lua).
 --
 -- Penalty box (Policy::block_for): a request of a policy with one is refused while the key
 -- `<KEYS[k]>:box` lives (same hash slot: the key's hash tag), answered 0 -1 0 left left -1
 -- (left: its PTTL in us; index -1 tells the store). A request refused by a limit (record 1
 -- or 2, a wait that helps), or a charge that leaves the key no unit (record 3), sets it for
 -- the box's length, in the same call; the refusal then answers as a boxed one. A look
--- (record 0) never sets it. Read only for policies with a box.
+-- (record 0) never sets it. Read only for policies with a box, with pcall: while an operator
+-- migrates the key's slot, a box Redis refuses to read or write here is taken as none.
 --
 -- Settlements (Store::settle, `settle` in src/algorithm/mod.rs) decide nothing: a charge
 -- records `cost` units now as an admitted request would, past the limits if need be; a refund
@@ -167,20 +170,24 @@ local function next_request(counts, windows, scales, k)
   local blocked = false
   box_ms, box_record, box_refund = 0, record, refund
   if box > 0 and record ~= 3 then
-    local left = redis.call('PTTL', KEYS[k] .. ':box')
-    if left > 0 then
+    -- With pcall, as the overrides: while its slot migrates, Redis refuses a key missing here.
+    local left = redis.pcall('PTTL', KEYS[k] .. ':box')
+    if type(left) == 'number' and left > 0 then
       blocked = spack('<llllll', 0, -1, 0, left * 1000, left * 1000, -1)
     end
   end
   if box > 0 then
     box_ms = math.ceil(box / 1000)
   end
-  if any_override and record ~= 3 and not blocked then
+  if any_override and not blocked then
     local value = override_of(k, id)
     if value then
       local m, at = sunpack('<l', value)
       if m == 0 then
-        blocked = BLOCKED
+        -- A settlement records what was used whatever the limits say, a block's included.
+        if record ~= 3 then
+          blocked = BLOCKED
+        end
       elseif m == n then
         overridden = true
         for i = 1, n do
@@ -204,7 +211,7 @@ local function penalize(k, answer)
   if not (refused or filled) then
     return answer
   end
-  redis.call('SET', KEYS[k] .. ':box', '1', 'PX', text(box_ms))
+  redis.pcall('SET', KEYS[k] .. ':box', '1', 'PX', text(box_ms))
   if filled then
     return answer
   end
