@@ -333,14 +333,18 @@ async fn a_request_over_the_limit_itself_does_not_box<St: Store>(store: St) {
         .unwrap()
         .block_for(BOX)
         .unwrap();
-    let key = Key::from("bulk");
-    let huge = store.check(&key, &policy, 10).await.unwrap();
-    assert!(
-        !huge.is_allowed() && huge.retry_after().is_none(),
-        "{huge:?}"
-    );
-    assert!(!huge.in_penalty_box());
-    assert!(check(&store, &key, &policy).await.is_allowed());
+    // A key with no state yet, and one with some.
+    let (fresh, used) = (Key::from("bulk"), Key::from("bulk-again"));
+    assert!(check(&store, &used, &policy).await.is_allowed());
+    for key in [fresh, used] {
+        let huge = store.check(&key, &policy, 10).await.unwrap();
+        assert!(
+            !huge.is_allowed() && huge.retry_after().is_none(),
+            "{huge:?}"
+        );
+        assert!(!huge.in_penalty_box());
+        assert!(check(&store, &key, &policy).await.is_allowed(), "{key:?}");
+    }
 }
 
 #[tokio::test]
