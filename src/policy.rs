@@ -348,7 +348,10 @@ impl Policy {
     /// `Retry-After` to the block's end ([`Decision::in_penalty_box`](crate::Decision::in_penalty_box)).
     /// The block is set in the same atomic step as the decision that triggers it (one script
     /// call on Redis), repeated by the deny cache a second at a time, and cleared by
-    /// [`Store::reset`](crate::Store::reset). A look ([`Store::peek`](crate::Store::peek))
+    /// [`Store::reset`](crate::Store::reset); an [override](crate::store::Overrides) that
+    /// raises the key's limits does not lift it. A refusal by a limit, or a charge that fills
+    /// the key, sets a full box from that moment (a charge of a request admitted before the box
+    /// restarts it); requests refused by the box itself do not extend it. A look ([`Store::peek`](crate::Store::peek))
     /// never sets it. The duration is from 1 ms to 3650 days.
     ///
     /// ```

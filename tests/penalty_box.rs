@@ -357,3 +357,47 @@ async fn a_request_over_the_limit_itself_does_not_box_on_redis() {
     let server = RedisServer::start();
     a_request_over_the_limit_itself_does_not_box(server.store().await).await;
 }
+
+/// A block set by an operator answers as a block while the key is also boxed, on both stores:
+/// the override comes first.
+async fn a_block_answers_before_the_box<St: Store>(
+    store: St,
+    overrides: tower_redis_ratelimit::store::Overrides,
+) {
+    use tower_redis_ratelimit::store::{Override, Scope};
+
+    let policy = boxed(Algorithm::Gcra);
+    let key = Key::from("mallory");
+    for _ in 0..3 {
+        check(&store, &key, &policy).await;
+    }
+    assert!(check(&store, &key, &policy).await.in_penalty_box());
+    let scope = Scope::Key(key.clone());
+    overrides
+        .set(&policy, &scope, &Override::Block)
+        .await
+        .unwrap();
+    let blocked = check(&store, &key, &policy).await;
+    assert!(
+        !blocked.in_penalty_box() && blocked.limit() == 0,
+        "{blocked:?}"
+    );
+    overrides.remove(&policy, &scope).await.unwrap();
+    assert!(
+        check(&store, &key, &policy).await.in_penalty_box(),
+        "the box stays"
+    );
+}
+
+#[tokio::test]
+async fn a_block_answers_before_the_box_on_memory() {
+    let store = MemoryStore::new();
+    a_block_answers_before_the_box(store.clone(), store.overrides()).await;
+}
+
+#[tokio::test]
+async fn a_block_answers_before_the_box_on_redis() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    a_block_answers_before_the_box(store.clone(), store.overrides()).await;
+}

@@ -169,17 +169,10 @@ local function next_request(counts, windows, scales, k)
   overridden = false
   local blocked = false
   box_ms, box_record, box_refund = 0, record, refund
-  if box > 0 and record ~= 3 then
-    -- With pcall, as the overrides: while its slot migrates, Redis refuses a key missing here.
-    local left = redis.pcall('PTTL', KEYS[k] .. ':box')
-    if type(left) == 'number' and left > 0 then
-      blocked = spack('<llllll', 0, -1, 0, left * 1000, left * 1000, -1)
-    end
-  end
   if box > 0 then
     box_ms = math.ceil(box / 1000)
   end
-  if any_override and not blocked then
+  if any_override then
     local value = override_of(k, id)
     if value then
       local m, at = sunpack('<l', value)
@@ -197,6 +190,14 @@ local function next_request(counts, windows, scales, k)
           end
         end
       end
+    end
+  end
+  -- The penalty box, after the overrides (a block answers as a block), as the memory store.
+  if box > 0 and record ~= 3 and not blocked then
+    -- With pcall, as the overrides: while its slot migrates, Redis refuses a key missing here.
+    local left = redis.pcall('PTTL', KEYS[k] .. ':box')
+    if type(left) == 'number' and left > 0 then
+      blocked = spack('<llllll', 0, -1, 0, left * 1000, left * 1000, -1)
     end
   end
   return n, cost, record, t, want, headroom, refund, admitted, weight, blocked
