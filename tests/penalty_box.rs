@@ -271,8 +271,8 @@ async fn a_reset_frees_a_boxed_key_on_every_instance() {
     let reset = Instant::now();
     while status().await != 200 {
         assert!(
-            reset.elapsed() < Duration::from_millis(1500),
-            "still refused 1.5 s after the reset"
+            reset.elapsed() < Duration::from_secs(2),
+            "still refused 2 s after the reset"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
