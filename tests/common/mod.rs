@@ -114,8 +114,16 @@ impl RedisServer {
             }
             if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
                 // The server listening is this one, not another test's that took the port
-                // first (this one then fails to bind and exits).
-                return self.answers_as_itself();
+                // first (this one then fails to bind and exits). A server that does not say
+                // its process id (another test's, going away) is taken for this one only if
+                // this one is still running a moment later: one that lost the port has
+                // exited by then.
+                if !self.answers_as_itself() {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+                let exited = self.child.as_mut().map(|c| c.try_wait());
+                return !matches!(exited, Some(Ok(Some(_))));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
