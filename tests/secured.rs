@@ -60,7 +60,8 @@ async fn acls_let_the_operator_change_overrides_and_the_application_only_read_th
     let admin = common::client(&format!("redis://:s3cret@127.0.0.1:{port}")).await;
     let users: [&[&str]; 2] = [
         // State keys are `ratelimit:{<policy>:<client>}:...`; the overrides' are
-        // `ratelimit:overrides` (with `:stamps`) and `ratelimit:{overrides}:version`.
+        // `ratelimit:overrides` (with `:stamps`) and `ratelimit:{overrides}:version` (with
+        // `:stamp`).
         &[
             "SETUSER",
             "app",
@@ -77,7 +78,7 @@ async fn acls_let_the_operator_change_overrides_and_the_application_only_read_th
             "on",
             ">op-pass",
             "~ratelimit:overrides*",
-            "~ratelimit:{overrides}:version",
+            "~ratelimit:{overrides}:version*",
             "+@all",
         ],
     ];
