@@ -204,7 +204,8 @@ async fn a_key_that_hits_its_limit_is_refused_for_the_box_on_redis() {
     }
 }
 
-/// The deny cache (on for Redis) answers a boxed key locally, for the box's length.
+/// The deny cache (on for Redis) answers a boxed key locally, a second at a time, with a
+/// `Retry-After` to the box's end.
 #[tokio::test]
 async fn the_deny_cache_repeats_the_box() {
     let server = RedisServer::start();
