@@ -46,6 +46,8 @@ use http::Method;
 use serde::Deserialize;
 use toml::Spanned;
 
+use crate::rule::Built;
+use crate::table::Names;
 use crate::{Algorithm, BuildError, Policy, PolicyError, Rule, RuleTable, Rules};
 
 /// Why a rules file was refused; the rules in force stay.
@@ -141,19 +143,12 @@ impl Rules {
         })?;
         let mut rules = Rules::new();
         // One name, one policy: what the layer's builder checks too, reported here by line.
-        let mut seen: Vec<(Rule, String)> = Vec::new();
-        let mut check = |entry: &Spanned<Entry>, rule: &Rule| -> Result<(), ConfigError> {
+        let mut names = Names::default();
+        let mut check = |entry: &Spanned<Entry>, rule: &Rule| -> Result<Built, ConfigError> {
             let built = rule.clone().build().map_err(|e| lines.at(entry, e))?;
-            let (policy, plans) = (built.policy, built.plans);
-            for (earlier, name) in &seen {
-                let other = earlier.clone().build()?;
-                if *name == policy.name() && (other.policy != policy || other.plans != plans) {
-                    let why = BuildError::PolicyConflict(name.clone());
-                    return Err(lines.at(entry, why));
-                }
-            }
-            seen.push((rule.clone(), policy.name().to_owned()));
-            Ok(())
+            let admitted = names.admit(&built.policy, &built.plans);
+            admitted.map_err(|e| lines.at(entry, e))?;
+            Ok(built)
         };
         for entry in &file.rule {
             let rule = read_rule(&lines, entry.get_ref())?;
@@ -165,9 +160,7 @@ impl Rules {
             if let Some(field) = fields.method.as_ref().or(fields.path.as_ref()) {
                 return Err(lines.at(field, "the default policy takes no method or path"));
             }
-            let rule = read_rule(&lines, fields)?;
-            check(entry, &rule)?;
-            let built = rule.build()?;
+            let built = check(entry, &read_rule(&lines, fields)?)?;
             rules = rules.policy(built.policy);
             rules.default_soft = built.soft;
             for (plan, limits) in built.plans {

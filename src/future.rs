@@ -47,17 +47,11 @@ pub(crate) struct Admitted {
 impl Admitted {
     /// Adds the decision to the request's [`Decisions`], inside those of outer layers.
     pub(crate) fn mark<B>(&mut self, request: &mut Request<B>) {
-        let Some((policy, decision)) = self.decided.take() else {
-            return;
-        };
-        let extensions = request.extensions_mut();
-        match extensions.get_mut::<Decisions>() {
-            Some(decisions) => decisions.push(policy, decision),
-            None => {
-                let mut decisions = Decisions::default();
-                decisions.push(policy, decision);
-                extensions.insert(decisions);
-            }
+        if let Some((policy, decision)) = self.decided.take() {
+            let decisions = request
+                .extensions_mut()
+                .get_or_insert_default::<Decisions>();
+            decisions.push(policy, decision);
         }
     }
 }
@@ -295,7 +289,7 @@ where
             match this.state.as_mut().project() {
                 StateProj::Checking { decision, pending } => {
                     let outcome = ready!(decision.poll(cx));
-                    let admitted = match pending.check.settle(outcome) {
+                    let mut admitted = match pending.check.settle(outcome) {
                         Verdict::Call(admitted) => admitted,
                         Verdict::Answer(response) => {
                             return Poll::Ready(Ok(response.map(ResponseBody::own)))
@@ -305,7 +299,6 @@ where
                         .call
                         .take()
                         .expect("ResponseFuture polled after completion");
-                    let mut admitted = admitted;
                     admitted.mark(&mut request);
                     let future = service.call(request);
                     this.state.set(State::Calling { future, admitted });

@@ -147,6 +147,28 @@ impl Table {
     }
 }
 
+/// The policies of a table by name: policies of one name must agree in every rule, plans
+/// included, since the fields and the metrics name them and their state is one.
+#[derive(Default)]
+pub(crate) struct Names(Vec<(Policy, Plans)>);
+
+impl Names {
+    /// Takes in `policy` with `plans`; the conflict with an earlier policy of its name, if
+    /// they differ.
+    pub(crate) fn admit(&mut self, policy: &Policy, plans: &Plans) -> Result<(), BuildError> {
+        match self.0.iter().find(|(p, _)| p.name() == policy.name()) {
+            Some((same, same_plans)) if same != policy || same_plans != plans => {
+                Err(BuildError::PolicyConflict(policy.name().to_owned()))
+            }
+            Some(_) => Ok(()),
+            None => {
+                self.0.push((policy.clone(), plans.clone()));
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Whether the layer's store can decide a policy ([`Store::supports`](crate::Store::supports)).
 pub(crate) type Supports = dyn Fn(&Policy) -> Result<(), StoreError> + Send + Sync;
 
@@ -166,9 +188,7 @@ impl Compiler {
         if default.is_none() && rules.rules.is_empty() {
             return Err(BuildError::NoPolicy);
         }
-        // Policies of one name must agree in every rule, plans included: the fields and the
-        // metrics name them, and their state is one.
-        let mut seen: Vec<(Policy, Plans)> = Vec::new();
+        let mut names = Names::default();
         let mut choice = |policy: Policy, plans: Plans, soft: bool| -> Result<Choice, BuildError> {
             if let (false, Some((plan, _))) = (self.plans_apply, plans.first()) {
                 return Err(BuildError::Plan {
@@ -192,13 +212,7 @@ impl Compiler {
                     });
                 }
             }
-            match seen.iter().find(|(p, _)| p.name() == policy.name()) {
-                Some(same) if same.0 != policy || same.1 != plans => {
-                    return Err(BuildError::PolicyConflict(policy.name().to_owned()))
-                }
-                Some(_) => {}
-                None => seen.push((policy.clone(), plans.clone())),
-            }
+            names.admit(&policy, &plans)?;
             let mut options = self.options.clone();
             options.soft |= soft;
             if options.soft && options.no_decisions {

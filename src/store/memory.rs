@@ -165,9 +165,13 @@ impl State {
         })
     }
 
-    /// Whether a look for one more unit at `now` would be refused: the key is full.
-    fn is_full(&mut self, now: u64, policy: &Policy) -> bool {
-        !self.decide(now, now, policy, 1, false).allowed
+    /// Puts the key in `policy`'s penalty box, if it has one, when a charge has left it no
+    /// unit (a look for one more would be refused); until when.
+    fn penalize_if_full(&mut self, now: u64, policy: &Policy) -> Option<u64> {
+        if policy.block_micros() == 0 || self.decide(now, now, policy, 1, false).allowed {
+            return None;
+        }
+        self.penalize(now, policy)
     }
 
     fn algorithm(&self) -> Algorithm {
@@ -407,10 +411,8 @@ impl MemoryStore {
                 if let Settle::Charge(_) = change {
                     slot.expires = slot.expires.max(expiry(policy, now, now));
                     // A charge that fills the key puts it in the penalty box.
-                    if policy.block_micros() > 0 && slot.value.is_full(now, policy) {
-                        let until = slot.value.penalize(now, policy).unwrap_or(0);
-                        slot.expires = slot.expires.max(until);
-                    }
+                    let boxed = slot.value.penalize_if_full(now, policy);
+                    slot.expires = slot.expires.max(boxed.unwrap_or(0));
                 }
                 slot.expires = slot.expires.max(now.saturating_add(drained));
             }
@@ -419,10 +421,10 @@ impl MemoryStore {
             None => {
                 let mut state = State::new(algorithm, now);
                 let drained = state.settle(now, policy, change);
-                let mut expires = expiry(policy, now, now).max(now.saturating_add(drained));
-                if policy.block_micros() > 0 && state.is_full(now, policy) {
-                    expires = expires.max(state.penalize(now, policy).unwrap_or(0));
-                }
+                let boxed = state.penalize_if_full(now, policy).unwrap_or(0);
+                let expires = expiry(policy, now, now)
+                    .max(now.saturating_add(drained))
+                    .max(boxed);
                 shard.insert(key, policy.state_id(), now, expires, state);
             }
         }

@@ -30,6 +30,7 @@ use super::ask;
 use super::nodes::{self, Nodes};
 use super::placement::Place;
 use crate::algorithm::{Algorithm, Window};
+use crate::Policy;
 
 /// The reply of one request: its six integers and the Redis time of the call, in µs (see
 /// `scripts/prelude.lua`).
@@ -497,6 +498,12 @@ pub(super) fn encode(
         args.extend_from_slice(&value.to_le_bytes());
     }
     args
+}
+
+/// A request's arguments under `policy`: its override id and penalty box, and its limits.
+pub(super) fn encode_for(policy: &Policy, cost: u64, record: Record, at: i64) -> Vec<u8> {
+    let terms = (policy.override_id(), policy.block_micros());
+    encode(cost, record, at, terms, policy.windows())
 }
 
 /// One give-back's arguments as `scripts/release.lua` reads them: algorithm, number of

@@ -150,8 +150,7 @@ impl Inner {
         record: Record,
     ) -> Result<Answer, StoreError> {
         super::in_range(policy)?;
-        let terms = (policy.override_id(), policy.block_micros());
-        let args = batch::encode(cost, record, at, terms, policy.windows());
+        let args = batch::encode_for(policy, cost, record, at);
         // The budget covers the whole decision: the queue, the call and a script reload.
         let lane = place.lane;
         let decision = self.batcher.decide(place, policy.algorithm(), args);
@@ -822,8 +821,7 @@ impl Store for RedisStore {
             admitted: settlement.admitted_at.unwrap_or(-1),
             recorded: settlement.recorded,
         };
-        let terms = (policy.override_id(), policy.block_micros());
-        let args = batch::encode(settlement.units, record, -1, terms, policy.windows());
+        let args = batch::encode_for(&policy, settlement.units, record, -1);
         Box::pin(async move {
             if settlement.units == 0 {
                 return Ok(());

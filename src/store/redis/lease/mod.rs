@@ -596,8 +596,7 @@ fn take(
     tokio::spawn(async move {
         let place = inner.place(&key, &policy);
         let record = plan.record(cost.into(), want);
-        let terms = (policy.override_id(), policy.block_micros());
-        let args = batch::encode(cost.into(), record, -1, terms, policy.windows());
+        let args = batch::encode_for(&policy, cost.into(), record, -1);
         let reply = inner
             .batcher
             .decide_patiently(place, policy.algorithm(), args, PATIENCE)
