@@ -8,6 +8,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use pin_project_lite::pin_project;
 
+use crate::concurrency::holds::Slot;
 use crate::usage::Tab;
 
 pin_project! {
@@ -16,7 +17,8 @@ pin_project! {
     /// `From<String>` bound, as tower-http does.
     ///
     /// When the layer limits by [usage](crate::usage), the body settles the request's usage
-    /// when it ends (its last frame, its trailers, an error) or is dropped.
+    /// when it ends (its last frame, its trailers, an error) or is dropped; under a
+    /// concurrency limit it gives the request's slot back then.
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
@@ -26,20 +28,21 @@ pin_project! {
 pin_project! {
     #[project = KindProj]
     enum Kind<B> {
-        Inner { #[pin] body: B, tab: Option<Box<Tab>> },
+        Inner { #[pin] body: B, tab: Option<Box<Tab>>, slot: Option<Slot> },
         Own { body: Full<Bytes> },
     }
 }
 
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
-        ResponseBody::metered(body, None)
+        ResponseBody::metered(body, None, None)
     }
 
-    /// The inner service's body, settling `tab` (if any) when it ends or is dropped.
-    pub(crate) fn metered(body: B, tab: Option<Box<Tab>>) -> Self {
+    /// The inner service's body, settling `tab` (if any) and giving `slot` (if any) back when
+    /// it ends or is dropped.
+    pub(crate) fn metered(body: B, tab: Option<Box<Tab>>, slot: Option<Slot>) -> Self {
         ResponseBody {
-            kind: Kind::Inner { body, tab },
+            kind: Kind::Inner { body, tab, slot },
         }
     }
 
@@ -72,8 +75,12 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
-            KindProj::Inner { body, tab } => {
+            KindProj::Inner { body, tab, slot } => {
                 let frame = body.poll_frame(cx);
+                if slot.is_some() && matches!(frame, Poll::Ready(None | Some(Err(_)))) {
+                    // The end, or an error: the request is no longer in flight.
+                    *slot = None;
+                }
                 if let Some(open) = tab {
                     match &frame {
                         Poll::Ready(Some(Ok(frame))) => {

@@ -25,6 +25,10 @@ pub struct Decision {
     pub(crate) recorded: u64,
     /// Refused because the key is in its policy's penalty box.
     pub(crate) penalty: bool,
+    /// The concurrency slot the request took, when its policy has a concurrency limit.
+    pub(crate) slot: Option<u64>,
+    /// Describes the policy's concurrency limit: refused because the key holds every slot.
+    pub(crate) concurrency: bool,
 }
 
 impl Decision {
@@ -82,6 +86,8 @@ impl Decision {
             admitted_at: None,
             recorded: 0,
             penalty: false,
+            slot: None,
+            concurrency: false,
         }
     }
 
@@ -107,6 +113,53 @@ impl Decision {
             admitted_at: None,
             recorded: 0,
             penalty: true,
+            slot: None,
+            concurrency: false,
+        }
+    }
+
+    /// Whether the decision describes the policy's concurrency limit
+    /// ([`Policy::concurrency`](crate::Policy::concurrency)) rather than a rate limit: the
+    /// request was refused because [`limit`](Self::limit) requests of its key are in flight.
+    /// [`limit_index`](Self::limit_index) is then the number of rate limits (one past the
+    /// last), [`window`](Self::window) zero, and [`retry_after`](Self::retry_after) when a slot
+    /// is likely to be free: from the store, when the first slot held would expire unrenewed;
+    /// from the layer, the median time its requests held a slot (at least 1 s).
+    pub fn is_concurrency_limit(&self) -> bool {
+        self.concurrency
+    }
+
+    /// Whether the request took a concurrency slot, which the layer gives back when its
+    /// response ends. A caller of [`Store::check`](crate::Store::check) gives it back with
+    /// [`Settlement::release`].
+    pub fn holds_slot(&self) -> bool {
+        self.slot.is_some()
+    }
+
+    /// The refusal of a request whose key holds all `policy`'s concurrency slots; the first
+    /// expires unrenewed after `left`.
+    pub(crate) fn slots_full(policy: &crate::Policy, left: Duration) -> Decision {
+        Decision {
+            allowed: false,
+            limit_index: policy.limits().len(),
+            limit: policy.concurrency_limit().map_or(0, u64::from),
+            window: Duration::ZERO,
+            remaining: 0,
+            reset_after: left,
+            retry_after: Some(left),
+            admitted_at: None,
+            recorded: 0,
+            penalty: false,
+            slot: None,
+            concurrency: true,
+        }
+    }
+
+    /// This decision, holding concurrency slot `slot` when it admits.
+    pub(crate) fn with_slot(self, slot: u64) -> Decision {
+        Decision {
+            slot: self.allowed.then_some(slot),
+            ..self
         }
     }
 
@@ -125,6 +178,8 @@ impl Decision {
             admitted_at: None,
             recorded: 0,
             penalty: false,
+            slot: None,
+            concurrency: false,
         }
     }
 
@@ -189,6 +244,10 @@ pub struct Settlement {
 pub(crate) enum Change {
     Charge,
     Refund,
+    /// Gives back concurrency slot `.0`.
+    Release(u64),
+    /// Renews concurrency slot `.0`.
+    Renew(u64),
 }
 
 impl Settlement {
@@ -234,6 +293,35 @@ impl Settlement {
             admitted_at: decision.admitted_at,
             recorded: decision.recorded,
         })
+    }
+
+    /// Gives back the concurrency slot the request that got `decision` took
+    /// ([`Policy::concurrency`](crate::Policy::concurrency)); `None` when it took none. The
+    /// layer does this when a response ends; a caller of [`Store::check`](crate::Store::check)
+    /// does it when its work is done.
+    pub fn release(decision: &Decision) -> Option<Settlement> {
+        decision
+            .slot
+            .map(|slot| Settlement::slot(Change::Release(slot)))
+    }
+
+    /// Renews the concurrency slot the request that got `decision` took, for another
+    /// [`slot_lifetime`](crate::Policy::slot_lifetime) from now; `None` when it took none. A
+    /// slot that expired meanwhile is taken again if the key has room. The layer renews the
+    /// slots of its requests in flight by itself.
+    pub fn renew(decision: &Decision) -> Option<Settlement> {
+        decision
+            .slot
+            .map(|slot| Settlement::slot(Change::Renew(slot)))
+    }
+
+    fn slot(change: Change) -> Settlement {
+        Settlement {
+            change,
+            units: 0,
+            admitted_at: None,
+            recorded: 0,
+        }
     }
 
     /// Whether this settlement takes units back.

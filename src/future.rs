@@ -12,6 +12,7 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
+use crate::concurrency::holds::{Holds, Slot};
 use crate::deny_cache::{DenyCache, Ticket};
 use crate::metrics::{Report, Started};
 use crate::response::{FailureMode, Responder, Tally};
@@ -31,6 +32,9 @@ pub(crate) struct Check {
     pub(crate) started: Started,
     /// How usage is settled, and the request's meter, when the layer limits by usage.
     pub(crate) usage: Option<(Arc<Metering>, UsageMeter)>,
+    /// The layer's concurrency slots and the store they go back to, when the policy has a
+    /// concurrency limit.
+    pub(crate) holds: Option<(Arc<Holds>, Arc<dyn Ledger>)>,
 }
 
 /// What an admitted request's response gets: the rate-limit fields (unless hidden, or the store
@@ -42,6 +46,8 @@ pub(crate) struct Admitted {
     pub(crate) tab: Option<Box<Tab>>,
     /// The policy and decision for the request's [`Decisions`].
     pub(crate) decided: Option<(Arc<str>, Decision)>,
+    /// The concurrency slot the request holds until its response ends.
+    pub(crate) slot: Option<Slot>,
 }
 
 impl Admitted {
@@ -82,6 +88,7 @@ impl Check {
         }
         // The store that decided, when it is not the layer's own: the fallback.
         let mut ledger: Option<Arc<dyn Ledger>> = None;
+        let mut slot_ledger = self.holds.as_ref().map(|(_, ledger)| Arc::clone(ledger));
         let outcome = match (outcome, &options.failure_mode) {
             (Err(error), FailureMode::Fallback(local)) => {
                 Report::fallback(&self.responder.policy);
@@ -93,8 +100,9 @@ impl Check {
                     "rate-limit store failed; deciding locally"
                 );
                 let policy = &self.responder.policy;
-                if self.usage.is_some() {
+                if self.usage.is_some() || self.holds.is_some() {
                     ledger = Some(Arc::new(StoreLedger(local.clone())));
+                    slot_ledger = slot_ledger.and(ledger.clone());
                 }
                 match self.counts_outcomes() {
                     true => local.peek(&self.key, policy, self.cost).into_inner(),
@@ -104,6 +112,7 @@ impl Check {
             (outcome, _) => outcome,
         };
         let tab = |d: Decision| {
+            let ledger = ledger.clone().filter(|_| self.usage.is_some());
             self.usage.as_ref().map(|(metering, meter)| {
                 let about = (self.key.clone(), Arc::clone(&self.responder));
                 let cache = self.deny_cache.as_ref().map(|(cache, _)| cache.clone());
@@ -127,10 +136,18 @@ impl Check {
                 let tab = tab(d);
                 let fields = (!options.hide_allowed_headers).then(|| (d, self.responder.clone()));
                 let decided = decided(d);
+                let slot = self
+                    .holds
+                    .as_ref()
+                    .zip(slot_ledger)
+                    .and_then(|((holds, _), ledger)| {
+                        holds.hold(&self.key, &self.responder, ledger, d)
+                    });
                 Verdict::Call(Admitted {
                     fields,
                     tab,
                     decided,
+                    slot,
                 })
             }
             // Passed on over the limit: shadow mode (logged for the roll-out) or a soft limit
@@ -162,7 +179,24 @@ impl Check {
                     fields: Some((d, self.responder.clone())),
                     tab: if counted { tab(d) } else { None },
                     decided: decided(d),
+                    slot: None,
                 })
+            }
+            Ok(mut d) if d.is_concurrency_limit() => {
+                // A slot may free any moment: say when one usually does, and cache nothing.
+                options.tally(&self.responder.policy, &self.key, Tally::DeniedConcurrency);
+                if let Some((holds, _)) = &self.holds {
+                    let retry = holds.retry_after(&self.responder.policy);
+                    (d.retry_after, d.reset_after) = (Some(retry), retry);
+                }
+                tracing::debug!(
+                    target: "tower_redis_ratelimit",
+                    policy,
+                    key = %self.key.loggable(),
+                    in_flight = d.limit(),
+                    "concurrency limit reached; refused"
+                );
+                Verdict::Answer(self.responder.rejection(&d, self.grpc.as_ref()))
             }
             Ok(d) => {
                 options.tally(&self.responder.policy, &self.key, Tally::Denied);
@@ -312,7 +346,9 @@ where
                         tab.read_head(&response);
                         tab
                     });
-                    return Poll::Ready(Ok(response.map(|body| ResponseBody::metered(body, tab))));
+                    let slot = admitted.slot.take();
+                    let body = |body| ResponseBody::metered(body, tab, slot);
+                    return Poll::Ready(Ok(response.map(body)));
                 }
                 StateProj::Answer { response } => {
                     let response = response

@@ -10,11 +10,12 @@ use http::Response;
 use ipnet::IpNet;
 use tower_layer::Layer;
 
+use crate::concurrency::holds::Holds;
 use crate::deny_cache::DenyCache;
 use crate::response::{Options, Responder};
 use crate::rule::{PlanFn, RequestHead};
 use crate::table::{Compiler, RuleTable, Rules};
-use crate::usage::{Metering, StoreLedger, UsageReport};
+use crate::usage::{InFlight, Ledger, Metering, StoreLedger, UsageReport};
 use crate::{
     Algorithm, Decision, FailureMode, Key, MemoryStore, MissingKey, PeerIp, Policy, PolicyError,
     RateLimit, Rule, Store,
@@ -59,6 +60,9 @@ pub(crate) struct Config<K, St> {
     pub(crate) missing_key: MissingKey,
     pub(crate) deny_cache: Option<DenyCache>,
     pub(crate) usage: Option<Arc<Metering>>,
+    /// The concurrency slots of the requests in flight, and the store they go back to.
+    pub(crate) holds: Arc<Holds>,
+    pub(crate) ledger: Arc<dyn Ledger>,
 }
 
 impl<K, St> Config<K, St> {
@@ -126,17 +130,18 @@ impl<K, St> RateLimitLayer<K, St> {
         self.config.table.clone()
     }
 
-    /// Waits up to `timeout` for the [usage](crate::usage) settles under way to finish; returns
-    /// how many are still under way then (0: all finished). Settles that start meanwhile are
-    /// waited for too.
+    /// Waits up to `timeout` for the [usage](crate::usage) settles and concurrency slot
+    /// give-backs ([`Policy::concurrency`](crate::Policy::concurrency)) under way to finish;
+    /// returns how many are still under way then (0: all finished). Those that start
+    /// meanwhile are waited for too.
     ///
     /// A settle runs in a task of its own after its response has ended, so a server that
     /// stops its runtime at once after its last response loses the settles still waiting for
     /// Redis (each is logged and counted as failed, since it may not have been recorded). Call
     /// this on graceful shutdown, once the server has stopped taking requests, on the layer or
     /// any clone of it: clones share their settles, so a clone kept when the layer went into a
-    /// router sees the router's. A layer that does not limit by usage has none and answers 0
-    /// at once.
+    /// router sees the router's. A layer with neither usage nor concurrency limits has none
+    /// and answers 0 at once.
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -162,10 +167,7 @@ impl<K, St> RateLimitLayer<K, St> {
     /// # Ok(()) }
     /// ```
     pub async fn settled(&self, timeout: std::time::Duration) -> usize {
-        match &self.config.usage {
-            Some(metering) => metering.in_flight.settled(timeout).await,
-            None => 0,
-        }
+        self.config.holds.in_flight().settled(timeout).await
     }
 }
 
@@ -564,15 +566,16 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             })
             .collect::<Result<_, _>>()?;
         let default_cost = usage.as_ref().map_or(1, |report| report.reserve);
+        let ledger: Arc<dyn Ledger> = Arc::new(StoreLedger(self.store.clone()));
+        let in_flight: Arc<InFlight> = Arc::default();
         let metering = usage.map(|report| {
-            let ledger = Arc::new(StoreLedger(self.store.clone()));
-            let in_flight = Arc::default();
             Arc::new(Metering {
                 report,
-                ledger,
-                in_flight,
+                ledger: Arc::clone(&ledger),
+                in_flight: Arc::clone(&in_flight),
             })
         });
+        let holds = Arc::new(Holds::new(in_flight));
         let deny_cache = match deny_cache.unwrap_or(default_deny_cache) {
             0 => None,
             capacity => {
@@ -597,6 +600,8 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
                 default_cost,
                 missing_key,
                 usage: metering,
+                holds,
+                ledger,
                 deny_cache,
             }),
         })

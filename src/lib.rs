@@ -8,6 +8,7 @@ mod algorithm;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod blocklist;
 pub mod body;
+mod concurrency;
 #[cfg(feature = "config")]
 #[cfg_attr(docsrs, doc(cfg(feature = "config")))]
 pub mod config;

@@ -5,7 +5,9 @@
 //! | name | kind | labels | counts |
 //! |---|---|---|---|
 //! | `ratelimit_allowed_total` | counter | `policy` | requests the store admitted |
-//! | `ratelimit_denied_total` | counter | `policy`, `source` | requests refused: `source="store"` when the store said no (in shadow mode too), `"deny_cache"` when the deny cache repeated a refusal |
+//! | `ratelimit_denied_total` | counter | `policy`, `source` | requests refused: `source="store"` when the store said no to a rate limit (in shadow mode too), `"deny_cache"` when the deny cache repeated a refusal, `"concurrency"` when the key held every concurrency slot ([`Policy::concurrency`](crate::Policy::concurrency)) |
+//! | `ratelimit_slots_in_use` | gauge | `policy` | concurrency slots this instance holds for requests in flight (sum over instances for the fleet) |
+//! | `ratelimit_slots_lost_total` | counter | `policy` | concurrency slots gone at their renewal (the store out of reach longer than the slot lifetime, or its state lost): their requests ran on uncounted |
 //! | `ratelimit_store_errors_total` | counter | `policy` | decisions the store could not make (the failure mode then applies) |
 //! | `ratelimit_fallbacks_total` | counter | `policy` | of those, decisions made by the fallback store instead |
 //! | `ratelimit_settle_errors_total` | counter | `policy` | usage settlements that did not run, got no reply within their patience (3 s on Redis), or were abandoned when their runtime shut down (see [`usage`](crate::usage)); a late settle that landed is not counted; the responses were not affected |
@@ -53,6 +55,25 @@ impl Report {
             .increment(1);
     }
 
+    pub(crate) fn denied_concurrency(policy: &Policy) {
+        ::metrics::counter!(
+            "ratelimit_denied_total",
+            "policy" => policy.shared_name(),
+            "source" => "concurrency"
+        )
+        .increment(1);
+    }
+
+    pub(crate) fn slots_in_use(policy: &Policy, change: f64) {
+        ::metrics::gauge!("ratelimit_slots_in_use", "policy" => policy.shared_name())
+            .increment(change);
+    }
+
+    pub(crate) fn slot_lost(policy: &Policy) {
+        ::metrics::counter!("ratelimit_slots_lost_total", "policy" => policy.shared_name())
+            .increment(1);
+    }
+
     pub(crate) fn latency(policy: &Policy, took: Duration) {
         ::metrics::histogram!("ratelimit_decision_seconds", "policy" => policy.shared_name())
             .record(took.as_secs_f64());
@@ -67,6 +88,9 @@ impl Report {
     pub(crate) fn fallback(_: &Policy) {}
     pub(crate) fn settle_error(_: &Policy) {}
     pub(crate) fn latency(_: &Policy, _: Duration) {}
+    pub(crate) fn denied_concurrency(_: &Policy) {}
+    pub(crate) fn slots_in_use(_: &Policy, _: f64) {}
+    pub(crate) fn slot_lost(_: &Policy) {}
 }
 
 /// When a decision started, kept only when there is a histogram to feed.

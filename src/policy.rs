@@ -229,6 +229,10 @@ pub struct Policy {
     in_range: bool,
     /// The penalty box: how long (µs) a key that hits its limit is refused; 0 for none.
     block_micros: u64,
+    /// The most requests of a key in flight at once (0: no concurrency limit).
+    slots: u32,
+    /// How long (µs) a slot lives without a renewal.
+    slot_micros: u64,
 }
 
 /// Why a [`Policy`] could not be built.
@@ -257,6 +261,19 @@ pub enum PolicyError {
     /// A penalty box ([`Policy::block_for`]) shorter than 1 ms or longer than 3650 days.
     #[error("a penalty box of {duration:?} is out of range: 1 ms to 3650 days")]
     Block {
+        /// The duration given.
+        duration: Duration,
+    },
+    /// A concurrency limit ([`Policy::concurrency`]) of 0, or above
+    /// [`Policy::MAX_CONCURRENCY`].
+    #[error("a concurrency limit of {slots} is out of range: 1 to 1048576")]
+    Concurrency {
+        /// The limit given.
+        slots: u32,
+    },
+    /// A slot expiry ([`Policy::slot_expiry`]) shorter than 100 ms or longer than an hour.
+    #[error("a slot expiry of {duration:?} is out of range: 100 ms to 1 hour")]
+    SlotExpiry {
         /// The duration given.
         duration: Duration,
     },
@@ -310,14 +327,18 @@ impl Policy {
             algorithm: Algorithm::SlidingLog,
             in_range: true,
             block_micros: 0,
+            slots: 0,
+            slot_micros: Policy::DEFAULT_SLOT_EXPIRY.as_micros() as u64,
         })
     }
 
     /// The same limits under another name.
     pub fn named(self, name: impl Into<String>) -> Result<Self, PolicyError> {
-        let block_micros = self.block_micros;
+        let (block_micros, slots, slot_micros) = (self.block_micros, self.slots, self.slot_micros);
         Policy::new(name, self.limits.iter().copied()).map(|p| Policy {
             block_micros,
+            slots,
+            slot_micros,
             ..p.with_algorithm(self.algorithm)
         })
     }
@@ -376,6 +397,71 @@ impl Policy {
     /// The penalty box's duration, if the policy has one (see [`Policy::block_for`]).
     pub fn block(&self) -> Option<Duration> {
         (self.block_micros > 0).then(|| Duration::from_micros(self.block_micros))
+    }
+
+    /// The concurrency limit: at most `slots` requests of a key in flight at once, across
+    /// every instance that shares the store, on top of the policy's rate limits.
+    ///
+    /// A request takes a slot when it is admitted, in the same atomic step as the rate limits
+    /// (one script call on Redis: a request refused by either takes nothing from the other),
+    /// and gives it back when its response body ends, fails or is dropped (a client that
+    /// disconnects mid-stream), gRPC streams included. Each slot expires after
+    /// [`slot_expiry`](Policy::slot_expiry) unless renewed: the layer that holds it renews
+    /// its slots in batches every third of that while their requests run, so a request may
+    /// run for hours, and the slots of an instance that dies come back within one expiry.
+    /// A request refused for a slot answers `429` (gRPC `RESOURCE_EXHAUSTED`) with a
+    /// `Retry-After` of the median time this layer's requests held a slot (at least 1 s, at
+    /// most the expiry), and [`Decision::is_concurrency_limit`](crate::Decision::is_concurrency_limit)
+    /// tells it apart from a rate refusal. The limit is from 1 to
+    /// [`MAX_CONCURRENCY`](Policy::MAX_CONCURRENCY).
+    ///
+    /// ```
+    /// use tower_redis_ratelimit::Policy;
+    ///
+    /// // 60 requests a minute, and 2 streams at once.
+    /// let streams = Policy::new("streams", ["60/1m".parse()?])?.concurrency(2)?;
+    /// assert_eq!(streams.concurrency_limit(), Some(2));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn concurrency(mut self, slots: u32) -> Result<Policy, PolicyError> {
+        if slots == 0 || slots > Policy::MAX_CONCURRENCY {
+            return Err(PolicyError::Concurrency { slots });
+        }
+        self.slots = slots;
+        Ok(self)
+    }
+
+    /// The largest concurrency limit, 2^20.
+    pub const MAX_CONCURRENCY: u32 = 1 << 20;
+
+    /// How long a concurrency slot lives without a renewal unless told otherwise: 10 s.
+    pub const DEFAULT_SLOT_EXPIRY: Duration = Duration::from_secs(10);
+
+    /// How long a concurrency slot lives without a renewal (default
+    /// [`DEFAULT_SLOT_EXPIRY`](Policy::DEFAULT_SLOT_EXPIRY)): the longest an instance that
+    /// dies keeps its slots, and how long an instance cut off from the store can go on
+    /// without losing them. From 100 ms to one hour.
+    pub fn slot_expiry(mut self, expiry: Duration) -> Result<Policy, PolicyError> {
+        if expiry < Duration::from_millis(100) || expiry > Duration::from_secs(3600) {
+            return Err(PolicyError::SlotExpiry { duration: expiry });
+        }
+        self.slot_micros = expiry.as_micros() as u64;
+        Ok(self)
+    }
+
+    /// The concurrency limit, if the policy has one (see [`Policy::concurrency`]).
+    pub fn concurrency_limit(&self) -> Option<u32> {
+        (self.slots > 0).then_some(self.slots)
+    }
+
+    /// How long a concurrency slot lives without a renewal (see [`Policy::slot_expiry`]).
+    pub fn slot_lifetime(&self) -> Duration {
+        Duration::from_micros(self.slot_micros)
+    }
+
+    /// The slot lifetime in µs.
+    pub(crate) fn slot_micros(&self) -> u64 {
+        self.slot_micros
     }
 
     /// The penalty box's duration in µs; 0 for none.
@@ -589,6 +675,8 @@ impl From<Limit> for Policy {
             algorithm: Algorithm::SlidingLog,
             in_range: true,
             block_micros: 0,
+            slots: 0,
+            slot_micros: Policy::DEFAULT_SLOT_EXPIRY.as_micros() as u64,
         }
     }
 }

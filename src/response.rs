@@ -13,7 +13,8 @@
 //! layer further in keeps its member, with `r=0`.
 //!
 //! `RateLimit-Policy` lists every limit of the policy (a multi-limit policy names each limit
-//! `<policy>-<window>`, e.g. `"api-1h"`), with the counts of the request's plan, or only the
+//! `<policy>-<window>`, e.g. `"api-1h"`; a concurrency limit comes last, as
+//! `"api-concurrency";q=2;qu="concurrent-requests"`), with the counts of the request's plan, or only the
 //! limit of the decision, at the count it was decided by, when an override in the store
 //! changed it (see [`store::Overrides`](crate::store::Overrides)); `RateLimit` describes the limit of the
 //! [`Decision`]: the one that refused, or the tightest after admitting. Seconds are rounded
@@ -123,6 +124,8 @@ pub(crate) enum Tally {
     Denied,
     /// Refused again by the deny cache.
     DeniedCached,
+    /// Refused by the store for a concurrency slot.
+    DeniedConcurrency,
 }
 
 impl Options {
@@ -134,6 +137,7 @@ impl Options {
             Tally::Allowed => Report::allowed(policy),
             Tally::Denied => Report::denied(policy, false),
             Tally::DeniedCached => Report::denied(policy, true),
+            Tally::DeniedConcurrency => Report::denied_concurrency(policy),
         }
         #[cfg(feature = "redis")]
         if let Some(unique) = &self.unique {
@@ -155,15 +159,22 @@ pub(crate) struct Responder {
 
 impl Responder {
     pub(crate) fn new(policy: Policy, options: Options) -> Self {
-        let limit_names: Vec<String> = (0..policy.limits().len())
+        let mut limit_names: Vec<String> = (0..policy.limits().len())
             .map(|i| policy.limit_name(i))
             .collect();
-        let items: Vec<String> = policy
+        let mut items: Vec<String> = policy
             .limits()
             .iter()
             .zip(&limit_names)
             .map(|(l, name)| format!("\"{name}\";q={};w={}", l.count(), ceil_secs(l.window())))
             .collect();
+        // The concurrency limit, after the rate limits (its decisions' index), in the draft's
+        // quota unit for it.
+        if let Some(slots) = policy.concurrency_limit() {
+            let name = format!("{}-concurrency", policy.name());
+            items.push(format!("\"{name}\";q={slots};qu=\"concurrent-requests\""));
+            limit_names.push(name);
+        }
         Responder {
             policy_header: value(items.join(", ")),
             limit_names,
@@ -229,6 +240,10 @@ impl Responder {
             (Some(custom), None) => custom(decision),
             (None, None) => {
                 let text = match retry {
+                    Some(secs) if decision.is_concurrency_limit() => format!(
+                        "Too Many Requests: {} requests of this client are in flight; retry in {secs} s\n",
+                        decision.limit()
+                    ),
                     // Sized exactly, so that `Bytes` takes it over without allocating again.
                     Some(secs) => [
                         "Too Many Requests: retry in ",

@@ -130,6 +130,10 @@ where
         // Taken before the store is asked, so that a refund sent meanwhile keeps its refusal
         // out of the cache.
         let deny_cache = deny_cache.map(|c| (c.clone(), c.ticket(&key, &responder.policy)));
+        let holds = responder.policy.concurrency_limit().map(|_| {
+            let ledger = Arc::clone(&config.ledger);
+            (Arc::clone(&config.holds), ledger)
+        });
         let check = Check {
             responder,
             key,
@@ -138,6 +142,7 @@ where
             deny_cache,
             started: Started::now(),
             usage: config.usage.clone().zip(meter),
+            holds,
         };
         // A store that decides without waiting lets the inner service be called right here,
         // with no clone of it for a later call.

@@ -373,6 +373,17 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
+    /// A settle of `settlement` for `key` under the responder's policy, with no deny cache to
+    /// make stale (a concurrency slot's give-back or renewal).
+    pub(crate) fn new(key: Key, responder: Arc<Responder>, settlement: Settlement) -> Entry {
+        Entry {
+            key,
+            responder,
+            settlement,
+            deny_cache: None,
+        }
+    }
+
     /// What follows a settle's outcome: the deny cache forgets the key after a refund (one
     /// that failed made no room, but forgetting costs only a store call), and a failure is
     /// logged and counted.

@@ -11,6 +11,7 @@ use crate::algorithm::{
     decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
     sliding_window::SlidingWindow, Algorithm, Outcome, Refund, Settle,
 };
+use crate::concurrency::Slots;
 use crate::decision::Change;
 use crate::shards::Shards;
 use crate::{Decision, Key, Policy, Settlement};
@@ -118,6 +119,8 @@ pub struct MemoryStore {
 
 struct Shared {
     entries: Shards<State>,
+    /// The id of the next concurrency slot taken.
+    next_slot: AtomicU64,
     clock: Arc<dyn Clock>,
     overrides: Arc<Table>,
 }
@@ -131,6 +134,8 @@ struct State {
     of: Of,
     /// Until when (µs) the key is in its policy's penalty box; 0 when it never was.
     boxed_until: u64,
+    /// The key's concurrency slots, when its policy has a concurrency limit.
+    slots: Slots,
 }
 
 /// The state of one key under the algorithm of its policy.
@@ -153,6 +158,7 @@ impl State {
             born: now,
             of,
             boxed_until: 0,
+            slots: Slots::default(),
         }
     }
 
@@ -283,6 +289,19 @@ impl MemoryStore {
         }
     }
 
+    /// The concurrency slots ([`Policy::concurrency`]) that `key` holds under `policy` now:
+    /// its requests in flight, counted on every instance that shares this store.
+    ///
+    /// Meant for tests and diagnostics.
+    pub fn slots_in_use(&self, key: &Key, policy: &Policy) -> usize {
+        let now = self.now();
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        match shard.get(key, policy.state_id(), now) {
+            Some(slot) if slot.is_live(now) => slot.value.slots.live(now),
+            _ => 0,
+        }
+    }
+
     /// The store's overrides: limits changed at run time for a key or a whole policy,
     /// applied to every decision of this store and its clones from the next one on.
     pub fn overrides(&self) -> Overrides {
@@ -316,9 +335,19 @@ impl MemoryStore {
                 "event times need the sliding log algorithm",
             )));
         }
+        if at.is_some() && policy.concurrency_limit().is_some() {
+            return ready(Err(StoreError::Unsupported(
+                "event times take no concurrency slot",
+            )));
+        }
         let now = self.now();
         let t = at.map_or(now, |at| micros(since_epoch(at)));
         let cost = u64::from(cost);
+        // The slot an admitted request takes, and until when: only a recorded decision takes one.
+        let take = policy.concurrency_limit().filter(|_| record).map(|cap| {
+            let id = self.shared.next_slot.fetch_add(1, Ordering::Relaxed);
+            (cap, id, now.saturating_add(policy.slot_micros()))
+        });
         let other;
         let policy = match self.shared.overrides.apply(key, policy) {
             Applied::Own(policy) => policy,
@@ -340,9 +369,19 @@ impl MemoryStore {
                     let left = Duration::from_micros(slot.value.boxed_until - now);
                     return ready(Ok(Decision::boxed(policy, left)));
                 }
+                if let Some((cap, _, _)) = take {
+                    if let Some(left) = slot.value.slots.full(now, cap) {
+                        let left = Duration::from_micros(left);
+                        return ready(Ok(Decision::slots_full(policy, left)));
+                    }
+                }
                 let outcome = slot.value.decide(now, t, policy, cost, record);
                 if outcome.allowed && record {
                     slot.expires = slot.expires.max(expiry(policy, now, t));
+                    if let Some((_, id, until)) = take {
+                        slot.value.slots.take(id, until);
+                        slot.expires = slot.expires.max(until);
+                    }
                 } else if record && outcome.retry_after.is_some() {
                     // Refused by a limit that a wait satisfies: not a request larger than the
                     // limit itself, which no wait helps and the key did not earn.
@@ -355,7 +394,12 @@ impl MemoryStore {
                 let mut state = State::new(algorithm, now);
                 let outcome = state.decide(now, t, policy, cost, record);
                 if outcome.allowed && record {
-                    shard.insert(key, policy.state_id(), now, expiry(policy, now, t), state);
+                    let mut expires = expiry(policy, now, t);
+                    if let Some((_, id, until)) = take {
+                        state.slots.take(id, until);
+                        expires = expires.max(until);
+                    }
+                    shard.insert(key, policy.state_id(), now, expires, state);
                 } else if record && outcome.retry_after.is_some() {
                     boxed = state.penalize(now, policy);
                     if let Some(until) = boxed {
@@ -372,7 +416,10 @@ impl MemoryStore {
                 Duration::from_micros(until - now),
             )));
         }
-        let decision = Decision::from_outcome(outcome, policy);
+        let mut decision = Decision::from_outcome(outcome, policy);
+        if let Some((_, id, _)) = take {
+            decision = decision.with_slot(id);
+        }
         let at = i64::try_from(t).ok();
         ready(Ok(match record {
             true => decision.recorded_at(at, cost),
@@ -380,8 +427,37 @@ impl MemoryStore {
         }))
     }
 
+    /// Gives back (`renew` false) or renews concurrency slot `id` of `key` under `policy`.
+    fn keep_slot(&self, key: &Key, policy: &Policy, id: u64, renew: bool) {
+        let now = self.now();
+        let until = now.saturating_add(policy.slot_micros());
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        let kept = match shard.get(key, policy.state_id(), now) {
+            Some(slot) if !slot.is_live(now) => false,
+            Some(slot) if !renew => {
+                slot.value.slots.give_back(id);
+                return;
+            }
+            Some(slot) => {
+                let kept = slot.value.slots.renew(now, id, until);
+                slot.expires = slot.expires.max(slot.value.slots.last_expiry());
+                kept
+            }
+            None => false,
+        };
+        drop(shard);
+        if renew && !kept {
+            crate::concurrency::holds::lost(key, policy);
+        }
+    }
+
     /// Records `settlement` for `key` under `policy`, now.
     fn settle_now(&self, key: &Key, policy: &Policy, settlement: Settlement) {
+        match settlement.change {
+            Change::Release(id) => return self.keep_slot(key, policy, id, false),
+            Change::Renew(id) => return self.keep_slot(key, policy, id, true),
+            Change::Charge | Change::Refund => {}
+        }
         let now = self.now();
         // Settled under the counts the key is decided by; a blocked key's under its own.
         let other;
@@ -394,7 +470,10 @@ impl MemoryStore {
         };
         let algorithm = policy.algorithm();
         let change = match settlement.change {
-            Change::Charge => Settle::Charge(settlement.units),
+            // Slots were kept above; they record no units.
+            Change::Charge | Change::Release(_) | Change::Renew(_) => {
+                Settle::Charge(settlement.units)
+            }
             Change::Refund => Settle::Refund(Refund {
                 units: settlement.units,
                 at: settlement.admitted_at.and_then(|at| u64::try_from(at).ok()),
@@ -471,6 +550,7 @@ impl MemoryStoreBuilder {
         MemoryStore {
             shared: Arc::new(Shared {
                 entries: Shards::new(self.max_keys),
+                next_slot: AtomicU64::new(1),
                 clock: self
                     .clock
                     .unwrap_or_else(|| Arc::new(TokioClock::default())),
@@ -497,10 +577,19 @@ impl Store for MemoryStore {
     }
 
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
-        self.shared
-            .entries
-            .lock(key, policy.state_id())
-            .remove(key, policy.state_id());
+        let now = self.now();
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        match shard.get(key, policy.state_id(), now) {
+            // The requests in flight still are: their slots stay.
+            Some(slot) if slot.value.slots.last_expiry() > now => {
+                let slots = std::mem::take(&mut slot.value.slots);
+                slot.value = State {
+                    slots,
+                    ..State::new(policy.algorithm(), now)
+                };
+            }
+            _ => shard.remove(key, policy.state_id()),
+        }
         ready(Ok(()))
     }
 

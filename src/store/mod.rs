@@ -55,7 +55,8 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Forgets everything recorded for `key` under `policy`, its penalty box included. A
     /// layer's deny cache repeats a penalty box's refusal for a second at most before asking
     /// the store again, so a reset frees a boxed key on every instance within a second; other
-    /// refusals it repeats until their own retry-after.
+    /// refusals it repeats until their own retry-after. The concurrency slots of requests in
+    /// flight stay: those requests still are.
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture;
 
     /// Records what an admitted request actually used, without deciding anything: a

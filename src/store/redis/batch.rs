@@ -458,13 +458,23 @@ pub(super) enum Record {
         admitted: i64,
         recorded: u64,
     },
+    /// Decide and record as [`Yes`](Record::Yes), and when admitted take concurrency slot
+    /// `id` for `ttl` µs, refusing at once while the key holds `cap` live slots.
+    Take { cap: u32, id: u64, ttl: u64 },
+    /// Decide nothing: give concurrency slot `id` back.
+    Release { id: u64 },
+    /// Decide nothing: renew concurrency slot `id` for `ttl` µs (taking it again within
+    /// `cap` if it has expired).
+    Renew { cap: u32, id: u64, ttl: u64 },
 }
 
 /// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
-/// of limits, cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (µs, -1 for
+/// of limits, cost, record (0, 1, 2 for a lease, 3 for a settlement, 4 to 6 for a
+/// concurrency slot's take, give-back and renewal), event time (µs, -1 for
 /// now), the policy's override id (`Policy::override_id`), its penalty box (µs, 0: none;
 /// `Policy::block_for`), for a lease or a look (0) want and
 /// headroom, for a settlement refund (0 or 1), admission time and the units recorded then,
+/// for a slot the key's cap, the slot's id and its lifetime (µs),
 /// then count, window (µs) and scale of each limit.
 pub(super) fn encode(
     cost: u64,
@@ -484,6 +494,9 @@ pub(super) fn encode(
             admitted,
             recorded,
         } => (3, [i64::from(refund), admitted, clamp(recorded)], 3),
+        Record::Take { cap, id, ttl } => (4, [cap.into(), clamp(id), clamp(ttl)], 3),
+        Record::Release { id } => (5, [0, clamp(id), 0], 3),
+        Record::Renew { cap, id, ttl } => (6, [cap.into(), clamp(id), clamp(ttl)], 3),
     };
     let head = [
         windows.len() as i64,
@@ -503,7 +516,12 @@ pub(super) fn encode(
 /// A request's arguments under `policy`: its override id and penalty box, and its limits.
 pub(super) fn encode_for(policy: &Policy, cost: u64, record: Record, at: i64) -> Vec<u8> {
     let terms = (policy.override_id(), policy.block_micros());
-    encode(cost, record, at, terms, policy.windows())
+    // A slot's give-back or renewal decides nothing, and carries no limits.
+    let windows = match record {
+        Record::Release { .. } | Record::Renew { .. } => &[],
+        _ => policy.windows(),
+    };
+    encode(cost, record, at, terms, windows)
 }
 
 /// One give-back's arguments as `scripts/release.lua` reads them: algorithm, number of

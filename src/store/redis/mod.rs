@@ -123,6 +123,9 @@ struct Inner {
     leases: Option<lease::State>,
     /// The limits version last seen in Redis (`overrides.rs`).
     limits_version: AtomicU64,
+    /// The id of the next concurrency slot taken: from a random start per store, so that
+    /// instances sharing Redis take different ids, below 2^52 (exact in Lua's doubles).
+    next_slot: AtomicU64,
 }
 
 impl Inner {
@@ -155,6 +158,11 @@ impl Inner {
         let lane = place.lane;
         let decision = self.batcher.decide(place, policy.algorithm(), args);
         self.guarded(lane, decision).await
+    }
+
+    /// A new concurrency slot id.
+    fn next_slot(&self) -> u64 {
+        self.next_slot.fetch_add(1, Ordering::Relaxed) & ((1 << 52) - 1)
     }
 
     /// The breaker of batching lane `lane`.
@@ -327,11 +335,13 @@ impl RedisStore {
                 .decide(place, &policy, cost.into(), at, record)
                 .await?;
             let decision = parse_reply(&answer.ints, &policy)?.decision(&policy);
+            // The script records at the event time, or at the call's `TIME`.
+            let recorded = |d: Decision| {
+                d.recorded_at(Some(if at < 0 { answer.time } else { at }), cost.into())
+            };
             Ok(match record {
-                // The script records at the event time, or at the call's `TIME`.
-                Record::Yes => {
-                    decision.recorded_at(Some(if at < 0 { answer.time } else { at }), cost.into())
-                }
+                Record::Yes => recorded(decision),
+                Record::Take { id, .. } => recorded(decision).with_slot(id),
                 _ => decision,
             })
         })
@@ -714,6 +724,7 @@ impl RedisStoreBuilder {
                 .collect(),
             leases: self.leases.map(lease::State::new),
             limits_version: AtomicU64::new(0),
+            next_slot: AtomicU64::new(random_start()),
         });
         overrides::spawn_watch(Arc::downgrade(&inner));
         if let Some(leases) = &self.leases {
@@ -730,6 +741,11 @@ impl Store for RedisStore {
     type ResetFuture = BoxFuture<()>;
 
     fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        if let Some(cap) = policy.concurrency_limit() {
+            let id = self.inner.next_slot();
+            let ttl = policy.slot_micros();
+            return self.run(key, policy, cost, -1, Record::Take { cap, id, ttl });
+        }
         if let Some(plan) = lease::plan(&self.inner, policy) {
             let (inner, key, policy) = (Arc::clone(&self.inner), key.clone(), policy.clone());
             return Box::pin(lease::check(inner, plan, key, policy, cost));
@@ -756,6 +772,10 @@ impl Store for RedisStore {
     }
 
     fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
+        if policy.concurrency_limit().is_some() {
+            let unsupported = StoreError::Unsupported("event times take no concurrency slot");
+            return Box::pin(std::future::ready(Err(unsupported)));
+        }
         if policy.algorithm() != Algorithm::SlidingLog {
             let unsupported = StoreError::Unsupported("event times need the sliding log algorithm");
             return Box::pin(std::future::ready(Err(unsupported)));
@@ -816,14 +836,23 @@ impl Store for RedisStore {
         let place = inner.place(key, policy);
         let algorithm = policy.algorithm();
         let (key, policy) = (key.clone(), policy.clone());
-        let record = Record::Settle {
-            refund: settlement.change == Change::Refund,
-            admitted: settlement.admitted_at.unwrap_or(-1),
-            recorded: settlement.recorded,
+        let (cap, ttl) = (
+            policy.concurrency_limit().unwrap_or(0),
+            policy.slot_micros(),
+        );
+        let record = match settlement.change {
+            Change::Release(id) => Record::Release { id },
+            Change::Renew(id) => Record::Renew { cap, id, ttl },
+            Change::Charge | Change::Refund => Record::Settle {
+                refund: settlement.change == Change::Refund,
+                admitted: settlement.admitted_at.unwrap_or(-1),
+                recorded: settlement.recorded,
+            },
         };
+        let keeps_slot = matches!(record, Record::Release { .. } | Record::Renew { .. });
         let args = batch::encode_for(&policy, settlement.units, record, -1);
         Box::pin(async move {
-            if settlement.units == 0 {
+            if settlement.units == 0 && !keeps_slot {
                 return Ok(());
             }
             super::in_range(&policy)?;
@@ -842,10 +871,33 @@ impl Store for RedisStore {
                 }
                 reply => inner.judge(lane, started, Some(reply))?,
             };
-            lease::settled(&inner, &key, &policy, &answer);
+            match record {
+                Record::Renew { .. } if answer.ints[0] == 0 => {
+                    crate::concurrency::holds::lost(&key, &policy)
+                }
+                Record::Release { .. } | Record::Renew { .. } => {}
+                _ => lease::settled(&inner, &key, &policy, &answer),
+            }
             Ok(())
         })
     }
+}
+
+/// A start for a store's concurrency slot ids that another process, or another store of this
+/// one, is unlikely to share: a hash of the process, the time and a fresh allocation's address.
+fn random_start() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let here = Box::new(0u8);
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(&std::process::id().to_le_bytes());
+    hasher.update(&nanos.to_le_bytes());
+    hasher.update(&(std::ptr::addr_of!(*here) as usize).to_le_bytes());
+    let mut first = [0; 8];
+    first.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+    u64::from_le_bytes(first) & ((1 << 52) - 1)
 }
 
 /// A script's answer to one request, read.
@@ -857,6 +909,8 @@ struct Reply {
     count: Option<u64>,
     /// How long (µs) the key stays in the policy's penalty box, when it is in it.
     boxed: Option<u64>,
+    /// When the key holds every concurrency slot: how long (µs) until the first expires.
+    slots_full: Option<u64>,
 }
 
 impl Reply {
@@ -873,11 +927,15 @@ impl Reply {
             extra: 0,
             count: None,
             boxed: Some(left),
+            slots_full: None,
         }
     }
 
     /// The decision it tells, under `policy` or the override's count.
     fn decision(&self, policy: &Policy) -> Decision {
+        if let Some(left) = self.slots_full {
+            return Decision::slots_full(policy, std::time::Duration::from_micros(left));
+        }
         if let Some(left) = self.boxed {
             return Decision::boxed(policy, std::time::Duration::from_micros(left));
         }
@@ -893,6 +951,14 @@ fn parse_reply(reply: &[i64; 6], policy: &Policy) -> Result<Reply, StoreError> {
         // The key is in the policy's penalty box, for `retry_after` µs more.
         let left = u64::try_from(retry_after).map_err(|_| bad())?;
         return Ok(Reply::boxed(left));
+    }
+    if index == -2 {
+        // The key holds every concurrency slot; the first expires in `retry_after` µs.
+        let left = u64::try_from(retry_after).map_err(|_| bad())?;
+        return Ok(Reply {
+            slots_full: Some(left),
+            ..Reply::boxed(left)
+        });
     }
     let index = usize::try_from(index)
         .ok()
@@ -917,5 +983,6 @@ fn parse_reply(reply: &[i64; 6], policy: &Policy) -> Result<Reply, StoreError> {
             v => Some(non_negative(v)?),
         },
         boxed: None,
+        slots_full: None,
     })
 }

@@ -139,9 +139,10 @@ impl Leases {
     }
 
     /// How `policy` is leased; `None` when it is not (the sliding log, a share under two
-    /// units, or a policy with a penalty box, which every decision must read in Redis).
+    /// units, or a policy with a penalty box or a concurrency limit, which every decision
+    /// must read in Redis).
     fn plan(&self, policy: &Policy) -> Option<Plan> {
-        if policy.block().is_some() {
+        if policy.block().is_some() || policy.concurrency_limit().is_some() {
             return None;
         }
         let smallest = policy.windows().iter().map(|w| w.count).min()?;

@@ -16,7 +16,10 @@
 --           settlement only, refund (0: add `cost` units, 1: take them back), the
 --           admission time (Redis time, us, of the request being settled; -1: not known) and
 --           the units that request recorded; then count, window (microseconds) and scale
---           (gcd of the two, GCRA's divisor) of limits 1..n, shortest first
+--           (gcd of the two, GCRA's divisor) of limits 1..n, shortest first. Record 4
+--           decides as 1 and takes a concurrency slot, 5 gives one back, 6 renews one (both
+--           with n = 0 and nothing decided); each is followed, before the limits, by the
+--           key's cap of slots, the slot's id and its lifetime (us)
 -- ARGV[2]   the name of the hash of overrides of the call's slot (src/store/redis/overrides.rs)
 --
 -- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
@@ -29,7 +32,10 @@
 --        limit index (0-based), remaining, reset_after (us), retry_after (us; -1 when
 --        admitted, -2 when no wait helps), and the count of the reported limit when an
 --        override set it (0 for a block; -1: the request's own); then, once per call, Redis
---        TIME in us. A settlement's six are those of an admitted request: remaining and
+--        TIME in us. A request refused for its concurrency slots answers 0 -2 0 left left cap
+--        (left: us until the first slot expires); a give-back or renewal answers kept 0 0 0
+--        -1 -1 (kept: 1 held, 0 not held). A settlement's six are those of an
+--        admitted request: remaining and
 --        reset_after after it (a refund on the sliding log answers 1 0 0 0 -1 -1)
 --
 -- Overrides (src/store/overrides.rs): a request other than a settlement is decided by the
@@ -136,6 +142,57 @@ local function override_of(k, id)
   return value
 end
 
+-- Concurrency (Policy::concurrency, src/concurrency/): the slots of request k's key are the
+-- members of the sorted set `<KEYS[k]>:slots` (same hash slot), each scored by its expiry
+-- (Redis time, us); an expired one counts no more and goes at the next look. The request at
+-- hand's cap (0: it takes no slot), slot id and slot lifetime (us).
+local slot_cap, slot_id, slot_ttl = 0, 0, 0
+-- The answer to a request refused because its key holds `slot_cap` live slots: 0 -2 0 left
+-- left cap, where left is the time (us) until the first slot expires.
+local function slots_full(k)
+  local skey = KEYS[k] .. ':slots'
+  -- With pcall, as the box: while the key's slot migrates, a set Redis refuses to read here
+  -- cannot be counted, and the request is refused rather than admitted past the cap.
+  local pruned = redis.pcall('ZREMRANGEBYSCORE', skey, '-inf', text(now))
+  local held = redis.pcall('ZCARD', skey)
+  if type(pruned) ~= 'number' or type(held) ~= 'number' then
+    return spack('<llllll', 0, -2, 0, 1000000, 1000000, slot_cap)
+  end
+  if held < slot_cap then
+    return false
+  end
+  local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
+  local left = math.max(tonumber(first[2]) - now, 1)
+  return spack('<llllll', 0, -2, 0, left, left, slot_cap)
+end
+-- Takes the slot of admitted request k: until now + its lifetime, the set living as long.
+local function take_slot(k)
+  local skey = KEYS[k] .. ':slots'
+  redis.pcall('ZADD', skey, text(now + slot_ttl), text(slot_id))
+  redis.pcall('PEXPIRE', skey, text(math.ceil(slot_ttl / 1000)))
+end
+-- Gives back (renew false) or renews slot `slot_id` of request k's key: answers 1 where it
+-- was held, 0 where it was not. A renewal never takes an expired slot again (its holder was
+-- cut off from Redis longer than the lifetime, or Redis lost its state): a give-back sent
+-- while the renewal was on its way may have run first, and would then be undone.
+local function keep_slot(k, renew)
+  local skey = KEYS[k] .. ':slots'
+  local member = text(slot_id)
+  local kept = 0
+  if not renew then
+    local gone = redis.pcall('ZREM', skey, member)
+    kept = type(gone) == 'number' and gone or 0
+  else
+    local score = redis.pcall('ZSCORE', skey, member)
+    if type(score) == 'string' and tonumber(score) > now then
+      kept = 1
+      redis.pcall('ZADD', skey, 'XX', text(now + slot_ttl), member)
+      redis.pcall('PEXPIRE', skey, text(math.ceil(slot_ttl / 1000)))
+    end
+  end
+  return spack('<llllll', kept, 0, 0, 0, -1, -1)
+end
+
 -- Reads the next request's arguments, request k's: returns its number of limits
 -- n, cost, record (0 to 3), event time (now for -1), want and headroom (cost and 0 unless a
 -- lease or a look), refund (0 unless a settlement), admission time (-1 unless a settlement),
@@ -151,10 +208,13 @@ local function next_request(counts, windows, scales, k)
     t = now
   end
   want, headroom, refund, admitted, weight = cost, 0, 0, -1, 0
+  slot_cap = 0
   if record == 2 or record == 0 then
     want, headroom, next_byte = sunpack('<ll', requests, next_byte)
   elseif record == 3 then
     refund, admitted, weight, next_byte = sunpack('<lll', requests, next_byte)
+  elseif record >= 4 then
+    slot_cap, slot_id, slot_ttl, next_byte = sunpack('<lll', requests, next_byte)
   end
   local scale
   for i = 1, n do
@@ -165,6 +225,14 @@ local function next_request(counts, windows, scales, k)
     if scales then
       scales[i] = scale
     end
+  end
+  if record == 5 or record == 6 then
+    local kept = keep_slot(k, record == 6)
+    slot_cap = 0
+    return n, cost, record, t, want, headroom, refund, admitted, weight, kept
+  elseif record == 4 then
+    -- Decided as any recorded request; the slot is taken in `conclude` if it is admitted.
+    record = 1
   end
   overridden = false
   local blocked = false
@@ -200,6 +268,10 @@ local function next_request(counts, windows, scales, k)
       blocked = spack('<llllll', 0, -1, 0, left * 1000, left * 1000, -1)
     end
   end
+  -- The slots, last: a blocked or boxed key answers as such.
+  if slot_cap > 0 and not blocked then
+    blocked = slots_full(k)
+  end
   return n, cost, record, t, want, headroom, refund, admitted, weight, blocked
 end
 
@@ -217,6 +289,18 @@ local function penalize(k, answer)
     return answer
   end
   return spack('<llllll', 0, -1, 0, box_ms * 1000, box_ms * 1000, -1)
+end
+
+-- Request k's `answer` once decided: the penalty box's when it puts the key in it, and the
+-- slot taken when it admits a request that takes one; called only where either applies.
+local function conclude(k, answer)
+  if box_ms > 0 then
+    answer = penalize(k, answer)
+  end
+  if slot_cap > 0 and sunpack('<l', answer) >= 1 then
+    take_slot(k)
+  end
+  return answer
 end
 
 -- The reply of the whole call: every request's answer, then the time.

@@ -320,8 +320,8 @@ for k = 1, REQUESTS do
     reply[k] = give_back(key, cost, admitted, recorded)
   else
     reply[k] = decide(key, n, cost, record, t)
-    if box_ms > 0 then
-      reply[k] = penalize(k, reply[k])
+    if box_ms > 0 or slot_cap > 0 then
+      reply[k] = conclude(k, reply[k])
     end
   end
 end

@@ -1,0 +1,255 @@
+//! The concurrency slots of one layer's requests in flight: each is given back when its
+//! response ends (the [`Slot`] guard, dropped by the response body), and renewed while it
+//! runs, in batches, by one task per layer.
+//!
+//! A give-back and a renewal go to the store the way a usage settle does (`usage::Ledger`):
+//! on Redis as requests of the policy's script, batched with the decisions under way, so a
+//! request costs one script run to take its slot (with its decision) and a share of one to
+//! give it back. The renewal task wakes every third of the shortest slot lifetime held and
+//! sends every slot due at once; it ends with the layer, and with its runtime: an instance that
+//! dies renews nothing, and its slots count no more once they expire.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::response::Responder;
+use crate::usage::{Entry, InFlight, Ledger};
+use crate::{Decision, Key, Policy, Settlement};
+
+/// How many hold times per policy the median of a refusal's `Retry-After` is taken over.
+const HOLD_TIMES: usize = 64;
+
+/// The slots a layer holds, and what it knows of how long they are held.
+pub(crate) struct Holds {
+    held: Mutex<HashMap<u64, Held>>,
+    /// A serial per slot held, the key of `held`.
+    next: AtomicU64,
+    /// The settles under way (shared with usage), for `RateLimitLayer::settled`.
+    in_flight: Arc<InFlight>,
+    /// Set once the renewal task runs.
+    renewing: AtomicBool,
+    /// Wakes the renewal task when a slot is taken.
+    wake: Arc<Notify>,
+    /// The latest hold times of each policy, for the `Retry-After` of its refusals.
+    hold_times: Mutex<HashMap<Arc<str>, HoldTimes>>,
+}
+
+/// One slot in use.
+struct Held {
+    key: Key,
+    responder: Arc<Responder>,
+    ledger: Arc<dyn Ledger>,
+    decision: Decision,
+    /// When it was taken or last renewed.
+    renewed: Instant,
+}
+
+/// The latest hold times of one policy, a ring.
+#[derive(Default)]
+struct HoldTimes {
+    times: Vec<Duration>,
+    next: usize,
+}
+
+impl HoldTimes {
+    fn add(&mut self, held: Duration) {
+        if self.times.len() < HOLD_TIMES {
+            self.times.push(held);
+        } else {
+            self.times[self.next] = held;
+        }
+        self.next = (self.next + 1) % HOLD_TIMES;
+    }
+
+    fn median(&self) -> Option<Duration> {
+        let mut times = self.times.clone();
+        times.sort_unstable();
+        times.get(times.len() / 2).copied()
+    }
+}
+
+impl std::fmt::Debug for Holds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Holds").finish_non_exhaustive()
+    }
+}
+
+impl Holds {
+    pub(crate) fn new(in_flight: Arc<InFlight>) -> Holds {
+        Holds {
+            held: Mutex::default(),
+            next: AtomicU64::new(0),
+            in_flight,
+            renewing: AtomicBool::new(false),
+            wake: Arc::new(Notify::new()),
+            hold_times: Mutex::default(),
+        }
+    }
+
+    /// The settles under way, slots' and usage's.
+    pub(crate) fn in_flight(&self) -> &Arc<InFlight> {
+        &self.in_flight
+    }
+
+    /// Holds the slot `decision` took for `key`, given back through `ledger` when the returned
+    /// guard drops; `None` when it took none.
+    pub(crate) fn hold(
+        self: &Arc<Self>,
+        key: &Key,
+        responder: &Arc<Responder>,
+        ledger: Arc<dyn Ledger>,
+        decision: Decision,
+    ) -> Option<Slot> {
+        decision.slot?;
+        let serial = self.next.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let held = Held {
+            key: key.clone(),
+            responder: Arc::clone(responder),
+            ledger,
+            decision,
+            renewed: now,
+        };
+        crate::shards::lock(&self.held).insert(serial, held);
+        crate::metrics::Report::slots_in_use(&responder.policy, 1.0);
+        self.start_renewing();
+        Some(Slot {
+            holds: Arc::clone(self),
+            serial,
+            since: now,
+        })
+    }
+
+    /// How long a refused request should wait for a slot of `policy`: the median of the
+    /// latest hold times, at least 1 s and at most the slot lifetime; 1 s before any is known.
+    pub(crate) fn retry_after(&self, policy: &Policy) -> Duration {
+        let times = crate::shards::lock(&self.hold_times);
+        let median = times.get(policy.name()).and_then(HoldTimes::median);
+        let second = Duration::from_secs(1);
+        median
+            .unwrap_or(second)
+            .min(policy.slot_lifetime())
+            .max(second)
+    }
+
+    /// The number of slots held now.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        crate::shards::lock(&self.held).len()
+    }
+
+    /// Starts the renewal task on the current runtime, once.
+    fn start_renewing(self: &Arc<Self>) {
+        if self.renewing.load(Ordering::Relaxed) {
+            return self.wake.notify_one();
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // No runtime (a memory store called from plain code): nothing to renew with; the
+            // next slot taken within a runtime starts the task.
+            return;
+        };
+        if !self.renewing.swap(true, Ordering::AcqRel) {
+            runtime.spawn(renew(Arc::downgrade(self), Arc::clone(&self.wake)));
+        }
+    }
+
+    /// Gives back slot `serial`, held for `held`.
+    fn give_back(&self, serial: u64, held: Duration) {
+        let Some(slot) = crate::shards::lock(&self.held).remove(&serial) else {
+            return;
+        };
+        let policy = &slot.responder.policy;
+        crate::metrics::Report::slots_in_use(policy, -1.0);
+        crate::shards::lock(&self.hold_times)
+            .entry(policy.shared_name())
+            .or_default()
+            .add(held);
+        if let Some(release) = Settlement::release(&slot.decision) {
+            let entry = Entry::new(slot.key, slot.responder, release);
+            slot.ledger.settle(entry, &self.in_flight);
+        }
+    }
+
+    /// Sends a renewal of every slot due at `now`; returns when the next is due (`None`:
+    /// nothing held).
+    fn renew_due(&self, now: Instant) -> Option<Instant> {
+        let mut due = Vec::new();
+        let mut next: Option<Instant> = None;
+        {
+            let mut held = crate::shards::lock(&self.held);
+            for slot in held.values_mut() {
+                let every = slot.responder.policy.slot_lifetime() / 3;
+                if slot.renewed + every <= now {
+                    slot.renewed = now;
+                    let renew = Settlement::renew(&slot.decision);
+                    let about = (slot.key.clone(), Arc::clone(&slot.responder));
+                    due.extend(renew.map(|r| (about, r, Arc::clone(&slot.ledger))));
+                }
+                let at = slot.renewed + every;
+                next = Some(next.map_or(at, |n| n.min(at)));
+            }
+        }
+        for ((key, responder), renew, ledger) in due {
+            ledger.settle(Entry::new(key, responder, renew), &self.in_flight);
+        }
+        next
+    }
+}
+
+/// The renewal task of `holds`, until the layer is dropped.
+async fn renew(holds: Weak<Holds>, wake: Arc<Notify>) {
+    /// How long the task sleeps with nothing held before it looks whether the layer is gone.
+    const IDLE: Duration = Duration::from_secs(60);
+    loop {
+        let woken = wake.notified();
+        let next = match holds.upgrade() {
+            Some(holds) => holds.renew_due(Instant::now()),
+            None => return,
+        };
+        // Woken early by a slot taken, whose lifetime may be shorter than the others'.
+        let at = next.unwrap_or_else(|| Instant::now() + IDLE);
+        let _ = tokio::time::timeout_at(at, woken).await;
+    }
+}
+
+/// A concurrency slot held by a request in flight: dropping it gives the slot back. The
+/// response body holds it until the body ends, fails or is dropped.
+pub(crate) struct Slot {
+    holds: Arc<Holds>,
+    serial: u64,
+    since: Instant,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.holds.give_back(self.serial, self.since.elapsed());
+    }
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slot")
+            .field("serial", &self.serial)
+            .finish()
+    }
+}
+
+/// Logs and counts a renewal that found its slot gone: it expired first (the store was out of
+/// reach longer than the slot lifetime) or the store lost its state (a restart, a reset of the
+/// memory store's key). The request runs on, no longer counted against the limit, so that the
+/// key may have up to one more request in flight per slot lost until they end.
+pub(crate) fn lost(key: &Key, policy: &Policy) {
+    crate::metrics::Report::slot_lost(policy);
+    tracing::warn!(
+        target: "tower_redis_ratelimit",
+        policy = policy.name(),
+        key = %key.loggable(),
+        "a concurrency slot was gone at its renewal (the store was out of reach longer than \
+         the slot lifetime, or lost its state): the request runs on uncounted"
+    );
+}

@@ -1,0 +1,533 @@
+//! Concurrency limits (`Policy::concurrency`): at most N requests of a key in flight across a
+//! fleet of instances, slots given back when a response ends or is dropped, and the slots of
+//! an instance that dies coming back within the slot lifetime.
+//!
+//! The memory store runs on tokio's paused clock; Redis tests use the test's own
+//! `redis-server` and real time with short lifetimes and wide margins.
+
+mod common;
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::RedisServer;
+use futures::future::join_all;
+use futures::StreamExt;
+use http::{Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, StreamBody};
+use tower::{service_fn, Layer, Service, ServiceExt};
+use tower_redis_ratelimit::key::Header;
+use tower_redis_ratelimit::{
+    Decisions, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Settlement, Store,
+};
+
+type Body = BoxBody<Bytes, Infallible>;
+type Frame = Result<http_body::Frame<Bytes>, Infallible>;
+
+fn api_key() -> Header {
+    Header::new(http::HeaderName::from_static("x-api-key"))
+}
+
+fn request(key: &str) -> Request<()> {
+    Request::builder()
+        .header("x-api-key", key)
+        .body(())
+        .unwrap()
+}
+
+/// A generous rate limit (never the one that refuses here) and `slots` in flight.
+fn streams(name: &str, slots: u32, expiry: Duration) -> Policy {
+    Policy::new(name, ["100000/1m".parse().unwrap()])
+        .unwrap()
+        .concurrency(slots)
+        .unwrap()
+        .slot_expiry(expiry)
+        .unwrap()
+}
+
+/// What the handlers saw: how many of their responses are streaming now, and the most at once.
+#[derive(Default)]
+struct InFlight {
+    now: AtomicUsize,
+    max: AtomicUsize,
+}
+
+/// Counts one response in flight until dropped (its stream ended or was dropped).
+struct Streaming(Arc<InFlight>);
+
+impl Streaming {
+    fn start(seen: &Arc<InFlight>) -> Streaming {
+        let now = seen.now.fetch_add(1, Ordering::SeqCst) + 1;
+        seen.max.fetch_max(now, Ordering::SeqCst);
+        Streaming(Arc::clone(seen))
+    }
+}
+
+impl Drop for Streaming {
+    fn drop(&mut self) {
+        self.0.now.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A handler that streams three chunks `gap` apart; it counts itself in flight from its call
+/// until its body ends or is dropped.
+fn streaming(
+    seen: Arc<InFlight>,
+    gap: Duration,
+) -> impl Service<Request<()>, Response = Response<Body>, Error = Infallible> + Clone {
+    service_fn(move |_: Request<()>| {
+        let guard = Streaming::start(&seen);
+        async move {
+            let chunks = futures::stream::unfold((0, guard), move |(n, guard)| async move {
+                if n == 3 {
+                    return None;
+                }
+                tokio::time::sleep(gap).await;
+                let frame: Frame = Ok(http_body::Frame::data(Bytes::from_static(b"token ")));
+                Some((frame, (n + 1, guard)))
+            });
+            Ok::<_, Infallible>(Response::new(BodyExt::boxed(StreamBody::new(chunks))))
+        }
+    })
+}
+
+/// A handler whose body streams until the test drops it (or its sender).
+fn endless() -> impl Service<Request<()>, Response = Response<Body>, Error = Infallible> + Clone {
+    service_fn(|_: Request<()>| async {
+        let (frames, rx) = futures::channel::mpsc::unbounded::<Frame>();
+        // The sender lives as long as the body: nothing ends the stream but a drop.
+        let body = StreamBody::new(rx.map(move |frame| {
+            let _keep = &frames;
+            frame
+        }));
+        Ok::<_, Infallible>(Response::new(BodyExt::boxed(body)))
+    })
+}
+
+/// Fires `count` requests of one key at once across `services`, reading every admitted body to
+/// its end; returns the statuses.
+async fn fire<S>(services: &[S], key: &str, count: usize) -> Vec<StatusCode>
+where
+    S: Service<Request<()>, Response = Response<tower_redis_ratelimit::body::ResponseBody<Body>>>
+        + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let calls = (0..count).map(|i| {
+        let service = services[i % services.len()].clone();
+        async move {
+            let response = service.oneshot(request(key)).await.unwrap();
+            let status = response.status();
+            response.into_body().collect().await.unwrap();
+            status
+        }
+    });
+    join_all(calls).await
+}
+
+/// Asserts the fleet's outcome: every request answered 200 or 429, at least `cap` admitted,
+/// and never more than `cap` streaming at once.
+fn check_fleet(statuses: &[StatusCode], seen: &InFlight, cap: usize, label: &str) {
+    let ok = statuses.iter().filter(|s| **s == StatusCode::OK).count();
+    let refused = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
+        .count();
+    let max = seen.max.load(Ordering::SeqCst);
+    println!(
+        "{label}: {} requests, {ok} admitted, {refused} refused, at most {max} in flight",
+        statuses.len()
+    );
+    assert_eq!(ok + refused, statuses.len(), "{label}: {statuses:?}");
+    assert!(ok >= cap, "{label}: only {ok} admitted");
+    assert!(max <= cap, "{label}: {max} in flight at once, limit {cap}");
+    assert_eq!(
+        seen.now.load(Ordering::SeqCst),
+        0,
+        "{label}: a body still runs"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fleet_on_one_memory_store_never_streams_more_than_the_limit() {
+    let store = MemoryStore::new();
+    let policy = streams("fleet-memory", 2, Duration::from_secs(10));
+    let seen = Arc::new(InFlight::default());
+    let layers: Vec<_> = (0..4)
+        .map(|_| {
+            RateLimitLayer::builder()
+                .key(api_key())
+                .store(store.clone())
+                .policy(policy.clone())
+                .build()
+                .unwrap()
+        })
+        .collect();
+    let services: Vec<_> = layers
+        .iter()
+        .map(|l| l.layer(streaming(Arc::clone(&seen), Duration::from_millis(50))))
+        .collect();
+    // Twice: the slots of the first round all came back.
+    for round in 0..2 {
+        let statuses = fire(&services, "k", 200).await;
+        check_fleet(&statuses, &seen, 2, &format!("memory, round {round}"));
+        assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 0);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_body_frees_its_slot_at_once_on_memory() {
+    let store = MemoryStore::new();
+    let policy = streams("drop-memory", 2, Duration::from_secs(10));
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store.clone())
+        .policy(policy.clone())
+        .build()
+        .unwrap();
+    let service = layer.layer(endless());
+    let first = service.clone().oneshot(request("k")).await.unwrap();
+    let second = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(
+        (first.status(), second.status()),
+        (StatusCode::OK, StatusCode::OK)
+    );
+    let refused = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 2);
+    // Another key has its own slots.
+    let other = service.clone().oneshot(request("other")).await.unwrap();
+    assert_eq!(other.status(), StatusCode::OK);
+    // The client goes away mid-stream: its body is dropped, and its slot is free at once.
+    drop(first);
+    assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 1);
+    let third = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(third.status(), StatusCode::OK);
+    drop((second, third, other));
+    assert_eq!(layer.settled(Duration::from_secs(1)).await, 0);
+    assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_longer_than_the_slot_lifetime_keeps_its_slot_on_memory() {
+    let store = MemoryStore::new();
+    let policy = streams("long-memory", 1, Duration::from_secs(3));
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
+    let service = layer.layer(endless());
+    let long = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(long.status(), StatusCode::OK);
+    // Ten lifetimes later, renewed all along, it still holds the only slot.
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let refused = service.clone().oneshot(request("k")).await.unwrap();
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    }
+    drop(long);
+    let next = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(next.status(), StatusCode::OK);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slot_nobody_renews_expires_after_its_lifetime_on_memory() {
+    // An instance that died: it took two slots, then neither gave them back nor renewed them.
+    let store = MemoryStore::new();
+    let policy = streams("crash-memory", 2, Duration::from_secs(5));
+    for _ in 0..2 {
+        let taken = store.check(&Key::from("k"), &policy, 1).await.unwrap();
+        assert!(taken.holds_slot());
+    }
+    let refused = store.check(&Key::from("k"), &policy, 1).await.unwrap();
+    assert!(refused.is_concurrency_limit() && !refused.is_allowed());
+    assert_eq!(refused.limit(), 2);
+    assert_eq!(refused.limit_index(), 1);
+    assert_eq!(refused.retry_after(), Some(Duration::from_secs(5)));
+    tokio::time::advance(Duration::from_millis(4_999)).await;
+    assert!(!store
+        .check(&Key::from("k"), &policy, 1)
+        .await
+        .unwrap()
+        .is_allowed());
+    tokio::time::advance(Duration::from_millis(1)).await;
+    let back = store.check(&Key::from("k"), &policy, 1).await.unwrap();
+    assert!(back.is_allowed() && back.holds_slot());
+    // A release gives it back; a renewal of it afterwards does not take it again.
+    let release = Settlement::release(&back).unwrap();
+    store
+        .settle(&Key::from("k"), &policy, release)
+        .await
+        .unwrap();
+    let renew = Settlement::renew(&back).unwrap();
+    store.settle(&Key::from("k"), &policy, renew).await.unwrap();
+    assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rate_refusal_takes_no_slot_and_a_slot_refusal_records_no_rate() {
+    let store = MemoryStore::new();
+    let policy = Policy::new("both", ["3/1m".parse().unwrap()])
+        .unwrap()
+        .concurrency(1)
+        .unwrap();
+    let key = Key::from("k");
+    let first = store.check(&key, &policy, 1).await.unwrap();
+    assert!(first.is_allowed() && first.holds_slot());
+    // Refused for the slot: the rate limit records nothing.
+    let refused = store.check(&key, &policy, 1).await.unwrap();
+    assert!(refused.is_concurrency_limit());
+    assert_eq!(store.peek(&key, &policy, 1).await.unwrap().remaining(), 2);
+    store
+        .settle(&key, &policy, Settlement::release(&first).unwrap())
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        let d = store.check(&key, &policy, 1).await.unwrap();
+        assert!(d.is_allowed());
+        store
+            .settle(&key, &policy, Settlement::release(&d).unwrap())
+            .await
+            .unwrap();
+    }
+    // Refused by the rate limit: no slot taken, and the decision says which limit.
+    let rate = store.check(&key, &policy, 1).await.unwrap();
+    assert!(!rate.is_allowed() && !rate.is_concurrency_limit() && !rate.holds_slot());
+    assert_eq!(store.slots_in_use(&key, &policy), 0);
+}
+
+#[tokio::test]
+async fn a_fleet_of_four_redis_stores_never_streams_more_than_the_limit() {
+    let server = RedisServer::start();
+    let policy = streams("fleet-redis", 2, Duration::from_secs(10));
+    let seen = Arc::new(InFlight::default());
+    let mut layers = Vec::new();
+    for _ in 0..4 {
+        let layer = RateLimitLayer::builder()
+            .key(api_key())
+            .store(server.store().await)
+            .policy(policy.clone())
+            .build()
+            .unwrap();
+        layers.push(layer);
+    }
+    let services: Vec<_> = layers
+        .iter()
+        .map(|l| l.layer(streaming(Arc::clone(&seen), Duration::from_millis(20))))
+        .collect();
+    let statuses = fire(&services, "k", 200).await;
+    for layer in &layers {
+        assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
+    }
+    check_fleet(&statuses, &seen, 2, "redis, at once");
+    // Then 40 clients that keep asking until 60 streams have run: slots given back on one
+    // instance are taken on another, and the limit holds throughout.
+    let admitted = Arc::new(AtomicUsize::new(0));
+    let clients = (0..40).map(|i| {
+        let service = services[i % services.len()].clone();
+        let admitted = Arc::clone(&admitted);
+        async move {
+            let mut statuses = Vec::new();
+            while admitted.load(Ordering::SeqCst) < 60 {
+                let response = service.clone().oneshot(request("k")).await.unwrap();
+                let status = response.status();
+                response.into_body().collect().await.unwrap();
+                if status == StatusCode::OK {
+                    admitted.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                statuses.push(status);
+            }
+            statuses
+        }
+    });
+    let statuses: Vec<StatusCode> = join_all(clients).await.concat();
+    for layer in &layers {
+        assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
+    }
+    check_fleet(&statuses, &seen, 2, "redis, clients that keep asking");
+    let store = server.store().await;
+    let slots = format!("{}:slots", store.redis_key(&Key::from("k"), &policy));
+    let client = server.client().await;
+    let held: u64 = fred::interfaces::SortedSetsInterface::zcard(&client, &slots)
+        .await
+        .unwrap();
+    assert_eq!(held, 0, "slots left in {slots}");
+}
+
+/// Polls `check` every 20 ms until it admits; how long that took.
+async fn until_admitted<S>(service: &S, key: &str, within: Duration) -> Duration
+where
+    S: Service<Request<()>, Response = Response<tower_redis_ratelimit::body::ResponseBody<Body>>>
+        + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let started = tokio::time::Instant::now();
+    loop {
+        let response = service.clone().oneshot(request(key)).await.unwrap();
+        if response.status() == StatusCode::OK {
+            return started.elapsed();
+        }
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(started.elapsed() < within, "still refused after {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_drops_mid_stream_frees_its_slot_within_a_second_on_redis() {
+    let server = RedisServer::start();
+    let policy = streams("drop-redis", 2, Duration::from_secs(10));
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(server.store().await)
+        .policy(policy)
+        .build()
+        .unwrap();
+    let service = layer.layer(endless());
+    let first = service.clone().oneshot(request("k")).await.unwrap();
+    let mut second = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(
+        (first.status(), second.status()),
+        (StatusCode::OK, StatusCode::OK)
+    );
+    let refused = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let fields = refused.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(
+        fields.starts_with("\"drop-redis-concurrency\";r=0;t="),
+        "{fields}"
+    );
+    drop(first);
+    let took = until_admitted(&service, "k", Duration::from_secs(1)).await;
+    println!("a dropped stream's slot was taken again after {took:?}");
+    // A body that fails ends its request too.
+    let _ = second.body_mut();
+    drop(second);
+    layer.settled(Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn a_request_longer_than_the_slot_lifetime_keeps_its_slot_on_redis() {
+    let server = RedisServer::start();
+    let policy = streams("long-redis", 1, Duration::from_millis(300));
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(server.store().await)
+        .policy(policy)
+        .build()
+        .unwrap();
+    let service = layer.layer(endless());
+    let long = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(long.status(), StatusCode::OK);
+    // Five lifetimes, renewed every 100 ms: every other request is refused all along.
+    let until = tokio::time::Instant::now() + Duration::from_millis(1_500);
+    let mut probes = 0;
+    while tokio::time::Instant::now() < until {
+        let refused = service.clone().oneshot(request("k")).await.unwrap();
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        probes += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(probes > 10);
+    drop(long);
+    until_admitted(&service, "k", Duration::from_secs(1)).await;
+}
+
+#[test]
+fn a_killed_instances_slots_come_back_within_the_slot_lifetime_on_redis() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let expiry = Duration::from_secs(2);
+    let policy = streams("crash-redis", 2, expiry);
+    // The instance that dies runs on a runtime of its own: its connections, its renewal task
+    // and its requests end with it. Its bodies are forgotten, as a killed process runs no
+    // destructors: nothing is given back.
+    let doomed = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let taken_at = doomed.block_on({
+        let (url, policy) = (url.clone(), policy.clone());
+        async move {
+            let layer = RateLimitLayer::builder()
+                .key(api_key())
+                .store(RedisStore::connect(&url).await.unwrap())
+                .policy(policy)
+                .build()
+                .unwrap();
+            let service = layer.layer(endless());
+            for _ in 0..2 {
+                let response = service.clone().oneshot(request("k")).await.unwrap();
+                assert_eq!(response.status(), StatusCode::OK);
+                std::mem::forget(response);
+            }
+            let taken_at = tokio::time::Instant::now();
+            // Renewed at least twice before the crash: held past their first expiry.
+            tokio::time::sleep(expiry + expiry / 2).await;
+            std::mem::forget(layer);
+            taken_at
+        }
+    });
+    doomed.shutdown_background();
+    let crashed = tokio::time::Instant::now();
+    let survivor = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    survivor.block_on(async move {
+        let layer = RateLimitLayer::builder()
+            .key(api_key())
+            .store(RedisStore::connect(&url).await.unwrap())
+            .policy(policy)
+            .build()
+            .unwrap();
+        let service = layer.layer(endless());
+        let refused = service.clone().oneshot(request("k")).await.unwrap();
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        let took = until_admitted(&service, "k", expiry + Duration::from_secs(1)).await;
+        let since_crash = crashed.elapsed();
+        println!(
+            "slot lifetime {expiry:?}: admitted again {since_crash:?} after the crash \
+             ({took:?} of polling; slots taken {:?} before the crash)",
+            crashed - taken_at
+        );
+        assert!(since_crash <= expiry + Duration::from_secs(1));
+    });
+}
+
+#[tokio::test]
+async fn the_handler_sees_which_limit_decided_and_the_slot_gauge_moves() {
+    let store = MemoryStore::new();
+    let policy = streams("seen", 1, Duration::from_secs(10));
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store)
+        .policy(policy)
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(|request: Request<()>| async move {
+        let decisions = request.extensions().get::<Decisions>().cloned().unwrap();
+        let decision = *decisions.get("seen").unwrap();
+        assert!(decision.is_allowed() && decision.holds_slot());
+        assert!(!decision.is_concurrency_limit());
+        Ok::<_, Infallible>(Response::new(BodyExt::boxed(http_body_util::Full::new(
+            Bytes::from_static(b"ok"),
+        ))))
+    }));
+    let response = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let policy_field = response.headers()["ratelimit-policy"].to_str().unwrap();
+    assert_eq!(
+        policy_field,
+        "\"seen\";q=100000;w=60, \"seen-concurrency\";q=1;qu=\"concurrent-requests\""
+    );
+}
