@@ -18,6 +18,7 @@
 //! | `redis_gcra` | this crate, `RedisStore`, GCRA, `1000000/1s` per key |
 //! | `redis_gcra_lean` | the same without rate-limit headers on admitted answers |
 //! | `redis_gcra_overrides` | `redis_gcra_lean` with 1 000 overrides in Redis, one per key of the load (`2000000/1s`): every decision reads its key's override in its script call |
+//! | `redis_gcra_concurrency` | `redis_gcra_lean` with a concurrency limit of 1 000 per key (`Policy::concurrency`), far above the load's concurrency: each request takes a slot in its decision's script call and gives it back when its response ends |
 //! | `redis_gcra_lease` | `redis_gcra_lean` with leases (`RedisStoreBuilder::leases`, the defaults), `60000000/1m` per key: the same rate over a minute, so that GCRA's headroom allows a full lease period |
 //! | `redis_fw_lease` | the same with the fixed window counter |
 //! | `fred_peer` | `tower-rate-limit-fred` (GCRA in Redis), capacity 65 535, 1 per ms |
@@ -269,6 +270,7 @@ enum Scenario {
     RedisGcra,
     RedisGcraLean,
     RedisGcraOverrides,
+    RedisGcraConcurrency,
     RedisGcraLease,
     RedisFwLease,
     FredPeer,
@@ -278,7 +280,7 @@ enum Scenario {
 }
 
 impl Scenario {
-    const ALL: [Scenario; 15] = [
+    const ALL: [Scenario; 16] = [
         Scenario::Bare,
         Scenario::Memory,
         Scenario::MemoryGcra,
@@ -289,6 +291,7 @@ impl Scenario {
         Scenario::RedisGcra,
         Scenario::RedisGcraLean,
         Scenario::RedisGcraOverrides,
+        Scenario::RedisGcraConcurrency,
         Scenario::RedisGcraLease,
         Scenario::RedisFwLease,
         Scenario::FredPeer,
@@ -307,6 +310,7 @@ impl Scenario {
             Scenario::RedisGcra => "redis_gcra",
             Scenario::RedisGcraLean => "redis_gcra_lean",
             Scenario::RedisGcraOverrides => "redis_gcra_overrides",
+            Scenario::RedisGcraConcurrency => "redis_gcra_concurrency",
             Scenario::RedisGcraLease => "redis_gcra_lease",
             Scenario::RedisFwLease => "redis_fw_lease",
             Scenario::FredPeer => "fred_peer",
@@ -336,8 +340,10 @@ impl Scenario {
             | Scenario::RedisLogLean
             | Scenario::RedisGcra
             | Scenario::RedisGcraLean => Some(Scenario::FredPeer),
-            // What overrides cost: the same configuration without them.
-            Scenario::RedisGcraOverrides => Some(Scenario::RedisGcraLean),
+            // What overrides and concurrency slots cost: the same configuration without them.
+            Scenario::RedisGcraOverrides | Scenario::RedisGcraConcurrency => {
+                Some(Scenario::RedisGcraLean)
+            }
             // What leases are for: in-process speed with a limit shared through Redis.
             Scenario::RedisGcraLease | Scenario::RedisFwLease => Some(Scenario::MemoryGcra),
             _ => None,
@@ -373,6 +379,13 @@ impl Scenario {
                     .algorithm(Algorithm::Gcra)
                     .headers_on_allowed(self == Scenario::RedisGcra);
                 route.layer(ours.policy(HIGH_LIMIT).build()?)
+            }
+            Scenario::RedisGcraConcurrency => {
+                let ours = ours_on_redis()?
+                    .algorithm(Algorithm::Gcra)
+                    .headers_on_allowed(false);
+                let policy = HIGH_LIMIT.parse::<Policy>()?.concurrency(1000)?;
+                route.layer(ours.policy(policy).build()?)
             }
             Scenario::RedisGcraLease | Scenario::RedisFwLease => {
                 // A store of its own, so that no lease outlives its configuration.

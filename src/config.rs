@@ -28,6 +28,13 @@
 //! path = "/password-reset"
 //! soft = true                 # pass requests over the limit on, marked (Rule::soft)
 //! block_for = "15m"           # the penalty box (Policy::block_for)
+//!
+//! [[rule]]
+//! name = "export"
+//! limits = "10/1h"
+//! path = "/export"
+//! concurrency = 2             # at most 2 in flight per key (Policy::concurrency)
+//! slot_expiry = "30s"         # a dead instance's slots come back within 30 s
 //! ```
 //!
 //! Every field but `limits` is optional; `name` defaults to `default`, which only one policy of
@@ -99,6 +106,10 @@ struct Entry {
     soft: bool,
     /// The penalty box (`Policy::block_for`), e.g. `"15m"`.
     block_for: Option<Spanned<String>>,
+    /// Requests of a key in flight at once (`Policy::concurrency`).
+    concurrency: Option<Spanned<u32>>,
+    /// How long a concurrency slot lives unrenewed (`Policy::slot_expiry`), e.g. `"30s"`.
+    slot_expiry: Option<Spanned<String>>,
 }
 
 /// Reports problems by line.
@@ -205,6 +216,18 @@ fn read_rule(lines: &Lines<'_>, entry: &Entry) -> Result<Rule, ConfigError> {
         let duration =
             crate::policy::parse_window(block.get_ref().trim()).map_err(|e| lines.at(block, e))?;
         policy = policy.block_for(duration).map_err(|e| lines.at(block, e))?;
+    }
+    if let Some(slots) = &entry.concurrency {
+        policy = policy
+            .concurrency(*slots.get_ref())
+            .map_err(|e| lines.at(slots, e))?;
+    }
+    if let Some(expiry) = &entry.slot_expiry {
+        let duration = crate::policy::parse_window(expiry.get_ref().trim())
+            .map_err(|e| lines.at(expiry, e))?;
+        policy = policy
+            .slot_expiry(duration)
+            .map_err(|e| lines.at(expiry, e))?;
     }
     let mut rule = Rule::new(policy.clone());
     if entry.soft {

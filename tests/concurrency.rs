@@ -207,6 +207,16 @@ async fn a_dropped_body_frees_its_slot_at_once_on_memory() {
     assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 1);
     let third = service.clone().oneshot(request("k")).await.unwrap();
     assert_eq!(third.status(), StatusCode::OK);
+    // A body read to its end gives its slot back then, though it is not dropped yet.
+    let seen = Arc::new(InFlight::default());
+    let short = layer.layer(streaming(seen, Duration::from_millis(10)));
+    let mut ended = short.oneshot(request("ended")).await.unwrap();
+    assert_eq!(store.slots_in_use(&Key::from("ended"), &policy), 1);
+    while let Some(frame) = ended.body_mut().frame().await {
+        frame.unwrap();
+    }
+    assert_eq!(store.slots_in_use(&Key::from("ended"), &policy), 0);
+    drop(ended);
     drop((second, third, other));
     assert_eq!(layer.settled(Duration::from_secs(1)).await, 0);
     assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 0);

@@ -107,8 +107,12 @@ fn the_example_file_is_valid() {
         .collect();
     assert_eq!(
         names,
-        ["login:log:1m+1h", "api:gcra:1m+1d", "default:log:300/1m"]
+        ["login:log:1m+1h", "export:log:1h", "api:gcra:1m+1d", "default:log:300/1m"]
     );
+    let policies = layer.rule_table().policies();
+    let export = policies.iter().find(|p| p.name() == "export").unwrap();
+    assert_eq!(export.concurrency_limit(), Some(2));
+    assert_eq!(export.slot_lifetime(), Duration::from_secs(30));
 }
 
 /// `soft` and `block_for` in a file, on a rule and on the default policy.
@@ -165,8 +169,11 @@ async fn a_file_sets_soft_limits_and_penalty_boxes() {
 fn a_broken_file_is_refused_with_its_line_and_problem() {
     let good = "[default]\nlimits = \"100/1m\"\n";
     assert!(Rules::from_toml(good).is_ok());
-    let cases: [(&str, usize, &str); 14] = [
+    let cases: [(&str, usize, &str); 17] = [
         ("[[rule]]\nlimits = \"5/1m\"\nmethod = \"PSOT\"\n", 3, "unknown method"),
+        ("[[rule]]\nlimits = \"5/1m\"\nconcurrency = 0\n", 3, "concurrency limit of 0"),
+        ("[[rule]]\nlimits = \"5/1m\"\nconcurrency = -2\n", 3, ""),
+        ("[[rule]]\nlimits = \"5/1m\"\nslot_expiry = \"2h\"\n", 3, "slot expiry"),
         ("[[rule]]\nlimits = \"5/1m\"\nblock_for = \"0s\"\n", 3, "at least 1ms"),
         ("[[rule]]\nlimits = \"5/1m\"\n\nblock_for = \"15q\"\n", 4, "15q"),
         ("[[rule]]\nname = \"a\"\nlimits = \"5/100000d\"\n", 3, "3650 days"),
