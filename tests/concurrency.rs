@@ -456,7 +456,29 @@ fn a_killed_instances_slots_come_back_within_the_slot_lifetime_on_redis() {
     let server = RedisServer::start();
     let url = server.url();
     let expiry = Duration::from_secs(2);
-    let policy = streams("crash-redis", 2, expiry);
+    let policy = streams("crash-redis", 3, expiry);
+    let layer = |url: String, policy: Policy| async move {
+        let layer = RateLimitLayer::builder()
+            .key(api_key())
+            .store(RedisStore::connect(&url).await.unwrap())
+            .policy(policy)
+            .build()
+            .unwrap();
+        layer.layer(endless())
+    };
+    // The instance that lives holds one stream all along, renewing its slot: the key's set of
+    // slots never expires as a whole, so only the dead instance's own slots can expire.
+    let survivor = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (service, held) = survivor.block_on(async {
+        let service = layer(url.clone(), policy.clone()).await;
+        let held = service.clone().oneshot(request("k")).await.unwrap();
+        assert_eq!(held.status(), StatusCode::OK);
+        (service, held)
+    });
     // The instance that dies runs on a runtime of its own: its connections, its renewal task
     // and its requests end with it. Its bodies are forgotten, as a killed process runs no
     // destructors: nothing is given back.
@@ -465,42 +487,22 @@ fn a_killed_instances_slots_come_back_within_the_slot_lifetime_on_redis() {
         .enable_all()
         .build()
         .unwrap();
-    let taken_at = doomed.block_on({
-        let (url, policy) = (url.clone(), policy.clone());
-        async move {
-            let layer = RateLimitLayer::builder()
-                .key(api_key())
-                .store(RedisStore::connect(&url).await.unwrap())
-                .policy(policy)
-                .build()
-                .unwrap();
-            let service = layer.layer(endless());
-            for _ in 0..2 {
-                let response = service.clone().oneshot(request("k")).await.unwrap();
-                assert_eq!(response.status(), StatusCode::OK);
-                std::mem::forget(response);
-            }
-            let taken_at = tokio::time::Instant::now();
-            // Renewed at least twice before the crash: held past their first expiry.
-            tokio::time::sleep(expiry + expiry / 2).await;
-            std::mem::forget(layer);
-            taken_at
+    let taken_at = doomed.block_on(async {
+        let service = layer(url.clone(), policy.clone()).await;
+        for _ in 0..2 {
+            let response = service.clone().oneshot(request("k")).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+            std::mem::forget(response);
         }
+        let taken_at = tokio::time::Instant::now();
+        // Renewed at least twice before the crash: held past their first expiry.
+        tokio::time::sleep(expiry + expiry / 2).await;
+        std::mem::forget(service);
+        taken_at
     });
     doomed.shutdown_background();
     let crashed = tokio::time::Instant::now();
-    let survivor = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
     survivor.block_on(async move {
-        let layer = RateLimitLayer::builder()
-            .key(api_key())
-            .store(RedisStore::connect(&url).await.unwrap())
-            .policy(policy)
-            .build()
-            .unwrap();
-        let service = layer.layer(endless());
         let refused = service.clone().oneshot(request("k")).await.unwrap();
         assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
         let took = until_admitted(&service, "k", expiry + Duration::from_secs(1)).await;
@@ -511,6 +513,16 @@ fn a_killed_instances_slots_come_back_within_the_slot_lifetime_on_redis() {
             crashed - taken_at
         );
         assert!(since_crash <= expiry + Duration::from_secs(1));
+        // The live instance's slot was renewed all along: it still counts, two more fit.
+        let two: Vec<_> = join_all([(); 2].map(|_| service.clone().oneshot(request("k"))))
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert!(two.iter().all(|r| r.status() == StatusCode::OK));
+        let over = service.clone().oneshot(request("k")).await.unwrap();
+        assert_eq!(over.status(), StatusCode::TOO_MANY_REQUESTS);
+        drop((two, held));
     });
 }
 
