@@ -159,7 +159,8 @@ async fn chat(
         left("requests"),
         left("tokens")
     );
-    let first = futures::stream::once(async move { Ok(Event::default().event("quota").data(quota)) });
+    let first =
+        futures::stream::once(async move { Ok(Event::default().event("quota").data(quota)) });
     Sse::new(first.chain(stream(meter, tokens))).into_response()
 }
 
@@ -200,7 +201,11 @@ async fn check(base: &str) -> Result<(), Error> {
         open.push(response);
     }
     let third = send(&client, &url(100), "key-a").await?;
-    expect(&third, StatusCode::TOO_MANY_REQUESTS, "key-a, a third stream")?;
+    expect(
+        &third,
+        StatusCode::TOO_MANY_REQUESTS,
+        "key-a, a third stream",
+    )?;
     let ratelimit = field(&third, "ratelimit");
     if !ratelimit.contains("\"requests-concurrency\";r=0") {
         return Err(format!("the third stream's refusal says {ratelimit}").into());
@@ -217,7 +222,11 @@ async fn check(base: &str) -> Result<(), Error> {
     read(next, "key-a").await?;
     // 9000 used: no room for 4000 more, whatever the slots say.
     let over = send(&client, &url(4000), "key-a").await?;
-    expect(&over, StatusCode::TOO_MANY_REQUESTS, "key-a, 4000 more tokens")?;
+    expect(
+        &over,
+        StatusCode::TOO_MANY_REQUESTS,
+        "key-a, 4000 more tokens",
+    )?;
     if !field(&over, "ratelimit").contains("\"tokens\";r=") {
         return Err("the tokens refusal does not name the tokens limit".into());
     }
@@ -266,6 +275,10 @@ async fn read(response: http::Response<hyper::body::Incoming>, key: &str) -> Res
             .unwrap_or("-")
             .to_string()
     };
-    println!("{key}: stream ended: quota {}, usage {}", data("quota"), data("usage"));
+    println!(
+        "{key}: stream ended: quota {}, usage {}",
+        data("quota"),
+        data("usage")
+    );
     Ok(())
 }

@@ -287,3 +287,45 @@ async fn the_penalty_box_holds_on_every_primary() {
         assert!(store.check(key, &policy, 1).await.unwrap().is_allowed());
     }
 }
+
+/// Concurrency slots on a cluster: each key's set of slots sits beside its state, in its hash
+/// slot, so that the decision's one call counts and takes them on the state's primary, and a
+/// give-back or renewal finds them there; two instances share them.
+#[tokio::test]
+async fn concurrency_slots_hold_on_every_primary() {
+    use tower_redis_ratelimit::Settlement;
+    let cluster = RedisCluster::start(3);
+    let (one, two) = (
+        RedisStore::connect(&cluster.url()).await.unwrap(),
+        RedisStore::connect(&cluster.url()).await.unwrap(),
+    );
+    let policy = Policy::new("streams", ["1000/1h".parse().unwrap()])
+        .unwrap()
+        .concurrency(2)
+        .unwrap();
+    let keys: Vec<Key> = (0..12).map(|i| Key::from(format!("key-{i}"))).collect();
+    let owners: std::collections::BTreeSet<usize> = keys
+        .iter()
+        .map(|key| cluster.owner_of_key(&one.redis_key(key, &policy)))
+        .collect();
+    assert_eq!(owners.len(), 3, "keys on every primary");
+    for key in &keys {
+        let first = one.check(key, &policy, 1).await.unwrap();
+        let second = two.check(key, &policy, 1).await.unwrap();
+        assert!(first.holds_slot() && second.holds_slot(), "{key:?}");
+        let refused = one.check(key, &policy, 1).await.unwrap();
+        assert!(refused.is_concurrency_limit(), "{key:?}: {refused:?}");
+        // A renewal keeps the slot; a give-back frees it, for the other instance too.
+        let renew = Settlement::renew(&first).unwrap();
+        one.settle(key, &policy, renew).await.unwrap();
+        let release = Settlement::release(&first).unwrap();
+        one.settle(key, &policy, release).await.unwrap();
+        let third = two.check(key, &policy, 1).await.unwrap();
+        assert!(third.holds_slot(), "{key:?}: {third:?}");
+        let slots = format!("{}:slots", one.redis_key(key, &policy));
+        let owner = cluster.owner_of_key(&slots);
+        assert_eq!(owner, cluster.owner_of_key(&one.redis_key(key, &policy)));
+        let held = cluster.cli(owner, &["ZCARD", &slots]);
+        assert_eq!(held.trim(), "2", "{slots}");
+    }
+}

@@ -91,3 +91,62 @@ async fn tonic_client_sees_resource_exhausted() {
     assert!(members[0].starts_with("\"default\";r=0;t="), "{fields}");
     assert!(members[1].starts_with("\"site\";r=97;t="), "{fields}");
 }
+
+/// A concurrency limit over gRPC streams: a `Watch` stream holds its slot while it is open, a
+/// second call is refused with `RESOURCE_EXHAUSTED`, and a client that cancels its stream frees
+/// the slot (HTTP/2 `RST_STREAM`: the server drops the response body).
+#[tokio::test]
+async fn a_cancelled_grpc_stream_gives_its_slot_back() {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("", ServingStatus::Serving)
+        .await;
+    let policy = tower_redis_ratelimit::Policy::new("streams", ["1000/1m".parse().unwrap()])
+        .unwrap()
+        .concurrency(1)
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .policy(policy)
+        .key(ClientIp::new())
+        .build()
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        Server::builder()
+            .layer(layer)
+            .add_service(health)
+            .serve_with_incoming(TcpIncoming::from(listener)),
+    );
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = HealthClient::new(channel);
+    let ask = || HealthCheckRequest {
+        service: String::new(),
+    };
+    let mut watching = client.watch(ask()).await.expect("admitted").into_inner();
+    let first = watching.message().await.unwrap().unwrap();
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+    let refused = client.check(ask()).await.expect_err("one stream is open");
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert_eq!(refused.metadata().get("retry-after").unwrap(), "1");
+    drop(watching);
+    let started = std::time::Instant::now();
+    loop {
+        match client.check(ask()).await {
+            Ok(_) => break,
+            Err(status) => {
+                assert_eq!(status.code(), Code::ResourceExhausted);
+                assert!(started.elapsed() < Duration::from_secs(1), "still refused");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+    println!(
+        "a cancelled stream's slot was free after {:?}",
+        started.elapsed()
+    );
+}

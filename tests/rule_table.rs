@@ -107,7 +107,12 @@ fn the_example_file_is_valid() {
         .collect();
     assert_eq!(
         names,
-        ["login:log:1m+1h", "export:log:1h", "api:gcra:1m+1d", "default:log:300/1m"]
+        [
+            "login:log:1m+1h",
+            "export:log:1h",
+            "api:gcra:1m+1d",
+            "default:log:300/1m"
+        ]
     );
     let policies = layer.rule_table().policies();
     let export = policies.iter().find(|p| p.name() == "export").unwrap();
