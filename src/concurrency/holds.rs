@@ -137,12 +137,6 @@ impl Holds {
             .max(second)
     }
 
-    /// The number of slots held now.
-    #[cfg(test)]
-    pub(crate) fn len(&self) -> usize {
-        crate::shards::lock(&self.held).len()
-    }
-
     /// Starts the renewal task on the current runtime, once.
     fn start_renewing(self: &Arc<Self>) {
         if self.renewing.load(Ordering::Relaxed) {
