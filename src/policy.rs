@@ -407,7 +407,7 @@ impl Policy {
     /// and gives it back when its response body ends, fails or is dropped (a client that
     /// disconnects mid-stream), gRPC streams included. Each slot expires after
     /// [`slot_expiry`](Policy::slot_expiry) unless renewed: the layer that holds it renews
-    /// its slots in batches every third of that while their requests run, so a request may
+    /// its slots in batches every quarter of that while their requests run, so a request may
     /// run for hours, and the slots of an instance that dies come back within one expiry.
     /// A request refused for a slot answers `429` (gRPC `RESOURCE_EXHAUSTED`) with a
     /// `Retry-After` of the median time this layer's requests held a slot (at least 1 s, at

@@ -5,7 +5,7 @@
 //! A give-back and a renewal go to the store the way a usage settle does (`usage::Ledger`):
 //! on Redis as requests of the policy's script, batched with the decisions under way, so a
 //! request costs one script run to take its slot (with its decision) and a share of one to
-//! give it back. The renewal task wakes every third of the shortest slot lifetime held and
+//! give it back. The renewal task ticks at a quarter of the shortest slot lifetime held and
 //! sends every slot due at once; it ends with the layer, and with its runtime: an instance that
 //! dies renews nothing, and its slots count no more once they expire.
 
@@ -33,6 +33,8 @@ pub(crate) struct Holds {
     in_flight: Arc<InFlight>,
     /// Set once the renewal task runs.
     renewing: AtomicBool,
+    /// The renewal task's tick in µs (`u64::MAX` while nothing is held).
+    tick: AtomicU64,
     /// Wakes the renewal task when a slot is taken.
     wake: Arc<Notify>,
     /// The latest hold times of each policy, for the `Retry-After` of its refusals.
@@ -86,6 +88,7 @@ impl Holds {
             next: AtomicU64::new(0),
             in_flight,
             renewing: AtomicBool::new(false),
+            tick: AtomicU64::new(u64::MAX),
             wake: Arc::new(Notify::new()),
             hold_times: Mutex::default(),
         }
@@ -115,9 +118,17 @@ impl Holds {
             decision,
             renewed: now,
         };
-        crate::shards::lock(&self.held).insert(serial, held);
+        let quarter = micros(responder.policy.slot_lifetime() / 4);
+        let was_empty = {
+            let mut all = crate::shards::lock(&self.held);
+            all.insert(serial, held);
+            all.len() == 1
+        };
         crate::metrics::Report::slots_in_use(&responder.policy, 1.0);
-        self.start_renewing();
+        // The task sleeps until it is woken while nothing is held, and otherwise ticks at a
+        // quarter of the shortest lifetime it knows: wake it only when that is too slow.
+        let tick = self.tick.load(Ordering::Acquire);
+        self.start_renewing(was_empty || quarter < tick);
         Some(Slot {
             holds: Arc::clone(self),
             serial,
@@ -137,10 +148,13 @@ impl Holds {
             .max(second)
     }
 
-    /// Starts the renewal task on the current runtime, once.
-    fn start_renewing(self: &Arc<Self>) {
+    /// Starts the renewal task on the current runtime, once; wakes it (`wake`) otherwise.
+    fn start_renewing(self: &Arc<Self>, wake: bool) {
         if self.renewing.load(Ordering::Relaxed) {
-            return self.wake.notify_one();
+            if wake {
+                self.wake.notify_one();
+            }
+            return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // No runtime (a memory store called from plain code): nothing to renew with; the
@@ -169,30 +183,39 @@ impl Holds {
         }
     }
 
-    /// Sends a renewal of every slot due at `now`; returns when the next is due (`None`:
-    /// nothing held).
-    fn renew_due(&self, now: Instant) -> Option<Instant> {
+    /// Sends a renewal of every slot held for a quarter of its lifetime or more since it was
+    /// taken or last renewed, all at once; returns the tick until the next look, a quarter of
+    /// the shortest lifetime held (`None`: nothing held). Ticking at that pace, a slot is
+    /// renewed before half its lifetime has passed, and each tick's renewals leave together
+    /// (batched into a few script calls on Redis) rather than one call per slot as each
+    /// comes due.
+    fn renew_due(&self, now: Instant) -> Option<Duration> {
         let mut due = Vec::new();
-        let mut next: Option<Instant> = None;
+        let mut tick: Option<Duration> = None;
         {
             let mut held = crate::shards::lock(&self.held);
             for slot in held.values_mut() {
-                let every = slot.responder.policy.slot_lifetime() / 3;
-                if slot.renewed + every <= now {
+                let quarter = slot.responder.policy.slot_lifetime() / 4;
+                tick = Some(tick.map_or(quarter, |t| t.min(quarter)));
+                if now.saturating_duration_since(slot.renewed) >= quarter {
                     slot.renewed = now;
                     let renew = Settlement::renew(&slot.decision);
                     let about = (slot.key.clone(), Arc::clone(&slot.responder));
                     due.extend(renew.map(|r| (about, r, Arc::clone(&slot.ledger))));
                 }
-                let at = slot.renewed + every;
-                next = Some(next.map_or(at, |n| n.min(at)));
             }
         }
+        let known = tick.map_or(u64::MAX, micros);
+        self.tick.store(known, Ordering::Release);
         for ((key, responder), renew, ledger) in due {
             ledger.settle(Entry::new(key, responder, renew), &self.in_flight);
         }
-        next
+        tick
     }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// The renewal task of `holds`, until the layer is dropped.
@@ -201,13 +224,12 @@ async fn renew(holds: Weak<Holds>, wake: Arc<Notify>) {
     const IDLE: Duration = Duration::from_secs(60);
     loop {
         let woken = wake.notified();
-        let next = match holds.upgrade() {
+        let tick = match holds.upgrade() {
             Some(holds) => holds.renew_due(Instant::now()),
             None => return,
         };
-        // Woken early by a slot taken, whose lifetime may be shorter than the others'.
-        let at = next.unwrap_or_else(|| Instant::now() + IDLE);
-        let _ = tokio::time::timeout_at(at, woken).await;
+        // Woken early by a first slot, or one whose lifetime is shorter than the others'.
+        let _ = tokio::time::timeout(tick.unwrap_or(IDLE), woken).await;
     }
 }
 
