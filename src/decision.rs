@@ -124,7 +124,8 @@ impl Decision {
     /// [`limit_index`](Self::limit_index) is then the number of rate limits (one past the
     /// last), [`window`](Self::window) zero, and [`retry_after`](Self::retry_after) when a slot
     /// is likely to be free: from the store, when the first slot held would expire unrenewed;
-    /// from the layer, the median time its requests held a slot (at least 1 s).
+    /// from the layer, the median time its requests held a slot, capped at the slot lifetime
+    /// and never under 1 s.
     pub fn is_concurrency_limit(&self) -> bool {
         self.concurrency
     }
@@ -307,8 +308,9 @@ impl Settlement {
 
     /// Renews the concurrency slot the request that got `decision` took, for another
     /// [`slot_lifetime`](crate::Policy::slot_lifetime) from now; `None` when it took none. A
-    /// slot that expired meanwhile is taken again if the key has room. The layer renews the
-    /// slots of its requests in flight by itself.
+    /// slot that is no longer held (it expired, or was given back) is not taken again: the
+    /// settle answers [`StoreError::SlotGone`](crate::StoreError::SlotGone). The layer renews
+    /// the slots of its requests in flight by itself.
     pub fn renew(decision: &Decision) -> Option<Settlement> {
         decision
             .slot

@@ -153,7 +153,11 @@ impl Check {
             // Passed on over the limit: shadow mode (logged for the roll-out) or a soft limit
             // (the handler sees it in the decisions).
             Ok(d) if options.shadow || options.soft => {
-                options.tally(&self.responder.policy, &self.key, Tally::Denied);
+                let tally = match d.is_concurrency_limit() {
+                    true => Tally::DeniedConcurrency,
+                    false => Tally::Denied,
+                };
+                options.tally(&self.responder.policy, &self.key, tally);
                 let retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64);
                 let key = self.key.loggable();
                 if options.shadow {

@@ -554,6 +554,9 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             options,
             supports: Box::new(move |policy| store.supports(policy)),
             plans_apply: plan.is_some(),
+            counts_outcomes: usage
+                .as_ref()
+                .is_some_and(|report| report.outcome.is_some()),
         };
         let table = RuleTable::new(compiler, rules)?;
         let networks = allow_networks

@@ -234,7 +234,10 @@ impl Responder {
         let retry = decision.retry_after().map(ceil_secs);
         let mut response = match (&self.options.on_rejection, grpc) {
             (_, Some(content_type)) => {
-                let message = format!("rate limit {} exceeded", self.policy.name());
+                let message = match decision.is_concurrency_limit() {
+                    true => format!("concurrency limit {} reached", self.policy.name()),
+                    false => format!("rate limit {} exceeded", self.policy.name()),
+                };
                 grpc_status(content_type, 8, &message, decision.retry_after()).map(|_| Bytes::new())
             }
             (Some(custom), None) => custom(decision),

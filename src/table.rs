@@ -179,6 +179,8 @@ pub(crate) struct Compiler {
     pub(crate) supports: Box<Supports>,
     /// Whether the layer has a plan function: without one, plans would never apply.
     pub(crate) plans_apply: bool,
+    /// Whether the layer counts requests by outcome: its store only looks before a call.
+    pub(crate) counts_outcomes: bool,
 }
 
 impl Compiler {
@@ -220,6 +222,15 @@ impl Compiler {
                     policy: policy.name().to_owned(),
                     why: "a soft limit needs the decisions in the requests (.decisions(true)), \
                           for the handler to see a request over it"
+                        .into(),
+                });
+            }
+            if self.counts_outcomes && policy.concurrency_limit().is_some() {
+                return Err(BuildError::Unsupported {
+                    policy: policy.name().to_owned(),
+                    why: "a concurrency limit takes a slot when a request is checked, and a layer \
+                          that counts by outcome only looks; limit concurrency in a layer of \
+                          its own"
                         .into(),
                 });
             }

@@ -89,7 +89,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -97,6 +97,7 @@ use http::{HeaderMap, HeaderName, Response};
 use tokio::sync::Notify;
 use tracing::Instrument;
 
+use crate::concurrency::holds::Holds;
 use crate::deny_cache::DenyCache;
 use crate::metrics::Report;
 use crate::response::{Refused, Responder};
@@ -370,17 +371,26 @@ pub(crate) struct Entry {
     /// and again when it has landed: a refusal the store decided before the refund applied may
     /// have been cached in between.
     deny_cache: Option<DenyCache>,
+    /// A concurrency slot's renewal: its holder and the slot's serial there.
+    renewal: Option<(Weak<Holds>, u64)>,
 }
 
 impl Entry {
     /// A settle of `settlement` for `key` under the responder's policy, with no deny cache to
-    /// make stale (a concurrency slot's give-back or renewal).
-    pub(crate) fn new(key: Key, responder: Arc<Responder>, settlement: Settlement) -> Entry {
+    /// make stale: a concurrency slot's give-back, or its renewal when `renewal` names the
+    /// slot's holder, which hears of a slot found gone.
+    pub(crate) fn slot(
+        key: Key,
+        responder: Arc<Responder>,
+        settlement: Settlement,
+        renewal: Option<(Weak<Holds>, u64)>,
+    ) -> Entry {
         Entry {
             key,
             responder,
             settlement,
             deny_cache: None,
+            renewal,
         }
     }
 
@@ -390,6 +400,13 @@ impl Entry {
     fn finish(self, outcome: Result<(), StoreError>) {
         if let Some(cache) = &self.deny_cache {
             cache.forget(&self.key, &self.responder.policy);
+        }
+        if let (Err(StoreError::SlotGone), Some((holds, serial))) = (&outcome, &self.renewal) {
+            // Not a failure of the store: the holder tells a slot lost from one given back.
+            if let Some(holds) = holds.upgrade() {
+                holds.gone(*serial);
+            }
+            return;
         }
         if let Err(error) = outcome {
             Report::settle_error(&self.responder.policy);
@@ -604,6 +621,7 @@ impl Drop for Tab {
             responder: Arc::clone(&self.responder),
             settlement,
             deny_cache,
+            renewal: None,
         };
         let ledger = self.fallback.as_ref().unwrap_or(&self.metering.ledger);
         ledger.settle(entry, &self.metering.in_flight);

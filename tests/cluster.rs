@@ -320,6 +320,13 @@ async fn concurrency_slots_hold_on_every_primary() {
         one.settle(key, &policy, renew).await.unwrap();
         let release = Settlement::release(&first).unwrap();
         one.settle(key, &policy, release).await.unwrap();
+        let late = one
+            .settle(key, &policy, Settlement::renew(&first).unwrap())
+            .await;
+        assert!(
+            matches!(late, Err(tower_redis_ratelimit::StoreError::SlotGone)),
+            "{key:?}: a renewal after the give-back: {late:?}"
+        );
         let third = two.check(key, &policy, 1).await.unwrap();
         assert!(third.holds_slot(), "{key:?}: {third:?}");
         let slots = format!("{}:slots", one.redis_key(key, &policy));

@@ -22,7 +22,7 @@ use http_body_util::{BodyExt, StreamBody};
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_redis_ratelimit::key::Header;
 use tower_redis_ratelimit::{
-    Decisions, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Settlement, Store,
+    Decisions, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Settlement, Store, StoreError,
 };
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -276,7 +276,8 @@ async fn a_slot_nobody_renews_expires_after_its_lifetime_on_memory() {
         .await
         .unwrap();
     let renew = Settlement::renew(&back).unwrap();
-    store.settle(&Key::from("k"), &policy, renew).await.unwrap();
+    let gone = store.settle(&Key::from("k"), &policy, renew).await;
+    assert!(matches!(gone, Err(StoreError::SlotGone)), "{gone:?}");
     assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 0);
 }
 
@@ -403,7 +404,7 @@ async fn a_client_that_drops_mid_stream_frees_its_slot_within_a_second_on_redis(
         .unwrap();
     let service = layer.layer(endless());
     let first = service.clone().oneshot(request("k")).await.unwrap();
-    let mut second = service.clone().oneshot(request("k")).await.unwrap();
+    let second = service.clone().oneshot(request("k")).await.unwrap();
     assert_eq!(
         (first.status(), second.status()),
         (StatusCode::OK, StatusCode::OK)
@@ -418,16 +419,40 @@ async fn a_client_that_drops_mid_stream_frees_its_slot_within_a_second_on_redis(
     drop(first);
     let took = until_admitted(&service, "k", Duration::from_secs(1)).await;
     println!("a dropped stream's slot was taken again after {took:?}");
-    // A body that fails ends its request too.
-    let _ = second.body_mut();
     drop(second);
-    layer.settled(Duration::from_secs(5)).await;
+    assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_that_fails_gives_its_slot_back_at_the_error_on_memory() {
+    let store = MemoryStore::new();
+    let policy = streams("fails-memory", 1, Duration::from_secs(10));
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store.clone())
+        .policy(policy.clone())
+        .build()
+        .unwrap();
+    let failing = service_fn(|_: Request<()>| async {
+        let frames = futures::stream::iter([
+            Ok(http_body::Frame::data(Bytes::from_static(b"partial"))),
+            Err(std::io::Error::other("the model crashed")),
+        ]);
+        Ok::<_, Infallible>(Response::new(StreamBody::new(frames)))
+    });
+    let mut response = layer.layer(failing).oneshot(request("k")).await.unwrap();
+    assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 1);
+    assert!(response.body_mut().frame().await.unwrap().is_ok());
+    assert!(response.body_mut().frame().await.unwrap().is_err());
+    // Freed at the error, while the body is still held.
+    assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 0);
+    drop(response);
 }
 
 #[tokio::test]
 async fn a_request_longer_than_the_slot_lifetime_keeps_its_slot_on_redis() {
     let server = RedisServer::start();
-    let policy = streams("long-redis", 1, Duration::from_millis(300));
+    let policy = streams("long-redis", 1, Duration::from_millis(600));
     let layer = RateLimitLayer::builder()
         .key(api_key())
         .store(server.store().await)
@@ -437,8 +462,8 @@ async fn a_request_longer_than_the_slot_lifetime_keeps_its_slot_on_redis() {
     let service = layer.layer(endless());
     let long = service.clone().oneshot(request("k")).await.unwrap();
     assert_eq!(long.status(), StatusCode::OK);
-    // Five lifetimes, renewed every 100 ms: every other request is refused all along.
-    let until = tokio::time::Instant::now() + Duration::from_millis(1_500);
+    // Four lifetimes, renewed every 150 to 300 ms: every other request is refused all along.
+    let until = tokio::time::Instant::now() + Duration::from_millis(2_400);
     let mut probes = 0;
     while tokio::time::Instant::now() < until {
         let refused = service.clone().oneshot(request("k")).await.unwrap();
@@ -527,7 +552,7 @@ fn a_killed_instances_slots_come_back_within_the_slot_lifetime_on_redis() {
 }
 
 #[tokio::test]
-async fn the_handler_sees_which_limit_decided_and_the_slot_gauge_moves() {
+async fn the_handler_sees_which_limit_decided_and_the_fields_list_the_concurrency_limit() {
     let store = MemoryStore::new();
     let policy = streams("seen", 1, Duration::from_secs(10));
     let layer = RateLimitLayer::builder()
@@ -552,4 +577,103 @@ async fn the_handler_sees_which_limit_decided_and_the_slot_gauge_moves() {
         policy_field,
         "\"seen\";q=100000;w=60, \"seen-concurrency\";q=1;qu=\"concurrent-requests\""
     );
+}
+
+#[test]
+fn a_layer_that_counts_by_outcome_refuses_a_concurrency_limit() {
+    let built = RateLimitLayer::builder()
+        .policy(streams("outcomes", 2, Duration::from_secs(10)))
+        .count_when(|response| response.status == StatusCode::UNAUTHORIZED)
+        .build();
+    let error = built.err().expect("refused").to_string();
+    assert!(error.contains("concurrency limit"), "{error}");
+}
+
+/// A layer first used from a runtime that then shut down (a warm-up, a health check at start)
+/// still renews the slots it takes later on another runtime.
+#[test]
+fn slots_are_renewed_after_the_first_runtime_is_gone() {
+    let store = MemoryStore::new();
+    let policy = streams("runtimes", 1, Duration::from_millis(400));
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
+    let service = layer.layer(endless());
+    let warm_up = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    warm_up.block_on(async {
+        let response = service.clone().oneshot(request("k")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    });
+    drop(warm_up);
+    let serving = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    serving.block_on(async {
+        let long = service.clone().oneshot(request("k")).await.unwrap();
+        assert_eq!(long.status(), StatusCode::OK);
+        // Three lifetimes: renewed every 100 to 200 ms, the slot never expires.
+        for _ in 0..12 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let refused = service.clone().oneshot(request("k")).await.unwrap();
+            assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        }
+        drop(long);
+    });
+}
+
+/// A slot the store loses (here Redis flushed) is reported once, and renewed no more; slots
+/// given back as a renewal of theirs is on its way are not reported.
+#[tokio::test]
+async fn a_lost_slot_is_reported_once_and_a_returned_one_never() {
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber());
+    let server = RedisServer::start();
+    let policy = streams("lost", 50, Duration::from_millis(400));
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(server.store().await)
+        .policy(policy)
+        .build()
+        .unwrap();
+    let seen = Arc::new(InFlight::default());
+    let short = layer.layer(streaming(Arc::clone(&seen), Duration::from_millis(40)));
+    // Streams of 120 ms, one starting every 10 ms, over a 100 ms renewal tick: many end
+    // while their renewal is on its way.
+    let streams = (0..60).map(|i| {
+        let short = short.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(10 * i)).await;
+            let response = short.oneshot(request("k")).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+            response.into_body().collect().await.unwrap();
+        }
+    });
+    join_all(streams).await;
+    assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
+    let lost = "was gone at its renewal";
+    assert_eq!(
+        captured.text().matches(lost).count(),
+        0,
+        "{}",
+        captured.text()
+    );
+    let long = layer.layer(endless()).oneshot(request("k")).await.unwrap();
+    assert_eq!(long.status(), StatusCode::OK);
+    common::cluster::cli(server.port(), &["FLUSHALL"]);
+    // Several ticks later: reported once.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(
+        captured.text().matches(lost).count(),
+        1,
+        "{}",
+        captured.text()
+    );
+    drop(long);
 }

@@ -177,7 +177,7 @@ fn a_broken_file_is_refused_with_its_line_and_problem() {
     let cases: [(&str, usize, &str); 17] = [
         ("[[rule]]\nlimits = \"5/1m\"\nmethod = \"PSOT\"\n", 3, "unknown method"),
         ("[[rule]]\nlimits = \"5/1m\"\nconcurrency = 0\n", 3, "concurrency limit of 0"),
-        ("[[rule]]\nlimits = \"5/1m\"\nconcurrency = -2\n", 3, ""),
+        ("[[rule]]\nlimits = \"5/1m\"\nconcurrency = -2\n", 3, "u32"),
         ("[[rule]]\nlimits = \"5/1m\"\nslot_expiry = \"2h\"\n", 3, "slot expiry"),
         ("[[rule]]\nlimits = \"5/1m\"\nblock_for = \"0s\"\n", 3, "at least 1ms"),
         ("[[rule]]\nlimits = \"5/1m\"\n\nblock_for = \"15q\"\n", 4, "15q"),

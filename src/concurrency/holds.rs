@@ -10,11 +10,12 @@
 //! dies renews nothing, and its slots count no more once they expire.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::sync::Notify;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::response::Responder;
@@ -26,19 +27,27 @@ const HOLD_TIMES: usize = 64;
 
 /// The slots a layer holds, and what it knows of how long they are held.
 pub(crate) struct Holds {
-    held: Mutex<HashMap<u64, Held>>,
+    held: Mutex<Registry>,
     /// A serial per slot held, the key of `held`.
     next: AtomicU64,
     /// The settles under way (shared with usage), for `RateLimitLayer::settled`.
     in_flight: Arc<InFlight>,
-    /// Set once the renewal task runs.
-    renewing: AtomicBool,
-    /// The renewal task's tick in µs (`u64::MAX` while nothing is held).
-    tick: AtomicU64,
+    /// The renewal task, once started: started again on the runtime at hand if the one it
+    /// ran on has shut down (a layer used first from a short-lived runtime, say).
+    renewer: Mutex<Option<JoinHandle<()>>>,
     /// Wakes the renewal task when a slot is taken.
     wake: Arc<Notify>,
     /// The latest hold times of each policy, for the `Retry-After` of its refusals.
     hold_times: Mutex<HashMap<Arc<str>, HoldTimes>>,
+}
+
+/// The slots in use, by serial, and the renewal task's tick in µs (`u64::MAX` while nothing is
+/// held): read and written under one lock, so that a slot taken sees the tick the task sleeps
+/// on.
+#[derive(Default)]
+struct Registry {
+    slots: HashMap<u64, Held>,
+    tick: u64,
 }
 
 /// One slot in use.
@@ -49,6 +58,8 @@ struct Held {
     decision: Decision,
     /// When it was taken or last renewed.
     renewed: Instant,
+    /// Found gone at a renewal: no longer renewed, nor reported again.
+    gone: bool,
 }
 
 /// The latest hold times of one policy, a ring.
@@ -84,11 +95,13 @@ impl std::fmt::Debug for Holds {
 impl Holds {
     pub(crate) fn new(in_flight: Arc<InFlight>) -> Holds {
         Holds {
-            held: Mutex::default(),
+            held: Mutex::new(Registry {
+                slots: HashMap::new(),
+                tick: u64::MAX,
+            }),
             next: AtomicU64::new(0),
             in_flight,
-            renewing: AtomicBool::new(false),
-            tick: AtomicU64::new(u64::MAX),
+            renewer: Mutex::new(None),
             wake: Arc::new(Notify::new()),
             hold_times: Mutex::default(),
         }
@@ -117,18 +130,18 @@ impl Holds {
             ledger,
             decision,
             renewed: now,
+            gone: false,
         };
         let quarter = micros(responder.policy.slot_lifetime() / 4);
-        let was_empty = {
+        // The task sleeps until woken while nothing is held, and otherwise ticks at a quarter
+        // of the shortest lifetime it knows: wake it only when that is too slow for this one.
+        let wake = {
             let mut all = crate::shards::lock(&self.held);
-            all.insert(serial, held);
-            all.len() == 1
+            all.slots.insert(serial, held);
+            quarter < all.tick
         };
         crate::metrics::Report::slots_in_use(&responder.policy, 1.0);
-        // The task sleeps until it is woken while nothing is held, and otherwise ticks at a
-        // quarter of the shortest lifetime it knows: wake it only when that is too slow.
-        let tick = self.tick.load(Ordering::Acquire);
-        self.start_renewing(was_empty || quarter < tick);
+        self.start_renewing(wake);
         Some(Slot {
             holds: Arc::clone(self),
             serial,
@@ -137,7 +150,8 @@ impl Holds {
     }
 
     /// How long a refused request should wait for a slot of `policy`: the median of the
-    /// latest hold times, at least 1 s and at most the slot lifetime; 1 s before any is known.
+    /// latest hold times, capped at the slot lifetime and never under 1 s (`Retry-After` counts
+    /// whole seconds, and 0 would invite a retry storm); 1 s before any is known.
     pub(crate) fn retry_after(&self, policy: &Policy) -> Duration {
         let times = crate::shards::lock(&self.hold_times);
         let median = times.get(policy.name()).and_then(HoldTimes::median);
@@ -148,27 +162,51 @@ impl Holds {
             .max(second)
     }
 
-    /// Starts the renewal task on the current runtime, once; wakes it (`wake`) otherwise.
+    /// Starts the renewal task on the current runtime unless it runs; wakes it (`wake`)
+    /// otherwise.
     fn start_renewing(self: &Arc<Self>, wake: bool) {
-        if self.renewing.load(Ordering::Relaxed) {
+        let mut renewer = crate::shards::lock(&self.renewer);
+        if renewer.as_ref().is_some_and(|task| !task.is_finished()) {
             if wake {
                 self.wake.notify_one();
             }
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            // No runtime (a memory store called from plain code): nothing to renew with; the
-            // next slot taken within a runtime starts the task.
+        // No runtime (a memory store called from plain code): nothing to renew with; the
+        // next slot taken within a runtime starts the task.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let task = renew(Arc::downgrade(self), Arc::clone(&self.wake));
+            *renewer = Some(runtime.spawn(task));
+        }
+    }
+
+    /// A renewal found slot `serial` gone from the store. Unless it was given back meanwhile
+    /// (a renewal sent just before its body ended may land after the give-back), it was lost:
+    /// it expired unrenewed (the store out of reach longer than its lifetime) or the store
+    /// lost its state. Its request runs on, no longer counted against the limit, so the key
+    /// may have one more request in flight than its limit until it ends. Logged and counted
+    /// once; the slot is renewed no more.
+    pub(crate) fn gone(&self, serial: u64) {
+        let mut all = crate::shards::lock(&self.held);
+        let Some(slot) = all.slots.get_mut(&serial).filter(|slot| !slot.gone) else {
             return;
         };
-        if !self.renewing.swap(true, Ordering::AcqRel) {
-            runtime.spawn(renew(Arc::downgrade(self), Arc::clone(&self.wake)));
-        }
+        slot.gone = true;
+        let (key, policy) = (slot.key.clone(), slot.responder.policy.clone());
+        drop(all);
+        crate::metrics::Report::slot_lost(&policy);
+        tracing::warn!(
+            target: "tower_redis_ratelimit",
+            policy = policy.name(),
+            key = %key.loggable(),
+            "a concurrency slot was gone at its renewal (the store was out of reach longer \
+             than the slot lifetime, or lost its state): the request runs on uncounted"
+        );
     }
 
     /// Gives back slot `serial`, held for `held`.
     fn give_back(&self, serial: u64, held: Duration) {
-        let Some(slot) = crate::shards::lock(&self.held).remove(&serial) else {
+        let Some(slot) = crate::shards::lock(&self.held).slots.remove(&serial) else {
             return;
         };
         let policy = &slot.responder.policy;
@@ -178,7 +216,7 @@ impl Holds {
             .or_default()
             .add(held);
         if let Some(release) = Settlement::release(&slot.decision) {
-            let entry = Entry::new(slot.key, slot.responder, release);
+            let entry = Entry::slot(slot.key, slot.responder, release, None);
             slot.ledger.settle(entry, &self.in_flight);
         }
     }
@@ -189,26 +227,26 @@ impl Holds {
     /// renewed before half its lifetime has passed, and each tick's renewals leave together
     /// (batched into a few script calls on Redis) rather than one call per slot as each
     /// comes due.
-    fn renew_due(&self, now: Instant) -> Option<Duration> {
+    fn renew_due(self: &Arc<Self>, now: Instant) -> Option<Duration> {
         let mut due = Vec::new();
         let mut tick: Option<Duration> = None;
         {
-            let mut held = crate::shards::lock(&self.held);
-            for slot in held.values_mut() {
+            let mut all = crate::shards::lock(&self.held);
+            for (&serial, slot) in all.slots.iter_mut().filter(|(_, slot)| !slot.gone) {
                 let quarter = slot.responder.policy.slot_lifetime() / 4;
                 tick = Some(tick.map_or(quarter, |t| t.min(quarter)));
                 if now.saturating_duration_since(slot.renewed) >= quarter {
                     slot.renewed = now;
                     let renew = Settlement::renew(&slot.decision);
-                    let about = (slot.key.clone(), Arc::clone(&slot.responder));
+                    let about = (slot.key.clone(), Arc::clone(&slot.responder), serial);
                     due.extend(renew.map(|r| (about, r, Arc::clone(&slot.ledger))));
                 }
             }
+            all.tick = tick.map_or(u64::MAX, micros);
         }
-        let known = tick.map_or(u64::MAX, micros);
-        self.tick.store(known, Ordering::Release);
-        for ((key, responder), renew, ledger) in due {
-            ledger.settle(Entry::new(key, responder, renew), &self.in_flight);
+        for ((key, responder, serial), renew, ledger) in due {
+            let holder = Some((Arc::downgrade(self), serial));
+            ledger.settle(Entry::slot(key, responder, renew, holder), &self.in_flight);
         }
         tick
     }
@@ -253,19 +291,4 @@ impl std::fmt::Debug for Slot {
             .field("serial", &self.serial)
             .finish()
     }
-}
-
-/// Logs and counts a renewal that found its slot gone: it expired first (the store was out of
-/// reach longer than the slot lifetime) or the store lost its state (a restart, a reset of the
-/// memory store's key). The request runs on, no longer counted against the limit, so that the
-/// key may have up to one more request in flight per slot lost until they end.
-pub(crate) fn lost(key: &Key, policy: &Policy) {
-    crate::metrics::Report::slot_lost(policy);
-    tracing::warn!(
-        target: "tower_redis_ratelimit",
-        policy = policy.name(),
-        key = %key.loggable(),
-        "a concurrency slot was gone at its renewal (the store was out of reach longer than \
-         the slot lifetime, or lost its state): the request runs on uncounted"
-    );
 }

@@ -427,17 +427,15 @@ impl MemoryStore {
         }))
     }
 
-    /// Gives back (`renew` false) or renews concurrency slot `id` of `key` under `policy`.
-    fn keep_slot(&self, key: &Key, policy: &Policy, id: u64, renew: bool) {
+    /// Gives back (`renew` false) or renews concurrency slot `id` of `key` under `policy`;
+    /// whether a slot to renew was still held.
+    fn keep_slot(&self, key: &Key, policy: &Policy, id: u64, renew: bool) -> bool {
         let now = self.now();
         let until = now.saturating_add(policy.slot_micros());
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         let kept = match shard.get(key, policy.state_id(), now) {
             Some(slot) if !slot.is_live(now) => false,
-            Some(slot) if !renew => {
-                slot.value.slots.give_back(id);
-                return;
-            }
+            Some(slot) if !renew => return slot.value.slots.give_back(id),
             Some(slot) => {
                 let kept = slot.value.slots.renew(now, id, until);
                 slot.expires = slot.expires.max(slot.value.slots.last_expiry());
@@ -445,19 +443,11 @@ impl MemoryStore {
             }
             None => false,
         };
-        drop(shard);
-        if renew && !kept {
-            crate::concurrency::holds::lost(key, policy);
-        }
+        kept
     }
 
     /// Records `settlement` for `key` under `policy`, now.
     fn settle_now(&self, key: &Key, policy: &Policy, settlement: Settlement) {
-        match settlement.change {
-            Change::Release(id) => return self.keep_slot(key, policy, id, false),
-            Change::Renew(id) => return self.keep_slot(key, policy, id, true),
-            Change::Charge | Change::Refund => {}
-        }
         let now = self.now();
         // Settled under the counts the key is decided by; a blocked key's under its own.
         let other;
@@ -470,7 +460,7 @@ impl MemoryStore {
         };
         let algorithm = policy.algorithm();
         let change = match settlement.change {
-            // Slots were kept above; they record no units.
+            // Slots are kept by `keep_slot`; they record no units.
             Change::Charge | Change::Release(_) | Change::Renew(_) => {
                 Settle::Charge(settlement.units)
             }
@@ -597,7 +587,14 @@ impl Store for MemoryStore {
         if let Err(error) = super::in_range(policy) {
             return ready(Err(error));
         }
-        self.settle_now(key, policy, settlement);
+        match settlement.change {
+            Change::Release(id) => drop(self.keep_slot(key, policy, id, false)),
+            Change::Renew(id) if !self.keep_slot(key, policy, id, true) => {
+                return ready(Err(StoreError::SlotGone))
+            }
+            Change::Renew(_) => {}
+            Change::Charge | Change::Refund => self.settle_now(key, policy, settlement),
+        }
         ready(Ok(()))
     }
 

@@ -463,9 +463,8 @@ pub(super) enum Record {
     Take { cap: u32, id: u64, ttl: u64 },
     /// Decide nothing: give concurrency slot `id` back.
     Release { id: u64 },
-    /// Decide nothing: renew concurrency slot `id` for `ttl` µs (taking it again within
-    /// `cap` if it has expired).
-    Renew { cap: u32, id: u64, ttl: u64 },
+    /// Decide nothing: renew concurrency slot `id` for `ttl` µs, if it is still held.
+    Renew { id: u64, ttl: u64 },
 }
 
 /// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
@@ -474,7 +473,7 @@ pub(super) enum Record {
 /// now), the policy's override id (`Policy::override_id`), its penalty box (µs, 0: none;
 /// `Policy::block_for`), for a lease or a look (0) want and
 /// headroom, for a settlement refund (0 or 1), admission time and the units recorded then,
-/// for a slot the key's cap, the slot's id and its lifetime (µs),
+/// for a slot the key's cap (0 for a give-back or renewal), the slot's id and its lifetime (µs),
 /// then count, window (µs) and scale of each limit.
 pub(super) fn encode(
     cost: u64,
@@ -496,7 +495,7 @@ pub(super) fn encode(
         } => (3, [i64::from(refund), admitted, clamp(recorded)], 3),
         Record::Take { cap, id, ttl } => (4, [cap.into(), clamp(id), clamp(ttl)], 3),
         Record::Release { id } => (5, [0, clamp(id), 0], 3),
-        Record::Renew { cap, id, ttl } => (6, [cap.into(), clamp(id), clamp(ttl)], 3),
+        Record::Renew { id, ttl } => (6, [0, clamp(id), clamp(ttl)], 3),
     };
     let head = [
         windows.len() as i64,

@@ -836,13 +836,12 @@ impl Store for RedisStore {
         let place = inner.place(key, policy);
         let algorithm = policy.algorithm();
         let (key, policy) = (key.clone(), policy.clone());
-        let (cap, ttl) = (
-            policy.concurrency_limit().unwrap_or(0),
-            policy.slot_micros(),
-        );
         let record = match settlement.change {
             Change::Release(id) => Record::Release { id },
-            Change::Renew(id) => Record::Renew { cap, id, ttl },
+            Change::Renew(id) => Record::Renew {
+                id,
+                ttl: policy.slot_micros(),
+            },
             Change::Charge | Change::Refund => Record::Settle {
                 refund: settlement.change == Change::Refund,
                 admitted: settlement.admitted_at.unwrap_or(-1),
@@ -852,7 +851,17 @@ impl Store for RedisStore {
         let keeps_slot = matches!(record, Record::Release { .. } | Record::Renew { .. });
         let args = batch::encode_for(&policy, settlement.units, record, -1);
         Box::pin(async move {
-            if settlement.units == 0 && !keeps_slot {
+            if keeps_slot {
+                // Batched with the decisions under way, within the time budget: a give-back or
+                // a renewal may run twice or not at all without harm (the slot's expiry is
+                // the backstop), so it needs none of a charge's patience.
+                let answer = inner.decide(place, &policy, 0, -1, record).await?;
+                return match (record, answer.ints[0]) {
+                    (Record::Renew { .. }, 0) => Err(StoreError::SlotGone),
+                    _ => Ok(()),
+                };
+            }
+            if settlement.units == 0 {
                 return Ok(());
             }
             super::in_range(&policy)?;
@@ -871,13 +880,7 @@ impl Store for RedisStore {
                 }
                 reply => inner.judge(lane, started, Some(reply))?,
             };
-            match record {
-                Record::Renew { .. } if answer.ints[0] == 0 => {
-                    crate::concurrency::holds::lost(&key, &policy)
-                }
-                Record::Release { .. } | Record::Renew { .. } => {}
-                _ => lease::settled(&inner, &key, &policy, &answer),
-            }
+            lease::settled(&inner, &key, &policy, &answer);
             Ok(())
         })
     }

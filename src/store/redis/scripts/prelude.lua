@@ -19,7 +19,7 @@
 --           (gcd of the two, GCRA's divisor) of limits 1..n, shortest first. Record 4
 --           decides as 1 and takes a concurrency slot, 5 gives one back, 6 renews one (both
 --           with n = 0 and nothing decided); each is followed, before the limits, by the
---           key's cap of slots, the slot's id and its lifetime (us)
+--           key's cap of slots (0 for 5 and 6), the slot's id and its lifetime (us)
 -- ARGV[2]   the name of the hash of overrides of the call's slot (src/store/redis/overrides.rs)
 --
 -- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
@@ -165,11 +165,20 @@ local function slots_full(k)
   local left = math.max(tonumber(first[2]) - now, 1)
   return spack('<llllll', 0, -2, 0, left, left, slot_cap)
 end
+-- Makes the set of slots `skey` live at least until now + the request's slot lifetime, never
+-- shorter: instances with another lifetime (a rolling deploy) must not expire each other's.
+local function keep_set(skey)
+  local ms = math.ceil(slot_ttl / 1000)
+  local left = redis.pcall('PTTL', skey)
+  if type(left) == 'number' and left < ms then
+    redis.pcall('PEXPIRE', skey, text(ms))
+  end
+end
 -- Takes the slot of admitted request k: until now + its lifetime, the set living as long.
 local function take_slot(k)
   local skey = KEYS[k] .. ':slots'
   redis.pcall('ZADD', skey, text(now + slot_ttl), text(slot_id))
-  redis.pcall('PEXPIRE', skey, text(math.ceil(slot_ttl / 1000)))
+  keep_set(skey)
 end
 -- Gives back (renew false) or renews slot `slot_id` of request k's key: answers 1 where it
 -- was held, 0 where it was not. A renewal never takes an expired slot again (its holder was
@@ -187,7 +196,7 @@ local function keep_slot(k, renew)
     if type(score) == 'string' and tonumber(score) > now then
       kept = 1
       redis.pcall('ZADD', skey, 'XX', text(now + slot_ttl), member)
-      redis.pcall('PEXPIRE', skey, text(math.ceil(slot_ttl / 1000)))
+      keep_set(skey)
     end
   end
   return spack('<llllll', kept, 0, 0, 0, -1, -1)
