@@ -147,17 +147,23 @@ end
 -- (Redis time, us); an expired one counts no more and goes at the next look. The request at
 -- hand's cap (0: it takes no slot), slot id and slot lifetime (us).
 local slot_cap, slot_id, slot_ttl = 0, 0, 0
+-- The slots (live or not) the request's key held when it was looked at, for `take_slot`.
+local slot_held = 0
 -- The answer to a request refused because its key holds `slot_cap` live slots: 0 -2 0 left
 -- left cap, where left is the time (us) until the first slot expires.
 local function slots_full(k)
   local skey = KEYS[k] .. ':slots'
   -- With pcall, as the box: while the key's slot migrates, a set Redis refuses to read here
   -- cannot be counted, and the request is refused rather than admitted past the cap.
-  local pruned = redis.pcall('ZREMRANGEBYSCORE', skey, '-inf', text(now))
   local held = redis.pcall('ZCARD', skey)
-  if type(pruned) ~= 'number' or type(held) ~= 'number' then
+  if type(held) ~= 'number' then
     return spack('<llllll', 0, -2, 0, 1000000, 1000000, slot_cap)
   end
+  -- Expired slots still count in `held`: they are dropped only when they could matter.
+  if held >= slot_cap then
+    held = held - redis.call('ZREMRANGEBYSCORE', skey, '-inf', text(now))
+  end
+  slot_held = held
   if held < slot_cap then
     return false
   end
@@ -165,20 +171,23 @@ local function slots_full(k)
   local left = math.max(tonumber(first[2]) - now, 1)
   return spack('<llllll', 0, -2, 0, left, left, slot_cap)
 end
--- Makes the set of slots `skey` live at least until now + the request's slot lifetime, never
--- shorter: instances with another lifetime (a rolling deploy) must not expire each other's.
-local function keep_set(skey)
+-- Makes the set of slots `skey` live at least until now + the request's slot lifetime (every
+-- member's expiry), never shorter: instances with another lifetime (a rolling deploy) must not
+-- expire each other's. Extended to twice the lifetime once less than one is left, so that most
+-- takes and renewals read the time left and write nothing.
+local function keep_set(skey, fresh)
   local ms = math.ceil(slot_ttl / 1000)
-  local left = redis.pcall('PTTL', skey)
+  local left = fresh and -1 or redis.pcall('PTTL', skey)
   if type(left) == 'number' and left < ms then
-    redis.pcall('PEXPIRE', skey, text(ms))
+    redis.pcall('PEXPIRE', skey, text(2 * ms))
   end
 end
--- Takes the slot of admitted request k: until now + its lifetime, the set living as long.
+-- Takes the slot of admitted request k: until now + its lifetime, the set living as long (a
+-- set that held nothing is new: the last give-back deleted it, so it has no expiry to read).
 local function take_slot(k)
   local skey = KEYS[k] .. ':slots'
   redis.pcall('ZADD', skey, text(now + slot_ttl), text(slot_id))
-  keep_set(skey)
+  keep_set(skey, slot_held == 0)
 end
 -- Gives back (renew false) or renews slot `slot_id` of request k's key: answers 1 where it
 -- was held, 0 where it was not. A renewal never takes an expired slot again (its holder was
@@ -196,7 +205,7 @@ local function keep_slot(k, renew)
     if type(score) == 'string' and tonumber(score) > now then
       kept = 1
       redis.pcall('ZADD', skey, 'XX', text(now + slot_ttl), member)
-      keep_set(skey)
+      keep_set(skey, false)
     end
   end
   return spack('<llllll', kept, 0, 0, 0, -1, -1)
