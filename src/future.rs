@@ -4,15 +4,17 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::Full;
 use pin_project_lite::pin_project;
+use tokio::time::Instant;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::concurrency::holds::{Holds, Slot};
+use crate::concurrency::holds::{Holds, InLine, Slot, Wait};
 use crate::deny_cache::{DenyCache, Ticket};
 use crate::metrics::{Report, Started};
 use crate::response::{FailureMode, Responder, Tally};
@@ -256,10 +258,10 @@ pin_project! {
     {
         Checking {
             #[pin]
-            decision: F,
+            step: Step<F>,
             // Boxed: a request is large, and only a store that waits gets here; every other
             // state stays small to move.
-            pending: Box<Pending<S, B>>,
+            pending: Box<Pending<S, B, F>>,
         },
         Calling {
             #[pin]
@@ -272,23 +274,173 @@ pin_project! {
     }
 }
 
+pin_project! {
+    /// Where a decision stands: asked of the store, or (refused for a concurrency slot, with
+    /// `max_wait`) waiting to ask again.
+    #[project = StepProj]
+    enum Step<F> {
+        Deciding {
+            #[pin]
+            decision: F,
+        },
+        Waiting {
+            #[pin]
+            wait: Wait,
+            refusal: Decision,
+        },
+    }
+}
+
 /// What waits with a decision: what it is about, and the call to make if it admits.
-struct Pending<S, B> {
+struct Pending<S, B, F> {
     check: Check,
     call: Option<(S, Request<B>)>,
+    /// How a request refused for a concurrency slot waits for one, if the layer lets it.
+    waiting: Option<Waiting<F>>,
+}
+
+/// Asks the store again for a request waiting for a concurrency slot.
+pub(crate) type Recheck<F> = Arc<dyn Fn(&Key, &crate::Policy, u32) -> F + Send + Sync>;
+
+/// A request's wait for a concurrency slot (`RateLimitLayerBuilder::max_wait`): until its
+/// deadline, in line behind the requests of its key that came before it on this instance.
+pub(crate) struct Waiting<F> {
+    recheck: Recheck<F>,
+    max_wait: Duration,
+    /// Set at the first refusal.
+    deadline: Option<Instant>,
+    ticket: Option<InLine>,
+}
+
+impl<F> Waiting<F> {
+    pub(crate) fn new(recheck: Recheck<F>, max_wait: Duration) -> Self {
+        Waiting {
+            recheck,
+            max_wait,
+            deadline: None,
+            ticket: None,
+        }
+    }
+}
+
+/// How often the first request in line asks the store again while it waits: a slot may free
+/// on another instance, or expire, with no give-back here to wake it.
+const RECHECK_EVERY: Duration = Duration::from_millis(50);
+
+/// What a waiting request does next.
+enum Next<F> {
+    /// Ask the store again.
+    Recheck(F),
+    /// Wait some more.
+    Wait(Wait),
+    /// The deadline passed: answer this refusal.
+    GiveUp(Decision),
+}
+
+impl<S, B, F> Pending<S, B, F> {
+    /// Starts or goes on waiting when `outcome` refused the request for a concurrency slot and
+    /// the layer lets it wait, before its deadline; `None` otherwise (and the request leaves
+    /// the line).
+    fn wait_for_slot(&mut self, outcome: &Result<Decision, StoreError>) -> Option<Wait> {
+        let waiting = self.waiting.as_mut()?;
+        if !matches!(outcome, Ok(d) if d.is_concurrency_limit()) {
+            waiting.ticket = None;
+            return None;
+        }
+        let now = Instant::now();
+        let deadline = *waiting.deadline.get_or_insert(now + waiting.max_wait);
+        let holds = self.check.holds.as_ref().map(|(holds, _)| holds);
+        let (Some(holds), true) = (holds, now < deadline) else {
+            waiting.ticket = None;
+            return None;
+        };
+        let (key, policy) = (&self.check.key, &self.check.responder.policy);
+        let ticket = waiting
+            .ticket
+            .get_or_insert_with(|| holds.queue(key, policy));
+        let until = match ticket.is_first() {
+            true => deadline.min(now + RECHECK_EVERY),
+            false => deadline,
+        };
+        Some(ticket.wait(until))
+    }
+
+    /// What a waiting request, last refused with `refusal`, does once woken.
+    fn after_wait(&mut self, refusal: Decision) -> Next<F> {
+        let check = &self.check;
+        let Some(waiting) = self.waiting.as_mut() else {
+            return Next::GiveUp(refusal);
+        };
+        let now = Instant::now();
+        let deadline = waiting.deadline.unwrap_or(now);
+        if now >= deadline {
+            waiting.ticket = None;
+            return Next::GiveUp(refusal);
+        }
+        match &waiting.ticket {
+            Some(ticket) if !ticket.is_first() => Next::Wait(ticket.wait(deadline)),
+            _ => Next::Recheck((waiting.recheck)(
+                &check.key,
+                &check.responder.policy,
+                check.cost,
+            )),
+        }
+    }
 }
 
 impl<S, B, F> ResponseFuture<S, B, F>
 where
     S: Service<Request<B>>,
 {
-    pub(crate) fn checking(decision: F, check: Check, service: S, request: Request<B>) -> Self {
+    pub(crate) fn checking(
+        decision: F,
+        check: Check,
+        service: S,
+        request: Request<B>,
+        waiting: Option<Waiting<F>>,
+    ) -> Self {
         let call = Some((service, request));
         ResponseFuture {
             state: State::Checking {
-                decision,
-                pending: Box::new(Pending { check, call }),
+                step: Step::Deciding { decision },
+                pending: Box::new(Pending {
+                    check,
+                    call,
+                    waiting,
+                }),
             },
+        }
+    }
+
+    /// A request refused for a concurrency slot by a store that decided at once, waiting for
+    /// one (`max_wait`); `Err` gives everything back when it cannot wait (its deadline is
+    /// now), to be answered as any refusal.
+    pub(crate) fn waiting(
+        refusal: &Result<Decision, StoreError>,
+        check: Check,
+        service: S,
+        request: Request<B>,
+        waiting: Waiting<F>,
+    ) -> Result<Self, (Check, S, Request<B>)> {
+        let mut pending = Box::new(Pending {
+            check,
+            call: None,
+            waiting: Some(waiting),
+        });
+        match (pending.wait_for_slot(refusal), refusal) {
+            (Some(wait), Ok(refusal)) => {
+                pending.call = Some((service, request));
+                Ok(ResponseFuture {
+                    state: State::Checking {
+                        step: Step::Waiting {
+                            wait,
+                            refusal: *refusal,
+                        },
+                        pending,
+                    },
+                })
+            }
+            _ => Err((pending.check, service, request)),
         }
     }
 
@@ -325,8 +477,34 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Checking { decision, pending } => {
-                    let outcome = ready!(decision.poll(cx));
+                StateProj::Checking { mut step, pending } => {
+                    let (outcome, may_wait) = match step.as_mut().project() {
+                        StepProj::Waiting { wait, refusal } => {
+                            ready!(wait.poll(cx));
+                            let refusal = *refusal;
+                            match pending.after_wait(refusal) {
+                                Next::Recheck(decision) => {
+                                    step.set(Step::Deciding { decision });
+                                    continue;
+                                }
+                                Next::Wait(wait) => {
+                                    step.set(Step::Waiting { wait, refusal });
+                                    continue;
+                                }
+                                Next::GiveUp(refusal) => (Ok(refusal), false),
+                            }
+                        }
+                        StepProj::Deciding { decision } => (ready!(decision.poll(cx)), true),
+                    };
+                    if may_wait {
+                        if let (Some(wait), Ok(refusal)) =
+                            (pending.wait_for_slot(&outcome), &outcome)
+                        {
+                            let refusal = *refusal;
+                            step.set(Step::Waiting { wait, refusal });
+                            continue;
+                        }
+                    }
                     let mut admitted = match pending.check.settle(outcome) {
                         Verdict::Call(admitted) => admitted,
                         Verdict::Answer(response) => {

@@ -520,6 +520,31 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         self
     }
 
+    /// How long a request refused only for a concurrency slot
+    /// ([`Policy::concurrency`](crate::Policy::concurrency)) waits for one before it is refused
+    /// (default zero: refused at once). Waiting requests of a key are served in arrival order on
+    /// each instance: the first in line asks the store again when a slot of the key is given
+    /// back here, and every 50 ms for slots that free on other instances or expire; the others
+    /// wait their turn. A request refused by a rate limit never waits. Keep it short: a
+    /// waiting request holds its connection, and a client's own timeout may end it first
+    /// (it then leaves the line). Not in soft or shadow mode, where nothing is refused.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_redis_ratelimit::{Policy, RateLimitLayer};
+    ///
+    /// let streams = Policy::new("streams", ["60/1m".parse()?])?.concurrency(2)?;
+    /// let layer = RateLimitLayer::builder()
+    ///     .policy(streams)
+    ///     .max_wait(Duration::from_secs(2))
+    ///     .build()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn max_wait(mut self, wait: std::time::Duration) -> Self {
+        self.settings.options.max_wait = wait;
+        self
+    }
+
     /// What to do when the store cannot decide (default [`FailureMode::Open`]).
     pub fn failure_mode(mut self, mode: FailureMode) -> Self {
         self.settings.options.failure_mode = mode;

@@ -110,6 +110,9 @@ pub(crate) struct Options {
     pub(crate) soft: bool,
     /// Decisions are not put in the requests' extensions (`RateLimitLayerBuilder::decisions`).
     pub(crate) no_decisions: bool,
+    /// How long a request refused for a concurrency slot waits for one
+    /// (`RateLimitLayerBuilder::max_wait`); zero: not at all.
+    pub(crate) max_wait: Duration,
     pub(crate) on_rejection: Option<Arc<RejectionFn>>,
     pub(crate) failure_mode: FailureMode,
     #[cfg(feature = "redis")]

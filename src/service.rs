@@ -8,7 +8,7 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::future::ResponseFuture;
-use crate::future::{Check, Verdict};
+use crate::future::{Check, Recheck, Verdict, Waiting};
 use crate::layer::Config;
 use crate::metrics::Started;
 use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
@@ -134,6 +134,15 @@ where
             let ledger = Arc::clone(&config.ledger);
             (Arc::clone(&config.holds), ledger)
         });
+        // A request refused for a concurrency slot may wait for one (`max_wait`).
+        let options = &responder.options;
+        let waits = holds.is_some() && !options.max_wait.is_zero();
+        let waiting = (waits && !options.soft && !options.shadow).then(|| {
+            let store = config.store.clone();
+            let recheck: Recheck<St::Future> =
+                Arc::new(move |key, policy, cost| store.check(key, policy, cost));
+            Waiting::new(recheck, options.max_wait)
+        });
         let check = Check {
             responder,
             key,
@@ -155,6 +164,23 @@ where
                 .check_now(&check.key, &check.responder.policy, cost),
         };
         if let Some(outcome) = now {
+            let check = match waiting {
+                Some(waiting) if outcome.as_ref().is_ok_and(|d| d.is_concurrency_limit()) => {
+                    let clone = self.inner.clone();
+                    let ready = std::mem::replace(&mut self.inner, clone);
+                    match ResponseFuture::waiting(&outcome, check, ready, request, waiting) {
+                        Ok(future) => return future,
+                        Err((check, service, back)) => {
+                            // Not waiting after all (no time to wait): call with the service
+                            // that was made ready, as a refusal answers anyway.
+                            self.inner = service;
+                            request = back;
+                            check
+                        }
+                    }
+                }
+                _ => check,
+            };
             return match check.settle(outcome) {
                 Verdict::Call(mut admitted) => {
                     admitted.mark(&mut request);
@@ -171,6 +197,6 @@ where
         };
         let clone = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::checking(decision, check, ready, request)
+        ResponseFuture::checking(decision, check, ready, request, waiting)
     }
 }

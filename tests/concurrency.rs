@@ -8,6 +8,7 @@
 mod common;
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -96,7 +97,12 @@ fn streaming(
 }
 
 /// A handler whose body streams until the test drops it (or its sender).
-fn endless() -> impl Service<Request<()>, Response = Response<Body>, Error = Infallible> + Clone {
+fn endless() -> impl Service<
+    Request<()>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = impl Future<Output = Result<Response<Body>, Infallible>> + Send,
+> + Clone {
     service_fn(|_: Request<()>| async {
         let (frames, rx) = futures::channel::mpsc::unbounded::<Frame>();
         // The sender lives as long as the body: nothing ends the stream but a drop.
@@ -676,4 +682,101 @@ async fn a_lost_slot_is_reported_once_and_a_returned_one_never() {
         captured.text()
     );
     drop(long);
+}
+
+/// `max_wait`: a request refused only for a slot waits for one, and requests of a key get
+/// slots in the order they came; past the wait, the refusal.
+#[tokio::test(start_paused = true)]
+async fn waiting_requests_get_slots_in_arrival_order_on_memory() {
+    let store = MemoryStore::new();
+    let policy = streams("queue-memory", 1, Duration::from_secs(10));
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store.clone())
+        .policy(policy.clone())
+        .max_wait(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let service = layer.layer(endless());
+    let first = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    // Three wait, in this order; each records when it got its answer.
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut waiting = Vec::new();
+    for name in ["second", "third", "fourth"] {
+        let (service, order) = (service.clone(), Arc::clone(&order));
+        waiting.push(tokio::spawn(async move {
+            let response = service.oneshot(request("k")).await.unwrap();
+            order.lock().unwrap().push(name);
+            (response.status(), response)
+        }));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(order.lock().unwrap().is_empty(), "none got a slot yet");
+    drop(first);
+    let (status, second) = waiting.remove(0).await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(*order.lock().unwrap(), ["second"]);
+    drop(second);
+    let (status, third) = waiting.remove(0).await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(*order.lock().unwrap(), ["second", "third"]);
+    // The fourth waits its 5 s out, then is refused.
+    let started = tokio::time::Instant::now();
+    let (status, refused) = waiting.remove(0).await.unwrap();
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(refused.headers().contains_key("retry-after"));
+    let waited = started.elapsed();
+    assert!(waited > Duration::from_secs(2), "{waited:?}");
+    drop(third);
+    // A key refused by its rate limit does not wait.
+    let tight = Policy::new("tight-memory", ["1/1h".parse().unwrap()])
+        .unwrap()
+        .concurrency(5)
+        .unwrap();
+    let rate = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store)
+        .policy(tight)
+        .max_wait(Duration::from_secs(5))
+        .build()
+        .unwrap()
+        .layer(endless());
+    let _one = rate.clone().oneshot(request("k")).await.unwrap();
+    let started = tokio::time::Instant::now();
+    let refused = rate.oneshot(request("k")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(started.elapsed(), Duration::ZERO);
+}
+
+#[tokio::test]
+async fn a_waiting_request_gets_the_slot_given_back_on_redis() {
+    let server = RedisServer::start();
+    let policy = streams("queue-redis", 1, Duration::from_secs(10));
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(server.store().await)
+        .policy(policy)
+        .max_wait(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let service = layer.layer(endless());
+    let first = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let waiter = tokio::spawn({
+        let service = service.clone();
+        async move {
+            let started = tokio::time::Instant::now();
+            let response = service.oneshot(request("k")).await.unwrap();
+            (response.status(), started.elapsed())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished());
+    drop(first);
+    let (status, waited) = waiter.await.unwrap();
+    println!("waited {waited:?} for a slot given back after 300 ms");
+    assert_eq!(status, StatusCode::OK);
+    assert!(waited >= Duration::from_millis(300) && waited < Duration::from_millis(1_300));
 }

@@ -9,11 +9,16 @@
 //! sends every slot due at once; it ends with the layer, and with its runtime: an instance that
 //! dies renews nothing, and its slots count no more once they expire.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use pin_project_lite::pin_project;
+use tokio::sync::futures::OwnedNotified;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -39,7 +44,15 @@ pub(crate) struct Holds {
     wake: Arc<Notify>,
     /// The latest hold times of each policy, for the `Retry-After` of its refusals.
     hold_times: Mutex<HashMap<Arc<str>, HoldTimes>>,
+    /// The requests waiting for a slot (`RateLimitLayerBuilder::max_wait`), per policy
+    /// identity and key, in arrival order; set `queued` once any has waited, so that a layer
+    /// that never waits does not look here at each give-back.
+    queues: Mutex<HashMap<Queue, VecDeque<(u64, Arc<Notify>)>>>,
+    queued: AtomicBool,
 }
+
+/// A queue of requests waiting for a slot: the policy's identity and the key.
+type Queue = (Arc<str>, Key);
 
 /// The slots in use, by serial, and the renewal task's tick in µs (`u64::MAX` while nothing is
 /// held): read and written under one lock, so that a slot taken sees the tick the task sleeps
@@ -104,6 +117,8 @@ impl Holds {
             renewer: Mutex::new(None),
             wake: Arc::new(Notify::new()),
             hold_times: Mutex::default(),
+            queues: Mutex::default(),
+            queued: AtomicBool::new(false),
         }
     }
 
@@ -216,8 +231,43 @@ impl Holds {
             .or_default()
             .add(held);
         if let Some(release) = Settlement::release(&slot.decision) {
+            let queue = self
+                .queued
+                .load(Ordering::Acquire)
+                .then(|| (Arc::clone(policy.state_id().text), slot.key.clone()));
             let entry = Entry::slot(slot.key, slot.responder, release, None);
             slot.ledger.settle(entry, &self.in_flight);
+            // After the give-back is sent (done, on the memory store): the first request in
+            // line for the key asks again.
+            if let Some(queue) = queue {
+                self.wake_first(&crate::shards::lock(&self.queues), &queue);
+            }
+        }
+    }
+
+    /// Puts a request refused for a slot of `key` under `policy` in line, after those of this
+    /// layer already waiting for one.
+    pub(crate) fn queue(self: &Arc<Self>, key: &Key, policy: &Policy) -> InLine {
+        self.queued.store(true, Ordering::Release);
+        let queue = (Arc::clone(policy.state_id().text), key.clone());
+        let serial = self.next.fetch_add(1, Ordering::Relaxed);
+        let wake = Arc::new(Notify::new());
+        crate::shards::lock(&self.queues)
+            .entry(queue.clone())
+            .or_default()
+            .push_back((serial, Arc::clone(&wake)));
+        InLine {
+            holds: Arc::clone(self),
+            queue,
+            serial,
+            wake,
+        }
+    }
+
+    /// Wakes the first request in line of `queue`, if any.
+    fn wake_first(&self, queues: &HashMap<Queue, VecDeque<(u64, Arc<Notify>)>>, queue: &Queue) {
+        if let Some((_, wake)) = queues.get(queue).and_then(VecDeque::front) {
+            wake.notify_one();
         }
     }
 
@@ -268,6 +318,84 @@ async fn renew(holds: Weak<Holds>, wake: Arc<Notify>) {
         };
         // Woken early by a first slot, or one whose lifetime is shorter than the others'.
         let _ = tokio::time::timeout(tick.unwrap_or(IDLE), woken).await;
+    }
+}
+
+/// A request's place in line for a slot of its key on this instance: only the first in line
+/// asks the store again, so that slots go in arrival order. Dropping it (the request got a
+/// slot, gave up, or its client went away) leaves the line and wakes the next.
+pub(crate) struct InLine {
+    holds: Arc<Holds>,
+    queue: Queue,
+    serial: u64,
+    wake: Arc<Notify>,
+}
+
+impl InLine {
+    /// Whether no request of the key came before this one.
+    pub(crate) fn is_first(&self) -> bool {
+        let queues = crate::shards::lock(&self.holds.queues);
+        let first = queues.get(&self.queue).and_then(VecDeque::front);
+        first.is_some_and(|&(serial, _)| serial == self.serial)
+    }
+
+    /// Waits until woken (a slot of the key given back here, or the first in line left) or
+    /// until `until`, whichever comes first.
+    pub(crate) fn wait(&self, until: Instant) -> Wait {
+        Wait {
+            woken: Arc::clone(&self.wake).notified_owned(),
+            sleep: tokio::time::sleep_until(until),
+        }
+    }
+}
+
+impl Drop for InLine {
+    fn drop(&mut self) {
+        let mut queues = crate::shards::lock(&self.holds.queues);
+        let Some(line) = queues.get_mut(&self.queue) else {
+            return;
+        };
+        let first = line
+            .front()
+            .is_some_and(|&(serial, _)| serial == self.serial);
+        line.retain(|&(serial, _)| serial != self.serial);
+        if line.is_empty() {
+            queues.remove(&self.queue);
+        } else if first {
+            // The next in line asks the store now: the slot this one got, or did not wait
+            // for, may leave room for it too.
+            self.holds.wake_first(&queues, &self.queue);
+        }
+    }
+}
+
+impl std::fmt::Debug for InLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InLine")
+            .field("serial", &self.serial)
+            .finish()
+    }
+}
+
+pin_project! {
+    /// Waits for a [`InLine`]'s wake-up or its deadline.
+    pub(crate) struct Wait {
+        #[pin]
+        woken: OwnedNotified,
+        #[pin]
+        sleep: tokio::time::Sleep,
+    }
+}
+
+impl Future for Wait {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.project();
+        if this.woken.poll(cx).is_ready() || this.sleep.poll(cx).is_ready() {
+            return Poll::Ready(());
+        }
+        Poll::Pending
     }
 }
 
