@@ -715,8 +715,11 @@ async fn waiting_requests_get_slots_in_arrival_order_on_memory() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(order.lock().unwrap().is_empty(), "none got a slot yet");
     drop(first);
+    // Woken by the give-back itself, not by its next look 50 ms on.
+    let given_back = tokio::time::Instant::now();
     let (status, second) = waiting.remove(0).await.unwrap();
     assert_eq!(status, StatusCode::OK);
+    assert_eq!(given_back.elapsed(), Duration::ZERO);
     assert_eq!(*order.lock().unwrap(), ["second"]);
     drop(second);
     let (status, third) = waiting.remove(0).await.unwrap();
@@ -779,4 +782,44 @@ async fn a_waiting_request_gets_the_slot_given_back_on_redis() {
     println!("waited {waited:?} for a slot given back after 300 ms");
     assert_eq!(status, StatusCode::OK);
     assert!(waited >= Duration::from_millis(300) && waited < Duration::from_millis(1_300));
+}
+
+/// Slots freed on another instance: only the first in line asks again, so the later request,
+/// whose next look comes first, does not overtake it.
+#[tokio::test(start_paused = true)]
+async fn a_slot_freed_elsewhere_goes_to_the_first_in_line() {
+    let store = MemoryStore::new();
+    let policy = streams("line-memory", 1, Duration::from_secs(10));
+    let instance = || {
+        RateLimitLayer::builder()
+            .key(api_key())
+            .store(store.clone())
+            .policy(policy.clone())
+            .max_wait(Duration::from_secs(5))
+            .build()
+            .unwrap()
+            .layer(endless())
+    };
+    let (elsewhere, here) = (instance(), instance());
+    let held = elsewhere.oneshot(request("k")).await.unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut waiting = Vec::new();
+    for name in ["earlier", "later"] {
+        let (service, order) = (here.clone(), Arc::clone(&order));
+        waiting.push(tokio::spawn(async move {
+            let response = service.oneshot(request("k")).await.unwrap();
+            order.lock().unwrap().push(name);
+            response
+        }));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The earlier request looks every 50 ms from its arrival, the later 10 ms after it; the
+    // slot frees 5 ms after the earlier one's look, so the later one looks first.
+    tokio::time::sleep(Duration::from_millis(995)).await;
+    drop(held);
+    let first = waiting.remove(0).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(*order.lock().unwrap(), ["earlier"]);
+    drop(first);
+    assert_eq!(waiting.remove(0).await.unwrap().status(), StatusCode::OK);
 }
