@@ -814,8 +814,9 @@ async fn a_slot_freed_elsewhere_goes_to_the_first_in_line() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // The earlier request looks every 50 ms from its arrival, the later 10 ms after it; the
-    // slot frees 5 ms after the earlier one's look, so the later one looks first.
-    tokio::time::sleep(Duration::from_millis(995)).await;
+    // slot frees 5 ms after the earlier one's look (1005 ms after its arrival; 20 ms have
+    // passed), so the later one would look first.
+    tokio::time::sleep(Duration::from_millis(985)).await;
     drop(held);
     let first = waiting.remove(0).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
