@@ -412,35 +412,36 @@ where
         }
     }
 
-    /// A request refused for a concurrency slot by a store that decided at once, waiting for
-    /// one (`max_wait`); `Err` gives everything back when it cannot wait (its deadline is
-    /// now), to be answered as any refusal.
+    /// A request refused for a concurrency slot by a store that decided at once: it waits
+    /// for one (`max_wait`) if it can, and is otherwise answered as any other.
     pub(crate) fn waiting(
-        refusal: &Result<Decision, StoreError>,
+        outcome: Result<Decision, StoreError>,
         check: Check,
-        service: S,
-        request: Request<B>,
+        mut service: S,
+        mut request: Request<B>,
         waiting: Waiting<F>,
-    ) -> Result<Self, (Check, S, Request<B>)> {
+    ) -> Self {
         let mut pending = Box::new(Pending {
             check,
             call: None,
             waiting: Some(waiting),
         });
-        match (pending.wait_for_slot(refusal), refusal) {
-            (Some(wait), Ok(refusal)) => {
-                pending.call = Some((service, request));
-                Ok(ResponseFuture {
-                    state: State::Checking {
-                        step: Step::Waiting {
-                            wait,
-                            refusal: *refusal,
-                        },
-                        pending,
-                    },
-                })
+        if let (Some(wait), Ok(refusal)) = (pending.wait_for_slot(&outcome), &outcome) {
+            let refusal = *refusal;
+            pending.call = Some((service, request));
+            return ResponseFuture {
+                state: State::Checking {
+                    step: Step::Waiting { wait, refusal },
+                    pending,
+                },
+            };
+        }
+        match pending.check.settle(outcome) {
+            Verdict::Answer(response) => ResponseFuture::answer(response),
+            Verdict::Call(mut admitted) => {
+                admitted.mark(&mut request);
+                ResponseFuture::reporting(service.call(request), admitted)
             }
-            _ => Err((pending.check, service, request)),
         }
     }
 

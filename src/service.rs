@@ -164,23 +164,15 @@ where
                 .check_now(&check.key, &check.responder.policy, cost),
         };
         if let Some(outcome) = now {
-            let check = match waiting {
-                Some(waiting) if outcome.as_ref().is_ok_and(|d| d.is_concurrency_limit()) => {
-                    let clone = self.inner.clone();
-                    let ready = std::mem::replace(&mut self.inner, clone);
-                    match ResponseFuture::waiting(&outcome, check, ready, request, waiting) {
-                        Ok(future) => return future,
-                        Err((check, service, back)) => {
-                            // Not waiting after all (no time to wait): call with the service
-                            // that was made ready, as a refusal answers anyway.
-                            self.inner = service;
-                            request = back;
-                            check
-                        }
-                    }
-                }
-                _ => check,
-            };
+            if let Some(waiting) = waiting.filter(|_| {
+                outcome
+                    .as_ref()
+                    .is_ok_and(|decision| decision.is_concurrency_limit())
+            }) {
+                let clone = self.inner.clone();
+                let ready = std::mem::replace(&mut self.inner, clone);
+                return ResponseFuture::waiting(outcome, check, ready, request, waiting);
+            }
             return match check.settle(outcome) {
                 Verdict::Call(mut admitted) => {
                     admitted.mark(&mut request);

@@ -591,7 +591,7 @@ fn a_layer_that_counts_by_outcome_refuses_a_concurrency_limit() {
         .policy(streams("outcomes", 2, Duration::from_secs(10)))
         .count_when(|response| response.status == StatusCode::UNAUTHORIZED)
         .build();
-    let error = built.err().expect("refused").to_string();
+    let error = built.expect_err("refused").to_string();
     assert!(error.contains("concurrency limit"), "{error}");
 }
 

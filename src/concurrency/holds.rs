@@ -47,12 +47,15 @@ pub(crate) struct Holds {
     /// The requests waiting for a slot (`RateLimitLayerBuilder::max_wait`), per policy
     /// identity and key, in arrival order; set `queued` once any has waited, so that a layer
     /// that never waits does not look here at each give-back.
-    queues: Mutex<HashMap<Queue, VecDeque<(u64, Arc<Notify>)>>>,
+    queues: Mutex<HashMap<Queue, Line>>,
     queued: AtomicBool,
 }
 
 /// A queue of requests waiting for a slot: the policy's identity and the key.
 type Queue = (Arc<str>, Key);
+
+/// The requests in a queue, first in line first: each one's serial and what wakes it.
+type Line = VecDeque<(u64, Arc<Notify>)>;
 
 /// The slots in use, by serial, and the renewal task's tick in µs (`u64::MAX` while nothing is
 /// held): read and written under one lock, so that a slot taken sees the tick the task sleeps
@@ -265,7 +268,7 @@ impl Holds {
     }
 
     /// Wakes the first request in line of `queue`, if any.
-    fn wake_first(&self, queues: &HashMap<Queue, VecDeque<(u64, Arc<Notify>)>>, queue: &Queue) {
+    fn wake_first(&self, queues: &HashMap<Queue, Line>, queue: &Queue) {
         if let Some((_, wake)) = queues.get(queue).and_then(VecDeque::front) {
             wake.notify_one();
         }
