@@ -4,8 +4,9 @@
 //! - `requests`: `60/1m` and a concurrency limit of 2. A request takes a slot when it is
 //!   admitted, in the same store call as its count, and gives it back when its stream ends or
 //!   the client goes away; the slots of an instance that dies come back within 10 s. A third
-//!   stream is refused with `429`, `RateLimit: "requests-concurrency";r=0;t=1` and a
-//!   `Retry-After` of the median time a stream runs (at least 1 s), not a rate window.
+//!   stream waits up to 200 ms for a slot (`max_wait`), then is refused with `429`,
+//!   `RateLimit: "requests-concurrency";r=0;t=1` and a `Retry-After` of the median time a
+//!   stream runs (at least 1 s), not a rate window.
 //! - `tokens`: `10000/1m`, usage settled when the stream ends: a request reserves the tokens
 //!   it asks for (`max_tokens`), and is charged what it streamed.
 //!
@@ -48,7 +49,9 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 const MAX_TOKENS: u32 = 4000;
 /// Tokens per server-sent event, and the pause before each, so that the answer streams.
 const TOKENS_PER_EVENT: u32 = 50;
-const EVENT_DELAY: Duration = Duration::from_millis(5);
+const EVENT_DELAY: Duration = Duration::from_millis(10);
+/// How long a request refused for a stream slot waits for one before the 429.
+const MAX_WAIT: Duration = Duration::from_millis(200);
 
 #[tokio::main]
 async fn main() -> Result<(), Error> {
@@ -95,6 +98,8 @@ fn app<St: Store>(store: St) -> Result<Router, Error> {
     let requests = RateLimitLayer::builder()
         .key(api_key())
         .policy(requests()?)
+        // A stream that ends within 200 ms leaves its slot to a request waiting for one.
+        .max_wait(MAX_WAIT)
         .store(store.clone())
         .build()?;
     let tokens = RateLimitLayer::builder()
@@ -187,8 +192,8 @@ fn stream(meter: UsageMeter, tokens: u32) -> impl Stream<Item = Result<Event, In
 
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>;
 
-/// Shows each limit refusing in turn: two streams of `key-a` run and a third is refused for a
-/// slot; once they end, a third gets in; the tokens they used leave no room for 4000 more;
+/// Shows each limit refusing in turn: two streams of `key-a` run (600 ms each) and a third,
+/// after waiting 200 ms, is refused for a slot; once they end, a third gets in; the tokens they used leave no room for 4000 more;
 /// `key-b` is served meanwhile. Fails if any of that does not happen.
 async fn check(base: &str) -> Result<(), Error> {
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
