@@ -40,6 +40,16 @@ fn request(key: &str) -> Request<()> {
         .unwrap()
 }
 
+/// A layer keyed by `x-api-key` deciding `policy` with `store`.
+fn limited<St: Store>(store: St, policy: Policy) -> RateLimitLayer<Header, St> {
+    RateLimitLayer::builder()
+        .key(api_key())
+        .store(store)
+        .policy(policy)
+        .build()
+        .unwrap()
+}
+
 /// A generous rate limit (never the one that refuses here) and `slots` in flight.
 fn streams(name: &str, slots: u32, expiry: Duration) -> Policy {
     Policy::new(name, ["100000/1m".parse().unwrap()])
@@ -163,14 +173,7 @@ async fn a_fleet_on_one_memory_store_never_streams_more_than_the_limit() {
     let policy = streams("fleet-memory", 2, Duration::from_secs(10));
     let seen = Arc::new(InFlight::default());
     let layers: Vec<_> = (0..4)
-        .map(|_| {
-            RateLimitLayer::builder()
-                .key(api_key())
-                .store(store.clone())
-                .policy(policy.clone())
-                .build()
-                .unwrap()
-        })
+        .map(|_| limited(store.clone(), policy.clone()))
         .collect();
     let services: Vec<_> = layers
         .iter()
@@ -188,12 +191,7 @@ async fn a_fleet_on_one_memory_store_never_streams_more_than_the_limit() {
 async fn a_dropped_body_frees_its_slot_at_once_on_memory() {
     let store = MemoryStore::new();
     let policy = streams("drop-memory", 2, Duration::from_secs(10));
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(store.clone())
-        .policy(policy.clone())
-        .build()
-        .unwrap();
+    let layer = limited(store.clone(), policy.clone());
     let service = layer.layer(endless());
     let first = service.clone().oneshot(request("k")).await.unwrap();
     let second = service.clone().oneshot(request("k")).await.unwrap();
@@ -232,12 +230,7 @@ async fn a_dropped_body_frees_its_slot_at_once_on_memory() {
 async fn a_request_longer_than_the_slot_lifetime_keeps_its_slot_on_memory() {
     let store = MemoryStore::new();
     let policy = streams("long-memory", 1, Duration::from_secs(3));
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(store.clone())
-        .policy(policy)
-        .build()
-        .unwrap();
+    let layer = limited(store.clone(), policy);
     let service = layer.layer(endless());
     let long = service.clone().oneshot(request("k")).await.unwrap();
     assert_eq!(long.status(), StatusCode::OK);
@@ -326,12 +319,7 @@ async fn a_fleet_of_four_redis_stores_never_streams_more_than_the_limit() {
     let seen = Arc::new(InFlight::default());
     let mut layers = Vec::new();
     for _ in 0..4 {
-        let layer = RateLimitLayer::builder()
-            .key(api_key())
-            .store(server.store().await)
-            .policy(policy.clone())
-            .build()
-            .unwrap();
+        let layer = limited(server.store().await, policy.clone());
         layers.push(layer);
     }
     let services: Vec<_> = layers
@@ -402,12 +390,7 @@ where
 async fn a_client_that_drops_mid_stream_frees_its_slot_within_a_second_on_redis() {
     let server = RedisServer::start();
     let policy = streams("drop-redis", 2, Duration::from_secs(10));
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(server.store().await)
-        .policy(policy)
-        .build()
-        .unwrap();
+    let layer = limited(server.store().await, policy);
     let service = layer.layer(endless());
     let first = service.clone().oneshot(request("k")).await.unwrap();
     let second = service.clone().oneshot(request("k")).await.unwrap();
@@ -433,12 +416,7 @@ async fn a_client_that_drops_mid_stream_frees_its_slot_within_a_second_on_redis(
 async fn a_body_that_fails_gives_its_slot_back_at_the_error_on_memory() {
     let store = MemoryStore::new();
     let policy = streams("fails-memory", 1, Duration::from_secs(10));
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(store.clone())
-        .policy(policy.clone())
-        .build()
-        .unwrap();
+    let layer = limited(store.clone(), policy.clone());
     let failing = service_fn(|_: Request<()>| async {
         let frames = futures::stream::iter([
             Ok(http_body::Frame::data(Bytes::from_static(b"partial"))),
@@ -459,12 +437,7 @@ async fn a_body_that_fails_gives_its_slot_back_at_the_error_on_memory() {
 async fn a_request_longer_than_the_slot_lifetime_keeps_its_slot_on_redis() {
     let server = RedisServer::start();
     let policy = streams("long-redis", 1, Duration::from_millis(600));
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(server.store().await)
-        .policy(policy)
-        .build()
-        .unwrap();
+    let layer = limited(server.store().await, policy);
     let service = layer.layer(endless());
     let long = service.clone().oneshot(request("k")).await.unwrap();
     assert_eq!(long.status(), StatusCode::OK);
@@ -489,12 +462,7 @@ fn a_killed_instances_slots_come_back_within_the_slot_lifetime_on_redis() {
     let expiry = Duration::from_secs(2);
     let policy = streams("crash-redis", 3, expiry);
     let layer = |url: String, policy: Policy| async move {
-        let layer = RateLimitLayer::builder()
-            .key(api_key())
-            .store(RedisStore::connect(&url).await.unwrap())
-            .policy(policy)
-            .build()
-            .unwrap();
+        let layer = limited(RedisStore::connect(&url).await.unwrap(), policy);
         layer.layer(endless())
     };
     // The instance that lives holds one stream all along, renewing its slot: the key's set of
@@ -561,12 +529,7 @@ fn a_killed_instances_slots_come_back_within_the_slot_lifetime_on_redis() {
 async fn the_handler_sees_which_limit_decided_and_the_fields_list_the_concurrency_limit() {
     let store = MemoryStore::new();
     let policy = streams("seen", 1, Duration::from_secs(10));
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(store)
-        .policy(policy)
-        .build()
-        .unwrap();
+    let layer = limited(store, policy);
     let service = layer.layer(service_fn(|request: Request<()>| async move {
         let decisions = request.extensions().get::<Decisions>().cloned().unwrap();
         let decision = *decisions.get("seen").unwrap();
@@ -601,12 +564,7 @@ fn a_layer_that_counts_by_outcome_refuses_a_concurrency_limit() {
 fn slots_are_renewed_after_the_first_runtime_is_gone() {
     let store = MemoryStore::new();
     let policy = streams("runtimes", 1, Duration::from_millis(400));
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(store.clone())
-        .policy(policy)
-        .build()
-        .unwrap();
+    let layer = limited(store.clone(), policy);
     let service = layer.layer(endless());
     let warm_up = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -642,12 +600,7 @@ async fn a_lost_slot_is_reported_once_and_a_returned_one_never() {
     let _guard = tracing::subscriber::set_default(captured.subscriber());
     let server = RedisServer::start();
     let policy = streams("lost", 50, Duration::from_millis(400));
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(server.store().await)
-        .policy(policy)
-        .build()
-        .unwrap();
+    let layer = limited(server.store().await, policy);
     let seen = Arc::new(InFlight::default());
     let short = layer.layer(streaming(Arc::clone(&seen), Duration::from_millis(40)));
     // Streams of 120 ms, one starting every 10 ms, over a 100 ms renewal tick: many end

@@ -47,12 +47,7 @@ async fn tonic_client_sees_resource_exhausted() {
             .serve_with_incoming(TcpIncoming::from(listener)),
     );
 
-    let channel = Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = HealthClient::new(channel);
+    let mut client = connect(addr).await;
     let ask = || HealthCheckRequest {
         service: String::new(),
     };
@@ -118,12 +113,7 @@ async fn a_cancelled_grpc_stream_gives_its_slot_back() {
             .add_service(health)
             .serve_with_incoming(TcpIncoming::from(listener)),
     );
-    let channel = Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = HealthClient::new(channel);
+    let mut client = connect(addr).await;
     let ask = || HealthCheckRequest {
         service: String::new(),
     };
@@ -149,4 +139,14 @@ async fn a_cancelled_grpc_stream_gives_its_slot_back() {
         "a cancelled stream's slot was free after {:?}",
         started.elapsed()
     );
+}
+
+/// A health client connected to the server at `addr`.
+async fn connect(addr: std::net::SocketAddr) -> HealthClient<Channel> {
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    HealthClient::new(channel)
 }
