@@ -193,14 +193,7 @@ async fn a_dropped_body_frees_its_slot_at_once_on_memory() {
     let policy = streams("drop-memory", 2, Duration::from_secs(10));
     let layer = limited(store.clone(), policy.clone());
     let service = layer.layer(endless());
-    let first = service.clone().oneshot(request("k")).await.unwrap();
-    let second = service.clone().oneshot(request("k")).await.unwrap();
-    assert_eq!(
-        (first.status(), second.status()),
-        (StatusCode::OK, StatusCode::OK)
-    );
-    let refused = service.clone().oneshot(request("k")).await.unwrap();
-    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let [first, second, refused] = fill_two(&service).await;
     assert_eq!(refused.headers()["retry-after"], "1");
     assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 2);
     // Another key has its own slots.
@@ -367,6 +360,27 @@ async fn a_fleet_of_four_redis_stores_never_streams_more_than_the_limit() {
     assert_eq!(held, 0, "slots left in {slots}");
 }
 
+/// Sends three requests of one key under a limit of 2 in flight: two are admitted and held,
+/// the third is refused.
+async fn fill_two<S>(service: &S) -> [Response<tower_redis_ratelimit::body::ResponseBody<Body>>; 3]
+where
+    S: Service<Request<()>, Response = Response<tower_redis_ratelimit::body::ResponseBody<Body>>>
+        + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let mut responses = Vec::new();
+    for expected in [
+        StatusCode::OK,
+        StatusCode::OK,
+        StatusCode::TOO_MANY_REQUESTS,
+    ] {
+        let response = service.clone().oneshot(request("k")).await.unwrap();
+        assert_eq!(response.status(), expected);
+        responses.push(response);
+    }
+    responses.try_into().unwrap()
+}
+
 /// Polls `check` every 20 ms until it admits; how long that took.
 async fn until_admitted<S>(service: &S, key: &str, within: Duration) -> Duration
 where
@@ -392,14 +406,7 @@ async fn a_client_that_drops_mid_stream_frees_its_slot_within_a_second_on_redis(
     let policy = streams("drop-redis", 2, Duration::from_secs(10));
     let layer = limited(server.store().await, policy);
     let service = layer.layer(endless());
-    let first = service.clone().oneshot(request("k")).await.unwrap();
-    let second = service.clone().oneshot(request("k")).await.unwrap();
-    assert_eq!(
-        (first.status(), second.status()),
-        (StatusCode::OK, StatusCode::OK)
-    );
-    let refused = service.clone().oneshot(request("k")).await.unwrap();
-    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let [first, second, refused] = fill_two(&service).await;
     let fields = refused.headers()["ratelimit"].to_str().unwrap().to_owned();
     assert!(
         fields.starts_with("\"drop-redis-concurrency\";r=0;t="),
