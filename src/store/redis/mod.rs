@@ -834,33 +834,35 @@ impl Store for RedisStore {
         const PATIENCE: Duration = Duration::from_secs(3);
         let inner = Arc::clone(&self.inner);
         let place = inner.place(key, policy);
-        let algorithm = policy.algorithm();
-        let (key, policy) = (key.clone(), policy.clone());
-        let record = match settlement.change {
-            Change::Release(id) => Record::Release { id },
-            Change::Renew(id) => Record::Renew {
+        let slot = match settlement.change {
+            Change::Release(id) => Some(Record::Release { id }),
+            Change::Renew(id) => Some(Record::Renew {
                 id,
                 ttl: policy.slot_micros(),
-            },
-            Change::Charge | Change::Refund => Record::Settle {
-                refund: settlement.change == Change::Refund,
-                admitted: settlement.admitted_at.unwrap_or(-1),
-                recorded: settlement.recorded,
-            },
+            }),
+            Change::Charge | Change::Refund => None,
         };
-        let keeps_slot = matches!(record, Record::Release { .. } | Record::Renew { .. });
-        let args = batch::encode_for(&policy, settlement.units, record, -1);
-        Box::pin(async move {
-            if keeps_slot {
-                // Batched with the decisions under way, within the time budget: a give-back or
-                // a renewal may run twice or not at all without harm (the slot's expiry is
-                // the backstop), so it needs none of a charge's patience.
+        if let Some(record) = slot {
+            // Batched with the decisions under way, within the time budget: a give-back or a
+            // renewal may run twice or not at all without harm (the slot's expiry is the
+            // backstop), so it needs none of a charge's patience.
+            let policy = policy.clone();
+            return Box::pin(async move {
                 let answer = inner.decide(place, &policy, 0, -1, record).await?;
-                return match (record, answer.ints[0]) {
+                match (record, answer.ints[0]) {
                     (Record::Renew { .. }, 0) => Err(StoreError::SlotGone),
                     _ => Ok(()),
-                };
-            }
+                }
+            });
+        }
+        let algorithm = policy.algorithm();
+        let (key, policy) = (key.clone(), policy.clone());
+        let record = Record::Settle {
+            refund: settlement.change == Change::Refund,
+            admitted: settlement.admitted_at.unwrap_or(-1),
+            recorded: settlement.recorded,
+        };
+        Box::pin(async move {
             if settlement.units == 0 {
                 return Ok(());
             }
@@ -870,6 +872,7 @@ impl Store for RedisStore {
                 return Err(StoreError::Unavailable);
             }
             let started = inner.breaker(lane).now();
+            let args = batch::encode_for(&policy, settlement.units, record, -1);
             let call = inner
                 .batcher
                 .decide_patiently(place.clone(), algorithm, args, PATIENCE);
