@@ -283,10 +283,9 @@ pin_project! {
             #[pin]
             decision: F,
         },
+        // Boxed, so that the wait does not make every request's future larger.
         Waiting {
-            #[pin]
-            wait: Wait,
-            refusal: Decision,
+            wait: Pin<Box<Wait>>,
         },
     }
 }
@@ -310,6 +309,8 @@ pub(crate) struct Waiting<F> {
     /// Set at the first refusal.
     deadline: Option<Instant>,
     ticket: Option<InLine>,
+    /// The latest refusal: the answer once the deadline has passed.
+    refusal: Option<Decision>,
 }
 
 impl<F> Waiting<F> {
@@ -319,6 +320,7 @@ impl<F> Waiting<F> {
             max_wait,
             deadline: None,
             ticket: None,
+            refusal: None,
         }
     }
 }
@@ -343,10 +345,13 @@ impl<S, B, F> Pending<S, B, F> {
     /// the line).
     fn wait_for_slot(&mut self, outcome: &Result<Decision, StoreError>) -> Option<Wait> {
         let waiting = self.waiting.as_mut()?;
-        if !matches!(outcome, Ok(d) if d.is_concurrency_limit()) {
-            waiting.ticket = None;
-            return None;
-        }
+        let refusal = match outcome {
+            Ok(d) if d.is_concurrency_limit() => *d,
+            _ => {
+                waiting.ticket = None;
+                return None;
+            }
+        };
         let now = Instant::now();
         let deadline = *waiting.deadline.get_or_insert(now + waiting.max_wait);
         let holds = self.check.holds.as_ref().map(|(holds, _)| holds);
@@ -354,6 +359,7 @@ impl<S, B, F> Pending<S, B, F> {
             waiting.ticket = None;
             return None;
         };
+        waiting.refusal = Some(refusal);
         let (key, policy) = (&self.check.key, &self.check.responder.policy);
         let ticket = waiting
             .ticket
@@ -365,26 +371,24 @@ impl<S, B, F> Pending<S, B, F> {
         Some(ticket.wait(until))
     }
 
-    /// What a waiting request, last refused with `refusal`, does once woken.
-    fn after_wait(&mut self, refusal: Decision) -> Next<F> {
+    /// What a waiting request does once woken; `None` when it may not wait at all.
+    fn after_wait(&mut self) -> Option<Next<F>> {
         let check = &self.check;
-        let Some(waiting) = self.waiting.as_mut() else {
-            return Next::GiveUp(refusal);
-        };
+        let waiting = self.waiting.as_mut()?;
         let now = Instant::now();
         let deadline = waiting.deadline.unwrap_or(now);
-        if now >= deadline {
+        if let (true, Some(refusal)) = (now >= deadline, waiting.refusal) {
             waiting.ticket = None;
-            return Next::GiveUp(refusal);
+            return Some(Next::GiveUp(refusal));
         }
-        match &waiting.ticket {
+        Some(match &waiting.ticket {
             Some(ticket) if !ticket.is_first() => Next::Wait(ticket.wait(deadline)),
             _ => Next::Recheck((waiting.recheck)(
                 &check.key,
                 &check.responder.policy,
                 check.cost,
             )),
-        }
+        })
     }
 }
 
@@ -426,12 +430,13 @@ where
             call: None,
             waiting: Some(waiting),
         });
-        if let (Some(wait), Ok(refusal)) = (pending.wait_for_slot(&outcome), &outcome) {
-            let refusal = *refusal;
+        if let Some(wait) = pending.wait_for_slot(&outcome) {
             pending.call = Some((service, request));
             return ResponseFuture {
                 state: State::Checking {
-                    step: Step::Waiting { wait, refusal },
+                    step: Step::Waiting {
+                        wait: Box::pin(wait),
+                    },
                     pending,
                 },
             };
@@ -480,29 +485,30 @@ where
             match this.state.as_mut().project() {
                 StateProj::Checking { mut step, pending } => {
                     let (outcome, may_wait) = match step.as_mut().project() {
-                        StepProj::Waiting { wait, refusal } => {
-                            ready!(wait.poll(cx));
-                            let refusal = *refusal;
-                            match pending.after_wait(refusal) {
-                                Next::Recheck(decision) => {
+                        StepProj::Waiting { wait } => {
+                            ready!(wait.as_mut().poll(cx));
+                            match pending.after_wait() {
+                                Some(Next::Wait(next)) => {
+                                    wait.set(next);
+                                    continue;
+                                }
+                                Some(Next::GiveUp(refusal)) => (Ok(refusal), false),
+                                Some(Next::Recheck(decision)) => {
                                     step.set(Step::Deciding { decision });
                                     continue;
                                 }
-                                Next::Wait(wait) => {
-                                    step.set(Step::Waiting { wait, refusal });
-                                    continue;
-                                }
-                                Next::GiveUp(refusal) => (Ok(refusal), false),
+                                // Only a request that may wait gets here; were it not so,
+                                // it is decided as a store that failed to answer.
+                                None => (Err(StoreError::Unavailable), false),
                             }
                         }
                         StepProj::Deciding { decision } => (ready!(decision.poll(cx)), true),
                     };
                     if may_wait {
-                        if let (Some(wait), Ok(refusal)) =
-                            (pending.wait_for_slot(&outcome), &outcome)
-                        {
-                            let refusal = *refusal;
-                            step.set(Step::Waiting { wait, refusal });
+                        if let Some(wait) = pending.wait_for_slot(&outcome) {
+                            step.set(Step::Waiting {
+                                wait: Box::pin(wait),
+                            });
                             continue;
                         }
                     }

@@ -43,13 +43,16 @@ pub(crate) struct Holds {
     /// Wakes the renewal task when a slot is taken.
     wake: Arc<Notify>,
     /// The latest hold times of each policy, for the `Retry-After` of its refusals.
-    hold_times: Mutex<HashMap<Arc<str>, HoldTimes>>,
+    hold_times: Mutex<ByU64<HoldTimes>>,
     /// The requests waiting for a slot (`RateLimitLayerBuilder::max_wait`), per policy
     /// identity and key, in arrival order; set `queued` once any has waited, so that a layer
     /// that never waits does not look here at each give-back.
     queues: Mutex<HashMap<Queue, Line>>,
     queued: AtomicBool,
 }
+
+/// A map keyed by a serial or a hash already made, hashed cheaply.
+type ByU64<V> = hashbrown::HashMap<u64, V, foldhash::fast::FixedState>;
 
 /// A queue of requests waiting for a slot: the policy's identity and the key.
 type Queue = (Arc<str>, Key);
@@ -62,7 +65,7 @@ type Line = VecDeque<(u64, Arc<Notify>)>;
 /// on.
 #[derive(Default)]
 struct Registry {
-    slots: HashMap<u64, Held>,
+    slots: ByU64<Held>,
     tick: u64,
 }
 
@@ -112,7 +115,7 @@ impl Holds {
     pub(crate) fn new(in_flight: Arc<InFlight>) -> Holds {
         Holds {
             held: Mutex::new(Registry {
-                slots: HashMap::new(),
+                slots: ByU64::default(),
                 tick: u64::MAX,
             }),
             next: AtomicU64::new(0),
@@ -172,7 +175,9 @@ impl Holds {
     /// whole seconds, and 0 would invite a retry storm); 1 s before any is known.
     pub(crate) fn retry_after(&self, policy: &Policy) -> Duration {
         let times = crate::shards::lock(&self.hold_times);
-        let median = times.get(policy.name()).and_then(HoldTimes::median);
+        let median = times
+            .get(&policy.state_id().hash)
+            .and_then(HoldTimes::median);
         let second = Duration::from_secs(1);
         median
             .unwrap_or(second)
@@ -230,7 +235,7 @@ impl Holds {
         let policy = &slot.responder.policy;
         crate::metrics::Report::slots_in_use(policy, -1.0);
         crate::shards::lock(&self.hold_times)
-            .entry(policy.shared_name())
+            .entry(policy.state_id().hash)
             .or_default()
             .add(held);
         if let Some(release) = Settlement::release(&slot.decision) {

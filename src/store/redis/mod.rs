@@ -846,9 +846,17 @@ impl Store for RedisStore {
             // Batched with the decisions under way, within the time budget: a give-back or a
             // renewal may run twice or not at all without harm (the slot's expiry is the
             // backstop), so it needs none of a charge's patience.
-            let policy = policy.clone();
+            // No timer of its own either: the batch's call has its timeout.
+            let args = batch::encode_for(policy, 0, record, -1);
+            let algorithm = policy.algorithm();
             return Box::pin(async move {
-                let answer = inner.decide(place, &policy, 0, -1, record).await?;
+                let lane = place.lane;
+                if inner.breaker(lane).is_open() {
+                    return Err(StoreError::Unavailable);
+                }
+                let started = inner.breaker(lane).now();
+                let reply = inner.batcher.decide(place, algorithm, args).await;
+                let answer = inner.judge(lane, started, Some(reply))?;
                 match (record, answer.ints[0]) {
                     (Record::Renew { .. }, 0) => Err(StoreError::SlotGone),
                     _ => Ok(()),
