@@ -259,8 +259,8 @@ pin_project! {
         Checking {
             #[pin]
             step: Step<F>,
-            // Boxed: a request is large, and only a store that waits gets here; every other
-            // state stays small to move.
+            // Boxed: a request is large, and only a store that waits (or a request waiting for
+            // a concurrency slot) gets here; every other state stays small to move.
             pending: Box<Pending<S, B, F>>,
         },
         Calling {
@@ -353,9 +353,12 @@ impl<S, B, F> Pending<S, B, F> {
             }
         };
         let now = Instant::now();
-        let deadline = *waiting.deadline.get_or_insert(now + waiting.max_wait);
+        let later = now.checked_add(waiting.max_wait).unwrap_or(now);
+        let deadline = *waiting.deadline.get_or_insert(later);
         let holds = self.check.holds.as_ref().map(|(holds, _)| holds);
-        let (Some(holds), true) = (holds, now < deadline) else {
+        // A wait needs tokio's timer: called outside a runtime, the request is not kept.
+        let timer = tokio::runtime::Handle::try_current().is_ok();
+        let (Some(holds), true) = (holds, now < deadline && timer) else {
             waiting.ticket = None;
             return None;
         };

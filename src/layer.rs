@@ -525,9 +525,13 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     /// (default zero: refused at once). Waiting requests of a key are served in arrival order on
     /// each instance: the first in line asks the store again when a slot of the key is given
     /// back here, and every 50 ms for slots that free on other instances or expire; the others
-    /// wait their turn. A request refused by a rate limit never waits. Keep it short: a
-    /// waiting request holds its connection, and a client's own timeout may end it first
-    /// (it then leaves the line). Not in soft or shadow mode, where nothing is refused.
+    /// wait their turn, and a new request of a key with requests waiting joins the back of
+    /// their line without asking the store. A request refused by a rate limit never waits.
+    /// Keep it short (it is capped at an hour): a waiting request holds its connection, and
+    /// the readiness of the service the layer wraps (a `Buffer` or `ConcurrencyLimit` below
+    /// the layer keeps a permit for it); a client's own timeout may end it first (it then
+    /// leaves the line). Not in soft or shadow mode, where nothing is refused, nor for
+    /// decisions of a fallback store.
     ///
     /// ```
     /// use std::time::Duration;
@@ -541,7 +545,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn max_wait(mut self, wait: std::time::Duration) -> Self {
-        self.settings.options.max_wait = wait;
+        self.settings.options.max_wait = wait.min(std::time::Duration::from_secs(3600));
         self
     }
 

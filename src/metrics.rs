@@ -11,7 +11,7 @@
 //! | `ratelimit_store_errors_total` | counter | `policy` | decisions the store could not make (the failure mode then applies) |
 //! | `ratelimit_fallbacks_total` | counter | `policy` | of those, decisions made by the fallback store instead |
 //! | `ratelimit_settle_errors_total` | counter | `policy` | usage settlements (and concurrency slots' give-backs and renewals) that did not run, got no reply within their patience (3 s on Redis), or were abandoned when their runtime shut down (see [`usage`](crate::usage)); a late settle that landed is not counted; the responses were not affected |
-//! | `ratelimit_decision_seconds` | histogram | `policy` | time from asking the store to its answer, failures included |
+//! | `ratelimit_decision_seconds` | histogram | `policy` | time from asking the store to its answer, failures included; for a request that waited for a concurrency slot (`max_wait`), to its last answer, the wait included |
 //!
 //! Without the feature these functions do nothing and cost nothing.
 

@@ -2,11 +2,13 @@
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use http::{Request, Response};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
+use crate::concurrency::holds::Holds;
 use crate::future::ResponseFuture;
 use crate::future::{Check, Recheck, Verdict, Waiting};
 use crate::layer::Config;
@@ -14,7 +16,7 @@ use crate::metrics::Started;
 use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
 use crate::rule::RequestHead;
 use crate::usage::UsageMeter;
-use crate::{KeyExtractor, Store};
+use crate::{Decision, KeyExtractor, Store};
 
 /// Rate-limits requests to the inner service `S`; made by
 /// [`RateLimitLayer`](crate::RateLimitLayer).
@@ -152,6 +154,21 @@ where
             started: Started::now(),
             usage: config.usage.clone().zip(meter),
             holds,
+        };
+        // Requests of the key already waiting for a slot here go first: this one takes its place
+        // at the back of their line without asking the store, as if refused for a slot.
+        let in_line = |holds: &Option<(Arc<Holds>, _)>| {
+            let holds = holds.as_ref().map(|(holds, _)| holds);
+            holds.is_some_and(|holds| holds.has_line(&check.key, &check.responder.policy))
+        };
+        let waiting = match waiting {
+            Some(waiting) if in_line(&check.holds) => {
+                let full = Decision::slots_full(&check.responder.policy, Duration::from_secs(1));
+                let clone = self.inner.clone();
+                let ready = std::mem::replace(&mut self.inner, clone);
+                return ResponseFuture::waiting(Ok(full), check, ready, request, waiting);
+            }
+            waiting => waiting,
         };
         // A store that decides without waiting lets the inner service be called right here,
         // with no clone of it for a later call.

@@ -784,3 +784,33 @@ async fn a_slot_freed_elsewhere_goes_to_the_first_in_line() {
     drop(first);
     assert_eq!(waiting.remove(0).await.unwrap().status(), StatusCode::OK);
 }
+
+/// A request that arrives while others of its key wait for a slot joins the back of their line
+/// rather than taking the slot freed for the first of them.
+#[tokio::test(start_paused = true)]
+async fn a_new_request_does_not_overtake_the_line() {
+    let store = MemoryStore::new();
+    let policy = streams("overtake-memory", 1, Duration::from_secs(10));
+    let service = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store)
+        .policy(policy)
+        .max_wait(Duration::from_secs(5))
+        .build()
+        .unwrap()
+        .layer(endless());
+    let first = service.clone().oneshot(request("k")).await.unwrap();
+    let waiting = tokio::spawn(service.clone().oneshot(request("k")));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop(first);
+    // Arrives at the very instant the slot is free, before the waiting request has run.
+    let mut late = Box::pin(service.clone().oneshot(request("k")));
+    assert!(
+        futures::poll!(&mut late).is_pending(),
+        "the late request took the slot"
+    );
+    let served = waiting.await.unwrap().unwrap();
+    assert_eq!(served.status(), StatusCode::OK);
+    drop(served);
+    assert_eq!(late.await.unwrap().status(), StatusCode::OK);
+}

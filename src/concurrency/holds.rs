@@ -9,7 +9,7 @@
 //! sends every slot due at once; it ends with the layer, and with its runtime: an instance that
 //! dies renews nothing, and its slots count no more once they expire.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -47,7 +47,7 @@ pub(crate) struct Holds {
     /// The requests waiting for a slot (`RateLimitLayerBuilder::max_wait`), per policy
     /// identity and key, in arrival order; set `queued` once any has waited, so that a layer
     /// that never waits does not look here at each give-back.
-    queues: Mutex<HashMap<Queue, Line>>,
+    queues: Mutex<Lines>,
     queued: AtomicBool,
 }
 
@@ -59,6 +59,20 @@ type Queue = (Arc<str>, Key);
 
 /// The requests in a queue, first in line first: each one's serial and what wakes it.
 type Line = VecDeque<(u64, Arc<Notify>)>;
+
+/// The lines of a layer. Keyed by what clients send, so hashed with a seed of its own.
+type Lines = hashbrown::HashMap<Queue, Line, foldhash::fast::RandomState>;
+
+/// A [`Queue`] by reference, to look one up without cloning its key: hashed and compared as
+/// the tuple is.
+#[derive(Hash)]
+struct QueueOf<'a>(&'a str, &'a Key);
+
+impl hashbrown::Equivalent<Queue> for QueueOf<'_> {
+    fn equivalent(&self, queue: &Queue) -> bool {
+        *self.0 == *queue.0 && *self.1 == queue.1
+    }
+}
 
 /// The slots in use, by serial, and the renewal task's tick in µs (`u64::MAX` while nothing is
 /// held): read and written under one lock, so that a slot taken sees the tick the task sleeps
@@ -245,8 +259,9 @@ impl Holds {
                 .then(|| (Arc::clone(policy.state_id().text), slot.key.clone()));
             let entry = Entry::slot(slot.key, slot.responder, release, None);
             slot.ledger.settle(entry, &self.in_flight);
-            // After the give-back is sent (done, on the memory store): the first request in
-            // line for the key asks again.
+            // Once the give-back is on its way (done, on the memory store): the first request
+            // in line for the key asks again. On Redis its ask may land before the give-back,
+            // and it then asks again 50 ms later.
             if let Some(queue) = queue {
                 self.wake_first(&crate::shards::lock(&self.queues), &queue);
             }
@@ -272,8 +287,18 @@ impl Holds {
         }
     }
 
+    /// Whether requests of `key` under `policy` wait for a slot here: a new one joins them
+    /// at the back rather than asking the store before them.
+    pub(crate) fn has_line(&self, key: &Key, policy: &Policy) -> bool {
+        if !self.queued.load(Ordering::Acquire) {
+            return false;
+        }
+        let queues = crate::shards::lock(&self.queues);
+        queues.contains_key(&QueueOf(policy.identity(), key))
+    }
+
     /// Wakes the first request in line of `queue`, if any.
-    fn wake_first(&self, queues: &HashMap<Queue, Line>, queue: &Queue) {
+    fn wake_first(&self, queues: &Lines, queue: &Queue) {
         if let Some((_, wake)) = queues.get(queue).and_then(VecDeque::front) {
             wake.notify_one();
         }
