@@ -499,14 +499,25 @@ async fn a_fleet_follows_a_change_within_a_second() {
     }
     assert_eq!(spent, 30);
     let cut = Override::Limits(vec!["20/1m".parse().unwrap()]);
+    let before: Vec<u64> = stores.iter().map(|s| s.limits_version()).collect();
     stores[1]
         .overrides()
         .set(&api, &Scope::Key(Key::from("m")), &cut)
         .await
         .unwrap();
-    // Within the stores' watch (250 ms) every instance has seen the cut: the leases they
-    // hold are spent no more.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Once a store has seen the cut (its watch reads the version every 250 ms), the leases it
+    // holds are spent no more: wait for every instance to see it, and say how long it took.
+    let set = tokio::time::Instant::now();
+    for (i, store) in stores.iter().enumerate() {
+        while store.limits_version() == before[i] {
+            assert!(
+                set.elapsed() < Duration::from_secs(3),
+                "instance {i} never saw the cut"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    eprintln!("every instance saw the cut within {:?}", set.elapsed());
     let mut late = 0;
     for _ in 0..20 {
         for service in &fleet {
