@@ -8,7 +8,6 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::concurrency::holds::Holds;
 use crate::future::ResponseFuture;
 use crate::future::{Check, Recheck, Verdict, Waiting};
 use crate::layer::Config;
@@ -157,26 +156,22 @@ where
         };
         // Requests of the key already waiting for a slot here go first: this one takes its place
         // at the back of their line without asking the store, as if refused for a slot.
-        let in_line = |holds: &Option<(Arc<Holds>, _)>| {
-            let holds = holds.as_ref().map(|(holds, _)| holds);
-            holds.is_some_and(|holds| holds.has_line(&check.key, &check.responder.policy))
-        };
-        let waiting = match waiting {
-            Some(waiting) if in_line(&check.holds) => {
-                let full = Decision::slots_full(&check.responder.policy, Duration::from_secs(1));
-                let clone = self.inner.clone();
-                let ready = std::mem::replace(&mut self.inner, clone);
-                return ResponseFuture::waiting(Ok(full), check, ready, request, waiting);
-            }
-            waiting => waiting,
-        };
+        let in_line = waiting.is_some()
+            && check
+                .holds
+                .as_ref()
+                .is_some_and(|(holds, _)| holds.has_line(&check.key, &check.responder.policy));
         // A store that decides without waiting lets the inner service be called right here,
         // with no clone of it for a later call.
         // Counted by outcome, the store only looks: whether one more would fit.
         let counts_outcomes = check.counts_outcomes();
-        let now = match counts_outcomes {
-            true => None,
-            false => config
+        let now = match (in_line, counts_outcomes) {
+            (true, _) => Some(Ok(Decision::slots_full(
+                &check.responder.policy,
+                Duration::from_secs(1),
+            ))),
+            (false, true) => None,
+            (false, false) => config
                 .store
                 .check_now(&check.key, &check.responder.policy, cost),
         };
@@ -186,8 +181,7 @@ where
                     .as_ref()
                     .is_ok_and(|decision| decision.is_concurrency_limit())
             }) {
-                let clone = self.inner.clone();
-                let ready = std::mem::replace(&mut self.inner, clone);
+                let ready = self.take_ready();
                 return ResponseFuture::waiting(outcome, check, ready, request, waiting);
             }
             return match check.settle(outcome) {
@@ -204,8 +198,16 @@ where
                 .store
                 .check(&check.key, &check.responder.policy, cost),
         };
-        let clone = self.inner.clone();
-        let ready = std::mem::replace(&mut self.inner, clone);
+        let ready = self.take_ready();
         ResponseFuture::checking(decision, check, ready, request, waiting)
+    }
+}
+
+impl<S: Clone, K, St> RateLimit<S, K, St> {
+    /// The inner service that `poll_ready` made ready, for a response future to call later,
+    /// leaving a clone in its place.
+    fn take_ready(&mut self) -> S {
+        let clone = self.inner.clone();
+        std::mem::replace(&mut self.inner, clone)
     }
 }

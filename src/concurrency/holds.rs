@@ -63,6 +63,12 @@ type Line = VecDeque<(u64, Arc<Notify>)>;
 /// The lines of a layer. Keyed by what clients send, so hashed with a seed of its own.
 type Lines = hashbrown::HashMap<Queue, Line, foldhash::fast::RandomState>;
 
+/// What wakes the first request in line of `queue`, if any.
+fn first_in(queues: &Lines, queue: &QueueOf<'_>) -> Option<Arc<Notify>> {
+    let (_, wake) = queues.get(queue).and_then(VecDeque::front)?;
+    Some(Arc::clone(wake))
+}
+
 /// A [`Queue`] by reference, to look one up without cloning its key: hashed and compared as
 /// the tuple is.
 #[derive(Hash)]
@@ -77,7 +83,6 @@ impl hashbrown::Equivalent<Queue> for QueueOf<'_> {
 /// The slots in use, by serial, and the renewal task's tick in µs (`u64::MAX` while nothing is
 /// held): read and written under one lock, so that a slot taken sees the tick the task sleeps
 /// on.
-#[derive(Default)]
 struct Registry {
     slots: ByU64<Held>,
     tick: u64,
@@ -253,17 +258,18 @@ impl Holds {
             .or_default()
             .add(held);
         if let Some(release) = Settlement::release(&slot.decision) {
-            let queue = self
-                .queued
-                .load(Ordering::Acquire)
-                .then(|| (Arc::clone(policy.state_id().text), slot.key.clone()));
+            let first = self.queued.load(Ordering::Acquire).then(|| {
+                let queues = crate::shards::lock(&self.queues);
+                first_in(&queues, &QueueOf(policy.identity(), &slot.key))
+            });
             let entry = Entry::slot(slot.key, slot.responder, release, None);
             slot.ledger.settle(entry, &self.in_flight);
             // Once the give-back is on its way (done, on the memory store): the first request
             // in line for the key asks again. On Redis its ask may land before the give-back,
-            // and it then asks again 50 ms later.
-            if let Some(queue) = queue {
-                self.wake_first(&crate::shards::lock(&self.queues), &queue);
+            // and it then asks again 50 ms later. (Had the first left meanwhile, its leaving
+            // woke the next.)
+            if let Some(wake) = first.flatten() {
+                wake.notify_one();
             }
         }
     }
@@ -295,13 +301,6 @@ impl Holds {
         }
         let queues = crate::shards::lock(&self.queues);
         queues.contains_key(&QueueOf(policy.identity(), key))
-    }
-
-    /// Wakes the first request in line of `queue`, if any.
-    fn wake_first(&self, queues: &Lines, queue: &Queue) {
-        if let Some((_, wake)) = queues.get(queue).and_then(VecDeque::front) {
-            wake.notify_one();
-        }
     }
 
     /// Sends a renewal of every slot held for a quarter of its lifetime or more since it was
@@ -397,7 +396,10 @@ impl Drop for InLine {
         } else if first {
             // The next in line asks the store now: the slot this one got, or did not wait
             // for, may leave room for it too.
-            self.holds.wake_first(&queues, &self.queue);
+            let (identity, key) = &self.queue;
+            if let Some(wake) = first_in(&queues, &QueueOf(identity, key)) {
+                wake.notify_one();
+            }
         }
     }
 }
