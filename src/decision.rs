@@ -252,6 +252,12 @@ pub(crate) enum Change {
 }
 
 impl Settlement {
+    /// Whether it gives back or renews a concurrency slot.
+    #[cfg(feature = "redis")]
+    pub(crate) fn is_slot(&self) -> bool {
+        matches!(self.change, Change::Release(_) | Change::Renew(_))
+    }
+
     /// Adds `units` for the request that got `decision`; `None` when it was refused.
     ///
     /// A charge over 2^52 units, more than any state holds, is recorded as 2^52 (and logged

@@ -322,6 +322,10 @@ pub(crate) struct StoreLedger<St>(pub(crate) St);
 
 impl<St: Store> Ledger for StoreLedger<St> {
     fn settle(&self, entry: Entry, in_flight: &Arc<InFlight>) {
+        #[cfg(feature = "redis")]
+        let Some(entry) = redis_slot(&self.0, entry, in_flight) else {
+            return;
+        };
         // A store that does I/O needs a runtime even for its first poll (timers, sockets).
         let runtime = tokio::runtime::Handle::try_current().ok();
         if runtime.is_none() && !self.0.is_local() {
@@ -333,6 +337,27 @@ impl<St: Store> Ledger for StoreLedger<St> {
             .settle(&entry.key, &entry.responder.policy, entry.settlement);
         run(Box::pin(future), runtime, entry, in_flight);
     }
+}
+
+/// Sends `entry` to `store` when it is a concurrency slot's give-back or renewal on a
+/// [`RedisStore`](crate::RedisStore): one of the calls under way takes it, and its outcome
+/// finishes it there, so that a request's give-back costs no task of its own. Returns `entry`
+/// for any other settle or store.
+#[cfg(feature = "redis")]
+fn redis_slot<St: Store>(store: &St, entry: Entry, in_flight: &Arc<InFlight>) -> Option<Entry> {
+    let store = (store as &dyn std::any::Any).downcast_ref::<crate::RedisStore>();
+    let Some(store) = store.filter(|_| entry.settlement.is_slot()) else {
+        return Some(entry);
+    };
+    let (key, policy, settlement) = (
+        entry.key.clone(),
+        Arc::clone(&entry.responder),
+        entry.settlement,
+    );
+    let pending = Pending::start(entry, Arc::clone(in_flight));
+    let done = Box::new(move |outcome| pending.finish(outcome));
+    store.settle_slot(&key, &policy.policy, &settlement, done);
+    None
 }
 
 /// Runs a settle: at once when the store needs no waiting (the memory store), else in a task

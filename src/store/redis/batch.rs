@@ -49,13 +49,61 @@ pub(super) struct Answer {
 /// Bytes per integer in a script's arguments and reply.
 const INT: usize = std::mem::size_of::<i64>();
 
-/// One request waiting for its decision.
+/// One request waiting for its answer.
 struct Job {
     algorithm: Algorithm,
     key: Key,
-    /// The request's arguments, encoded (see [`encode`]).
-    args: Vec<u8>,
-    reply: oneshot::Sender<Reply>,
+    work: Work,
+    reply: Requester,
+}
+
+/// Who hears a request's answer.
+enum Requester {
+    /// A request awaiting it.
+    Waiting(oneshot::Sender<Reply>),
+    /// A slot operation nobody awaits: run with the answer in the task that sent the call, so
+    /// that a give-back needs no task of its own.
+    Then(Then),
+}
+
+/// What runs with the answer of a slot operation nobody awaits (see [`Batcher::keep_then`]).
+pub(super) type Then = Box<dyn FnOnce(Reply) + Send>;
+
+impl Requester {
+    fn answer(self, reply: Reply) {
+        match self {
+            // The requester may have given up (its own timeout); nothing to do then.
+            Requester::Waiting(sender) => drop(sender.send(reply)),
+            Requester::Then(then) => then(reply),
+        }
+    }
+}
+
+/// What a request asks of a call.
+#[derive(Debug, Clone)]
+enum Work {
+    /// A decision or a settlement: its arguments, encoded (see [`encode`]).
+    Decide(Vec<u8>),
+    /// A concurrency slot's give-back or renewal.
+    Slot(SlotOp),
+}
+
+impl Work {
+    fn is_slot(&self) -> bool {
+        matches!(self, Work::Slot(_))
+    }
+}
+
+/// A concurrency slot's give-back (`lifetime` 0) or renewal for `lifetime` µs. A call carries
+/// these after its decisions, as two arguments each, the slot's id and the lifetime, which
+/// the script uses as they come (the id is the slot's member in the key's set): no record to
+/// decode and no answer of six integers, since a give-back or renewal decides nothing
+/// (`scripts/prelude.lua`, "Slot operations"). Its answer is `[kept, 0, 0, 0, -1, -1]`, kept
+/// 1 where the slot was held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SlotOp {
+    pub(super) id: u64,
+    pub(super) lifetime: u64,
 }
 
 /// Sends decisions: at once while a call slot of the request's lane is free, else through the
@@ -130,8 +178,36 @@ impl Batcher {
         Batcher { lanes, settings }
     }
 
-    /// Decides one request at `place`: `args` as in [`Job::args`] (see [`encode`]).
+    /// Decides one request at `place`: `args` encoded by [`encode`].
     pub(super) async fn decide(&self, place: Place, algorithm: Algorithm, args: Vec<u8>) -> Reply {
+        self.submit(place, algorithm, Work::Decide(args)).await
+    }
+
+    /// Gives back or renews a concurrency slot of the key at `place`, in the calls of the
+    /// policy's `algorithm` (any script takes slot operations).
+    pub(super) async fn keep(&self, place: Place, algorithm: Algorithm, op: SlotOp) -> Reply {
+        self.submit(place, algorithm, Work::Slot(op)).await
+    }
+
+    /// Gives back or renews a concurrency slot as [`keep`](Self::keep) does, without a future
+    /// to await: the operation joins the next call of its lane, and `then` runs with its
+    /// answer in the task that sent the call (at once, with an error, if the lane's task has
+    /// stopped).
+    pub(super) fn keep_then(&self, place: Place, algorithm: Algorithm, op: SlotOp, then: Then) {
+        let lane = &self.lanes[place.lane % self.lanes.len()];
+        let job = Job {
+            algorithm,
+            key: Key::from(place.key),
+            work: Work::Slot(op),
+            reply: Requester::Then(then),
+        };
+        if let Err(mpsc::error::SendError(job)) = lane.queue.send(job) {
+            let error = Error::new(ErrorKind::Canceled, "the batching task has stopped");
+            job.reply.answer(Err(error));
+        }
+    }
+
+    async fn submit(&self, place: Place, algorithm: Algorithm, work: Work) -> Reply {
         let index = place.lane % self.lanes.len();
         let lane = &self.lanes[index];
         // fred's key type shares the text, so copies of it (a retry's) cost no copy of it.
@@ -140,24 +216,18 @@ impl Batcher {
         if let Ok(slot) = Arc::clone(&lane.slots).try_acquire_owned() {
             // Boxed because fred's call future takes kilobytes: inline, it would make every
             // decision's future that large, including the queued ones that never send.
-            let call = call(
-                &self.settings,
-                index,
-                algorithm,
-                vec![key],
-                Bytes::from(args),
-                1,
-            );
+            let decisions = usize::from(!work.is_slot());
+            let call = call(&self.settings, index, algorithm, Laid::of(key, work));
             let reply = Box::pin(call).await;
             drop(slot);
-            return reply.map(|values| answer(&values, 0));
+            return reply.map(|values| answer(&values, decisions, 0));
         }
         let (reply, answer) = oneshot::channel();
         let job = Job {
             algorithm,
             key,
-            args,
-            reply,
+            work,
+            reply: Requester::Waiting(reply),
         };
         if lane.queue.send(job).is_err() {
             return Err(Error::new(
@@ -205,8 +275,8 @@ impl Batcher {
         let keys = vec![Key::from(place.key)];
         let argv = argv(&self.settings, place.lane, Bytes::from(args));
         let values: Bytes = self.evalsha_patiently(script, keys, argv, patience).await?;
-        check_length(&values, 1)?;
-        Ok(answer(&values, 0))
+        check_length(&values, 1, 0)?;
+        Ok(answer(&values, 1, 0))
     }
 
     /// `EVALSHA` of `script` over `keys` (one hash slot) with arguments `argv`, waiting for
@@ -339,6 +409,80 @@ fn groups(batch: Vec<Job>, clustered: bool) -> Vec<Vec<Job>> {
     groups.into_iter().map(|(_, _, group)| group).collect()
 }
 
+/// A call's requests laid out for a script: the keys of its decisions, then those of its
+/// slot operations; the decisions' arguments one after the other; each slot operation's two.
+struct Laid {
+    keys: Vec<Key>,
+    args: Vec<u8>,
+    ops: Vec<Value>,
+    decisions: usize,
+}
+
+impl Laid {
+    /// One request's call.
+    fn of(key: Key, work: Work) -> Laid {
+        let mut laid = Laid::with_capacity(1, 0);
+        laid.push(key, work);
+        laid
+    }
+
+    fn with_capacity(requests: usize, bytes: usize) -> Laid {
+        Laid {
+            keys: Vec::with_capacity(requests),
+            args: Vec::with_capacity(bytes),
+            ops: Vec::new(),
+            decisions: 0,
+        }
+    }
+
+    /// Adds a request; every decision must come before the first slot operation.
+    fn push(&mut self, key: Key, work: Work) {
+        self.keys.push(key);
+        match work {
+            Work::Decide(args) => {
+                self.args.extend_from_slice(&args);
+                self.decisions += 1;
+            }
+            Work::Slot(SlotOp { id, lifetime }) => {
+                self.ops.push(Value::Integer(clamp(id)));
+                self.ops.push(Value::Integer(clamp(lifetime)));
+            }
+        }
+    }
+
+    /// Lays out `jobs`, decisions first (each kind in its order); returns the requesters in
+    /// the order of the reply.
+    fn jobs(mut jobs: Vec<Job>) -> (Laid, Vec<Requester>) {
+        // Stable: requests of one key keep their order among their kind.
+        jobs.sort_by_key(|job| job.work.is_slot());
+        let bytes = jobs
+            .iter()
+            .map(|job| match &job.work {
+                Work::Decide(args) => args.len(),
+                Work::Slot(_) => 0,
+            })
+            .sum();
+        let mut laid = Laid::with_capacity(jobs.len(), bytes);
+        let mut replies = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            laid.push(job.key, job.work);
+            replies.push(job.reply);
+        }
+        (laid, replies)
+    }
+}
+
+/// Answers each requester, in the order of the reply, from a call's `reply`.
+fn deliver(reply: Result<Bytes, Error>, decisions: usize, replies: Vec<Requester>) {
+    for (i, requester) in replies.into_iter().enumerate() {
+        let result = match &reply {
+            Ok(values) => Ok(answer(values, decisions, i)),
+            Err(error) => Err(error.clone()),
+        };
+        requester.answer(result);
+    }
+}
+
 /// Sends one call and answers each of its requests.
 async fn send(
     lane: usize,
@@ -349,87 +493,64 @@ async fn send(
     let Some(algorithm) = group.first().map(|job| job.algorithm) else {
         return;
     };
-    let requests = group.len();
-    let mut keys = Vec::with_capacity(requests);
-    let mut args = Vec::with_capacity(group.iter().map(|job| job.args.len()).sum());
-    let mut lens = Vec::with_capacity(requests);
-    let mut replies = Vec::with_capacity(requests);
-    for job in group {
-        keys.push(job.key);
-        args.extend_from_slice(&job.args);
-        lens.push(job.args.len());
-        replies.push(job.reply);
-    }
-    let args = Bytes::from(args);
-    // Only a cluster answers `TRYAGAIN`, which needs the keys again.
-    let kept = match settings.redis {
-        Redis::Cluster(_) => Some(keys.clone()),
+    // Only a cluster answers `TRYAGAIN`, which needs the requests again.
+    let kept: Option<Vec<(Key, Work)>> = match settings.redis {
+        Redis::Cluster(_) => Some(
+            group
+                .iter()
+                .map(|job| (job.key.clone(), job.work.clone()))
+                .collect(),
+        ),
         Redis::Single(_) => None,
     };
-    let reply = call(&settings, lane, algorithm, keys, args.clone(), requests).await;
-    if let Some(keys) = kept {
-        if reply.as_ref().is_err_and(is_split) && keys.iter().any(|key| *key != keys[0]) {
-            send_by_key(&settings, lane, algorithm, keys, &args, &lens, replies).await;
+    let (laid, replies) = Laid::jobs(group);
+    let decisions = laid.decisions;
+    let reply = call(&settings, lane, algorithm, laid).await;
+    if let Some(kept) = kept {
+        let first = &kept[0].0;
+        if reply.as_ref().is_err_and(is_split) && kept.iter().any(|(key, _)| key != first) {
+            // `replies` are in the reply's order, decisions first: so is `kept` once sorted.
+            let mut kept = kept;
+            kept.sort_by_key(|(_, work)| work.is_slot());
+            let jobs = kept
+                .into_iter()
+                .zip(replies)
+                .map(|((key, work), reply)| Job {
+                    algorithm,
+                    key,
+                    work,
+                    reply,
+                })
+                .collect();
+            send_by_key(&settings, lane, algorithm, jobs).await;
             return;
         }
     }
-    for (i, requester) in replies.into_iter().enumerate() {
-        let result = match &reply {
-            Ok(values) => Ok(answer(values, i)),
-            Err(error) => Err(error.clone()),
-        };
-        // The requester may have given up (its own timeout); nothing to do then.
-        let _ = requester.send(result);
-    }
+    deliver(reply, decisions, replies);
 }
 
 /// Decides a call's requests again with one call per key, all under way at once, after the
 /// call was refused because its keys are split between the two nodes of a slot migration
 /// (`TRYAGAIN`): each key is then on one node or the other, and a call of one key is never
 /// refused so. Requests of different keys do not affect one another, and each key's requests
-/// keep their order, so the decisions are those the whole call would have made. `lens`: the
-/// length of each request's arguments in `args`.
-async fn send_by_key(
-    settings: &Arc<Settings>,
-    lane: usize,
-    algorithm: Algorithm,
-    keys: Vec<Key>,
-    args: &[u8],
-    lens: &[usize],
-    replies: Vec<oneshot::Sender<Reply>>,
-) {
-    type Part = (Key, Vec<u8>, Vec<oneshot::Sender<Reply>>);
-    let mut parts: Vec<Part> = Vec::new();
-    let mut at = 0;
-    for ((key, &len), reply) in keys.into_iter().zip(lens).zip(replies) {
-        let Some(request) = args.get(at..at + len) else {
-            let error = Error::new(ErrorKind::Unknown, "request arguments out of range");
-            let _ = reply.send(Err(error));
-            continue;
-        };
-        at += len;
-        match parts.iter_mut().find(|(k, _, _)| *k == key) {
-            Some((_, args, replies)) => {
-                args.extend_from_slice(request);
-                replies.push(reply);
-            }
-            None => parts.push((key, request.to_vec(), vec![reply])),
+/// keep their order, so the decisions are those the whole call would have made.
+async fn send_by_key(settings: &Arc<Settings>, lane: usize, algorithm: Algorithm, jobs: Vec<Job>) {
+    let mut parts: Vec<Vec<Job>> = Vec::new();
+    for job in jobs {
+        match parts.iter_mut().find(|part| part[0].key == job.key) {
+            Some(part) => part.push(job),
+            None => parts.push(vec![job]),
         }
     }
     let calls: Vec<_> = parts
         .into_iter()
-        .map(|(key, args, replies)| {
+        .map(|part| {
             let settings = Arc::clone(settings);
             tokio::spawn(async move {
-                let (keys, args) = (vec![key; replies.len()], Bytes::from(args));
-                let reply = call(&settings, lane, algorithm, keys, args, replies.len()).await;
-                for (i, requester) in replies.into_iter().enumerate() {
-                    let result = match &reply {
-                        Ok(values) => Ok(answer(values, i)),
-                        Err(error) => Err(error.clone()),
-                    };
-                    let _ = requester.send(result);
-                }
+                let (laid, replies) = Laid::jobs(part);
+                let decisions = laid.decisions;
+                let reply = call(&settings, lane, algorithm, laid).await;
+                deliver(reply, decisions, replies);
             })
         })
         .collect();
@@ -461,20 +582,14 @@ pub(super) enum Record {
     /// Decide and record as [`Yes`](Record::Yes), and when admitted take concurrency slot
     /// `id` for `ttl` µs, refusing at once while the key holds `cap` live slots.
     Take { cap: u32, id: u64, ttl: u64 },
-    /// Decide nothing: give concurrency slot `id` back.
-    Release { id: u64 },
-    /// Decide nothing: renew concurrency slot `id` for `ttl` µs, if it is still held.
-    Renew { id: u64, ttl: u64 },
 }
 
 /// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
-/// of limits, cost, record (0, 1, 2 for a lease, 3 for a settlement, 4 to 6 for a
-/// concurrency slot's take, give-back and renewal), event time (µs, -1 for
-/// now), the policy's override id (`Policy::override_id`), its penalty box (µs, 0: none;
+/// of limits, cost, record (0, 1, 2 for a lease, 3 for a settlement, 4 for a decision that
+/// takes a concurrency slot), event time (µs, -1 for now), the policy's override id (`Policy::override_id`), its penalty box (µs, 0: none;
 /// `Policy::block_for`), for a lease or a look (0) want and
 /// headroom, for a settlement refund (0 or 1), admission time and the units recorded then,
-/// for a slot the key's cap (0 for a give-back or renewal), the slot's id and its lifetime (µs),
-/// then count, window (µs) and scale of each limit.
+/// for a slot's take the key's cap, the slot's id and its lifetime (µs), then count, window (µs) and scale of each limit.
 pub(super) fn encode(
     cost: u64,
     record: Record,
@@ -494,8 +609,6 @@ pub(super) fn encode(
             recorded,
         } => (3, [i64::from(refund), admitted, clamp(recorded)], 3),
         Record::Take { cap, id, ttl } => (4, [cap.into(), clamp(id), clamp(ttl)], 3),
-        Record::Release { id } => (5, [0, clamp(id), 0], 3),
-        Record::Renew { id, ttl } => (6, [0, clamp(id), clamp(ttl)], 3),
     };
     let head = [
         windows.len() as i64,
@@ -515,12 +628,7 @@ pub(super) fn encode(
 /// A request's arguments under `policy`: its override id and penalty box, and its limits.
 pub(super) fn encode_for(policy: &Policy, cost: u64, record: Record, at: i64) -> Vec<u8> {
     let terms = (policy.override_id(), policy.block_micros());
-    // A slot's give-back or renewal decides nothing, and carries no limits.
-    let windows = match record {
-        Record::Release { .. } | Record::Renew { .. } => &[],
-        _ => policy.windows(),
-    };
-    encode(cost, record, at, terms, windows)
+    encode(cost, record, at, terms, policy.windows())
 }
 
 /// One give-back's arguments as `scripts/release.lua` reads them: algorithm, number of
@@ -579,8 +687,8 @@ pub(super) fn evalsha_args(script: &Script, keys: Vec<Key>, argv: Vec<Value>) ->
     evalsha
 }
 
-/// An algorithm script's arguments for a call of lane `lane`: the requests' (`args`), and
-/// the name of the lane's hash of overrides. The hash is read by name, not passed as a key:
+/// An algorithm script's arguments for a call of lane `lane`: the decisions' (`args`), and
+/// the name of the lane's hash of overrides (a call's slot operations follow them). The hash is read by name, not passed as a key:
 /// while a slot migrates, a call whose keys include one that is missing on a node is
 /// refused (`TRYAGAIN`), and the hash usually does not exist at all (`prelude.lua`).
 fn argv(settings: &Settings, lane: usize, args: Bytes) -> Vec<Value> {
@@ -592,21 +700,27 @@ fn clamp(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-/// Runs the algorithm's script for `requests` requests of lane `lane` (`args`: theirs,
-/// encoded one after the other), within the time budget; the reply has six integers per
-/// request.
+/// Runs the algorithm's script for the requests `laid` out for lane `lane`, within the time
+/// budget; the reply has six integers per decision, the time, then a byte per slot
+/// operation.
 async fn call(
     settings: &Settings,
     lane: usize,
     algorithm: Algorithm,
-    keys: Vec<Key>,
-    args: Bytes,
-    requests: usize,
+    laid: Laid,
 ) -> Result<Bytes, Error> {
     let script = script_for(settings, algorithm)?;
+    let Laid {
+        keys,
+        args,
+        ops,
+        decisions,
+    } = laid;
+    let slot_ops = ops.len() / 2;
     // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
     let one_key = keys.iter().all(|key| *key == keys[0]);
-    let argv = argv(settings, lane, args);
+    let mut argv = argv(settings, lane, Bytes::from(args));
+    argv.extend(ops);
     let call = async {
         let nodes = match &settings.redis {
             // No redirections outside a cluster: nothing to keep for a second try.
@@ -643,7 +757,7 @@ async fn call(
             return Err(error);
         }
     };
-    check_length(&values, requests)?;
+    check_length(&values, decisions, slot_ops)?;
     Ok(values)
 }
 
@@ -658,10 +772,14 @@ fn script_for(settings: &Settings, algorithm: Algorithm) -> Result<&Script, Erro
     }
 }
 
-/// Whether `values` is a reply to `requests` requests: six integers each, then the time.
-fn check_length(values: &[u8], requests: usize) -> Result<(), Error> {
-    if values.len() != (6 * requests + 1) * INT {
-        let message = format!("{} bytes for {requests} requests", values.len());
+/// Whether `values` is a reply to `decisions` decisions and `slot_ops` slot operations: six
+/// integers each, the time, then a byte each.
+fn check_length(values: &[u8], decisions: usize, slot_ops: usize) -> Result<(), Error> {
+    if values.len() != (6 * decisions + 1) * INT + slot_ops {
+        let message = format!(
+            "{} bytes for {decisions} decisions and {slot_ops} slot operations",
+            values.len()
+        );
         return Err(Error::new(ErrorKind::Parse, message));
     }
     Ok(())
@@ -680,21 +798,28 @@ fn is_split(error: &Error) -> bool {
     error.details().starts_with("TRYAGAIN")
 }
 
-/// The answer to request `i` in a reply of the right length.
-fn answer(values: &[u8], i: usize) -> Answer {
+/// The answer to request `i` (in the reply's order) in a reply of the right length to
+/// `decisions` decisions and any slot operations after them.
+fn answer(values: &[u8], decisions: usize, i: usize) -> Answer {
     let int = |at: usize| {
         let mut le = [0; INT];
         le.copy_from_slice(&values[at..at + INT]);
         i64::from_le_bytes(le)
     };
+    let time_at = 6 * decisions * INT;
+    let time = int(time_at);
+    if i >= decisions {
+        let kept = values[time_at + INT + (i - decisions)] == b'1';
+        return Answer {
+            ints: [i64::from(kept), 0, 0, 0, -1, -1],
+            time,
+        };
+    }
     let mut ints = [0; 6];
     for (j, value) in ints.iter_mut().enumerate() {
         *value = int((6 * i + j) * INT);
     }
-    Answer {
-        ints,
-        time: int(values.len() - INT),
-    }
+    Answer { ints, time }
 }
 
 #[cfg(test)]
@@ -705,8 +830,8 @@ mod tests {
         Job {
             algorithm,
             key: Key::from(key),
-            args: vec![],
-            reply: oneshot::channel().0,
+            work: Work::Decide(vec![]),
+            reply: Requester::Waiting(oneshot::channel().0),
         }
     }
 
@@ -715,6 +840,44 @@ mod tests {
             .iter()
             .map(|g| g.iter().map(|j| j.key.as_str().unwrap_or("")).collect())
             .collect()
+    }
+
+    #[test]
+    fn slot_operations_follow_the_decisions_and_answer_a_byte_each() {
+        let job = |key: &str, work| Job {
+            algorithm: Algorithm::Gcra,
+            key: Key::from(key),
+            work,
+            reply: Requester::Waiting(oneshot::channel().0),
+        };
+        let op = |key, id, lifetime| job(key, Work::Slot(SlotOp { id, lifetime }));
+        let decision = |key, byte| job(key, Work::Decide(vec![byte; INT]));
+        let batch = vec![
+            op("a", 7, 0),
+            decision("b", 1),
+            op("c", 9, 500),
+            decision("d", 2),
+        ];
+        let (laid, replies) = Laid::jobs(batch);
+        let keys: Vec<_> = laid.keys.iter().map(|k| k.as_str().unwrap()).collect();
+        assert_eq!(keys, ["b", "d", "a", "c"]);
+        assert_eq!(laid.args, [[1; INT], [2; INT]].concat());
+        let ops = [7, 0, 9, 500].map(Value::Integer);
+        assert_eq!(laid.ops, ops);
+        assert_eq!((laid.decisions, replies.len()), (2, 4));
+
+        // Two decisions' six integers, the time, then one byte per slot operation.
+        let mut values: Vec<u8> = (0..12i64).flat_map(i64::to_le_bytes).collect();
+        values.extend(42i64.to_le_bytes());
+        values.extend(b"10");
+        assert!(check_length(&values, 2, 2).is_ok());
+        assert!(check_length(&values, 2, 1).is_err());
+        assert!(check_length(&values, 3, 0).is_err());
+        let decided = answer(&values, 2, 1);
+        assert_eq!((decided.ints, decided.time), ([6, 7, 8, 9, 10, 11], 42));
+        let kept = answer(&values, 2, 2);
+        assert_eq!((kept.ints, kept.time), ([1, 0, 0, 0, -1, -1], 42));
+        assert_eq!(answer(&values, 2, 3).ints[0], 0);
     }
 
     #[test]

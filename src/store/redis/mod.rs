@@ -25,7 +25,7 @@ mod placement;
 
 pub use lease::Leases;
 
-use batch::{Answer, Batcher, Record};
+use batch::{Answer, Batcher, Record, SlotOp};
 use health::{is_outage, Breaker};
 use nodes::Nodes;
 use placement::{Place, Placement};
@@ -229,6 +229,22 @@ impl Inner {
 
     /// Lane `lane`'s breaker's verdict on a call started at `started`: its reply, or `None`
     /// when it took longer than the budget.
+    /// The outcome of slot operation `op` sent on `lane` at `started` (the breaker's clock):
+    /// a renewal of a slot no longer held is [`StoreError::SlotGone`].
+    fn slot_kept(
+        &self,
+        lane: usize,
+        started: u64,
+        op: SlotOp,
+        reply: batch::Reply,
+    ) -> Result<(), StoreError> {
+        let answer = self.judge(lane, started, Some(reply))?;
+        match (op.lifetime, answer.ints[0]) {
+            (1.., 0) => Err(StoreError::SlotGone),
+            _ => Ok(()),
+        }
+    }
+
     fn judge<T>(
         &self,
         lane: usize,
@@ -834,20 +850,11 @@ impl Store for RedisStore {
         const PATIENCE: Duration = Duration::from_secs(3);
         let inner = Arc::clone(&self.inner);
         let place = inner.place(key, policy);
-        let slot = match settlement.change {
-            Change::Release(id) => Some(Record::Release { id }),
-            Change::Renew(id) => Some(Record::Renew {
-                id,
-                ttl: policy.slot_micros(),
-            }),
-            Change::Charge | Change::Refund => None,
-        };
-        if let Some(record) = slot {
+        if let Some(op) = slot_op(policy, &settlement) {
             // Batched with the decisions under way, within the time budget: a give-back or a
             // renewal may run twice or not at all without harm (the slot's expiry is the
             // backstop), so it needs none of a charge's patience.
             // No timer of its own either: the batch's call has its timeout.
-            let args = batch::encode_for(policy, 0, record, -1);
             let algorithm = policy.algorithm();
             return Box::pin(async move {
                 let lane = place.lane;
@@ -858,12 +865,8 @@ impl Store for RedisStore {
                     return Err(StoreError::Unavailable);
                 }
                 let started = inner.breaker(lane).now();
-                let reply = inner.batcher.decide(place, algorithm, args).await;
-                let answer = inner.judge(lane, started, Some(reply))?;
-                match (record, answer.ints[0]) {
-                    (Record::Renew { .. }, 0) => Err(StoreError::SlotGone),
-                    _ => Ok(()),
-                }
+                let reply = inner.batcher.keep(place, algorithm, op).await;
+                inner.slot_kept(lane, started, op, reply)
             });
         }
         let algorithm = policy.algorithm();
@@ -897,6 +900,53 @@ impl Store for RedisStore {
             lease::settled(&inner, &key, &policy, &answer);
             Ok(())
         })
+    }
+}
+
+impl RedisStore {
+    /// Settles a concurrency slot's give-back or renewal as [`Store::settle`] does, without a
+    /// future: `done` runs with the outcome in the batching task that sent the call (at once
+    /// while the breaker is open), so that a give-back costs no task of its own. A charge or a
+    /// refund is refused (`StoreError::Unsupported`): those go through [`Store::settle`].
+    pub(crate) fn settle_slot(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        settlement: &Settlement,
+        done: SlotDone,
+    ) {
+        let Some(op) = slot_op(policy, settlement) else {
+            return done(Err(StoreError::Unsupported(
+                "not a concurrency slot's settle",
+            )));
+        };
+        let place = self.inner.place(key, policy);
+        let lane = place.lane;
+        if self.inner.breaker(lane).is_open() {
+            return done(Err(StoreError::Unavailable));
+        }
+        let started = self.inner.breaker(lane).now();
+        let inner = Arc::clone(&self.inner);
+        let then = Box::new(move |reply| done(inner.slot_kept(lane, started, op, reply)));
+        self.inner
+            .batcher
+            .keep_then(place, policy.algorithm(), op, then);
+    }
+}
+
+/// What runs with the outcome of a slot's give-back or renewal ([`RedisStore::settle_slot`]).
+pub(crate) type SlotDone = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
+/// The slot operation `settlement` asks for under `policy`: a give-back (lifetime 0) or a
+/// renewal for the policy's slot lifetime; `None` for a charge or a refund.
+fn slot_op(policy: &Policy, settlement: &Settlement) -> Option<SlotOp> {
+    match settlement.change {
+        Change::Release(id) => Some(SlotOp { id, lifetime: 0 }),
+        Change::Renew(id) => Some(SlotOp {
+            id,
+            lifetime: policy.slot_micros().max(1),
+        }),
+        Change::Charge | Change::Refund => None,
     }
 }
 

@@ -3,8 +3,9 @@
 -- window), is appended to it. One call decides a batch of requests, one after the other,
 -- exactly as if each were its own call.
 --
--- KEYS[k]   the state of request k (the algorithm's file says its format); in Redis Cluster
---           all keys of one call are in one hash slot
+-- KEYS[k]   the state of request k (the algorithm's file says its format), then the state
+--           key of each slot operation; in Redis Cluster all keys of one call are in one hash
+--           slot
 -- ARGV[1]   64-bit little-endian signed integers, for each request k in turn: n (its number
 --           of limits), cost (units, >= 0), record (1 to record an admitted request, 0 to
 --           only look, 2 for a lease, 3 for a settlement), event time in microseconds since
@@ -17,10 +18,11 @@
 --           admission time (Redis time, us, of the request being settled; -1: not known) and
 --           the units that request recorded; then count, window (microseconds) and scale
 --           (gcd of the two, GCRA's divisor) of limits 1..n, shortest first. Record 4
---           decides as 1 and takes a concurrency slot, 5 gives one back, 6 renews one (both
---           with n = 0 and nothing decided); each is followed, before the limits, by the
---           key's cap of slots (0 for 5 and 6), the slot's id and its lifetime (us)
+--           decides as 1 and takes a concurrency slot; it is followed, before the limits, by
+--           the key's cap of slots, the slot's id and its lifetime (us)
 -- ARGV[2]   the name of the hash of overrides of the call's slot (src/store/redis/overrides.rs)
+-- ARGV[3..] two per slot operation j (state key KEYS[#KEYS - OPS + j]), in decimal: the
+--           slot's id, and 0 to give it back or its lifetime (us) to renew it
 --
 -- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
 -- 2255), and every state saturates at MAX_UNITS (2^52) units, so that every number the
@@ -32,9 +34,9 @@
 --        limit index (0-based), remaining, reset_after (us), retry_after (us; -1 when
 --        admitted, -2 when no wait helps), and the count of the reported limit when an
 --        override set it (0 for a block; -1: the request's own); then, once per call, Redis
---        TIME in us. A request refused for its concurrency slots answers 0 -2 0 left left cap
---        (left: us until the first slot expires); a give-back or renewal answers kept 0 0 0
---        -1 -1 (kept: 1 held, 0 not held). A settlement's six are those of an
+--        TIME in us; then one byte per slot operation, '1' where the slot was held, else
+--        '0'. A request refused for its concurrency slots answers 0 -2 0 left left cap
+--        (left: us until the first slot expires). A settlement's six are those of an
 --        admitted request: remaining and
 --        reset_after after it (a refund on the sliding log answers 1 0 0 0 -1 -1)
 --
@@ -90,7 +92,8 @@ local reply = {}
 
 -- The hash of overrides of the call's slot, read only where it exists, so that a store
 -- without overrides pays one EXISTS per call.
-local REQUESTS = #KEYS
+local OPS = math.max(0, math.floor((#ARGV - 2) / 2))
+local REQUESTS = #KEYS - OPS
 local OVERRIDES = ARGV[2]
 local any_override = OVERRIDES ~= nil and redis.pcall('EXISTS', OVERRIDES) == 1
 -- Whether the request at hand is decided by an override's counts (the last of its six
@@ -189,30 +192,36 @@ local function take_slot(k)
   redis.pcall('ZADD', skey, text(now + slot_ttl), text(slot_id))
   keep_set(skey, slot_held == 0)
 end
--- Gives back (renew false) or renews slot `slot_id` of request k's key: answers 1 where it
--- was held, 0 where it was not. A renewal never takes an expired slot again (its holder was
--- cut off from Redis longer than the lifetime, or Redis lost its state): a give-back sent
--- while the renewal was on its way may have run first, and would then be undone.
-local function keep_slot(k, renew)
-  local skey = KEYS[k] .. ':slots'
-  local member = text(slot_id)
-  local kept = 0
-  if not renew then
-    local gone = redis.pcall('ZREM', skey, member)
-    kept = type(gone) == 'number' and gone or 0
+-- Slot operations (give-backs and renewals, src/concurrency/): they decide nothing, so they
+-- are not requests with a record and an answer of six, only two arguments each, used as they
+-- come, and a byte of answer. They run before the requests: a slot given back in a call is
+-- free for a request of the same call. A give-back removes the slot; a renewal moves its
+-- expiry to now + lifetime, but never takes an expired slot again (its holder was cut off from
+-- Redis longer than the lifetime, or Redis lost its state): a give-back sent while the renewal
+-- was on its way may have run first, and would then be undone.
+local slots_kept = {}
+for j = 1, OPS do
+  local skey = KEYS[REQUESTS + j] .. ':slots'
+  local member, lifetime = ARGV[1 + 2 * j], tonumber(ARGV[2 + 2 * j])
+  local kept = '0'
+  if lifetime == 0 then
+    if redis.pcall('ZREM', skey, member) == 1 then
+      kept = '1'
+    end
   else
     local score = redis.pcall('ZSCORE', skey, member)
     if type(score) == 'string' and tonumber(score) > now then
-      kept = 1
-      redis.pcall('ZADD', skey, 'XX', text(now + slot_ttl), member)
+      kept = '1'
+      slot_ttl = lifetime
+      redis.pcall('ZADD', skey, 'XX', text(now + lifetime), member)
       keep_set(skey, false)
     end
   end
-  return spack('<llllll', kept, 0, 0, 0, -1, -1)
+  slots_kept[j] = kept
 end
 
 -- Reads the next request's arguments, request k's: returns its number of limits
--- n, cost, record (0 to 3), event time (now for -1), want and headroom (cost and 0 unless a
+-- n, cost, record (0 to 3; 4 is decided as 1), event time (now for -1), want and headroom (cost and 0 unless a
 -- lease or a look), refund (0 unless a settlement), admission time (-1 unless a settlement),
 -- the units the settled request recorded, and its answer when an override blocks it or the
 -- key is in its penalty box (else false); puts each
@@ -231,7 +240,7 @@ local function next_request(counts, windows, scales, k)
     want, headroom, next_byte = sunpack('<ll', requests, next_byte)
   elseif record == 3 then
     refund, admitted, weight, next_byte = sunpack('<lll', requests, next_byte)
-  elseif record >= 4 then
+  elseif record == 4 then
     slot_cap, slot_id, slot_ttl, next_byte = sunpack('<lll', requests, next_byte)
   end
   local scale
@@ -244,11 +253,7 @@ local function next_request(counts, windows, scales, k)
       scales[i] = scale
     end
   end
-  if record == 5 or record == 6 then
-    local kept = keep_slot(k, record == 6)
-    slot_cap = 0
-    return n, cost, record, t, want, headroom, refund, admitted, weight, kept
-  elseif record == 4 then
+  if record == 4 then
     -- Decided as any recorded request; the slot is taken in `conclude` if it is admitted.
     record = 1
   end
@@ -321,9 +326,10 @@ local function conclude(k, answer)
   return answer
 end
 
--- The reply of the whole call: every request's answer, then the time.
+-- The reply of the whole call: every request's answer, the time, then the slot operations'.
 local function finish()
   reply[#reply + 1] = spack('<l', now)
+  reply[#reply + 1] = table.concat(slots_kept)
   return table.concat(reply)
 end
 
