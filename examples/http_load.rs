@@ -55,7 +55,12 @@
 //! `--rounds R` (default 3), `--pool N` (Redis connections of each Redis limiter, default 4),
 //! `--cluster N` (start a Redis Cluster of `N` primaries instead of one server; `REDIS_URL` may
 //! also name one, `redis-cluster://...`), `--cluster-tags N` and `--in-flight N` (this crate's
-//! `RedisStoreBuilder::cluster_tags` and `max_in_flight`), `--out DIR` (default
+//! `RedisStoreBuilder::cluster_tags` and `max_in_flight`), `--redis-nice N` (run the scratch
+//! Redis at niceness `N`, e.g. -10, with `renice`, which needs the right to raise a priority:
+//! where the load, the app and Redis share a few cores, the app's threads otherwise preempt
+//! Redis in the middle of its calls, and every request of those calls waits, as it would not
+//! for a Redis on cores of its own; configurations that give Redis more work per request lose
+//! more to it), `--out DIR` (default
 //! `target/http_load`), `--only a,b`.
 //!
 //! Writes `DIR/results.csv` (one row per configuration and round), `DIR/summary.csv` (the
@@ -177,6 +182,8 @@ struct Args {
     cluster_tags: usize,
     /// `RedisStoreBuilder::max_in_flight` of this crate's stores, if set.
     in_flight: Option<usize>,
+    /// The niceness of the scratch Redis's processes, if set.
+    redis_nice: Option<i32>,
     out: PathBuf,
     only: Vec<Scenario>,
 }
@@ -193,6 +200,7 @@ impl Args {
             cluster: 0,
             cluster_tags: RedisStore::DEFAULT_CLUSTER_TAGS,
             in_flight: None,
+            redis_nice: None,
             out: PathBuf::from("target/http_load"),
             only: Scenario::ALL.to_vec(),
         };
@@ -208,6 +216,11 @@ impl Args {
                 "--cluster" => args.cluster = positive(&flag, &value()?)?,
                 "--cluster-tags" => args.cluster_tags = positive(&flag, &value()?)?,
                 "--in-flight" => args.in_flight = Some(positive(&flag, &value()?)?),
+                "--redis-nice" => {
+                    let nice = value()?;
+                    let nice = nice.parse().map_err(|_| format!("--redis-nice {nice:?}"))?;
+                    args.redis_nice = Some(nice);
+                }
                 "--out" => args.out = PathBuf::from(value()?),
                 "--only" => {
                     args.only = value()?
@@ -226,8 +239,12 @@ impl Args {
     fn describe(&self, redis: Option<&RedisBackend>) -> String {
         let redis = redis.map_or("no Redis".to_owned(), |r| {
             let servers = r.admin.servers();
+            let nice = match self.redis_nice {
+                Some(nice) => format!(", niceness {nice}"),
+                None => String::new(),
+            };
             format!(
-                "Redis at {} ({servers} primaries, pool {} each)",
+                "Redis at {} ({servers} primaries, pool {} each{nice})",
                 r.url, self.pool
             )
         });
@@ -564,11 +581,17 @@ struct RedisBackend {
 impl RedisBackend {
     async fn start(args: &Args) -> Result<RedisBackend, Error> {
         let (pool, primaries, tags) = (args.pool, args.cluster, args.cluster_tags);
-        let in_flight = args.in_flight;
+        let (in_flight, nice) = (args.in_flight, args.redis_nice);
         let (url, scratch) = match std::env::var("REDIS_URL") {
             Ok(url) => (url, None),
             Err(_) => {
-                let start = move || Scratch::start(primaries);
+                let start = move || {
+                    let scratch = Scratch::start(primaries)?;
+                    if let Some(nice) = nice {
+                        scratch.renice(nice)?;
+                    }
+                    Ok::<_, Error>(scratch)
+                };
                 let scratch = tokio::task::spawn_blocking(start).await??;
                 (scratch.url(), Some(scratch))
             }

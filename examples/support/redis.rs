@@ -61,6 +61,23 @@ impl Scratch {
         Ok(scratch)
     }
 
+    /// Runs every server at niceness `nice` (`renice`; a negative one needs the right to raise
+    /// a priority). Used by `http_load` only, of the examples that share this file.
+    #[allow(dead_code)]
+    pub fn renice(&self, nice: i32) -> Result<(), Error> {
+        for child in &self.children {
+            let status = Command::new("renice")
+                .args(["-n", &nice.to_string(), "-p", &child.id().to_string()])
+                .stdout(Stdio::null())
+                .status()
+                .map_err(|e| format!("renice: {e}"))?;
+            if !status.success() {
+                return Err(format!("renice -n {nice} of redis-server failed").into());
+            }
+        }
+        Ok(())
+    }
+
     /// fred's URL: `redis://` for one server, `redis-cluster://` with every node for a cluster.
     pub fn url(&self) -> String {
         let nodes: Vec<String> = self
