@@ -238,6 +238,32 @@ async fn a_request_longer_than_the_slot_lifetime_keeps_its_slot_on_memory() {
     assert_eq!(next.status(), StatusCode::OK);
 }
 
+/// A layer's renewal task goes idle once it has held no slot for a few ticks; the next slot
+/// taken must wake it, or a long request begun after a quiet spell would lose its slot.
+#[tokio::test(start_paused = true)]
+async fn a_slot_taken_after_a_quiet_spell_is_renewed_on_memory() {
+    let store = MemoryStore::new();
+    let policy = streams("quiet-memory", 1, Duration::from_secs(3));
+    let layer = limited(store.clone(), policy.clone());
+    let service = layer.layer(endless());
+    let short = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(short.status(), StatusCode::OK);
+    drop(short);
+    // Ten lifetimes with nothing held.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let long = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(long.status(), StatusCode::OK);
+    for second in 1..=30 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let refused = service.clone().oneshot(request("k")).await.unwrap();
+        let status = refused.status();
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "after {second} s");
+    }
+    assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 1);
+    drop(long);
+    assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_slot_nobody_renews_expires_after_its_lifetime_on_memory() {
     // An instance that died: it took two slots, then neither gave them back nor renewed them.

@@ -80,13 +80,21 @@ impl hashbrown::Equivalent<Queue> for QueueOf<'_> {
     }
 }
 
-/// The slots in use, by serial, and the renewal task's tick in µs (`u64::MAX` while nothing is
-/// held): read and written under one lock, so that a slot taken sees the tick the task sleeps
+/// The slots in use, by serial, and the renewal task's tick in µs (`u64::MAX` while it is
+/// idle): read and written under one lock, so that a slot taken sees the tick the task sleeps
 /// on.
 struct Registry {
     slots: ByU64<Held>,
     tick: u64,
+    /// The task's ticks in a row that found nothing held.
+    empty: u32,
 }
+
+/// How many ticks in a row that find nothing held the renewal task keeps its pace before it
+/// goes idle. Short requests leave the registry empty between them again and again; an idle
+/// task would be woken by the next slot taken each time, and a task that keeps its pace is
+/// not.
+const EMPTY_TICKS: u32 = 4;
 
 /// One slot in use.
 struct Held {
@@ -136,6 +144,7 @@ impl Holds {
             held: Mutex::new(Registry {
                 slots: ByU64::default(),
                 tick: u64::MAX,
+                empty: 0,
             }),
             next: AtomicU64::new(0),
             in_flight,
@@ -173,12 +182,17 @@ impl Holds {
             gone: false,
         };
         let quarter = micros(responder.policy.slot_lifetime() / 4);
-        // The task sleeps until woken while nothing is held, and otherwise ticks at a quarter
-        // of the shortest lifetime it knows: wake it only when that is too slow for this one.
+        // The task sleeps until woken while idle, and otherwise ticks at a quarter of the
+        // shortest lifetime it knows: wake it only when that is too slow for this one, and
+        // set the pace now, so that the slots taken before it looks do not wake it again.
         let wake = {
             let mut all = crate::shards::lock(&self.held);
             all.slots.insert(serial, held);
-            quarter < all.tick
+            let wake = quarter < all.tick;
+            if wake {
+                (all.tick, all.empty) = (quarter, 0);
+            }
+            wake
         };
         crate::metrics::Report::slots_in_use(&responder.policy, 1.0);
         self.start_renewing(wake);
@@ -305,7 +319,8 @@ impl Holds {
 
     /// Sends a renewal of every slot held for a quarter of its lifetime or more since it was
     /// taken or last renewed, all at once; returns the tick until the next look, a quarter of
-    /// the shortest lifetime held (`None`: nothing held). Ticking at that pace, a slot is
+    /// the shortest lifetime held, or while nothing is held the last tick for
+    /// [`EMPTY_TICKS`] looks (`None`: idle until a slot is taken). Ticking at that pace, a slot is
     /// renewed before half its lifetime has passed, and each tick's renewals leave together
     /// (batched into a few script calls on Redis) rather than one call per slot as each
     /// comes due.
@@ -324,7 +339,14 @@ impl Holds {
                     due.extend(renew.map(|r| (about, r, Arc::clone(&slot.ledger))));
                 }
             }
-            all.tick = tick.map_or(u64::MAX, micros);
+            match tick {
+                Some(tick) => (all.tick, all.empty) = (micros(tick), 0),
+                None if all.tick != u64::MAX && all.empty < EMPTY_TICKS => {
+                    all.empty += 1;
+                    tick = Some(Duration::from_micros(all.tick));
+                }
+                None => all.tick = u64::MAX,
+            }
         }
         for ((key, responder, serial), renew, ledger) in due {
             let holder = Some((Arc::downgrade(self), serial));
