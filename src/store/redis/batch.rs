@@ -82,8 +82,9 @@ impl Requester {
 /// What a request asks of a call.
 #[derive(Debug, Clone)]
 enum Work {
-    /// A decision or a settlement: its arguments, encoded (see [`encode`]).
-    Decide(Vec<u8>),
+    /// A decision or a settlement: its arguments, encoded (see [`encode`]); shared, so that
+    /// a cluster call keeps them for a `TRYAGAIN` split without a copy.
+    Decide(Bytes),
     /// A concurrency slot's give-back or renewal.
     Slot(SlotOp),
 }
@@ -180,7 +181,8 @@ impl Batcher {
 
     /// Decides one request at `place`: `args` encoded by [`encode`].
     pub(super) async fn decide(&self, place: Place, algorithm: Algorithm, args: Vec<u8>) -> Reply {
-        self.submit(place, algorithm, Work::Decide(args)).await
+        self.submit(place, algorithm, Work::Decide(Bytes::from(args)))
+            .await
     }
 
     /// Gives back or renews a concurrency slot of the key at `place`, in the calls of the
@@ -440,6 +442,7 @@ impl Laid {
         self.keys.push(key);
         match work {
             Work::Decide(args) => {
+                debug_assert!(self.ops.is_empty(), "a decision after a slot operation");
                 self.args.extend_from_slice(&args);
                 self.decisions += 1;
             }
@@ -830,7 +833,7 @@ mod tests {
         Job {
             algorithm,
             key: Key::from(key),
-            work: Work::Decide(vec![]),
+            work: Work::Decide(Bytes::new()),
             reply: Requester::Waiting(oneshot::channel().0),
         }
     }
@@ -851,7 +854,7 @@ mod tests {
             reply: Requester::Waiting(oneshot::channel().0),
         };
         let op = |key, id, lifetime| job(key, Work::Slot(SlotOp { id, lifetime }));
-        let decision = |key, byte| job(key, Work::Decide(vec![byte; INT]));
+        let decision = |key, byte| job(key, Work::Decide(Bytes::from(vec![byte; INT])));
         let batch = vec![
             op("a", 7, 0),
             decision("b", 1),

@@ -227,8 +227,6 @@ impl Inner {
         self.judge(lane, started, reply)
     }
 
-    /// Lane `lane`'s breaker's verdict on a call started at `started`: its reply, or `None`
-    /// when it took longer than the budget.
     /// The outcome of slot operation `op` sent on `lane` at `started` (the breaker's clock):
     /// a renewal of a slot no longer held is [`StoreError::SlotGone`].
     fn slot_kept(
@@ -245,6 +243,8 @@ impl Inner {
         }
     }
 
+    /// Lane `lane`'s breaker's verdict on a call started at `started`: its reply, or `None`
+    /// when it took longer than the budget.
     fn judge<T>(
         &self,
         lane: usize,

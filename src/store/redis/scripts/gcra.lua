@@ -15,12 +15,13 @@
 --           cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (-1: now; GCRA
 --           takes no other), override id, penalty box (us), for a lease want and headroom (us), for a
 --           settlement refund, admission time and the units recorded then, then count, window
---           (us) and scale of limits 1..n, shortest first; the last key holds the overrides
+--           (us) and scale of limits 1..n, shortest first; ARGV[2] and after as prelude.lua
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
 --           request: allowed (0 refused, else 1 + units leased beyond the cost), limit index
 --           (0-based), remaining, reset_after (us), retry_after (us; -1 when admitted, -2
---           when no wait helps), the overriding count (-1: none); then Redis TIME
+--           when no wait helps), the overriding count (-1: none); then Redis TIME, then a
+--           byte per slot operation
 --
 -- Headroom h: a store that leases keeps h of drain free in every bucket (capacity (w - h) * d
 -- instead of w * d), because leased units may be spent up to h after they were taken; the

@@ -1,7 +1,8 @@
 -- Prelude of every rate-limit script (after exact.lua): the algorithm's file (gcra.lua,
 -- sliding_log.lua), or common.lua's driver and then the algorithm's file (fixed and sliding
 -- window), is appended to it. One call decides a batch of requests, one after the other,
--- exactly as if each were its own call.
+-- exactly as if each were its own call, after its slot operations (give-backs and renewals of
+-- concurrency slots, "Slot operations" below).
 --
 -- KEYS[k]   the state of request k (the algorithm's file says its format), then the state
 --           key of each slot operation; in Redis Cluster all keys of one call are in one hash
@@ -90,10 +91,11 @@ local spack, sunpack = struct.pack, struct.unpack
 local requests, next_byte = ARGV[1], 1
 local reply = {}
 
--- The hash of overrides of the call's slot, read only where it exists, so that a store
--- without overrides pays one EXISTS per call.
+-- The call's slot operations (two arguments each after the hash of overrides) and requests.
 local OPS = math.max(0, math.floor((#ARGV - 2) / 2))
 local REQUESTS = #KEYS - OPS
+-- The hash of overrides of the call's slot, read only where it exists, so that a store
+-- without overrides pays one EXISTS per call.
 local OVERRIDES = ARGV[2]
 local any_override = OVERRIDES ~= nil and redis.pcall('EXISTS', OVERRIDES) == 1
 -- Whether the request at hand is decided by an override's counts (the last of its six

@@ -15,12 +15,12 @@
 --           cost, record (1, 0, or 3 for a settlement), event time (-1: now; any other time,
 --           past or future, is taken), override id, penalty box (us), for a settlement refund (0 or 1) and the
 --           admission time of the request settled (us; -1: not known), then count and window
---           (us) of limits 1..n, shortest first; the last key holds the overrides
+--           (us) of limits 1..n, shortest first; ARGV[2] and after as prelude.lua
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
 --           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
 --           retry_after (us; -1 when admitted, -2 when no wait helps), the overriding count
---           (-1: none), then Redis TIME
+--           (-1: none), then Redis TIME, then a byte per slot operation
 --
 -- The log is never leased (the store refuses it): record 2 is not sent here.
 --
