@@ -181,35 +181,7 @@ impl Batcher {
 
     /// Decides one request at `place`: `args` encoded by [`encode`].
     pub(super) async fn decide(&self, place: Place, algorithm: Algorithm, args: Vec<u8>) -> Reply {
-        self.submit(place, algorithm, Work::Decide(Bytes::from(args)))
-            .await
-    }
-
-    /// Gives back or renews a concurrency slot of the key at `place`, in the calls of the
-    /// policy's `algorithm` (any script takes slot operations).
-    pub(super) async fn keep(&self, place: Place, algorithm: Algorithm, op: SlotOp) -> Reply {
-        self.submit(place, algorithm, Work::Slot(op)).await
-    }
-
-    /// Gives back or renews a concurrency slot as [`keep`](Self::keep) does, without a future
-    /// to await: the operation joins the next call of its lane, and `then` runs with its
-    /// answer in the task that sent the call (at once, with an error, if the lane's task has
-    /// stopped).
-    pub(super) fn keep_then(&self, place: Place, algorithm: Algorithm, op: SlotOp, then: Then) {
-        let lane = &self.lanes[place.lane % self.lanes.len()];
-        let job = Job {
-            algorithm,
-            key: Key::from(place.key),
-            work: Work::Slot(op),
-            reply: Requester::Then(then),
-        };
-        if let Err(mpsc::error::SendError(job)) = lane.queue.send(job) {
-            let error = Error::new(ErrorKind::Canceled, "the batching task has stopped");
-            job.reply.answer(Err(error));
-        }
-    }
-
-    async fn submit(&self, place: Place, algorithm: Algorithm, work: Work) -> Reply {
+        let work = Work::Decide(Bytes::from(args));
         let index = place.lane % self.lanes.len();
         let lane = &self.lanes[index];
         // fred's key type shares the text, so copies of it (a retry's) cost no copy of it.
@@ -218,11 +190,10 @@ impl Batcher {
         if let Ok(slot) = Arc::clone(&lane.slots).try_acquire_owned() {
             // Boxed because fred's call future takes kilobytes: inline, it would make every
             // decision's future that large, including the queued ones that never send.
-            let decisions = usize::from(!work.is_slot());
             let call = call(&self.settings, index, algorithm, Laid::of(key, work));
             let reply = Box::pin(call).await;
             drop(slot);
-            return reply.map(|values| answer(&values, decisions, 0));
+            return reply.map(|values| answer(&values, 1, 0));
         }
         let (reply, answer) = oneshot::channel();
         let job = Job {
@@ -240,6 +211,24 @@ impl Batcher {
         answer
             .await
             .unwrap_or_else(|_| Err(Error::new(ErrorKind::Canceled, "batch dropped")))
+    }
+
+    /// Gives back or renews a concurrency slot of the key at `place`, in the calls of the
+    /// policy's `algorithm` (any script takes slot operations), without a future to await:
+    /// the operation joins the next call of its lane, and `then` runs with its answer in the
+    /// task that sent the call (at once, with an error, if the lane's task has stopped).
+    pub(super) fn keep_then(&self, place: Place, algorithm: Algorithm, op: SlotOp, then: Then) {
+        let lane = &self.lanes[place.lane % self.lanes.len()];
+        let job = Job {
+            algorithm,
+            key: Key::from(place.key),
+            work: Work::Slot(op),
+            reply: Requester::Then(then),
+        };
+        if let Err(mpsc::error::SendError(job)) = lane.queue.send(job) {
+            let error = Error::new(ErrorKind::Canceled, "the batching task has stopped");
+            job.reply.answer(Err(error));
+        }
     }
 }
 
@@ -489,13 +478,15 @@ fn deliver(reply: Result<Bytes, Error>, decisions: usize, replies: Vec<Requester
 /// Sends one call and answers each of its requests.
 async fn send(
     lane: usize,
-    group: Vec<Job>,
+    mut group: Vec<Job>,
     settings: Arc<Settings>,
     _slot: Arc<OwnedSemaphorePermit>,
 ) {
     let Some(algorithm) = group.first().map(|job| job.algorithm) else {
         return;
     };
+    // In the reply's order (`Laid::jobs`), so that the requests kept below line up with it.
+    group.sort_by_key(|job| job.work.is_slot());
     // Only a cluster answers `TRYAGAIN`, which needs the requests again.
     let kept: Option<Vec<(Key, Work)>> = match settings.redis {
         Redis::Cluster(_) => Some(
@@ -512,9 +503,6 @@ async fn send(
     if let Some(kept) = kept {
         let first = &kept[0].0;
         if reply.as_ref().is_err_and(is_split) && kept.iter().any(|(key, _)| key != first) {
-            // `replies` are in the reply's order, decisions first: so is `kept` once sorted.
-            let mut kept = kept;
-            kept.sort_by_key(|(_, work)| work.is_slot());
             let jobs = kept
                 .into_iter()
                 .zip(replies)

@@ -848,27 +848,20 @@ impl Store for RedisStore {
         /// came within this long. Shorter than a lease's patience, so that a Redis that is
         /// gone is reported within a typical shutdown deadline.
         const PATIENCE: Duration = Duration::from_secs(3);
-        let inner = Arc::clone(&self.inner);
-        let place = inner.place(key, policy);
         if let Some(op) = slot_op(policy, &settlement) {
-            // Batched with the decisions under way, within the time budget: a give-back or a
-            // renewal may run twice or not at all without harm (the slot's expiry is the
-            // backstop), so it needs none of a charge's patience.
-            // No timer of its own either: the batch's call has its timeout.
-            let algorithm = policy.algorithm();
+            // The path of the layer's own give-backs (`settle_slot`), sent when first polled.
+            let (store, key, policy) = (self.clone(), key.clone(), policy.clone());
             return Box::pin(async move {
-                let lane = place.lane;
-                // The breaker as `guarded` has it, without its timer. (A helper shared with
-                // `guarded` nests one more future in every decision's; with one, a debug-built
-                // test overflowed its stack in CI.)
-                if inner.breaker(lane).is_open() {
-                    return Err(StoreError::Unavailable);
-                }
-                let started = inner.breaker(lane).now();
-                let reply = inner.batcher.keep(place, algorithm, op).await;
-                inner.slot_kept(lane, started, op, reply)
+                let (sent, outcome) = tokio::sync::oneshot::channel();
+                let done = Box::new(move |kept| drop(sent.send(kept)));
+                store.keep_slot(&key, &policy, op, done);
+                let dropped =
+                    fred::error::Error::new(fred::error::ErrorKind::Canceled, "batch dropped");
+                outcome.await.unwrap_or_else(|_| Err(dropped.into()))
             });
         }
+        let inner = Arc::clone(&self.inner);
+        let place = inner.place(key, policy);
         let algorithm = policy.algorithm();
         let (key, policy) = (key.clone(), policy.clone());
         let record = Record::Settle {
@@ -915,11 +908,19 @@ impl RedisStore {
         settlement: &Settlement,
         done: SlotDone,
     ) {
-        let Some(op) = slot_op(policy, settlement) else {
-            return done(Err(StoreError::Unsupported(
+        match slot_op(policy, settlement) {
+            Some(op) => self.keep_slot(key, policy, op, done),
+            None => done(Err(StoreError::Unsupported(
                 "not a concurrency slot's settle",
-            )));
-        };
+            ))),
+        }
+    }
+
+    /// Sends slot operation `op` with the next batched call of its key's lane, within the
+    /// time budget: a give-back or a renewal may run twice or not at all without harm (the
+    /// slot's expiry is the backstop), so it needs none of a charge's patience, and no timer
+    /// of its own (the call has its timeout). Behind the breaker, as a decision is.
+    fn keep_slot(&self, key: &Key, policy: &Policy, op: SlotOp, done: SlotDone) {
         let place = self.inner.place(key, policy);
         let lane = place.lane;
         if self.inner.breaker(lane).is_open() {
