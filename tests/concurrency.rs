@@ -50,6 +50,21 @@ fn limited<St: Store>(store: St, policy: Policy) -> RateLimitLayer<Header, St> {
         .unwrap()
 }
 
+/// The same, letting a request refused for a slot wait for one up to `max_wait`.
+fn limited_waiting<St: Store>(
+    store: St,
+    policy: Policy,
+    max_wait: Duration,
+) -> RateLimitLayer<Header, St> {
+    RateLimitLayer::builder()
+        .key(api_key())
+        .store(store)
+        .policy(policy)
+        .max_wait(max_wait)
+        .build()
+        .unwrap()
+}
+
 /// A generous rate limit (never the one that refuses here) and `slots` in flight.
 fn streams(name: &str, slots: u32, expiry: Duration) -> Policy {
     Policy::new(name, ["100000/1m".parse().unwrap()])
@@ -676,13 +691,7 @@ async fn a_lost_slot_is_reported_once_and_a_returned_one_never() {
 async fn waiting_requests_get_slots_in_arrival_order_on_memory() {
     let store = MemoryStore::new();
     let policy = streams("queue-memory", 1, Duration::from_secs(10));
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(store.clone())
-        .policy(policy.clone())
-        .max_wait(Duration::from_secs(5))
-        .build()
-        .unwrap();
+    let layer = limited_waiting(store.clone(), policy.clone(), Duration::from_secs(5));
     let service = layer.layer(endless());
     let first = service.clone().oneshot(request("k")).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
@@ -724,14 +733,7 @@ async fn waiting_requests_get_slots_in_arrival_order_on_memory() {
         .unwrap()
         .concurrency(5)
         .unwrap();
-    let rate = RateLimitLayer::builder()
-        .key(api_key())
-        .store(store)
-        .policy(tight)
-        .max_wait(Duration::from_secs(5))
-        .build()
-        .unwrap()
-        .layer(endless());
+    let rate = limited_waiting(store, tight, Duration::from_secs(5)).layer(endless());
     let _one = rate.clone().oneshot(request("k")).await.unwrap();
     let started = tokio::time::Instant::now();
     let refused = rate.oneshot(request("k")).await.unwrap();
@@ -743,13 +745,7 @@ async fn waiting_requests_get_slots_in_arrival_order_on_memory() {
 async fn a_waiting_request_gets_the_slot_given_back_on_redis() {
     let server = RedisServer::start();
     let policy = streams("queue-redis", 1, Duration::from_secs(10));
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(server.store().await)
-        .policy(policy)
-        .max_wait(Duration::from_secs(3))
-        .build()
-        .unwrap();
+    let layer = limited_waiting(server.store().await, policy, Duration::from_secs(3));
     let service = layer.layer(endless());
     let first = service.clone().oneshot(request("k")).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
@@ -776,16 +772,8 @@ async fn a_waiting_request_gets_the_slot_given_back_on_redis() {
 async fn a_slot_freed_elsewhere_goes_to_the_first_in_line() {
     let store = MemoryStore::new();
     let policy = streams("line-memory", 1, Duration::from_secs(10));
-    let instance = || {
-        RateLimitLayer::builder()
-            .key(api_key())
-            .store(store.clone())
-            .policy(policy.clone())
-            .max_wait(Duration::from_secs(5))
-            .build()
-            .unwrap()
-            .layer(endless())
-    };
+    let instance =
+        || limited_waiting(store.clone(), policy.clone(), Duration::from_secs(5)).layer(endless());
     let (elsewhere, here) = (instance(), instance());
     let held = elsewhere.oneshot(request("k")).await.unwrap();
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -817,14 +805,7 @@ async fn a_slot_freed_elsewhere_goes_to_the_first_in_line() {
 async fn a_new_request_does_not_overtake_the_line() {
     let store = MemoryStore::new();
     let policy = streams("overtake-memory", 1, Duration::from_secs(10));
-    let service = RateLimitLayer::builder()
-        .key(api_key())
-        .store(store)
-        .policy(policy)
-        .max_wait(Duration::from_secs(5))
-        .build()
-        .unwrap()
-        .layer(endless());
+    let service = limited_waiting(store, policy, Duration::from_secs(5)).layer(endless());
     let first = service.clone().oneshot(request("k")).await.unwrap();
     let waiting = tokio::spawn(service.clone().oneshot(request("k")));
     tokio::time::sleep(Duration::from_secs(1)).await;
