@@ -6,8 +6,8 @@
 //! carries an expiry that the instance holding it renews while the request lives
 //! ([`holds`]); an instance that dies stops renewing, and its slots count no more once they
 //! expire. This file is the bookkeeping of one key's slots, free of I/O and clocks: the
-//! memory store runs it, and `scripts/prelude.lua` (`slots_full`, `take_slot`, its slot operations) is
-//! the same over a Redis sorted set scored by expiry.
+//! memory store runs it, and `scripts/prelude.lua` (`slots_full`, `take_slot`, its slot
+//! operations) is the same over a Redis sorted set scored by expiry.
 
 pub(crate) mod holds;
 

@@ -222,14 +222,14 @@ for j = 1, OPS do
   slots_kept[j] = kept
 end
 
--- Reads the next request's arguments, request k's: returns its number of limits
--- n, cost, record (0 to 3; 4 is decided as 1), event time (now for -1), want and headroom (cost and 0 unless a
--- lease or a look), refund (0 unless a settlement), admission time (-1 unless a settlement),
--- the units the settled request recorded, and its answer when an override blocks it or the
--- key is in its penalty box (else false); puts each
--- limit's count (an override's, if one applies), window and scale in `counts[i]`,
--- `windows[i]` and `scales[i]` (entries past n are left over from an earlier request and
--- never read; `scales` may be nil), and sets `overridden`.
+-- Reads the next request's arguments, request k's: returns its number of limits n, cost,
+-- record (0 to 3; 4 is decided as 1), event time (now for -1), want and headroom (cost and 0
+-- unless a lease or a look), refund (0 unless a settlement), admission time (-1 unless a
+-- settlement), the units the settled request recorded, and its answer when an override blocks
+-- it or the key is in its penalty box (else false); puts each limit's count (an override's,
+-- if one applies), window and scale in `counts[i]`, `windows[i]` and `scales[i]` (entries past
+-- n are left over from an earlier request and never read; `scales` may be nil), and sets
+-- `overridden`.
 local function next_request(counts, windows, scales, k)
   local n, cost, record, t, id, box, want, headroom, refund, admitted, weight
   n, cost, record, t, id, box, next_byte = sunpack('<llllll', requests, next_byte)
