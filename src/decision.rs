@@ -206,14 +206,15 @@ impl Decision {
     }
 }
 
-/// What a request that was admitted actually used, told to the store after the fact:
-/// units to add to what its decision recorded (a charge) or to take back (a refund).
+/// What becomes of an admitted request once it is done, told to the store after the fact:
+/// units to add to what its decision recorded (a charge) or to take back (a refund), or its
+/// concurrency slot given back or renewed.
 ///
-/// Made from the request's admitted [`Decision`], which carries the units it recorded and when
-/// the store recorded them, and given to [`Store::settle`](crate::Store::settle). A refund
-/// takes back at most the units the decision recorded (its cost), and only from the state
-/// those units were counted in; see [`Store::settle`](crate::Store::settle) for each
-/// algorithm.
+/// Made from the request's admitted [`Decision`], which carries the units it recorded, when
+/// the store recorded them and the slot it took, and given to
+/// [`Store::settle`](crate::Store::settle). A refund takes back at most the units the decision
+/// recorded (its cost), and only from the state those units were counted in; see
+/// [`Store::settle`](crate::Store::settle) for each algorithm.
 ///
 /// ```
 /// use tower_redis_ratelimit::{Key, MemoryStore, Policy, Settlement, Store};
@@ -231,31 +232,65 @@ impl Decision {
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Settlement {
-    pub(crate) change: Change,
-    pub(crate) units: u64,
-    pub(crate) admitted_at: Option<i64>,
-    /// The units the request recorded at admission: on the sliding log, a refund finds the
-    /// request's own entry by its time and this weight.
-    pub(crate) recorded: u64,
+pub enum Settlement {
+    /// Adds units to what the request recorded.
+    Charge(Units),
+    /// Takes back units of those the request recorded.
+    Refund(Units),
+    /// Gives the request's concurrency slot back.
+    Release(SlotId),
+    /// Keeps the request's concurrency slot for another
+    /// [`slot_lifetime`](crate::Policy::slot_lifetime) from now.
+    Renew(SlotId),
 }
 
-/// Whether a [`Settlement`] adds units or takes them back.
+/// The units of a [`Settlement::Charge`] or [`Settlement::Refund`], with the admission they
+/// belong to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Change {
-    Charge,
-    Refund,
-    /// Gives back concurrency slot `.0`.
-    Release(u64),
-    /// Renews concurrency slot `.0`.
-    Renew(u64),
+pub struct Units {
+    count: u64,
+    admitted_at: Option<i64>,
+    recorded: u64,
+}
+
+impl Units {
+    /// The units added or taken back.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// When the store recorded the request, in µs since the epoch on the store's own clock;
+    /// `None` when it is not known (a refund then changes nothing).
+    pub fn admitted_at(&self) -> Option<i64> {
+        self.admitted_at
+    }
+
+    /// The units the request recorded at admission: on the sliding log, a refund finds the
+    /// request's own event by its time and this weight.
+    pub fn recorded(&self) -> u64 {
+        self.recorded
+    }
+}
+
+/// A concurrency slot's id in the store that gave it
+/// ([`Policy::concurrency`](crate::Policy::concurrency)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SlotId(pub(crate) u64);
+
+impl SlotId {
+    /// The id as the store keeps it.
+    pub fn get(self) -> u64 {
+        self.0
+    }
 }
 
 impl Settlement {
     /// Whether it gives back or renews a concurrency slot.
-    #[cfg(feature = "redis")]
-    pub(crate) fn is_slot(&self) -> bool {
-        matches!(self.change, Change::Release(_) | Change::Renew(_))
+    pub fn is_slot(&self) -> bool {
+        match self {
+            Settlement::Release(_) | Settlement::Renew(_) => true,
+            Settlement::Charge(_) | Settlement::Refund(_) => false,
+        }
     }
 
     /// Adds `units` for the request that got `decision`; `None` when it was refused.
@@ -272,34 +307,31 @@ impl Settlement {
                 "a charge past the largest usage a store holds is recorded as that much"
             );
         }
-        decision.allowed.then_some(Settlement {
-            change: Change::Charge,
-            units: units.min(MAX_UNITS),
+        decision.allowed.then_some(Settlement::Charge(Units {
+            count: units.min(MAX_UNITS),
             admitted_at: decision.admitted_at,
             recorded: decision.recorded,
-        })
+        }))
     }
 
     /// A charge of `units` for a request counted by its outcome, which recorded nothing
     /// before it was called, admitted or over a soft limit.
     pub(crate) fn count(units: u64) -> Settlement {
-        Settlement {
-            change: Change::Charge,
-            units: units.min(MAX_UNITS),
+        Settlement::Charge(Units {
+            count: units.min(MAX_UNITS),
             admitted_at: None,
             recorded: 0,
-        }
+        })
     }
 
     /// Takes back `units` of those the request that got `decision` recorded, at most all of
     /// them (its cost); `None` when it was refused.
     pub fn refund(decision: &Decision, units: u64) -> Option<Settlement> {
-        decision.allowed.then_some(Settlement {
-            change: Change::Refund,
-            units: units.min(decision.recorded),
+        decision.allowed.then_some(Settlement::Refund(Units {
+            count: units.min(decision.recorded),
             admitted_at: decision.admitted_at,
             recorded: decision.recorded,
-        })
+        }))
     }
 
     /// Gives back the concurrency slot the request that got `decision` took
@@ -307,9 +339,7 @@ impl Settlement {
     /// layer does this when a response ends; a caller of [`Store::check`](crate::Store::check)
     /// does it when its work is done.
     pub fn release(decision: &Decision) -> Option<Settlement> {
-        decision
-            .slot
-            .map(|slot| Settlement::slot(Change::Release(slot)))
+        decision.slot.map(|slot| Settlement::Release(SlotId(slot)))
     }
 
     /// Renews the concurrency slot the request that got `decision` took, for another
@@ -318,28 +348,23 @@ impl Settlement {
     /// settle answers [`StoreError::SlotGone`](crate::StoreError::SlotGone). The layer renews
     /// the slots of its requests in flight by itself.
     pub fn renew(decision: &Decision) -> Option<Settlement> {
-        decision
-            .slot
-            .map(|slot| Settlement::slot(Change::Renew(slot)))
-    }
-
-    fn slot(change: Change) -> Settlement {
-        Settlement {
-            change,
-            units: 0,
-            admitted_at: None,
-            recorded: 0,
-        }
+        decision.slot.map(|slot| Settlement::Renew(SlotId(slot)))
     }
 
     /// Whether this settlement takes units back.
     pub fn is_refund(&self) -> bool {
-        self.change == Change::Refund
+        match self {
+            Settlement::Refund(_) => true,
+            Settlement::Charge(_) | Settlement::Release(_) | Settlement::Renew(_) => false,
+        }
     }
 
-    /// The units added or taken back.
+    /// The units added or taken back; 0 for a concurrency slot's give-back or renewal.
     pub fn units(&self) -> u64 {
-        self.units
+        match self {
+            Settlement::Charge(units) | Settlement::Refund(units) => units.count,
+            Settlement::Release(_) | Settlement::Renew(_) => 0,
+        }
     }
 }
 

@@ -86,16 +86,12 @@
 //! instance that made it; other instances stop at their own next charge or lease fetch
 //! (`docs/leases.md` states their bound).
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Response};
 use tokio::sync::Notify;
-use tracing::Instrument;
 
 use crate::concurrency::holds::Holds;
 use crate::deny_cache::DenyCache;
@@ -322,68 +318,15 @@ pub(crate) struct StoreLedger<St>(pub(crate) St);
 
 impl<St: Store> Ledger for StoreLedger<St> {
     fn settle(&self, entry: Entry, in_flight: &Arc<InFlight>) {
-        #[cfg(feature = "redis")]
-        let Some(entry) = redis_slot(&self.0, entry, in_flight) else {
-            return;
-        };
-        // A store that does I/O needs a runtime even for its first poll (timers, sockets).
-        let runtime = tokio::runtime::Handle::try_current().ok();
-        if runtime.is_none() && !self.0.is_local() {
-            let error = StoreError::Config("no tokio runtime to settle in".into());
-            return entry.finish(Err(error));
-        }
-        let future = self
-            .0
-            .settle(&entry.key, &entry.responder.policy, entry.settlement);
-        run(Box::pin(future), runtime, entry, in_flight);
-    }
-}
-
-/// Sends `entry` to `store` when it is a concurrency slot's give-back or renewal on a
-/// [`RedisStore`](crate::RedisStore): one of the calls under way takes it, and its outcome
-/// finishes it there, so that a request's give-back costs no task of its own. Returns `entry`
-/// for any other settle or store.
-#[cfg(feature = "redis")]
-fn redis_slot<St: Store>(store: &St, entry: Entry, in_flight: &Arc<InFlight>) -> Option<Entry> {
-    let store = (store as &dyn std::any::Any).downcast_ref::<crate::RedisStore>();
-    let Some(store) = store.filter(|_| entry.settlement.is_slot()) else {
-        return Some(entry);
-    };
-    let (key, policy, settlement) = (
-        entry.key.clone(),
-        Arc::clone(&entry.responder),
-        entry.settlement,
-    );
-    let pending = Pending::start(entry, Arc::clone(in_flight));
-    let done = Box::new(move |outcome| pending.finish(outcome));
-    store.settle_slot(&key, &policy.policy, &settlement, done);
-    None
-}
-
-/// Runs a settle: at once when the store needs no waiting (the memory store), else in a task
-/// of its own, so that the response it follows is never held up.
-fn run<F>(
-    mut future: Pin<Box<F>>,
-    runtime: Option<tokio::runtime::Handle>,
-    entry: Entry,
-    in_flight: &Arc<InFlight>,
-) where
-    F: Future<Output = Result<(), StoreError>> + Send + 'static,
-{
-    // Boxed, so that the future stays where it is when it moves into a task after this poll.
-    let mut first = Context::from_waker(Waker::noop());
-    if let Poll::Ready(outcome) = future.as_mut().poll(&mut first) {
-        return entry.finish(outcome);
-    }
-    match runtime {
-        Some(runtime) => {
-            let pending = Pending::start(entry, Arc::clone(in_flight));
-            let settle = async move { pending.finish(future.await) };
-            runtime.spawn(settle.in_current_span());
-        }
-        None => entry.finish(Err(StoreError::Config(
-            "no tokio runtime to settle in".into(),
-        ))),
+        let (key, responder, settlement) = (
+            entry.key.clone(),
+            Arc::clone(&entry.responder),
+            entry.settlement,
+        );
+        let pending = Pending::start(entry, Arc::clone(in_flight));
+        let then = Box::new(move |outcome| pending.finish(outcome));
+        self.0
+            .settle_then(&key, &responder.policy, settlement, then);
     }
 }
 

@@ -12,7 +12,6 @@ use crate::algorithm::{
     sliding_window::SlidingWindow, Algorithm, Outcome, Refund, Settle,
 };
 use crate::concurrency::Slots;
-use crate::decision::Change;
 use crate::shards::Shards;
 use crate::{Decision, Key, Policy, Settlement};
 
@@ -459,16 +458,15 @@ impl MemoryStore {
             _ => policy,
         };
         let algorithm = policy.algorithm();
-        let change = match settlement.change {
-            // Slots are kept by `keep_slot`; they record no units.
-            Change::Charge | Change::Release(_) | Change::Renew(_) => {
-                Settle::Charge(settlement.units)
-            }
-            Change::Refund => Settle::Refund(Refund {
-                units: settlement.units,
-                at: settlement.admitted_at.and_then(|at| u64::try_from(at).ok()),
-                recorded: settlement.recorded,
+        let change = match settlement {
+            Settlement::Charge(units) => Settle::Charge(units.count()),
+            Settlement::Refund(units) => Settle::Refund(Refund {
+                units: units.count(),
+                at: units.admitted_at().and_then(|at| u64::try_from(at).ok()),
+                recorded: units.recorded(),
             }),
+            // Slots are kept by `keep_slot`; they record no units.
+            Settlement::Release(_) | Settlement::Renew(_) => Settle::Charge(0),
         };
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
@@ -587,13 +585,15 @@ impl Store for MemoryStore {
         if let Err(error) = super::in_range(policy) {
             return ready(Err(error));
         }
-        match settlement.change {
-            Change::Release(id) => drop(self.keep_slot(key, policy, id, false)),
-            Change::Renew(id) if !self.keep_slot(key, policy, id, true) => {
+        match settlement {
+            Settlement::Release(id) => drop(self.keep_slot(key, policy, id.get(), false)),
+            Settlement::Renew(id) if !self.keep_slot(key, policy, id.get(), true) => {
                 return ready(Err(StoreError::SlotGone))
             }
-            Change::Renew(_) => {}
-            Change::Charge | Change::Refund => self.settle_now(key, policy, settlement),
+            Settlement::Renew(_) => {}
+            Settlement::Charge(_) | Settlement::Refund(_) => {
+                self.settle_now(key, policy, settlement)
+            }
         }
         ready(Ok(()))
     }

@@ -5,7 +5,10 @@
 //! service shares one limit.
 
 use std::future::Future;
+use std::task::{Context, Poll, Waker};
 use std::time::SystemTime;
+
+use tracing::Instrument;
 
 use crate::{Decision, Key, Policy, Settlement};
 
@@ -14,6 +17,7 @@ pub(crate) mod overrides;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
+pub use crate::decision::{SlotId, Units};
 pub use memory::{Clock, ManualClock, MemoryStore, MemoryStoreBuilder, TokioClock};
 pub use overrides::{Override, OverrideError, Overrides, Scope};
 #[cfg(feature = "redis")]
@@ -85,6 +89,22 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// reach the store fails as a decision would; it never panics.
     fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture;
 
+    /// Settles as [`settle`](Store::settle) does, for a caller that does not wait: `then` runs
+    /// with the outcome once the store has answered. The layer settles every usage charge or
+    /// refund, and gives back and renews every concurrency slot, this way, after the response
+    /// it follows has gone.
+    ///
+    /// By default the settle runs at once when its future is ready on the first poll (the
+    /// memory store's are), and otherwise in a task of its own on the current tokio runtime;
+    /// with no runtime, a store that is not [local](Store::is_local) answers
+    /// [`StoreError::Config`]. A store may do better: a [`RedisStore`] sends a slot's give-back
+    /// or renewal with its next batched call, with no task of its own. A store that drops
+    /// `then` without calling it (its task was dropped as its runtime shut down) leaves the
+    /// outcome unknown, and the layer reports the settle as abandoned.
+    fn settle_then(&self, key: &Key, policy: &Policy, settlement: Settlement, then: OnSettled) {
+        settle_in_task(self, key, policy, settlement, then);
+    }
+
     /// The decision of [`check`](Store::check), when the store can make it without waiting;
     /// `None` (the default) when it must wait, for I/O for example. The layer then calls the
     /// inner service at once rather than from its response future.
@@ -121,6 +141,44 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn is_local(&self) -> bool {
         false
     }
+}
+
+/// What runs with the outcome of a [`Store::settle_then`].
+pub type OnSettled = Box<dyn FnOnce(Result<(), StoreError>) + Send + 'static>;
+
+/// [`Store::settle_then`]'s default: the settle at once when its future is ready on the first
+/// poll, else in a task of its own, so that the response it follows is never held up.
+pub(crate) fn settle_in_task<St: Store + ?Sized>(
+    store: &St,
+    key: &Key,
+    policy: &Policy,
+    settlement: Settlement,
+    then: OnSettled,
+) {
+    // A store that does I/O needs a runtime even for its first poll (timers, sockets).
+    let runtime = tokio::runtime::Handle::try_current().ok();
+    if runtime.is_none() && !store.is_local() {
+        return then(Err(no_runtime()));
+    }
+    // Boxed, so that the future stays where it is when it moves into a task after this poll.
+    let mut future = Box::pin(store.settle(key, policy, settlement));
+    if let Poll::Ready(outcome) = future
+        .as_mut()
+        .poll(&mut Context::from_waker(Waker::noop()))
+    {
+        return then(outcome);
+    }
+    match runtime {
+        Some(runtime) => {
+            let settle = async move { then(future.await) };
+            runtime.spawn(settle.in_current_span());
+        }
+        None => then(Err(no_runtime())),
+    }
+}
+
+fn no_runtime() -> StoreError {
+    StoreError::Config("no tokio runtime to settle in".into())
 }
 
 /// [`StoreError::Unsupported`] for a policy out of range ([`Policy::out_of_range`]).

@@ -30,9 +30,8 @@ use health::{is_outage, Breaker};
 use nodes::Nodes;
 use placement::{Place, Placement};
 
-use super::{Store, StoreError};
+use super::{OnSettled, Store, StoreError};
 use crate::algorithm::{Algorithm, Outcome};
-use crate::decision::Change;
 use crate::{Decision, Key, Policy, Settlement};
 
 /// Scheduler passes a cluster lane waits for more requests before it sends a batch (see
@@ -849,7 +848,7 @@ impl Store for RedisStore {
         /// gone is reported within a typical shutdown deadline.
         const PATIENCE: Duration = Duration::from_secs(3);
         if let Some(op) = slot_op(policy, &settlement) {
-            // The path of the layer's own give-backs (`settle_slot`), sent when first polled.
+            // The path of the layer's own give-backs (`settle_then`), sent when first polled.
             let (store, key, policy) = (self.clone(), key.clone(), policy.clone());
             return Box::pin(async move {
                 let (sent, outcome) = tokio::sync::oneshot::channel();
@@ -864,13 +863,20 @@ impl Store for RedisStore {
         let place = inner.place(key, policy);
         let algorithm = policy.algorithm();
         let (key, policy) = (key.clone(), policy.clone());
-        let record = Record::Settle {
-            refund: settlement.change == Change::Refund,
-            admitted: settlement.admitted_at.unwrap_or(-1),
-            recorded: settlement.recorded,
+        let (units, refund) = match settlement {
+            Settlement::Charge(units) => (units, false),
+            Settlement::Refund(units) => (units, true),
+            // Sent through `keep_slot` above.
+            Settlement::Release(_) | Settlement::Renew(_) => return Box::pin(async { Ok(()) }),
         };
+        let record = Record::Settle {
+            refund,
+            admitted: units.admitted_at().unwrap_or(-1),
+            recorded: units.recorded(),
+        };
+        let units = units.count();
         Box::pin(async move {
-            if settlement.units == 0 {
+            if units == 0 {
                 return Ok(());
             }
             super::in_range(&policy)?;
@@ -879,13 +885,12 @@ impl Store for RedisStore {
                 return Err(StoreError::Unavailable);
             }
             let started = inner.breaker(lane).now();
-            let args = batch::encode_for(&policy, settlement.units, record, -1);
+            let args = batch::encode_for(&policy, units, record, -1);
             let call = inner
                 .batcher
                 .decide_patiently(place.clone(), algorithm, args, PATIENCE);
             let answer = match call.await {
                 Err(error) if lease::refused(&error) || ask::is_redirection(&error) => {
-                    let units = settlement.units;
                     inner.decide(place, &policy, units, -1, record).await?
                 }
                 reply => inner.judge(lane, started, Some(reply))?,
@@ -894,28 +899,19 @@ impl Store for RedisStore {
             Ok(())
         })
     }
+
+    /// A concurrency slot's give-back or renewal joins the next batched call of its key's lane,
+    /// and `then` runs in the batching task that sent it (at once while the breaker is open):
+    /// a give-back costs no task of its own. Charges and refunds run in a task, as by default.
+    fn settle_then(&self, key: &Key, policy: &Policy, settlement: Settlement, then: OnSettled) {
+        match slot_op(policy, &settlement) {
+            Some(op) => self.keep_slot(key, policy, op, then),
+            None => super::settle_in_task(self, key, policy, settlement, then),
+        }
+    }
 }
 
 impl RedisStore {
-    /// Settles a concurrency slot's give-back or renewal as [`Store::settle`] does, without a
-    /// future: `done` runs with the outcome in the batching task that sent the call (at once
-    /// while the breaker is open), so that a give-back costs no task of its own. A charge or a
-    /// refund is refused (`StoreError::Unsupported`): those go through [`Store::settle`].
-    pub(crate) fn settle_slot(
-        &self,
-        key: &Key,
-        policy: &Policy,
-        settlement: &Settlement,
-        done: SlotDone,
-    ) {
-        match slot_op(policy, settlement) {
-            Some(op) => self.keep_slot(key, policy, op, done),
-            None => done(Err(StoreError::Unsupported(
-                "not a concurrency slot's settle",
-            ))),
-        }
-    }
-
     /// Sends slot operation `op` with the next batched call of its key's lane, within the
     /// time budget: a give-back or a renewal may run twice or not at all without harm (the
     /// slot's expiry is the backstop), so it needs none of a charge's patience, and no timer
@@ -935,19 +931,22 @@ impl RedisStore {
     }
 }
 
-/// What runs with the outcome of a slot's give-back or renewal ([`RedisStore::settle_slot`]).
-pub(crate) type SlotDone = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+/// What runs with the outcome of a slot's give-back or renewal.
+type SlotDone = super::OnSettled;
 
 /// The slot operation `settlement` asks for under `policy`: a give-back (lifetime 0) or a
 /// renewal for the policy's slot lifetime; `None` for a charge or a refund.
 fn slot_op(policy: &Policy, settlement: &Settlement) -> Option<SlotOp> {
-    match settlement.change {
-        Change::Release(id) => Some(SlotOp { id, lifetime: 0 }),
-        Change::Renew(id) => Some(SlotOp {
-            id,
+    match settlement {
+        Settlement::Release(id) => Some(SlotOp {
+            id: id.get(),
+            lifetime: 0,
+        }),
+        Settlement::Renew(id) => Some(SlotOp {
+            id: id.get(),
             lifetime: policy.slot_micros().max(1),
         }),
-        Change::Charge | Change::Refund => None,
+        Settlement::Charge(_) | Settlement::Refund(_) => None,
     }
 }
 
