@@ -8,17 +8,16 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use pin_project_lite::pin_project;
 
-use crate::concurrency::holds::Slot;
-use crate::usage::Tab;
+use crate::ledger::Receipt;
 
 pin_project! {
     /// The inner service's body, or the short body of a response the layer answered itself
     /// (a rejection). Having its own body type spares the inner body a `Default` or
     /// `From<String>` bound, as tower-http does.
     ///
-    /// When the layer limits by [usage](crate::usage), the body settles the request's usage
-    /// when it ends (its last frame, its trailers, an error) or is dropped; under a
-    /// concurrency limit it gives the request's slot back then.
+    /// The body carries what the request owes the store (its usage, when the layer limits by
+    /// [usage](crate::usage); its slot, under a concurrency limit), settled when the body ends
+    /// (its last frame, its trailers, an error) or is dropped.
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
@@ -28,21 +27,26 @@ pin_project! {
 pin_project! {
     #[project = KindProj]
     enum Kind<B> {
-        Inner { #[pin] body: B, tab: Option<Box<Tab>>, slot: Option<Slot> },
+        Inner { #[pin] body: B, receipt: Option<Receipt> },
         Own { body: Full<Bytes> },
     }
 }
 
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
-        ResponseBody::metered(body, None, None)
+        ResponseBody {
+            kind: Kind::Inner {
+                body,
+                receipt: None,
+            },
+        }
     }
 
-    /// The inner service's body, settling `tab` (if any) and giving `slot` (if any) back when
-    /// it ends or is dropped.
-    pub(crate) fn metered(body: B, tab: Option<Box<Tab>>, slot: Option<Slot>) -> Self {
+    /// The inner service's body, settling `receipt` when it ends or is dropped.
+    pub(crate) fn owing(body: B, receipt: Receipt) -> Self {
+        let receipt = (!receipt.is_empty()).then_some(receipt);
         ResponseBody {
-            kind: Kind::Inner { body, tab, slot },
+            kind: Kind::Inner { body, receipt },
         }
     }
 
@@ -75,21 +79,18 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
-            KindProj::Inner { body, tab, slot } => {
+            KindProj::Inner { body, receipt } => {
                 let frame = body.poll_frame(cx);
-                if slot.is_some() && matches!(frame, Poll::Ready(None | Some(Err(_)))) {
-                    // The end, or an error: the request is no longer in flight.
-                    *slot = None;
-                }
-                if let Some(open) = tab {
+                if let Some(owed) = receipt {
                     match &frame {
                         Poll::Ready(Some(Ok(frame))) => {
                             if let Some(trailers) = frame.trailers_ref() {
-                                open.read_trailers(trailers);
+                                owed.read_trailers(trailers);
                             }
                         }
-                        // The end, or an error: settle now (dropping the tab does).
-                        Poll::Ready(_) => *tab = None,
+                        // The end, or an error: the request is done; settle now (dropping the
+                        // receipt does).
+                        Poll::Ready(_) => *receipt = None,
                         Poll::Pending => {}
                     }
                 }

@@ -1,6 +1,5 @@
 //! [`RateLimitLayer`] and its builder.
 
-use std::collections::HashSet;
 use std::convert::Infallible;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -10,12 +9,15 @@ use http::Response;
 use ipnet::IpNet;
 use tower_layer::Layer;
 
-use crate::concurrency::holds::Holds;
+use crate::admission::{AllowList, CostFn, Limiter};
 use crate::deny_cache::DenyCache;
-use crate::response::{Options, Responder};
+use crate::ledger::post::{InFlight, Ledger, StoreLedger};
+use crate::ledger::slots::Holds;
+use crate::ledger::tab::Metering;
+use crate::response::Options;
 use crate::rule::{PlanFn, RequestHead};
 use crate::table::{Compiler, RuleTable, Rules};
-use crate::usage::{InFlight, Ledger, Metering, StoreLedger, UsageReport};
+use crate::usage::UsageReport;
 use crate::{
     Algorithm, Decision, FailureMode, Key, MemoryStore, MissingKey, PeerIp, Policy, PolicyError,
     RateLimit, Rule, Store,
@@ -37,64 +39,16 @@ use crate::{
 /// # Ok(()) }
 /// ```
 pub struct RateLimitLayer<K = PeerIp, St = MemoryStore> {
-    config: Arc<Config<K, St>>,
+    limiter: Arc<Limiter<K, St>>,
 }
 
 /// Entries the local deny cache holds unless told otherwise.
 pub const DEFAULT_DENY_CACHE: u64 = 100_000;
 
-pub(crate) type CostFn = dyn Fn(&RequestHead<'_>) -> u32 + Send + Sync;
-
-pub(crate) struct Config<K, St> {
-    pub(crate) key: K,
-    pub(crate) store: St,
-    /// Which policy applies to a request: first matching rule, then the default; no policy at
-    /// all means the request is not limited.
-    pub(crate) table: RuleTable,
-    /// Which plan a request is on, for policies with plans.
-    pub(crate) plan: Option<Arc<PlanFn>>,
-    pub(crate) allow: AllowList,
-    pub(crate) cost: Option<Arc<CostFn>>,
-    /// A request's cost when there is no cost function: 1, or the usage reservation.
-    pub(crate) default_cost: u32,
-    pub(crate) missing_key: MissingKey,
-    pub(crate) deny_cache: Option<DenyCache>,
-    pub(crate) usage: Option<Arc<Metering>>,
-    /// The concurrency slots of the requests in flight, and the store they go back to.
-    pub(crate) holds: Arc<Holds>,
-    pub(crate) ledger: Arc<dyn Ledger>,
-}
-
-impl<K, St> Config<K, St> {
-    /// The responder of the policy (and plan) that applies to `head`, if any.
-    pub(crate) fn responder(&self, head: &RequestHead<'_>) -> Option<Arc<Responder>> {
-        let table = self.table.load();
-        table.responder(head, self.plan.as_deref()).cloned()
-    }
-}
-
-/// Keys and networks that are never limited.
-#[derive(Debug, Default)]
-pub(crate) struct AllowList {
-    keys: HashSet<Key>,
-    networks: Vec<IpNet>,
-}
-
-impl AllowList {
-    /// Whether `key` is listed, or is an address or IPv6 prefix that an IP extractor
-    /// ([`PeerIp`], [`ClientIp`](crate::ClientIp)) made, inside a listed network.
-    pub(crate) fn contains(&self, key: &Key) -> bool {
-        self.keys.contains(key)
-            || key
-                .network()
-                .is_some_and(|net| self.networks.iter().any(|allowed| allowed.contains(&net)))
-    }
-}
-
 impl<K, St> Clone for RateLimitLayer<K, St> {
     fn clone(&self) -> Self {
         RateLimitLayer {
-            config: Arc::clone(&self.config),
+            limiter: Arc::clone(&self.limiter),
         }
     }
 }
@@ -102,7 +56,7 @@ impl<K, St> Clone for RateLimitLayer<K, St> {
 impl<K, St> std::fmt::Debug for RateLimitLayer<K, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimitLayer")
-            .field("rules", &self.config.table)
+            .field("rules", &self.limiter.table)
             .finish_non_exhaustive()
     }
 }
@@ -119,15 +73,21 @@ impl RateLimitLayer {
 }
 
 impl<K, St> RateLimitLayer<K, St> {
+    /// What the layer decides with, for tests of admission without a service.
+    #[cfg(test)]
+    pub(crate) fn limiter(&self) -> &Limiter<K, St> {
+        &self.limiter
+    }
+
     /// The default policy in force: the one for requests that no rule matches.
     pub fn policy(&self) -> Option<Policy> {
-        self.config.table.load().default_policy().cloned()
+        self.limiter.table.load().default_policy().cloned()
     }
 
     /// The handle that replaces the layer's rules and default policy at run time (see
     /// [`RuleTable`]); the layer, its clones and the services they made follow it.
     pub fn rule_table(&self) -> RuleTable {
-        self.config.table.clone()
+        self.limiter.table.clone()
     }
 
     /// Waits up to `timeout` for the [usage](crate::usage) settles and concurrency slot
@@ -167,7 +127,7 @@ impl<K, St> RateLimitLayer<K, St> {
     /// # Ok(()) }
     /// ```
     pub async fn settled(&self, timeout: std::time::Duration) -> usize {
-        self.config.holds.in_flight().settled(timeout).await
+        self.limiter.holds.in_flight().settled(timeout).await
     }
 }
 
@@ -175,7 +135,7 @@ impl<S, K, St> Layer<S> for RateLimitLayer<K, St> {
     type Service = RateLimit<S, K, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        RateLimit::new(inner, Arc::clone(&self.config))
+        RateLimit::new(inner, Arc::clone(&self.limiter))
     }
 }
 
@@ -619,15 +579,12 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             }
         };
         Ok(RateLimitLayer {
-            config: Arc::new(Config {
+            limiter: Arc::new(Limiter {
                 key: self.key,
                 store: self.store,
                 table,
                 plan,
-                allow: AllowList {
-                    keys: allow_keys.into_iter().collect(),
-                    networks,
-                },
+                allow: AllowList::new(allow_keys.into_iter().collect(), networks),
                 cost,
                 default_cost,
                 missing_key,
@@ -677,27 +634,6 @@ mod tests {
             network.unwrap_err(),
             BuildError::Network("10.0.0.0/99".into())
         );
-    }
-
-    #[test]
-    fn allow_list_matches_keys_addresses_and_prefixes() {
-        let allow = AllowList {
-            keys: [Key::from("internal")].into_iter().collect(),
-            networks: vec![
-                "10.0.0.0/8".parse().unwrap(),
-                "2001:db8::/32".parse().unwrap(),
-            ],
-        };
-        let ip = |s: &str| Key::from(s.parse::<IpAddr>().unwrap());
-        let net = |s: &str| Key::from_network(s.parse().unwrap());
-        assert!(allow.contains(&Key::from("internal")));
-        assert!(allow.contains(&ip("10.1.2.3")));
-        assert!(allow.contains(&net("2001:db8:1:2::/64")));
-        assert!(!allow.contains(&ip("11.1.2.3")));
-        assert!(!allow.contains(&net("2001:db9::/64")));
-        assert!(!allow.contains(&Key::from("someone")));
-        // Text that looks like an address, e.g. an API key header, is not an address.
-        assert!(!allow.contains(&Key::from("10.1.2.3")));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod admission;
 mod algorithm;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
@@ -17,6 +18,7 @@ mod deny_cache;
 mod future;
 pub mod key;
 mod layer;
+mod ledger;
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub mod metrics;
 mod policy;

@@ -2,20 +2,14 @@
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use http::{Request, Response};
 use tower_service::Service;
 
+use crate::admission::{Admission, Admitted, Limiter};
 use crate::body::ResponseBody;
 use crate::future::ResponseFuture;
-use crate::future::{Check, Recheck, Verdict, Waiting};
-use crate::layer::Config;
-use crate::metrics::Started;
-use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
-use crate::rule::RequestHead;
-use crate::usage::UsageMeter;
-use crate::{Decision, KeyExtractor, Store};
+use crate::{KeyExtractor, Store};
 
 /// Rate-limits requests to the inner service `S`; made by
 /// [`RateLimitLayer`](crate::RateLimitLayer).
@@ -26,12 +20,12 @@ use crate::{Decision, KeyExtractor, Store};
 /// readiness is not lost while the store decides.
 pub struct RateLimit<S, K, St> {
     inner: S,
-    config: Arc<Config<K, St>>,
+    limiter: Arc<Limiter<K, St>>,
 }
 
 impl<S, K, St> RateLimit<S, K, St> {
-    pub(crate) fn new(inner: S, config: Arc<Config<K, St>>) -> Self {
-        RateLimit { inner, config }
+    pub(crate) fn new(inner: S, limiter: Arc<Limiter<K, St>>) -> Self {
+        RateLimit { inner, limiter }
     }
 
     /// The wrapped service.
@@ -54,7 +48,7 @@ impl<S: Clone, K, St> Clone for RateLimit<S, K, St> {
     fn clone(&self) -> Self {
         RateLimit {
             inner: self.inner.clone(),
-            config: Arc::clone(&self.config),
+            limiter: Arc::clone(&self.limiter),
         }
     }
 }
@@ -63,7 +57,7 @@ impl<S: std::fmt::Debug, K, St> std::fmt::Debug for RateLimit<S, K, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("rules", &self.config.table)
+            .field("rules", &self.limiter.table)
             .finish_non_exhaustive()
     }
 }
@@ -83,123 +77,16 @@ where
     }
 
     fn call(&mut self, mut request: Request<ReqB>) -> Self::Future {
-        let config = &self.config;
-        // Every request gets a meter, so that a handler can always take it from the extensions;
-        // under several usage layers (per API key and per IP, say), all read the same one.
-        let meter = config.usage.as_ref().map(|_| {
-            let extensions = request.extensions_mut();
-            match extensions.get::<UsageMeter>() {
-                Some(meter) => meter.clone(),
-                None => {
-                    let meter = UsageMeter::new();
-                    extensions.insert(meter.clone());
-                    meter
-                }
+        match self.limiter.admit(&mut request) {
+            Admission::Pass => {
+                ResponseFuture::calling(&mut self.inner, request, Admitted::default())
             }
-        });
-        let head = RequestHead::of(&request);
-        let grpc = grpc_content_type(head.headers);
-        let Some(responder) = config.responder(&head) else {
-            return ResponseFuture::calling(self.inner.call(request));
-        };
-        let key = match config.key.extract(&request) {
-            Ok(key) => key,
-            Err(error) => match &config.missing_key {
-                MissingKey::Use(key) => key.clone(),
-                MissingKey::Allow => return ResponseFuture::calling(self.inner.call(request)),
-                MissingKey::Reject => {
-                    return ResponseFuture::answer(Responder::missing_key(&error, grpc.as_ref()))
-                }
-            },
-        };
-        if config.allow.contains(&key) {
-            return ResponseFuture::calling(self.inner.call(request));
-        }
-        let cost = config
-            .cost
-            .as_ref()
-            .map_or(config.default_cost, |cost| cost(&head));
-        let deny_cache = config
-            .deny_cache
-            .as_ref()
-            .filter(|_| !responder.options.shadow && !responder.options.soft);
-        if let Some(refusal) = deny_cache.and_then(|c| c.refusal(&key, &responder.policy, cost)) {
-            let options = &responder.options;
-            options.tally(&responder.policy, &key, Tally::DeniedCached);
-            return ResponseFuture::answer(responder.rejection(&refusal, grpc.as_ref()));
-        }
-        // Taken before the store is asked, so that a refund sent meanwhile keeps its refusal
-        // out of the cache.
-        let deny_cache = deny_cache.map(|c| (c.clone(), c.ticket(&key, &responder.policy)));
-        let holds = responder.policy.concurrency_limit().map(|_| {
-            let ledger = Arc::clone(&config.ledger);
-            (Arc::clone(&config.holds), ledger)
-        });
-        // A request refused for a concurrency slot may wait for one (`max_wait`).
-        let options = &responder.options;
-        let waits = holds.is_some() && !options.max_wait.is_zero();
-        let waiting = (waits && !options.soft && !options.shadow).then(|| {
-            let store = config.store.clone();
-            let recheck: Recheck<St::Future> =
-                Arc::new(move |key, policy, cost| store.check(key, policy, cost));
-            Waiting::new(recheck, options.max_wait)
-        });
-        let check = Check {
-            responder,
-            key,
-            cost,
-            grpc,
-            deny_cache,
-            started: Started::now(),
-            usage: config.usage.clone().zip(meter),
-            holds,
-        };
-        // Requests of the key already waiting for a slot here go first: this one takes its place
-        // at the back of their line without asking the store, as if refused for a slot.
-        let in_line = waiting.is_some()
-            && check
-                .holds
-                .as_ref()
-                .is_some_and(|(holds, _)| holds.has_line(&check.key, &check.responder.policy));
-        // A store that decides without waiting lets the inner service be called right here,
-        // with no clone of it for a later call.
-        // Counted by outcome, the store only looks: whether one more would fit.
-        let counts_outcomes = check.counts_outcomes();
-        let now = match (in_line, counts_outcomes) {
-            (true, _) => Some(Ok(Decision::slots_full(
-                &check.responder.policy,
-                Duration::from_secs(1),
-            ))),
-            (false, true) => None,
-            (false, false) => config
-                .store
-                .check_now(&check.key, &check.responder.policy, cost),
-        };
-        if let Some(outcome) = now {
-            if let Some(waiting) = waiting.filter(|_| {
-                outcome
-                    .as_ref()
-                    .is_ok_and(|decision| decision.is_concurrency_limit())
-            }) {
-                let ready = self.take_ready();
-                return ResponseFuture::waiting(outcome, check, ready, request, waiting);
+            Admission::Call(admitted) => {
+                ResponseFuture::calling(&mut self.inner, request, admitted)
             }
-            return match check.settle(outcome) {
-                Verdict::Call(mut admitted) => {
-                    admitted.mark(&mut request);
-                    ResponseFuture::reporting(self.inner.call(request), admitted)
-                }
-                Verdict::Answer(response) => ResponseFuture::answer(response),
-            };
+            Admission::Answer(response) => ResponseFuture::answer(response),
+            Admission::Later(later) => ResponseFuture::deciding(later, self.take_ready(), request),
         }
-        let decision = match counts_outcomes {
-            true => config.store.peek(&check.key, &check.responder.policy, cost),
-            false => config
-                .store
-                .check(&check.key, &check.responder.policy, cost),
-        };
-        let ready = self.take_ready();
-        ResponseFuture::checking(decision, check, ready, request, waiting)
     }
 }
 
@@ -209,5 +96,93 @@ impl<S: Clone, K, St> RateLimit<S, K, St> {
     fn take_ready(&mut self) -> S {
         let clone = self.inner.clone();
         std::mem::replace(&mut self.inner, clone)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::future::{ready, Ready};
+
+    use bytes::Bytes;
+    use http::StatusCode;
+    use http_body_util::Full;
+    use tower::ServiceExt;
+    use tower_layer::Layer;
+
+    use super::*;
+    use crate::{Decisions, Global, RateLimitLayer};
+
+    /// A service that answers 200 when called after its own `poll_ready`, and 500 when called
+    /// unready; its clones start unready, as those of a buffer or a concurrency limit do. The
+    /// answer carries the units left that the layer's decision says.
+    struct Inner {
+        ready: bool,
+    }
+
+    impl Clone for Inner {
+        fn clone(&self) -> Self {
+            Inner { ready: false }
+        }
+    }
+
+    impl Service<Request<()>> for Inner {
+        type Response = Response<Full<Bytes>>;
+        type Error = Infallible;
+        type Future = Ready<Result<Self::Response, Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            self.ready = true;
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, request: Request<()>) -> Self::Future {
+            let status = match std::mem::take(&mut self.ready) {
+                true => StatusCode::OK,
+                false => StatusCode::INTERNAL_SERVER_ERROR,
+            };
+            let decisions = request.extensions().get::<Decisions>();
+            let left = decisions.and_then(|d| d.get("default")).map(|d| d.remaining());
+            let body = Full::new(Bytes::from(format!("{left:?}")));
+            let mut response = Response::new(body);
+            *response.status_mut() = status;
+            ready(Ok(response))
+        }
+    }
+
+    async fn send<S>(service: &mut S) -> (StatusCode, Option<String>)
+    where
+        S: Service<Request<()>, Response = Response<ResponseBody<Full<Bytes>>>, Error = Infallible>,
+    {
+        let response = service.ready().await.unwrap().call(Request::new(())).await.unwrap();
+        let remaining = response.headers().get("ratelimit");
+        let fields = remaining.map(|v| v.to_str().unwrap().to_owned());
+        (response.status(), fields)
+    }
+
+    #[tokio::test]
+    async fn decided_at_once_or_later_the_call_uses_the_service_made_ready() {
+        let at_once = RateLimitLayer::builder().key(Global).policy("2/1m");
+        // Counted by outcome, the store's look comes through a future: decided later.
+        let later = RateLimitLayer::builder()
+            .key(Global)
+            .policy("2/1m")
+            .count_when(|head| head.status == StatusCode::UNAUTHORIZED);
+        for layer in [at_once.build().unwrap(), later.build().unwrap()] {
+            let mut service = layer.layer(Inner { ready: false });
+            let (status, fields) = send(&mut service).await;
+            assert_eq!(status, StatusCode::OK);
+            assert!(fields.is_some_and(|f| f.starts_with("\"default\";r=")));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_request_is_answered_without_the_inner_service() {
+        let layer = RateLimitLayer::builder().key(Global).policy("1/1m").build().unwrap();
+        let mut service = layer.layer(Inner { ready: false });
+        assert_eq!(send(&mut service).await.0, StatusCode::OK);
+        let (status, fields) = send(&mut service).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(fields.as_deref(), Some("\"default\";r=0;t=60"));
     }
 }

@@ -4,12 +4,13 @@
 //! A request takes a *slot* when it is admitted, in the same atomic step as the policy's rate
 //! limits, and gives it back when its response body ends, fails or is dropped. Each slot
 //! carries an expiry that the instance holding it renews while the request lives
-//! ([`holds`]); an instance that dies stops renewing, and its slots count no more once they
-//! expire. This file is the bookkeeping of one key's slots, free of I/O and clocks: the
+//! (`ledger/slots.rs`); an instance that dies stops renewing, and its slots count no more once
+//! they expire. This file is the bookkeeping of one key's slots, free of I/O and clocks: the
 //! memory store runs it, and `scripts/prelude.lua` (`slots_full`, `take_slot`, its slot
-//! operations) is the same over a Redis sorted set scored by expiry.
+//! operations) is the same over a Redis sorted set scored by expiry. [`lines`] keeps the
+//! requests waiting for a slot.
 
-pub(crate) mod holds;
+pub(crate) mod lines;
 
 /// The slots one key holds: each slot's id and expiry (µs on the store's clock).
 #[derive(Debug, Default, Clone)]

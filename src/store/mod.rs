@@ -148,7 +148,7 @@ pub type OnSettled = Box<dyn FnOnce(Result<(), StoreError>) + Send + 'static>;
 
 /// [`Store::settle_then`]'s default: the settle at once when its future is ready on the first
 /// poll, else in a task of its own, so that the response it follows is never held up.
-pub(crate) fn settle_in_task<St: Store + ?Sized>(
+pub(crate) fn settle_in_task<St: Store>(
     store: &St,
     key: &Key,
     policy: &Policy,

@@ -2,29 +2,24 @@
 //! response ends (the [`Slot`] guard, dropped by the response body), and renewed while it
 //! runs, in batches, by one task per layer.
 //!
-//! A give-back and a renewal go to the store the way a usage settle does (`usage::Ledger`):
-//! on Redis as requests of the policy's script, batched with the decisions under way, so a
-//! request costs one script run to take its slot (with its decision) and a share of one to
-//! give it back. The renewal task ticks at a quarter of the shortest slot lifetime held and
+//! A give-back and a renewal are posted to the store as a usage settle is
+//! ([`Ledger`](super::post::Ledger)): on Redis as slot operations of the policy's script call,
+//! batched with the decisions under way, so a request costs one script run to take its slot
+//! (with its decision) and a share of one to give it back. The renewal task ticks at a quarter of the shortest slot lifetime held and
 //! sends every slot due at once; it ends with the layer, and with its runtime: an instance that
 //! dies renews nothing, and its slots count no more once they expire.
 
-use std::collections::VecDeque;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use pin_project_lite::pin_project;
-use tokio::sync::futures::OwnedNotified;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::post::{Entry, InFlight, Ledger};
+use crate::concurrency::lines::Lines;
 use crate::response::Responder;
-use crate::usage::{Entry, InFlight, Ledger};
 use crate::{Decision, Key, Policy, Settlement};
 
 /// How many hold times per policy the median of a refusal's `Retry-After` is taken over.
@@ -44,41 +39,13 @@ pub(crate) struct Holds {
     wake: Arc<Notify>,
     /// The latest hold times of each policy, for the `Retry-After` of its refusals.
     hold_times: Mutex<ByU64<HoldTimes>>,
-    /// The requests waiting for a slot (`RateLimitLayerBuilder::max_wait`), per policy
-    /// identity and key, in arrival order; set `queued` once any has waited, so that a layer
-    /// that never waits does not look here at each give-back.
-    queues: Mutex<Lines>,
-    queued: AtomicBool,
+    /// The requests waiting for a slot (`RateLimitLayerBuilder::max_wait`), woken by a
+    /// give-back here.
+    lines: Arc<Lines>,
 }
 
 /// A map keyed by a serial or a hash already made, hashed cheaply.
 type ByU64<V> = hashbrown::HashMap<u64, V, foldhash::fast::FixedState>;
-
-/// A queue of requests waiting for a slot: the policy's identity and the key.
-type Queue = (Arc<str>, Key);
-
-/// The requests in a queue, first in line first: each one's serial and what wakes it.
-type Line = VecDeque<(u64, Arc<Notify>)>;
-
-/// The lines of a layer. Keyed by what clients send, so hashed with a seed of its own.
-type Lines = hashbrown::HashMap<Queue, Line, foldhash::fast::RandomState>;
-
-/// What wakes the first request in line of `queue`, if any.
-fn first_in(queues: &Lines, queue: &QueueOf<'_>) -> Option<Arc<Notify>> {
-    let (_, wake) = queues.get(queue).and_then(VecDeque::front)?;
-    Some(Arc::clone(wake))
-}
-
-/// A [`Queue`] by reference, to look one up without cloning its key: hashed and compared as
-/// the tuple is.
-#[derive(Hash)]
-struct QueueOf<'a>(&'a str, &'a Key);
-
-impl hashbrown::Equivalent<Queue> for QueueOf<'_> {
-    fn equivalent(&self, queue: &Queue) -> bool {
-        *self.0 == *queue.0 && *self.1 == queue.1
-    }
-}
 
 /// The slots in use, by serial, and the renewal task's tick in µs (`u64::MAX` while it is
 /// idle): read and written under one lock, so that a slot taken sees the tick the task sleeps
@@ -151,14 +118,18 @@ impl Holds {
             renewer: Mutex::new(None),
             wake: Arc::new(Notify::new()),
             hold_times: Mutex::default(),
-            queues: Mutex::default(),
-            queued: AtomicBool::new(false),
+            lines: Arc::default(),
         }
     }
 
     /// The settles under way, slots' and usage's.
     pub(crate) fn in_flight(&self) -> &Arc<InFlight> {
         &self.in_flight
+    }
+
+    /// The requests waiting for a slot.
+    pub(crate) fn lines(&self) -> &Arc<Lines> {
+        &self.lines
     }
 
     /// Holds the slot `decision` took for `key`, given back through `ledger` when the returned
@@ -242,7 +213,7 @@ impl Holds {
     /// lost its state. Its request runs on, no longer counted against the limit, so the key
     /// may have one more request in flight than its limit until it ends. Logged and counted
     /// once; the slot is renewed no more.
-    pub(crate) fn gone(&self, serial: u64) {
+    fn gone(&self, serial: u64) {
         let mut all = crate::shards::lock(&self.held);
         let Some(slot) = all.slots.get_mut(&serial).filter(|slot| !slot.gone) else {
             return;
@@ -272,49 +243,17 @@ impl Holds {
             .or_default()
             .add(held);
         if let Some(release) = Settlement::release(&slot.decision) {
-            let first = self.queued.load(Ordering::Acquire).then(|| {
-                let queues = crate::shards::lock(&self.queues);
-                first_in(&queues, &QueueOf(policy.identity(), &slot.key))
-            });
-            let entry = Entry::slot(slot.key, slot.responder, release, None);
+            let first = self.lines.first(&slot.key, policy);
+            let entry = Entry::new(slot.key, slot.responder, release, None);
             slot.ledger.settle(entry, &self.in_flight);
             // Once the give-back is on its way (done, on the memory store): the first request
             // in line for the key asks again. On Redis its ask may land before the give-back,
             // and it then asks again 50 ms later. (Had the first left meanwhile, its leaving
             // woke the next.)
-            if let Some(wake) = first.flatten() {
+            if let Some(wake) = first {
                 wake.notify_one();
             }
         }
-    }
-
-    /// Puts a request refused for a slot of `key` under `policy` in line, after those of this
-    /// layer already waiting for one.
-    pub(crate) fn queue(self: &Arc<Self>, key: &Key, policy: &Policy) -> InLine {
-        self.queued.store(true, Ordering::Release);
-        let queue = (Arc::clone(policy.state_id().text), key.clone());
-        let serial = self.next.fetch_add(1, Ordering::Relaxed);
-        let wake = Arc::new(Notify::new());
-        crate::shards::lock(&self.queues)
-            .entry(queue.clone())
-            .or_default()
-            .push_back((serial, Arc::clone(&wake)));
-        InLine {
-            holds: Arc::clone(self),
-            queue,
-            serial,
-            wake,
-        }
-    }
-
-    /// Whether requests of `key` under `policy` wait for a slot here: a new one joins them
-    /// at the back rather than asking the store before them.
-    pub(crate) fn has_line(&self, key: &Key, policy: &Policy) -> bool {
-        if !self.queued.load(Ordering::Acquire) {
-            return false;
-        }
-        let queues = crate::shards::lock(&self.queues);
-        queues.contains_key(&QueueOf(policy.identity(), key))
     }
 
     /// Sends a renewal of every slot held for a quarter of its lifetime or more since it was
@@ -349,8 +288,14 @@ impl Holds {
             }
         }
         for ((key, responder, serial), renew, ledger) in due {
-            let holder = Some((Arc::downgrade(self), serial));
-            ledger.settle(Entry::slot(key, responder, renew, holder), &self.in_flight);
+            let holds = Arc::downgrade(self);
+            let on_gone = Box::new(move || {
+                if let Some(holds) = holds.upgrade() {
+                    holds.gone(serial);
+                }
+            });
+            let entry = Entry::renewal(key, responder, renew, on_gone);
+            ledger.settle(entry, &self.in_flight);
         }
         tick
     }
@@ -372,87 +317,6 @@ async fn renew(holds: Weak<Holds>, wake: Arc<Notify>) {
         };
         // Woken early by a first slot, or one whose lifetime is shorter than the others'.
         let _ = tokio::time::timeout(tick.unwrap_or(IDLE), woken).await;
-    }
-}
-
-/// A request's place in line for a slot of its key on this instance: only the first in line
-/// asks the store again, so that slots go in arrival order. Dropping it (the request got a
-/// slot, gave up, or its client went away) leaves the line and wakes the next.
-pub(crate) struct InLine {
-    holds: Arc<Holds>,
-    queue: Queue,
-    serial: u64,
-    wake: Arc<Notify>,
-}
-
-impl InLine {
-    /// Whether no request of the key came before this one.
-    pub(crate) fn is_first(&self) -> bool {
-        let queues = crate::shards::lock(&self.holds.queues);
-        let first = queues.get(&self.queue).and_then(VecDeque::front);
-        first.is_some_and(|&(serial, _)| serial == self.serial)
-    }
-
-    /// Waits until woken (a slot of the key given back here, or the first in line left) or
-    /// until `until`, whichever comes first.
-    pub(crate) fn wait(&self, until: Instant) -> Wait {
-        Wait {
-            woken: Arc::clone(&self.wake).notified_owned(),
-            sleep: tokio::time::sleep_until(until),
-        }
-    }
-}
-
-impl Drop for InLine {
-    fn drop(&mut self) {
-        let mut queues = crate::shards::lock(&self.holds.queues);
-        let Some(line) = queues.get_mut(&self.queue) else {
-            return;
-        };
-        let first = line
-            .front()
-            .is_some_and(|&(serial, _)| serial == self.serial);
-        line.retain(|&(serial, _)| serial != self.serial);
-        if line.is_empty() {
-            queues.remove(&self.queue);
-        } else if first {
-            // The next in line asks the store now: the slot this one got, or did not wait
-            // for, may leave room for it too.
-            let (identity, key) = &self.queue;
-            if let Some(wake) = first_in(&queues, &QueueOf(identity, key)) {
-                wake.notify_one();
-            }
-        }
-    }
-}
-
-impl std::fmt::Debug for InLine {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InLine")
-            .field("serial", &self.serial)
-            .finish()
-    }
-}
-
-pin_project! {
-    /// Waits for a [`InLine`]'s wake-up or its deadline.
-    pub(crate) struct Wait {
-        #[pin]
-        woken: OwnedNotified,
-        #[pin]
-        sleep: tokio::time::Sleep,
-    }
-}
-
-impl Future for Wait {
-    type Output = ();
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let this = self.project();
-        if this.woken.poll(cx).is_ready() || this.sleep.poll(cx).is_ready() {
-            return Poll::Ready(());
-        }
-        Poll::Pending
     }
 }
 

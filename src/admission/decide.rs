@@ -1,0 +1,137 @@
+//! [`Deciding`]: a decision the store makes later, and a request's wait for a concurrency
+//! slot, polled to the request's [`Verdict`].
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use pin_project_lite::pin_project;
+
+use super::check::Check;
+use super::verdict::Verdict;
+use super::wait::{Next, Waiting};
+use crate::concurrency::lines::Wait;
+use crate::{Decision, StoreError};
+
+pin_project! {
+    /// Where a decision stands: asked of the store, or (refused for a concurrency slot, with
+    /// `max_wait`) waiting to ask again.
+    #[project = StepProj]
+    pub(crate) enum Step<F> {
+        Asking {
+            #[pin]
+            decision: F,
+        },
+        // Boxed, so that the wait does not make every request's future larger.
+        Waiting {
+            wait: Pin<Box<Wait>>,
+        },
+    }
+}
+
+/// What admission hands on when the decision is not in yet: the step it is at, what it is
+/// about, and how the request may wait for a slot.
+pub(crate) struct Later<F> {
+    pub(crate) step: Step<F>,
+    pub(crate) check: Check,
+    pub(crate) waiting: Option<Waiting<F>>,
+}
+
+impl<F> Later<F> {
+    /// The store is asked: `decision` answers.
+    pub(crate) fn asking(decision: F, check: Check, waiting: Option<Waiting<F>>) -> Self {
+        Later {
+            step: Step::Asking { decision },
+            check,
+            waiting,
+        }
+    }
+
+    /// The request waits in line for a slot.
+    pub(crate) fn waiting(wait: Wait, check: Check, waiting: Waiting<F>) -> Self {
+        Later {
+            step: Step::Waiting {
+                wait: Box::pin(wait),
+            },
+            check,
+            waiting: Some(waiting),
+        }
+    }
+}
+
+pin_project! {
+    /// A decision under way, carrying `call` (what to do once admitted) until its verdict.
+    pub(crate) struct Deciding<F, T> {
+        #[pin]
+        step: Step<F>,
+        // Boxed: a request is large, and only a store that waits (or a request waiting for a
+        // slot) gets here; the futures of requests decided at once stay small to move.
+        pending: Box<Pending<F, T>>,
+    }
+}
+
+struct Pending<F, T> {
+    check: Check,
+    waiting: Option<Waiting<F>>,
+    call: Option<T>,
+}
+
+impl<F, T> Deciding<F, T> {
+    pub(crate) fn new(later: Later<F>, call: T) -> Self {
+        Deciding {
+            step: later.step,
+            pending: Box::new(Pending {
+                check: later.check,
+                waiting: later.waiting,
+                call: Some(call),
+            }),
+        }
+    }
+}
+
+impl<F, T> Deciding<F, T>
+where
+    F: Future<Output = Result<Decision, StoreError>>,
+{
+    /// The verdict, with the call it carried; `None` once they were handed out.
+    pub(crate) fn poll_verdict(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<(Verdict, T)>> {
+        let mut this = self.project();
+        let pending = &mut **this.pending;
+        let outcome = loop {
+            let (outcome, may_wait) = match this.step.as_mut().project() {
+                StepProj::Waiting { wait } => {
+                    ready!(wait.as_mut().poll(cx));
+                    // Only a request that may wait waits; were it not so, it is decided as a
+                    // store that failed to answer.
+                    let Some(waiting) = pending.waiting.as_mut() else {
+                        break Err(StoreError::Unavailable);
+                    };
+                    match waiting.after_wait(&pending.check) {
+                        Next::Wait(next) => {
+                            wait.set(next);
+                            continue;
+                        }
+                        Next::Recheck(decision) => {
+                            this.step.set(Step::Asking { decision });
+                            continue;
+                        }
+                        Next::GiveUp(refusal) => (Ok(refusal), false),
+                    }
+                }
+                StepProj::Asking { decision } => (ready!(decision.poll(cx)), true),
+            };
+            let waiting = pending.waiting.as_mut().filter(|_| may_wait);
+            match waiting.and_then(|w| w.wait_for_slot(&pending.check, &outcome)) {
+                Some(wait) => this.step.set(Step::Waiting {
+                    wait: Box::pin(wait),
+                }),
+                None => break outcome,
+            }
+        };
+        let verdict = pending.check.verdict(outcome);
+        Poll::Ready(pending.call.take().map(|call| (verdict, call)))
+    }
+}

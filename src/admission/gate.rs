@@ -1,0 +1,335 @@
+//! The gate: rule → key → allow list → deny cache → store, for one request.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Request;
+
+use super::check::Check;
+use super::decide::Later;
+use super::limiter::Limiter;
+use super::wait::{Recheck, Waiting};
+use super::Admission;
+use crate::metrics::Started;
+use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
+use crate::rule::RequestHead;
+use crate::usage::UsageMeter;
+use crate::{Decision, Key, KeyExtractor, Store, StoreError};
+
+impl<K, St: Store> Limiter<K, St> {
+    /// Admits `request`, or answers it, or says what it waits for.
+    pub(crate) fn admit<B>(&self, request: &mut Request<B>) -> Admission<St::Future>
+    where
+        K: KeyExtractor<B>,
+    {
+        let meter = self.meter(request);
+        let head = RequestHead::of(request);
+        let grpc = grpc_content_type(head.headers);
+        let Some(responder) = self.responder(&head) else {
+            return Admission::Pass;
+        };
+        let key = match self.key.extract(request) {
+            Ok(key) => key,
+            Err(error) => match &self.missing_key {
+                MissingKey::Use(key) => key.clone(),
+                MissingKey::Allow => return Admission::Pass,
+                MissingKey::Reject => {
+                    return Admission::Answer(Responder::missing_key(&error, grpc.as_ref()))
+                }
+            },
+        };
+        if self.allow.contains(&key) {
+            return Admission::Pass;
+        }
+        let check = Check {
+            cost: self.cost(&head),
+            usage: self.usage.clone().zip(meter),
+            holds: responder
+                .policy
+                .concurrency_limit()
+                .map(|_| (Arc::clone(&self.holds), Arc::clone(&self.ledger))),
+            deny_cache: None,
+            started: Started::now(),
+            responder,
+            key,
+            grpc,
+        };
+        self.ask(check)
+    }
+
+    /// The request's usage meter, when the layer limits by usage: every request gets one, so
+    /// that a handler can always take it from the extensions; under several usage layers (per
+    /// API key and per IP, say), all read the same one.
+    fn meter<B>(&self, request: &mut Request<B>) -> Option<UsageMeter> {
+        self.usage.as_ref()?;
+        let extensions = request.extensions_mut();
+        Some(match extensions.get::<UsageMeter>() {
+            Some(meter) => meter.clone(),
+            None => {
+                let meter = UsageMeter::new();
+                extensions.insert(meter.clone());
+                meter
+            }
+        })
+    }
+
+    /// The deny cache's refusal, else the store's decision: at once when the store decides
+    /// without waiting, later otherwise.
+    fn ask(&self, mut check: Check) -> Admission<St::Future> {
+        let options = &check.responder.options;
+        let deny_cache = self
+            .deny_cache
+            .as_ref()
+            .filter(|_| !options.shadow && !options.soft);
+        if let Some(cache) = deny_cache {
+            let (key, policy) = (&check.key, &check.responder.policy);
+            if let Some(refusal) = cache.refusal(key, policy, check.cost) {
+                options.tally(policy, key, Tally::DeniedCached);
+                return Admission::Answer(check.responder.rejection(&refusal, check.grpc.as_ref()));
+            }
+            // Taken before the store is asked, so that a refund sent meanwhile keeps its
+            // refusal out of the cache.
+            check.deny_cache = Some((cache.clone(), cache.ticket(key, policy)));
+        }
+        let waiting = self.waiting(&check);
+        let (key, policy, cost) = (&check.key, &check.responder.policy, check.cost);
+        // Requests of the key already waiting for a slot here go first: this one takes its
+        // place at the back of their line without asking the store, as if refused for a slot.
+        let in_line = waiting.is_some()
+            && check
+                .holds()
+                .is_some_and(|holds| holds.lines().has_line(key, policy));
+        // Counted by outcome, the store only looks: whether one more would fit.
+        let now = match (in_line, check.counts_outcomes()) {
+            (true, _) => Some(Ok(Decision::slots_full(policy, Duration::from_secs(1)))),
+            (false, true) => None,
+            (false, false) => self.store.check_now(key, policy, cost),
+        };
+        match now {
+            Some(outcome) => decided(check, outcome, waiting),
+            None => {
+                let decision = match check.counts_outcomes() {
+                    true => self.store.peek(key, policy, cost),
+                    false => self.store.check(key, policy, cost),
+                };
+                Admission::Later(Later::asking(decision, check, waiting))
+            }
+        }
+    }
+
+    /// How the request may wait for a concurrency slot when refused for one
+    /// ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)); `None` when it may not.
+    fn waiting(&self, check: &Check) -> Option<Waiting<St::Future>> {
+        let options = &check.responder.options;
+        let waits = check.holds.is_some() && !options.max_wait.is_zero();
+        (waits && !options.soft && !options.shadow).then(|| {
+            let store = self.store.clone();
+            let recheck: Recheck<St::Future> =
+                Arc::new(move |key: &Key, policy, cost| store.check(key, policy, cost));
+            Waiting::new(recheck, options.max_wait)
+        })
+    }
+}
+
+/// A request the store decided at once: refused for a slot, it waits for one if it may;
+/// otherwise its verdict.
+fn decided<F>(
+    check: Check,
+    outcome: Result<Decision, StoreError>,
+    waiting: Option<Waiting<F>>,
+) -> Admission<F> {
+    if let Some(mut waiting) = waiting {
+        if let Some(wait) = waiting.wait_for_slot(&check, &outcome) {
+            return Admission::Later(Later::waiting(wait, check, waiting));
+        }
+    }
+    check.verdict(outcome).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::{Context, Poll};
+    use std::time::Duration;
+
+    use http::{HeaderName, StatusCode};
+
+    use super::*;
+    use crate::admission::{Deciding, Verdict};
+    use crate::key::Header;
+    use crate::{Decisions, MemoryStore, RateLimitLayer, RateLimitLayerBuilder, Rule};
+
+    fn user(name: &str) -> Request<()> {
+        let request = Request::builder().uri("/login");
+        let request = match name {
+            "" => request,
+            name => request.header("x-user", name),
+        };
+        request.body(()).unwrap()
+    }
+
+    fn builder() -> RateLimitLayerBuilder<Header, MemoryStore> {
+        let header = Header::new(HeaderName::from_static("x-user"));
+        RateLimitLayer::builder().key(header)
+    }
+
+    /// The status of an answer, or `None` for a call of the inner service.
+    fn answered(admission: Admission<impl Sized>) -> Option<StatusCode> {
+        match admission {
+            Admission::Answer(response) => Some(response.status()),
+            Admission::Pass | Admission::Call(_) | Admission::Later(_) => None,
+        }
+    }
+
+    #[test]
+    fn a_request_no_rule_matches_passes_without_a_decision() {
+        let layer = builder()
+            .rule(Rule::new("1/1m").path("/api/*"))
+            .build()
+            .unwrap();
+        let mut request = user("ann");
+        let admission = layer.limiter().admit(&mut request);
+        assert!(matches!(admission, Admission::Pass));
+        assert!(request.extensions().get::<Decisions>().is_none());
+    }
+
+    #[test]
+    fn the_store_admits_then_refuses_with_fields_and_a_decision() {
+        let layer = builder().policy("1/1m").build().unwrap();
+        let Admission::Call(mut admitted) = layer.limiter().admit(&mut user("ann")) else {
+            panic!("the first request is admitted at once by the memory store");
+        };
+        let mut request = user("ann");
+        admitted.mark(&mut request);
+        let decisions = request.extensions().get::<Decisions>().unwrap();
+        assert_eq!(decisions.get("default").unwrap().remaining(), 0);
+        assert!(admitted.fields.is_some());
+        let refused = layer.limiter().admit(&mut user("ann"));
+        assert_eq!(answered(refused), Some(StatusCode::TOO_MANY_REQUESTS));
+        // Another key has its own count.
+        assert!(matches!(
+            layer.limiter().admit(&mut user("bob")),
+            Admission::Call(_)
+        ));
+    }
+
+    #[test]
+    fn a_missing_key_is_refused_let_through_or_counted_as_told() {
+        let reject = builder().policy("1/1m").build().unwrap();
+        let answer = reject.limiter().admit(&mut user(""));
+        assert_eq!(answered(answer), Some(StatusCode::BAD_REQUEST));
+
+        let allow = builder()
+            .policy("1/1m")
+            .on_missing_key(MissingKey::Allow)
+            .build()
+            .unwrap();
+        for _ in 0..3 {
+            let admission = allow.limiter().admit(&mut user(""));
+            assert!(matches!(admission, Admission::Pass));
+        }
+
+        let shared = builder()
+            .policy("1/1m")
+            .on_missing_key(MissingKey::Use(Key::from("anonymous")))
+            .build()
+            .unwrap();
+        assert!(matches!(
+            shared.limiter().admit(&mut user("")),
+            Admission::Call(_)
+        ));
+        let second = shared.limiter().admit(&mut user(""));
+        assert_eq!(answered(second), Some(StatusCode::TOO_MANY_REQUESTS));
+    }
+
+    #[test]
+    fn an_allow_listed_key_is_never_counted() {
+        let layer = builder()
+            .policy("1/1m")
+            .allow_key("ops")
+            .build()
+            .unwrap();
+        for _ in 0..3 {
+            let admission = layer.limiter().admit(&mut user("ops"));
+            assert!(matches!(admission, Admission::Pass));
+        }
+        assert!(matches!(
+            layer.limiter().admit(&mut user("ann")),
+            Admission::Call(_)
+        ));
+    }
+
+    #[test]
+    fn the_deny_cache_answers_a_refused_key_without_the_store() {
+        let store = MemoryStore::new();
+        let layer = builder()
+            .store(store.clone())
+            .policy("1/1m")
+            .deny_cache(100)
+            .build()
+            .unwrap();
+        let limiter = layer.limiter();
+        assert!(matches!(limiter.admit(&mut user("ann")), Admission::Call(_)));
+        let refused = limiter.admit(&mut user("ann"));
+        assert_eq!(answered(refused), Some(StatusCode::TOO_MANY_REQUESTS));
+        // The store forgets the key; the cache, asked first, still refuses it.
+        let policy = layer.policy().unwrap();
+        let reset = store.reset(&Key::from("ann"), &policy);
+        assert!(matches!(
+            Pin::new(&mut Box::pin(reset)).poll(&mut Context::from_waker(std::task::Waker::noop())),
+            Poll::Ready(Ok(()))
+        ));
+        let cached = limiter.admit(&mut user("ann"));
+        assert_eq!(answered(cached), Some(StatusCode::TOO_MANY_REQUESTS));
+    }
+
+    #[test]
+    fn counted_by_outcome_the_store_only_looks_later() {
+        let layer = builder()
+            .policy("1/1m")
+            .count_when(|head| head.status == StatusCode::UNAUTHORIZED)
+            .build()
+            .unwrap();
+        for _ in 0..3 {
+            // Nothing recorded: the look admits every time until an outcome counts.
+            let Admission::Later(later) = layer.limiter().admit(&mut user("ann")) else {
+                panic!("counted by outcome, the store only looks, through its future");
+            };
+            let mut deciding = Box::pin(Deciding::new(later, ()));
+            let polled = deciding
+                .as_mut()
+                .poll_verdict(&mut Context::from_waker(std::task::Waker::noop()));
+            assert!(matches!(polled, Poll::Ready(Some((Verdict::Call(_), ())))));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_refused_for_a_slot_waits_in_line_for_one() {
+        let policy = crate::Policy::new("streams", ["100/1m".parse().unwrap()])
+            .unwrap()
+            .concurrency(1)
+            .unwrap();
+        let layer = builder()
+            .policy(policy)
+            .max_wait(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let limiter = layer.limiter();
+        let Admission::Call(first) = limiter.admit(&mut user("ann")) else {
+            panic!("the first request takes the slot");
+        };
+        assert!(first.receipt.slot.is_some());
+        let Admission::Later(second) = limiter.admit(&mut user("ann")) else {
+            panic!("the second waits for the slot");
+        };
+        let mut second = Box::pin(Deciding::new(second, ()));
+        let waker = std::task::Waker::noop();
+        assert!(second.as_mut().poll_verdict(&mut Context::from_waker(waker)).is_pending());
+        // The first response ends: its slot goes back, and the second takes it.
+        drop(first);
+        let verdict = std::future::poll_fn(|cx| second.as_mut().poll_verdict(cx)).await;
+        let Some((Verdict::Call(admitted), ())) = verdict else {
+            panic!("the second request gets the slot given back");
+        };
+        assert!(admitted.receipt.slot.is_some());
+    }
+}

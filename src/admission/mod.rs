@@ -1,0 +1,50 @@
+//! Before the inner service is called: which policy applies to a request, its key, and the
+//! store's decision, turned into what the service does with the request.
+//!
+//! ```text
+//! request ─► gate.rs: rule ─► key ─► allow list ─► deny cache ─► store
+//!                                                                  │ decided at once, or later
+//!                                                                  ▼ (decide.rs, wait.rs)
+//!                      verdict.rs: admitted │ passed over │ slots full │ refused │ store failed
+//! ```
+//!
+//! Nothing here knows tower: the gate takes a plain `http::Request` and a [`Limiter`], and
+//! answers an [`Admission`], which `service.rs` turns into a call of the inner service or an
+//! answer of the layer's own, and `future.rs` polls when the decision comes later.
+
+use bytes::Bytes;
+use http::Response;
+use http_body_util::Full;
+
+mod check;
+mod decide;
+mod gate;
+mod limiter;
+mod verdict;
+mod wait;
+
+pub(crate) use decide::{Deciding, Later};
+pub(crate) use limiter::{AllowList, CostFn, Limiter};
+pub(crate) use verdict::{Admitted, Verdict};
+
+/// What admission answered for a request.
+pub(crate) enum Admission<F> {
+    /// Not limited here (no policy applies, the key is allow-listed, or missing and let
+    /// through): call the inner service as it is.
+    Pass,
+    /// Answer without calling the inner service.
+    Answer(Response<Full<Bytes>>),
+    /// Call the inner service: admitted, or passed on over a soft or shadow limit.
+    Call(Admitted),
+    /// The decision is not in yet: the store decides later, or the request waits for a slot.
+    Later(Later<F>),
+}
+
+impl<F> From<Verdict> for Admission<F> {
+    fn from(verdict: Verdict) -> Self {
+        match verdict {
+            Verdict::Call(admitted) => Admission::Call(admitted),
+            Verdict::Answer(response) => Admission::Answer(response),
+        }
+    }
+}

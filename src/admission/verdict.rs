@@ -1,0 +1,389 @@
+//! The verdict on a request once its decision is in: the layer's options applied to the
+//! store's answer (fallback store, shadow and soft limits, concurrency refusals, the deny
+//! cache, the failure mode), one function per outcome.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+
+use super::check::Check;
+use crate::ledger::post::{Ledger, StoreLedger};
+use crate::ledger::tab::Tab;
+use crate::ledger::Receipt;
+use crate::metrics::Report;
+use crate::response::{FailureMode, Responder, Tally};
+use crate::{Decision, Decisions, Store, StoreError};
+
+/// What to do with a request once its decision is in.
+pub(crate) enum Verdict {
+    /// Call the inner service, with what its response gets.
+    Call(Admitted),
+    /// Answer with the layer's own response (a refusal, or the store failed in closed mode).
+    Answer(Response<Full<Bytes>>),
+}
+
+/// What an admitted request's response gets: the rate-limit fields (unless hidden, or the store
+/// failed), and what the request owes the store once its response is done; the decision goes
+/// into the request's [`Decisions`]. Nothing of these by default.
+#[derive(Default)]
+pub(crate) struct Admitted {
+    pub(crate) fields: Option<(Decision, Arc<Responder>)>,
+    pub(crate) receipt: Receipt,
+    /// The policy and decision for the request's [`Decisions`].
+    pub(crate) decided: Option<(Arc<str>, Decision)>,
+}
+
+impl Admitted {
+    /// Adds the decision to the request's [`Decisions`], inside those of outer layers.
+    pub(crate) fn mark<B>(&mut self, request: &mut Request<B>) {
+        if let Some((policy, decision)) = self.decided.take() {
+            let decisions = request
+                .extensions_mut()
+                .get_or_insert_default::<Decisions>();
+            decisions.push(policy, decision);
+        }
+    }
+}
+
+/// The store that decided when it is not the layer's own: the fallback's ledger, where usage
+/// or a slot must be settled with it.
+type Fallback = Option<Arc<dyn Ledger>>;
+
+impl Check {
+    /// Applies the layer's options to the store's answer; logs what an operator should see.
+    pub(crate) fn verdict(&self, outcome: Result<Decision, StoreError>) -> Verdict {
+        let options = &self.responder.options;
+        self.started.finish(&self.responder.policy);
+        if outcome.is_err() {
+            Report::store_error(&self.responder.policy);
+        }
+        let (outcome, fallback) = self.fall_back(outcome);
+        match outcome {
+            Ok(d) if d.is_allowed() => Verdict::Call(self.admitted(d, fallback)),
+            // Passed on over the limit: shadow mode (logged for the roll-out) or a soft limit
+            // (the handler sees it in the decisions).
+            Ok(d) if options.shadow || options.soft => Verdict::Call(self.passed_over(d, fallback)),
+            Ok(d) if d.is_concurrency_limit() => Verdict::Answer(self.slots_full(d)),
+            Ok(d) => Verdict::Answer(self.refused(d)),
+            Err(error) => self.store_failed(&error),
+        }
+    }
+
+    /// Under [`FailureMode::Fallback`], the local store's decision when the layer's store
+    /// failed, with the ledger that settles with it.
+    fn fall_back(
+        &self,
+        outcome: Result<Decision, StoreError>,
+    ) -> (Result<Decision, StoreError>, Fallback) {
+        let (Err(error), FailureMode::Fallback(local)) =
+            (&outcome, &self.responder.options.failure_mode)
+        else {
+            return (outcome, None);
+        };
+        let policy = &self.responder.policy;
+        Report::fallback(policy);
+        tracing::warn!(
+            target: "tower_redis_ratelimit",
+            policy = policy.name(),
+            key = %self.key.loggable(),
+            %error,
+            "rate-limit store failed; deciding locally"
+        );
+        let owes = self.usage.is_some() || self.holds.is_some();
+        let ledger = owes.then(|| Arc::new(StoreLedger(local.clone())) as Arc<dyn Ledger>);
+        let decided = match self.counts_outcomes() {
+            true => local.peek(&self.key, policy, self.cost).into_inner(),
+            false => local.check(&self.key, policy, self.cost).into_inner(),
+        };
+        (decided, ledger)
+    }
+
+    /// An admitted request: its fields, its decision, its tab and its slot.
+    fn admitted(&self, d: Decision, fallback: Fallback) -> Admitted {
+        let options = &self.responder.options;
+        options.tally(&self.responder.policy, &self.key, Tally::Allowed);
+        let slot = self.holds.as_ref().and_then(|(holds, ledger)| {
+            let ledger = fallback.clone().unwrap_or_else(|| Arc::clone(ledger));
+            holds.hold(&self.key, &self.responder, ledger, d)
+        });
+        Admitted {
+            fields: (!options.hide_allowed_headers).then(|| (d, self.responder.clone())),
+            receipt: Receipt {
+                tab: self.tab(d, fallback),
+                slot,
+            },
+            decided: self.decided(d),
+        }
+    }
+
+    /// A request over the limit passed on: in shadow mode, or under a soft limit.
+    fn passed_over(&self, d: Decision, fallback: Fallback) -> Admitted {
+        let options = &self.responder.options;
+        let tally = match d.is_concurrency_limit() {
+            true => Tally::DeniedConcurrency,
+            false => Tally::Denied,
+        };
+        options.tally(&self.responder.policy, &self.key, tally);
+        let retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64);
+        let (policy, key) = (self.responder.policy.name(), self.key.loggable());
+        if options.shadow {
+            tracing::info!(
+                target: "tower_redis_ratelimit",
+                policy,
+                key = %key,
+                retry_after_ms,
+                "rate limit exceeded; passed on (shadow mode)"
+            );
+        } else {
+            tracing::debug!(
+                target: "tower_redis_ratelimit",
+                policy,
+                key = %key,
+                retry_after_ms,
+                "rate limit exceeded; passed on marked over (soft limit)"
+            );
+        }
+        // Counted by outcome, a request over a soft limit still counts when it matches.
+        let counted = !options.shadow && self.counts_outcomes();
+        Admitted {
+            fields: Some((d, self.responder.clone())),
+            receipt: Receipt {
+                tab: counted.then(|| self.tab(d, fallback)).flatten(),
+                slot: None,
+            },
+            decided: self.decided(d),
+        }
+    }
+
+    /// A refusal for a concurrency slot: a slot may free any moment, so it says when one
+    /// usually does, and the deny cache keeps nothing.
+    fn slots_full(&self, mut d: Decision) -> Response<Full<Bytes>> {
+        let policy = &self.responder.policy;
+        self.responder
+            .options
+            .tally(policy, &self.key, Tally::DeniedConcurrency);
+        if let Some(holds) = self.holds() {
+            let retry = holds.retry_after(policy);
+            (d.retry_after, d.reset_after) = (Some(retry), retry);
+        }
+        tracing::debug!(
+            target: "tower_redis_ratelimit",
+            policy = policy.name(),
+            key = %self.key.loggable(),
+            in_flight = d.limit(),
+            "concurrency limit reached; refused"
+        );
+        self.responder.rejection(&d, self.grpc.as_ref())
+    }
+
+    /// A refusal by the policy's limits, remembered by the deny cache.
+    fn refused(&self, d: Decision) -> Response<Full<Bytes>> {
+        let policy = &self.responder.policy;
+        self.responder
+            .options
+            .tally(policy, &self.key, Tally::Denied);
+        tracing::debug!(
+            target: "tower_redis_ratelimit",
+            policy = policy.name(),
+            key = %self.key.loggable(),
+            retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
+            "rate limit exceeded; refused"
+        );
+        if let Some((cache, ticket)) = &self.deny_cache {
+            cache.remember(&self.key, policy, self.cost, d, *ticket);
+        }
+        self.responder.rejection(&d, self.grpc.as_ref())
+    }
+
+    /// No decision: the layer's failure mode answers.
+    fn store_failed(&self, error: &StoreError) -> Verdict {
+        let options = &self.responder.options;
+        tracing::warn!(
+            target: "tower_redis_ratelimit",
+            policy = self.responder.policy.name(),
+            key = %self.key.loggable(),
+            %error,
+            mode = ?options.failure_mode,
+            "rate-limit store failed"
+        );
+        match options.failure_mode {
+            FailureMode::Closed => Verdict::Answer(Responder::unavailable(self.grpc.as_ref())),
+            _ => Verdict::Call(Admitted::default()),
+        }
+    }
+
+    /// The usage tab of a request `d` admitted, when the layer limits by usage: settled with
+    /// the fallback store when it decided.
+    fn tab(&self, d: Decision, fallback: Fallback) -> Option<Box<Tab>> {
+        let (metering, meter) = self.usage.as_ref()?;
+        let about = (self.key.clone(), Arc::clone(&self.responder));
+        let cache = self.deny_cache.as_ref().map(|(cache, _)| cache.clone());
+        let charged = (d, self.cost);
+        Some(Tab::open(
+            Arc::clone(metering),
+            fallback,
+            about,
+            charged,
+            meter.clone(),
+            cache,
+        ))
+    }
+
+    /// What goes into the request's [`Decisions`], unless the layer turned them off.
+    fn decided(&self, d: Decision) -> Option<(Arc<str>, Decision)> {
+        let options = &self.responder.options;
+        (!options.no_decisions).then(|| (self.responder.policy.shared_name(), d))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::StatusCode;
+
+    use super::*;
+    use crate::deny_cache::DenyCache;
+    use crate::ledger::post::InFlight;
+    use crate::ledger::slots::Holds;
+    use crate::metrics::Started;
+    use crate::response::Options;
+    use crate::{Key, MemoryStore, Policy};
+
+    fn check(options: Options) -> Check {
+        let policy: Policy = "1/1m".parse().unwrap();
+        Check {
+            responder: Arc::new(Responder::new(policy, options)),
+            key: Key::from("ann"),
+            cost: 1,
+            grpc: None,
+            deny_cache: None,
+            started: Started::now(),
+            usage: None,
+            holds: None,
+        }
+    }
+
+    /// The store's decisions for `check`'s key: one admitted, then one refused.
+    fn decisions(check: &Check) -> (Decision, Decision) {
+        let store = MemoryStore::new();
+        let mut decide = || {
+            let policy = &check.responder.policy;
+            store.check(&check.key, policy, 1).into_inner().unwrap()
+        };
+        (decide(), decide())
+    }
+
+    fn status(verdict: &Verdict) -> Option<StatusCode> {
+        match verdict {
+            Verdict::Answer(response) => Some(response.status()),
+            Verdict::Call(_) => None,
+        }
+    }
+
+    fn retry_after(verdict: &Verdict) -> Option<&str> {
+        match verdict {
+            Verdict::Answer(response) => response.headers().get("retry-after")?.to_str().ok(),
+            Verdict::Call(_) => None,
+        }
+    }
+
+    #[test]
+    fn an_admitted_request_gets_its_fields_and_its_decision_unless_turned_off() {
+        let shown = check(Options::default());
+        let (allowed, _) = decisions(&shown);
+        let Verdict::Call(admitted) = shown.verdict(Ok(allowed)) else {
+            panic!("admitted");
+        };
+        assert_eq!(admitted.fields.map(|(d, _)| d), Some(allowed));
+        assert_eq!(admitted.decided.map(|(p, d)| (p.to_string(), d)), Some(("default".into(), allowed)));
+
+        let hidden = check(Options {
+            hide_allowed_headers: true,
+            no_decisions: true,
+            ..Options::default()
+        });
+        let Verdict::Call(admitted) = hidden.verdict(Ok(allowed)) else {
+            panic!("admitted");
+        };
+        assert!(admitted.fields.is_none() && admitted.decided.is_none());
+    }
+
+    #[test]
+    fn a_refusal_answers_429_with_retry_after_and_is_cached() {
+        let mut refusing = check(Options::default());
+        let cache = DenyCache::new(100, Arc::new(|| 0));
+        let ticket = cache.ticket(&refusing.key, &refusing.responder.policy);
+        refusing.deny_cache = Some((cache.clone(), ticket));
+        let (_, refused) = decisions(&refusing);
+        let verdict = refusing.verdict(Ok(refused));
+        assert_eq!(status(&verdict), Some(StatusCode::TOO_MANY_REQUESTS));
+        assert_eq!(retry_after(&verdict), Some("60"));
+        let policy = &refusing.responder.policy;
+        assert!(cache.refusal(&refusing.key, policy, 1).is_some());
+    }
+
+    #[test]
+    fn shadow_and_soft_limits_pass_a_refused_request_on_marked_over() {
+        for options in [
+            Options { shadow: true, ..Options::default() },
+            Options { soft: true, ..Options::default() },
+        ] {
+            let over = check(options);
+            let (_, refused) = decisions(&over);
+            let Verdict::Call(admitted) = over.verdict(Ok(refused)) else {
+                panic!("passed on");
+            };
+            let (_, decided) = admitted.decided.unwrap();
+            assert!(!decided.is_allowed());
+            assert!(admitted.fields.is_some() && admitted.receipt.is_empty());
+        }
+    }
+
+    #[test]
+    fn a_slot_refusal_says_when_a_slot_usually_frees_and_is_never_cached() {
+        let mut full = check(Options::default());
+        let cache = DenyCache::new(100, Arc::new(|| 0));
+        let ticket = cache.ticket(&full.key, &full.responder.policy);
+        full.deny_cache = Some((cache.clone(), ticket));
+        let holds = Arc::new(Holds::new(Arc::new(InFlight::default())));
+        let ledger: Arc<dyn Ledger> = Arc::new(StoreLedger(MemoryStore::new()));
+        full.holds = Some((holds, ledger));
+        let policy = &full.responder.policy;
+        let refusal = Decision::slots_full(policy, std::time::Duration::from_secs(30));
+        let verdict = full.verdict(Ok(refusal));
+        assert_eq!(status(&verdict), Some(StatusCode::TOO_MANY_REQUESTS));
+        // No hold time is known yet: one second, not the 30 until the first slot expires.
+        assert_eq!(retry_after(&verdict), Some("1"));
+        assert!(cache.refusal(&full.key, policy, 1).is_none());
+    }
+
+    #[test]
+    fn a_store_failure_follows_the_failure_mode() {
+        let failed = || Err(StoreError::Unavailable);
+        let closed = check(Options {
+            failure_mode: FailureMode::Closed,
+            ..Options::default()
+        });
+        let answer = closed.verdict(failed());
+        assert_eq!(status(&answer), Some(StatusCode::SERVICE_UNAVAILABLE));
+
+        let open = check(Options::default());
+        let Verdict::Call(admitted) = open.verdict(failed()) else {
+            panic!("failing open calls the service");
+        };
+        assert!(admitted.decided.is_none() && admitted.fields.is_none());
+
+        let local = MemoryStore::new();
+        let fallback = check(Options {
+            failure_mode: FailureMode::Fallback(local.clone()),
+            ..Options::default()
+        });
+        let Verdict::Call(admitted) = fallback.verdict(failed()) else {
+            panic!("the local store admits the first request");
+        };
+        assert!(admitted.decided.is_some_and(|(_, d)| d.is_allowed()));
+        let refused = fallback.verdict(failed());
+        assert_eq!(status(&refused), Some(StatusCode::TOO_MANY_REQUESTS));
+    }
+}

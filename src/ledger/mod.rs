@@ -1,0 +1,50 @@
+//! After the response: what an admitted request owes the store, settled when its response
+//! body ends, fails or is dropped, never holding the response up.
+//!
+//! A request carries one [`Receipt`] in its response body: its usage [`Tab`](tab::Tab), when
+//! the layer limits by [usage](crate::usage), and its concurrency [`Slot`](slots::Slot), when
+//! the policy has a concurrency limit. Both post to the store through [`post`], the machinery
+//! below them: neither imports the other.
+//!
+//! ```text
+//! body ends ─► Receipt dropped ─┬─► Tab: charge or refund ─┐
+//!                               └─► Slot: give-back ───────┴─► Ledger ─► Store::settle_then
+//! ```
+
+use http::{HeaderMap, Response};
+
+pub(crate) mod post;
+pub(crate) mod slots;
+pub(crate) mod tab;
+
+use slots::Slot;
+use tab::Tab;
+
+/// What an admitted request owes the store once its response is done: dropping it settles
+/// its usage and gives its concurrency slot back.
+#[derive(Default)]
+pub(crate) struct Receipt {
+    pub(crate) tab: Option<Box<Tab>>,
+    pub(crate) slot: Option<Slot>,
+}
+
+impl Receipt {
+    /// Whether the request owes nothing.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.tab.is_none() && self.slot.is_none()
+    }
+
+    /// Reads the usage a response's head reports, and whether a layer inside refused it.
+    pub(crate) fn read_head<B>(&mut self, response: &Response<B>) {
+        if let Some(tab) = &mut self.tab {
+            tab.read_head(response);
+        }
+    }
+
+    /// Reads the usage a response's trailers report.
+    pub(crate) fn read_trailers(&mut self, trailers: &HeaderMap) {
+        if let Some(tab) = &mut self.tab {
+            tab.read_trailers(trailers);
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! Posting to the store what a request owes once its response is done: a usage charge or
+//! refund, or a concurrency slot's give-back or renewal. Each is an [`Entry`], handed to the
+//! layer's [`Ledger`] (its store, or the fallback store that admitted the request), which
+//! settles it through [`Store::settle_then`] without holding up the response, counts it in
+//! [`InFlight`] until the store has answered (for `RateLimitLayer::settled`), and logs and
+//! counts a failure.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::deny_cache::DenyCache;
+use crate::metrics::Report;
+use crate::response::Responder;
+use crate::{Key, Settlement, Store, StoreError};
+
+/// Settles with a store of a type the layer's response body does not name.
+pub(crate) trait Ledger: Send + Sync {
+    /// Starts `entry`, counted in `in_flight` until it has finished; reports its failure.
+    fn settle(&self, entry: Entry, in_flight: &Arc<InFlight>);
+}
+
+/// A [`Ledger`] over a store.
+pub(crate) struct StoreLedger<St>(pub(crate) St);
+
+impl<St: Store> Ledger for StoreLedger<St> {
+    fn settle(&self, entry: Entry, in_flight: &Arc<InFlight>) {
+        let (key, responder, settlement) = (
+            entry.key.clone(),
+            Arc::clone(&entry.responder),
+            entry.settlement,
+        );
+        let pending = Pending::start(entry, Arc::clone(in_flight));
+        let then = Box::new(move |outcome| pending.finish(outcome));
+        self.0
+            .settle_then(&key, &responder.policy, settlement, then);
+    }
+}
+
+/// What a slot's holder does when a renewal finds the slot gone.
+pub(crate) type OnGone = Box<dyn FnOnce() + Send>;
+
+/// One settle: what it is about, and the deny cache a refund makes stale.
+pub(crate) struct Entry {
+    key: Key,
+    responder: Arc<Responder>,
+    settlement: Settlement,
+    /// A refund's deny cache, whose refusals of the key are forgotten when the refund is sent
+    /// and again when it has landed: a refusal the store decided before the refund applied may
+    /// have been cached in between.
+    deny_cache: Option<DenyCache>,
+    /// What hears that a concurrency slot to renew is gone from the store.
+    on_gone: Option<OnGone>,
+}
+
+impl Entry {
+    /// A settle of `settlement` for `key` under the responder's policy; a refund's
+    /// `deny_cache` forgets its refusals of the key when the refund is sent and again when it
+    /// has landed.
+    pub(crate) fn new(
+        key: Key,
+        responder: Arc<Responder>,
+        settlement: Settlement,
+        deny_cache: Option<DenyCache>,
+    ) -> Entry {
+        if let Some(cache) = &deny_cache {
+            cache.forget(&key, &responder.policy);
+        }
+        Entry {
+            key,
+            responder,
+            settlement,
+            deny_cache,
+            on_gone: None,
+        }
+    }
+
+    /// A concurrency slot's renewal: `on_gone` runs, instead of a failure being reported,
+    /// when the store no longer holds the slot.
+    pub(crate) fn renewal(
+        key: Key,
+        responder: Arc<Responder>,
+        settlement: Settlement,
+        on_gone: OnGone,
+    ) -> Entry {
+        Entry {
+            on_gone: Some(on_gone),
+            ..Entry::new(key, responder, settlement, None)
+        }
+    }
+
+    /// What follows a settle's outcome: the deny cache forgets the key after a refund (one
+    /// that failed made no room, but forgetting costs only a store call), and a failure is
+    /// logged and counted.
+    fn finish(self, outcome: Result<(), StoreError>) {
+        if let Some(cache) = &self.deny_cache {
+            cache.forget(&self.key, &self.responder.policy);
+        }
+        if let (Err(StoreError::SlotGone), Some(on_gone)) = (&outcome, self.on_gone) {
+            // Not a failure of the store: the holder tells a slot lost from one given back.
+            return on_gone();
+        }
+        if let Err(error) = outcome {
+            Report::settle_error(&self.responder.policy);
+            tracing::warn!(
+                target: "tower_redis_ratelimit",
+                policy = self.responder.policy.name(),
+                key = %self.key.loggable(),
+                %error,
+                "rate-limit store failed to settle a request's usage"
+            );
+        }
+    }
+}
+
+/// A settle under way in a task: counted in [`InFlight`] until it finishes, or until its task
+/// is dropped without finishing (the runtime shut down), which is reported as a failure.
+struct Pending {
+    entry: Option<Entry>,
+    in_flight: Arc<InFlight>,
+}
+
+impl Pending {
+    fn start(entry: Entry, in_flight: Arc<InFlight>) -> Self {
+        in_flight.count.fetch_add(1, Ordering::AcqRel);
+        Pending {
+            entry: Some(entry),
+            in_flight,
+        }
+    }
+
+    fn finish(mut self, outcome: Result<(), StoreError>) {
+        if let Some(entry) = self.entry.take() {
+            entry.finish(outcome);
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(entry) = self.entry.take() {
+            // The task was dropped before the store answered: the settle may or may not have
+            // reached it, and nobody will know which. Counted, so that it is not lost silently.
+            Report::settle_error(&entry.responder.policy);
+            tracing::warn!(
+                target: "tower_redis_ratelimit",
+                policy = entry.responder.policy.name(),
+                key = %entry.key.loggable(),
+                "a settle of a request's usage was abandoned (its runtime shut down) before \
+                 the store answered; it may or may not have been recorded"
+            );
+        }
+        // After the outcome is reported, so that a waiter sees its effects.
+        if self.in_flight.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.in_flight.idle.notify_waiters();
+        }
+    }
+}
+
+/// The settles of a layer (and its clones) under way in tasks, for
+/// [`RateLimitLayer::settled`](crate::RateLimitLayer::settled).
+#[derive(Debug, Default)]
+pub(crate) struct InFlight {
+    count: AtomicUsize,
+    /// Notified when the count falls to zero.
+    idle: Notify,
+}
+
+impl InFlight {
+    /// Waits up to `timeout` until no settle is under way; the number still under way then.
+    pub(crate) async fn settled(&self, timeout: Duration) -> usize {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            // Registered before the count is read, so that a fall to zero in between wakes it.
+            let idle = self.idle.notified();
+            let mut idle = std::pin::pin!(idle);
+            idle.as_mut().enable();
+            let count = self.count.load(Ordering::Acquire);
+            if count == 0 {
+                return 0;
+            }
+            if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                return self.count.load(Ordering::Acquire);
+            }
+        }
+    }
+}
