@@ -464,11 +464,11 @@ impl MemoryStore {
         let until = now.saturating_add(policy.slot_micros());
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         let kept = match shard.get(key, policy.state_id(), now) {
-            Some(slot) if !slot.is_live(now) => false,
-            Some(slot) if !renew => return slot.value.slots.give_back(id),
-            Some(slot) => {
-                let kept = slot.value.slots.renew(now, id, until);
-                slot.expires = slot.expires.max(slot.value.slots.last_expiry());
+            Some(entry) if !entry.is_live(now) => false,
+            Some(entry) if !renew => return entry.value.slots.give_back(id),
+            Some(entry) => {
+                let kept = entry.value.slots.renew(now, id, until);
+                entry.expires = entry.expires.max(entry.value.slots.last_expiry());
                 kept
             }
             None => false,
@@ -502,18 +502,18 @@ impl MemoryStore {
         };
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
-            Some(slot) => {
-                if !slot.is_live(now) || slot.value.algorithm() != algorithm {
-                    slot.value = State::new(algorithm, now);
+            Some(entry) => {
+                if !entry.is_live(now) || entry.value.algorithm() != algorithm {
+                    entry.value = State::new(algorithm, now);
                 }
-                let drained = slot.value.settle(now, policy, change);
+                let drained = entry.value.settle(now, policy, change);
                 if let Settle::Charge(_) = change {
-                    slot.expires = slot.expires.max(expiry(policy, now, now));
+                    entry.expires = entry.expires.max(expiry(policy, now, now));
                     // A charge that fills the key puts it in the penalty box.
-                    let boxed = slot.value.penalize_if_full(now, policy);
-                    slot.expires = slot.expires.max(boxed.unwrap_or(0));
+                    let boxed = entry.value.penalize_if_full(now, policy);
+                    entry.expires = entry.expires.max(boxed.unwrap_or(0));
                 }
-                slot.expires = slot.expires.max(now.saturating_add(drained));
+                entry.expires = entry.expires.max(now.saturating_add(drained));
             }
             // Nothing recorded is left to refund.
             None if matches!(change, Settle::Refund { .. }) => {}
