@@ -35,7 +35,7 @@ use crate::{Decision, Key, Policy};
 /// refusal out of the cache.
 const STRIPES: usize = 64;
 
-/// One remembered refusal; its slot expires when the retry-after has passed.
+/// One remembered refusal; its entry expires when the retry-after has passed.
 #[derive(Clone, Copy)]
 struct Denial {
     decision: Decision,
@@ -146,9 +146,9 @@ impl DenyCache {
             return;
         }
         match shard.get(key, policy.terms_id(), now) {
-            Some(slot) => {
-                slot.expires = expires;
-                slot.value = denial;
+            Some(entry) => {
+                entry.expires = expires;
+                entry.value = denial;
             }
             None => shard.insert(key, policy.terms_id(), now, expires, denial),
         }
@@ -169,12 +169,13 @@ impl DenyCache {
     pub(crate) fn refusal(&self, key: &Key, policy: &Policy, cost: u32) -> Option<Decision> {
         let now = self.now();
         let mut shard = self.entries.lock(key, policy.terms_id());
-        let slot = shard.get(key, policy.terms_id(), now)?;
-        if !slot.is_live(now) || cost < slot.value.cost || slot.value.version != (self.version)() {
+        let entry = shard.get(key, policy.terms_id(), now)?;
+        let denial = &entry.value;
+        if !entry.is_live(now) || cost < denial.cost || denial.version != (self.version)() {
             return None;
         }
-        let left = Duration::from_micros(slot.value.until.saturating_sub(now));
-        let mut decision = slot.value.decision;
+        let left = Duration::from_micros(denial.until.saturating_sub(now));
+        let mut decision = denial.decision;
         let elapsed = decision
             .retry_after
             .unwrap_or_default()

@@ -704,7 +704,10 @@ fn terms(name: &str, algorithm: Algorithm, limits: &[Limit]) -> Arc<str> {
 
 /// Whether `algorithm` decides `windows` exactly (see [`Policy::out_of_range`]).
 fn in_range(algorithm: Algorithm, windows: &[Window]) -> bool {
-    algorithm != Algorithm::Gcra || windows.iter().all(|w| w.gcra_bucket() <= MAX_GCRA_BUCKET)
+    match algorithm {
+        Algorithm::Gcra => windows.iter().all(|w| w.gcra_bucket() <= MAX_GCRA_BUCKET),
+        Algorithm::SlidingLog | Algorithm::SlidingWindow | Algorithm::FixedWindow => true,
+    }
 }
 
 /// Each limit's window as [`Limit`] displays it, e.g. `1m`.

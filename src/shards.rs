@@ -4,7 +4,7 @@
 //! [`MemoryStore`](crate::MemoryStore) keeps its rate-limit state here and the deny cache its
 //! refusals. Both are on the path of every request, so a lookup borrows the key instead of
 //! cloning it, hashes it once (foldhash, seeded per map), and holds one shard's lock for a few
-//! arithmetic steps; two cores rarely meet on one lock. Every slot carries the time its value
+//! arithmetic steps; two cores rarely meet on one lock. Every entry carries the time its value
 //! stops mattering, and the time it was last used. Times are whole microseconds on a clock
 //! the owner chooses.
 
@@ -17,34 +17,34 @@ use hashbrown::HashTable;
 use crate::policy::Id;
 use crate::Key;
 
-/// How often a shard drops expired slots while new keys arrive, at most (µs).
+/// How often a shard drops expired entries while new keys arrive, at most (µs).
 const SWEEP_INTERVAL: u64 = 1_000_000;
 
-/// The map. `max_keys` bounds the slots of all shards together.
+/// The map. `max_keys` bounds the entries of all shards together.
 pub(crate) struct Shards<V> {
     shards: Box<[Mutex<Shard<V>>]>,
     /// Seeded per map, so that clients cannot choose keys that collide.
     hasher: RandomState,
-    /// The most slots one shard holds.
+    /// The most entries one shard holds.
     capacity: usize,
 }
 
 struct Shard<V> {
-    slots: HashTable<Slot<V>>,
-    /// When expired slots are next swept out.
+    entries: HashTable<Entry<V>>,
+    /// When expired entries are next swept out.
     next_sweep: u64,
 }
 
 /// What is kept about one key under one policy.
-pub(crate) struct Slot<V> {
+pub(crate) struct Entry<V> {
     hash: u64,
     /// The policy's id the map is keyed by (`Policy::state_id` or `Policy::terms_id`), not
     /// its name alone.
     policy: Arc<str>,
     key: Key,
-    /// When the value stops mattering; the slot is dead from then on.
+    /// When the value stops mattering; the entry is dead from then on.
     pub(crate) expires: u64,
-    /// When the key was last looked up. When a shard is full, the slots used least recently
+    /// When the key was last looked up. When a shard is full, the entries used least recently
     /// are evicted first.
     used: u64,
     pub(crate) value: V,
@@ -58,7 +58,7 @@ pub(crate) struct Locked<'a, V> {
 }
 
 impl<V> Shards<V> {
-    /// A map of at most `max_keys` slots (at least one per shard).
+    /// A map of at most `max_keys` entries (at least one per shard).
     pub(crate) fn new(max_keys: u64) -> Self {
         let max_keys = usize::try_from(max_keys).unwrap_or(usize::MAX);
         // Enough shards that two cores rarely meet on one lock, few enough that small bounds
@@ -68,7 +68,7 @@ impl<V> Shards<V> {
             shards: (0..shards)
                 .map(|_| {
                     Mutex::new(Shard {
-                        slots: HashTable::new(),
+                        entries: HashTable::new(),
                         next_sweep: 0,
                     })
                 })
@@ -91,43 +91,46 @@ impl<V> Shards<V> {
         }
     }
 
-    /// Visits every slot, live or expired, shard by shard, and drops those for which `keep`
+    /// Visits every entry, live or expired, shard by shard, and drops those for which `keep`
     /// returns false.
     #[cfg(feature = "redis")]
     pub(crate) fn retain(&self, mut keep: impl FnMut(&Key, &mut V) -> bool) {
         for shard in self.shards.iter() {
             lock(shard)
-                .slots
-                .retain(|slot| keep(&slot.key, &mut slot.value));
+                .entries
+                .retain(|entry| keep(&entry.key, &mut entry.value));
         }
     }
 
-    /// The number of live slots at `now`, once expired ones are dropped.
+    /// The number of live entries at `now`, once expired ones are dropped.
     pub(crate) fn len(&self, now: u64) -> u64 {
         self.shards
             .iter()
             .map(|shard| {
                 let mut shard = lock(shard);
                 shard.sweep(now);
-                shard.slots.len() as u64
+                shard.entries.len() as u64
             })
             .sum()
     }
 }
 
 impl<V> Locked<'_, V> {
-    /// The slot of `key` under `policy`, live or expired, marked as used at `now`.
-    pub(crate) fn get(&mut self, key: &Key, policy: Id<'_>, now: u64) -> Option<&mut Slot<V>> {
-        let slot = self.shard.slots.find_mut(self.hash, matches(key, policy))?;
-        slot.used = now;
-        Some(slot)
+    /// The entry of `key` under `policy`, live or expired, marked as used at `now`.
+    pub(crate) fn get(&mut self, key: &Key, policy: Id<'_>, now: u64) -> Option<&mut Entry<V>> {
+        let entry = self
+            .shard
+            .entries
+            .find_mut(self.hash, matches(key, policy))?;
+        entry.used = now;
+        Some(entry)
     }
 
-    /// Adds a slot for `key` under `policy`, which [`get`](Self::get) just did not find,
+    /// Adds an entry for `key` under `policy`, which [`get`](Self::get) just did not find,
     /// making room first if the shard is full.
     pub(crate) fn insert(&mut self, key: &Key, policy: Id<'_>, now: u64, expires: u64, value: V) {
         self.shard.make_room(now, self.capacity);
-        let slot = Slot {
+        let entry = Entry {
             hash: self.hash,
             policy: Arc::clone(policy.text),
             key: key.clone(),
@@ -135,55 +138,61 @@ impl<V> Locked<'_, V> {
             used: now,
             value,
         };
-        self.shard.slots.insert_unique(self.hash, slot, |s| s.hash);
+        self.shard
+            .entries
+            .insert_unique(self.hash, entry, |e| e.hash);
     }
 
     /// Forgets `key` under `policy`.
     pub(crate) fn remove(&mut self, key: &Key, policy: Id<'_>) {
-        if let Ok(slot) = self.shard.slots.find_entry(self.hash, matches(key, policy)) {
-            slot.remove();
+        if let Ok(entry) = self
+            .shard
+            .entries
+            .find_entry(self.hash, matches(key, policy))
+        {
+            entry.remove();
         }
     }
 }
 
-impl<V> Slot<V> {
+impl<V> Entry<V> {
     /// Whether the value still matters at `now`.
     pub(crate) fn is_live(&self, now: u64) -> bool {
         self.expires > now
     }
 }
 
-fn matches<'a, V>(key: &'a Key, policy: Id<'a>) -> impl Fn(&Slot<V>) -> bool + 'a {
-    move |slot| slot.key == *key && policy.is(&slot.policy)
+fn matches<'a, V>(key: &'a Key, policy: Id<'a>) -> impl Fn(&Entry<V>) -> bool + 'a {
+    move |entry| entry.key == *key && policy.is(&entry.policy)
 }
 
-/// A poisoned lock only means another thread panicked while holding it; every slot is valid
+/// A poisoned lock only means another thread panicked while holding it; every entry is valid
 /// between two field writes, so keep using it.
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl<V> Shard<V> {
-    /// Drops expired slots.
+    /// Drops expired entries.
     fn sweep(&mut self, now: u64) {
-        self.slots.retain(|s| s.is_live(now));
+        self.entries.retain(|e| e.is_live(now));
         self.next_sweep = now.saturating_add(SWEEP_INTERVAL);
     }
 
-    /// Before a new slot goes in: sweeps now and then, and when the shard is full, drops
-    /// expired slots and then the eighth of the rest used least recently, so that the work of
+    /// Before a new entry goes in: sweeps now and then, and when the shard is full, drops
+    /// expired entries and then the eighth of the rest used least recently, so that the work of
     /// evicting is spread over many insertions.
     fn make_room(&mut self, now: u64, capacity: usize) {
-        if now >= self.next_sweep || self.slots.len() >= capacity {
+        if now >= self.next_sweep || self.entries.len() >= capacity {
             self.sweep(now);
         }
-        if self.slots.len() < capacity {
+        if self.entries.len() < capacity {
             return;
         }
-        let mut used: Vec<u64> = self.slots.iter().map(|s| s.used).collect();
+        let mut used: Vec<u64> = self.entries.iter().map(|e| e.used).collect();
         let evict = (used.len() / 8).max(1);
         let (_, &mut threshold, _) = used.select_nth_unstable(evict - 1);
-        self.slots.retain(|s| s.used > threshold);
+        self.entries.retain(|e| e.used > threshold);
     }
 }
 

@@ -12,12 +12,12 @@ use super::{window_start, Fit, Limiter, Refund, Window, MAX_UNITS};
 /// Per limit: (start of the window counted, units counted in it).
 #[derive(Debug, Default, Clone)]
 pub(crate) struct FixedWindow {
-    slots: Vec<(u64, u64)>,
+    states: Vec<(u64, u64)>,
 }
 
 impl FixedWindow {
     fn used(&self, now: u64, i: usize, w: &Window) -> u64 {
-        match self.slots.get(i) {
+        match self.states.get(i) {
             Some(&(start, count)) if start == window_start(now, w.micros) => count,
             _ => 0,
         }
@@ -35,11 +35,11 @@ impl Limiter for FixedWindow {
     }
 
     fn record(&mut self, now: u64, windows: &[Window], cost: u64) {
-        self.slots.resize(windows.len(), (0, 0));
+        self.states.resize(windows.len(), (0, 0));
         for (i, w) in windows.iter().enumerate() {
             let used = self.used(now, i, w);
             let used = used.saturating_add(cost).min(MAX_UNITS);
-            self.slots[i] = (window_start(now, w.micros), used);
+            self.states[i] = (window_start(now, w.micros), used);
         }
     }
 
@@ -54,10 +54,10 @@ impl Limiter for FixedWindow {
         let Some((units, at)) = back.timed() else {
             return;
         };
-        for (slot, w) in self.slots.iter_mut().zip(windows) {
+        for (state, w) in self.states.iter_mut().zip(windows) {
             let start = window_start(now, w.micros);
-            if slot.0 == start && window_start(at, w.micros) == start {
-                slot.1 = slot.1.saturating_sub(units);
+            if state.0 == start && window_start(at, w.micros) == start {
+                state.1 = state.1.saturating_sub(units);
             }
         }
     }

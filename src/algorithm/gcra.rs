@@ -27,8 +27,8 @@
 //! Lua's doubles are exact.
 //!
 //! Other counts for the same windows ([`Policy::with_limits`](crate::Policy::with_limits)):
-//! each slot keeps the `u` it was written under. A backlog `b` of another `u` holds `b / u`
-//! units of cost, and is read as as many units under the counts at hand, rounded up
+//! each limit's state keeps the `u` it was written under. A backlog `b` of another `u` holds
+//! `b / u` units of cost, and is read as as many units under the counts at hand, rounded up
 //! (`ceil(b * u' / u)`, saturating at [`MAX_UNITS`]); it then drains at their rate from the
 //! last write on. A change of counts so never forgets usage, nor invents it.
 //!
@@ -41,7 +41,7 @@ use super::{div_ceil, Fit, Limiter, Refund, Window, MAX_UNITS};
 /// cost (`u`) of the counts it was written under.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Gcra {
-    slots: Vec<(u64, u128, u64)>,
+    states: Vec<(u64, u128, u64)>,
 }
 
 /// A limit's weight of one unit of cost (`u`) and drain per µs (`d`), in GCRA units.
@@ -51,7 +51,7 @@ fn units(w: &Window) -> (u128, u128) {
 
 impl Gcra {
     fn backlog(&self, now: u64, i: usize, w: &Window) -> u128 {
-        match self.slots.get(i) {
+        match self.states.get(i) {
             Some(&(at, b, from)) => {
                 let (u, d) = units(w);
                 let drained = u128::from(now.saturating_sub(at)) * d;
@@ -88,10 +88,10 @@ impl Limiter for Gcra {
     }
 
     fn record(&mut self, now: u64, windows: &[Window], cost: u64) {
-        self.slots.resize(windows.len(), (0, 0, 0));
+        self.states.resize(windows.len(), (0, 0, 0));
         for (i, w) in windows.iter().enumerate() {
             let new = self.backlog(now, i, w) + u128::from(cost) * units(w).0;
-            self.slots[i] = (now, new.min(u128::from(MAX_UNITS)), w.gcra.0);
+            self.states[i] = (now, new.min(u128::from(MAX_UNITS)), w.gcra.0);
         }
     }
 
@@ -109,7 +109,7 @@ impl Limiter for Gcra {
     /// nothing changes: what still weighs cannot be known.
     fn refund(&mut self, now: u64, windows: &[Window], back: Refund) {
         let Some(at) = back.at else { return };
-        if self.slots.len() != windows.len() {
+        if self.states.len() != windows.len() {
             return;
         }
         for (i, w) in windows.iter().enumerate() {
@@ -117,7 +117,7 @@ impl Limiter for Gcra {
             let weight =
                 (u128::from(back.units) * u).saturating_sub(u128::from(now.saturating_sub(at)) * d);
             let left = self.backlog(now, i, w);
-            self.slots[i] = (now, left.saturating_sub(weight), w.gcra.0);
+            self.states[i] = (now, left.saturating_sub(weight), w.gcra.0);
         }
     }
 }

@@ -55,7 +55,18 @@ impl Algorithm {
     pub(crate) fn retention(self, longest: std::time::Duration) -> std::time::Duration {
         match self {
             Algorithm::SlidingWindow => longest * 2,
-            _ => longest,
+            Algorithm::SlidingLog | Algorithm::FixedWindow | Algorithm::Gcra => longest,
+        }
+    }
+
+    /// Whether a request can be decided at its own event time
+    /// ([`Store::check_at`](crate::Store::check_at)), in any order: only the sliding log keeps
+    /// the time of each request it admitted; the others fold requests into their state as they
+    /// come, and a request from the past has no place in it.
+    pub(crate) fn takes_event_times(self) -> bool {
+        match self {
+            Algorithm::SlidingLog => true,
+            Algorithm::SlidingWindow | Algorithm::FixedWindow | Algorithm::Gcra => false,
         }
     }
 

@@ -478,8 +478,8 @@ mod tests {
             let windows = policy_windows(&limits);
             let mut log = SlidingLog::default();
             let mut admitted: Vec<(u64, u64)> = vec![];
-            for (slot, cost) in times {
-                let t = 10 * 1_000_000 + slot * 50_000;
+            for (tick, cost) in times {
+                let t = 10 * 1_000_000 + tick * 50_000;
                 let expected = fits_every_window(&admitted, t, &windows, cost, 50_000);
                 let got = check(&mut log, t, &windows, cost);
                 proptest::prop_assert_eq!(got.allowed, expected, "event at {}", t);

@@ -28,14 +28,14 @@ use super::{window_start, Fit, Limiter, Refund, Window, MAX_UNITS};
 /// Per limit: (start of current window, curr, prev).
 #[derive(Debug, Default, Clone)]
 pub(crate) struct SlidingWindow {
-    slots: Vec<(u64, u64, u64)>,
+    states: Vec<(u64, u64, u64)>,
 }
 
 impl SlidingWindow {
     /// `(elapsed, curr, prev)` of limit `i` at `now`, rolling the stored windows forward.
     fn counts(&self, now: u64, i: usize, w: &Window) -> (u64, u64, u64) {
         let start = window_start(now, w.micros);
-        let (curr, prev) = match self.slots.get(i) {
+        let (curr, prev) = match self.states.get(i) {
             Some(&(s, curr, prev)) if s == start => (curr, prev),
             Some(&(s, curr, _)) if s + w.micros == start => (0, curr),
             _ => (0, 0),
@@ -67,11 +67,11 @@ impl Limiter for SlidingWindow {
     }
 
     fn record(&mut self, now: u64, windows: &[Window], cost: u64) {
-        self.slots.resize(windows.len(), (0, 0, 0));
+        self.states.resize(windows.len(), (0, 0, 0));
         for (i, w) in windows.iter().enumerate() {
             let (_, curr, prev) = self.counts(now, i, w);
             let curr = curr.saturating_add(cost).min(MAX_UNITS);
-            self.slots[i] = (window_start(now, w.micros), curr, prev);
+            self.states[i] = (window_start(now, w.micros), curr, prev);
         }
     }
 
@@ -95,12 +95,12 @@ impl Limiter for SlidingWindow {
         let Some((units, at)) = back.timed() else {
             return;
         };
-        for (slot, w) in self.slots.iter_mut().zip(windows) {
+        for (state, w) in self.states.iter_mut().zip(windows) {
             let start = window_start(at, w.micros);
-            if slot.0 == start {
-                slot.1 = slot.1.saturating_sub(units);
-            } else if slot.0 == start + w.micros {
-                slot.2 = slot.2.saturating_sub(units);
+            if state.0 == start {
+                state.1 = state.1.saturating_sub(units);
+            } else if state.0 == start + w.micros {
+                state.2 = state.2.saturating_sub(units);
             }
         }
     }

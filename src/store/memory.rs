@@ -12,7 +12,7 @@ use crate::algorithm::{
     sliding_window::SlidingWindow, Algorithm, Outcome, Refund, Settle,
 };
 use crate::concurrency::Slots;
-use crate::shards::Shards;
+use crate::shards::{Entry, Shards};
 use crate::{Decision, Key, Policy, Settlement};
 
 /// The time for [`MemoryStore`]: elapsed since the UNIX epoch.
@@ -145,6 +145,40 @@ enum Of {
     Gcra(Gcra),
 }
 
+/// What one decision asks, in the store's units.
+struct Ask {
+    /// The store's time (µs).
+    now: u64,
+    /// The time (µs) decided at: `now`, or the request's event time.
+    t: u64,
+    cost: u64,
+    /// Whether an admitted request is recorded (a check) or only looked at (a peek).
+    record: bool,
+    /// The concurrency slot an admitted request takes: only a recorded decision under a
+    /// concurrency limit takes one.
+    take: Option<Take>,
+}
+
+/// The concurrency slot a request takes when admitted.
+#[derive(Clone, Copy)]
+struct Take {
+    /// The policy's concurrency limit.
+    cap: u32,
+    id: u64,
+    /// Until when (µs) the slot is held unless renewed.
+    until: u64,
+}
+
+/// What a key's state answered, under its shard's lock.
+struct Answer {
+    outcome: Outcome,
+    /// Until when (µs) the key's state must be kept, when the decision recorded something:
+    /// the request it admitted, or the penalty box its refusal earned.
+    keep_until: Option<u64>,
+    /// Until when (µs) the refusal put the key in its penalty box.
+    boxed: Option<u64>,
+}
+
 impl State {
     fn new(algorithm: Algorithm, now: u64) -> State {
         let of = match algorithm {
@@ -199,6 +233,47 @@ impl State {
             Of::Sliding(s) => decide(s, t, windows, cost, record),
             Of::Fixed(s) => decide(s, t, windows, cost, record),
             Of::Gcra(s) => decide(s, t, windows, cost, record),
+        }
+    }
+
+    /// The refusal a request meets before the limits are asked: the key is in its penalty
+    /// box, or the request would take a concurrency slot and the key holds every one.
+    fn refusal(&mut self, policy: &Policy, ask: &Ask) -> Option<Decision> {
+        if self.boxed_until > ask.now {
+            let left = Duration::from_micros(self.boxed_until - ask.now);
+            return Some(Decision::boxed(policy, left));
+        }
+        let left = self.slots.full(ask.now, ask.take?.cap)?;
+        Some(Decision::slots_full(policy, Duration::from_micros(left)))
+    }
+
+    /// Decides `ask` against the limits, and keeps what a recorded decision leaves: the
+    /// request it admits and the concurrency slot that takes, or the penalty box of a refusal.
+    fn answer(&mut self, policy: &Policy, ask: &Ask) -> Answer {
+        let (now, t) = (ask.now, ask.t);
+        let outcome = self.decide(now, t, policy, ask.cost, ask.record);
+        if ask.record && outcome.allowed {
+            let mut until = expiry(policy, now, t);
+            if let Some(take) = ask.take {
+                self.slots.take(take.id, take.until);
+                until = until.max(take.until);
+            }
+            return Answer {
+                outcome,
+                keep_until: Some(until),
+                boxed: None,
+            };
+        }
+        // Refused by a limit that a wait satisfies: not a request larger than the limit
+        // itself, which no wait helps and the key did not earn.
+        let boxed = match ask.record && outcome.retry_after.is_some() {
+            true => self.penalize(now, policy),
+            false => None,
+        };
+        Answer {
+            outcome,
+            keep_until: boxed,
+            boxed,
         }
     }
 
@@ -277,12 +352,12 @@ impl MemoryStore {
         let now = self.now();
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
-            Some(slot) if slot.is_live(now) => match &mut slot.value.of {
+            Some(entry) if entry.is_live(now) => match &mut entry.value.of {
                 Of::Log(log) => {
                     trim(log, now, policy);
                     log.events()
                 }
-                _ => 0,
+                Of::Sliding(_) | Of::Fixed(_) | Of::Gcra(_) => 0,
             },
             _ => 0,
         }
@@ -296,7 +371,7 @@ impl MemoryStore {
         let now = self.now();
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
-            Some(slot) if slot.is_live(now) => slot.value.slots.live(now),
+            Some(entry) if entry.is_live(now) => entry.value.slots.live(now),
             _ => 0,
         }
     }
@@ -316,7 +391,7 @@ impl MemoryStore {
         micros(self.shared.clock.now())
     }
 
-    /// Decides at event time `at` (`None`: now).
+    /// Decides at event time `at` (`None`: now), recording an admitted request if `record`.
     fn decide(
         &self,
         key: &Key,
@@ -325,105 +400,60 @@ impl MemoryStore {
         at: Option<SystemTime>,
         record: bool,
     ) -> Ready<Result<Decision, StoreError>> {
-        let algorithm = policy.algorithm();
-        if let Err(error) = super::in_range(policy) {
+        if let Err(error) = decidable(policy, at) {
             return ready(Err(error));
         }
-        if at.is_some() && algorithm != Algorithm::SlidingLog {
-            return ready(Err(StoreError::Unsupported(
-                "event times need the sliding log algorithm",
-            )));
-        }
-        if at.is_some() && policy.concurrency_limit().is_some() {
-            return ready(Err(StoreError::Unsupported(
-                "event times take no concurrency slot",
-            )));
-        }
+        // The concurrency limit is the request's policy's, whatever counts an override sets.
+        let ask = self.ask(policy, cost, at, record);
+        ready(Ok(match self.shared.overrides.apply(key, policy) {
+            Applied::Own(policy) => self.decide_under(key, policy, &ask),
+            Applied::Other(policy) => self.decide_under(key, &policy, &ask),
+            Applied::Blocked => Decision::blocked(policy),
+        }))
+    }
+
+    /// What a decision of `cost` at event time `at` (`None`: now) asks; a recorded one under a
+    /// concurrency limit draws the id of the slot it takes if admitted.
+    fn ask(&self, policy: &Policy, cost: u32, at: Option<SystemTime>, record: bool) -> Ask {
         let now = self.now();
-        let t = at.map_or(now, |at| micros(since_epoch(at)));
-        let cost = u64::from(cost);
-        // The slot an admitted request takes, and until when: only a recorded decision takes one.
-        let take = policy.concurrency_limit().filter(|_| record).map(|cap| {
-            let id = self.shared.next_slot.fetch_add(1, Ordering::Relaxed);
-            (cap, id, now.saturating_add(policy.slot_micros()))
-        });
-        let other;
-        let policy = match self.shared.overrides.apply(key, policy) {
-            Applied::Own(policy) => policy,
-            Applied::Other(policy) => {
-                other = policy;
-                &other
-            }
-            Applied::Blocked => return ready(Ok(Decision::blocked(policy))),
-        };
+        let take = policy
+            .concurrency_limit()
+            .filter(|_| record)
+            .map(|cap| Take {
+                cap,
+                id: self.shared.next_slot.fetch_add(1, Ordering::Relaxed),
+                until: now.saturating_add(policy.slot_micros()),
+            });
+        Ask {
+            now,
+            t: at.map_or(now, |at| micros(since_epoch(at))),
+            cost: u64::from(cost),
+            record,
+            take,
+        }
+    }
+
+    /// Decides `ask` for `key` under `policy`, the limits in force for it, holding the key's
+    /// shard locked only while its state answers.
+    fn decide_under(&self, key: &Key, policy: &Policy, ask: &Ask) -> Decision {
         let mut shard = self.shared.entries.lock(key, policy.state_id());
-        // Set when the key is in its penalty box: until when.
-        let mut boxed = None;
-        let outcome = match shard.get(key, policy.state_id(), now) {
-            Some(slot) => {
-                if !slot.is_live(now) || slot.value.algorithm() != algorithm {
-                    slot.value = State::new(algorithm, now);
-                }
-                if slot.value.boxed_until > now {
-                    let left = Duration::from_micros(slot.value.boxed_until - now);
-                    return ready(Ok(Decision::boxed(policy, left)));
-                }
-                if let Some((cap, _, _)) = take {
-                    if let Some(left) = slot.value.slots.full(now, cap) {
-                        let left = Duration::from_micros(left);
-                        return ready(Ok(Decision::slots_full(policy, left)));
-                    }
-                }
-                let outcome = slot.value.decide(now, t, policy, cost, record);
-                if outcome.allowed && record {
-                    slot.expires = slot.expires.max(expiry(policy, now, t));
-                    if let Some((_, id, until)) = take {
-                        slot.value.slots.take(id, until);
-                        slot.expires = slot.expires.max(until);
-                    }
-                } else if record && outcome.retry_after.is_some() {
-                    // Refused by a limit that a wait satisfies: not a request larger than the
-                    // limit itself, which no wait helps and the key did not earn.
-                    boxed = slot.value.penalize(now, policy);
-                    slot.expires = slot.expires.max(boxed.unwrap_or(0));
-                }
-                outcome
-            }
+        let answer = match shard.get(key, policy.state_id(), ask.now) {
+            Some(entry) => match answer_held(entry, policy, ask) {
+                Ok(answer) => answer,
+                Err(refusal) => return refusal,
+            },
             None => {
-                let mut state = State::new(algorithm, now);
-                let outcome = state.decide(now, t, policy, cost, record);
-                if outcome.allowed && record {
-                    let mut expires = expiry(policy, now, t);
-                    if let Some((_, id, until)) = take {
-                        state.slots.take(id, until);
-                        expires = expires.max(until);
-                    }
-                    shard.insert(key, policy.state_id(), now, expires, state);
-                } else if record && outcome.retry_after.is_some() {
-                    boxed = state.penalize(now, policy);
-                    if let Some(until) = boxed {
-                        shard.insert(key, policy.state_id(), now, until, state);
-                    }
+                let mut state = State::new(policy.algorithm(), ask.now);
+                let answer = state.answer(policy, ask);
+                // The map holds a key once a decision has recorded something for it.
+                if let Some(until) = answer.keep_until {
+                    shard.insert(key, policy.state_id(), ask.now, until, state);
                 }
-                outcome
+                answer
             }
         };
         drop(shard);
-        if let Some(until) = boxed {
-            return ready(Ok(Decision::boxed(
-                policy,
-                Duration::from_micros(until - now),
-            )));
-        }
-        let mut decision = Decision::from_outcome(outcome, policy);
-        if let Some((_, id, _)) = take {
-            decision = decision.with_slot(id);
-        }
-        let at = i64::try_from(t).ok();
-        ready(Ok(match record {
-            true => decision.recorded_at(at, cost),
-            false => decision,
-        }))
+        decision(answer, policy, ask)
     }
 
     /// Gives back (`renew` false) or renews concurrency slot `id` of `key` under `policy`;
@@ -433,11 +463,11 @@ impl MemoryStore {
         let until = now.saturating_add(policy.slot_micros());
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         let kept = match shard.get(key, policy.state_id(), now) {
-            Some(slot) if !slot.is_live(now) => false,
-            Some(slot) if !renew => return slot.value.slots.give_back(id),
-            Some(slot) => {
-                let kept = slot.value.slots.renew(now, id, until);
-                slot.expires = slot.expires.max(slot.value.slots.last_expiry());
+            Some(entry) if !entry.is_live(now) => false,
+            Some(entry) if !renew => return entry.value.slots.give_back(id),
+            Some(entry) => {
+                let kept = entry.value.slots.renew(now, id, until);
+                entry.expires = entry.expires.max(entry.value.slots.last_expiry());
                 kept
             }
             None => false,
@@ -470,18 +500,18 @@ impl MemoryStore {
         };
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
-            Some(slot) => {
-                if !slot.is_live(now) || slot.value.algorithm() != algorithm {
-                    slot.value = State::new(algorithm, now);
+            Some(entry) => {
+                if !entry.is_live(now) || entry.value.algorithm() != algorithm {
+                    entry.value = State::new(algorithm, now);
                 }
-                let drained = slot.value.settle(now, policy, change);
+                let drained = entry.value.settle(now, policy, change);
                 if let Settle::Charge(_) = change {
-                    slot.expires = slot.expires.max(expiry(policy, now, now));
+                    entry.expires = entry.expires.max(expiry(policy, now, now));
                     // A charge that fills the key puts it in the penalty box.
-                    let boxed = slot.value.penalize_if_full(now, policy);
-                    slot.expires = slot.expires.max(boxed.unwrap_or(0));
+                    let boxed = entry.value.penalize_if_full(now, policy);
+                    entry.expires = entry.expires.max(boxed.unwrap_or(0));
                 }
-                slot.expires = slot.expires.max(now.saturating_add(drained));
+                entry.expires = entry.expires.max(now.saturating_add(drained));
             }
             // Nothing recorded is left to refund.
             None if matches!(change, Settle::Refund { .. }) => {}
@@ -495,6 +525,61 @@ impl MemoryStore {
                 shard.insert(key, policy.state_id(), now, expires, state);
             }
         }
+    }
+}
+
+/// Whether this store decides `policy` at event time `at` (`None`: now): its limits must be in
+/// the algorithms' range, and an event time needs an algorithm that takes one and a policy
+/// without a concurrency limit.
+fn decidable(policy: &Policy, at: Option<SystemTime>) -> Result<(), StoreError> {
+    super::in_range(policy)?;
+    if at.is_none() {
+        return Ok(());
+    }
+    if !policy.algorithm().takes_event_times() {
+        return Err(StoreError::Unsupported(
+            "event times need the sliding log algorithm",
+        ));
+    }
+    if policy.concurrency_limit().is_some() {
+        return Err(StoreError::Unsupported(
+            "event times take no concurrency slot",
+        ));
+    }
+    Ok(())
+}
+
+/// Answers `ask` for a key the map holds in `entry`, afresh when its state has expired or was
+/// kept under another algorithm; `Err` with the refusal it meets before the limits are asked.
+fn answer_held(entry: &mut Entry<State>, policy: &Policy, ask: &Ask) -> Result<Answer, Decision> {
+    let algorithm = policy.algorithm();
+    if !entry.is_live(ask.now) || entry.value.algorithm() != algorithm {
+        entry.value = State::new(algorithm, ask.now);
+    }
+    if let Some(refusal) = entry.value.refusal(policy, ask) {
+        return Err(refusal);
+    }
+    let answer = entry.value.answer(policy, ask);
+    if let Some(until) = answer.keep_until {
+        entry.expires = entry.expires.max(until);
+    }
+    Ok(answer)
+}
+
+/// The decision `answer` makes: a refusal for the penalty box it put the key in, or the
+/// limits' outcome, with the concurrency slot an admitted request took and what a recorded
+/// one recorded.
+fn decision(answer: Answer, policy: &Policy, ask: &Ask) -> Decision {
+    if let Some(until) = answer.boxed {
+        return Decision::boxed(policy, Duration::from_micros(until - ask.now));
+    }
+    let mut decision = Decision::from_outcome(answer.outcome, policy);
+    if let Some(take) = ask.take {
+        decision = decision.with_slot(take.id);
+    }
+    match ask.record {
+        true => decision.recorded_at(i64::try_from(ask.t).ok(), ask.cost),
+        false => decision,
     }
 }
 
@@ -569,9 +654,9 @@ impl Store for MemoryStore {
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
             // The requests in flight still are: their slots stay.
-            Some(slot) if slot.value.slots.last_expiry() > now => {
-                let slots = std::mem::take(&mut slot.value.slots);
-                slot.value = State {
+            Some(entry) if entry.value.slots.last_expiry() > now => {
+                let slots = std::mem::take(&mut entry.value.slots);
+                entry.value = State {
                     slots,
                     ..State::new(policy.algorithm(), now)
                 };

@@ -8,7 +8,7 @@
 //! restores the policy's own counts. A block refuses every request of the key (or of the
 //! policy) until it is removed. A key's own override wins over the policy's.
 //!
-//! On Redis an override lives in a hash per hash tag, in the slot of the keys it governs
+//! On Redis an override lives in a hash per hash tag, in the hash slot of the keys it governs
 //! (`src/store/redis/overrides.rs`), and the decision's own script reads it in the same call:
 //! no round trip of its own, batching unchanged. The memory store keeps them in this process.
 
