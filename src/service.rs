@@ -13,7 +13,7 @@ use crate::future::{Check, Recheck, Verdict, Waiting};
 use crate::layer::Config;
 use crate::metrics::Started;
 use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
-use crate::rule::RequestHead;
+use crate::rules::RequestHead;
 use crate::usage::UsageMeter;
 use crate::{Decision, KeyExtractor, Store};
 

@@ -101,7 +101,7 @@ use crate::concurrency::holds::Holds;
 use crate::deny_cache::DenyCache;
 use crate::metrics::Report;
 use crate::response::{Refused, Responder};
-use crate::rule::ResponseHead;
+use crate::rules::ResponseHead;
 use crate::{Decision, Key, Settlement, Store, StoreError};
 
 /// Units a response used, put in its extensions by the inner service:
