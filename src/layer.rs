@@ -15,8 +15,7 @@ use crate::ledger::post::{InFlight, Ledger, StoreLedger};
 use crate::ledger::slots::Holds;
 use crate::ledger::tab::Metering;
 use crate::response::Options;
-use crate::rule::{PlanFn, RequestHead};
-use crate::table::{Compiler, RuleTable, Rules};
+use crate::rules::{Capabilities, Compiler, PlanFn, RequestHead, RuleTable, Rules};
 use crate::usage::UsageReport;
 use crate::{
     Algorithm, Decision, FailureMode, Key, MemoryStore, MissingKey, PeerIp, Policy, PolicyError,
@@ -205,6 +204,30 @@ struct Settings {
     /// `None`: the default capacity; `Some(0)`: no deny cache.
     deny_cache: Option<u64>,
     options: Options,
+}
+
+impl Settings {
+    /// What checks the layer's rules against the rest of its settings and `store`, and
+    /// compiles them: for the table the layer is built with and for every table that
+    /// replaces it.
+    fn compiler<St: Store>(&self, store: &St) -> Compiler {
+        let store = store.clone();
+        let capabilities = Capabilities {
+            plan_fn: self.plan.is_some(),
+            counts_outcomes: self
+                .usage
+                .as_ref()
+                .is_some_and(|report| report.outcome.is_some()),
+            soft: self.options.soft,
+            decisions: !self.options.no_decisions,
+            supports: Box::new(move |policy| store.supports(policy)),
+        };
+        Compiler {
+            algorithm: self.algorithm,
+            options: self.options.clone(),
+            capabilities,
+        }
+    }
 }
 
 /// Configures a [`RateLimitLayer`]; checks everything in [`build`](Self::build).
@@ -520,43 +543,22 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     where
         St: Store,
     {
+        let compiler = self.settings.compiler(&self.store);
         let Settings {
             rules,
             plan,
-            algorithm,
             allow_keys,
             allow_networks,
             cost,
             usage,
             missing_key,
             deny_cache,
-            options,
+            // Read by the compiler above.
+            algorithm: _,
+            options: _,
         } = self.settings;
-        let default_deny_cache = if self.store.is_local() {
-            0
-        } else {
-            DEFAULT_DENY_CACHE
-        };
-        let store = self.store.clone();
-        let compiler = Compiler {
-            algorithm,
-            options,
-            supports: Box::new(move |policy| store.supports(policy)),
-            plans_apply: plan.is_some(),
-            counts_outcomes: usage
-                .as_ref()
-                .is_some_and(|report| report.outcome.is_some()),
-        };
         let table = RuleTable::new(compiler, rules)?;
-        let networks = allow_networks
-            .iter()
-            .map(|n| {
-                n.parse::<IpNet>()
-                    .or_else(|_| n.parse::<IpAddr>().map(IpNet::from))
-                    .map(|net| net.trunc())
-                    .map_err(|_| BuildError::Network(n.clone()))
-            })
-            .collect::<Result<_, _>>()?;
+        let networks = networks(&allow_networks)?;
         let default_cost = usage.as_ref().map_or(1, |report| report.reserve);
         let ledger: Arc<dyn Ledger> = Arc::new(StoreLedger(self.store.clone()));
         let in_flight: Arc<InFlight> = Arc::default();
@@ -568,16 +570,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             })
         });
         let holds = Arc::new(Holds::new(in_flight));
-        let deny_cache = match deny_cache.unwrap_or(default_deny_cache) {
-            0 => None,
-            capacity => {
-                let store = self.store.clone();
-                Some(DenyCache::new(
-                    capacity,
-                    Arc::new(move || store.limits_version()),
-                ))
-            }
-        };
+        let deny_cache = deny_cache_of(&self.store, deny_cache);
         Ok(RateLimitLayer {
             limiter: Arc::new(Limiter {
                 key: self.key,
@@ -594,6 +587,39 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
                 deny_cache,
             }),
         })
+    }
+}
+
+/// The allow-listed networks, each given in CIDR notation or as one address.
+fn networks(networks: &[String]) -> Result<Vec<IpNet>, BuildError> {
+    networks
+        .iter()
+        .map(|n| {
+            n.parse::<IpNet>()
+                .or_else(|_| n.parse::<IpAddr>().map(IpNet::from))
+                .map(|net| net.trunc())
+                .map_err(|_| BuildError::Network(n.clone()))
+        })
+        .collect()
+}
+
+/// The deny cache of `capacity` entries (0: none); by default, one for a remote store only,
+/// since a local store answers as fast as the cache would.
+fn deny_cache_of<St: Store>(store: &St, capacity: Option<u64>) -> Option<DenyCache> {
+    let default = if store.is_local() {
+        0
+    } else {
+        DEFAULT_DENY_CACHE
+    };
+    match capacity.unwrap_or(default) {
+        0 => None,
+        capacity => {
+            let store = store.clone();
+            Some(DenyCache::new(
+                capacity,
+                Arc::new(move || store.limits_version()),
+            ))
+        }
     }
 }
 

@@ -10,9 +10,6 @@ mod algorithm;
 pub mod blocklist;
 pub mod body;
 mod concurrency;
-#[cfg(feature = "config")]
-#[cfg_attr(docsrs, doc(cfg(feature = "config")))]
-pub mod config;
 mod decision;
 mod deny_cache;
 mod future;
@@ -23,11 +20,10 @@ mod ledger;
 pub mod metrics;
 mod policy;
 pub mod response;
-mod rule;
+mod rules;
 mod service;
 mod shards;
 pub mod store;
-mod table;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod unique;
@@ -40,13 +36,15 @@ pub use key::{ClientIp, Global, Header, Key, KeyError, KeyExtractor, PeerIp};
 pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder, DEFAULT_DENY_CACHE};
 pub use policy::{Limit, LimitError, Policy, PolicyError};
 pub use response::{FailureMode, MissingKey};
-pub use rule::{RequestHead, ResponseHead, Rule};
+#[cfg(feature = "config")]
+#[cfg_attr(docsrs, doc(cfg(feature = "config")))]
+pub use rules::config;
+pub use rules::{RequestHead, ResponseHead, Rule, RuleTable, Rules};
 pub use service::RateLimit;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::RedisStore;
 pub use store::{MemoryStore, Store, StoreError};
-pub use table::{RuleTable, Rules};
 
 /// The code blocks of the operations guide, compiled as doctests so that they keep up with the
 /// API.

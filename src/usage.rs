@@ -91,7 +91,7 @@ use std::sync::Arc;
 
 use http::{HeaderMap, HeaderName};
 
-use crate::rule::ResponseHead;
+use crate::rules::ResponseHead;
 
 /// Units a response used, put in its extensions by the inner service:
 /// `response.extensions_mut().insert(Usage(512))`. In axum, a handler can return

@@ -12,7 +12,7 @@ use super::wait::{Recheck, Waiting};
 use super::Admission;
 use crate::metrics::Started;
 use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
-use crate::rule::RequestHead;
+use crate::rules::RequestHead;
 use crate::usage::UsageMeter;
 use crate::{Decision, Key, KeyExtractor, Store, StoreError};
 

@@ -11,8 +11,7 @@ use crate::ledger::post::Ledger;
 use crate::ledger::slots::Holds;
 use crate::ledger::tab::Metering;
 use crate::response::{MissingKey, Responder};
-use crate::rule::{PlanFn, RequestHead};
-use crate::table::RuleTable;
+use crate::rules::{PlanFn, RequestHead, RuleTable};
 use crate::Key;
 
 /// A request's cost, computed from its head.

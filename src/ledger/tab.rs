@@ -9,7 +9,7 @@ use http::{HeaderMap, Response};
 use super::post::{Entry, InFlight, Ledger};
 use crate::deny_cache::DenyCache;
 use crate::response::{Refused, Responder};
-use crate::rule::ResponseHead;
+use crate::rules::ResponseHead;
 use crate::usage::{Usage, UsageMeter, UsageReport};
 use crate::{Decision, Key, Settlement};
 

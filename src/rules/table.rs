@@ -12,13 +12,21 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
+use super::combine::{self, Capabilities, Names};
+use super::rule::{Built, Matcher, PlanFn, Plans, RequestHead};
 use crate::response::{Options, Responder};
-use crate::rule::{Built, Matcher, PlanFn, Plans, RequestHead};
-use crate::{Algorithm, BuildError, Policy, Rule, StoreError};
+use crate::{Algorithm, BuildError, Policy, Rule};
 
 /// A layer's rules and default policy, as a value: what [`RuleTable::replace`] puts in force,
 /// and what [`RateLimitLayerBuilder::rules`](crate::RateLimitLayerBuilder::rules) starts from.
-/// With the `config` feature it can be read from a TOML file (see [`Rules::from_toml`]).
+#[cfg_attr(
+    feature = "config",
+    doc = "With the `config` feature it can be read from a TOML file (see [`Rules::from_toml`])."
+)]
+#[cfg_attr(
+    not(feature = "config"),
+    doc = "With the `config` feature it can be read from a TOML file (see `Rules::from_toml`)."
+)]
 ///
 /// ```
 /// use tower_redis_ratelimit::{Policy, Rules, Rule};
@@ -147,124 +155,64 @@ impl Table {
     }
 }
 
-/// The policies of a table by name: policies of one name must agree in every rule, plans
-/// included, since the fields and the metrics name them and their state is one.
-#[derive(Default)]
-pub(crate) struct Names(Vec<(Policy, Plans)>);
-
-impl Names {
-    /// Takes in `policy` with `plans`; the conflict with an earlier policy of its name, if
-    /// they differ.
-    pub(crate) fn admit(&mut self, policy: &Policy, plans: &Plans) -> Result<(), BuildError> {
-        match self.0.iter().find(|(p, _)| p.name() == policy.name()) {
-            Some((same, same_plans)) if same != policy || same_plans != plans => {
-                Err(BuildError::PolicyConflict(policy.name().to_owned()))
-            }
-            Some(_) => Ok(()),
-            None => {
-                self.0.push((policy.clone(), plans.clone()));
-                Ok(())
-            }
-        }
-    }
-}
-
-/// Whether the layer's store can decide a policy ([`Store::supports`](crate::Store::supports)).
-pub(crate) type Supports = dyn Fn(&Policy) -> Result<(), StoreError> + Send + Sync;
-
-/// What checks a table against the layer: its algorithm, its store, its response options.
+/// What checks a table against the layer and makes it: the layer's algorithm, its response
+/// options, and what its policies must fit.
 pub(crate) struct Compiler {
     pub(crate) algorithm: Option<Algorithm>,
     pub(crate) options: Options,
-    pub(crate) supports: Box<Supports>,
-    /// Whether the layer has a plan function: without one, plans would never apply.
-    pub(crate) plans_apply: bool,
-    /// Whether the layer counts requests by outcome: its store only looks before a call.
-    pub(crate) counts_outcomes: bool,
+    pub(crate) capabilities: Capabilities,
 }
 
 impl Compiler {
     /// Checks `rules` and makes the table requests read.
     pub(crate) fn compile(&self, mut rules: Rules) -> Result<Table, BuildError> {
         let default = rules.default_rule();
-        if default.is_none() && rules.rules.is_empty() {
-            return Err(BuildError::NoPolicy);
-        }
+        combine::some_policy(default.is_some(), rules.rules.len())?;
         let mut names = Names::default();
-        let mut choice = |policy: Policy, plans: Plans, soft: bool| -> Result<Choice, BuildError> {
-            if let (false, Some((plan, _))) = (self.plans_apply, plans.first()) {
-                return Err(BuildError::Plan {
-                    policy: policy.name().to_owned(),
-                    plan: plan.clone(),
-                    why: "the layer has no plan function (RateLimitLayerBuilder::plan)".into(),
-                });
-            }
-            let (policy, plans) = match self.algorithm {
-                Some(a) => {
-                    let plans = plans.into_iter().map(|(n, p)| (n, p.with_algorithm(a)));
-                    (policy.with_algorithm(a), plans.collect())
-                }
-                None => (policy, plans),
-            };
-            for policy in std::iter::once(&policy).chain(plans.iter().map(|(_, p)| p)) {
-                if let Err(error) = (self.supports)(policy) {
-                    return Err(BuildError::Unsupported {
-                        policy: policy.name().to_owned(),
-                        why: error.to_string(),
-                    });
-                }
-            }
-            names.admit(&policy, &plans)?;
-            let mut options = self.options.clone();
-            options.soft |= soft;
-            if options.soft && options.no_decisions {
-                return Err(BuildError::Unsupported {
-                    policy: policy.name().to_owned(),
-                    why: "a soft limit needs the decisions in the requests (.decisions(true)), \
-                          for the handler to see a request over it"
-                        .into(),
-                });
-            }
-            if self.counts_outcomes && policy.concurrency_limit().is_some() {
-                return Err(BuildError::Unsupported {
-                    policy: policy.name().to_owned(),
-                    why: "a concurrency limit takes a slot when a request is checked, and a layer \
-                          that counts by outcome only looks; limit concurrency in a layer of \
-                          its own"
-                        .into(),
-                });
-            }
-            let responder = |policy| Arc::new(Responder::new(policy, options.clone()));
-            let plans = plans
-                .into_iter()
-                .map(|(name, policy)| (name.into_boxed_str(), responder(policy)))
-                .collect();
-            Ok(Choice {
-                own: responder(policy),
-                plans,
-            })
-        };
         let rules = rules
             .rules
             .into_iter()
-            .map(|rule| {
-                let Built {
-                    matcher,
-                    policy,
-                    plans,
-                    soft,
-                } = rule.build()?;
-                Ok((matcher, choice(policy, plans, soft)?))
-            })
+            .map(|rule| self.choice(&mut names, rule.build()?))
             .collect::<Result<Vec<_>, BuildError>>()?;
         let default = match default.transpose()? {
-            Some(rule) => {
-                let built = rule.build()?;
-                Some(choice(built.policy, built.plans, built.soft)?)
-            }
+            Some(rule) => Some(self.choice(&mut names, rule.build()?)?.1),
             None => None,
         };
         Ok(Table { rules, default })
+    }
+
+    /// Checks a rule's policy and plans against the layer and the rules before it (`names`),
+    /// and makes their responders.
+    fn choice(&self, names: &mut Names, rule: Built) -> Result<(Matcher, Choice), BuildError> {
+        let Built {
+            matcher,
+            policy,
+            plans,
+            soft,
+        } = rule;
+        let (policy, plans) = self.with_algorithm(policy, plans);
+        self.capabilities.check(names, &policy, &plans, soft)?;
+        let mut options = self.options.clone();
+        options.soft |= soft;
+        let responder = |policy| Arc::new(Responder::new(policy, options.clone()));
+        let plans = plans
+            .into_iter()
+            .map(|(name, policy)| (name.into_boxed_str(), responder(policy)))
+            .collect();
+        let own = responder(policy);
+        Ok((matcher, Choice { own, plans }))
+    }
+
+    /// The policy and plans with the layer's algorithm, if it has one, in place of their own.
+    fn with_algorithm(&self, policy: Policy, plans: Plans) -> (Policy, Plans) {
+        let Some(algorithm) = self.algorithm else {
+            return (policy, plans);
+        };
+        let plans = plans
+            .into_iter()
+            .map(|(name, plan)| (name, plan.with_algorithm(algorithm)))
+            .collect();
+        (policy.with_algorithm(algorithm), plans)
     }
 }
 

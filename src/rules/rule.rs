@@ -1,14 +1,5 @@
-//! Rules: which policy applies to which request.
-//!
-//! A [`RateLimitLayer`](crate::RateLimitLayer) can hold several policies, each behind a
-//! [`Rule`]; the first rule that matches a request decides its policy, and the layer's default
-//! policy (if any) takes the rest. Each policy keeps its own budget (store keys carry the
-//! policy name), and the `RateLimit-Policy` field names the policy that applied.
-//!
-//! A rule's policy can have other limits for the customers of a [plan](Rule::plan): the layer
-//! asks its [plan function](crate::RateLimitLayerBuilder::plan) which plan a request is on and
-//! decides it against that plan's limits, under the policy's name and state, so a customer who
-//! changes plans keeps the usage recorded so far.
+//! A rule (a policy and the requests it applies to: method, path pattern, predicate) with its
+//! plans, and the heads of requests and responses that rules, costs and outcome conditions see.
 
 use std::sync::Arc;
 

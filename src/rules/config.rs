@@ -53,9 +53,10 @@ use http::Method;
 use serde::Deserialize;
 use toml::Spanned;
 
-use crate::rule::Built;
-use crate::table::Names;
-use crate::{Algorithm, BuildError, Policy, PolicyError, Rule, RuleTable, Rules};
+use super::combine::{self, Names};
+use super::rule::Built;
+use super::{Rule, RuleTable, Rules};
+use crate::{Algorithm, BuildError, Policy, PolicyError};
 
 /// Why a rules file was refused; the rules in force stay.
 #[derive(Debug, thiserror::Error)]
@@ -178,82 +179,23 @@ impl Rules {
                 rules = rules.plan(plan, limits);
             }
         }
-        if file.default.is_none() && file.rule.is_empty() {
-            return Err(ConfigError::Invalid {
-                line: 1,
-                message: BuildError::NoPolicy.to_string(),
-            });
-        }
+        let any = combine::some_policy(file.default.is_some(), file.rule.len());
+        any.map_err(|error| ConfigError::Invalid {
+            line: 1,
+            message: error.to_string(),
+        })?;
         Ok(rules)
     }
 }
 
 /// Reads one entry, reporting a problem at the line of the field that has it.
 fn read_rule(lines: &Lines<'_>, entry: &Entry) -> Result<Rule, ConfigError> {
-    let limits: Policy = entry
-        .limits
-        .get_ref()
-        .parse()
-        .map_err(|e: PolicyError| lines.at(&entry.limits, e))?;
-    let mut policy = match &entry.name {
-        Some(name) => limits
-            .named(name.get_ref().as_str())
-            .map_err(|e| lines.at(name, e))?,
-        None => limits,
-    };
-    if let Some(algorithm) = &entry.algorithm {
-        policy = policy.with_algorithm(algorithm_named(algorithm.get_ref()).ok_or_else(|| {
-            lines.at(
-                algorithm,
-                format!(
-                    "unknown algorithm {:?}: sliding-log, sliding-window, fixed-window or gcra",
-                    algorithm.get_ref()
-                ),
-            )
-        })?);
-    }
-    if let Some(block) = &entry.block_for {
-        let duration =
-            crate::policy::parse_window(block.get_ref().trim()).map_err(|e| lines.at(block, e))?;
-        policy = policy.block_for(duration).map_err(|e| lines.at(block, e))?;
-    }
-    if let Some(slots) = &entry.concurrency {
-        policy = policy
-            .concurrency(*slots.get_ref())
-            .map_err(|e| lines.at(slots, e))?;
-    }
-    if let Some(expiry) = &entry.slot_expiry {
-        let duration = crate::policy::parse_window(expiry.get_ref().trim())
-            .map_err(|e| lines.at(expiry, e))?;
-        policy = policy
-            .slot_expiry(duration)
-            .map_err(|e| lines.at(expiry, e))?;
-    }
-    let mut rule = Rule::new(policy.clone());
+    let mut rule = Rule::new(read_policy(lines, entry)?);
     if entry.soft {
         rule = rule.soft();
     }
     if let Some(method) = &entry.method {
-        // The standard methods only: an extension method is more likely a typo ("PSOT") that
-        // would never match than a method the service serves.
-        const KNOWN: [Method; 9] = [
-            Method::GET,
-            Method::HEAD,
-            Method::POST,
-            Method::PUT,
-            Method::DELETE,
-            Method::PATCH,
-            Method::OPTIONS,
-            Method::CONNECT,
-            Method::TRACE,
-        ];
-        let given = method.get_ref().to_ascii_uppercase();
-        let parsed = KNOWN.into_iter().find(|known| known.as_str() == given);
-        let unknown = || {
-            let why = format!("unknown method {:?}: GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS, CONNECT or TRACE", method.get_ref());
-            lines.at(method, why)
-        };
-        rule = rule.method(parsed.ok_or_else(unknown)?);
+        rule = rule.method(read_method(lines, method)?);
     }
     if let Some(path) = &entry.path {
         let with_path = rule.clone().path(path.get_ref().as_str());
@@ -270,6 +212,80 @@ fn read_rule(lines: &Lines<'_>, entry: &Entry) -> Result<Rule, ConfigError> {
         rule = with_plan;
     }
     Ok(rule)
+}
+
+/// Reads an entry's policy: its limits, name, algorithm, penalty box and concurrency.
+fn read_policy(lines: &Lines<'_>, entry: &Entry) -> Result<Policy, ConfigError> {
+    let limits: Policy = entry
+        .limits
+        .get_ref()
+        .parse()
+        .map_err(|e: PolicyError| lines.at(&entry.limits, e))?;
+    let mut policy = match &entry.name {
+        Some(name) => limits
+            .named(name.get_ref().as_str())
+            .map_err(|e| lines.at(name, e))?,
+        None => limits,
+    };
+    if let Some(algorithm) = &entry.algorithm {
+        policy = policy.with_algorithm(read_algorithm(lines, algorithm)?);
+    }
+    if let Some(block) = &entry.block_for {
+        let duration = read_duration(lines, block)?;
+        policy = policy.block_for(duration).map_err(|e| lines.at(block, e))?;
+    }
+    if let Some(slots) = &entry.concurrency {
+        policy = policy
+            .concurrency(*slots.get_ref())
+            .map_err(|e| lines.at(slots, e))?;
+    }
+    if let Some(expiry) = &entry.slot_expiry {
+        let duration = read_duration(lines, expiry)?;
+        policy = policy
+            .slot_expiry(duration)
+            .map_err(|e| lines.at(expiry, e))?;
+    }
+    Ok(policy)
+}
+
+/// Reads a duration such as `"15m"`, in the units of a limit's window.
+fn read_duration(lines: &Lines<'_>, field: &Spanned<String>) -> Result<Duration, ConfigError> {
+    crate::policy::parse_window(field.get_ref().trim()).map_err(|e| lines.at(field, e))
+}
+
+fn read_algorithm(lines: &Lines<'_>, field: &Spanned<String>) -> Result<Algorithm, ConfigError> {
+    algorithm_named(field.get_ref()).ok_or_else(|| {
+        let why = format!(
+            "unknown algorithm {:?}: sliding-log, sliding-window, fixed-window or gcra",
+            field.get_ref()
+        );
+        lines.at(field, why)
+    })
+}
+
+/// Reads a method, of the standard ones only: an extension method is more likely a typo
+/// ("PSOT") that would never match than a method the service serves.
+fn read_method(lines: &Lines<'_>, field: &Spanned<String>) -> Result<Method, ConfigError> {
+    const KNOWN: [Method; 9] = [
+        Method::GET,
+        Method::HEAD,
+        Method::POST,
+        Method::PUT,
+        Method::DELETE,
+        Method::PATCH,
+        Method::OPTIONS,
+        Method::CONNECT,
+        Method::TRACE,
+    ];
+    let given = field.get_ref().to_ascii_uppercase();
+    let parsed = KNOWN.into_iter().find(|known| known.as_str() == given);
+    parsed.ok_or_else(|| {
+        let why = format!(
+            "unknown method {:?}: GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS, CONNECT or TRACE",
+            field.get_ref()
+        );
+        lines.at(field, why)
+    })
 }
 
 fn algorithm_named(name: &str) -> Option<Algorithm> {

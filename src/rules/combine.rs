@@ -1,0 +1,129 @@
+//! Which rules a layer can take: the rules on how its policies combine with one another and
+//! with the layer's other options (its plan function, its store, soft limits, decisions,
+//! counting by outcome). A table is checked against them when the layer is built and again
+//! each time it is replaced at run time ([`RuleTable::replace`](super::RuleTable::replace), a
+//! rules file), so each rule is one function here, returning the [`BuildError`] that reports
+//! it.
+
+use super::rule::Plans;
+use crate::{BuildError, Policy, StoreError};
+
+/// Whether the layer's store can decide a policy ([`Store::supports`](crate::Store::supports)).
+pub(crate) type Supports = dyn Fn(&Policy) -> Result<(), StoreError> + Send + Sync;
+
+/// What a layer has that its policies must fit, fixed when it is built.
+pub(crate) struct Capabilities {
+    /// Whether the layer has a plan function: without one, plans would never apply.
+    pub(crate) plan_fn: bool,
+    /// Whether the layer counts requests by outcome: its store only looks before a call.
+    pub(crate) counts_outcomes: bool,
+    /// Whether every policy of the layer is soft.
+    pub(crate) soft: bool,
+    /// Whether the layer puts its decisions into the requests.
+    pub(crate) decisions: bool,
+    /// Whether the layer's store can decide a policy.
+    pub(crate) supports: Box<Supports>,
+}
+
+impl Capabilities {
+    /// Checks one policy of a table, with its plans and whether its rule is soft, against the
+    /// layer and against the policies of the table checked before it (`names`). The policy
+    /// and plans are those the layer decides by, its algorithm applied.
+    pub(crate) fn check(
+        &self,
+        names: &mut Names,
+        policy: &Policy,
+        plans: &Plans,
+        soft: bool,
+    ) -> Result<(), BuildError> {
+        self.plans_need_plan_fn(policy, plans)?;
+        self.store_decides(policy, plans)?;
+        names.admit(policy, plans)?;
+        self.soft_needs_decisions(policy, soft)?;
+        self.outcomes_exclude_concurrency(policy)
+    }
+
+    /// Plans need the layer's plan function, which says which plan a request is on: without
+    /// one they would never apply.
+    fn plans_need_plan_fn(&self, policy: &Policy, plans: &Plans) -> Result<(), BuildError> {
+        match (self.plan_fn, plans.first()) {
+            (false, Some((plan, _))) => Err(BuildError::Plan {
+                policy: policy.name().to_owned(),
+                plan: plan.clone(),
+                why: "the layer has no plan function (RateLimitLayerBuilder::plan)".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The store must be able to decide the policy and each plan's limits.
+    fn store_decides(&self, policy: &Policy, plans: &Plans) -> Result<(), BuildError> {
+        let plans = plans.iter().map(|(_, plan)| plan);
+        for policy in std::iter::once(policy).chain(plans) {
+            (self.supports)(policy).map_err(|error| BuildError::Unsupported {
+                policy: policy.name().to_owned(),
+                why: error.to_string(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// A soft limit passes a request over it on, so the handler must be able to see its
+    /// decision.
+    fn soft_needs_decisions(&self, policy: &Policy, soft: bool) -> Result<(), BuildError> {
+        if (self.soft || soft) && !self.decisions {
+            return Err(BuildError::Unsupported {
+                policy: policy.name().to_owned(),
+                why: "a soft limit needs the decisions in the requests (.decisions(true)), \
+                      for the handler to see a request over it"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A concurrency limit takes a slot when a request is checked, which a layer that counts
+    /// by outcome never does: it only looks.
+    fn outcomes_exclude_concurrency(&self, policy: &Policy) -> Result<(), BuildError> {
+        if self.counts_outcomes && policy.concurrency_limit().is_some() {
+            return Err(BuildError::Unsupported {
+                policy: policy.name().to_owned(),
+                why: "a concurrency limit takes a slot when a request is checked, and a layer \
+                      that counts by outcome only looks; limit concurrency in a layer of \
+                      its own"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A table needs a policy: a default one (`default`) or at least one rule.
+pub(crate) fn some_policy(default: bool, rules: usize) -> Result<(), BuildError> {
+    if !default && rules == 0 {
+        return Err(BuildError::NoPolicy);
+    }
+    Ok(())
+}
+
+/// The policies of a table by name: policies of one name must agree in every rule, plans
+/// included, since the fields and the metrics name them and their state is one.
+#[derive(Default)]
+pub(crate) struct Names(Vec<(Policy, Plans)>);
+
+impl Names {
+    /// Takes in `policy` with `plans`; the conflict with an earlier policy of its name, if
+    /// they differ.
+    pub(crate) fn admit(&mut self, policy: &Policy, plans: &Plans) -> Result<(), BuildError> {
+        match self.0.iter().find(|(p, _)| p.name() == policy.name()) {
+            Some((same, same_plans)) if same != policy || same_plans != plans => {
+                Err(BuildError::PolicyConflict(policy.name().to_owned()))
+            }
+            Some(_) => Ok(()),
+            None => {
+                self.0.push((policy.clone(), plans.clone()));
+                Ok(())
+            }
+        }
+    }
+}
