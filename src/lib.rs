@@ -51,3 +51,13 @@ pub use store::{MemoryStore, Store, StoreError};
 #[cfg(doctest)]
 #[doc = include_str!("../docs/operations.md")]
 mod operations_guide {}
+
+/// The code blocks of the usage guide, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/usage.md")]
+mod usage_guide {}
+
+/// The code blocks of the leases guide, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/leases.md")]
+mod leases_guide {}
