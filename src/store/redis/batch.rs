@@ -113,6 +113,7 @@ pub(super) struct Settings {
     pub(super) overrides: Vec<Value>,
     pub(super) scripts: Scripts,
     pub(super) max_batch: usize,
+    /// The call permits of each lane: how many of its calls may be under way at once.
     pub(super) in_flight: usize,
     /// How many times a lane's task lets the runtime run other ready tasks before it sends a
     /// batch, while each pass brings more requests (see [`gather`]); 0 sends at once.

@@ -101,12 +101,6 @@ impl Scripts {
     }
 }
 
-impl std::fmt::Debug for Scripts {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Scripts").finish_non_exhaustive()
-    }
-}
-
 // KEYS and ARGV (`prelude.lua`): the keys of a call's decisions, then those of its slot
 // operations; ARGV[1] the decisions' arguments one after the other ([`encode`]), ARGV[2] the
 // name of the hash of overrides, then two per slot operation ([`SlotOp`]).
