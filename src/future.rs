@@ -177,8 +177,12 @@ mod tests {
 
         fn call(&mut self, request: Request<()>) -> Self::Future {
             let decisions = request.extensions().get::<Decisions>();
-            let left = decisions.and_then(|d| d.get("default")).map(|d| d.remaining());
-            ready(Ok(Response::new(Full::new(Bytes::from(format!("{left:?}"))))))
+            let left = decisions
+                .and_then(|d| d.get("default"))
+                .map(|d| d.remaining());
+            ready(Ok(Response::new(Full::new(Bytes::from(format!(
+                "{left:?}"
+            ))))))
         }
     }
 
@@ -199,7 +203,9 @@ mod tests {
             ResponseFuture::calling(&mut Echo, Request::new(()), admitted);
         let response = future.await.unwrap();
         assert_eq!(response.headers()["ratelimit"], "\"default\";r=4;t=60");
-        let body = http_body_util::BodyExt::collect(response.into_body()).await.unwrap();
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap();
         assert_eq!(body.to_bytes(), "Some(4)");
     }
 
@@ -211,6 +217,9 @@ mod tests {
             .unwrap();
         let future: ResponseFuture<Echo, (), std::future::Pending<_>> =
             ResponseFuture::answer(answer);
-        assert_eq!(future.await.unwrap().status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            future.await.unwrap().status(),
+            StatusCode::TOO_MANY_REQUESTS
+        );
     }
 }

@@ -142,7 +142,9 @@ mod tests {
                 false => StatusCode::INTERNAL_SERVER_ERROR,
             };
             let decisions = request.extensions().get::<Decisions>();
-            let left = decisions.and_then(|d| d.get("default")).map(|d| d.remaining());
+            let left = decisions
+                .and_then(|d| d.get("default"))
+                .map(|d| d.remaining());
             let body = Full::new(Bytes::from(format!("{left:?}")));
             let mut response = Response::new(body);
             *response.status_mut() = status;
@@ -154,7 +156,13 @@ mod tests {
     where
         S: Service<Request<()>, Response = Response<ResponseBody<Full<Bytes>>>, Error = Infallible>,
     {
-        let response = service.ready().await.unwrap().call(Request::new(())).await.unwrap();
+        let response = service
+            .ready()
+            .await
+            .unwrap()
+            .call(Request::new(()))
+            .await
+            .unwrap();
         let remaining = response.headers().get("ratelimit");
         let fields = remaining.map(|v| v.to_str().unwrap().to_owned());
         (response.status(), fields)
@@ -178,7 +186,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_refused_request_is_answered_without_the_inner_service() {
-        let layer = RateLimitLayer::builder().key(Global).policy("1/1m").build().unwrap();
+        let layer = RateLimitLayer::builder()
+            .key(Global)
+            .policy("1/1m")
+            .build()
+            .unwrap();
         let mut service = layer.layer(Inner { ready: false });
         assert_eq!(send(&mut service).await.0, StatusCode::OK);
         let (status, fields) = send(&mut service).await;

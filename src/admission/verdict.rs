@@ -267,7 +267,7 @@ mod tests {
     /// The store's decisions for `check`'s key: one admitted, then one refused.
     fn decisions(check: &Check) -> (Decision, Decision) {
         let store = MemoryStore::new();
-        let mut decide = || {
+        let decide = || {
             let policy = &check.responder.policy;
             store.check(&check.key, policy, 1).into_inner().unwrap()
         };
@@ -296,7 +296,10 @@ mod tests {
             panic!("admitted");
         };
         assert_eq!(admitted.fields.map(|(d, _)| d), Some(allowed));
-        assert_eq!(admitted.decided.map(|(p, d)| (p.to_string(), d)), Some(("default".into(), allowed)));
+        assert_eq!(
+            admitted.decided.map(|(p, d)| (p.to_string(), d)),
+            Some(("default".into(), allowed))
+        );
 
         let hidden = check(Options {
             hide_allowed_headers: true,
@@ -326,8 +329,14 @@ mod tests {
     #[test]
     fn shadow_and_soft_limits_pass_a_refused_request_on_marked_over() {
         for options in [
-            Options { shadow: true, ..Options::default() },
-            Options { soft: true, ..Options::default() },
+            Options {
+                shadow: true,
+                ..Options::default()
+            },
+            Options {
+                soft: true,
+                ..Options::default()
+            },
         ] {
             let over = check(options);
             let (_, refused) = decisions(&over);

@@ -1,10 +1,10 @@
 //! Redis Cluster's redirections, read from Redis's own reply, and the client side of `ASK`.
 //!
-//! A primary answers a command for a slot it does not serve with `MOVED <slot> <host:port>`:
-//! the slot has another owner for good. While a slot migrates, its old owner answers a
+//! A primary answers a command for a hash slot it does not serve with `MOVED <slot> <host:port>`:
+//! the hash slot has another owner for good. While a hash slot migrates, its old owner answers a
 //! command whose keys it no longer holds with `ASK <slot> <host:port>`: this one command must
 //! go to the importing node, after `ASKING`, on one connection with nothing in between; the
-//! slot's owner stays the same. Sending a call with `ASKING` to a node for a key that the
+//! hash slot's owner stays the same. Sending a call with `ASKING` to a node for a key that the
 //! owner still holds would make a second, fresh copy of the key there (a client admitted
 //! afresh, and the operator's `MIGRATE` refused with `BUSYKEY`), so the kinds are told apart
 //! by the error's text, which the store's per-node clients pass on unchanged (`nodes.rs`).
@@ -18,9 +18,9 @@ use fred::types::{ClusterHash, CustomCommand, Value};
 /// A redirection from a Redis Cluster node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Redirection {
-    /// `MOVED`: the slot is served by this node now.
+    /// `MOVED`: the hash slot (the number) is served by this node now.
     Moved(u16, Server),
-    /// `ASK`: the slot is moving to this node, which holds the call's keys.
+    /// `ASK`: the hash slot is moving to this node, which holds the call's keys.
     Ask(Server),
 }
 
@@ -28,17 +28,17 @@ pub(super) enum Redirection {
 pub(super) fn redirection(error: &Error) -> Option<Redirection> {
     let mut words = error.details().split_whitespace();
     let kind = words.next()?;
-    let slot: u16 = words.next()?.parse().ok()?;
+    let hash_slot: u16 = words.next()?.parse().ok()?;
     let server = server(words.next()?)?;
     match kind {
-        "MOVED" => Some(Redirection::Moved(slot, server)),
+        "MOVED" => Some(Redirection::Moved(hash_slot, server)),
         "ASK" => Some(Redirection::Ask(server)),
         _ => None,
     }
 }
 
 /// Whether `error` is a redirection (which a call follows, or reports when it has followed
-/// enough: the slot is moving, the call may be sent again).
+/// enough: the hash slot is moving, the call may be sent again).
 pub(super) fn is_redirection(error: &Error) -> bool {
     redirection(error).is_some()
 }

@@ -6,7 +6,7 @@
 //! Under load, many decisions wait at once; sending them as one call pays that price once.
 //! At most `in_flight` calls are under way at a time; requests that arrive meanwhile queue
 //! and leave together, up to `max_batch` per call, as soon as a call returns. A lone request
-//! waits for nothing: with a call slot free, it leaves at once in a batch of one.
+//! waits for nothing: with a call permit free, it leaves at once in a batch of one.
 //!
 //! The scripts decide the requests of a batch one after the other, each exactly as a call of
 //! its own would, so a batch changes no decision. In Redis Cluster, a call holds keys of one
@@ -14,6 +14,9 @@
 //! its own calls under way: a tag's requests wait only for that tag's calls, and its batches
 //! are not split by the other tags' requests. A lane's share of the requests is small, so
 //! before it sends, its task lets the requests already on their way join ([`gather`]).
+//!
+//! What a call's keys, arguments and reply hold is `protocol.rs`'s; this file decides which
+//! requests go in which call, and when.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,25 +32,8 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use super::ask;
 use super::nodes::{self, Nodes};
 use super::placement::Place;
-use crate::algorithm::{Algorithm, Window};
-use crate::Policy;
-
-/// The reply of one request: its six integers and the Redis time of the call, in µs (see
-/// `scripts/prelude.lua`).
-pub(super) type Reply = Result<Answer, Error>;
-
-/// What a script answered for one request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Answer {
-    /// Allowed (0, or 1 + units leased beyond the cost), limit index, remaining, reset after,
-    /// retry after, and the count of the reported limit when an override set it (-1: none).
-    pub(super) ints: [i64; 6],
-    /// Redis `TIME` during the call, µs since the epoch.
-    pub(super) time: i64,
-}
-
-/// Bytes per integer in a script's arguments and reply.
-const INT: usize = std::mem::size_of::<i64>();
+use super::protocol::{self, answer, check_length, Answered, Scripts, SlotOp};
+use crate::algorithm::Algorithm;
 
 /// One request waiting for its answer.
 struct Job {
@@ -60,17 +46,17 @@ struct Job {
 /// Who hears a request's answer.
 enum Requester {
     /// A request awaiting it.
-    Waiting(oneshot::Sender<Reply>),
+    Waiting(oneshot::Sender<Answered>),
     /// A slot operation nobody awaits: run with the answer in the task that sent the call, so
     /// that a give-back needs no task of its own.
     Then(Then),
 }
 
 /// What runs with the answer of a slot operation nobody awaits (see [`Batcher::keep_then`]).
-pub(super) type Then = Box<dyn FnOnce(Reply) + Send>;
+pub(super) type Then = Box<dyn FnOnce(Answered) + Send>;
 
 impl Requester {
-    fn answer(self, reply: Reply) {
+    fn answer(self, reply: Answered) {
         match self {
             // The requester may have given up (its own timeout); nothing to do then.
             Requester::Waiting(sender) => drop(sender.send(reply)),
@@ -82,7 +68,7 @@ impl Requester {
 /// What a request asks of a call.
 #[derive(Debug, Clone)]
 enum Work {
-    /// A decision or a settlement: its arguments, encoded (see [`encode`]); shared, so that
+    /// A decision or a settlement: its arguments, encoded (see [`protocol::encode`]); shared, so that
     /// a cluster call keeps them for a `TRYAGAIN` split without a copy.
     Decide(Bytes),
     /// A concurrency slot's give-back or renewal.
@@ -95,31 +81,20 @@ impl Work {
     }
 }
 
-/// A concurrency slot's give-back (`lifetime` 0) or renewal for `lifetime` µs. A call carries
-/// these after its decisions, as two arguments each, the slot's id and the lifetime, which
-/// the script uses as they come (the id is the slot's member in the key's set): no record to
-/// decode and no answer of six integers, since a give-back or renewal decides nothing
-/// (`scripts/prelude.lua`, "Slot operations"). Its answer is `[kept, 0, 0, 0, -1, -1]`, kept
-/// 1 where the slot was held.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct SlotOp {
-    pub(super) id: u64,
-    pub(super) lifetime: u64,
-}
-
-/// Sends decisions: at once while a call slot of the request's lane is free, else through the
-/// lane's queue, which a task drains into batches as slots free up.
+/// Sends decisions: at once while a call permit of the request's lane is free, else through
+/// the lane's queue, which a task drains into batches as permits free up.
 #[derive(Debug)]
 pub(super) struct Batcher {
     lanes: Vec<Lane>,
     settings: Arc<Settings>,
 }
 
-/// The queue and call slots of one hash tag (of all keys, on a single Redis).
+/// The queue and call permits of one hash tag (of all keys, on a single Redis): a call holds
+/// one of `in_flight` permits while it is under way.
 #[derive(Debug)]
 struct Lane {
     queue: mpsc::UnboundedSender<Job>,
-    slots: Arc<Semaphore>,
+    permits: Arc<Semaphore>,
 }
 
 /// Where the calls go.
@@ -136,16 +111,22 @@ pub(super) struct Settings {
     /// The name of each lane's hash of overrides (`overrides.rs`), its calls' second
     /// argument.
     pub(super) overrides: Vec<Value>,
-    pub(super) scripts: Vec<(Algorithm, Script)>,
-    /// `scripts/release.lua`, which gives leased units back.
-    pub(super) release: Script,
+    pub(super) scripts: Scripts,
     pub(super) max_batch: usize,
+    /// The call permits of each lane: how many of its calls may be under way at once.
     pub(super) in_flight: usize,
     /// How many times a lane's task lets the runtime run other ready tasks before it sends a
     /// batch, while each pass brings more requests (see [`gather`]); 0 sends at once.
     pub(super) gather: usize,
     /// How long one call may take before its requests are answered with a timeout.
     pub(super) timeout: Duration,
+}
+
+impl Settings {
+    /// The name of lane `lane`'s hash of overrides, as its calls pass it.
+    fn overrides_of(&self, lane: usize) -> Value {
+        self.overrides[lane % self.overrides.len()].clone()
+    }
 }
 
 impl std::fmt::Debug for Settings {
@@ -166,33 +147,38 @@ impl Batcher {
         let lanes = (0..lanes.max(1))
             .map(|lane| {
                 let (queue, jobs) = mpsc::unbounded_channel();
-                let slots = Arc::new(Semaphore::new(settings.in_flight.max(1)));
+                let permits = Arc::new(Semaphore::new(settings.in_flight.max(1)));
                 tokio::spawn(dispatch(
                     lane,
                     jobs,
-                    Arc::clone(&slots),
+                    Arc::clone(&permits),
                     Arc::clone(&settings),
                 ));
-                Lane { queue, slots }
+                Lane { queue, permits }
             })
             .collect();
         Batcher { lanes, settings }
     }
 
-    /// Decides one request at `place`: `args` encoded by [`encode`].
-    pub(super) async fn decide(&self, place: Place, algorithm: Algorithm, args: Vec<u8>) -> Reply {
+    /// Decides one request at `place`: `args` encoded by [`protocol::encode`].
+    pub(super) async fn decide(
+        &self,
+        place: Place,
+        algorithm: Algorithm,
+        args: Vec<u8>,
+    ) -> Answered {
         let work = Work::Decide(Bytes::from(args));
         let index = place.lane % self.lanes.len();
         let lane = &self.lanes[index];
         // fred's key type shares the text, so copies of it (a retry's) cost no copy of it.
         let key = Key::from(place.key);
-        // A free slot means nothing is waiting: no batch to join, so go at once.
-        if let Ok(slot) = Arc::clone(&lane.slots).try_acquire_owned() {
+        // A free permit means nothing is waiting: no batch to join, so go at once.
+        if let Ok(permit) = Arc::clone(&lane.permits).try_acquire_owned() {
             // Boxed because fred's call future takes kilobytes: inline, it would make every
             // decision's future that large, including the queued ones that never send.
             let call = call(&self.settings, index, algorithm, Laid::of(key, work));
             let reply = Box::pin(call).await;
-            drop(slot);
+            drop(permit);
             return reply.map(|values| answer(&values, 1, 0));
         }
         let (reply, answer) = oneshot::channel();
@@ -234,7 +220,7 @@ impl Batcher {
 
 impl Batcher {
     /// Runs `scripts/release.lua` once for `keys` (`args`: theirs, encoded one after the
-    /// other by [`encode_release`]), waiting for the reply up to `patience`; in a cluster the
+    /// other by [`protocol::encode_release`]), waiting for the reply up to `patience`; in a cluster the
     /// keys must share a hash slot. A give-back whose reply is not read cannot be sent again
     /// safely (it may have run), so it is waited for as long as a lease is.
     pub(super) async fn release(
@@ -245,7 +231,7 @@ impl Batcher {
     ) -> Result<i64, Error> {
         let keys = keys.into_iter().map(Key::from).collect();
         let argv = vec![Value::Bytes(Bytes::from(args))];
-        self.evalsha_patiently(&self.settings.release, keys, argv, patience)
+        self.evalsha_patiently(&self.settings.scripts.release, keys, argv, patience)
             .await
     }
 
@@ -253,7 +239,7 @@ impl Batcher {
     /// for Redis's reply for up to `patience` instead of the time budget. For a lease: Redis
     /// counts its units when the script runs, so its reply is worth reading however late it
     /// comes (see `lease/`). In a cluster, redirections are followed as a few at most; a
-    /// slot that keeps moving, or keys split by a migration (`TRYAGAIN`), fail the call
+    /// hash slot that keeps moving, or keys split by a migration (`TRYAGAIN`), fail the call
     /// (nothing ran).
     pub(super) async fn decide_patiently(
         &self,
@@ -261,10 +247,11 @@ impl Batcher {
         algorithm: Algorithm,
         args: Vec<u8>,
         patience: Duration,
-    ) -> Reply {
-        let script = script_for(&self.settings, algorithm)?;
+    ) -> Answered {
+        let script = self.settings.scripts.of(algorithm);
         let keys = vec![Key::from(place.key)];
-        let argv = argv(&self.settings, place.lane, Bytes::from(args));
+        let overrides = self.settings.overrides_of(place.lane);
+        let argv = protocol::argv(Bytes::from(args), overrides, Vec::new());
         let values: Bytes = self.evalsha_patiently(script, keys, argv, patience).await?;
         check_length(&values, 1, 0)?;
         Ok(answer(&values, 1, 0))
@@ -290,12 +277,12 @@ impl Batcher {
             timeout: Some(patience),
             ..Options::default()
         };
-        let evalsha = evalsha_args(script, keys, argv);
+        let evalsha = nodes::evalsha_args(script, keys, argv);
         nodes::evalsha_on(pool.next_connected(), &options, script, evalsha, false).await
     }
 
-    /// Runs `command`, one command on `key` (or keys of its slot), on the Redis that holds
-    /// it: in a cluster the primary of its slot, following `MOVED`.
+    /// Runs `command`, one command on `key` (or keys of its hash slot), on the Redis that
+    /// holds it: in a cluster the primary of its hash slot, following `MOVED`.
     pub(super) async fn on<R, F, Fut>(&self, key: &str, command: F) -> Result<R, Error>
     where
         F: Fn(Client) -> Fut,
@@ -304,8 +291,8 @@ impl Batcher {
         match &self.settings.redis {
             Redis::Single(pool) => command(pool.next().clone()).await,
             Redis::Cluster(nodes) => {
-                let slot = fred::util::redis_keyslot(key.as_bytes());
-                nodes.on_owner(slot, command).await
+                let hash_slot = fred::util::redis_keyslot(key.as_bytes());
+                nodes.on_owner(hash_slot, command).await
             }
         }
     }
@@ -319,13 +306,13 @@ impl Batcher {
 async fn dispatch(
     lane: usize,
     mut jobs: mpsc::UnboundedReceiver<Job>,
-    slots: Arc<Semaphore>,
+    permits: Arc<Semaphore>,
     settings: Arc<Settings>,
 ) {
     let clustered = matches!(settings.redis, Redis::Cluster(_));
     loop {
-        // Wait for a free call slot first, so that requests queue up while all are taken.
-        let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
+        // Wait for a free call permit first, so that requests queue up while all are taken.
+        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
             return;
         };
         let Some(first) = jobs.recv().await else {
@@ -340,9 +327,14 @@ async fn dispatch(
                 Err(_) => break,
             }
         }
-        let slot = Arc::new(slot);
+        let permit = Arc::new(permit);
         for group in groups(batch, clustered) {
-            tokio::spawn(send(lane, group, Arc::clone(&settings), Arc::clone(&slot)));
+            tokio::spawn(send(
+                lane,
+                group,
+                Arc::clone(&settings),
+                Arc::clone(&permit),
+            ));
         }
     }
 }
@@ -354,7 +346,7 @@ async fn dispatch(
 /// way, so batches are small; a call's fixed cost to Redis and to this process is then paid
 /// for fewer requests. A pass lasts as long as the runtime takes to run the other ready tasks
 /// (at most a few dozen polls), which counts against the decisions' time budget; with nothing
-/// else ready it returns at once and ends the wait. A lone request on a free call slot never
+/// else ready it returns at once and ends the wait. A lone request on a free call permit never
 /// comes here.
 async fn gather(jobs: &mpsc::UnboundedReceiver<Job>, passes: usize, max_batch: usize) {
     for _ in 0..passes {
@@ -372,36 +364,37 @@ async fn gather(jobs: &mpsc::UnboundedReceiver<Job>, passes: usize, max_batch: u
 /// Splits a batch into calls: one per algorithm (each has its own script) and, in a cluster,
 /// per hash slot.
 fn groups(batch: Vec<Job>, clustered: bool) -> Vec<Vec<Job>> {
-    let slot = |job: &Job| match clustered {
+    let hash_slot = |job: &Job| match clustered {
         true => fred::util::redis_keyslot(job.key.as_bytes()),
         false => 0,
     };
     // Usually one call takes the whole batch, which then needs no sorting out.
     if let Some(first) = batch.first() {
-        let (algorithm, first_slot) = (first.algorithm, slot(first));
+        let (algorithm, first_slot) = (first.algorithm, hash_slot(first));
         if batch
             .iter()
-            .all(|job| job.algorithm == algorithm && slot(job) == first_slot)
+            .all(|job| job.algorithm == algorithm && hash_slot(job) == first_slot)
         {
             return vec![batch];
         }
     }
     let mut groups: Vec<(Algorithm, u16, Vec<Job>)> = Vec::new();
     for job in batch {
-        let slot = slot(&job);
+        let hash_slot = hash_slot(&job);
         match groups
             .iter_mut()
-            .find(|(a, s, _)| *a == job.algorithm && *s == slot)
+            .find(|(a, s, _)| *a == job.algorithm && *s == hash_slot)
         {
             Some((_, _, group)) => group.push(job),
-            None => groups.push((job.algorithm, slot, vec![job])),
+            None => groups.push((job.algorithm, hash_slot, vec![job])),
         }
     }
     groups.into_iter().map(|(_, _, group)| group).collect()
 }
 
-/// A call's requests laid out for a script: the keys of its decisions, then those of its
-/// slot operations; the decisions' arguments one after the other; each slot operation's two.
+/// A call's requests laid out for a script (`protocol.rs`, KEYS and ARGV): the keys of its
+/// decisions, then those of its slot operations; the decisions' arguments one after the
+/// other; each slot operation's two.
 struct Laid {
     keys: Vec<Key>,
     args: Vec<u8>,
@@ -435,10 +428,7 @@ impl Laid {
                 self.args.extend_from_slice(&args);
                 self.decisions += 1;
             }
-            Work::Slot(SlotOp { id, lifetime }) => {
-                self.ops.push(Value::Integer(clamp(id)));
-                self.ops.push(Value::Integer(clamp(lifetime)));
-            }
+            Work::Slot(op) => self.ops.extend(op.args()),
         }
     }
 
@@ -480,7 +470,7 @@ async fn send(
     lane: usize,
     mut group: Vec<Job>,
     settings: Arc<Settings>,
-    _slot: Arc<OwnedSemaphorePermit>,
+    _permit: Arc<OwnedSemaphorePermit>,
 ) {
     let Some(algorithm) = group.first().map(|job| job.algorithm) else {
         return;
@@ -521,7 +511,7 @@ async fn send(
 }
 
 /// Decides a call's requests again with one call per key, all under way at once, after the
-/// call was refused because its keys are split between the two nodes of a slot migration
+/// call was refused because its keys are split between the two nodes of a hash slot's migration
 /// (`TRYAGAIN`): each key is then on one node or the other, and a call of one key is never
 /// refused so. Requests of different keys do not affect one another, and each key's requests
 /// keep their order, so the decisions are those the whole call would have made.
@@ -545,150 +535,10 @@ async fn send_by_key(settings: &Arc<Settings>, lane: usize, algorithm: Algorithm
             })
         })
         .collect();
-    // The batch's call slot stays taken until every call has returned.
+    // The batch's call permit stays taken until every call has returned.
     for call in calls {
         let _ = call.await;
     }
-}
-
-/// What a request asks a script to do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Record {
-    /// Decide only (a peek), against a GCRA capacity less `headroom` µs of drain, as a
-    /// leasing store's decisions are.
-    No { headroom: u64 },
-    /// Decide, and record an admitted request's cost.
-    Yes,
-    /// Decide, and record as many units as fit now, up to `want` (at least the cost), keeping
-    /// `headroom` µs of drain free in every GCRA bucket: a lease.
-    Lease { want: u64, headroom: u64 },
-    /// Decide nothing: record a settlement of `cost` units now, added (a charge) or taken
-    /// back (`refund`) from the `recorded` units a request recorded at `admitted` (Redis
-    /// time, µs; -1: not known).
-    Settle {
-        refund: bool,
-        admitted: i64,
-        recorded: u64,
-    },
-    /// Decide and record as [`Yes`](Record::Yes), and when admitted take concurrency slot
-    /// `id` for `ttl` µs, refusing at once while the key holds `cap` live slots.
-    Take { cap: u32, id: u64, ttl: u64 },
-}
-
-/// A request's arguments as the scripts read them, 64-bit little-endian integers: the number
-/// of limits, cost, record (0, 1, 2 for a lease, 3 for a settlement, 4 for a decision that
-/// takes a concurrency slot), event time (µs, -1 for now), the policy's override id (`Policy::override_id`), its penalty box (µs, 0: none;
-/// `Policy::block_for`), for a lease or a look (0) want and
-/// headroom, for a settlement refund (0 or 1), admission time and the units recorded then,
-/// for a slot's take the key's cap, the slot's id and its lifetime (µs), then count, window (µs) and scale of each limit.
-pub(super) fn encode(
-    cost: u64,
-    record: Record,
-    at: i64,
-    policy: (u64, u64),
-    windows: &[Window],
-) -> Vec<u8> {
-    let (id, block) = policy;
-    let mut args = Vec::with_capacity(INT * (9 + 3 * windows.len()));
-    let (flag, extra, extras) = match record {
-        Record::No { headroom } => (0, [clamp(cost), clamp(headroom), 0], 2),
-        Record::Yes => (1, [0; 3], 0),
-        Record::Lease { want, headroom } => (2, [clamp(want), clamp(headroom), 0], 2),
-        Record::Settle {
-            refund,
-            admitted,
-            recorded,
-        } => (3, [i64::from(refund), admitted, clamp(recorded)], 3),
-        Record::Take { cap, id, ttl } => (4, [cap.into(), clamp(id), clamp(ttl)], 3),
-    };
-    let head = [
-        windows.len() as i64,
-        clamp(cost),
-        flag,
-        at,
-        clamp(id),
-        clamp(block),
-    ];
-    let values = head.into_iter().chain(extra.into_iter().take(extras));
-    for value in values.chain(limits(windows)) {
-        args.extend_from_slice(&value.to_le_bytes());
-    }
-    args
-}
-
-/// A request's arguments under `policy`: its override id and penalty box, and its limits.
-pub(super) fn encode_for(policy: &Policy, cost: u64, record: Record, at: i64) -> Vec<u8> {
-    let terms = (policy.override_id(), policy.block_micros());
-    encode(cost, record, at, terms, policy.windows())
-}
-
-/// One give-back's arguments as `scripts/release.lua` reads them: algorithm, number of
-/// limits, units, the Redis time of the grant (µs), then count, window and scale of each
-/// limit.
-pub(super) fn encode_release(
-    algorithm: Algorithm,
-    units: u64,
-    granted: i64,
-    windows: &[Window],
-) -> Vec<u8> {
-    let code = match algorithm {
-        Algorithm::FixedWindow => 1,
-        Algorithm::SlidingWindow => 2,
-        _ => 3,
-    };
-    let head = [code, windows.len() as i64, clamp(units), granted];
-    head.into_iter()
-        .chain(limits(windows))
-        .flat_map(i64::to_le_bytes)
-        .collect()
-}
-
-/// Splits keys into groups that one call can take: all of them, or in a cluster one group per
-/// hash slot. Returns indices into `keys`.
-pub(super) fn by_slot(keys: &[String], clustered: bool) -> Vec<Vec<usize>> {
-    let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-    for (i, key) in keys.iter().enumerate() {
-        let slot = match clustered {
-            true => fred::util::redis_keyslot(key.as_bytes()),
-            false => 0,
-        };
-        match groups.iter_mut().find(|(s, _)| *s == slot) {
-            Some((_, group)) => group.push(i),
-            None => groups.push((slot, vec![i])),
-        }
-    }
-    groups.into_iter().map(|(_, group)| group).collect()
-}
-
-/// Count, window (µs) and scale of each limit.
-fn limits(windows: &[Window]) -> impl Iterator<Item = i64> + '_ {
-    windows
-        .iter()
-        .flat_map(|w| [clamp(w.count), clamp(w.micros), clamp(w.scale)])
-}
-
-/// The arguments of `EVALSHA` for `script` over `keys` with `argv`, for a call sent as a
-/// command of its own.
-pub(super) fn evalsha_args(script: &Script, keys: Vec<Key>, argv: Vec<Value>) -> Vec<Value> {
-    let mut evalsha = Vec::with_capacity(2 + keys.len() + argv.len());
-    evalsha.push(Value::from(script.sha1().clone()));
-    evalsha.push(Value::from(keys.len() as i64));
-    evalsha.extend(keys.into_iter().map(Value::from));
-    evalsha.extend(argv);
-    evalsha
-}
-
-/// An algorithm script's arguments for a call of lane `lane`: the decisions' (`args`), and
-/// the name of the lane's hash of overrides (a call's slot operations follow them). The hash is read by name, not passed as a key:
-/// while a slot migrates, a call whose keys include one that is missing on a node is
-/// refused (`TRYAGAIN`), and the hash usually does not exist at all (`prelude.lua`).
-fn argv(settings: &Settings, lane: usize, args: Bytes) -> Vec<Value> {
-    let hash = &settings.overrides[lane % settings.overrides.len()];
-    vec![Value::Bytes(args), hash.clone()]
-}
-
-fn clamp(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 /// Runs the algorithm's script for the requests `laid` out for lane `lane`, within the time
@@ -700,7 +550,7 @@ async fn call(
     algorithm: Algorithm,
     laid: Laid,
 ) -> Result<Bytes, Error> {
-    let script = script_for(settings, algorithm)?;
+    let script = settings.scripts.of(algorithm);
     let Laid {
         keys,
         args,
@@ -710,8 +560,7 @@ async fn call(
     let slot_ops = ops.len() / 2;
     // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
     let one_key = keys.iter().all(|key| *key == keys[0]);
-    let mut argv = argv(settings, lane, Bytes::from(args));
-    argv.extend(ops);
+    let argv = protocol::argv(Bytes::from(args), settings.overrides_of(lane), ops);
     let call = async {
         let nodes = match &settings.redis {
             // No redirections outside a cluster: nothing to keep for a second try.
@@ -727,8 +576,8 @@ async fn call(
                 .evalsha(script, keys.clone(), argv.clone(), None)
                 .await;
             match reply {
-                // The keys are split between the two nodes of a slot migration, or the slot
-                // moved on more often than one call follows: try again shortly, within the
+                // The keys are split between the two nodes of a hash slot's migration, or the
+                // hash slot moved on more often than one call follows: try again shortly, within the
                 // time budget.
                 Err(error) if is_transient(&error) && (one_key || !is_split(&error)) => {
                     tokio::time::sleep(Duration::from_millis(2)).await;
@@ -740,7 +589,7 @@ async fn call(
     let values: Bytes = match tokio::time::timeout(settings.timeout, call).await {
         Ok(reply) => reply?,
         Err(_) => {
-            // The slot's node may be gone, its slots failing over to a replica.
+            // The hash slot's node may be gone, its hash slots failing over to a replica.
             if let Redis::Cluster(nodes) = &settings.redis {
                 nodes.refresh_soon();
             }
@@ -752,70 +601,23 @@ async fn call(
     Ok(values)
 }
 
-/// The script of `algorithm`.
-fn script_for(settings: &Settings, algorithm: Algorithm) -> Result<&Script, Error> {
-    match settings.scripts.iter().find(|(a, _)| *a == algorithm) {
-        Some((_, script)) => Ok(script),
-        None => Err(Error::new(
-            ErrorKind::Unknown,
-            "no script for this algorithm",
-        )),
-    }
-}
-
-/// Whether `values` is a reply to `decisions` decisions and `slot_ops` slot operations: six
-/// integers each, the time, then a byte each.
-fn check_length(values: &[u8], decisions: usize, slot_ops: usize) -> Result<(), Error> {
-    if values.len() != (6 * decisions + 1) * INT + slot_ops {
-        let message = format!(
-            "{} bytes for {decisions} decisions and {slot_ops} slot operations",
-            values.len()
-        );
-        return Err(Error::new(ErrorKind::Parse, message));
-    }
-    Ok(())
-}
-
 /// Whether a call that failed with `error` may succeed if sent again shortly, while a Redis
-/// Cluster moves a slot: `TRYAGAIN` (a call's keys are split between the two nodes), or a
-/// redirection left when the slot moved on more often than one call follows.
+/// Cluster moves a hash slot: `TRYAGAIN` (a call's keys are split between the two nodes), or a
+/// redirection left when the hash slot moved on more often than one call follows.
 fn is_transient(error: &Error) -> bool {
     is_split(error) || ask::is_redirection(error)
 }
 
-/// Whether a call was refused because its keys are split between the two nodes of a slot
-/// migration.
+/// Whether a call was refused because its keys are split between the two nodes of a hash
+/// slot's migration.
 fn is_split(error: &Error) -> bool {
     error.details().starts_with("TRYAGAIN")
-}
-
-/// The answer to request `i` (in the reply's order) in a reply of the right length to
-/// `decisions` decisions and any slot operations after them.
-fn answer(values: &[u8], decisions: usize, i: usize) -> Answer {
-    let int = |at: usize| {
-        let mut le = [0; INT];
-        le.copy_from_slice(&values[at..at + INT]);
-        i64::from_le_bytes(le)
-    };
-    let time_at = 6 * decisions * INT;
-    let time = int(time_at);
-    if i >= decisions {
-        let kept = values[time_at + INT + (i - decisions)] == b'1';
-        return Answer {
-            ints: [i64::from(kept), 0, 0, 0, -1, -1],
-            time,
-        };
-    }
-    let mut ints = [0; 6];
-    for (j, value) in ints.iter_mut().enumerate() {
-        *value = int((6 * i + j) * INT);
-    }
-    Answer { ints, time }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::redis::protocol::INT;
 
     fn job(algorithm: Algorithm, key: &str) -> Job {
         Job {
@@ -872,7 +674,7 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_of_one_algorithm_and_slot_is_one_call_in_order() {
+    fn a_batch_of_one_algorithm_and_hash_slot_is_one_call_in_order() {
         let batch = || {
             vec![
                 job(Algorithm::Gcra, "p:{a}:gcra"),
@@ -886,7 +688,7 @@ mod tests {
     }
 
     #[test]
-    fn one_call_per_algorithm_and_cluster_slot() {
+    fn one_call_per_algorithm_and_hash_slot() {
         let batch = || {
             vec![
                 job(Algorithm::Gcra, "p:{a}:gcra"),
@@ -902,7 +704,7 @@ mod tests {
                 vec!["p:{a}:log"]
             ]
         );
-        // {a} and {b} hash to different slots; both {a} keys share one.
+        // {a} and {b} hash to different hash slots; both {a} keys share one.
         assert_eq!(
             keys(&groups(batch(), true)),
             [

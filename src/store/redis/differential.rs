@@ -24,8 +24,7 @@ use fred::types::{ClusterHash, CustomCommand, Value};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as Cases, TestCaseError, TestRunner};
 
-use super::batch::{self, Record};
-use super::SCRIPTS;
+use super::protocol::{self, Record};
 use crate::algorithm::{
     decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
     sliding_window::SlidingWindow, window_start, Algorithm, Limiter, Outcome, Refund, Settle,
@@ -146,8 +145,8 @@ impl Scripts {
         t: i64,
         windows: &[Window],
     ) -> Result<Bytes, fred::error::Error> {
-        let script = SCRIPTS.iter().find(|(a, _)| *a == algorithm).unwrap().1;
-        let args = batch::encode(cost, record, t, (0, 0), windows);
+        let script = protocol::source(algorithm);
+        let args = protocol::encode(cost, record, t, (0, 0), windows);
         let eval = CustomCommand::new_static("EVAL", ClusterHash::FirstKey, false);
         // No override is ever set: the hash of overrides does not exist.
         let values = vec![
@@ -315,7 +314,7 @@ async fn run_counted(
                 let allowed_by_model = history.admits(case.algorithm, t, windows, cost);
                 let ours = state.with(t, windows, |s| s.decide(t, windows, cost, true));
                 let theirs = scripts
-                    .call(case.algorithm, key, cost, Record::Yes, t, windows)
+                    .call(case.algorithm, key, cost, Record::Admit, t, windows)
                     .await;
                 prop_assert_eq!(ours, theirs, "{}", at);
                 tally.admitted += u64::from(ours.allowed);
@@ -373,7 +372,13 @@ async fn run_counted(
                     continue;
                 }
                 tally.recounts += 1;
-                history.recounted |= case.algorithm == Algorithm::Gcra;
+                // Only GCRA's state depends on the counts (its units are count-scaled).
+                history.recounted |= match case.algorithm {
+                    Algorithm::Gcra => true,
+                    Algorithm::SlidingLog | Algorithm::SlidingWindow | Algorithm::FixedWindow => {
+                        false
+                    }
+                };
                 policy = other;
                 windows = policy.windows().to_vec();
             }
@@ -413,7 +418,7 @@ async fn run_counted(
         // Both sides hold the same state: a look at it agrees.
         let windows = &windows[..];
         let ours = state.with(t, windows, |s| s.decide(t, windows, 1, false));
-        let look = Record::No { headroom: 0 };
+        let look = Record::Look { headroom: 0 };
         let theirs = scripts.call(case.algorithm, key, 1, look, t, windows).await;
         prop_assert_eq!(ours, theirs, "look after {}", at);
     }
@@ -601,7 +606,7 @@ fn the_scripts_decide_as_the_algorithms_over_the_whole_range() {
     ];
     for (algorithm, window) in out_of_range {
         let reply =
-            runtime.block_on(scripts.eval(algorithm, "range", 1, Record::Yes, -1, &[window]));
+            runtime.block_on(scripts.eval(algorithm, "range", 1, Record::Admit, -1, &[window]));
         let error = reply.expect_err("refused");
         assert!(error.details().contains("out of range"), "{error:?}");
     }

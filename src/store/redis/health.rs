@@ -65,7 +65,7 @@ impl Breaker {
 
 /// Whether `error` means Redis could not be reached or did not answer in time, as opposed to
 /// an answer that was an error (a wrong key type, a script error, refused credentials), or a
-/// cluster that is moving a slot (`TRYAGAIN`, a redirection the store follows itself): a call
+/// cluster that is moving a hash slot (`TRYAGAIN`, a redirection the store follows itself): a call
 /// that still fails so within its budget times out, which does count.
 pub(crate) fn is_outage(error: &Error) -> bool {
     if super::ask::is_redirection(error) || error.details().starts_with("TRYAGAIN") {
@@ -105,9 +105,9 @@ mod tests {
         assert!(is_outage(&Error::new(ErrorKind::IO, "refused")));
         assert!(!is_outage(&Error::new(ErrorKind::Unknown, "WRONGTYPE")));
         let moving = Error::new(ErrorKind::Cluster, "ASK 3999 127.0.0.1:7001");
-        assert!(!is_outage(&moving), "a slot move is not an outage");
+        assert!(!is_outage(&moving), "a hash slot's move is not an outage");
         let moved = Error::new(ErrorKind::Cluster, "MOVED 3999 127.0.0.1:7001");
-        assert!(!is_outage(&moved), "a slot move is not an outage");
+        assert!(!is_outage(&moved), "a hash slot's move is not an outage");
         assert!(is_outage(&Error::new(
             ErrorKind::Routing,
             "Max attempts reached."

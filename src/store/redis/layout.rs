@@ -14,7 +14,7 @@ use fred::types::SetOptions;
 use super::nodes::Nodes;
 use crate::StoreError;
 
-/// Where the instances using `prefix` record their number of tags (a slot of its own).
+/// Where the instances using `prefix` record their number of tags (a hash slot of its own).
 fn key(prefix: &str) -> String {
     format!("{prefix}:{{layout}}:cluster_tags")
 }

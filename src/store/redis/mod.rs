@@ -1,4 +1,12 @@
 //! The Redis store, over the `fred` client.
+//!
+//! Data flows one way through its files: [`RedisStore`] (here) places a request
+//! (`placement.rs`), encodes it (`protocol.rs`, the contract with `scripts/prelude.lua`) and
+//! hands it to a lane of the batcher (`batch.rs`), which sends it in a call through fred's pool
+//! or, in a Redis Cluster, the store's own routing (`nodes.rs`, `ask.rs`); the reply comes back
+//! the same way and is read by `protocol.rs`. Beside that path: the breakers (`health.rs`),
+//! leases (`lease/`), overrides (`overrides.rs`), the cluster's key layout check (`layout.rs`),
+//! and the settings that start it all (`builder.rs`).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -6,14 +14,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use fred::clients::Pool;
-use fred::prelude::{ClientLike, Config, KeysInterface, ReconnectPolicy};
-use fred::types::config::ReconnectError;
-use fred::types::scripts::Script;
-use fred::types::Builder;
+use fred::prelude::KeysInterface;
 
 mod ask;
 mod batch;
+mod builder;
 #[cfg(test)]
 mod differential;
 mod health;
@@ -22,60 +27,19 @@ mod lease;
 mod nodes;
 mod overrides;
 mod placement;
+mod protocol;
 
+pub use builder::RedisStoreBuilder;
 pub use lease::Leases;
 
-use batch::{Answer, Batcher, Record, SlotOp};
+use batch::Batcher;
 use health::{is_outage, Breaker};
-use nodes::Nodes;
 use placement::{Place, Placement};
+use protocol::{Answer, Answered, Record, SlotOp};
 
 use super::{OnSettled, Store, StoreError};
-use crate::algorithm::{Algorithm, Outcome};
+use crate::algorithm::Algorithm;
 use crate::{Decision, Key, Policy, Settlement};
-
-/// Scheduler passes a cluster lane waits for more requests before it sends a batch (see
-/// `batch::gather`): with three primaries on two cores, four took `EVALSHA` per request from
-/// 0.25 to 0.15 (one pass: 0.18), near a single Redis's 0.14; `docs/performance.md`.
-const CLUSTER_GATHER_PASSES: usize = 4;
-
-/// A script: exact arithmetic past 2^53, the shared prelude (arguments, reply, `TIME`), then,
-/// for the algorithms that use it, the driver that combines limits, then the algorithm's own
-/// file.
-macro_rules! script {
-    ($file:literal) => {
-        concat!(
-            include_str!("scripts/exact.lua"),
-            include_str!("scripts/prelude.lua"),
-            include_str!($file)
-        )
-    };
-    (driver, $file:literal) => {
-        concat!(
-            include_str!("scripts/exact.lua"),
-            include_str!("scripts/prelude.lua"),
-            include_str!("scripts/common.lua"),
-            include_str!($file)
-        )
-    };
-}
-
-/// Each algorithm's script, as the store holds them.
-type Scripts = Vec<(Algorithm, Script)>;
-
-const SCRIPTS: [(Algorithm, &str); 4] = [
-    // GCRA and the sliding log do without the driver, for speed (their headers say why).
-    (Algorithm::SlidingLog, script!("scripts/sliding_log.lua")),
-    (
-        Algorithm::SlidingWindow,
-        script!(driver, "scripts/sliding_window.lua"),
-    ),
-    (
-        Algorithm::FixedWindow,
-        script!(driver, "scripts/fixed_window.lua"),
-    ),
-    (Algorithm::Gcra, script!("scripts/gcra.lua")),
-];
 
 /// Rate-limit state in Redis, shared by every instance of a service.
 ///
@@ -89,9 +53,9 @@ const SCRIPTS: [(Algorithm, &str); 4] = [
 /// `gcra`; limits as in [`Policy::identity`]) on a single Redis. On a Redis Cluster (a
 /// `redis-cluster://` URL) they are `<prefix>:{<tag>}:<policy>:<key>:<algorithm>:<limits>`,
 /// where the hash tag is one of a fixed set
-/// ([`RedisStoreBuilder::cluster_tags`]) spread evenly over the slots: requests for many
-/// clients then share a slot, and so a script call. Either way, all the state of one decision
-/// is in one slot. Each key expires once its state no longer matters: the longest window
+/// ([`RedisStoreBuilder::cluster_tags`]) spread evenly over the hash slots: requests for many
+/// clients then share a hash slot, and so a script call. Either way, all the state of one
+/// decision is in one hash slot. Each key expires once its state no longer matters: the longest window
 /// after the last admitted request (twice that for the sliding window counter).
 ///
 /// Clones share one connection pool.
@@ -152,7 +116,7 @@ impl Inner {
         record: Record,
     ) -> Result<Answer, StoreError> {
         super::in_range(policy)?;
-        let args = batch::encode_for(policy, cost, record, at);
+        let args = protocol::encode_for(policy, cost, record, at);
         // The budget covers the whole decision: the queue, the call and a script reload.
         let lane = place.lane;
         let decision = self.batcher.decide(place, policy.algorithm(), args);
@@ -171,7 +135,7 @@ impl Inner {
 
     /// The lane whose breaker guards calls on `redis_key`, which may be a key of the store's
     /// own placement or another (a blocklist's, a give-back's): in a cluster, the tag whose
-    /// range of slots holds its slot (the tags divide the slots in equal ranges).
+    /// range of hash slots holds its hash slot (the tags divide the hash slots in equal ranges).
     fn lane_of(&self, redis_key: &str) -> usize {
         let lanes = self.breakers.len();
         match self.batcher.is_clustered() {
@@ -233,7 +197,7 @@ impl Inner {
         lane: usize,
         started: u64,
         op: SlotOp,
-        reply: batch::Reply,
+        reply: Answered,
     ) -> Result<(), StoreError> {
         let answer = self.judge(lane, started, Some(reply))?;
         match (op.lifetime, answer.ints[0]) {
@@ -311,19 +275,7 @@ impl RedisStore {
 
     /// Configures a store for the Redis at `url`.
     pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
-        RedisStoreBuilder {
-            url: url.into(),
-            pool_size: 4,
-            max_batch: Self::DEFAULT_MAX_BATCH,
-            max_in_flight: None,
-            prefix: Self::DEFAULT_PREFIX.to_owned(),
-            timeout: Self::DEFAULT_TIMEOUT,
-            retry_interval: Duration::from_millis(500),
-            leases: None,
-            cluster_tags: Self::DEFAULT_CLUSTER_TAGS,
-            #[cfg(feature = "tls")]
-            tls: None,
-        }
+        RedisStoreBuilder::new(url.into())
     }
 
     /// The Redis key holding the state of `key` under `policy`.
@@ -349,13 +301,13 @@ impl RedisStore {
             let answer = inner
                 .decide(place, &policy, cost.into(), at, record)
                 .await?;
-            let decision = parse_reply(&answer.ints, &policy)?.decision(&policy);
+            let decision = answer.verdict(&policy)?.decision(&policy);
             // The script records at the event time, or at the call's `TIME`.
             let recorded = |d: Decision| {
                 d.recorded_at(Some(if at < 0 { answer.time } else { at }), cost.into())
             };
             Ok(match record {
-                Record::Yes => recorded(decision),
+                Record::Admit => recorded(decision),
                 Record::Take { id, .. } => recorded(decision).with_slot(id),
                 _ => decision,
             })
@@ -424,331 +376,6 @@ impl RedisStore {
     }
 }
 
-/// Configures a [`RedisStore`].
-#[derive(Debug, Clone)]
-pub struct RedisStoreBuilder {
-    url: String,
-    pool_size: usize,
-    max_batch: usize,
-    max_in_flight: Option<usize>,
-    prefix: String,
-    timeout: Duration,
-    retry_interval: Duration,
-    leases: Option<Leases>,
-    cluster_tags: usize,
-    #[cfg(feature = "tls")]
-    tls: Option<fred::types::config::TlsConnector>,
-}
-
-impl RedisStoreBuilder {
-    /// Takes shares of each busy key's budget from Redis ahead of need (leases) and decides
-    /// requests from them in this process: Redis sees one call per lease instead of one per
-    /// request, and the fleet still never admits more than the limit. Off by default.
-    ///
-    /// Applies to GCRA and the fixed and sliding window counters; a layer with a sliding-log
-    /// policy over a leasing store fails to build. [`RedisStore::drain`] gives the units back
-    /// on shutdown. What it costs (under-admission while another instance holds units, GCRA's
-    /// smaller burst) is in [`Leases`] and the README.
-    pub fn leases(mut self, leases: Leases) -> Self {
-        self.leases = Some(leases);
-        self
-    }
-
-    /// In a Redis Cluster, how many hash tags the clients' keys are spread over (default
-    /// [`RedisStore::DEFAULT_CLUSTER_TAGS`], 3; at most 16 384, the number of slots). No
-    /// effect on a single Redis.
-    ///
-    /// One script call decides requests of one hash slot only, so the batching that saves
-    /// Redis and this process a command per request needs many requests per tag: a batch holds
-    /// at most the requests under way divided by the tags. The tags' slots are spread evenly,
-    /// so a cluster whose primaries hold equal ranges of slots (as `redis-cli --cluster create`
-    /// assigns them) gets an equal share of the tags when its number of primaries divides this
-    /// one. Set it to the number of primaries, or a small multiple of it where each instance
-    /// has many requests under way: the default suits the usual three primaries, and leaves a
-    /// fourth primary without limiter keys. Every instance must use the same number: changing
-    /// it moves every key, which starts every client's limits afresh. The first instance to
-    /// connect records its number in the cluster (`<prefix>:{layout}:cluster_tags`), and
-    /// [`connect`](Self::connect) refuses another number with [`StoreError::Config`]
-    /// ([`connect_lazy`](Self::connect_lazy) logs it as an ERROR once connected); to change
-    /// it on purpose, delete that key once every instance uses the new one.
-    pub fn cluster_tags(mut self, tags: usize) -> Self {
-        self.cluster_tags = tags;
-        self
-    }
-
-    /// Connections in the pool (default 4). Commands are pipelined on each connection, so a
-    /// few connections carry many concurrent requests.
-    pub fn pool_size(mut self, size: usize) -> Self {
-        self.pool_size = size;
-        self
-    }
-
-    /// The most requests decided by one script call (default
-    /// [`RedisStore::DEFAULT_MAX_BATCH`]). At most [`max_in_flight`](Self::max_in_flight)
-    /// calls are under way at once; requests that arrive meanwhile leave together when a call
-    /// returns, which saves Redis and the client a command's fixed cost per request. A lone
-    /// request is sent at once. `1` sends every request in its own call, at once, with no
-    /// limit on the calls under way.
-    pub fn max_batch(mut self, max_batch: usize) -> Self {
-        self.max_batch = max_batch;
-        self
-    }
-
-    /// The most script calls under way at once (default
-    /// [`RedisStore::DEFAULT_MAX_IN_FLIGHT`]), when batching; on a Redis Cluster, per hash
-    /// tag (default [`RedisStore::DEFAULT_CLUSTER_IN_FLIGHT`], see
-    /// [`cluster_tags`](Self::cluster_tags)), so that a slow or failed primary holds up only
-    /// the requests of its own tags. Fewer calls under way make larger batches, which cost
-    /// Redis and this process less per request; more let a request leave sooner while Redis
-    /// is busy with a call. `docs/performance.md` has the measurements behind the defaults.
-    pub fn max_in_flight(mut self, calls: usize) -> Self {
-        self.max_in_flight = Some(calls);
-        self
-    }
-
-    /// The first part of every key (default [`RedisStore::DEFAULT_PREFIX`]), to keep several
-    /// applications apart on one Redis.
-    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
-
-    /// The time budget of one decision (default [`RedisStore::DEFAULT_TIMEOUT`], 250 ms),
-    /// including a script reload. A decision that takes longer fails with
-    /// [`StoreError::Timeout`], and the layer follows its [`FailureMode`](crate::FailureMode).
-    /// fred itself would wait forever.
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// After Redis was found unreachable or too slow, decisions fail at once for this long
-    /// (default 500 ms) instead of each waiting out the timeout; then the next decision tries
-    /// Redis again. Meanwhile fred reconnects in the background, with exponential backoff.
-    pub fn retry_interval(mut self, interval: Duration) -> Self {
-        self.retry_interval = interval;
-        self
-    }
-
-    /// TLS with this connector, e.g. one built from a rustls `ClientConfig` that trusts a
-    /// private CA (`TlsConnector::from(config)`). A `rediss://` URL alone uses TLS with the
-    /// system's root certificates. Feature `tls`.
-    #[cfg(feature = "tls")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
-    pub fn tls(mut self, connector: fred::types::config::TlsConnector) -> Self {
-        self.tls = Some(connector);
-        self
-    }
-
-    /// Connects the pool and loads the scripts. Fails if Redis cannot be reached now; see
-    /// [`connect_lazy`](Self::connect_lazy) for a service that must start without it.
-    ///
-    /// On a Redis Cluster it also records [`cluster_tags`](Self::cluster_tags) in the
-    /// cluster, or checks it against the number the instances already running recorded, and
-    /// fails with [`StoreError::Config`] if they differ.
-    ///
-    /// On a Redis Cluster it succeeds while any node of the URL answers `CLUSTER SLOTS`,
-    /// even with a primary gone: the scripts run on connections of the store's own to each
-    /// primary, which fail only the calls for their own slots.
-    pub async fn connect(self) -> Result<RedisStore, StoreError> {
-        let (builder, pool, scripts) = self.pool(true)?;
-        if !pool.next().is_clustered() {
-            pool.init().await?;
-            for (_, script) in &scripts {
-                script.load(pool.next()).await?;
-            }
-            return Ok(self.store(pool, None, scripts));
-        }
-        let nodes = Nodes::new(builder, self.pool_size, self.patience());
-        nodes.refresh().await?;
-        // fred's own cluster client (`RedisStore::pool`) connects to every primary at once,
-        // and one that is gone would hold it up: it connects in the background.
-        drop(pool.connect_pool());
-        match layout::check(&nodes, &self.prefix, self.cluster_tags).await {
-            Err(error @ StoreError::Config(_)) => return Err(error),
-            Err(error) => {
-                tracing::warn!(target: "tower_redis_ratelimit", %error, "cluster_tags not checked yet");
-                layout::check_later(Arc::downgrade(&nodes), &self.prefix, self.cluster_tags);
-            }
-            Ok(()) => {}
-        }
-        Ok(self.store(pool, Some(nodes), scripts))
-    }
-
-    /// How long to wait for a node's slot map: the time budget, at least a second.
-    fn patience(&self) -> Duration {
-        self.timeout.max(Duration::from_secs(1))
-    }
-
-    /// Returns the store at once and connects in the background, retrying until Redis
-    /// answers; call it within a tokio runtime. Until then, decisions fail within the
-    /// [`timeout`](Self::timeout) and the layer follows its
-    /// [`FailureMode`](crate::FailureMode), as it does when Redis goes away later. The scripts
-    /// load with the first decisions. A wrong URL shows only as failing decisions (and
-    /// [`RedisStore::is_healthy`]), where [`connect`](Self::connect) would report it.
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), tower_redis_ratelimit::StoreError> {
-    /// use tower_redis_ratelimit::RedisStore;
-    ///
-    /// // Nothing needs to listen there yet.
-    /// let store = RedisStore::builder("redis://127.0.0.1:1").connect_lazy()?;
-    /// # drop(store);
-    /// # Ok(()) }
-    /// ```
-    pub fn connect_lazy(self) -> Result<RedisStore, StoreError> {
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(StoreError::Config(
-                "connect_lazy must be called within a tokio runtime".into(),
-            ));
-        }
-        let (builder, pool, scripts) = self.pool(false)?;
-        // The connection tasks run on; reconnecting is the pool's policy.
-        drop(pool.connect_pool());
-        if !pool.next().is_clustered() {
-            return Ok(self.store(pool, None, scripts));
-        }
-        let nodes = Nodes::new(builder, self.pool_size, self.patience());
-        let (weak, retry) = (Arc::downgrade(&nodes), self.retry_interval);
-        let (prefix, tags) = (self.prefix.clone(), self.cluster_tags);
-        tokio::spawn(async move {
-            Nodes::refresh_until_known(weak.clone(), retry).await;
-            layout::check_later(weak, &prefix, tags);
-        });
-        Ok(self.store(pool, Some(nodes), scripts))
-    }
-
-    /// Validates the settings and builds the pool, not yet connected, with the fred builder
-    /// that made it. `fail_fast`: whether the first connection's failure is returned rather
-    /// than retried.
-    fn pool(&self, fail_fast: bool) -> Result<(Builder, Pool, Scripts), StoreError> {
-        if !(1..=16_384).contains(&self.cluster_tags) {
-            return Err(StoreError::Config(format!(
-                "{} cluster tags: there must be 1 to 16 384, one per hash slot at most",
-                self.cluster_tags
-            )));
-        }
-        if self.pool_size == 0 {
-            return Err(StoreError::Config("pool size must be at least 1".into()));
-        }
-        if self.max_batch == 0 {
-            return Err(StoreError::Config(
-                "batches need room for one request".into(),
-            ));
-        }
-        if self.max_in_flight == Some(0) {
-            return Err(StoreError::Config(
-                "at least one call must be allowed under way".into(),
-            ));
-        }
-        if let Some(leases) = &self.leases {
-            leases.validate()?;
-        }
-        if self.prefix.is_empty() || self.prefix.contains(['{', '}']) {
-            return Err(StoreError::Config(format!(
-                "key prefix {:?} must be non-empty and free of braces",
-                self.prefix
-            )));
-        }
-        let mut config = Config::from_url(&self.url)?;
-        config.fail_fast = fail_fast;
-        #[cfg(feature = "tls")]
-        if let Some(connector) = self.tls.clone() {
-            config.tls = Some(connector.into());
-        }
-        let mut builder = Builder::from_config(config);
-        builder
-            .with_performance_config(|p| p.default_command_timeout = self.timeout)
-            .with_connection_config(|c| {
-                c.connection_timeout = self.timeout.max(Duration::from_secs(1));
-                // fred 10.1 follows `ASK` wrongly (it re-sends the command to the old node),
-                // and past two redirections of one command it stops the client for good. With
-                // none allowed it answers `Too many redirections.` instead: fred's cluster
-                // client (`RedisStore::pool`) fails a command on a moving slot rather than
-                // stopping. The scripts follow redirections themselves, on the store's own
-                // connections to each primary (`nodes.rs`).
-                c.max_redirections = 0;
-                // A primary that was demoted (`READONLY`), or that refuses writes because its
-                // replicas are gone (`NOREPLICAS`, with `min-replicas-to-write`), is no longer
-                // the one to decide on: reconnect at once, which under Sentinel asks the
-                // sentinels for the primary now (see `docs/operations.md`, "Redis Sentinel").
-                c.reconnect_errors = vec![ReconnectError::ReadOnly, ReconnectError::NoReplicas];
-            })
-            // Reconnect soon after a failover: at most half a second between attempts.
-            .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2));
-        let pool = builder.build_pool(self.pool_size)?;
-        let scripts = SCRIPTS
-            .into_iter()
-            .map(|(algorithm, lua)| (algorithm, Script::from_lua(lua)))
-            .collect();
-        Ok((builder, pool, scripts))
-    }
-
-    /// The store over `pool`, or in a Redis Cluster over `nodes` for its scripts, its
-    /// batching tasks started.
-    fn store(self, pool: Pool, nodes: Option<Arc<Nodes>>, scripts: Scripts) -> RedisStore {
-        let placement = match nodes {
-            Some(_) => Placement::tagged(self.cluster_tags),
-            None => Placement::PerClient,
-        };
-        let lanes = placement.lanes();
-        let batcher = Batcher::spawn(
-            lanes,
-            batch::Settings {
-                overrides: (0..lanes)
-                    .map(|lane| {
-                        fred::types::Value::from(placement.overrides_key(&self.prefix, lane))
-                    })
-                    .collect(),
-                redis: match nodes {
-                    Some(nodes) => batch::Redis::Cluster(nodes),
-                    None => batch::Redis::Single(pool.clone()),
-                },
-                scripts,
-                release: Script::from_lua(concat!(
-                    include_str!("scripts/exact.lua"),
-                    include_str!("scripts/release.lua")
-                )),
-                max_batch: self.max_batch,
-                // Without batching, waiting for a slot gains nothing: send everything at once, as
-                // fred pipelines it.
-                in_flight: match (self.max_batch, self.max_in_flight, &placement) {
-                    (1, _, _) => tokio::sync::Semaphore::MAX_PERMITS,
-                    (_, Some(calls), _) => calls,
-                    (_, None, Placement::PerClient) => RedisStore::DEFAULT_MAX_IN_FLIGHT,
-                    (_, None, Placement::Tagged(_)) => RedisStore::DEFAULT_CLUSTER_IN_FLIGHT,
-                },
-                // Cluster lanes batch small (see `batch::gather`); a single Redis's two calls
-                // under way batch well without the wait.
-                gather: match placement {
-                    Placement::PerClient => 0,
-                    Placement::Tagged(_) => CLUSTER_GATHER_PASSES,
-                },
-                timeout: self.timeout,
-            },
-        );
-        let inner = Arc::new(Inner {
-            pool,
-            prefix: self.prefix,
-            placement,
-            batcher,
-            timeout: self.timeout,
-            breakers: (0..lanes)
-                .map(|_| Breaker::new(self.retry_interval))
-                .collect(),
-            leases: self.leases.map(lease::State::new),
-            limits_version: AtomicU64::new(0),
-            next_slot: AtomicU64::new(random_start()),
-        });
-        overrides::spawn_watch(Arc::downgrade(&inner));
-        if let Some(leases) = &self.leases {
-            lease::spawn_sweeper(Arc::downgrade(&inner), leases.period_length());
-        }
-        RedisStore { inner }
-    }
-}
-
 type BoxFuture<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'static>>;
 
 impl Store for RedisStore {
@@ -765,7 +392,7 @@ impl Store for RedisStore {
             let (inner, key, policy) = (Arc::clone(&self.inner), key.clone(), policy.clone());
             return Box::pin(lease::check(inner, plan, key, policy, cost));
         }
-        self.run(key, policy, cost, -1, Record::Yes)
+        self.run(key, policy, cost, -1, Record::Admit)
     }
 
     fn check_now(
@@ -791,9 +418,13 @@ impl Store for RedisStore {
             let unsupported = StoreError::Unsupported("event times take no concurrency slot");
             return Box::pin(std::future::ready(Err(unsupported)));
         }
-        if policy.algorithm() != Algorithm::SlidingLog {
-            let unsupported = StoreError::Unsupported("event times need the sliding log algorithm");
-            return Box::pin(std::future::ready(Err(unsupported)));
+        match policy.algorithm() {
+            Algorithm::SlidingLog => {}
+            Algorithm::SlidingWindow | Algorithm::FixedWindow | Algorithm::Gcra => {
+                let unsupported =
+                    StoreError::Unsupported("event times need the sliding log algorithm");
+                return Box::pin(std::future::ready(Err(unsupported)));
+            }
         }
         let micros = at
             .duration_since(SystemTime::UNIX_EPOCH)
@@ -804,7 +435,7 @@ impl Store for RedisStore {
             policy,
             cost,
             i64::try_from(micros).unwrap_or(i64::MAX),
-            Record::Yes,
+            Record::Admit,
         )
     }
 
@@ -816,7 +447,7 @@ impl Store for RedisStore {
             return Box::pin(std::future::ready(Ok(decision)));
         }
         let headroom = lease::headroom(&self.inner, policy);
-        self.run(key, policy, cost, -1, Record::No { headroom })
+        self.run(key, policy, cost, -1, Record::Look { headroom })
     }
 
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
@@ -885,7 +516,7 @@ impl Store for RedisStore {
                 return Err(StoreError::Unavailable);
             }
             let started = inner.breaker(lane).now();
-            let args = batch::encode_for(&policy, units, record, -1);
+            let args = protocol::encode_for(&policy, units, record, -1);
             let call = inner
                 .batcher
                 .decide_patiently(place.clone(), algorithm, args, PATIENCE);
@@ -965,91 +596,4 @@ fn random_start() -> u64 {
     let mut first = [0; 8];
     first.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
     u64::from_le_bytes(first) & ((1 << 52) - 1)
-}
-
-/// A script's answer to one request, read.
-struct Reply {
-    outcome: Outcome,
-    /// The units leased beyond the request's cost.
-    extra: u64,
-    /// The count of the reported limit when an override set it.
-    count: Option<u64>,
-    /// How long (µs) the key stays in the policy's penalty box, when it is in it.
-    boxed: Option<u64>,
-    /// When the key holds every concurrency slot: how long (µs) until the first expires.
-    slots_full: Option<u64>,
-}
-
-impl Reply {
-    /// The answer for a key in its policy's penalty box for `left` µs more.
-    fn boxed(left: u64) -> Reply {
-        Reply {
-            outcome: Outcome {
-                allowed: false,
-                index: 0,
-                remaining: 0,
-                reset_after: left,
-                retry_after: Some(left),
-            },
-            extra: 0,
-            count: None,
-            boxed: Some(left),
-            slots_full: None,
-        }
-    }
-
-    /// The decision it tells, under `policy` or the override's count.
-    fn decision(&self, policy: &Policy) -> Decision {
-        if let Some(left) = self.slots_full {
-            return Decision::slots_full(policy, std::time::Duration::from_micros(left));
-        }
-        if let Some(left) = self.boxed {
-            return Decision::boxed(policy, std::time::Duration::from_micros(left));
-        }
-        Decision::from_outcome(self.outcome, policy).with_limit(self.count)
-    }
-}
-
-/// Reads `{allowed, index, remaining, reset_after, retry_after, count}`.
-fn parse_reply(reply: &[i64; 6], policy: &Policy) -> Result<Reply, StoreError> {
-    let bad = || StoreError::Reply(format!("{reply:?}"));
-    let &[allowed, index, remaining, reset_after, retry_after, count] = reply;
-    if index == -1 {
-        // The key is in the policy's penalty box, for `retry_after` µs more.
-        let left = u64::try_from(retry_after).map_err(|_| bad())?;
-        return Ok(Reply::boxed(left));
-    }
-    if index == -2 {
-        // The key holds every concurrency slot; the first expires in `retry_after` µs.
-        let left = u64::try_from(retry_after).map_err(|_| bad())?;
-        return Ok(Reply {
-            slots_full: Some(left),
-            ..Reply::boxed(left)
-        });
-    }
-    let index = usize::try_from(index)
-        .ok()
-        .filter(|&i| i < policy.limits().len())
-        .ok_or_else(bad)?;
-    let non_negative = |v: i64| u64::try_from(v).map_err(|_| bad());
-    let outcome = Outcome {
-        allowed: allowed >= 1,
-        index,
-        remaining: non_negative(remaining)?,
-        reset_after: non_negative(reset_after)?,
-        retry_after: match retry_after {
-            -1 | -2 => None,
-            v => Some(non_negative(v)?),
-        },
-    };
-    Ok(Reply {
-        outcome,
-        extra: non_negative(allowed.max(1) - 1)?,
-        count: match count {
-            -1 => None,
-            v => Some(non_negative(v)?),
-        },
-        boxed: None,
-        slots_full: None,
-    })
 }

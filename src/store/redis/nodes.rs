@@ -1,14 +1,14 @@
-//! The store's own routing in a Redis Cluster: a pool of connections per primary, and a slot
+//! The store's own routing in a Redis Cluster: a pool of connections per primary, and a hash slot
 //! map read from whichever node answers.
 //!
 //! fred's cluster client keeps one connection to every primary and, whenever one breaks,
 //! connects to all of them again at once: while one listed primary does not answer, every
-//! command fails, on every slot, and a new client cannot connect at all. A rate limiter must
+//! command fails, on every hash slot, and a new client cannot connect at all. A rate limiter must
 //! go on deciding for the keys that the healthy primaries hold. So the scripts run through
 //! [`Nodes`]: each primary has a pool of its own, which reconnects on its own; a primary that
-//! is gone fails only the calls for its slots. The slot map comes from `CLUSTER SLOTS`, asked
+//! is gone fails only the calls for its hash slots. The hash slot map comes from `CLUSTER SLOTS`, asked
 //! of every known node at once (the first answer wins), at connect, on a `MOVED`, and after a
-//! call that found a node unreachable (its slots may have failed over to a replica).
+//! call that found a node unreachable (its hash slots may have failed over to a replica).
 //!
 //! Redirections come back as Redis sends them, so they are followed by their kind: `MOVED`
 //! updates the map and goes to the new owner; `ASK` sends `ASKING` and the call to the
@@ -30,23 +30,23 @@ use tokio::task::JoinSet;
 use super::ask::{self, Redirection};
 
 /// Hash slots in a Redis Cluster.
-const SLOTS: usize = 16_384;
+const HASH_SLOTS: usize = 16_384;
 
-/// A slot that no known node serves.
+/// A hash slot that no known node serves.
 const NONE: u16 = u16::MAX;
 
 /// Redirections one call follows before it reports the last (the batcher may try again).
 const MAX_REDIRECTIONS: usize = 3;
 
-/// The shortest time between two refreshes of the slot map that calls ask for.
+/// The shortest time between two refreshes of the hash slot map that calls ask for.
 const REFRESH_PACE: Duration = Duration::from_millis(200);
 
-/// Connections to the primaries of a Redis Cluster, and which one serves each slot.
+/// Connections to the primaries of a Redis Cluster, and which one serves each hash slot.
 pub(super) struct Nodes {
     /// How to build a node's pool: the store's settings, its server replaced.
     builder: Builder,
     pool_size: usize,
-    /// The nodes of the store's URL, asked for the slot map when no known node answers.
+    /// The nodes of the store's URL, asked for the hash slot map when no known node answers.
     seeds: Vec<Server>,
     table: RwLock<Table>,
     /// How long to wait for a node's `CLUSTER SLOTS`.
@@ -58,13 +58,13 @@ pub(super) struct Nodes {
     refreshed: AtomicU64,
 }
 
-/// The slot map and a pool per node.
+/// The hash slot map and a pool per node.
 #[derive(Default)]
 struct Table {
-    /// Index in `nodes` of each slot's primary, [`NONE`] where none serves it; empty until
+    /// Index in `nodes` of each hash slot's primary, [`NONE`] where none serves it; empty until
     /// the map is first read.
     owners: Vec<u16>,
-    /// The slots' primaries, and nodes that an `ASK` named.
+    /// The hash slots' primaries, and nodes that an `ASK` named.
     nodes: Vec<(Server, Pool)>,
 }
 
@@ -115,19 +115,19 @@ impl Nodes {
         self.table.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A client of the primary that serves `slot`.
-    pub(super) fn client(&self, slot: u16) -> Result<Client, Error> {
+    /// A client of the primary that serves `hash_slot`.
+    pub(super) fn client(&self, hash_slot: u16) -> Result<Client, Error> {
         let table = self.read();
         if table.owners.is_empty() {
             // Worded as Redis words a refusal, so that callers know nothing ran.
             let message = "CLUSTERDOWN the cluster's slot map is not known yet";
             return Err(Error::new(ErrorKind::Cluster, message));
         }
-        match table.owners.get(usize::from(slot)).copied() {
+        match table.owners.get(usize::from(hash_slot)).copied() {
             Some(i) if i != NONE => Ok(table.nodes[usize::from(i)].1.next_connected().clone()),
             _ => Err(Error::new(
                 ErrorKind::Cluster,
-                format!("CLUSTERDOWN no node serves slot {slot}"),
+                format!("CLUSTERDOWN no node serves slot {hash_slot}"),
             )),
         }
     }
@@ -145,13 +145,13 @@ impl Nodes {
         Ok(table.nodes[i].1.next_connected().clone())
     }
 
-    /// Records that `server` now serves `slot` (a `MOVED`), then refreshes the whole map soon:
-    /// a slot seldom moves alone.
-    fn moved(self: &Arc<Self>, slot: u16, server: &Server) {
+    /// Records that `server` now serves `hash_slot` (a `MOVED`), then refreshes the whole map soon:
+    /// a hash slot seldom moves alone.
+    fn moved(self: &Arc<Self>, hash_slot: u16, server: &Server) {
         {
             let mut table = self.write();
             if let Ok(i) = table.node(server, self) {
-                if let Some(owner) = table.owners.get_mut(usize::from(slot)) {
+                if let Some(owner) = table.owners.get_mut(usize::from(hash_slot)) {
                     *owner = i as u16;
                 }
             }
@@ -159,7 +159,7 @@ impl Nodes {
         self.refresh_soon();
     }
 
-    /// Starts a refresh of the slot map unless one is under way or started less than
+    /// Starts a refresh of the hash slot map unless one is under way or started less than
     /// [`REFRESH_PACE`] ago.
     pub(super) fn refresh_soon(self: &Arc<Self>) {
         let now = self.origin.elapsed().as_millis() as u64;
@@ -180,9 +180,9 @@ impl Nodes {
         });
     }
 
-    /// Reads the slot map from the first node to answer `CLUSTER SLOTS`, asking every known
+    /// Reads the hash slot map from the first node to answer `CLUSTER SLOTS`, asking every known
     /// node and every seed at once, and routes by it from now on: new primaries get a pool,
-    /// nodes that no longer serve a slot lose theirs. Fails if none answers.
+    /// nodes that no longer serve a hash slot lose theirs. Fails if none answers.
     pub(super) async fn refresh(&self) -> Result<(), Error> {
         let mut asked: Vec<(Server, Option<Client>)> = {
             let table = self.read();
@@ -201,8 +201,8 @@ impl Nodes {
             let builder = self.builder.clone();
             let patience = self.patience;
             questions.spawn(async move {
-                let slots = tokio::time::timeout(patience, slots_of(&server, client, builder));
-                match slots.await {
+                let map = tokio::time::timeout(patience, hash_slots_of(&server, client, builder));
+                match map.await {
                     Ok(reply) => reply,
                     Err(_) => Err(Error::new(ErrorKind::Timeout, "no reply to CLUSTER SLOTS")),
                 }
@@ -211,7 +211,7 @@ impl Nodes {
         let mut last = Error::new(ErrorKind::Config, "no cluster node to ask for its slots");
         while let Some(answer) = questions.join_next().await {
             match answer {
-                // A node that knows no slot (not yet joined, or reset) is no guide.
+                // A node that knows no hash slot (not yet joined, or reset) is no guide.
                 Ok(Ok(routing)) if routing.slots().is_empty() => {
                     last = Error::new(ErrorKind::Cluster, "a node knows no slot owner");
                 }
@@ -228,7 +228,7 @@ impl Nodes {
 
     /// Routes by `routing` from now on.
     fn route(&self, routing: &ClusterRouting) -> Result<(), Error> {
-        let mut owners = vec![NONE; SLOTS];
+        let mut owners = vec![NONE; HASH_SLOTS];
         let mut table = self.write();
         let mut kept = vec![false; table.nodes.len()];
         for range in routing.slots() {
@@ -237,11 +237,11 @@ impl Nodes {
                 *k = true;
             }
             let (start, end) = (usize::from(range.start), usize::from(range.end));
-            if let Some(slots) = owners.get_mut(start..=end.min(SLOTS - 1)) {
-                slots.fill(i as u16);
+            if let Some(owned) = owners.get_mut(start..=end.min(HASH_SLOTS - 1)) {
+                owned.fill(i as u16);
             }
         }
-        // Nodes that serve no slot now lose their pool; the others keep theirs, renumbered.
+        // Nodes that serve no hash slot now lose their pool; the others keep theirs, renumbered.
         let mut renumber = vec![NONE; table.nodes.len()];
         let mut nodes = Vec::with_capacity(table.nodes.len());
         for (i, node) in std::mem::take(&mut table.nodes).into_iter().enumerate() {
@@ -274,9 +274,9 @@ impl Nodes {
         }
     }
 
-    /// Runs `script` over `keys` (all of one slot) with `argv` where the slot's keys are,
+    /// Runs `script` over `keys` (all of one hash slot) with `argv` where the hash slot's keys are,
     /// following `MOVED` and `ASK`, waiting for each reply up to `patience` (`None`: the
-    /// store's timeout). A call that finds a node unreachable asks for a fresh slot map.
+    /// store's timeout). A call that finds a node unreachable asks for a fresh hash slot map.
     pub(super) async fn evalsha<R: FromValue>(
         self: &Arc<Self>,
         script: &Script,
@@ -284,10 +284,10 @@ impl Nodes {
         argv: Vec<Value>,
         patience: Option<Duration>,
     ) -> Result<R, Error> {
-        let slot = keys
+        let hash_slot = keys
             .first()
             .map_or(0, |key| fred::util::redis_keyslot(key.as_bytes()));
-        let evalsha = super::batch::evalsha_args(script, keys, argv);
+        let evalsha = evalsha_args(script, keys, argv);
         let options = Options {
             timeout: patience,
             ..Options::default()
@@ -296,7 +296,7 @@ impl Nodes {
             let (options, evalsha) = (&options, evalsha.clone());
             async move { evalsha_on(&client, options, script, evalsha, false).await }
         };
-        let reply = self.on_owner(slot, on_owner).await;
+        let reply = self.on_owner(hash_slot, on_owner).await;
         match reply.as_ref().err().and_then(ask::redirection) {
             Some(Redirection::Ask(server)) => {
                 let target = self.client_at(&server)?;
@@ -311,11 +311,11 @@ impl Nodes {
         }
     }
 
-    /// Runs `command` (one command on one key of `slot`) on the primary that holds the slot,
+    /// Runs `command` (one command on one key of `hash_slot`) on the primary that holds the hash slot,
     /// following `MOVED`.
     pub(super) async fn on_owner<R, F, Fut>(
         self: &Arc<Self>,
-        slot: u16,
+        hash_slot: u16,
         command: F,
     ) -> Result<R, Error>
     where
@@ -324,10 +324,10 @@ impl Nodes {
     {
         let mut redirections = 0;
         loop {
-            let reply = command(self.client(slot)?).await;
+            let reply = command(self.client(hash_slot)?).await;
             match reply.as_ref().err().and_then(ask::redirection) {
-                Some(Redirection::Moved(slot, server)) if redirections < MAX_REDIRECTIONS => {
-                    self.moved(slot, &server);
+                Some(Redirection::Moved(moved, server)) if redirections < MAX_REDIRECTIONS => {
+                    self.moved(moved, &server);
                     redirections += 1;
                 }
                 _ => return reply,
@@ -361,15 +361,15 @@ fn shut_down(pool: Pool) {
 
 /// `server`'s answer to `CLUSTER SLOTS`, through `client` if it has one, else through a
 /// client of its own for this question.
-async fn slots_of(
+async fn hash_slots_of(
     server: &Server,
     client: Option<Client>,
     builder: Builder,
 ) -> Result<ClusterRouting, Error> {
     let command = CustomCommand::new_static("CLUSTER", ClusterHash::Random, false);
     let ask = |client: Client| async move {
-        let slots: Value = client.custom(command, vec!["SLOTS"]).await?;
-        ClusterRouting::from_cluster_slots(slots, server.host.clone())
+        let map: Value = client.custom(command, vec!["SLOTS"]).await?;
+        ClusterRouting::from_cluster_slots(map, server.host.clone())
     };
     if let Some(client) = client {
         return ask(client).await;
@@ -430,6 +430,17 @@ pub(super) async fn evalsha_on<R: FromValue>(
         reply => reply,
     };
     reply?.convert()
+}
+
+/// The arguments of `EVALSHA` for `script` over `keys` with `argv`, for a call sent as a
+/// command of its own.
+pub(super) fn evalsha_args(script: &Script, keys: Vec<Key>, argv: Vec<Value>) -> Vec<Value> {
+    let mut evalsha = Vec::with_capacity(2 + keys.len() + argv.len());
+    evalsha.push(Value::from(script.sha1().clone()));
+    evalsha.push(Value::from(keys.len() as i64));
+    evalsha.extend(keys.into_iter().map(Value::from));
+    evalsha.extend(argv);
+    evalsha
 }
 
 fn command() -> CustomCommand {

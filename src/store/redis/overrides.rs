@@ -1,10 +1,10 @@
-//! Overrides in Redis (`store/overrides.rs`): one hash per lane, in the slot of the keys that
+//! Overrides in Redis (`store/overrides.rs`): one hash per lane, in the hash slot of the keys that
 //! lane holds, which the algorithm scripts read in the decision's own call (`prelude.lua`).
 //!
 //! A key's override is the field named like the key's state (its Redis key), in the hash of
 //! the key's lane; a policy's override is the field named by its override id
 //! ([`Policy::override_id`]) in every lane's hash (one on a single Redis; in a cluster one
-//! per tag, so that each slot's calls find it). A value is 64-bit little-endian integers: the
+//! per tag, so that each hash slot's calls find it). A value is 64-bit little-endian integers: the
 //! number of limits `m` (0: a block), count and scale of each limit, then what listing needs:
 //! 0 for a policy's override or 1 for a key's, and the policy's identity, a newline and the
 //! key.

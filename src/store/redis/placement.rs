@@ -1,26 +1,26 @@
 //! Where a client's state lives: its Redis key, and in a Redis Cluster its hash slot.
 //!
-//! A script call may only touch keys of one hash slot, so the batcher sends one call per slot.
-//! If every client had a slot of its own, as `{<policy>:<key>}` gives, a cluster would decide
+//! A script call may only touch keys of one hash slot, so the batcher sends one call per hash slot.
+//! If every client had a hash slot of its own, as `{<policy>:<key>}` gives, a cluster would decide
 //! nearly every request in a call of its own, and lose the batching that a single Redis gets.
 //! In a cluster the store therefore puts each client under one of a fixed set of hash tags,
 //! chosen by a hash of policy and key: requests for many clients share a tag, and so a call.
-//! The tags are picked so that their slots are spread evenly over the 16 384 slots, which a
+//! The tags are picked so that their hash slots are spread evenly over the 16 384 hash slots, which a
 //! cluster divides between its primaries in ranges: with `n` tags on `p` primaries that split
-//! the slots evenly, each primary holds `n / p` tags when `p` divides `n`.
+//! the hash slots evenly, each primary holds `n / p` tags when `p` divides `n`.
 //!
 //! All instances of a service must agree on a key, so the choice depends on nothing but the
 //! settings (the hash is unkeyed CRC16, the tags are computed, not random). What it costs:
-//! all the clients of one tag move together when its slot is resharded, a tag's slot carries
+//! all the clients of one tag move together when its hash slot is resharded, a tag's hash slot carries
 //! `1/n` of the load, and changing the number of tags (or moving from a single Redis to a
 //! cluster) moves every key, which starts every client's limit afresh.
 
 use crate::{Key, Policy};
 
 /// Hash slots in a Redis Cluster.
-const SLOTS: usize = 16_384;
+const HASH_SLOTS: usize = 16_384;
 
-/// How keys are named: one slot per client (a single Redis), or a fixed set of hash tags.
+/// How keys are named: one hash slot per client (a single Redis), or a fixed set of hash tags.
 #[derive(Debug, Clone)]
 pub(super) enum Placement {
     /// `<prefix>:{<policy>:<key>}:<algorithm>:<limits>`.
@@ -31,8 +31,8 @@ pub(super) enum Placement {
 }
 
 impl Placement {
-    /// `tags` hash tags whose slots are spread evenly: tag `i` lies in the `i`-th of `tags`
-    /// equal ranges of slots. `tags` must be in `1..=16 384`.
+    /// `tags` hash tags whose hash slots are spread evenly: tag `i` lies in the `i`-th of `tags`
+    /// equal ranges of hash slots. `tags` must be in `1..=16 384`.
     pub(super) fn tagged(tags: usize) -> Placement {
         let mut chosen: Vec<Option<String>> = vec![None; tags];
         let mut missing = tags;
@@ -41,7 +41,7 @@ impl Placement {
         let mut candidate = 0u64;
         while missing > 0 {
             let text = candidate.to_string();
-            let range = usize::from(slot_of(text.as_bytes())) * tags / SLOTS;
+            let range = usize::from(hash_slot_of(text.as_bytes())) * tags / HASH_SLOTS;
             if chosen[range].is_none() {
                 chosen[range] = Some(text);
                 missing -= 1;
@@ -81,7 +81,7 @@ impl Placement {
     }
 
     /// The hash of overrides that the calls of lane `lane` read (`overrides.rs`): on a
-    /// single Redis one for every key, in a cluster one per tag, in the tag's slot.
+    /// single Redis one for every key, in a cluster one per tag, in the tag's hash slot.
     pub(super) fn overrides_key(&self, prefix: &str, lane: usize) -> String {
         match self {
             Placement::PerClient => format!("{prefix}:overrides"),
@@ -91,7 +91,7 @@ impl Placement {
         }
     }
 
-    /// How many slots the keys may fall in, for the batcher's lanes: the tags, or one for
+    /// How many hash slots the keys may fall in, for the batcher's lanes: the tags, or one for
     /// a single Redis.
     pub(super) fn lanes(&self) -> usize {
         match self {
@@ -102,11 +102,28 @@ impl Placement {
 }
 
 /// A client's Redis key, and the index of its hash tag (0 on a single Redis): the batcher
-/// queues the requests of each tag apart, since one call takes keys of one slot only.
+/// queues the requests of each tag apart, since one call takes keys of one hash slot only.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Place {
     pub(super) key: String,
     pub(super) lane: usize,
+}
+
+/// Splits keys into groups that one call can take: all of them, or in a cluster one group per
+/// hash slot. Returns indices into `keys`.
+pub(super) fn by_hash_slot(keys: &[String], clustered: bool) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        let hash_slot = match clustered {
+            true => fred::util::redis_keyslot(key.as_bytes()),
+            false => 0,
+        };
+        match groups.iter_mut().find(|(s, _)| *s == hash_slot) {
+            Some((_, group)) => group.push(i),
+            None => groups.push((hash_slot, vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, group)| group).collect()
 }
 
 /// Which of `tags` tags holds `client` under the policy `name`: CRC16 of both, with a
@@ -120,8 +137,8 @@ fn tag_index(name: &str, client: &str, tags: usize) -> usize {
 }
 
 /// The hash slot of a key without braces, as Redis computes it.
-fn slot_of(key: &[u8]) -> u16 {
-    crc16::State::<crc16::XMODEM>::calculate(key) % SLOTS as u16
+fn hash_slot_of(key: &[u8]) -> u16 {
+    crc16::State::<crc16::XMODEM>::calculate(key) % HASH_SLOTS as u16
 }
 
 #[cfg(test)]
@@ -133,7 +150,7 @@ mod tests {
     }
 
     #[test]
-    fn a_single_redis_keeps_one_slot_per_client() {
+    fn a_single_redis_keeps_one_hash_slot_per_client() {
         let place = Placement::PerClient.place("rl", &Key::from("c1"), &policy());
         assert_eq!(place.key, "rl:{api:c1}:log:1m");
         assert_eq!(place.lane, 0);
@@ -144,15 +161,15 @@ mod tests {
     }
 
     #[test]
-    fn tags_are_spread_evenly_over_the_slots() {
+    fn tags_are_spread_evenly_over_the_hash_slots() {
         for tags in [1, 3, 12, 64, 1000] {
             let Placement::Tagged(texts) = Placement::tagged(tags) else {
                 unreachable!()
             };
             assert_eq!(texts.len(), tags);
             for (i, text) in texts.iter().enumerate() {
-                let slot = usize::from(fred::util::redis_keyslot(text.as_bytes()));
-                assert_eq!(slot * tags / SLOTS, i, "tag {text} of {tags}");
+                let hash_slot = usize::from(fred::util::redis_keyslot(text.as_bytes()));
+                assert_eq!(hash_slot * tags / HASH_SLOTS, i, "tag {text} of {tags}");
             }
         }
     }

@@ -38,7 +38,8 @@ use std::time::Duration;
 
 use tokio::sync::{oneshot, Notify};
 
-use super::batch::{self, Record};
+use super::placement;
+use super::protocol::{self, Answer, Answered, Record};
 use super::{Inner, RedisStore};
 use crate::algorithm::{window_start, Algorithm, Outcome};
 use crate::shards::{lock, Shards};
@@ -149,18 +150,19 @@ impl Leases {
         let cap = (smallest as f64 * self.max_share) as u64;
         let shortest = policy.windows()[0].micros;
         let period = micros(self.period);
-        let (period, headroom) = match policy.algorithm() {
+        let (period, headroom, life) = match policy.algorithm() {
             Algorithm::SlidingLog => return None,
             Algorithm::Gcra => {
                 let h = period.min((shortest as f64 * self.max_share) as u64);
-                (h, h)
+                (h, h, Life::Period)
             }
-            _ => (period, 0),
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => (period, 0, Life::Window),
         };
         (cap >= 2 && period > 0).then_some(Plan {
             cap,
             period,
             headroom,
+            life,
         })
     }
 
@@ -194,6 +196,17 @@ pub(super) struct Plan {
     period: u64,
     /// GCRA's headroom (µs), kept by every decision of the policy; 0 for the counters.
     headroom: u64,
+    life: Life,
+}
+
+/// How long a lease's units may be spent (see the module's docs, "Never over the limit").
+#[derive(Debug, Clone, Copy)]
+enum Life {
+    /// For the plan's period after the sending (GCRA: the headroom covers that much delay).
+    Period,
+    /// Until the current window of the shortest limit ends, or for the period if sooner (the
+    /// counters: every unit is spent in the window that counted it).
+    Window,
 }
 
 impl Plan {
@@ -201,7 +214,7 @@ impl Plan {
     /// `want` is no more), keeping the policy's headroom.
     fn record(&self, cost: u64, want: u64) -> Record {
         match self.headroom {
-            0 if want <= cost => Record::Yes,
+            0 if want <= cost => Record::Admit,
             headroom => Record::Lease {
                 want: want.max(cost),
                 headroom,
@@ -230,9 +243,9 @@ impl Plan {
     /// the script.
     fn expiry(&self, policy: &Policy, sent: u64, granted: i64) -> u64 {
         let t = u64::try_from(granted).unwrap_or(0);
-        let life = match policy.algorithm() {
-            Algorithm::Gcra => self.period,
-            _ => policy
+        let life = match self.life {
+            Life::Period => self.period,
+            Life::Window => policy
                 .windows()
                 .iter()
                 .map(|w| window_start(t, w.micros) + w.micros - t)
@@ -316,8 +329,8 @@ impl State {
     fn with<T>(&self, key: &Key, policy: &Policy, f: impl FnOnce(&mut Entry) -> T) -> T {
         let now = self.now();
         let mut locked = self.book.lock(key, policy.terms_id());
-        if let Some(slot) = locked.get(key, policy.terms_id(), now) {
-            return f(&mut slot.value.entry);
+        if let Some(found) = locked.get(key, policy.terms_id(), now) {
+            return f(&mut found.value.entry);
         }
         let mut held = Held {
             policy: policy.clone(),
@@ -369,21 +382,21 @@ fn spent(outcome: Outcome, granted: Option<i64>, policy: &Policy, cost: u32) -> 
 /// that fills a key would leave its leases admitting requests, each charged its usage in turn,
 /// until they ran out or expired. Touches only a key this instance keeps an entry for: one
 /// without holds nothing and fetches nothing.
-pub(super) fn settled(inner: &Inner, key: &Key, policy: &Policy, answer: &batch::Answer) {
+pub(super) fn settled(inner: &Inner, key: &Key, policy: &Policy, answer: &Answer) {
     let Some(state) = inner.leases.as_ref() else {
         return;
     };
     let Some(plan) = state.settings.plan(policy) else {
         return;
     };
-    let Ok(super::Reply { outcome, .. }) = super::parse_reply(&answer.ints, policy) else {
+    let Ok(verdict) = answer.verdict(policy) else {
         return;
     };
-    if plan.full(policy, outcome.remaining) {
+    if plan.full(policy, verdict.outcome.remaining) {
         let now = state.now();
         let mut locked = state.book.lock(key, policy.terms_id());
-        if let Some(slot) = locked.get(key, policy.terms_id(), now) {
-            slot.value.entry.fill(answer.time);
+        if let Some(found) = locked.get(key, policy.terms_id(), now) {
+            found.value.entry.fill(answer.time);
         }
     }
 }
@@ -533,11 +546,11 @@ async fn decide(
     let place = inner.place(key, policy);
     let record = plan.record(cost.into(), cost.into());
     let answer = inner.decide(place, policy, cost.into(), -1, record).await?;
-    let reply = super::parse_reply(&answer.ints, policy)?;
+    let verdict = answer.verdict(policy)?;
     state.with(key, policy, |entry| {
-        entry.answered(reply.outcome, answer.time)
+        entry.answered(verdict.outcome, answer.time)
     });
-    let decision = reply.decision(policy);
+    let decision = verdict.decision(policy);
     Ok(decision.recorded_at(Some(answer.time), cost.into()))
 }
 
@@ -559,22 +572,20 @@ async fn lease(
     }
     let lane = inner.placement.lane(key, policy);
     let answer = inner.within_budget(lane, answer).await?;
-    let reply = super::parse_reply(&answer.ints, policy)?;
+    let verdict = answer.verdict(policy)?;
     let outcome = Outcome {
-        remaining: reply.outcome.remaining + reply.extra,
-        ..reply.outcome
+        remaining: verdict.outcome.remaining + verdict.extra,
+        ..verdict.outcome
     };
-    let decision = Decision::from_outcome(outcome, policy).with_limit(reply.count);
+    let decision = Decision::from_outcome(outcome, policy).with_limit(verdict.count);
     Ok(decision.recorded_at(Some(answer.time), cost.into()))
 }
 
 /// Starts the call that takes a lease of up to `want` units for a request of `cost` (0 for a
 /// fetch ahead of need), on a task of its own that waits for Redis's reply up to
-/// [`PATIENCE`] and books it: the units beyond the cost go to the key's lease, and so does
-/// the cost itself when `caller` no longer waits (it gave up at its time budget), so that
-/// every unit Redis counted is spent or given back. A lease that lands after
-/// [`RedisStore::drain`] is given back at once. While the breaker is open nothing starts:
-/// the key's fetch ends, and the answer is `false`.
+/// [`PATIENCE`] and books it ([`book`]), so that every unit Redis counted is spent or given
+/// back. A lease that lands after [`RedisStore::drain`] is given back at once. While the
+/// breaker is open nothing starts: the key's fetch ends, and the answer is `false`.
 fn take(
     inner: &Arc<Inner>,
     plan: Plan,
@@ -582,7 +593,7 @@ fn take(
     policy: &Policy,
     cost: u32,
     want: u64,
-    caller: Option<oneshot::Sender<batch::Reply>>,
+    caller: Option<oneshot::Sender<Answered>>,
 ) -> bool {
     let Some(state) = inner.leases.as_ref() else {
         return false;
@@ -597,42 +608,24 @@ fn take(
     tokio::spawn(async move {
         let place = inner.place(&key, &policy);
         let record = plan.record(cost.into(), want);
-        let args = batch::encode_for(&policy, cost.into(), record, -1);
-        let reply = inner
+        let args = protocol::encode_for(&policy, cost.into(), record, -1);
+        let answered = inner
             .batcher
             .decide_patiently(place, policy.algorithm(), args, PATIENCE)
             .await;
-        let parsed = match &reply {
-            Ok(answer) => super::parse_reply(&answer.ints, &policy)
-                .ok()
-                .map(|reply| (reply.outcome, reply.extra, answer.time)),
-            Err(_) => None,
-        };
-        let taken_by_caller = caller.is_some_and(|caller| caller.send(reply).is_ok());
+        let granted = answered.as_ref().ok().and_then(|answer| {
+            let verdict = answer.verdict(&policy).ok()?;
+            Some((verdict.outcome, verdict.extra, answer.time))
+        });
+        let taken_by_caller = caller.is_some_and(|caller| caller.send(answered).is_ok());
         let Some(state) = inner.leases.as_ref() else {
             return;
         };
         state.with(&key, &policy, |entry| {
             entry.fetching = false;
-            let Some((outcome, extra, time)) = parsed else {
-                return;
-            };
-            let units = match taken_by_caller || !outcome.allowed {
-                true => extra,
-                false => extra + u64::from(cost),
-            };
-            let grant = Grant {
-                units,
-                expires: plan.expiry(&policy, sent, time),
-                granted: time,
-            };
-            match outcome.allowed {
-                true => entry.granted(grant, outcome),
-                // A fetch ahead of need (no cost) that Redis refuses found the key over its
-                // limit, which only a settlement's charge makes it: one that this instance did
-                // not see (another instance's) filled the key.
-                false if cost == 0 => entry.fill(time),
-                false => entry.answered(outcome, time),
+            if let Some(granted) = granted {
+                let lease = Lease { plan, sent, cost };
+                book(entry, lease, &policy, granted, taken_by_caller);
             }
         });
         let late = state.drain_waited.load(Ordering::Acquire);
@@ -648,6 +641,44 @@ fn take(
     true
 }
 
+/// A lease call: its plan, the local time it was sent, and the cost of the request it decided.
+struct Lease {
+    plan: Plan,
+    sent: u64,
+    cost: u32,
+}
+
+/// Books the reply to `lease` in the key's `entry`: the `outcome`, the units `extra` leased
+/// beyond the cost, and the Redis `time` of the grant. The units go to the key's lease, and so
+/// does the cost itself when the caller no longer waited for the reply (`taken_by_caller`
+/// false: it gave up at its time budget).
+fn book(
+    entry: &mut Entry,
+    lease: Lease,
+    policy: &Policy,
+    (outcome, extra, time): (Outcome, u64, i64),
+    taken_by_caller: bool,
+) {
+    let Lease { plan, sent, cost } = lease;
+    let units = match taken_by_caller || !outcome.allowed {
+        true => extra,
+        false => extra + u64::from(cost),
+    };
+    let grant = Grant {
+        units,
+        expires: plan.expiry(policy, sent, time),
+        granted: time,
+    };
+    match outcome.allowed {
+        true => entry.granted(grant, outcome),
+        // A fetch ahead of need (no cost) that Redis refuses found the key over its
+        // limit, which only a settlement's charge makes it: one that this instance did
+        // not see (another instance's) filled the key.
+        false if cost == 0 => entry.fill(time),
+        false => entry.answered(outcome, time),
+    }
+}
+
 /// Gives back, at `now`, the units of expired leases, and all of those of idle keys (or of
 /// every key when `all`), with the give-backs that could not be sent before and still
 /// matter. Returns the units handed back. A give-back is sent again only when it certainly
@@ -660,25 +691,55 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
     let now = state.now();
     let mut due: Vec<Due> = std::mem::take(&mut *lock(&state.pending));
     due.retain(|d| d.until > now);
+    due.extend(returns(store, state, now, all));
+    let (result, unsent) = send(store, &due).await;
+    if unsent.contains(&true) {
+        let mut pending = lock(&state.pending);
+        let kept = due.into_iter().zip(unsent).filter(|(_, unsent)| *unsent);
+        pending.extend(kept.map(|(due, _)| due));
+        // Bounded like the book: past it, the oldest give-backs are dropped (their units
+        // count as used until their windows end).
+        let most = usize::try_from(state.settings.max_keys).unwrap_or(usize::MAX);
+        let over = pending.len().saturating_sub(most);
+        pending.drain(..over);
+    }
+    result
+}
+
+/// Takes out of the book, at `now`, the units of expired leases, and all of those of idle keys
+/// (or of every key when `all`), as give-backs to send; forgets the keys left idle and empty.
+fn returns(store: &RedisStore, state: &State, now: u64, all: bool) -> Vec<Due> {
+    let mut due = Vec::new();
     state.book.retain(|key, held| {
         let plan = state.settings.plan(&held.policy);
         let idle = plan.map_or(0, |p| p.period / 4);
         for Return { units, granted } in held.entry.returns(now, idle, all) {
             let policy = &held.policy;
             let windows = policy.windows();
+            // Only leased algorithms hold units, and each of them has a give-back.
+            let Some(args) = protocol::encode_release(policy.algorithm(), units, granted, windows)
+            else {
+                continue;
+            };
             due.push(Due {
                 key: store.inner.place(key, policy).key,
-                args: batch::encode_release(policy.algorithm(), units, granted, windows),
+                args,
                 units,
                 until: now + micros(policy.longest_window()),
             });
         }
         !(held.entry.is_empty() && now.saturating_sub(held.entry.last_used) >= idle)
     });
+    due
+}
+
+/// Sends the give-backs `due`, as few calls as their hash slots allow; returns the units given
+/// back (or the last error) and which were not sent and may be sent again.
+async fn send(store: &RedisStore, due: &[Due]) -> (Result<u64, StoreError>, Vec<bool>) {
     let keys: Vec<String> = due.iter().map(|d| d.key.clone()).collect();
     let mut result = Ok(0);
     let mut unsent = vec![false; due.len()];
-    for group in batch::by_slot(&keys, store.inner.batcher.is_clustered()) {
+    for group in placement::by_hash_slot(&keys, store.inner.batcher.is_clustered()) {
         for chunk in group.chunks(512) {
             // With the breaker open nothing is sent: these are kept for the next sweep.
             if store
@@ -699,7 +760,7 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
                         *sum += chunk.iter().map(|&i| due[i].units).sum::<u64>();
                     }
                 }
-                // Redis refused to run the script (busy, loading, a slot moving): sent again.
+                // Redis refused to run the script (busy, loading, a hash slot moving): sent again.
                 Err(error) if refused(&error) => {
                     chunk.iter().for_each(|&i| unsent[i] = true);
                     result = Err(error.into());
@@ -710,17 +771,7 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
             }
         }
     }
-    if unsent.contains(&true) {
-        let mut pending = lock(&state.pending);
-        let kept = due.into_iter().zip(unsent).filter(|(_, unsent)| *unsent);
-        pending.extend(kept.map(|(due, _)| due));
-        // Bounded like the book: past it, the oldest give-backs are dropped (their units
-        // count as used until their windows end).
-        let most = usize::try_from(state.settings.max_keys).unwrap_or(usize::MAX);
-        let over = pending.len().saturating_sub(most);
-        pending.drain(..over);
-    }
-    result
+    (result, unsent)
 }
 
 /// Whether Redis answered `error` without running the script, so that sending it again
@@ -779,11 +830,15 @@ pub(super) fn supports(inner: &Inner, policy: &Policy) -> Result<(), StoreError>
     let Some(state) = &inner.leases else {
         return Ok(());
     };
-    if policy.algorithm() == Algorithm::SlidingLog {
-        return Err(StoreError::Unsupported(
-            "the sliding log cannot be leased: its events must be logged at the times they are \
-             admitted; use GCRA or a window counter with leases, or a store without leases",
-        ));
+    match policy.algorithm() {
+        Algorithm::SlidingLog => {
+            return Err(StoreError::Unsupported(
+                "the sliding log cannot be leased: its events must be logged at the times they \
+                 are admitted; use GCRA or a window counter with leases, or a store without \
+                 leases",
+            ))
+        }
+        Algorithm::SlidingWindow | Algorithm::FixedWindow | Algorithm::Gcra => {}
     }
     match state.settings.refuses(policy) {
         Some(error) => Err(error),

@@ -104,7 +104,11 @@ fn simulate(
     let (policy, plan) = leased(algorithm, c, w);
     let mut redis = match algorithm {
         Algorithm::Gcra => Model::Gcra(0, 0),
-        _ => Model::Fixed(0, 0),
+        // The counters (the cases run the fixed window); the sliding log is never leased
+        // (`leased` fails first).
+        Algorithm::FixedWindow | Algorithm::SlidingWindow | Algorithm::SlidingLog => {
+            Model::Fixed(0, 0)
+        }
     };
     let mut entries = vec![Entry::default(); instances];
     let mut fetches: Vec<Fetch> = Vec::new();

@@ -13,11 +13,11 @@ local function format(m)
   return f
 end
 
--- The request being decided: its key, cost, record flag (0, 1, 2 for a lease, 3 for a
--- settlement), time, the most units a lease takes, limits, and for a settlement whether it
--- is a refund and the admission time (entries past n are left over from an earlier request
--- and never read). The counters take no headroom: a leased unit is spent in the window it
--- was counted in.
+-- The request being decided: its key, cost, mode (`record`: LOOK, ADMIT, LEASE or SETTLE; TAKE
+-- reads as ADMIT), time, the most units a lease takes, limits, and for a settlement whether it
+-- is a refund and the admission time (entries past n are left over from an earlier request and
+-- never read). The counters take no headroom: a leased unit is spent in the window it was
+-- counted in.
 local key, cost, record, t, want, n, longest, refund, admitted, blocked
 local counts, windows = {}, {}
 
@@ -36,7 +36,7 @@ end
 -- returns whether it changed the state.
 local function decide(fits, apply, report, give_back)
   local denied, denied_retry = nil, nil
-  if record == 3 then
+  if record == SETTLE then
     -- A settlement decides nothing: a charge records like an admitted request, whatever the
     -- limits say; the reply reports the state it leaves, as an admission's does.
     if cost > 0 then
@@ -59,7 +59,7 @@ local function decide(fits, apply, report, give_back)
     return 0, denied - 1, remaining, reset, denied_retry
   end
   local allowed = 1
-  if record == 2 then
+  if record == LEASE then
     -- A lease takes as many units as fit in every limit now, up to want (at least the cost,
     -- which fits).
     local take = want
@@ -68,7 +68,7 @@ local function decide(fits, apply, report, give_back)
     end
     allowed, cost = 1 + take - cost, take
   end
-  if record == 1 or record == 2 then
+  if record == ADMIT or record == LEASE then
     apply()
   end
   local best, best_remaining, best_reset = 1, nil, 0
@@ -110,7 +110,7 @@ end
 -- Stores a flat list of integers as load_fields reads it, with the header (a lease taken now
 -- moves `leased` to now), to expire after `ttl` microseconds (nil: keep the key's expiry).
 local function store_fields(values, ttl)
-  if record == 2 then
+  if record == LEASE then
     leased = now
   end
   local m = #values

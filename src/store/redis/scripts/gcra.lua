@@ -12,10 +12,11 @@
 --           lease was taken from it (0: never), which refunds and release.lua check. State of
 --           another length counts as none.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
---           cost, record (0, 1, 2 for a lease, 3 for a settlement), event time (-1: now; GCRA
---           takes no other), override id, penalty box (us), for a lease want and headroom (us), for a
---           settlement refund, admission time and the units recorded then, then count, window
---           (us) and scale of limits 1..n, shortest first; ARGV[2] and after as prelude.lua
+--           cost, record (LOOK, ADMIT, LEASE, SETTLE or TAKE), event time (-1: now; GCRA
+--           takes no other), override id, penalty box (us), for a lease want and headroom
+--           (us), for a settlement refund, admission time and the units recorded then, then
+--           count, window (us) and scale of limits 1..n, shortest first; ARGV[2] and after as
+--           prelude.lua
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
 --           request: allowed (0 refused, else 1 + units leased beyond the cost), limit index
@@ -96,7 +97,7 @@ for k = 1, REQUESTS do
       backlogs[i] = b
       local capacity = (w - h) * d
       local new = b + cost * u
-      if new > capacity and record ~= 3 then
+      if new > capacity and record ~= SETTLE then
         local retry = -2
         if cost * u <= capacity then
           retry = math.ceil((new - capacity) / d)
@@ -104,7 +105,7 @@ for k = 1, REQUESTS do
         if later(retry, denied_retry) then
           denied, denied_retry = i, retry
         end
-      elseif record == 2 then
+      elseif record == LEASE then
         local fit = math.floor((capacity - b) / u)
         if room == nil or fit < room then
           room = fit
@@ -117,7 +118,7 @@ for k = 1, REQUESTS do
     if state then
       born, leased = sunpack('<ll', state, state_byte)
     end
-    if record == 2 then
+    if record == LEASE then
       leased = now
     end
 
@@ -128,8 +129,8 @@ for k = 1, REQUESTS do
     if denied == nil then
       allowed, retry = 1, -1
       local held = refund == 0 or (state ~= nil and admitted >= 0 and born <= admitted)
-      if record ~= 0 and held then
-        if record == 2 then
+      if record ~= LOOK and held then
+        if record == LEASE then
           local take = math.min(want, room)
           allowed, cost = 1 + take - cost, take
         end
@@ -144,7 +145,7 @@ for k = 1, REQUESTS do
           else
             backlogs[i] = math.min(backlogs[i] + cost * u, MAX_UNITS)
           end
-          if record == 3 then
+          if record == SETTLE then
             ttl = math.max(ttl, math.ceil(backlogs[i] / d))
           end
         end

@@ -4,26 +4,34 @@
 -- exactly as if each were its own call, after its slot operations (give-backs and renewals of
 -- concurrency slots, "Slot operations" below).
 --
+-- This header is the scripts' side of the wire format; src/store/redis/protocol.rs is the
+-- store's, in the same order and with the same names (the modes, BOXED, SLOTS_FULL).
+--
 -- KEYS[k]   the state of request k (the algorithm's file says its format), then the state
 --           key of each slot operation; in Redis Cluster all keys of one call are in one hash
 --           slot
 -- ARGV[1]   64-bit little-endian signed integers, for each request k in turn: n (its number
---           of limits), cost (units, >= 0), record (1 to record an admitted request, 0 to
---           only look, 2 for a lease, 3 for a settlement), event time in microseconds since
---           the epoch or -1 for now (Redis TIME), the policy's override id (the field of its
---           own override in the hash), its penalty box (us; 0: none, Policy::block_for); for
---           a lease and a look (record 0), want
---           (the most units to take, >= cost) and headroom (us; GCRA keeps that much drain
---           free in every bucket, and a look reports against the same room); for a
---           settlement only, refund (0: add `cost` units, 1: take them back), the
---           admission time (Redis time, us, of the request being settled; -1: not known) and
---           the units that request recorded; then count, window (microseconds) and scale
---           (gcd of the two, GCRA's divisor) of limits 1..n, shortest first. Record 4
---           decides as 1 and takes a concurrency slot; it is followed, before the limits, by
---           the key's cap of slots, the slot's id and its lifetime (us)
--- ARGV[2]   the name of the hash of overrides of the call's slot (src/store/redis/overrides.rs)
+--           of limits), cost (units, >= 0), record (the request's mode, below), event time in
+--           microseconds since the epoch or -1 for now (Redis TIME), the policy's override id
+--           (the field of its own override in the hash), its penalty box (us; 0: none,
+--           Policy::block_for), the mode's own arguments, then count, window (microseconds)
+--           and scale (gcd of the two, GCRA's divisor) of limits 1..n, shortest first
+-- ARGV[2]   the name of the hash of overrides of the call's hash slot
+--           (src/store/redis/overrides.rs)
 -- ARGV[3..] two per slot operation j (state key KEYS[#KEYS - OPS + j]), in decimal: the
 --           slot's id, and 0 to give it back or its lifetime (us) to renew it
+--
+-- Modes (record; protocol.rs, Mode), with the arguments that follow the first six:
+--   LOOK   0  decide only, recording nothing; want (the cost) and headroom (us; GCRA keeps
+--             that much drain free in every bucket, and a look reports against the same room)
+--   ADMIT  1  decide, and record an admitted request
+--   LEASE  2  decide, and record as many units as fit now (see Leases); want (the most units
+--             to take, >= cost) and headroom
+--   SETTLE 3  a settlement (see Settlements): refund (0: add `cost` units, 1: take them back),
+--             the admission time (Redis time, us, of the request being settled; -1: not
+--             known) and the units that request recorded
+--   TAKE   4  decide as ADMIT, and take a concurrency slot when admitted (see Concurrency);
+--             the key's cap of slots, the slot's id and its lifetime (us)
 --
 -- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
 -- 2255), and every state saturates at MAX_UNITS (2^52) units, so that every number the
@@ -36,31 +44,33 @@
 --        admitted, -2 when no wait helps), and the count of the reported limit when an
 --        override set it (0 for a block; -1: the request's own); then, once per call, Redis
 --        TIME in us; then one byte per slot operation, '1' where the slot was held, else
---        '0'. A request refused for its concurrency slots answers 0 -2 0 left left cap
+--        '0'. Two limit indexes are no limit's: BOXED (-1), a request refused by its penalty
+--        box, answers 0 BOXED 0 left left -1 (left: us the box has left); SLOTS_FULL (-2), a
+--        request refused for its concurrency slots, answers 0 SLOTS_FULL 0 left left cap
 --        (left: us until the first slot expires). A settlement's six are those of an
---        admitted request: remaining and
---        reset_after after it (a refund on the sliding log answers 1 0 0 0 -1 -1)
+--        admitted request: remaining and reset_after after it (a refund on the sliding log
+--        answers 1 0 0 0 -1 -1)
 --
 -- Overrides (src/store/overrides.rs): a request other than a settlement is decided by the
 -- counts its key's own override sets (field: the key's name), else its policy's (field: the
--- override id), else its own. The hash is in the slot of the call's keys but is not one of
--- them: while a slot migrates, Redis refuses (TRYAGAIN) a call whose keys are not all on one
--- node, and the hash usually does not exist at all. It is read with pcall: where Redis
+-- override id), else its own. The hash is in the hash slot of the call's keys but is not one
+-- of them: while a hash slot migrates, Redis refuses (TRYAGAIN) a call whose keys are not all
+-- on one node, and the hash usually does not exist at all. It is read with pcall: where Redis
 -- refuses the read (the hash on the other node of a migration), the call decides by the
--- requests' own counts. An override's value is 64-bit little-endian integers: m, then
--- count and scale of limits 1..m (the policy's windows; m = 0 blocks: the request is refused,
--- no wait helps). Settlements go by the counts decisions go by (an override's where one
--- applies, as the memory store's do), so that the answer of a charge, and the penalty box it
--- may set, say whether the key is full under those counts; a block does not stop a
--- settlement. GCRA state written under other counts is reweighed (exact.lua).
+-- requests' own counts. An override's value is 64-bit little-endian integers: m, then count
+-- and scale of limits 1..m (the policy's windows; m = 0 blocks: the request is refused, no
+-- wait helps). Settlements go by the counts decisions go by (an override's where one applies,
+-- as the memory store's do), so that the answer of a charge, and the penalty box it may set,
+-- say whether the key is full under those counts; a block does not stop a settlement. GCRA
+-- state written under other counts is reweighed (exact.lua).
 --
 -- Penalty box (Policy::block_for): a request of a policy with one is refused while the key
--- `<KEYS[k]>:box` lives (same hash slot: the key's hash tag), answered 0 -1 0 left left -1
--- (left: its PTTL in us; index -1 tells the store). A request refused by a limit (record 1
--- or 2, a wait that helps), or a charge that leaves the key no unit (record 3), sets it for
--- the box's length, in the same call; the refusal then answers as a boxed one. A look
--- (record 0) never sets it. Read only for policies with a box, with pcall: while an operator
--- migrates the key's slot, a box Redis refuses to read or write here is taken as none.
+-- `<KEYS[k]>:box` lives (same hash slot: the key's hash tag), answered 0 BOXED 0 left left -1
+-- (left: its PTTL in us). A request refused by a limit (ADMIT or LEASE, a wait that helps),
+-- or a charge that leaves the key no unit (SETTLE), sets it for the box's length, in the same
+-- call; the refusal then answers as a boxed one. A LOOK never sets it. Read only for policies
+-- with a box, with pcall: while an operator migrates the key's hash slot, a box Redis refuses
+-- to read or write here is taken as none.
 --
 -- Settlements (Store::settle, `settle` in src/algorithm/mod.rs) decide nothing: a charge
 -- records `cost` units now as an admitted request would, past the limits if need be; a refund
@@ -90,11 +100,15 @@ local spack, sunpack = struct.pack, struct.unpack
 -- The arguments, read from next_byte on, and the answers so far (one string per request).
 local requests, next_byte = ARGV[1], 1
 local reply = {}
+-- The modes of a request (the header's "Modes"; protocol.rs, Mode).
+local LOOK, ADMIT, LEASE, SETTLE, TAKE = 0, 1, 2, 3, 4
+-- The limit indexes of the refusals that no limit makes (the header's "Reply").
+local BOXED, SLOTS_FULL = -1, -2
 
 -- The call's slot operations (two arguments each after the hash of overrides) and requests.
 local OPS = math.max(0, math.floor((#ARGV - 2) / 2))
 local REQUESTS = #KEYS - OPS
--- The hash of overrides of the call's slot, read only where it exists, so that a store
+-- The hash of overrides of the call's hash slot, read only where it exists, so that a store
 -- without overrides pays one EXISTS per call.
 local OVERRIDES = ARGV[2]
 local any_override = OVERRIDES ~= nil and redis.pcall('EXISTS', OVERRIDES) == 1
@@ -158,11 +172,11 @@ local slot_held = 0
 -- left cap, where left is the time (us) until the first slot expires.
 local function slots_full(k)
   local skey = KEYS[k] .. ':slots'
-  -- With pcall, as the box: while the key's slot migrates, a set Redis refuses to read here
-  -- cannot be counted, and the request is refused rather than admitted past the cap.
+  -- With pcall, as the box: while the key's hash slot migrates, a set Redis refuses to read
+  -- here cannot be counted, and the request is refused rather than admitted past the cap.
   local held = redis.pcall('ZCARD', skey)
   if type(held) ~= 'number' then
-    return spack('<llllll', 0, -2, 0, 1000000, 1000000, slot_cap)
+    return spack('<llllll', 0, SLOTS_FULL, 0, 1000000, 1000000, slot_cap)
   end
   -- Expired slots still count in `held`: they are dropped only when they could matter.
   if held >= slot_cap then
@@ -174,7 +188,7 @@ local function slots_full(k)
   end
   local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
   local left = math.max(tonumber(first[2]) - now, 1)
-  return spack('<llllll', 0, -2, 0, left, left, slot_cap)
+  return spack('<llllll', 0, SLOTS_FULL, 0, left, left, slot_cap)
 end
 -- Makes the set of slots `skey` live at least until now + the request's slot lifetime (every
 -- member's expiry), never shorter: instances with another lifetime (a rolling deploy) must not
@@ -222,13 +236,13 @@ for j = 1, OPS do
   slots_kept[j] = kept
 end
 
--- Reads the next request's arguments, request k's: returns its number of limits n, cost,
--- record (0 to 3; 4 is decided as 1), event time (now for -1), want and headroom (cost and 0
--- unless a lease or a look), refund (0 unless a settlement), admission time (-1 unless a
+-- Reads the next request's arguments, request k's: returns its number of limits n, cost, mode
+-- (LOOK to SETTLE; TAKE is decided as ADMIT), event time (now for -1), want and headroom (cost
+-- and 0 unless a lease or a look), refund (0 unless a settlement), admission time (-1 unless a
 -- settlement), the units the settled request recorded, and its answer when an override blocks
--- it or the key is in its penalty box (else false); puts each limit's count (an override's,
--- if one applies), window and scale in `counts[i]`, `windows[i]` and `scales[i]` (entries past
--- n are left over from an earlier request and never read; `scales` may be nil), and sets
+-- it or the key is in its penalty box (else false); puts each limit's count (an override's, if
+-- one applies), window and scale in `counts[i]`, `windows[i]` and `scales[i]` (entries past n
+-- are left over from an earlier request and never read; `scales` may be nil), and sets
 -- `overridden`.
 local function next_request(counts, windows, scales, k)
   local n, cost, record, t, id, box, want, headroom, refund, admitted, weight
@@ -238,11 +252,11 @@ local function next_request(counts, windows, scales, k)
   end
   want, headroom, refund, admitted, weight = cost, 0, 0, -1, 0
   slot_cap = 0
-  if record == 2 or record == 0 then
+  if record == LEASE or record == LOOK then
     want, headroom, next_byte = sunpack('<ll', requests, next_byte)
-  elseif record == 3 then
+  elseif record == SETTLE then
     refund, admitted, weight, next_byte = sunpack('<lll', requests, next_byte)
-  elseif record == 4 then
+  elseif record == TAKE then
     slot_cap, slot_id, slot_ttl, next_byte = sunpack('<lll', requests, next_byte)
   end
   local scale
@@ -255,9 +269,9 @@ local function next_request(counts, windows, scales, k)
       scales[i] = scale
     end
   end
-  if record == 4 then
-    -- Decided as any recorded request; the slot is taken in `conclude` if it is admitted.
-    record = 1
+  if record == TAKE then
+    -- Decided as ADMIT; the slot is taken in `conclude` if the request is admitted.
+    record = ADMIT
   end
   overridden = false
   local blocked = false
@@ -271,7 +285,7 @@ local function next_request(counts, windows, scales, k)
       local m, at = sunpack('<l', value)
       if m == 0 then
         -- A settlement records what was used whatever the limits say, a block's included.
-        if record ~= 3 then
+        if record ~= SETTLE then
           blocked = BLOCKED
         end
       elseif m == n then
@@ -286,11 +300,12 @@ local function next_request(counts, windows, scales, k)
     end
   end
   -- The penalty box, after the overrides (a block answers as a block), as the memory store.
-  if box > 0 and record ~= 3 and not blocked then
-    -- With pcall, as the overrides: while its slot migrates, Redis refuses a key missing here.
+  if box > 0 and record ~= SETTLE and not blocked then
+    -- With pcall, as the overrides: while its hash slot migrates, Redis refuses a key missing
+    -- here.
     local left = redis.pcall('PTTL', KEYS[k] .. ':box')
     if type(left) == 'number' and left > 0 then
-      blocked = spack('<llllll', 0, -1, 0, left * 1000, left * 1000, -1)
+      blocked = spack('<llllll', 0, BOXED, 0, left * 1000, left * 1000, -1)
     end
   end
   -- The slots, last: a blocked or boxed key answers as such.
@@ -304,8 +319,8 @@ end
 -- header); called only where the request's policy has a box.
 local function penalize(k, answer)
   local allowed, _, remaining, _, retry = sunpack('<lllll', answer)
-  local refused = allowed == 0 and retry ~= -2 and (box_record == 1 or box_record == 2)
-  local filled = box_record == 3 and box_refund == 0 and remaining == 0
+  local refused = allowed == 0 and retry ~= -2 and (box_record == ADMIT or box_record == LEASE)
+  local filled = box_record == SETTLE and box_refund == 0 and remaining == 0
   if not (refused or filled) then
     return answer
   end
@@ -313,7 +328,7 @@ local function penalize(k, answer)
   if filled then
     return answer
   end
-  return spack('<llllll', 0, -1, 0, box_ms * 1000, box_ms * 1000, -1)
+  return spack('<llllll', 0, BOXED, 0, box_ms * 1000, box_ms * 1000, -1)
 end
 
 -- Request k's `answer` once decided: the penalty box's when it puts the key in it, and the

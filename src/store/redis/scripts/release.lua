@@ -5,9 +5,9 @@
 -- KEYS[k]   the state of give-back k, as the algorithm's own script keeps it (gcra.lua,
 --           fixed_window.lua, sliding_window.lua)
 -- ARGV[1]   64-bit little-endian signed integers, for each give-back k in turn: algorithm
---           (1 fixed window, 2 sliding window, 3 GCRA), n (number of limits), units, the Redis
---           time (us) the lease was granted at, then count, window (us) and scale (their gcd)
---           of limits 1..n
+--           (FIXED_WINDOW 1, SLIDING_WINDOW 2, GCRA 3; src/store/redis/protocol.rs,
+--           encode_release), n (number of limits), units, the Redis time (us) the lease was
+--           granted at, then count, window (us) and scale (their gcd) of limits 1..n
 --
 -- Reply     the number of keys whose state changed
 --
@@ -33,6 +33,9 @@ local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local spack, sunpack = struct.pack, struct.unpack
 local args, next_byte = ARGV[1], 1
+-- The algorithms whose state a give-back applies to, and the integers per limit of each.
+local FIXED_WINDOW, SLIDING_WINDOW, GCRA = 1, 2, 3
+local FIELDS = { [FIXED_WINDOW] = 2, [SLIDING_WINDOW] = 3, [GCRA] = 3 }
 local changed = 0
 local counts, windows, scales = {}, {}, {}
 
@@ -47,7 +50,7 @@ for k = 1, #KEYS do
   for i = 1, n do
     counts[i], windows[i], scales[i], next_byte = sunpack('<lll', args, next_byte)
   end
-  local fields = ({ 2, 3, 3 })[algorithm]
+  local fields = FIELDS[algorithm]
   local raw = redis.call('GET', key)
   local values, size = nil, 0
   if raw and fields and #raw == 8 * (fields * n + 2) then
@@ -62,18 +65,18 @@ for k = 1, #KEYS do
   if values then
     for i = 1, n do
       local c, w, at = counts[i], windows[i], (i - 1) * fields
-      if algorithm == 1 then
+      if algorithm == FIXED_WINDOW then
         if values[at + 1] == window_start(granted, w) then
           values[at + 2] = math.max(values[at + 2] - units, 0)
         end
-      elseif algorithm == 2 then
+      elseif algorithm == SLIDING_WINDOW then
         local start = window_start(granted, w)
         if values[at + 1] == start then
           values[at + 2] = math.max(values[at + 2] - units, 0)
         elseif values[at + 1] == start + w then
           values[at + 3] = math.max(values[at + 3] - units, 0)
         end
-      else
+      elseif algorithm == GCRA then
         local u, d = w / scales[i], c / scales[i]
         local elapsed = math.max(now - values[at + 1], 0)
         local held = reweigh(values[at + 2], values[at + 3], u)

@@ -12,17 +12,18 @@
 --           never collide. The units in a score range are the total of its last member minus
 --           the total before its first (total - weight): two members, however many units.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
---           cost, record (1, 0, or 3 for a settlement), event time (-1: now; any other time,
---           past or future, is taken), override id, penalty box (us), for a settlement refund (0 or 1) and the
---           admission time of the request settled (us; -1: not known), then count and window
---           (us) of limits 1..n, shortest first; ARGV[2] and after as prelude.lua
+--           cost, record (ADMIT, LOOK, SETTLE or TAKE), event time (-1: now; any other time,
+--           past or future, is taken), override id, penalty box (us), for a settlement refund
+--           (0 or 1) and the admission time of the request settled (us; -1: not known), then
+--           count and window (us) of limits 1..n, shortest first; ARGV[2] and after as
+--           prelude.lua
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
 --           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
 --           retry_after (us; -1 when admitted, -2 when no wait helps), the overriding count
 --           (-1: none), then Redis TIME, then a byte per slot operation
 --
--- The log is never leased (the store refuses it): record 2 is not sent here.
+-- The log is never leased (the store refuses it): LEASE is not sent here.
 --
 -- Settlements: a charge is recorded as an admitted request of that cost, one member at now,
 -- whatever the limits say. A refund finds the settled request's own member, the last one at
@@ -133,7 +134,7 @@ local function give_back(key, units, admitted, recorded)
   return spack('<llllll', 1, 0, 0, 0, -1, -1)
 end
 
--- Decides (record 0 or 1) or charges (record 3) a request of `cost` at `t`; returns its answer.
+-- Decides (LOOK or ADMIT) or charges (SETTLE) a request of `cost` at `t`; returns its answer.
 local function decide(key, n, cost, record, t)
   local longest = windows[n]
   local at = text(t)
@@ -200,7 +201,7 @@ local function decide(key, n, cost, record, t)
       end
     end
     pasts[i], fullests[i], firsts[i] = past, fullest, first_t
-    if fullest + cost > c and record ~= 3 then
+    if fullest + cost > c and record ~= SETTLE then
       local retry = -2
       if cost <= c and past + cost > c then
         -- The first event of (t - w, t], oldest first, whose total frees the excess.
@@ -243,14 +244,14 @@ local function decide(key, n, cost, record, t)
     allowed, retry = 1, -1
     -- An event weighs at most one unit more than the largest count: no decision tells more
     -- from that (sliding_log.rs, `record`).
-    if record ~= 0 then
+    if record ~= LOOK then
       local largest = 0
       for i = 1, n do
         largest = max(largest, counts[i])
       end
       cost = min(cost, largest + 1)
     end
-    if record ~= 0 and cost > 0 and newest_t ~= nil and newest_total + cost > TOTAL_LIMIT then
+    if record ~= LOOK and cost > 0 and newest_t ~= nil and newest_total + cost > TOTAL_LIMIT then
       -- Totals restart from the oldest member; the log's units stay within TOTAL_LIMIT
       -- (MAX_UNITS), the event weighing less if need be.
       local _, total, weight = event(call('ZRANGE', key, '0', '0')[1])
@@ -262,7 +263,7 @@ local function decide(key, n, cost, record, t)
       end
       cost = min(cost, TOTAL_LIMIT - newest_total)
     end
-    if record ~= 0 and cost > 0 then
+    if record ~= LOOK and cost > 0 then
       -- The total before the new event: through the last event at or before t, else before
       -- the oldest (all after t), else 0 (an empty set).
       local before = 0
@@ -316,7 +317,7 @@ for k = 1, REQUESTS do
     next_request(counts, windows, nil, k)
   if blocked then
     reply[k] = blocked
-  elseif record == 3 and refund == 1 then
+  elseif record == SETTLE and refund == 1 then
     reply[k] = give_back(key, cost, admitted, recorded)
   else
     reply[k] = decide(key, n, cost, record, t)

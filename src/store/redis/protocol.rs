@@ -1,0 +1,444 @@
+//! The wire format between the store and its Lua scripts: the scripts themselves, what a
+//! call's keys and arguments hold, how one request's arguments are encoded, and how the reply
+//! is read.
+//!
+//! This is the Rust side of the contract that the header of `scripts/prelude.lua` states for
+//! the scripts; the two follow the same order (keys, arguments, reply), and name the modes of
+//! a request ([`Mode`]) and the answers that no limit gives ([`BOXED`], [`SLOTS_FULL`]) alike.
+//! A change to one is a change to the other. `scripts/release.lua`'s header states the
+//! arguments of a give-back of leased units ([`encode_release`]).
+//!
+//! Arguments and reply are 64-bit little-endian integers rather than Redis's text, so that
+//! Redis neither parses nor prints a number per field (`prelude.lua`, "Cost").
+
+use bytes::Bytes;
+use fred::error::{Error, ErrorKind};
+use fred::types::scripts::Script;
+use fred::types::Value;
+
+use crate::algorithm::{Algorithm, Outcome, Window};
+use crate::{Decision, Policy, StoreError};
+
+/// A script: exact arithmetic past 2^53, the shared prelude (arguments, reply, `TIME`), then,
+/// for the algorithms that use it, the driver that combines limits, then the algorithm's own
+/// file.
+macro_rules! script {
+    ($file:literal) => {
+        concat!(
+            include_str!("scripts/exact.lua"),
+            include_str!("scripts/prelude.lua"),
+            include_str!($file)
+        )
+    };
+    (driver, $file:literal) => {
+        concat!(
+            include_str!("scripts/exact.lua"),
+            include_str!("scripts/prelude.lua"),
+            include_str!("scripts/common.lua"),
+            include_str!($file)
+        )
+    };
+}
+
+/// The text of `algorithm`'s script. GCRA and the sliding log do without the driver, for
+/// speed (their headers say why).
+pub(super) const fn source(algorithm: Algorithm) -> &'static str {
+    match algorithm {
+        Algorithm::SlidingLog => script!("scripts/sliding_log.lua"),
+        Algorithm::SlidingWindow => script!(driver, "scripts/sliding_window.lua"),
+        Algorithm::FixedWindow => script!(driver, "scripts/fixed_window.lua"),
+        Algorithm::Gcra => script!("scripts/gcra.lua"),
+    }
+}
+
+/// The text of `scripts/release.lua`, which gives leased units back: it decides nothing, so
+/// it goes without the prelude.
+const RELEASE: &str = concat!(
+    include_str!("scripts/exact.lua"),
+    include_str!("scripts/release.lua")
+);
+
+/// The store's scripts, hashed once (`EVALSHA` names a script by its SHA-1).
+pub(super) struct Scripts {
+    sliding_log: Script,
+    sliding_window: Script,
+    fixed_window: Script,
+    gcra: Script,
+    /// `scripts/release.lua`.
+    pub(super) release: Script,
+}
+
+impl Scripts {
+    pub(super) fn new() -> Scripts {
+        let script = |algorithm| Script::from_lua(source(algorithm));
+        Scripts {
+            sliding_log: script(Algorithm::SlidingLog),
+            sliding_window: script(Algorithm::SlidingWindow),
+            fixed_window: script(Algorithm::FixedWindow),
+            gcra: script(Algorithm::Gcra),
+            release: Script::from_lua(RELEASE),
+        }
+    }
+
+    /// The script that decides `algorithm`'s requests (any of them takes slot operations).
+    pub(super) fn of(&self, algorithm: Algorithm) -> &Script {
+        match algorithm {
+            Algorithm::SlidingLog => &self.sliding_log,
+            Algorithm::SlidingWindow => &self.sliding_window,
+            Algorithm::FixedWindow => &self.fixed_window,
+            Algorithm::Gcra => &self.gcra,
+        }
+    }
+
+    /// The scripts that decide, which the store loads when it connects.
+    pub(super) fn deciding(&self) -> [&Script; 4] {
+        [
+            &self.sliding_log,
+            &self.sliding_window,
+            &self.fixed_window,
+            &self.gcra,
+        ]
+    }
+}
+
+// KEYS and ARGV (`prelude.lua`): the keys of a call's decisions, then those of its slot
+// operations; ARGV[1] the decisions' arguments one after the other ([`encode`]), ARGV[2] the
+// name of the hash of overrides, then two per slot operation ([`SlotOp`]).
+
+/// Bytes per integer in a script's arguments and reply.
+pub(super) const INT: usize = std::mem::size_of::<i64>();
+
+/// An algorithm script's arguments: `decisions`, the decisions' arguments ([`encode`]), then
+/// `overrides`, the name of the hash of overrides of the call's lane, then `ops`, two per slot
+/// operation ([`SlotOp::args`]). The hash is read by name, not passed as a key: while a hash
+/// slot migrates, a call whose keys include one that is missing on a node is refused
+/// (`TRYAGAIN`), and the hash usually does not exist at all (`prelude.lua`).
+pub(super) fn argv(decisions: Bytes, overrides: Value, ops: Vec<Value>) -> Vec<Value> {
+    let mut argv = Vec::with_capacity(2 + ops.len());
+    argv.push(Value::Bytes(decisions));
+    argv.push(overrides);
+    argv.extend(ops);
+    argv
+}
+
+/// The `record` argument of a request: what the script does with it. The scripts name the
+/// modes alike (`prelude.lua`: `LOOK`, `ADMIT`, `LEASE`, `SETTLE`, `TAKE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i64)]
+pub(super) enum Mode {
+    /// 0, `LOOK`: decide only, recording nothing (a peek), against a GCRA capacity less the
+    /// request's headroom; followed by want (its cost) and headroom.
+    Look = 0,
+    /// 1, `ADMIT`: decide, and record an admitted request's cost.
+    Admit = 1,
+    /// 2, `LEASE`: decide, and record as many units as fit now up to want (at least the
+    /// cost), keeping headroom free in every GCRA bucket; followed by want and headroom.
+    Lease = 2,
+    /// 3, `SETTLE`: decide nothing, and record a settlement of the cost (`Store::settle`), a
+    /// charge or a refund; followed by refund (0 or 1), the admission time of the request
+    /// settled and the units it recorded.
+    Settle = 3,
+    /// 4, `TAKE`: decide and record as `ADMIT`, and when admitted take a concurrency slot;
+    /// followed by the key's cap of slots, the slot's id and its lifetime.
+    Take = 4,
+}
+
+/// What a request asks a script to do: its [`Mode`], with the arguments that mode takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Record {
+    /// Decide only (a peek), against a GCRA capacity less `headroom` µs of drain, as a
+    /// leasing store's decisions are.
+    Look { headroom: u64 },
+    /// Decide, and record an admitted request's cost.
+    Admit,
+    /// Decide, and record as many units as fit now, up to `want` (at least the cost), keeping
+    /// `headroom` µs of drain free in every GCRA bucket: a lease.
+    Lease { want: u64, headroom: u64 },
+    /// Decide nothing: record a settlement of `cost` units now, added (a charge) or taken
+    /// back (`refund`) from the `recorded` units a request recorded at `admitted` (Redis
+    /// time, µs; -1: not known).
+    Settle {
+        refund: bool,
+        admitted: i64,
+        recorded: u64,
+    },
+    /// Decide and record as [`Admit`](Record::Admit), and when admitted take concurrency slot
+    /// `id` for `ttl` µs, refusing at once while the key holds `cap` live slots.
+    Take { cap: u32, id: u64, ttl: u64 },
+}
+
+impl Record {
+    /// Its mode, and the arguments that follow the common six (`prelude.lua`, ARGV[1]): the
+    /// first `len` of the three.
+    fn mode(&self, cost: u64) -> (Mode, [i64; 3], usize) {
+        match *self {
+            Record::Look { headroom } => (Mode::Look, [clamp(cost), clamp(headroom), 0], 2),
+            Record::Admit => (Mode::Admit, [0; 3], 0),
+            Record::Lease { want, headroom } => (Mode::Lease, [clamp(want), clamp(headroom), 0], 2),
+            Record::Settle {
+                refund,
+                admitted,
+                recorded,
+            } => (
+                Mode::Settle,
+                [i64::from(refund), admitted, clamp(recorded)],
+                3,
+            ),
+            Record::Take { cap, id, ttl } => (Mode::Take, [cap.into(), clamp(id), clamp(ttl)], 3),
+        }
+    }
+}
+
+/// A request's arguments as the scripts read them (`prelude.lua`, ARGV[1]), 64-bit
+/// little-endian integers: the number of limits, cost, mode ([`Mode`]), event time (µs, -1
+/// for now), the policy's override id (`Policy::override_id`) and penalty box (µs, 0: none;
+/// `Policy::block_for`), the mode's own arguments ([`Record`]), then count, window (µs) and
+/// scale of each limit.
+pub(super) fn encode(
+    cost: u64,
+    record: Record,
+    at: i64,
+    policy: (u64, u64),
+    windows: &[Window],
+) -> Vec<u8> {
+    let (id, block) = policy;
+    let (mode, extra, len) = record.mode(cost);
+    let head = [
+        windows.len() as i64,
+        clamp(cost),
+        mode as i64,
+        at,
+        clamp(id),
+        clamp(block),
+    ];
+    let mut args = Vec::with_capacity(INT * (head.len() + len + 3 * windows.len()));
+    let extra = extra.into_iter().take(len);
+    for value in head.into_iter().chain(extra).chain(limits(windows)) {
+        args.extend_from_slice(&value.to_le_bytes());
+    }
+    args
+}
+
+/// A request's arguments under `policy`: its override id and penalty box, and its limits.
+pub(super) fn encode_for(policy: &Policy, cost: u64, record: Record, at: i64) -> Vec<u8> {
+    let terms = (policy.override_id(), policy.block_micros());
+    encode(cost, record, at, terms, policy.windows())
+}
+
+/// The code `scripts/release.lua` knows `algorithm`'s state by (`FIXED_WINDOW`,
+/// `SLIDING_WINDOW`, `GCRA` there); `None` for the sliding log, which is never leased.
+const fn release_code(algorithm: Algorithm) -> Option<i64> {
+    match algorithm {
+        Algorithm::FixedWindow => Some(1),
+        Algorithm::SlidingWindow => Some(2),
+        Algorithm::Gcra => Some(3),
+        Algorithm::SlidingLog => None,
+    }
+}
+
+/// One give-back's arguments as `scripts/release.lua` reads them: algorithm
+/// ([`release_code`]), number of limits, units, the Redis time of the grant (µs), then
+/// count, window and scale of each limit; `None` for an algorithm that is never leased.
+pub(super) fn encode_release(
+    algorithm: Algorithm,
+    units: u64,
+    granted: i64,
+    windows: &[Window],
+) -> Option<Vec<u8>> {
+    let code = release_code(algorithm)?;
+    let head = [code, windows.len() as i64, clamp(units), granted];
+    let ints = head.into_iter().chain(limits(windows));
+    Some(ints.flat_map(i64::to_le_bytes).collect())
+}
+
+/// Count, window (µs) and scale of each limit.
+fn limits(windows: &[Window]) -> impl Iterator<Item = i64> + '_ {
+    windows
+        .iter()
+        .flat_map(|w| [clamp(w.count), clamp(w.micros), clamp(w.scale)])
+}
+
+/// `v` as a script's integer; past `i64::MAX`, that (the policy's range keeps real values
+/// well below).
+fn clamp(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// A concurrency slot's give-back (`lifetime` 0) or renewal for `lifetime` µs. A call carries
+/// these after its decisions, as two arguments each ([`args`](Self::args)), which the script
+/// uses as they come: no mode and no answer of six integers, since a give-back or renewal
+/// decides nothing (`prelude.lua`, "Slot operations"). Its answer is a byte, read as
+/// `[kept, 0, 0, 0, -1, -1]` ([`answer`]), kept 1 where the slot was held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SlotOp {
+    pub(super) id: u64,
+    pub(super) lifetime: u64,
+}
+
+impl SlotOp {
+    /// Its two arguments: the slot's id (its member in the key's set) and the lifetime.
+    pub(super) fn args(self) -> [Value; 2] {
+        [
+            Value::Integer(clamp(self.id)),
+            Value::Integer(clamp(self.lifetime)),
+        ]
+    }
+}
+
+// The reply (`prelude.lua`, "Reply"): six integers per decision, Redis `TIME`, then a byte per
+// slot operation.
+
+/// The limit index of a request refused because its key is in the policy's penalty box
+/// (`BOXED` in `prelude.lua`); its retry is the time the box has left.
+pub(super) const BOXED: i64 = -1;
+
+/// The limit index of a request refused because its key holds every concurrency slot
+/// (`SLOTS_FULL` in `prelude.lua`); its retry is the time until the first slot expires.
+pub(super) const SLOTS_FULL: i64 = -2;
+
+/// The retry of an admitted request (`-1` in `prelude.lua`'s reply).
+const RETRY_ADMITTED: i64 = -1;
+
+/// The retry of a refusal that no wait helps (`-2` in `prelude.lua`'s reply).
+const RETRY_NEVER: i64 = -2;
+
+/// The count of a request decided by its own limits, no override's (`-1` in `prelude.lua`'s
+/// reply).
+const COUNT_OWN: i64 = -1;
+
+/// What a script answered for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Answer {
+    /// Allowed (0, or 1 + units leased beyond the cost), limit index, remaining, reset after,
+    /// retry after, and the count of the reported limit when an override set it (-1: none).
+    pub(super) ints: [i64; 6],
+    /// Redis `TIME` during the call, µs since the epoch.
+    pub(super) time: i64,
+}
+
+/// One request's answer, or the error that failed its call.
+pub(super) type Answered = Result<Answer, Error>;
+
+/// Whether `values` is a reply to `decisions` decisions and `slot_ops` slot operations: six
+/// integers each, the time, then a byte each.
+pub(super) fn check_length(values: &[u8], decisions: usize, slot_ops: usize) -> Result<(), Error> {
+    if values.len() != (6 * decisions + 1) * INT + slot_ops {
+        let message = format!(
+            "{} bytes for {decisions} decisions and {slot_ops} slot operations",
+            values.len()
+        );
+        return Err(Error::new(ErrorKind::Parse, message));
+    }
+    Ok(())
+}
+
+/// The answer to request `i` (in the reply's order) in a reply of the right length to
+/// `decisions` decisions and any slot operations after them.
+pub(super) fn answer(values: &[u8], decisions: usize, i: usize) -> Answer {
+    let int = |at: usize| {
+        let mut le = [0; INT];
+        le.copy_from_slice(&values[at..at + INT]);
+        i64::from_le_bytes(le)
+    };
+    let time_at = 6 * decisions * INT;
+    let time = int(time_at);
+    if i >= decisions {
+        let kept = values[time_at + INT + (i - decisions)] == b'1';
+        return Answer {
+            ints: [i64::from(kept), 0, 0, 0, RETRY_ADMITTED, COUNT_OWN],
+            time,
+        };
+    }
+    let mut ints = [0; 6];
+    for (j, value) in ints.iter_mut().enumerate() {
+        *value = int((6 * i + j) * INT);
+    }
+    Answer { ints, time }
+}
+
+/// A script's answer to one request, read under its policy.
+pub(super) struct Verdict {
+    pub(super) outcome: Outcome,
+    /// The units leased beyond the request's cost.
+    pub(super) extra: u64,
+    /// The count of the reported limit when an override set it.
+    pub(super) count: Option<u64>,
+    /// How long (µs) the key stays in the policy's penalty box, when it is in it.
+    boxed: Option<u64>,
+    /// When the key holds every concurrency slot: how long (µs) until the first expires.
+    slots_full: Option<u64>,
+}
+
+impl Verdict {
+    /// The verdict for a key in its policy's penalty box for `left` µs more.
+    fn boxed(left: u64) -> Verdict {
+        Verdict {
+            outcome: Outcome {
+                allowed: false,
+                index: 0,
+                remaining: 0,
+                reset_after: left,
+                retry_after: Some(left),
+            },
+            extra: 0,
+            count: None,
+            boxed: Some(left),
+            slots_full: None,
+        }
+    }
+
+    /// The decision it tells, under `policy` or the override's count.
+    pub(super) fn decision(&self, policy: &Policy) -> Decision {
+        if let Some(left) = self.slots_full {
+            return Decision::slots_full(policy, std::time::Duration::from_micros(left));
+        }
+        if let Some(left) = self.boxed {
+            return Decision::boxed(policy, std::time::Duration::from_micros(left));
+        }
+        Decision::from_outcome(self.outcome, policy).with_limit(self.count)
+    }
+}
+
+impl Answer {
+    /// Reads `{allowed, index, remaining, reset_after, retry_after, count}` under `policy`.
+    pub(super) fn verdict(&self, policy: &Policy) -> Result<Verdict, StoreError> {
+        let bad = || StoreError::Reply(format!("{:?}", self.ints));
+        let [allowed, index, remaining, reset_after, retry_after, count] = self.ints;
+        let non_negative = |v: i64| u64::try_from(v).map_err(|_| bad());
+        match index {
+            BOXED => return Ok(Verdict::boxed(non_negative(retry_after)?)),
+            SLOTS_FULL => {
+                let left = non_negative(retry_after)?;
+                return Ok(Verdict {
+                    slots_full: Some(left),
+                    ..Verdict::boxed(left)
+                });
+            }
+            _ => {}
+        }
+        let index = usize::try_from(index)
+            .ok()
+            .filter(|&i| i < policy.limits().len())
+            .ok_or_else(bad)?;
+        let outcome = Outcome {
+            allowed: allowed >= 1,
+            index,
+            remaining: non_negative(remaining)?,
+            reset_after: non_negative(reset_after)?,
+            retry_after: match retry_after {
+                RETRY_ADMITTED | RETRY_NEVER => None,
+                v => Some(non_negative(v)?),
+            },
+        };
+        Ok(Verdict {
+            outcome,
+            extra: non_negative(allowed.max(1) - 1)?,
+            count: match count {
+                COUNT_OWN => None,
+                v => Some(non_negative(v)?),
+            },
+            boxed: None,
+            slots_full: None,
+        })
+    }
+}
