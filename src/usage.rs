@@ -5,7 +5,7 @@
 //! checks each request against a small *reservation* (its cost: [`UsageReport::reserve`],
 //! 1 by default) and, once the response is done, settles the difference between the usage the
 //! service reported and the reservation, a charge or a refund, with one
-//! [`Store::settle`] call. A request that reports nothing costs its
+//! [`Store::settle`](crate::Store::settle) call. A request that reports nothing costs its
 //! reservation and no second call.
 //!
 //! The service reports usage in any of these ways; where several report, the first of
@@ -37,7 +37,7 @@
 //! **Stacked layers.** A request that another layer refuses, inside this one, costs this one
 //! nothing: a rate-limit layer of this crate (from its store or its deny cache) or a
 //! [`BlocklistLayer`](crate::blocklist::BlocklistLayer) marks every answer of its own with
-//! [`Refused`] in the response's extensions, and a usage layer
+//! [`Refused`](crate::response::Refused) in the response's extensions, and a usage layer
 //! outside that admitted the request settles it to zero, giving its whole reservation back,
 //! whatever the meter says. Refusals by your own middleware count the same once they carry the
 //! marker. A layer outside that does not limit by usage keeps the request's cost.
@@ -53,7 +53,7 @@
 //! **Refunds free only what still weighs**, in the state the request was recorded in: a
 //! refund that lands after the key was reset (or expired, or Redis restarted) frees nothing,
 //! nor does one of GCRA units that have drained since the admission (see
-//! [`Store::settle`]).
+//! [`Store::settle`](crate::Store::settle)).
 //!
 //! **Refunds and the deny cache.** A refund forgets this instance's cached refusal of the key
 //! (see [`deny_cache`](crate::RateLimitLayerBuilder::deny_cache)) when it is sent and again
@@ -234,7 +234,7 @@ impl UsageReport {
     /// (or marked over, under a [soft](crate::Rule::soft) policy) exactly when the requests
     /// counted so far leave no room for one more: with `3/1m`, the fourth failure is refused,
     /// and a success never counts, nor is ever refused for attempts in flight. The check
-    /// before the call records nothing; the count is one [`Store::settle`] once the response
+    /// before the call records nothing; the count is one [`Store::settle`](crate::Store::settle) once the response
     /// head is in.
     ///
     /// **Concurrent attempts.** Attempts in flight at once are all let through while the
