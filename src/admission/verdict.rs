@@ -264,6 +264,14 @@ mod tests {
         }
     }
 
+    /// `check` with a deny cache of its own, its ticket taken as the gate takes it.
+    fn cached(mut check: Check) -> (Check, DenyCache) {
+        let cache = DenyCache::new(100, Arc::new(|| 0));
+        let ticket = cache.ticket(&check.key, &check.responder.policy);
+        check.deny_cache = Some((cache.clone(), ticket));
+        (check, cache)
+    }
+
     /// The store's decisions for `check`'s key: one admitted, then one refused.
     fn decisions(check: &Check) -> (Decision, Decision) {
         let store = MemoryStore::new();
@@ -314,10 +322,7 @@ mod tests {
 
     #[test]
     fn a_refusal_answers_429_with_retry_after_and_is_cached() {
-        let mut refusing = check(Options::default());
-        let cache = DenyCache::new(100, Arc::new(|| 0));
-        let ticket = cache.ticket(&refusing.key, &refusing.responder.policy);
-        refusing.deny_cache = Some((cache.clone(), ticket));
+        let (refusing, cache) = cached(check(Options::default()));
         let (_, refused) = decisions(&refusing);
         let verdict = refusing.verdict(Ok(refused));
         assert_eq!(status(&verdict), Some(StatusCode::TOO_MANY_REQUESTS));
@@ -351,10 +356,7 @@ mod tests {
 
     #[test]
     fn a_slot_refusal_says_when_a_slot_usually_frees_and_is_never_cached() {
-        let mut full = check(Options::default());
-        let cache = DenyCache::new(100, Arc::new(|| 0));
-        let ticket = cache.ticket(&full.key, &full.responder.policy);
-        full.deny_cache = Some((cache.clone(), ticket));
+        let (mut full, cache) = cached(check(Options::default()));
         let holds = Arc::new(Holds::new(Arc::new(InFlight::default())));
         let ledger: Arc<dyn Ledger> = Arc::new(StoreLedger(MemoryStore::new()));
         full.holds = Some((holds, ledger));

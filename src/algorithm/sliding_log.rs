@@ -93,7 +93,8 @@ impl SlidingLog {
         a.map_or(0, |a| self.events.partition_point(|e| e.time <= a))
     }
 
-    /// Units in `(end - w, end]`.
+    /// Units in `(end - w, end]`. Inlined: it runs for every window of every decision.
+    #[inline]
     fn count(&self, end: u64, w: u64) -> u64 {
         let hi = self.events.partition_point(|e| e.time <= end);
         let lo = self.after(end.checked_sub(w)).min(hi);
