@@ -3,13 +3,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::Request;
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
 
 use super::check::Check;
 use super::decide::Later;
 use super::limiter::Limiter;
 use super::wait::{Recheck, Waiting};
 use super::Admission;
+use crate::deny_cache::{DenyCache, Ticket};
 use crate::metrics::Started;
 use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
 use crate::rules::RequestHead;
@@ -41,20 +44,52 @@ impl<K, St: Store> Limiter<K, St> {
         if self.allow.contains(&key) {
             return Admission::Pass;
         }
+        let cost = self.cost(&head);
+        let deny_cache = match self.cached(&responder, &key, cost, grpc.as_ref()) {
+            Cached::Miss(deny_cache) => deny_cache,
+            Cached::Hit(refusal) => return Admission::Answer(refusal),
+        };
         let check = Check {
-            cost: self.cost(&head),
             usage: self.usage.clone().zip(meter),
             holds: responder
                 .policy
                 .concurrency_limit()
                 .map(|_| (Arc::clone(&self.holds), Arc::clone(&self.ledger))),
-            deny_cache: None,
             started: Started::now(),
             responder,
             key,
+            cost,
             grpc,
+            deny_cache,
         };
         self.ask(check)
+    }
+
+    /// The deny cache's refusal of `key`, if it holds one; otherwise the cache with the
+    /// ticket taken before the store is asked, so that a refund sent meanwhile keeps its
+    /// refusal out of the cache (none in shadow mode or under a soft limit, which refuse
+    /// nothing).
+    fn cached(
+        &self,
+        responder: &Responder,
+        key: &Key,
+        cost: u32,
+        grpc: Option<&http::HeaderValue>,
+    ) -> Cached {
+        let options = &responder.options;
+        let Some(cache) = self
+            .deny_cache
+            .as_ref()
+            .filter(|_| !options.shadow && !options.soft)
+        else {
+            return Cached::Miss(None);
+        };
+        let policy = &responder.policy;
+        if let Some(refusal) = cache.refusal(key, policy, cost) {
+            options.tally(policy, key, Tally::DeniedCached);
+            return Cached::Hit(responder.rejection(&refusal, grpc));
+        }
+        Cached::Miss(Some((cache.clone(), cache.ticket(key, policy))))
     }
 
     /// The request's usage meter, when the layer limits by usage: every request gets one, so
@@ -73,24 +108,9 @@ impl<K, St: Store> Limiter<K, St> {
         })
     }
 
-    /// The deny cache's refusal, else the store's decision: at once when the store decides
-    /// without waiting, later otherwise.
-    fn ask(&self, mut check: Check) -> Admission<St::Future> {
-        let options = &check.responder.options;
-        let deny_cache = self
-            .deny_cache
-            .as_ref()
-            .filter(|_| !options.shadow && !options.soft);
-        if let Some(cache) = deny_cache {
-            let (key, policy) = (&check.key, &check.responder.policy);
-            if let Some(refusal) = cache.refusal(key, policy, check.cost) {
-                options.tally(policy, key, Tally::DeniedCached);
-                return Admission::Answer(check.responder.rejection(&refusal, check.grpc.as_ref()));
-            }
-            // Taken before the store is asked, so that a refund sent meanwhile keeps its
-            // refusal out of the cache.
-            check.deny_cache = Some((cache.clone(), cache.ticket(key, policy)));
-        }
+    /// The store's decision: at once when the store decides without waiting, later
+    /// otherwise.
+    fn ask(&self, check: Check) -> Admission<St::Future> {
         let waiting = self.waiting(&check);
         let (key, policy, cost) = (&check.key, &check.responder.policy, check.cost);
         // Requests of the key already waiting for a slot here go first: this one takes its
@@ -129,6 +149,14 @@ impl<K, St: Store> Limiter<K, St> {
             Waiting::new(recheck, options.max_wait)
         })
     }
+}
+
+/// What the deny cache answered.
+enum Cached {
+    /// A refusal it repeats.
+    Hit(Response<Full<Bytes>>),
+    /// Nothing: the store decides, with the cache and its ticket, if the layer has one.
+    Miss(Option<(DenyCache, Ticket)>),
 }
 
 /// A request the store decided at once: refused for a slot, it waits for one if it may;

@@ -24,8 +24,10 @@ use tab::Tab;
 /// its usage and gives its concurrency slot back.
 #[derive(Default)]
 pub(crate) struct Receipt {
-    pub(crate) tab: Option<Box<Tab>>,
+    // Dropped in this order: the slot first, so that a request waiting for it is woken as
+    // soon as the response is done; then the usage.
     pub(crate) slot: Option<Slot>,
+    pub(crate) tab: Option<Box<Tab>>,
 }
 
 impl Receipt {

@@ -27,6 +27,12 @@ pub(crate) struct StoreLedger<St>(pub(crate) St);
 
 impl<St: Store> Ledger for StoreLedger<St> {
     fn settle(&self, entry: Entry, in_flight: &Arc<InFlight>) {
+        // A store that settles without waiting (the memory store) does it here, with nothing
+        // to keep or count.
+        let (key, policy) = (&entry.key, &entry.responder.policy);
+        if let Some(outcome) = self.0.settle_now(key, policy, entry.settlement) {
+            return entry.finish(outcome);
+        }
         let (key, responder, settlement) = (
             entry.key.clone(),
             Arc::clone(&entry.responder),

@@ -683,6 +683,15 @@ impl Store for MemoryStore {
         ready(Ok(()))
     }
 
+    fn settle_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        settlement: Settlement,
+    ) -> Option<Result<(), StoreError>> {
+        Some(self.settle(key, policy, settlement).into_inner())
+    }
+
     fn check_now(
         &self,
         key: &Key,

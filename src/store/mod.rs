@@ -94,8 +94,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// refund, and gives back and renews every concurrency slot, this way, after the response
     /// it follows has gone.
     ///
-    /// By default the settle runs at once when its future is ready on the first poll (the
-    /// memory store's are), and otherwise in a task of its own on the current tokio runtime;
+    /// By default the settle runs at once when the store settles without waiting
+    /// ([`settle_now`](Store::settle_now)) or its future is ready on the first poll, and
+    /// otherwise in a task of its own on the current tokio runtime;
     /// with no runtime, a store that is not [local](Store::is_local) answers
     /// [`StoreError::Config`]. A store may do better: a [`RedisStore`] sends a slot's give-back
     /// or renewal with its next batched call, with no task of its own. A store that drops
@@ -103,6 +104,19 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// outcome unknown, and the layer reports the settle as abandoned.
     fn settle_then(&self, key: &Key, policy: &Policy, settlement: Settlement, then: OnSettled) {
         settle_in_task(self, key, policy, settlement, then);
+    }
+
+    /// The outcome of [`settle`](Store::settle), when the store can settle without waiting;
+    /// `None` (the default) when it must wait. The layer then settles right where the
+    /// response ends, with nothing to keep for later.
+    fn settle_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        settlement: Settlement,
+    ) -> Option<Result<(), StoreError>> {
+        let _ = (key, policy, settlement);
+        None
     }
 
     /// The decision of [`check`](Store::check), when the store can make it without waiting;
@@ -155,6 +169,9 @@ pub(crate) fn settle_in_task<St: Store>(
     settlement: Settlement,
     then: OnSettled,
 ) {
+    if let Some(outcome) = store.settle_now(key, policy, settlement) {
+        return then(outcome);
+    }
     // A store that does I/O needs a runtime even for its first poll (timers, sockets).
     let runtime = tokio::runtime::Handle::try_current().ok();
     if runtime.is_none() && !store.is_local() {
