@@ -102,10 +102,11 @@ pub struct Usage(pub u64);
 /// The usage of one request, updated by the handler while it works, e.g. per chunk of a
 /// streamed body, and settled when the response body ends or is dropped.
 ///
-/// The layer puts one in the extensions of every request when usage is configured (several
-/// usage layers, per API key and per address say, share one); clones share the count. A handler that may also run without the layer takes it as an option, so
-/// that it does not fail where there is none. A request that reported nothing costs its
-/// reservation: to give it back (a request that did no work), set the meter to 0.
+/// The layer puts one in the extensions of every request when usage is configured (several usage
+/// layers, per API key and per address say, share one); clones share the count. A handler that may
+/// also run without the layer takes it as an option, so that it does not fail where there is none.
+/// A request that reported nothing costs its reservation: to give it back (a request that did no
+/// work), set the meter to 0.
 ///
 /// ```
 /// use axum::Extension;
@@ -228,14 +229,13 @@ impl UsageReport {
         }
     }
 
-    /// Counts a request only when its response matches `outcome` (a failed login's `401`, a
-    /// wrong OTP), for its cost (1 unless a cost closure says otherwise), and nothing
-    /// otherwise; what else reports usage is not read. Before the call, the key is refused
-    /// (or marked over, under a [soft](crate::Rule::soft) policy) exactly when the requests
-    /// counted so far leave no room for one more: with `3/1m`, the fourth failure is refused,
-    /// and a success never counts, nor is ever refused for attempts in flight. The check
-    /// before the call records nothing; the count is one [`Store::settle`](crate::Store::settle) once the response
-    /// head is in.
+    /// Counts a request only when its response matches `outcome` (a failed login's `401`, a wrong
+    /// OTP), for its cost (1 unless a cost closure says otherwise), and nothing otherwise; what
+    /// else reports usage is not read. Before the call, the key is refused (or marked over, under a
+    /// [soft](crate::Rule::soft) policy) exactly when the requests counted so far leave no room for
+    /// one more: with `3/1m`, the fourth failure is refused, and a success never counts, nor is
+    /// ever refused for attempts in flight. The check before the call records nothing; the count is
+    /// one [`Store::settle`](crate::Store::settle) once the response head is in.
     ///
     /// **Concurrent attempts.** Attempts in flight at once are all let through while the
     /// key has room for one, so a key can end up to (attempts in flight − 1) counts over its

@@ -4,10 +4,10 @@
 //!
 //! A give-back and a renewal are posted to the store as a usage settle is
 //! ([`Ledger`](super::post::Ledger)): on Redis as slot operations of the policy's script call,
-//! batched with the decisions under way, so a request costs one script run to take its slot
-//! (with its decision) and a share of one to give it back. The renewal task ticks at a quarter of the shortest slot lifetime held and
-//! sends every slot due at once; it ends with the layer, and with its runtime: an instance that
-//! dies renews nothing, and its slots count no more once they expire.
+//! batched with the decisions under way, so a request costs one script run to take its slot (with
+//! its decision) and a share of one to give it back. The renewal task ticks at a quarter of the
+//! shortest slot lifetime held and sends every slot due at once; it ends with the layer, and with
+//! its runtime: an instance that dies renews nothing, and its slots count no more once they expire.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};

@@ -68,8 +68,8 @@ impl Requester {
 /// What a request asks of a call.
 #[derive(Debug, Clone)]
 enum Work {
-    /// A decision or a settlement: its arguments, encoded (see [`protocol::encode`]); shared, so that
-    /// a cluster call keeps them for a `TRYAGAIN` split without a copy.
+    /// A decision or a settlement: its arguments, encoded (see [`protocol::encode`]); shared, so
+    /// that a cluster call keeps them for a `TRYAGAIN` split without a copy.
     Decide(Bytes),
     /// A concurrency slot's give-back or renewal.
     Slot(SlotOp),
@@ -219,10 +219,10 @@ impl Batcher {
 }
 
 impl Batcher {
-    /// Runs `scripts/release.lua` once for `keys` (`args`: theirs, encoded one after the
-    /// other by [`protocol::encode_release`]), waiting for the reply up to `patience`; in a cluster the
-    /// keys must share a hash slot. A give-back whose reply is not read cannot be sent again
-    /// safely (it may have run), so it is waited for as long as a lease is.
+    /// Runs `scripts/release.lua` once for `keys` (`args`: theirs, encoded one after the other by
+    /// [`protocol::encode_release`]), waiting for the reply up to `patience`; in a cluster the keys
+    /// must share a hash slot. A give-back whose reply is not read cannot be sent again safely (it
+    /// may have run), so it is waited for as long as a lease is.
     pub(super) async fn release(
         &self,
         keys: Vec<String>,
@@ -576,8 +576,8 @@ async fn call(
                 .evalsha(script, keys.clone(), argv.clone(), None)
                 .await;
             match reply {
-                // The keys are split between the two nodes of a hash slot's migration, or the
-                // hash slot moved on more often than one call follows: try again shortly, within the
+                // The keys are split between the two nodes of a hash slot's migration, or the hash
+                // slot moved on more often than one call follows: try again shortly, within the
                 // time budget.
                 Err(error) if is_transient(&error) && (one_key || !is_split(&error)) => {
                     tokio::time::sleep(Duration::from_millis(2)).await;

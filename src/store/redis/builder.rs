@@ -74,19 +74,19 @@ impl RedisStoreBuilder {
     /// [`RedisStore::DEFAULT_CLUSTER_TAGS`], 3; at most 16 384, the number of hash slots). No
     /// effect on a single Redis.
     ///
-    /// One script call decides requests of one hash slot only, so the batching that saves
-    /// Redis and this process a command per request needs many requests per tag: a batch holds
-    /// at most the requests under way divided by the tags. The tags' hash slots are spread evenly,
-    /// so a cluster whose primaries hold equal ranges of hash slots (as `redis-cli --cluster create`
-    /// assigns them) gets an equal share of the tags when its number of primaries divides this
-    /// one. Set it to the number of primaries, or a small multiple of it where each instance
-    /// has many requests under way: the default suits the usual three primaries, and leaves a
-    /// fourth primary without limiter keys. Every instance must use the same number: changing
-    /// it moves every key, which starts every client's limits afresh. The first instance to
-    /// connect records its number in the cluster (`<prefix>:{layout}:cluster_tags`), and
-    /// [`connect`](Self::connect) refuses another number with [`StoreError::Config`]
-    /// ([`connect_lazy`](Self::connect_lazy) logs it as an ERROR once connected); to change
-    /// it on purpose, delete that key once every instance uses the new one.
+    /// One script call decides requests of one hash slot only, so the batching that saves Redis and
+    /// this process a command per request needs many requests per tag: a batch holds at most the
+    /// requests under way divided by the tags. The tags' hash slots are spread evenly, so a cluster
+    /// whose primaries hold equal ranges of hash slots (as `redis-cli --cluster create` assigns
+    /// them) gets an equal share of the tags when its number of primaries divides this one. Set it
+    /// to the number of primaries, or a small multiple of it where each instance has many requests
+    /// under way: the default suits the usual three primaries, and leaves a fourth primary without
+    /// limiter keys. Every instance must use the same number: changing it moves every key, which
+    /// starts every client's limits afresh. The first instance to connect records its number in the
+    /// cluster (`<prefix>:{layout}:cluster_tags`), and [`connect`](Self::connect) refuses another
+    /// number with [`StoreError::Config`] ([`connect_lazy`](Self::connect_lazy) logs it as an ERROR
+    /// once connected); to change it on purpose, delete that key once every instance uses the new
+    /// one.
     pub fn cluster_tags(mut self, tags: usize) -> Self {
         self.cluster_tags = tags;
         self
@@ -325,8 +325,8 @@ impl RedisStoreBuilder {
                 },
                 scripts,
                 max_batch: self.max_batch,
-                // Without batching, waiting for a call permit gains nothing: send everything at once, as
-                // fred pipelines it.
+                // Without batching, waiting for a call permit gains nothing: send everything at
+                // once, as fred pipelines it.
                 in_flight: match (self.max_batch, self.max_in_flight, &placement) {
                     (1, _, _) => tokio::sync::Semaphore::MAX_PERMITS,
                     (_, Some(calls), _) => calls,

@@ -49,14 +49,13 @@ use crate::{Decision, Key, Policy, Settlement};
 /// trims, counts and records in one atomic step. If Redis has lost the script (`SCRIPT FLUSH`,
 /// a restart, a failover) it is loaded again and the call retried once.
 ///
-/// Keys are `<prefix>:{<policy>:<key>}:<algorithm>:<limits>` (algorithm `log`, `sw`, `fw`,
-/// `gcra`; limits as in [`Policy::identity`]) on a single Redis. On a Redis Cluster (a
-/// `redis-cluster://` URL) they are `<prefix>:{<tag>}:<policy>:<key>:<algorithm>:<limits>`,
-/// where the hash tag is one of a fixed set
-/// ([`RedisStoreBuilder::cluster_tags`]) spread evenly over the hash slots: requests for many
-/// clients then share a hash slot, and so a script call. Either way, all the state of one
-/// decision is in one hash slot. Each key expires once its state no longer matters: the longest window
-/// after the last admitted request (twice that for the sliding window counter).
+/// Keys are `<prefix>:{<policy>:<key>}:<algorithm>:<limits>` (algorithm `log`, `sw`, `fw`, `gcra`;
+/// limits as in [`Policy::identity`]) on a single Redis. On a Redis Cluster (a `redis-cluster://`
+/// URL) they are `<prefix>:{<tag>}:<policy>:<key>:<algorithm>:<limits>`, where the hash tag is one
+/// of a fixed set ([`RedisStoreBuilder::cluster_tags`]) spread evenly over the hash slots: requests
+/// for many clients then share a hash slot, and so a script call. Either way, all the state of one
+/// decision is in one hash slot. Each key expires once its state no longer matters: the longest
+/// window after the last admitted request (twice that for the sliding window counter).
 ///
 /// Clones share one connection pool.
 ///

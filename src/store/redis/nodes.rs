@@ -1,14 +1,14 @@
 //! The store's own routing in a Redis Cluster: a pool of connections per primary, and a hash slot
 //! map read from whichever node answers.
 //!
-//! fred's cluster client keeps one connection to every primary and, whenever one breaks,
-//! connects to all of them again at once: while one listed primary does not answer, every
-//! command fails, on every hash slot, and a new client cannot connect at all. A rate limiter must
-//! go on deciding for the keys that the healthy primaries hold. So the scripts run through
-//! [`Nodes`]: each primary has a pool of its own, which reconnects on its own; a primary that
-//! is gone fails only the calls for its hash slots. The hash slot map comes from `CLUSTER SLOTS`, asked
-//! of every known node at once (the first answer wins), at connect, on a `MOVED`, and after a
-//! call that found a node unreachable (its hash slots may have failed over to a replica).
+//! fred's cluster client keeps one connection to every primary and, whenever one breaks, connects
+//! to all of them again at once: while one listed primary does not answer, every command fails, on
+//! every hash slot, and a new client cannot connect at all. A rate limiter must go on deciding for
+//! the keys that the healthy primaries hold. So the scripts run through [`Nodes`]: each primary has
+//! a pool of its own, which reconnects on its own; a primary that is gone fails only the calls for
+//! its hash slots. The hash slot map comes from `CLUSTER SLOTS`, asked of every known node at once
+//! (the first answer wins), at connect, on a `MOVED`, and after a call that found a node
+//! unreachable (its hash slots may have failed over to a replica).
 //!
 //! Redirections come back as Redis sends them, so they are followed by their kind: `MOVED`
 //! updates the map and goes to the new owner; `ASK` sends `ASKING` and the call to the
@@ -311,8 +311,8 @@ impl Nodes {
         }
     }
 
-    /// Runs `command` (one command on one key of `hash_slot`) on the primary that holds the hash slot,
-    /// following `MOVED`.
+    /// Runs `command` (one command on one key of `hash_slot`) on the primary that holds the hash
+    /// slot, following `MOVED`.
     pub(super) async fn on_owner<R, F, Fut>(
         self: &Arc<Self>,
         hash_slot: u16,

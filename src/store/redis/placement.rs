@@ -2,18 +2,18 @@
 //!
 //! A script call may only touch keys of one hash slot, so the batcher sends one call per hash slot.
 //! If every client had a hash slot of its own, as `{<policy>:<key>}` gives, a cluster would decide
-//! nearly every request in a call of its own, and lose the batching that a single Redis gets.
-//! In a cluster the store therefore puts each client under one of a fixed set of hash tags,
-//! chosen by a hash of policy and key: requests for many clients share a tag, and so a call.
-//! The tags are picked so that their hash slots are spread evenly over the 16 384 hash slots, which a
-//! cluster divides between its primaries in ranges: with `n` tags on `p` primaries that split
-//! the hash slots evenly, each primary holds `n / p` tags when `p` divides `n`.
+//! nearly every request in a call of its own, and lose the batching that a single Redis gets. In a
+//! cluster the store therefore puts each client under one of a fixed set of hash tags, chosen by a
+//! hash of policy and key: requests for many clients share a tag, and so a call. The tags are
+//! picked so that their hash slots are spread evenly over the 16 384 hash slots, which a cluster
+//! divides between its primaries in ranges: with `n` tags on `p` primaries that split the hash
+//! slots evenly, each primary holds `n / p` tags when `p` divides `n`.
 //!
 //! All instances of a service must agree on a key, so the choice depends on nothing but the
-//! settings (the hash is unkeyed CRC16, the tags are computed, not random). What it costs:
-//! all the clients of one tag move together when its hash slot is resharded, a tag's hash slot carries
-//! `1/n` of the load, and changing the number of tags (or moving from a single Redis to a
-//! cluster) moves every key, which starts every client's limit afresh.
+//! settings (the hash is unkeyed CRC16, the tags are computed, not random). What it costs: all the
+//! clients of one tag move together when its hash slot is resharded, a tag's hash slot carries
+//! `1/n` of the load, and changing the number of tags (or moving from a single Redis to a cluster)
+//! moves every key, which starts every client's limit afresh.
 
 use crate::{Key, Policy};
 
