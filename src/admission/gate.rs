@@ -120,7 +120,8 @@ impl<K, St: Store> Limiter<K, St> {
                 .holds()
                 .is_some_and(|holds| holds.lines().has_line(key, policy));
         // Counted by outcome, the store only looks: whether one more would fit.
-        let now = match (in_line, check.counts_outcomes()) {
+        let looks = check.counts_outcomes();
+        let now = match (in_line, looks) {
             (true, _) => Some(Ok(Decision::slots_full(policy, Duration::from_secs(1)))),
             (false, true) => None,
             (false, false) => self.store.check_now(key, policy, cost),
@@ -128,7 +129,7 @@ impl<K, St: Store> Limiter<K, St> {
         match now {
             Some(outcome) => decided(check, outcome, waiting),
             None => {
-                let decision = match check.counts_outcomes() {
+                let decision = match looks {
                     true => self.store.peek(key, policy, cost),
                     false => self.store.check(key, policy, cost),
                 };

@@ -1,9 +1,10 @@
 //! Posting to the store what a request owes once its response is done: a usage charge or
 //! refund, or a concurrency slot's give-back or renewal. Each is an [`Entry`], handed to the
 //! layer's [`Ledger`] (its store, or the fallback store that admitted the request), which
-//! settles it through [`Store::settle_then`] without holding up the response, counts it in
-//! [`InFlight`] until the store has answered (for `RateLimitLayer::settled`), and logs and
-//! counts a failure.
+//! settles it in place when the store needs no waiting ([`Store::settle_now`]), and otherwise
+//! through [`Store::settle_then`] without holding up the response, counted in [`InFlight`]
+//! until the store has answered (for `RateLimitLayer::settled`); a failure is logged and
+//! counted.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -90,12 +90,11 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture;
 
     /// Settles as [`settle`](Store::settle) does, for a caller that does not wait: `then` runs
-    /// with the outcome once the store has answered. The layer settles every usage charge or
-    /// refund, and gives back and renews every concurrency slot, this way, after the response
-    /// it follows has gone.
+    /// with the outcome once the store has answered. The layer settles a usage charge or
+    /// refund, or gives back or renews a concurrency slot, this way after the response it
+    /// follows has gone, unless [`settle_now`](Store::settle_now) settled it in place.
     ///
-    /// By default the settle runs at once when the store settles without waiting
-    /// ([`settle_now`](Store::settle_now)) or its future is ready on the first poll, and
+    /// By default the settle runs at once when its future is ready on the first poll, and
     /// otherwise in a task of its own on the current tokio runtime;
     /// with no runtime, a store that is not [local](Store::is_local) answers
     /// [`StoreError::Config`]. A store may do better: a [`RedisStore`] sends a slot's give-back
@@ -169,9 +168,6 @@ pub(crate) fn settle_in_task<St: Store>(
     settlement: Settlement,
     then: OnSettled,
 ) {
-    if let Some(outcome) = store.settle_now(key, policy, settlement) {
-        return then(outcome);
-    }
     // A store that does I/O needs a runtime even for its first poll (timers, sockets).
     let runtime = tokio::runtime::Handle::try_current().ok();
     if runtime.is_none() && !store.is_local() {
