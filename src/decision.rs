@@ -285,14 +285,6 @@ impl SlotId {
 }
 
 impl Settlement {
-    /// Whether it gives back or renews a concurrency slot.
-    pub fn is_slot(&self) -> bool {
-        match self {
-            Settlement::Release(_) | Settlement::Renew(_) => true,
-            Settlement::Charge(_) | Settlement::Refund(_) => false,
-        }
-    }
-
     /// Adds `units` for the request that got `decision`; `None` when it was refused.
     ///
     /// A charge over 2^52 units, more than any state holds, is recorded as 2^52 (and logged
