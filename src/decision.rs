@@ -1,5 +1,6 @@
 //! What a store decided for one request.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algorithm::MAX_UNITS;
@@ -361,14 +362,26 @@ impl Settlement {
 }
 
 /// What the rate-limit layers decided about a request, found in its extensions by the
-/// handler (`Extension<Decisions>` in axum): one entry per layer that decided it, outermost
+/// handler (`Extension<Decisions>` in axum): one entry per layer the request passed, outermost
 /// first, each with the policy that applied. A handler can show the quota left, or, under a
 /// [soft](crate::Rule::soft) policy, see that the key is over its limit and ask for a captcha
 /// instead of refusing.
 ///
-/// The entries are the layers' own decisions, the same that their `RateLimit` fields describe.
-/// A request that no policy applies to, an allow-listed key, or a decision the store could not
-/// make (failing open) adds no entry.
+/// Every request a layer passes on carries `Decisions`, so that `Extension<Decisions>` never
+/// fails because of the limiter: a layer whose store decided adds its decision, the same that
+/// its `RateLimit` fields describe; a layer that passed the request on without a decision
+/// (the key is allow-listed, the request had no key and such requests are let through, or the
+/// store failed and the layer fails open) adds an entry saying why, read with
+/// [`undecided`](Decisions::undecided). [`get`](Decisions::get), [`iter`](Decisions::iter) and
+/// [`is_over`](Decisions::is_over) see decisions only. A request that no rule of a layer
+/// applies to gets no entry from it: where no layer may apply, take
+/// `Option<Extension<Decisions>>`. (Layers built with
+/// [`decisions(false)`](crate::RateLimitLayerBuilder::decisions) add nothing.)
+///
+/// **Name your policies apart** when several layers decide one request: `get` finds the
+/// outermost layer whose policy has the name, so two layers whose policies are both
+/// `"default"` hide the inner one from it. A layer that finds its policy's name already there
+/// logs a warning (once per layer and policy); [`iter`](Decisions::iter) still shows both.
 ///
 /// ```
 /// use axum::{routing::get, Extension, Router};
@@ -389,25 +402,56 @@ impl Settlement {
 #[derive(Debug, Clone, Default)]
 pub struct Decisions {
     // The first entry inline: one layer, the common case, allocates no list.
-    first: Option<(std::sync::Arc<str>, Decision)>,
-    rest: Vec<(std::sync::Arc<str>, Decision)>,
+    first: Option<(Arc<str>, Entry)>,
+    rest: Vec<(Arc<str>, Entry)>,
+}
+
+/// Why a layer passed a request on without a decision of its store: the entry it puts in the
+/// request's [`Decisions`] instead of one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Undecided {
+    /// The key is on the layer's allow list
+    /// ([`allow_key`](crate::RateLimitLayerBuilder::allow_key),
+    /// [`allow_network`](crate::RateLimitLayerBuilder::allow_network)).
+    AllowListed,
+    /// The request had no key, and the layer lets such requests through
+    /// ([`MissingKey::Allow`](crate::response::MissingKey::Allow)).
+    MissingKey,
+    /// The store could not decide, and the layer fails open
+    /// ([`FailureMode::Open`](crate::FailureMode::Open)).
+    StoreUnavailable,
+}
+
+/// One layer's entry in a request's [`Decisions`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Entry {
+    Decided(Decision),
+    Undecided(Undecided),
 }
 
 impl Decisions {
-    /// Adds the decision of a layer inside the ones already there.
-    pub(crate) fn push(&mut self, policy: std::sync::Arc<str>, decision: Decision) {
+    /// Adds the entry of a layer inside the ones already there; whether an entry of the same
+    /// policy name was there already.
+    pub(crate) fn push(&mut self, policy: Arc<str>, entry: Entry) -> bool {
+        let repeated = self.entries().any(|(name, _)| **name == *policy);
         match self.first {
-            None => self.first = Some((policy, decision)),
-            Some(_) => self.rest.push((policy, decision)),
+            None => self.first = Some((policy, entry)),
+            Some(_) => self.rest.push((policy, entry)),
         }
+        repeated
     }
 
-    /// Each layer's policy name and decision, outermost layer first.
+    fn entries(&self) -> impl Iterator<Item = &(Arc<str>, Entry)> {
+        self.first.iter().chain(&self.rest)
+    }
+
+    /// Each deciding layer's policy name and decision, outermost layer first.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Decision)> {
-        self.first
-            .iter()
-            .chain(&self.rest)
-            .map(|(policy, decision)| (&**policy, decision))
+        self.entries().filter_map(|(policy, entry)| match entry {
+            Entry::Decided(decision) => Some((&**policy, decision)),
+            Entry::Undecided(_) => None,
+        })
     }
 
     /// The decision of the (outermost) layer whose policy is named `policy`.
@@ -421,8 +465,17 @@ impl Decisions {
         self.iter().any(|(_, d)| !d.is_allowed())
     }
 
+    /// The layers that passed the request on without a decision, outermost first: each
+    /// one's policy name, and why.
+    pub fn undecided(&self) -> impl Iterator<Item = (&str, Undecided)> {
+        self.entries().filter_map(|(policy, entry)| match entry {
+            Entry::Decided(_) => None,
+            Entry::Undecided(why) => Some((&**policy, *why)),
+        })
+    }
+
     /// Whether no layer decided the request.
     pub fn is_empty(&self) -> bool {
-        self.first.is_none()
+        self.iter().next().is_none()
     }
 }

@@ -159,6 +159,7 @@ mod tests {
     use http::StatusCode;
 
     use super::*;
+    use crate::decision::Entry;
     use crate::response::{Options, Responder};
     use crate::{Decisions, Key, MemoryStore, Policy, Store};
 
@@ -196,7 +197,7 @@ mod tests {
             .unwrap();
         let admitted = Admitted {
             fields: Some((decision, Arc::clone(&responder))),
-            decided: Some((policy.shared_name(), decision)),
+            entry: Some((Arc::clone(&responder), Entry::Decided(decision))),
             ..Admitted::default()
         };
         let future: ResponseFuture<Echo, (), std::future::Pending<_>> =

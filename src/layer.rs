@@ -390,10 +390,11 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     }
 
     /// Counts a request only when its response matches `outcome`, e.g. a failed login's
-    /// `401`: a request that does not match costs nothing and is never refused for attempts in
-    /// flight; a key is refused (or marked over, when soft) once its counted requests leave no
-    /// room for one more. Short for `.usage(UsageReport::count_when(outcome))`, which says
-    /// how far over concurrent attempts can take a key.
+    /// `401`: each attempt holds its cost from its admission until its response head is in,
+    /// and gives it back then unless it matches, so no more attempts than the limit reach the
+    /// handler at once; a key is refused (or marked over, when soft) once its counted and
+    /// in-flight attempts leave no room for one more. Short for
+    /// `.usage(UsageReport::count_when(outcome))`, which says more.
     ///
     /// ```
     /// use http::StatusCode;

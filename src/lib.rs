@@ -30,7 +30,7 @@ pub mod unique;
 pub mod usage;
 
 pub use algorithm::Algorithm;
-pub use decision::{Decision, Decisions, Settlement};
+pub use decision::{Decision, Decisions, Settlement, Undecided};
 pub use future::ResponseFuture;
 pub use key::{ClientIp, Global, Header, Key, KeyError, KeyExtractor, PeerIp};
 pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder, DEFAULT_DENY_CACHE};

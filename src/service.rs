@@ -171,17 +171,30 @@ mod tests {
     #[tokio::test]
     async fn decided_at_once_or_later_the_call_uses_the_service_made_ready() {
         let at_once = RateLimitLayer::builder().key(Global).policy("2/1m");
-        // Counted by outcome, the store's look comes through a future: decided later.
+        let mut service = at_once.build().unwrap().layer(Inner { ready: false });
+        let (status, fields) = send(&mut service).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(fields.is_some_and(|f| f.starts_with("\"default\";r=")));
+
+        // Waiting for a concurrency slot, the decision comes through a future: decided later.
+        let one_slot = crate::Policy::new("default", ["2/1m".parse().unwrap()])
+            .and_then(|policy| policy.concurrency(1))
+            .unwrap();
         let later = RateLimitLayer::builder()
             .key(Global)
-            .policy("2/1m")
-            .count_when(|head| head.status == StatusCode::UNAUTHORIZED);
-        for layer in [at_once.build().unwrap(), later.build().unwrap()] {
-            let mut service = layer.layer(Inner { ready: false });
-            let (status, fields) = send(&mut service).await;
-            assert_eq!(status, StatusCode::OK);
-            assert!(fields.is_some_and(|f| f.starts_with("\"default\";r=")));
-        }
+            .policy(one_slot)
+            .max_wait(std::time::Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let mut service = later.layer(Inner { ready: false });
+        let first = service.ready().await.unwrap().call(Request::new(()));
+        let holding = first.await.unwrap();
+        let waiting = tokio::spawn(async move { send(&mut service).await });
+        tokio::task::yield_now().await;
+        drop(holding);
+        let (status, fields) = waiting.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert!(fields.is_some_and(|f| f.starts_with("\"default\";r=")));
     }
 
     #[tokio::test]

@@ -21,9 +21,10 @@
 //! settle the store cannot make is logged (WARN) and counted
 //! (`ratelimit_settle_errors_total`, see [`metrics`](crate::metrics)).
 //!
-//! **Counting by outcome** ([`UsageReport::count_when`]) is the same settle with nothing
-//! reserved: the store only looks whether one more would fit before the call, and the request
-//! is charged its cost once its response head matches (a failed login), or nothing.
+//! **Counting by outcome** ([`UsageReport::count_when`]) is the same machinery with the
+//! outcome as the usage: each attempt reserves its cost when it is admitted, and once its
+//! response head is in, an outcome that does not count (a successful login) gives the
+//! reservation back, at once rather than when the body ends.
 //!
 //! **What counts as a failed settle.** On Redis a settle is one script call of its own that
 //! waits up to 3 s for its reply, not the decisions' time budget: Redis records it when the
@@ -231,20 +232,25 @@ impl UsageReport {
 
     /// Counts a request only when its response matches `outcome` (a failed login's `401`, a wrong
     /// OTP), for its cost (1 unless a cost closure says otherwise), and nothing otherwise; what
-    /// else reports usage is not read. Before the call, the key is refused (or marked over, under a
-    /// [soft](crate::Rule::soft) policy) exactly when the requests counted so far leave no room for
-    /// one more: with `3/1m`, the fourth failure is refused, and a success never counts, nor is
-    /// ever refused for attempts in flight. The check before the call records nothing; the count is
-    /// one [`Store::settle`](crate::Store::settle) once the response head is in.
+    /// else reports usage is not read.
     ///
-    /// **Concurrent attempts.** Attempts in flight at once are all let through while the
-    /// key has room for one, so a key can end up to (attempts in flight − 1) counts over its
-    /// limit; the ones after are refused until the excess has aged out. A request passed on
-    /// over a soft limit is counted too when it matches, so that failures past the captcha
-    /// still add up (towards a longer limit of the same policy, say).
+    /// **Attempts in flight hold a unit.** An attempt is admitted only while the key has room
+    /// for it, and it holds its cost from then on: when its response head is in, an outcome
+    /// that does not count gives the unit back (one [`Store::settle`](crate::Store::settle)
+    /// there and then, not when the body ends), and one that counts keeps it. So with `3/1m`,
+    /// no more than 3 attempts reach the handler unmarked in a minute, however many are sent
+    /// at once, on however many instances: the fourth failure is refused (or marked over, under
+    /// a [soft](crate::Rule::soft) policy). The price: while 3 attempts are in flight, a fourth
+    /// is refused even if all three will succeed; a flood of slow attempts locks a user out no
+    /// longer than the same number of failures would. An attempt whose head never comes (the
+    /// client went away, the service failed) keeps its unit, as a failure.
     ///
-    /// The request's `RateLimit` fields and [`Decisions`](crate::Decisions) describe the look:
-    /// the units left before the request counts.
+    /// A request passed on over a soft limit reserved nothing; it is charged when it matches,
+    /// so that failures past the captcha still add up (towards a longer limit of the same
+    /// policy, say). A request that a layer inside this one refused gives its unit back.
+    ///
+    /// The request's `RateLimit` fields and [`Decisions`](crate::Decisions) say what is left
+    /// once the request's own unit is taken, as on every layer.
     ///
     /// [`RateLimitLayerBuilder::count_when`](crate::RateLimitLayerBuilder::count_when) is the
     /// short way to set it.

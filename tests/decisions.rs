@@ -264,3 +264,105 @@ async fn decisions_can_be_left_out() {
         .build();
     assert!(soft.is_err());
 }
+
+/// The login handler of the docs: `Extension<Decisions>`, a captcha when over. Answers what
+/// its layers' entries say: `policy:remaining` per decision, `policy:why` per layer that did
+/// not decide.
+async fn login(Extension(decisions): Extension<Decisions>) -> (http::StatusCode, String) {
+    let mut seen: Vec<String> = decisions
+        .iter()
+        .map(|(policy, d)| format!("{policy}:{}", d.remaining()))
+        .collect();
+    seen.extend(
+        decisions
+            .undecided()
+            .map(|(policy, why)| format!("{policy}:{why:?}")),
+    );
+    match decisions.is_over() {
+        true => (http::StatusCode::FORBIDDEN, "captcha".into()),
+        false => (http::StatusCode::UNAUTHORIZED, seen.join(" ")),
+    }
+}
+
+/// The limiter is never the outage: with Redis gone and the layer failing open, an
+/// allow-listed key, or a request without a key let through, the handler that takes
+/// `Extension<Decisions>` runs and learns why there was no decision.
+#[tokio::test]
+async fn every_request_passed_on_carries_decisions() {
+    use tower_redis_ratelimit::response::MissingKey;
+
+    let mut server = RedisServer::start();
+    let layer = |store| {
+        RateLimitLayer::builder()
+            .key(api_key())
+            .store(store)
+            .policy(Policy::new("login", ["3/1m".parse().unwrap()]).unwrap())
+            .allow_key("ops")
+            .on_missing_key(MissingKey::Allow)
+            .count_when(|head| head.status == http::StatusCode::UNAUTHORIZED)
+            .build()
+            .unwrap()
+    };
+    let app = Router::new()
+        .route("/login", post(login))
+        .layer(layer(server.store().await));
+    let send = |key: Option<&str>| {
+        let request = Request::post("/login");
+        let request = match key {
+            Some(key) => request.header("x-api-key", key),
+            None => request,
+        };
+        app.clone()
+            .oneshot(request.body(axum::body::Body::empty()).unwrap())
+    };
+    let answer = |response: http::Response<axum::body::Body>| async move {
+        (response.status().as_u16(), body(response).await)
+    };
+    assert_eq!(
+        answer(send(Some("ann")).await.unwrap()).await,
+        (401, "login:2".into())
+    );
+    assert_eq!(
+        answer(send(Some("ops")).await.unwrap()).await,
+        (401, "login:AllowListed".into())
+    );
+    assert_eq!(
+        answer(send(None).await.unwrap()).await,
+        (401, "login:MissingKey".into())
+    );
+    server.kill();
+    for _ in 0..5 {
+        let (status, seen) = answer(send(Some("ann")).await.unwrap()).await;
+        assert_eq!((status, seen.as_str()), (401, "login:StoreUnavailable"));
+    }
+}
+
+/// Two stacked layers whose policies share a name: `get` finds the outer one, `iter` both,
+/// and the inner layer warns once, however many requests it sees.
+#[tokio::test]
+async fn equal_policy_names_on_one_request_are_warned_about_once() {
+    let captured = common::Captured::default();
+    let _guard = tracing::subscriber::set_default(captured.subscriber());
+    let layer = |limit: &str| {
+        RateLimitLayer::builder()
+            .key(api_key())
+            .policy(limit)
+            .build()
+            .unwrap()
+    };
+    let app = Router::new()
+        .route("/", get(echo))
+        .layer(layer("4/1m"))
+        .layer(layer("99/1m"));
+    for i in 0..3 {
+        let response = app.clone().oneshot(request("GET", "/", "k")).await.unwrap();
+        let inner = format!("default:{}:true", 3 - i);
+        assert_eq!(
+            body(response).await,
+            format!("default:{}:true {inner}", 98 - i)
+        );
+    }
+    let text = captured.text();
+    let warnings = text.matches("policies of the same name").count();
+    assert_eq!(warnings, 1, "{text}");
+}

@@ -1,15 +1,20 @@
 //! Counting by outcome (`count_when`): failed logins count, successes never do; the fourth
-//! failure of `3/1m` meets the refusal (or, soft, the captcha), never the fifth; concurrent
-//! successes are never refused for attempts in flight. On both stores, every algorithm.
+//! failure of `3/1m` meets the refusal (or, soft, the captcha), never the fifth. Each attempt
+//! holds a unit from its admission until its response head says whether it counts, so no more
+//! attempts than the limit reach the password check at once, however many are sent. On both
+//! stores, every algorithm.
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::routing::post;
 use axum::{Extension, Router};
 use common::RedisServer;
 use common::ALGORITHMS;
+use futures::StreamExt;
 use http::{HeaderMap, HeaderName, Request, StatusCode};
 use tower::ServiceExt;
 use tower_redis_ratelimit::{
@@ -102,12 +107,6 @@ async fn outcomes<St: Store>(store: St) {
         }
         assert!(successes.iter().all(|&s| s == 200), "{what}: {successes:?}");
 
-        // Six successful logins at once: nothing is reserved for them, none is refused.
-        let cat = format!("cat-{what}");
-        let at_once =
-            futures::future::join_all((0..6).map(|_| attempt(&hard, &cat, "right"))).await;
-        assert_eq!(at_once, [200; 6], "{what}");
-
         let soft = form(store.clone(), algorithm, true);
         let mut seen = Vec::new();
         for password in ["bad", "bad", "bad", "right", "bad"] {
@@ -173,4 +172,182 @@ async fn failures_over_a_soft_limit_still_count() {
     assert_eq!(attempt(&form, "eve", "bad").await, 403, "the hour is full");
     clock.advance(Duration::from_secs(3600));
     assert_eq!(attempt(&form, "eve", "right").await, 200);
+}
+
+/// A password check that holds every attempt reaching it until the test opens it, counting
+/// the attempts that reached it.
+#[derive(Clone)]
+struct HeldCheck {
+    reached: Arc<AtomicUsize>,
+    open: tokio::sync::watch::Receiver<bool>,
+}
+
+impl HeldCheck {
+    fn new() -> (HeldCheck, tokio::sync::watch::Sender<bool>) {
+        let (open, opened) = tokio::sync::watch::channel(false);
+        let check = HeldCheck {
+            reached: Arc::default(),
+            open: opened,
+        };
+        (check, open)
+    }
+
+    fn reached(&self) -> usize {
+        self.reached.load(Ordering::SeqCst)
+    }
+
+    /// `login` behind the held check.
+    fn app<St: Store>(&self, store: St, limit: &str) -> (Router, RateLimitLayer<Header, St>) {
+        let layer = RateLimitLayer::builder()
+            .key(Header::new(HeaderName::from_static("x-user")))
+            .store(store)
+            .policy(Policy::new("login-failures", [limit.parse().unwrap()]).unwrap())
+            .count_when(|response| response.status == StatusCode::UNAUTHORIZED)
+            .build()
+            .unwrap();
+        let held = self.clone();
+        let handler = move |headers: HeaderMap| {
+            let mut held = held.clone();
+            async move {
+                held.reached.fetch_add(1, Ordering::SeqCst);
+                let _ = held.open.wait_for(|open| *open).await;
+                login(None, headers).await
+            }
+        };
+        let app = Router::new()
+            .route("/login", post(handler))
+            .layer(layer.clone());
+        (app, layer)
+    }
+}
+
+/// Sends `passwords` for `user` at once, spread over `apps`; once every attempt is either
+/// held at the password check or answered, opens the check. The statuses, in order.
+async fn at_once<St: Store>(
+    apps: &[(Router, RateLimitLayer<Header, St>)],
+    check: &HeldCheck,
+    open: &tokio::sync::watch::Sender<bool>,
+    user: &str,
+    passwords: &[&str],
+) -> Vec<u16> {
+    open.send_replace(false);
+    let (answered, before) = (Arc::new(AtomicUsize::new(0)), check.reached());
+    let sent: Vec<_> = passwords
+        .iter()
+        .enumerate()
+        .map(|(i, password)| {
+            let (app, _) = &apps[i % apps.len()];
+            let request = Request::post("/login")
+                .header("x-user", user)
+                .header("x-password", *password)
+                .body(axum::body::Body::empty())
+                .unwrap();
+            let (app, answered) = (app.clone(), Arc::clone(&answered));
+            tokio::spawn(async move {
+                let response = app.oneshot(request).await.unwrap();
+                answered.fetch_add(1, Ordering::SeqCst);
+                response.status().as_u16()
+            })
+        })
+        .collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while check.reached() - before + answered.load(Ordering::SeqCst) < passwords.len() {
+        assert!(tokio::time::Instant::now() < deadline, "attempts stuck");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    open.send_replace(true);
+    let statuses = futures::future::join_all(sent).await;
+    for (_, layer) in apps {
+        assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
+    }
+    statuses.into_iter().map(Result::unwrap).collect()
+}
+
+/// 500 wrong passwords for one user sent at once through two instances on Redis, `3/1m`:
+/// three reach the password check, every other one is refused before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn guesses_in_flight_are_counted_across_instances_on_redis() {
+    let server = RedisServer::start();
+    let (check, open) = HeldCheck::new();
+    let apps = [
+        check.app(server.store().await, "3/1m"),
+        check.app(server.store().await, "3/1m"),
+    ];
+    let statuses = at_once(&apps, &check, &open, "ann", &["bad"; 500]).await;
+    let wrong = statuses.iter().filter(|&&s| s == 401).count();
+    let refused = statuses.iter().filter(|&&s| s == 429).count();
+    assert_eq!(check.reached(), 3, "reached the password check");
+    assert_eq!((wrong, refused), (3, 497));
+    // The three failures count: the key stays refused.
+    let next = at_once(&apps, &check, &open, "ann", &["right"]).await;
+    assert_eq!(next, [429]);
+}
+
+/// A success among failures in flight gives its unit back once its head is in: with `3/1m`,
+/// one right and two wrong passwords at once leave room for one more failure.
+async fn success_among_failures<St: Store>(store: St) {
+    let (check, open) = HeldCheck::new();
+    let apps = [check.app(store, "3/1m")];
+    let mut first = at_once(&apps, &check, &open, "bob", &["bad", "right", "bad"]).await;
+    first.sort();
+    assert_eq!(first, [200, 401, 401]);
+    let mut after = at_once(&apps, &check, &open, "bob", &["bad", "bad"]).await;
+    after.sort();
+    assert_eq!(after, [401, 429], "only the two failures counted");
+}
+
+#[tokio::test]
+async fn a_success_among_concurrent_failures_is_never_counted_on_memory() {
+    success_among_failures(MemoryStore::new()).await;
+}
+
+#[tokio::test]
+async fn a_success_among_concurrent_failures_is_never_counted_on_redis() {
+    let server = RedisServer::start();
+    success_among_failures(server.store().await).await;
+}
+
+/// An answer whose body streams for long: `1/1m`, a 401 with 16 MiB streamed. The failure
+/// counts from its admission, so a second attempt sent once the first's head is in is
+/// refused; a success gives its unit back as soon as its head is in, not when its body ends.
+#[tokio::test]
+async fn the_outcome_is_settled_when_the_head_is_in() {
+    async fn streamed(headers: HeaderMap) -> (StatusCode, axum::body::Body) {
+        let (status, _) = login(None, headers).await;
+        let chunks = futures::stream::iter(0..16)
+            .map(|_| Ok::<_, std::convert::Infallible>(vec![b'x'; 1 << 20]));
+        (status, axum::body::Body::from_stream(chunks))
+    }
+    let layer = RateLimitLayer::builder()
+        .key(Header::new(HeaderName::from_static("x-user")))
+        .policy(Policy::new("login-failures", ["1/1m".parse().unwrap()]).unwrap())
+        .count_when(|response| response.status == StatusCode::UNAUTHORIZED)
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/login", post(streamed))
+        .layer(layer.clone());
+    let send = |user: &str, password: &str| {
+        let request = Request::post("/login")
+            .header("x-user", user)
+            .header("x-password", password)
+            .body(axum::body::Body::empty())
+            .unwrap();
+        app.clone().oneshot(request)
+    };
+    // Heads in, bodies not read.
+    let failure = send("ann", "bad").await.unwrap();
+    assert_eq!(failure.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(send("ann", "bad").await.unwrap().status(), 429);
+
+    let success = send("bob", "right").await.unwrap();
+    assert_eq!(success.status(), StatusCode::OK);
+    assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
+    let again = send("bob", "bad").await.unwrap();
+    assert_eq!(
+        again.status(),
+        StatusCode::UNAUTHORIZED,
+        "the success gave its unit back"
+    );
+    drop((failure, success, again));
 }

@@ -31,7 +31,9 @@ pub(crate) struct Check {
 }
 
 impl Check {
-    /// Whether requests count only by their outcome: the store only looks before the call.
+    /// Whether requests count only by their outcome ([`UsageReport::count_when`]).
+    ///
+    /// [`UsageReport::count_when`]: crate::usage::UsageReport::count_when
     pub(crate) fn counts_outcomes(&self) -> bool {
         let usage = self.usage.as_ref();
         usage.is_some_and(|(metering, _)| metering.report.outcome.is_some())

@@ -11,13 +11,13 @@ use super::check::Check;
 use super::decide::Later;
 use super::limiter::Limiter;
 use super::wait::{Recheck, Waiting};
-use super::Admission;
+use super::{Admission, Admitted};
 use crate::deny_cache::{DenyCache, Ticket};
 use crate::metrics::Started;
 use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
 use crate::rules::RequestHead;
 use crate::usage::UsageMeter;
-use crate::{Decision, Key, KeyExtractor, Store, StoreError};
+use crate::{Decision, Key, KeyExtractor, Store, StoreError, Undecided};
 
 impl<K, St: Store> Limiter<K, St> {
     /// Admits `request`, or answers it, or says what it waits for.
@@ -35,14 +35,14 @@ impl<K, St: Store> Limiter<K, St> {
             Ok(key) => key,
             Err(error) => match &self.missing_key {
                 MissingKey::Use(key) => key.clone(),
-                MissingKey::Allow => return Admission::Pass,
+                MissingKey::Allow => return undecided(responder, Undecided::MissingKey),
                 MissingKey::Reject => {
                     return Admission::Answer(Responder::missing_key(&error, grpc.as_ref()))
                 }
             },
         };
         if self.allow.contains(&key) {
-            return Admission::Pass;
+            return undecided(responder, Undecided::AllowListed);
         }
         let cost = self.cost(&head);
         let deny_cache = match self.cached(&responder, &key, cost, grpc.as_ref()) {
@@ -119,20 +119,14 @@ impl<K, St: Store> Limiter<K, St> {
             && check
                 .holds()
                 .is_some_and(|holds| holds.lines().has_line(key, policy));
-        // Counted by outcome, the store only looks: whether one more would fit.
-        let looks = check.counts_outcomes();
-        let now = match (in_line, looks) {
-            (true, _) => Some(Ok(Decision::slots_full(policy, Duration::from_secs(1)))),
-            (false, true) => None,
-            (false, false) => self.store.check_now(key, policy, cost),
+        let now = match in_line {
+            true => Some(Ok(Decision::slots_full(policy, Duration::from_secs(1)))),
+            false => self.store.check_now(key, policy, cost),
         };
         match now {
             Some(outcome) => decided(check, outcome, waiting),
             None => {
-                let decision = match looks {
-                    true => self.store.peek(key, policy, cost),
-                    false => self.store.check(key, policy, cost),
-                };
+                let decision = self.store.check(key, policy, cost);
                 Admission::Later(Later::asking(decision, check, waiting))
             }
         }
@@ -160,6 +154,11 @@ enum Cached {
     Miss(Option<(DenyCache, Ticket)>),
 }
 
+/// A request passed on without a decision of the store, for the reason `why`.
+fn undecided<F>(responder: Arc<Responder>, why: Undecided) -> Admission<F> {
+    Admission::Call(Admitted::undecided(responder, why))
+}
+
 /// A request the store decided at once: refused for a slot, it waits for one if it may;
 /// otherwise its verdict.
 fn decided<F>(
@@ -177,7 +176,7 @@ fn decided<F>(
 
 #[cfg(test)]
 mod tests {
-    use std::task::{Context, Poll};
+    use std::task::Context;
     use std::time::Duration;
 
     use http::{HeaderName, StatusCode};
@@ -207,6 +206,21 @@ mod tests {
             Admission::Answer(response) => Some(response.status()),
             Admission::Pass | Admission::Call(_) | Admission::Later(_) => None,
         }
+    }
+
+    /// What an admission passed on without a decision tells the handler: each layer's
+    /// policy and why it did not decide.
+    fn undecided_because(admission: Admission<impl Sized>) -> Vec<(String, Undecided)> {
+        let Admission::Call(mut admitted) = admission else {
+            panic!("passed on");
+        };
+        assert!(admitted.receipt.is_empty() && admitted.fields.is_none());
+        let mut request = user("");
+        admitted.mark(&mut request);
+        let decisions = request.extensions().get::<Decisions>().unwrap();
+        assert!(decisions.is_empty() && !decisions.is_over());
+        let why = decisions.undecided();
+        why.map(|(policy, why)| (policy.to_owned(), why)).collect()
     }
 
     #[test]
@@ -253,8 +267,8 @@ mod tests {
             .build()
             .unwrap();
         for _ in 0..3 {
-            let admission = allow.limiter().admit(&mut user(""));
-            assert!(matches!(admission, Admission::Pass));
+            let why = undecided_because(allow.limiter().admit(&mut user("")));
+            assert_eq!(why, [("default".to_owned(), Undecided::MissingKey)]);
         }
 
         let shared = builder()
@@ -274,8 +288,8 @@ mod tests {
     fn an_allow_listed_key_is_never_counted() {
         let layer = builder().policy("1/1m").allow_key("ops").build().unwrap();
         for _ in 0..3 {
-            let admission = layer.limiter().admit(&mut user("ops"));
-            assert!(matches!(admission, Admission::Pass));
+            let why = undecided_because(layer.limiter().admit(&mut user("ops")));
+            assert_eq!(why, [("default".to_owned(), Undecided::AllowListed)]);
         }
         assert!(matches!(
             layer.limiter().admit(&mut user("ann")),
@@ -310,23 +324,19 @@ mod tests {
     }
 
     #[test]
-    fn counted_by_outcome_the_store_only_looks_later() {
+    fn counted_by_outcome_an_attempt_holds_a_unit_from_its_admission() {
         let layer = builder()
             .policy("1/1m")
             .count_when(|head| head.status == StatusCode::UNAUTHORIZED)
             .build()
             .unwrap();
-        for _ in 0..3 {
-            // Nothing recorded: the look admits every time until an outcome counts.
-            let Admission::Later(later) = layer.limiter().admit(&mut user("ann")) else {
-                panic!("counted by outcome, the store only looks, through its future");
-            };
-            let mut deciding = Box::pin(Deciding::new(later, ()));
-            let polled = deciding
-                .as_mut()
-                .poll_verdict(&mut Context::from_waker(std::task::Waker::noop()));
-            assert!(matches!(polled, Poll::Ready(Some((Verdict::Call(_), ())))));
-        }
+        let Admission::Call(attempt) = layer.limiter().admit(&mut user("ann")) else {
+            panic!("the first attempt is admitted");
+        };
+        assert!(attempt.receipt.tab.is_some());
+        // Its outcome is not in: a second attempt finds no unit left.
+        let second = layer.limiter().admit(&mut user("ann"));
+        assert_eq!(answered(second), Some(StatusCode::TOO_MANY_REQUESTS));
     }
 
     #[tokio::test]

@@ -28,13 +28,16 @@ pub(crate) use limiter::{AllowList, CostFn, Limiter};
 pub(crate) use verdict::{Admitted, Verdict};
 
 /// What admission answered for a request.
+// Returned and matched at once, never kept: boxing the larger variant would cost an
+// allocation for nothing.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Admission<F> {
-    /// Not limited here (no policy applies, the key is allow-listed, or missing and let
-    /// through): call the inner service as it is.
+    /// Not limited here (no policy applies): call the inner service as it is.
     Pass,
     /// Answer without calling the inner service.
     Answer(Response<Full<Bytes>>),
-    /// Call the inner service: admitted, or passed on over a soft or shadow limit.
+    /// Call the inner service: admitted, passed on over a soft or shadow limit, or passed on
+    /// without a decision (allow-listed, no key, the store failed and the layer fails open).
     Call(Admitted),
     /// The decision is not in yet: the store decides later, or the request waits for a slot.
     Later(Later<F>),

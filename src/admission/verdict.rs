@@ -9,12 +9,13 @@ use http::{Request, Response};
 use http_body_util::Full;
 
 use super::check::Check;
+use crate::decision::Entry;
 use crate::ledger::post::{Ledger, StoreLedger};
 use crate::ledger::tab::Tab;
 use crate::ledger::Receipt;
 use crate::metrics::Report;
 use crate::response::{FailureMode, Responder, Tally};
-use crate::{Decision, Decisions, Store, StoreError};
+use crate::{Decision, Store, StoreError, Undecided};
 
 /// What to do with a request once its decision is in.
 pub(crate) enum Verdict {
@@ -25,24 +26,29 @@ pub(crate) enum Verdict {
 }
 
 /// What an admitted request's response gets: the rate-limit fields (unless hidden, or the store
-/// failed), and what the request owes the store once its response is done; the decision goes
-/// into the request's [`Decisions`]. Nothing of these by default.
+/// failed), and what the request owes the store once its response is done; the layer's entry
+/// goes into the request's [`Decisions`](crate::Decisions). Nothing of these by default.
 #[derive(Default)]
 pub(crate) struct Admitted {
     pub(crate) fields: Option<(Decision, Arc<Responder>)>,
     pub(crate) receipt: Receipt,
-    /// The policy and decision for the request's [`Decisions`].
-    pub(crate) decided: Option<(Arc<str>, Decision)>,
+    /// The layer's entry for the request's decisions: its decision, or why there was none.
+    pub(crate) entry: Option<(Arc<Responder>, Entry)>,
 }
 
 impl Admitted {
-    /// Adds the decision to the request's [`Decisions`], inside those of outer layers.
+    /// A request passed on without a decision of the store, for the reason `why`.
+    pub(crate) fn undecided(responder: Arc<Responder>, why: Undecided) -> Self {
+        Admitted {
+            entry: Some((responder, Entry::Undecided(why))),
+            ..Admitted::default()
+        }
+    }
+
+    /// Adds the layer's entry to the request's decisions, inside those of outer layers.
     pub(crate) fn mark<B>(&mut self, request: &mut Request<B>) {
-        if let Some((policy, decision)) = self.decided.take() {
-            let decisions = request
-                .extensions_mut()
-                .get_or_insert_default::<Decisions>();
-            decisions.push(policy, decision);
+        if let Some((responder, entry)) = self.entry.take() {
+            responder.mark(request, entry);
         }
     }
 }
@@ -93,10 +99,7 @@ impl Check {
         );
         let owes = self.usage.is_some() || self.holds.is_some();
         let ledger = owes.then(|| Arc::new(StoreLedger(local.clone())) as Arc<dyn Ledger>);
-        let decided = match self.counts_outcomes() {
-            true => local.peek(&self.key, policy, self.cost).into_inner(),
-            false => local.check(&self.key, policy, self.cost).into_inner(),
-        };
+        let decided = local.check(&self.key, policy, self.cost).into_inner();
         (decided, ledger)
     }
 
@@ -114,7 +117,7 @@ impl Check {
                 tab: self.tab(d, fallback),
                 slot,
             },
-            decided: self.decided(d),
+            entry: self.entry(d),
         }
     }
 
@@ -145,7 +148,8 @@ impl Check {
                 "rate limit exceeded; passed on marked over (soft limit)"
             );
         }
-        // Counted by outcome, a request over a soft limit still counts when it matches.
+        // Counted by outcome, a request over a soft limit, which reserved nothing, is still
+        // charged when it matches: failures past the captcha add up.
         let counted = !options.shadow && self.counts_outcomes();
         Admitted {
             fields: Some((d, self.responder.clone())),
@@ -153,7 +157,7 @@ impl Check {
                 tab: counted.then(|| self.tab(d, fallback)).flatten(),
                 slot: None,
             },
-            decided: self.decided(d),
+            entry: self.entry(d),
         }
     }
 
@@ -210,7 +214,10 @@ impl Check {
         );
         match options.failure_mode {
             FailureMode::Closed => Verdict::Answer(Responder::unavailable(self.grpc.as_ref())),
-            _ => Verdict::Call(Admitted::default()),
+            _ => Verdict::Call(Admitted::undecided(
+                Arc::clone(&self.responder),
+                Undecided::StoreUnavailable,
+            )),
         }
     }
 
@@ -231,10 +238,9 @@ impl Check {
         ))
     }
 
-    /// What goes into the request's [`Decisions`], unless the layer turned them off.
-    fn decided(&self, d: Decision) -> Option<(Arc<str>, Decision)> {
-        let options = &self.responder.options;
-        (!options.no_decisions).then(|| (self.responder.policy.shared_name(), d))
+    /// The layer's entry for the request's decisions: the decision `d`.
+    fn entry(&self, d: Decision) -> Option<(Arc<Responder>, Entry)> {
+        Some((Arc::clone(&self.responder), Entry::Decided(d)))
     }
 }
 
@@ -296,28 +302,33 @@ mod tests {
         }
     }
 
+    /// The decisions an admitted request carries to the handler.
+    fn marked(admitted: &mut Admitted) -> Option<crate::Decisions> {
+        let mut request = Request::new(());
+        admitted.mark(&mut request);
+        request.extensions_mut().remove()
+    }
+
     #[test]
     fn an_admitted_request_gets_its_fields_and_its_decision_unless_turned_off() {
         let shown = check(Options::default());
         let (allowed, _) = decisions(&shown);
-        let Verdict::Call(admitted) = shown.verdict(Ok(allowed)) else {
+        let Verdict::Call(mut admitted) = shown.verdict(Ok(allowed)) else {
             panic!("admitted");
         };
+        let decisions = marked(&mut admitted).unwrap();
         assert_eq!(admitted.fields.map(|(d, _)| d), Some(allowed));
-        assert_eq!(
-            admitted.decided.map(|(p, d)| (p.to_string(), d)),
-            Some(("default".into(), allowed))
-        );
+        assert_eq!(decisions.get("default"), Some(&allowed));
 
         let hidden = check(Options {
             hide_allowed_headers: true,
             no_decisions: true,
             ..Options::default()
         });
-        let Verdict::Call(admitted) = hidden.verdict(Ok(allowed)) else {
+        let Verdict::Call(mut admitted) = hidden.verdict(Ok(allowed)) else {
             panic!("admitted");
         };
-        assert!(admitted.fields.is_none() && admitted.decided.is_none());
+        assert!(marked(&mut admitted).is_none() && admitted.fields.is_none());
     }
 
     #[test]
@@ -345,11 +356,10 @@ mod tests {
         ] {
             let over = check(options);
             let (_, refused) = decisions(&over);
-            let Verdict::Call(admitted) = over.verdict(Ok(refused)) else {
+            let Verdict::Call(mut admitted) = over.verdict(Ok(refused)) else {
                 panic!("passed on");
             };
-            let (_, decided) = admitted.decided.unwrap();
-            assert!(!decided.is_allowed());
+            assert!(marked(&mut admitted).unwrap().is_over());
             assert!(admitted.fields.is_some() && admitted.receipt.is_empty());
         }
     }
@@ -380,20 +390,25 @@ mod tests {
         assert_eq!(status(&answer), Some(StatusCode::SERVICE_UNAVAILABLE));
 
         let open = check(Options::default());
-        let Verdict::Call(admitted) = open.verdict(failed()) else {
+        let Verdict::Call(mut admitted) = open.verdict(failed()) else {
             panic!("failing open calls the service");
         };
-        assert!(admitted.decided.is_none() && admitted.fields.is_none());
+        // No decision, and no fields; the handler learns why.
+        let decisions = marked(&mut admitted).unwrap();
+        assert!(decisions.is_empty() && admitted.fields.is_none());
+        let why: Vec<_> = decisions.undecided().collect();
+        assert_eq!(why, [("default", Undecided::StoreUnavailable)]);
 
         let local = MemoryStore::new();
         let fallback = check(Options {
             failure_mode: FailureMode::Fallback(local.clone()),
             ..Options::default()
         });
-        let Verdict::Call(admitted) = fallback.verdict(failed()) else {
+        let Verdict::Call(mut admitted) = fallback.verdict(failed()) else {
             panic!("the local store admits the first request");
         };
-        assert!(admitted.decided.is_some_and(|(_, d)| d.is_allowed()));
+        let decisions = marked(&mut admitted).unwrap();
+        assert!(decisions.get("default").is_some_and(|d| d.is_allowed()));
         let refused = fallback.verdict(failed());
         assert_eq!(status(&refused), Some(StatusCode::TOO_MANY_REQUESTS));
     }

@@ -6,6 +6,8 @@
 //! the policy has a concurrency limit. Both post to the store through [`post`], the machinery
 //! below them: neither imports the other.
 //!
+//! A request counted by outcome settles its tab as soon as the response head is in.
+//!
 //! ```text
 //! body ends ─► Receipt dropped ─┬─► Tab: charge or refund ─┐
 //!                               └─► Slot: give-back ───────┴─► Ledger ─► Store::settle_then
@@ -36,10 +38,14 @@ impl Receipt {
         self.tab.is_none() && self.slot.is_none()
     }
 
-    /// Reads the usage a response's head reports, and whether a layer inside refused it.
+    /// Reads the usage a response's head reports, and whether a layer inside refused it; a
+    /// request counted by outcome is settled there and then.
     pub(crate) fn read_head<B>(&mut self, response: &Response<B>) {
         if let Some(tab) = &mut self.tab {
             tab.read_head(response);
+            if tab.settles_at_head() {
+                self.tab = None;
+            }
         }
     }
 

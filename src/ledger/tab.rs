@@ -1,6 +1,7 @@
 //! The usage tab of one admitted request: what it reserved, and what its response reports
-//! (see [`usage`](crate::usage)); dropped when the response body ends, it posts the
-//! difference to the store as a charge or a refund.
+//! (see [`usage`](crate::usage)); dropped when the response body ends (when its head is in,
+//! for a request counted by outcome), it posts the difference to the store as a charge or a
+//! refund.
 
 use std::sync::Arc;
 
@@ -69,6 +70,12 @@ impl Tab {
         })
     }
 
+    /// Whether the tab is settled as soon as the response head is in: counted by outcome,
+    /// the head says all there is.
+    pub(crate) fn settles_at_head(&self) -> bool {
+        self.metering.report.outcome.is_some()
+    }
+
     /// Reads the usage a response's head reports, and whether a layer inside refused it.
     pub(crate) fn read_head<B>(&mut self, response: &Response<B>) {
         let extensions = response.extensions();
@@ -104,7 +111,8 @@ impl Drop for Tab {
     fn drop(&mut self) {
         let used = match (self.refused, &self.metering.report.outcome) {
             (true, _) => Some(0),
-            // Counted by outcome: the head's verdict alone, none when the head never came.
+            // Counted by outcome: the head's verdict alone; when the head never came (the
+            // client went away, the service failed), the attempt keeps the unit it holds.
             (false, Some(_)) => self.from_head,
             (false, None) => self
                 .from_trailers
@@ -116,11 +124,9 @@ impl Drop for Tab {
         };
         let reserved = self.decision.recorded;
         let settlement = match used.cmp(&reserved) {
-            // Counted by outcome, over a soft limit included: the look before it recorded
-            // nothing, whatever it found.
-            _ if self.metering.report.outcome.is_some() => {
-                (used > 0).then(|| Settlement::count(used))
-            }
+            // Passed on over a soft limit, counted by outcome: it reserved nothing, and is
+            // charged when it matches, so that failures past the captcha add up.
+            _ if !self.decision.is_allowed() => (used > 0).then(|| Settlement::count(used)),
             std::cmp::Ordering::Greater => Settlement::charge(&self.decision, used - reserved),
             std::cmp::Ordering::Less => Settlement::refund(&self.decision, reserved - used),
             std::cmp::Ordering::Equal => None,

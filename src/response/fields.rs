@@ -41,6 +41,7 @@ impl Responder {
             limit_names,
             policy,
             options,
+            name_repeated: Default::default(),
         }
     }
 

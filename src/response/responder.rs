@@ -1,14 +1,16 @@
 //! What the layer's responses share: its options, and per policy a [`Responder`].
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::HeaderValue;
-use http::Response;
+use http::{Request, Response};
 
 use super::FailureMode;
-use crate::{Decision, Policy};
+use crate::decision::Entry;
+use crate::{Decision, Decisions, Policy};
 
 /// Builds the response for a refused request; see
 /// [`RateLimitLayerBuilder::on_rejection`](crate::RateLimitLayerBuilder::on_rejection).
@@ -74,4 +76,30 @@ pub(crate) struct Responder {
     /// The header name of each limit, computed once rather than per response.
     pub(super) limit_names: Vec<String>,
     pub(crate) options: Options,
+    /// Whether a request already carried a decision of another policy of this name when this
+    /// responder's was added: warned about once.
+    pub(super) name_repeated: AtomicBool,
+}
+
+impl Responder {
+    /// Adds this layer's `entry` to the request's [`Decisions`], inside those of outer
+    /// layers (unless the layer turned them off); warns once when a layer outside used the
+    /// same policy name, which [`Decisions::get`] then finds instead.
+    pub(crate) fn mark<B>(&self, request: &mut Request<B>, entry: Entry) {
+        if self.options.no_decisions {
+            return;
+        }
+        let decisions = request
+            .extensions_mut()
+            .get_or_insert_default::<Decisions>();
+        let repeated = decisions.push(self.policy.shared_name(), entry);
+        if repeated && !self.name_repeated.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                target: "tower_redis_ratelimit",
+                policy = self.policy.name(),
+                "two rate-limit layers on one request have policies of the same name: \
+                 Decisions::get finds the outer one only; name the policies apart"
+            );
+        }
+    }
 }

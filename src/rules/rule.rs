@@ -196,7 +196,10 @@ impl Rule {
     /// its decision, not allowed, in the request's [`Decisions`](crate::Decisions) and the
     /// `RateLimit` fields on the response, so that the handler decides what to do (ask for a
     /// captcha, degrade the answer). It counts as refused in the metrics, records nothing
-    /// (a refused request never does), and the deny cache does not answer for it.
+    /// (a refused request never does; counted by outcome, it is charged when it matches), and
+    /// the deny cache does not answer for it. With a penalty box
+    /// ([`Policy::block_for`](crate::Policy::block_for)), a soft policy marks the key's
+    /// requests over for the box's length, and its limits' as long as they would refuse.
     /// [`RateLimitLayerBuilder::soft`](crate::RateLimitLayerBuilder::soft) makes every policy
     /// of a layer soft.
     ///
