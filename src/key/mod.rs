@@ -187,7 +187,10 @@ pub enum KeyError {
     /// The request carries no [`BodyField`] of this name: no [`BodyFieldLayer`] reading it runs
     /// before the rate-limit layer, or the request was passed on unread
     /// ([`OtherContent::Pass`](body::OtherContent::Pass)).
-    #[error("no body field {0:?} on the request: a BodyFieldLayer reading it runs before the rate-limit layer, for forms and JSON")]
+    #[error(
+        "no body field {0:?} on the request: a BodyFieldLayer reading it goes before the \
+         rate-limit layer, and reads form and JSON bodies only"
+    )]
     MissingBodyField(String),
     /// A closure extractor returned `None`, or an empty key.
     #[error("the key extractor found no key")]
