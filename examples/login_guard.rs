@@ -16,8 +16,11 @@
 //!   every request of that user is refused for 15 minutes (`429`, `Retry-After: 900`), the
 //!   right password included.
 //!
-//! A real form posts its fields in the body; the user name must be known before the body is
-//! read, so the client sends it in a header here (`x-user`), as it could in the URL.
+//! The user name comes from the form's body (`username=ann`): a `BodyFieldLayer` outside both
+//! layers reads that field (at most 4 KiB of body) and hands the body on intact, and both
+//! layers key on it with its `BodyKey`. It is normalised, so the client's even attempts, sent
+//! as ` ANN `, spend Ann's budget too. The password and the captcha travel in headers, to keep
+//! the handler short.
 
 #[allow(dead_code)]
 #[path = "support/redis.rs"]
@@ -26,10 +29,10 @@ mod scratch;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use axum::http::{HeaderMap, HeaderName, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::{Extension, Router};
-use tower_redis_ratelimit::{Decisions, Header, Policy, RateLimitLayer, RedisStore, Rule};
+use tower_redis_ratelimit::{BodyFieldLayer, Decisions, Policy, RateLimitLayer, RedisStore, Rule};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -49,7 +52,10 @@ async fn login(decisions: Extension<Decisions>, headers: HeaderMap) -> (StatusCo
 async fn main() -> Result<(), Error> {
     let redis = scratch::Scratch::start(0)?;
     let store = RedisStore::connect(&redis.url()).await?;
-    let user = || Header::new(HeaderName::from_static("x-user"));
+    let username = BodyFieldLayer::builder("username")
+        .limit(4 * 1024)
+        .build()?;
+    let user = || username.key();
     let failed = |response: &tower_redis_ratelimit::ResponseHead<'_>| {
         response.status == StatusCode::UNAUTHORIZED
     };
@@ -71,7 +77,8 @@ async fn main() -> Result<(), Error> {
     let app = Router::new()
         .route("/login", post(login))
         .layer(captcha.clone())
-        .layer(block.clone());
+        .layer(block.clone())
+        .layer(username.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move { axum::serve(listener, app).await });
@@ -98,7 +105,8 @@ async fn main() -> Result<(), Error> {
     for (times, password, captcha) in attempts {
         for _ in 0..times {
             n += 1;
-            let answer = client.login("ann", password, captcha).await?;
+            let user = if n % 2 == 0 { " ANN " } else { "ann" };
+            let answer = client.login(user, password, captcha).await?;
             assert_eq!(settled().await, 0);
             let captcha = captcha.unwrap_or("-");
             println!("ann #{n:<2} password {password:<7} captcha {captcha:<6} -> {answer}");
@@ -116,7 +124,7 @@ struct Client {
     addr: SocketAddr,
     hyper: hyper_util::client::legacy::Client<
         hyper_util::client::legacy::connect::HttpConnector,
-        http_body_util::Empty<bytes::Bytes>,
+        http_body_util::Full<bytes::Bytes>,
     >,
 }
 
@@ -137,15 +145,15 @@ impl Client {
     ) -> Result<String, Error> {
         use http_body_util::BodyExt;
         let mut request = http::Request::post(format!("http://{}/login", self.addr))
-            .header("x-user", user)
+            .header("content-type", "application/x-www-form-urlencoded")
             .header("x-password", password);
         if let Some(captcha) = captcha {
             request = request.header("x-captcha", captcha);
         }
-        let response = self
-            .hyper
-            .request(request.body(Default::default())?)
-            .await?;
+        let form = form_urlencoded::Serializer::new(String::new())
+            .append_pair("username", user)
+            .finish();
+        let response = self.hyper.request(request.body(form.into())?).await?;
         let status = response.status().as_u16();
         let fields: Vec<String> = ["retry-after", "ratelimit"]
             .into_iter()

@@ -32,7 +32,10 @@ pub mod usage;
 pub use algorithm::Algorithm;
 pub use decision::{Decision, Decisions, Settlement, Undecided};
 pub use future::ResponseFuture;
-pub use key::{ClientIp, Global, Header, Key, KeyError, KeyExtractor, PeerIp};
+pub use key::{
+    BodyField, BodyFieldLayer, BodyKey, ClientIp, Global, Header, Key, KeyError, KeyExtractor,
+    PeerIp,
+};
 pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder, DEFAULT_DENY_CACHE};
 pub use policy::{Limit, LimitError, Policy, PolicyError};
 pub use response::{FailureMode, MissingKey};

@@ -2,9 +2,11 @@
 //!
 //! A [`KeyExtractor`] turns a request into a [`Key`]; every key has its own budget under each
 //! policy. Built in: [`PeerIp`] (the connecting address), [`Header`] (an API key or user id
-//! header), [`Global`] (one budget for everybody), and any closure
+//! header), [`Global`] (one budget for everybody), [`BodyKey`] (a form or JSON field, read by
+//! [`BodyFieldLayer`]: see [`body`]), and any closure
 //! `Fn(&http::Request<B>) -> Option<impl Into<Key>>`.
 
+pub mod body;
 mod client_ip;
 mod forwarded;
 mod header;
@@ -17,6 +19,7 @@ use ipnet::IpNet;
 
 use http::Request;
 
+pub use body::{BodyField, BodyFieldLayer, BodyKey};
 pub use client_ip::{ClientIp, ClientIpBuilder, ClientIpError};
 pub use forwarded::ForwardedHeader;
 pub use header::Header;
@@ -181,6 +184,14 @@ pub enum KeyError {
     /// The configured header is present but empty.
     #[error("header {0:?} is empty")]
     InvalidHeader(http::HeaderName),
+    /// The request carries no [`BodyField`] of this name: no [`BodyFieldLayer`] reading it runs
+    /// before the rate-limit layer, or the request was passed on unread
+    /// ([`OtherContent::Pass`](body::OtherContent::Pass)).
+    #[error(
+        "no body field {0:?} on the request: a BodyFieldLayer reading it goes before the \
+         rate-limit layer, and reads form and JSON bodies only"
+    )]
+    MissingBodyField(String),
     /// A closure extractor returned `None`, or an empty key.
     #[error("the key extractor found no key")]
     NotFound,
