@@ -104,9 +104,22 @@ fn micros(d: Duration) -> u64 {
 /// Bounded: it holds at most [`max_keys`](MemoryStoreBuilder::max_keys) keys (client ×
 /// policy), and forgets a key once its policy's longest window has passed without a request,
 /// since its state would be empty by then. When the bound is reached, expired keys are dropped
-/// first, then the least recently used ones (a refused request counts as use); an evicted key starts
-/// again with a full budget, so size the bound above the number of clients you expect within
-/// the longest window.
+/// first, then the least recently used of the keys that are not pinned (a refused request
+/// counts as use); an evicted key starts again with a full budget, so size the bound above the
+/// number of clients you expect within the longest window.
+///
+/// **Pinned keys.** A key in its penalty box ([`Policy::block_for`]) is pinned until the
+/// box's length has passed, and a key that holds concurrency slots ([`Policy::concurrency`])
+/// until its last slot expires: every other key is evicted first, so that a flood of new
+/// clients cannot free a boxed one. The bound is per shard: the keys are split over
+/// `max_keys / 256` shards, rounded up to a power of two, from 1 to 64 (4 shards of 250 keys
+/// for `max_keys(1_000)`, 64 of 1 562 for the default 100 000), and each holds at most
+/// `max_keys / shards` keys, pinned or not. A store therefore keeps every boxed key while no
+/// shard holds `max_keys / shards` pinned keys; keys fall into shards at random, so keep the
+/// keys boxed or with requests in flight at once well under `max_keys` (under half keeps every
+/// shard far from full). A shard whose keys are all pinned evicts the one whose pin ends
+/// soonest (it starts afresh, out of its box), counted in `ratelimit_evicted_pinned_total`
+/// (feature `metrics`): the bound holds whatever clients do.
 ///
 /// Keys are spread over independently locked shards, and a decision holds one shard's lock for
 /// the few arithmetic steps it takes, so concurrent requests rarely wait on each other. Runs
@@ -193,6 +206,12 @@ impl State {
             boxed_until: 0,
             slots: Slots::default(),
         }
+    }
+
+    /// Until when the map must not evict the key (0: it may): while it is in its penalty box,
+    /// or holds concurrency slots.
+    fn pinned_until(&self) -> u64 {
+        self.boxed_until.max(self.slots.last_expiry())
     }
 
     /// Puts the key in `policy`'s penalty box from `now`, if it has one; until when.
@@ -447,7 +466,8 @@ impl MemoryStore {
                 let answer = state.answer(policy, ask);
                 // The map holds a key once a decision has recorded something for it.
                 if let Some(until) = answer.keep_until {
-                    shard.insert(key, policy.state_id(), ask.now, until, state);
+                    let pinned = state.pinned_until();
+                    shard.insert(key, policy.state_id(), ask.now, until, pinned, state);
                 }
                 answer
             }
@@ -464,10 +484,15 @@ impl MemoryStore {
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         let kept = match shard.get(key, policy.state_id(), now) {
             Some(entry) if !entry.is_live(now) => false,
-            Some(entry) if !renew => return entry.value.slots.give_back(id),
+            Some(entry) if !renew => {
+                let held = entry.value.slots.give_back(id);
+                entry.pinned = entry.value.pinned_until();
+                return held;
+            }
             Some(entry) => {
                 let kept = entry.value.slots.renew(now, id, until);
                 entry.expires = entry.expires.max(entry.value.slots.last_expiry());
+                entry.pinned = entry.value.pinned_until();
                 kept
             }
             None => false,
@@ -503,6 +528,7 @@ impl MemoryStore {
             Some(entry) => {
                 if !entry.is_live(now) || entry.value.algorithm() != algorithm {
                     entry.value = State::new(algorithm, now);
+                    entry.pinned = 0;
                 }
                 let drained = entry.value.settle(now, policy, change);
                 if let Settle::Charge(_) = change {
@@ -510,6 +536,7 @@ impl MemoryStore {
                     // A charge that fills the key puts it in the penalty box.
                     let boxed = entry.value.penalize_if_full(now, policy);
                     entry.expires = entry.expires.max(boxed.unwrap_or(0));
+                    entry.pinned = entry.value.pinned_until();
                 }
                 entry.expires = entry.expires.max(now.saturating_add(drained));
             }
@@ -522,7 +549,8 @@ impl MemoryStore {
                 let expires = expiry(policy, now, now)
                     .max(now.saturating_add(drained))
                     .max(boxed);
-                shard.insert(key, policy.state_id(), now, expires, state);
+                let pinned = state.pinned_until();
+                shard.insert(key, policy.state_id(), now, expires, pinned, state);
             }
         }
     }
@@ -555,6 +583,7 @@ fn answer_held(entry: &mut Entry<State>, policy: &Policy, ask: &Ask) -> Result<A
     let algorithm = policy.algorithm();
     if !entry.is_live(ask.now) || entry.value.algorithm() != algorithm {
         entry.value = State::new(algorithm, ask.now);
+        entry.pinned = 0;
     }
     if let Some(refusal) = entry.value.refusal(policy, ask) {
         return Err(refusal);
@@ -562,6 +591,7 @@ fn answer_held(entry: &mut Entry<State>, policy: &Policy, ask: &Ask) -> Result<A
     let answer = entry.value.answer(policy, ask);
     if let Some(until) = answer.keep_until {
         entry.expires = entry.expires.max(until);
+        entry.pinned = entry.value.pinned_until();
     }
     Ok(answer)
 }
@@ -660,6 +690,7 @@ impl Store for MemoryStore {
                     slots,
                     ..State::new(policy.algorithm(), now)
                 };
+                entry.pinned = entry.value.pinned_until();
             }
             _ => shard.remove(key, policy.state_id()),
         }

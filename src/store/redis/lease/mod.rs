@@ -337,7 +337,7 @@ impl State {
             entry: Entry::default(),
         };
         let out = f(&mut held.entry);
-        locked.insert(key, policy.terms_id(), now, u64::MAX, held);
+        locked.insert(key, policy.terms_id(), now, u64::MAX, 0, held);
         out
     }
 }
