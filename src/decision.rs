@@ -94,13 +94,17 @@ impl Decision {
 
     /// Whether the request was refused because its key is in the policy's penalty box
     /// ([`Policy::block_for`](crate::Policy::block_for)): it hit the limit, and is refused
-    /// until [`retry_after`](Self::retry_after), the block's end, whatever the windows say.
+    /// for at least the box's length and until its limits admit it again.
+    /// [`retry_after`](Self::retry_after) (and [`reset_after`](Self::reset_after)) is then
+    /// the later of the two: the time until the same request would be admitted. The decision
+    /// describes the policy's first limit, with nothing remaining.
     pub fn in_penalty_box(&self) -> bool {
         self.penalty
     }
 
-    /// The refusal of a key in `policy`'s penalty box for `left` more (also the limit the
-    /// box was set for; the reply names the policy's first limit).
+    /// The refusal of a key in `policy`'s penalty box, admitted again after `left`: the
+    /// later of the box's end and the limits' own retry. It describes the policy's first
+    /// limit.
     pub(crate) fn boxed(policy: &crate::Policy, left: Duration) -> Decision {
         let limit = policy.limits()[0];
         Decision {

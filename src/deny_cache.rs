@@ -150,7 +150,8 @@ impl DenyCache {
                 entry.expires = expires;
                 entry.value = denial;
             }
-            None => shard.insert(key, policy.terms_id(), now, expires, denial),
+            // A refusal pins nothing: the store keeps what a refusal must not forget.
+            None => shard.insert(key, policy.terms_id(), now, expires, 0, denial),
         }
     }
 

@@ -11,6 +11,7 @@
 //! | `ratelimit_store_errors_total` | counter | `policy` | decisions the store could not make (the failure mode then applies) |
 //! | `ratelimit_fallbacks_total` | counter | `policy` | of those, decisions made by the fallback store instead |
 //! | `ratelimit_settle_errors_total` | counter | `policy` | usage settlements (and concurrency slots' give-backs and renewals) that did not run, got no reply within their patience (3 s on Redis), or were abandoned when their runtime shut down (see [`usage`](crate::usage)); a late settle that landed is not counted; the responses were not affected |
+//! | `ratelimit_evicted_pinned_total` | counter | `policy` | memory-store keys evicted while pinned (in their penalty box, or holding concurrency slots) because every key of their shard was pinned: the key whose pin ended soonest went, and starts afresh (see [`MemoryStore`](crate::MemoryStore)) |
 //! | `ratelimit_decision_seconds` | histogram | `policy` | time from asking the store to its answer, failures included; for a request that waited for a concurrency slot (`max_wait`), to its last answer, the wait included |
 //!
 //! Without the feature these functions do nothing and cost nothing.
@@ -74,6 +75,13 @@ impl Report {
             .increment(1);
     }
 
+    /// A pinned entry of a shard map evicted to keep its bound; `identity` is its policy's
+    /// identity (`Policy::identity`), labelled by the name before its first colon.
+    pub(crate) fn evicted_pinned(identity: &str) {
+        let name = identity.split(':').next().unwrap_or_default().to_owned();
+        ::metrics::counter!("ratelimit_evicted_pinned_total", "policy" => name).increment(1);
+    }
+
     pub(crate) fn latency(policy: &Policy, took: Duration) {
         ::metrics::histogram!("ratelimit_decision_seconds", "policy" => policy.shared_name())
             .record(took.as_secs_f64());
@@ -91,6 +99,7 @@ impl Report {
     pub(crate) fn denied_concurrency(_: &Policy) {}
     pub(crate) fn slots_in_use(_: &Policy, _: f64) {}
     pub(crate) fn slot_lost(_: &Policy) {}
+    pub(crate) fn evicted_pinned(_: &str) {}
 }
 
 /// When a decision started, kept only when there is a histogram to feed.

@@ -365,15 +365,28 @@ impl Policy {
 
     /// The penalty box: once a key hits the policy's limit (a request refused by it, or a
     /// charge, such as a failed login counted by outcome, that leaves no room for one more),
-    /// every request of the key is refused for `duration`, whatever the windows say, with a
-    /// `Retry-After` to the block's end ([`Decision::in_penalty_box`](crate::Decision::in_penalty_box)).
-    /// The block is set in the same atomic step as the decision that triggers it (one script
-    /// call on Redis), repeated by the deny cache a second at a time, and cleared by
-    /// [`Store::reset`](crate::Store::reset); an [override](crate::store::Overrides) that
-    /// raises the key's limits does not lift it. A refusal by a limit, or a charge that fills
-    /// the key, sets a full box from that moment (a charge of a request admitted before the box
-    /// restarts it); requests refused by the box itself do not extend it. A look ([`Store::peek`](crate::Store::peek))
-    /// never sets it. The duration is from 1 ms to 3650 days.
+    /// every request of the key is refused for at least `duration`, and until its limits admit
+    /// it again; `Retry-After` is the later of the two
+    /// ([`Decision::in_penalty_box`](crate::Decision::in_penalty_box)). With `10/1h` and a box
+    /// of 15 minutes, ten failures in a burst lock the key out for the hour the limit refuses
+    /// (`Retry-After: 3600`), ten spread over the hour for the 15 minutes
+    /// (`Retry-After: 900`). The `retry_after` of a boxed refusal is the time until the same
+    /// request would be admitted, never early (on Redis, `Retry-After` rounds it up to whole
+    /// seconds): the later of the box's end and the limits' own retry for its cost, looked at
+    /// without recording, under the limits in force for the key (an
+    /// [override](crate::store::Overrides)'s included).
+    ///
+    /// Requests refused during the box, and charges, never extend it: a box is set only where
+    /// the key is in none, and once its length has passed, requests are decided by the limits
+    /// again, their refusals answered as the box's (and setting no new one) until the key is
+    /// admitted. The box is set in the same atomic step as the decision that triggers it (one
+    /// script call on Redis), repeated by the deny cache a second at a time, and cleared by
+    /// [`Store::reset`](crate::Store::reset); an override that raises the key's limits does not
+    /// lift it. A look ([`Store::peek`](crate::Store::peek)) never sets it, and a request that
+    /// no wait helps (larger than a limit itself) neither sets it nor is answered by it. The
+    /// memory store keeps boxed keys when it is full (see [`MemoryStore`](crate::MemoryStore)).
+    /// A boxed policy is never leased (`store::Leases`). The duration is from
+    /// 1 ms to 3650 days.
     ///
     /// ```
     /// use std::time::Duration;

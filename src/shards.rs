@@ -5,8 +5,22 @@
 //! refusals. Both are on the path of every request, so a lookup borrows the key instead of
 //! cloning it, hashes it once (foldhash, seeded per map), and holds one shard's lock for a few
 //! arithmetic steps; two cores rarely meet on one lock. Every entry carries the time its value
-//! stops mattering, and the time it was last used. Times are whole microseconds on a clock
-//! the owner chooses.
+//! stops mattering, the time it was last used, and the time until which it must not be evicted
+//! (its pin). Times are whole microseconds on a clock the owner chooses.
+//!
+//! A full shard evicts unpinned entries first, least recently used first; when every entry of
+//! a shard is pinned, the one whose pin ends soonest goes (counted in
+//! `ratelimit_evicted_pinned_total`), so that the bound always holds. The memory store pins a
+//! key while it is in its penalty box or holds concurrency slots; the deny cache and the lease
+//! book pin nothing.
+//!
+//! Pinning is written here by hand rather than taken from a cache crate such as `quick_cache`
+//! (`Lifecycle::is_pinned`): there a pinned entry is never evicted, so a cache full of pinned
+//! entries outgrows its bound, which a client could force with boxed keys; it has no expiry per
+//! entry, which the sweep of dead state needs; and the store changes a key's state in place
+//! under its shard's lock, one atomic step per decision, where a cache hands out copies or
+//! guards. A pin here is one integer beside the expiry, which the owner sets when it writes the
+//! entry, and the eviction scan reads it in the pass it already makes.
 
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -47,6 +61,9 @@ pub(crate) struct Entry<V> {
     /// When the key was last looked up. When a shard is full, the entries used least recently
     /// are evicted first.
     used: u64,
+    /// Until when the entry is evicted only if every entry of its shard is pinned (0: not
+    /// pinned); set by the owner whenever it writes the value. Never after `expires`.
+    pub(crate) pinned: u64,
     pub(crate) value: V,
 }
 
@@ -127,8 +144,17 @@ impl<V> Locked<'_, V> {
     }
 
     /// Adds an entry for `key` under `policy`, which [`get`](Self::get) just did not find,
-    /// making room first if the shard is full.
-    pub(crate) fn insert(&mut self, key: &Key, policy: Id<'_>, now: u64, expires: u64, value: V) {
+    /// expiring at `expires` and pinned until `pinned` (0: not pinned), making room first if
+    /// the shard is full.
+    pub(crate) fn insert(
+        &mut self,
+        key: &Key,
+        policy: Id<'_>,
+        now: u64,
+        expires: u64,
+        pinned: u64,
+        value: V,
+    ) {
         self.shard.make_room(now, self.capacity);
         let entry = Entry {
             hash: self.hash,
@@ -136,6 +162,7 @@ impl<V> Locked<'_, V> {
             key: key.clone(),
             expires,
             used: now,
+            pinned,
             value,
         };
         self.shard
@@ -180,8 +207,9 @@ impl<V> Shard<V> {
     }
 
     /// Before a new entry goes in: sweeps now and then, and when the shard is full, drops
-    /// expired entries and then the eighth of the rest used least recently, so that the work of
-    /// evicting is spread over many insertions.
+    /// expired entries and then the eighth of the unpinned rest used least recently, so that
+    /// the work of evicting is spread over many insertions. When every entry is pinned, the
+    /// one whose pin ends soonest goes: the bound holds whatever clients do.
     fn make_room(&mut self, now: u64, capacity: usize) {
         if now >= self.next_sweep || self.entries.len() >= capacity {
             self.sweep(now);
@@ -189,10 +217,35 @@ impl<V> Shard<V> {
         if self.entries.len() < capacity {
             return;
         }
-        let mut used: Vec<u64> = self.entries.iter().map(|e| e.used).collect();
+        let mut used: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|e| e.pinned <= now)
+            .map(|e| e.used)
+            .collect();
+        if used.is_empty() {
+            return self.evict_pinned();
+        }
         let evict = (used.len() / 8).max(1);
         let (_, &mut threshold, _) = used.select_nth_unstable(evict - 1);
-        self.entries.retain(|e| e.used > threshold);
+        self.entries
+            .retain(|e| e.pinned > now || e.used > threshold);
+    }
+
+    /// Evicts the entry whose pin ends soonest, in a shard whose entries are all pinned.
+    #[cold]
+    fn evict_pinned(&mut self) {
+        let soonest = self.entries.iter().map(|e| (e.pinned, e.hash)).min();
+        let Some((pinned, hash)) = soonest else {
+            return;
+        };
+        if let Ok(entry) = self
+            .entries
+            .find_entry(hash, |e| e.pinned == pinned && e.hash == hash)
+        {
+            crate::metrics::Report::evicted_pinned(&entry.get().policy);
+            entry.remove();
+        }
     }
 }
 
@@ -211,7 +264,7 @@ mod tests {
         let (a, b, p) = (Key::from("a"), Key::from("b"), policy());
         let other = p.clone().named("other").unwrap();
         map.lock(&a, p.state_id())
-            .insert(&a, p.state_id(), 0, 10, 'a');
+            .insert(&a, p.state_id(), 0, 10, 0, 'a');
         assert_eq!(
             map.lock(&a, p.state_id())
                 .get(&a, p.state_id(), 1)
@@ -229,7 +282,7 @@ mod tests {
         assert_eq!(map.len(5), 1);
         assert_eq!(map.len(10), 0, "expired at 10");
         map.lock(&b, p.state_id())
-            .insert(&b, p.state_id(), 0, 10, 'b');
+            .insert(&b, p.state_id(), 0, 10, 0, 'b');
         map.lock(&b, p.state_id()).remove(&b, p.state_id());
         assert_eq!(map.len(0), 0);
     }
@@ -241,7 +294,7 @@ mod tests {
         let keys: Vec<Key> = (0..8).map(|i| Key::from(format!("k{i}"))).collect();
         for (t, key) in keys.iter().enumerate() {
             map.lock(key, p.state_id())
-                .insert(key, p.state_id(), t as u64, u64::MAX, ());
+                .insert(key, p.state_id(), t as u64, u64::MAX, 0, ());
         }
         // k0 is the oldest insertion but was used last.
         assert!(map
@@ -250,7 +303,7 @@ mod tests {
             .is_some());
         let new = Key::from("new");
         map.lock(&new, p.state_id())
-            .insert(&new, p.state_id(), 101, u64::MAX, ());
+            .insert(&new, p.state_id(), 101, u64::MAX, 0, ());
         assert_eq!(map.len(101), 8);
         assert!(map
             .lock(&keys[0], p.state_id())
@@ -260,5 +313,41 @@ mod tests {
             .lock(&keys[1], p.state_id())
             .get(&keys[1], p.state_id(), 102)
             .is_none());
+    }
+
+    #[test]
+    fn full_shards_evict_unpinned_entries_first_then_the_soonest_pin() {
+        let map = Shards::new(4);
+        let p = policy();
+        let keys: Vec<Key> = (0..6).map(|i| Key::from(format!("k{i}"))).collect();
+        let has = |key: &Key, now| {
+            map.lock(key, p.state_id())
+                .get(key, p.state_id(), now)
+                .is_some()
+        };
+        // k0 and k1 pinned until 50 and 40 µs, k2 and k3 not.
+        for (t, (key, pinned)) in keys.iter().zip([50, 40, 0, 0]).enumerate() {
+            map.lock(key, p.state_id())
+                .insert(key, p.state_id(), t as u64, u64::MAX, pinned, ());
+        }
+        // k0 and k1 are the least recently used, but pinned: k2 goes.
+        map.lock(&keys[4], p.state_id())
+            .insert(&keys[4], p.state_id(), 10, u64::MAX, 60, ());
+        assert!(!has(&keys[2], 11) && has(&keys[0], 11) && has(&keys[1], 11));
+        // k3 is the last unpinned entry.
+        map.lock(&keys[5], p.state_id())
+            .insert(&keys[5], p.state_id(), 12, u64::MAX, 70, ());
+        assert!(!has(&keys[3], 13));
+        // All pinned: the pin that ends soonest, k1's, goes, though k4 was used less lately.
+        map.lock(&keys[2], p.state_id())
+            .insert(&keys[2], p.state_id(), 14, u64::MAX, 0, ());
+        assert_eq!(map.len(14), 4);
+        assert!(!has(&keys[1], 15) && has(&keys[0], 15) && has(&keys[4], 15));
+        // Once a pin has ended, its entry is evicted as any unpinned one, by when it was used
+        // (k2 at 14, k0 at 15).
+        map.lock(&keys[3], p.state_id())
+            .insert(&keys[3], p.state_id(), 55, u64::MAX, 0, ());
+        assert!(!has(&keys[2], 56) && has(&keys[0], 56));
+        assert!(has(&keys[4], 56) && has(&keys[5], 56));
     }
 }

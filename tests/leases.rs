@@ -275,6 +275,50 @@ async fn a_leasing_store_refuses_the_sliding_log_at_build_time() {
     assert!(gcra.is_ok());
 }
 
+/// A policy with a penalty box (or a concurrency limit) is never leased, so a leasing store
+/// takes it whatever its algorithm, the sliding log included, and decides each request in
+/// Redis, the box with it.
+#[tokio::test]
+async fn a_leasing_store_takes_a_boxed_sliding_log() {
+    let server = RedisServer::start();
+    let store = leasing(server.url()).await;
+    let sliding_log = |limit: &str| {
+        Policy::new("login", [limit.parse().unwrap()])
+            .unwrap()
+            .with_algorithm(Algorithm::SlidingLog)
+    };
+    let boxed = sliding_log("2/300ms")
+        .block_for(Duration::from_secs(1))
+        .unwrap();
+    let streams = sliding_log("100/1m").named("streams").unwrap();
+    let streams = streams.concurrency(2).unwrap();
+    assert!(store.supports(&boxed).is_ok() && store.supports(&streams).is_ok());
+    let layer = RateLimitLayer::builder()
+        .policy(boxed.clone())
+        .key(api_key())
+        .store(store.clone())
+        .build();
+    let layer = layer.expect("a boxed sliding log builds on a leasing store");
+    let service = served(layer);
+    let admin = server.client().await;
+    let before = evalsha_calls(&admin).await;
+    assert!(passes(&service, "mallory").await);
+    assert!(passes(&service, "mallory").await);
+    assert!(!passes(&service, "mallory").await);
+    assert_eq!(
+        evalsha_calls(&admin).await - before,
+        3,
+        "each decided in Redis"
+    );
+    let key = Key::from("mallory");
+    let boxed_now = store.peek(&key, &boxed, 1).await.unwrap();
+    assert!(boxed_now.in_penalty_box(), "{boxed_now:?}");
+    let left = boxed_now.retry_after().unwrap();
+    assert!(left <= Duration::from_secs(1), "{left:?}");
+    tokio::time::sleep(left + Duration::from_millis(100)).await;
+    assert!(passes(&service, "mallory").await, "free after the box");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_covers_every_limit_of_a_policy_and_costs() {
     let server = RedisServer::start();

@@ -237,3 +237,26 @@ async fn settle_failures_are_counted_and_leave_the_response_untouched() {
         "{log}"
     );
 }
+
+/// A memory store whose one shard holds only boxed keys makes room for a new key by evicting
+/// the box that ends soonest, and counts it.
+#[tokio::test]
+async fn pinned_evictions_are_counted() {
+    use tower_redis_ratelimit::{Key, Store};
+
+    let handle = prometheus();
+    let store = MemoryStore::builder().max_keys(2).build();
+    let policy = policy("evict-boxed", "1/1h")
+        .block_for(Duration::from_secs(900))
+        .unwrap();
+    for name in ["a", "b", "c"] {
+        let key = Key::from(name);
+        assert!(store.check(&key, &policy, 1).await.unwrap().is_allowed());
+        let refused = store.check(&key, &policy, 1).await.unwrap();
+        assert!(refused.in_penalty_box(), "{name}: {refused:?}");
+    }
+    assert_eq!(store.key_count(), 2);
+    let text = handle.render();
+    let series = "ratelimit_evicted_pinned_total{policy=\"evict-boxed\"}";
+    assert_eq!(sample(&text, series), Some(1.0), "{text}");
+}

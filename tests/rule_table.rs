@@ -147,7 +147,7 @@ async fn a_file_sets_soft_limits_and_penalty_boxes() {
             .unwrap()
     };
     let boxed = build(
-        "[default]\nname = \"api\"\nlimits = \"1/1h\"\nblock_for = \"15m\"\n\n\
+        "[default]\nname = \"api\"\nlimits = \"1/1m\"\nblock_for = \"15m\"\n\n\
          [[rule]]\nname = \"login\"\nlimits = \"1/1h\"\npath = \"/login\"\nsoft = true\n",
     );
     assert_eq!(
@@ -161,6 +161,7 @@ async fn a_file_sets_soft_limits_and_penalty_boxes() {
         "soft: passed on over the limit"
     );
     assert_eq!(send(&boxed, "/").await.0, 200);
+    // The box (15 minutes) outlasts the limit (a minute): its `Retry-After`.
     assert_eq!(send(&boxed, "/").await, (429, Some("900".into())));
 
     let soft_default = build("[default]\nlimits = \"1/1h\"\nsoft = true\n");

@@ -104,9 +104,22 @@ fn micros(d: Duration) -> u64 {
 /// Bounded: it holds at most [`max_keys`](MemoryStoreBuilder::max_keys) keys (client ×
 /// policy), and forgets a key once its policy's longest window has passed without a request,
 /// since its state would be empty by then. When the bound is reached, expired keys are dropped
-/// first, then the least recently used ones (a refused request counts as use); an evicted key starts
-/// again with a full budget, so size the bound above the number of clients you expect within
-/// the longest window.
+/// first, then the least recently used of the keys that are not pinned (a refused request
+/// counts as use); an evicted key starts again with a full budget, so size the bound above the
+/// number of clients you expect within the longest window.
+///
+/// **Pinned keys.** A key in its penalty box ([`Policy::block_for`]) is pinned until the
+/// box's length has passed, and a key that holds concurrency slots ([`Policy::concurrency`])
+/// until its last slot expires: every other key is evicted first, so that a flood of new
+/// clients cannot free a boxed one. The bound is per shard: the keys are split over
+/// `max_keys / 256` shards, rounded up to a power of two, from 1 to 64 (4 shards of 250 keys
+/// for `max_keys(1_000)`, 64 of 1 562 for the default 100 000), and each holds at most
+/// `max_keys / shards` keys, pinned or not. A store therefore keeps every boxed key while no
+/// shard holds `max_keys / shards` pinned keys; keys fall into shards at random, so keep the
+/// keys boxed or with requests in flight at once well under `max_keys` (under half keeps every
+/// shard far from full). A shard whose keys are all pinned evicts the one whose pin ends
+/// soonest (it starts afresh, out of its box), counted in `ratelimit_evicted_pinned_total`
+/// (feature `metrics`): the bound holds whatever clients do.
 ///
 /// Keys are spread over independently locked shards, and a decision holds one shard's lock for
 /// the few arithmetic steps it takes, so concurrent requests rarely wait on each other. Runs
@@ -131,8 +144,13 @@ struct State {
     /// an eviction) never held its units.
     born: u64,
     of: Of,
-    /// Until when (µs) the key is in its policy's penalty box; 0 when it never was.
+    /// Until when (µs) the key is in its policy's penalty box (the box's own length); 0 when
+    /// it never was. Requests are then refused whatever the limits say.
     boxed_until: u64,
+    /// Until when (µs) the box holds once its length has passed, unless the key is admitted
+    /// first (0: no box): the limits decide again, but a refusal of theirs is the box's, and
+    /// sets no new one. Set with the box to the later of its end and the state's expiry.
+    held_until: u64,
     /// The key's concurrency slots, when its policy has a concurrency limit.
     slots: Slots,
 }
@@ -175,7 +193,8 @@ struct Answer {
     /// Until when (µs) the key's state must be kept, when the decision recorded something:
     /// the request it admitted, or the penalty box its refusal earned.
     keep_until: Option<u64>,
-    /// Until when (µs) the refusal put the key in its penalty box.
+    /// When the penalty box answers the refusal (it set the box, or the box holds): its
+    /// retry (µs), the later of the box's end and the limits' own retry.
     boxed: Option<u64>,
 }
 
@@ -191,26 +210,40 @@ impl State {
             born: now,
             of,
             boxed_until: 0,
+            held_until: 0,
             slots: Slots::default(),
         }
     }
 
-    /// Puts the key in `policy`'s penalty box from `now`, if it has one; until when.
-    fn penalize(&mut self, now: u64, policy: &Policy) -> Option<u64> {
-        let block = policy.block_micros();
-        (block > 0).then(|| {
-            self.boxed_until = now.saturating_add(block);
-            self.boxed_until
-        })
+    /// Until when the map must not evict the key (0: it may): while it is in its penalty box,
+    /// or holds concurrency slots.
+    fn pinned_until(&self) -> u64 {
+        self.boxed_until.max(self.slots.last_expiry())
     }
 
-    /// Puts the key in `policy`'s penalty box, if it has one, when a charge has left it no
-    /// unit (a look for one more would be refused); until when.
-    fn penalize_if_full(&mut self, now: u64, policy: &Policy) -> Option<u64> {
-        if policy.block_micros() == 0 || self.decide(now, now, policy, 1, false).allowed {
+    /// Puts the key in `policy`'s penalty box from `now`, if it has one and is not in one
+    /// already (nothing extends a box), holding it at least until `kept` (the state's
+    /// expiry); until when the box lasts.
+    fn penalize(&mut self, now: u64, policy: &Policy, kept: u64) -> Option<u64> {
+        let block = policy.block_micros();
+        if block == 0 || self.held_until > now {
             return None;
         }
-        self.penalize(now, policy)
+        self.boxed_until = now.saturating_add(block);
+        self.held_until = self.boxed_until.max(kept);
+        Some(self.boxed_until)
+    }
+
+    /// Puts the key in `policy`'s penalty box, if it has one and is not in one already, when
+    /// a charge has left it no unit (a look for one more would be refused); until when.
+    fn penalize_if_full(&mut self, now: u64, policy: &Policy, kept: u64) -> Option<u64> {
+        if policy.block_micros() == 0
+            || self.held_until > now
+            || self.decide(now, now, policy, 1, false).allowed
+        {
+            return None;
+        }
+        self.penalize(now, policy, kept)
     }
 
     fn algorithm(&self) -> Algorithm {
@@ -236,12 +269,20 @@ impl State {
         }
     }
 
-    /// The refusal a request meets before the limits are asked: the key is in its penalty
+    /// The refusal a request meets before the limits decide it: the key is in its penalty
     /// box, or the request would take a concurrency slot and the key holds every one.
+    ///
+    /// In the box, the limits are looked at without recording, and the refusal's retry is the
+    /// later of the box's end and theirs: the time until the same request is admitted. A
+    /// request that no wait helps (larger than a limit itself) gets the limits' refusal.
     fn refusal(&mut self, policy: &Policy, ask: &Ask) -> Option<Decision> {
         if self.boxed_until > ask.now {
-            let left = Duration::from_micros(self.boxed_until - ask.now);
-            return Some(Decision::boxed(policy, left));
+            let looked = self.decide(ask.now, ask.t, policy, ask.cost, false);
+            if !looked.allowed && looked.retry_after.is_none() {
+                return Some(Decision::from_outcome(looked, policy));
+            }
+            let left = (self.boxed_until - ask.now).max(looked.retry_after.unwrap_or(0));
+            return Some(Decision::boxed(policy, Duration::from_micros(left)));
         }
         let left = self.slots.full(ask.now, ask.take?.cap)?;
         Some(Decision::slots_full(policy, Duration::from_micros(left)))
@@ -249,10 +290,13 @@ impl State {
 
     /// Decides `ask` against the limits, and keeps what a recorded decision leaves: the
     /// request it admits and the concurrency slot that takes, or the penalty box of a refusal.
-    fn answer(&mut self, policy: &Policy, ask: &Ask) -> Answer {
+    /// `kept` is until when the key's state is kept so far (0: new).
+    fn answer(&mut self, policy: &Policy, ask: &Ask, kept: u64) -> Answer {
         let (now, t) = (ask.now, ask.t);
         let outcome = self.decide(now, t, policy, ask.cost, ask.record);
         if ask.record && outcome.allowed {
+            // The key is admitted again: a box that held past its length ends.
+            self.held_until = 0;
             let mut until = expiry(policy, now, t);
             if let Some(take) = ask.take {
                 self.slots.take(take.id, take.until);
@@ -264,16 +308,31 @@ impl State {
                 boxed: None,
             };
         }
-        // Refused by a limit that a wait satisfies: not a request larger than the limit
-        // itself, which no wait helps and the key did not earn.
-        let boxed = match ask.record && outcome.retry_after.is_some() {
-            true => self.penalize(now, policy),
+        // Refused by a limit that a wait satisfies (not a request larger than the limit
+        // itself, which no wait helps and the key did not earn): the box answers, the one
+        // that still holds, or a new one a recorded refusal sets.
+        let Some(retry) = outcome.retry_after else {
+            return Answer {
+                outcome,
+                keep_until: None,
+                boxed: None,
+            };
+        };
+        if self.held_until > now {
+            return Answer {
+                outcome,
+                keep_until: None,
+                boxed: Some(retry),
+            };
+        }
+        let until = match ask.record {
+            true => self.penalize(now, policy, kept),
             false => None,
         };
         Answer {
             outcome,
-            keep_until: boxed,
-            boxed,
+            keep_until: until,
+            boxed: until.map(|until| (until - now).max(retry)),
         }
     }
 
@@ -444,10 +503,11 @@ impl MemoryStore {
             },
             None => {
                 let mut state = State::new(policy.algorithm(), ask.now);
-                let answer = state.answer(policy, ask);
+                let answer = state.answer(policy, ask, 0);
                 // The map holds a key once a decision has recorded something for it.
                 if let Some(until) = answer.keep_until {
-                    shard.insert(key, policy.state_id(), ask.now, until, state);
+                    let pinned = state.pinned_until();
+                    shard.insert(key, policy.state_id(), ask.now, until, pinned, state);
                 }
                 answer
             }
@@ -464,10 +524,15 @@ impl MemoryStore {
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         let kept = match shard.get(key, policy.state_id(), now) {
             Some(entry) if !entry.is_live(now) => false,
-            Some(entry) if !renew => return entry.value.slots.give_back(id),
+            Some(entry) if !renew => {
+                let held = entry.value.slots.give_back(id);
+                entry.pinned = entry.value.pinned_until();
+                return held;
+            }
             Some(entry) => {
                 let kept = entry.value.slots.renew(now, id, until);
                 entry.expires = entry.expires.max(entry.value.slots.last_expiry());
+                entry.pinned = entry.value.pinned_until();
                 kept
             }
             None => false,
@@ -503,26 +568,29 @@ impl MemoryStore {
             Some(entry) => {
                 if !entry.is_live(now) || entry.value.algorithm() != algorithm {
                     entry.value = State::new(algorithm, now);
+                    entry.pinned = 0;
                 }
                 let drained = entry.value.settle(now, policy, change);
+                entry.expires = entry.expires.max(now.saturating_add(drained));
                 if let Settle::Charge(_) = change {
                     entry.expires = entry.expires.max(expiry(policy, now, now));
-                    // A charge that fills the key puts it in the penalty box.
-                    let boxed = entry.value.penalize_if_full(now, policy);
+                    // A charge that fills the key puts it in the penalty box, unless it is in
+                    // one already.
+                    let kept = entry.expires;
+                    let boxed = entry.value.penalize_if_full(now, policy, kept);
                     entry.expires = entry.expires.max(boxed.unwrap_or(0));
+                    entry.pinned = entry.value.pinned_until();
                 }
-                entry.expires = entry.expires.max(now.saturating_add(drained));
             }
             // Nothing recorded is left to refund.
             None if matches!(change, Settle::Refund { .. }) => {}
             None => {
                 let mut state = State::new(algorithm, now);
                 let drained = state.settle(now, policy, change);
-                let boxed = state.penalize_if_full(now, policy).unwrap_or(0);
-                let expires = expiry(policy, now, now)
-                    .max(now.saturating_add(drained))
-                    .max(boxed);
-                shard.insert(key, policy.state_id(), now, expires, state);
+                let kept = expiry(policy, now, now).max(now.saturating_add(drained));
+                let boxed = state.penalize_if_full(now, policy, kept).unwrap_or(0);
+                let (expires, pinned) = (kept.max(boxed), state.pinned_until());
+                shard.insert(key, policy.state_id(), now, expires, pinned, state);
             }
         }
     }
@@ -555,23 +623,24 @@ fn answer_held(entry: &mut Entry<State>, policy: &Policy, ask: &Ask) -> Result<A
     let algorithm = policy.algorithm();
     if !entry.is_live(ask.now) || entry.value.algorithm() != algorithm {
         entry.value = State::new(algorithm, ask.now);
+        entry.pinned = 0;
     }
     if let Some(refusal) = entry.value.refusal(policy, ask) {
         return Err(refusal);
     }
-    let answer = entry.value.answer(policy, ask);
+    let answer = entry.value.answer(policy, ask, entry.expires);
     if let Some(until) = answer.keep_until {
         entry.expires = entry.expires.max(until);
+        entry.pinned = entry.value.pinned_until();
     }
     Ok(answer)
 }
 
-/// The decision `answer` makes: a refusal for the penalty box it put the key in, or the
-/// limits' outcome, with the concurrency slot an admitted request took and what a recorded
-/// one recorded.
+/// The decision `answer` makes: the penalty box's refusal, or the limits' outcome, with the
+/// concurrency slot an admitted request took and what a recorded one recorded.
 fn decision(answer: Answer, policy: &Policy, ask: &Ask) -> Decision {
-    if let Some(until) = answer.boxed {
-        return Decision::boxed(policy, Duration::from_micros(until - ask.now));
+    if let Some(left) = answer.boxed {
+        return Decision::boxed(policy, Duration::from_micros(left));
     }
     let mut decision = Decision::from_outcome(answer.outcome, policy);
     if let Some(take) = ask.take {
@@ -660,6 +729,7 @@ impl Store for MemoryStore {
                     slots,
                     ..State::new(policy.algorithm(), now)
                 };
+                entry.pinned = entry.value.pinned_until();
             }
             _ => shard.remove(key, policy.state_id()),
         }

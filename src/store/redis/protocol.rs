@@ -289,7 +289,8 @@ impl SlotOp {
 // slot operation.
 
 /// The limit index of a request refused because its key is in the policy's penalty box
-/// (`BOXED` in `prelude.lua`); its retry is the time the box has left.
+/// (`BOXED` in `prelude.lua`); its retry is the time until the same request would be
+/// admitted: the later of the box's end and the limits' own retry.
 pub(super) const BOXED: i64 = -1;
 
 /// The limit index of a request refused because its key holds every concurrency slot
@@ -363,14 +364,15 @@ pub(super) struct Verdict {
     pub(super) extra: u64,
     /// The count of the reported limit when an override set it.
     pub(super) count: Option<u64>,
-    /// How long (µs) the key stays in the policy's penalty box, when it is in it.
+    /// When the key is in the policy's penalty box: how long (µs) until the request would be
+    /// admitted.
     boxed: Option<u64>,
     /// When the key holds every concurrency slot: how long (µs) until the first expires.
     slots_full: Option<u64>,
 }
 
 impl Verdict {
-    /// The verdict for a key in its policy's penalty box for `left` µs more.
+    /// The verdict for a key in its policy's penalty box, admitted in `left` µs.
     fn boxed(left: u64) -> Verdict {
         Verdict {
             outcome: Outcome {
@@ -393,7 +395,8 @@ impl Verdict {
             return Decision::slots_full(policy, std::time::Duration::from_micros(left));
         }
         if let Some(left) = self.boxed {
-            return Decision::boxed(policy, std::time::Duration::from_micros(left));
+            let left = std::time::Duration::from_micros(left);
+            return Decision::boxed(policy, left).with_limit(self.count);
         }
         Decision::from_outcome(self.outcome, policy).with_limit(self.count)
     }
@@ -405,8 +408,17 @@ impl Answer {
         let bad = || StoreError::Reply(format!("{:?}", self.ints));
         let [allowed, index, remaining, reset_after, retry_after, count] = self.ints;
         let non_negative = |v: i64| u64::try_from(v).map_err(|_| bad());
+        let count = match count {
+            COUNT_OWN => None,
+            v => Some(non_negative(v)?),
+        };
         match index {
-            BOXED => return Ok(Verdict::boxed(non_negative(retry_after)?)),
+            BOXED => {
+                return Ok(Verdict {
+                    count,
+                    ..Verdict::boxed(non_negative(retry_after)?)
+                })
+            }
             SLOTS_FULL => {
                 let left = non_negative(retry_after)?;
                 return Ok(Verdict {
@@ -433,10 +445,7 @@ impl Answer {
         Ok(Verdict {
             outcome,
             extra: non_negative(allowed.max(1) - 1)?,
-            count: match count {
-                COUNT_OWN => None,
-                v => Some(non_negative(v)?),
-            },
+            count,
             boxed: None,
             slots_full: None,
         })

@@ -30,7 +30,9 @@
 //! at most one lease period (sooner when the key goes idle).
 //!
 //! The sliding log cannot be leased: its exactness is per event, and units spent after they
-//! were logged would sit at the wrong times in it. A leasing store refuses it at build time.
+//! were logged would sit at the wrong times in it. A leasing store refuses it at build time,
+//! unless the policy has a penalty box or a concurrency limit: those are never leased, every
+//! decision going to Redis as without leases, so any algorithm will do.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -143,7 +145,7 @@ impl Leases {
     /// units, or a policy with a penalty box or a concurrency limit, which every decision
     /// must read in Redis).
     fn plan(&self, policy: &Policy) -> Option<Plan> {
-        if policy.block().is_some() || policy.concurrency_limit().is_some() {
+        if never_leased(policy) {
             return None;
         }
         let smallest = policy.windows().iter().map(|w| w.count).min()?;
@@ -337,7 +339,7 @@ impl State {
             entry: Entry::default(),
         };
         let out = f(&mut held.entry);
-        locked.insert(key, policy.terms_id(), now, u64::MAX, held);
+        locked.insert(key, policy.terms_id(), now, u64::MAX, 0, held);
         out
     }
 }
@@ -825,11 +827,17 @@ pub(super) async fn stop(inner: &Inner) {
 }
 
 /// Whether the store can decide `policy`: a leasing store cannot lease the sliding log, nor
-/// a GCRA policy whose headroom would leave a bucket no room (see [`Leases::refuses`]).
+/// a GCRA policy whose headroom would leave a bucket no room (see [`Leases::refuses`]); a
+/// policy it never leases (a penalty box, a concurrency limit) it decides whatever its
+/// algorithm.
 pub(super) fn supports(inner: &Inner, policy: &Policy) -> Result<(), StoreError> {
     let Some(state) = &inner.leases else {
         return Ok(());
     };
+    // Decided in Redis every time, as by a store without leases: any algorithm will do.
+    if never_leased(policy) {
+        return Ok(());
+    }
     match policy.algorithm() {
         Algorithm::SlidingLog => {
             return Err(StoreError::Unsupported(
@@ -844,6 +852,12 @@ pub(super) fn supports(inner: &Inner, policy: &Policy) -> Result<(), StoreError>
         Some(error) => Err(error),
         None => Ok(()),
     }
+}
+
+/// Whether `policy` is never leased, whatever the settings: a penalty box or a concurrency
+/// limit, which every decision must read in Redis.
+fn never_leased(policy: &Policy) -> bool {
+    policy.block().is_some() || policy.concurrency_limit().is_some()
 }
 
 fn micros(d: Duration) -> u64 {

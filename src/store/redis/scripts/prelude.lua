@@ -45,11 +45,12 @@
 --        override set it (0 for a block; -1: the request's own); then, once per call, Redis
 --        TIME in us; then one byte per slot operation, '1' where the slot was held, else
 --        '0'. Two limit indexes are no limit's: BOXED (-1), a request refused by its penalty
---        box, answers 0 BOXED 0 left left -1 (left: us the box has left); SLOTS_FULL (-2), a
---        request refused for its concurrency slots, answers 0 SLOTS_FULL 0 left left cap
---        (left: us until the first slot expires). A settlement's six are those of an
---        admitted request: remaining and reset_after after it (a refund on the sliding log
---        answers 1 0 0 0 -1 -1)
+--        box, answers 0 BOXED 0 left left count (left: us until the same request would be
+--        admitted, see "Penalty box"; count: the first limit's when an override set it, else
+--        -1); SLOTS_FULL (-2), a request refused for its concurrency slots, answers
+--        0 SLOTS_FULL 0 left left cap (left: us until the first slot expires). A
+--        settlement's six are those of an admitted request: remaining and reset_after after
+--        it (a refund on the sliding log answers 1 0 0 0 -1 -1)
 --
 -- Overrides (src/store/overrides.rs): a request other than a settlement is decided by the
 -- counts its key's own override sets (field: the key's name), else its policy's (field: the
@@ -64,13 +65,25 @@
 -- say whether the key is full under those counts; a block does not stop a settlement. GCRA
 -- state written under other counts is reweighed (exact.lua).
 --
--- Penalty box (Policy::block_for): a request of a policy with one is refused while the key
--- `<KEYS[k]>:box` lives (same hash slot: the key's hash tag), answered 0 BOXED 0 left left -1
--- (left: its PTTL in us). A request refused by a limit (ADMIT or LEASE, a wait that helps),
--- or a charge that leaves the key no unit (SETTLE), sets it for the box's length, in the same
--- call; the refusal then answers as a boxed one. A LOOK never sets it. Read only for policies
--- with a box, with pcall: while an operator migrates the key's hash slot, a box Redis refuses
--- to read or write here is taken as none.
+-- Penalty box (Policy::block_for): a key that hits its limit is refused for at least the
+-- box's length, and until its limits admit it again; the refusal's retry is the later of the
+-- two. The box is the string `<KEYS[k]>:box` (same hash slot: the key's hash tag), whose
+-- value is the Redis time (us) its length ends. A request refused by a limit (ADMIT or LEASE,
+-- a wait that helps), or a charge that leaves the key no unit (SETTLE), sets it, in the same
+-- call, only where there is none (SET NX): requests refused by the box, and charges, never
+-- extend it. It is kept (PX) at least as long as the key's state, and holds until then:
+--   before its end, a request (other than a settlement) is looked at (LOOK: the limits
+--     decide it, recording nothing, and it takes no concurrency slot) and answered
+--     0 BOXED 0 left left count, left = max(end - now, the limits' retry), or the limits'
+--     refusal when no wait helps (-2);
+--   after its end, requests are decided by the limits again; a refusal that a wait helps is
+--     answered BOXED with the limits' retry, and sets no new box; the first admission that
+--     records (ADMIT or LEASE) deletes it, and the key's next refusal sets a new one.
+-- The refusal that sets it answers BOXED with left = max(the box's length, the limits'
+-- retry). A LOOK never sets it nor deletes it. A box an earlier version set (value '1', no
+-- end) lasts until it expires. Read only for policies with a box, with pcall: while an
+-- operator migrates the key's hash slot, a box Redis refuses to read or write here is taken
+-- as none.
 --
 -- Settlements (Store::settle, `settle` in src/algorithm/mod.rs) decide nothing: a charge
 -- records `cost` units now as an admitted request would, past the limits if need be; a refund
@@ -120,9 +133,12 @@ local overridden = false
 local own_overrides, policy_overrides = nil, {}
 -- The answer to a blocked request: refused at a limit of 0, no wait helps.
 local BLOCKED = spack('<llllll', 0, 0, 0, 0, -2, 0)
--- The penalty box of the request at hand: its length in ms (0: the policy has none), and the
--- request's record and refund, which say whether its answer sets the box.
-local box_ms, box_record, box_refund = 0, 0, 0
+-- The penalty box of the request at hand (see the header): its length in ms and in us (0:
+-- the policy has none); the request's record and refund, which say whether its answer sets
+-- the box; the end of the box it is in (Redis time, us; 0: none), or whether a box holds
+-- past its end; and the count its BOXED answer reports (-1: the request's own).
+local box_ms, box_us, box_record, box_refund = 0, 0, 0, 0
+local box_end, box_held, box_count = 0, false, -1
 
 -- The decimal text of the integer x, made once per call.
 local texts = {}
@@ -236,6 +252,27 @@ for j = 1, OPS do
   slots_kept[j] = kept
 end
 
+-- When request k's penalty box ends (Redis time, us): -1 when the key has none; in the past
+-- when its end has passed but it still holds (see the header). With pcall, as the overrides:
+-- while its hash slot migrates, Redis refuses a key missing here.
+local function box_end_of(k)
+  local bkey = KEYS[k] .. ':box'
+  local got = redis.pcall('GET', bkey)
+  if type(got) ~= 'string' then
+    return -1
+  end
+  local ends = tonumber(got)
+  if ends == nil or ends < 2 then
+    -- An earlier version's box ('1'): until it expires.
+    local left = redis.pcall('PTTL', bkey)
+    if type(left) ~= 'number' or left <= 0 then
+      return -1
+    end
+    return now + left * 1000
+  end
+  return ends
+end
+
 -- Reads the next request's arguments, request k's: returns its number of limits n, cost, mode
 -- (LOOK to SETTLE; TAKE is decided as ADMIT), event time (now for -1), want and headroom (cost
 -- and 0 unless a lease or a look), refund (0 unless a settlement), admission time (-1 unless a
@@ -275,7 +312,8 @@ local function next_request(counts, windows, scales, k)
   end
   overridden = false
   local blocked = false
-  box_ms, box_record, box_refund = 0, record, refund
+  box_ms, box_us, box_record, box_refund = 0, box, record, refund
+  box_end, box_held, box_count = 0, false, -1
   if box > 0 then
     box_ms = math.ceil(box / 1000)
   end
@@ -299,13 +337,18 @@ local function next_request(counts, windows, scales, k)
       end
     end
   end
-  -- The penalty box, after the overrides (a block answers as a block), as the memory store.
+  -- The penalty box, after the overrides (a block answers as a block, and the box's look
+  -- is decided by the override's counts), as the memory store.
   if box > 0 and record ~= SETTLE and not blocked then
-    -- With pcall, as the overrides: while its hash slot migrates, Redis refuses a key missing
-    -- here.
-    local left = redis.pcall('PTTL', KEYS[k] .. ':box')
-    if type(left) == 'number' and left > 0 then
-      blocked = spack('<llllll', 0, BOXED, 0, left * 1000, left * 1000, -1)
+    if overridden then
+      box_count = counts[1]
+    end
+    local ends = box_end_of(k)
+    if ends > now then
+      -- In the box: looked at, never recorded, taking no slot (`penalize` answers it).
+      box_end, record, slot_cap = ends, LOOK, 0
+    elseif ends >= 0 then
+      box_held = true
     end
   end
   -- The slots, last: a blocked or boxed key answers as such.
@@ -315,20 +358,52 @@ local function next_request(counts, windows, scales, k)
   return n, cost, record, t, want, headroom, refund, admitted, weight, blocked
 end
 
--- Request k's `answer`, or the penalty box's when the answer puts the key in it (see the
--- header); called only where the request's policy has a box.
+-- The answer to a request refused by its penalty box, `left` us before it would be admitted.
+local function boxed(left)
+  return spack('<llllll', 0, BOXED, 0, left, left, box_count)
+end
+
+-- Request k's `answer` under its penalty box (see the header): the box's refusal when the key
+-- is in it, or when the answer puts the key in it; called only where the request's policy has
+-- a box.
 local function penalize(k, answer)
   local allowed, _, remaining, _, retry = sunpack('<lllll', answer)
-  local refused = allowed == 0 and retry ~= -2 and (box_record == ADMIT or box_record == LEASE)
+  if box_end > 0 then
+    -- Looked at in the box: refused until its end, and until the limits admit the request
+    -- (retry -1 when they would now); a request that no wait helps gets their refusal.
+    if allowed == 0 and retry == -2 then
+      return answer
+    end
+    return boxed(math.max(box_end - now, retry))
+  end
+  local bkey = KEYS[k] .. ':box'
+  local recorded = box_record == ADMIT or box_record == LEASE
+  if box_held then
+    -- Past its end: the first admission ends the box; until then a refusal is the box's.
+    if allowed >= 1 and recorded then
+      redis.pcall('DEL', bkey)
+    elseif allowed == 0 and retry >= 0 then
+      return boxed(retry)
+    end
+    return answer
+  end
+  local refused = allowed == 0 and retry ~= -2 and recorded
   local filled = box_record == SETTLE and box_refund == 0 and remaining == 0
   if not (refused or filled) then
     return answer
   end
-  redis.pcall('SET', KEYS[k] .. ':box', '1', 'PX', text(box_ms))
+  -- Kept as long as the key's state (1 ms more than its length: Redis expires keys on its
+  -- own millisecond clock), and only where there is none.
+  local ms = box_ms + 1
+  local kept = redis.pcall('PTTL', KEYS[k])
+  if type(kept) == 'number' and kept > ms then
+    ms = kept
+  end
+  redis.pcall('SET', bkey, text(now + box_us), 'PX', text(ms), 'NX')
   if filled then
     return answer
   end
-  return spack('<llllll', 0, BOXED, 0, box_ms * 1000, box_ms * 1000, -1)
+  return boxed(math.max(box_us, retry))
 end
 
 -- Request k's `answer` once decided: the penalty box's when it puts the key in it, and the
