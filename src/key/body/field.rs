@@ -1,0 +1,207 @@
+//! What the layer reads and hands on: its settings, [`Normalize`], [`OtherContent`], and
+//! [`BodyField`] with [`BodyKey`], the key extractor that reads it.
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::Request;
+use unicode_normalization::UnicodeNormalization;
+
+use crate::key::{Key, KeyError, KeyExtractor};
+
+/// A [`BodyFieldLayer`](super::BodyFieldLayer)'s settings, shared by its services and
+/// their futures.
+#[derive(Debug)]
+pub(super) struct Settings {
+    pub(super) field: Arc<str>,
+    pub(super) limit: usize,
+    pub(super) normalize: Normalize,
+    pub(super) other: OtherContent,
+}
+
+/// How a field's value is normalised before it becomes a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Normalize {
+    /// The value as sent: `Ann` and `ann` are two budgets.
+    Exact,
+    /// Leading and trailing white space removed (Unicode's `White_Space`).
+    Trim,
+    /// Unicode NFKC, trimmed, lowercased: `ann`, ` ANN ` and `ＡＮＮ` are one budget. The
+    /// default.
+    #[default]
+    Fold,
+}
+
+impl Normalize {
+    /// `value`, normalised.
+    ///
+    /// ```
+    /// use tower_redis_ratelimit::key::body::Normalize;
+    ///
+    /// assert_eq!(Normalize::Fold.apply(" ANN "), "ann");
+    /// assert_eq!(Normalize::Fold.apply("ＡＮＮ"), "ann");
+    /// assert_eq!(Normalize::Fold.apply("ÉLODIE"), "élodie");
+    /// assert_eq!(Normalize::Trim.apply(" Ann "), "Ann");
+    /// assert_eq!(Normalize::Exact.apply(" Ann "), " Ann ");
+    /// ```
+    pub fn apply(self, value: &str) -> String {
+        match self {
+            Normalize::Exact => value.to_owned(),
+            Normalize::Trim => value.trim().to_owned(),
+            // NFKC leaves ASCII as it is.
+            Normalize::Fold if value.is_ascii() => value.trim().to_ascii_lowercase(),
+            Normalize::Fold => value.nfkc().collect::<String>().trim().to_lowercase(),
+        }
+    }
+}
+
+/// What [`BodyFieldLayer`] does with a request that is neither a form nor JSON: another
+/// `Content-Type` or none, or a `Content-Encoding` other than `identity`.
+///
+/// [`BodyFieldLayer`]: super::BodyFieldLayer
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OtherContent {
+    /// Answer `415 Unsupported Media Type`. The default.
+    #[default]
+    Reject,
+    /// Hand the request on untouched, its body unread and without a [`BodyField`]; a
+    /// [`BodyKey`] then finds no key, and the rate-limit layer's
+    /// [`MissingKey`](crate::MissingKey) applies.
+    Pass,
+}
+
+/// The field a [`BodyFieldLayer`] read, in the request's extensions: its name and its
+/// normalised value, never empty.
+///
+/// Handlers can read it too (axum: `Extension<BodyField>`). Its `Debug` output shows the
+/// value as [`Key::loggable`] does, so that a user name stays out of the logs.
+///
+/// [`BodyFieldLayer`]: super::BodyFieldLayer
+#[derive(Clone, PartialEq, Eq)]
+pub struct BodyField {
+    name: Arc<str>,
+    value: String,
+}
+
+impl BodyField {
+    /// A field as the layer would have put it, e.g. to test a handler.
+    pub fn new(name: &str, value: impl Into<String>) -> Self {
+        BodyField {
+            name: Arc::from(name),
+            value: value.into(),
+        }
+    }
+
+    /// The field a layer read, named with the layer's own name.
+    pub(super) fn shared(name: Arc<str>, value: String) -> Self {
+        BodyField { name, value }
+    }
+
+    /// The field's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The field's value, normalised as the layer was told.
+    pub fn value(&self) -> &str {
+        &self.value
+    }
+}
+
+impl fmt::Debug for BodyField {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BodyField")
+            .field("name", &self.name)
+            .field("value", &Key::from(self.value.as_str()).loggable())
+            .finish()
+    }
+}
+
+/// The key of a request: the [`BodyField`] a [`BodyFieldLayer`] outside the rate-limit layer
+/// read. Without it (no such layer, another field, or a request passed on unread) the
+/// request has no key ([`KeyError::MissingBodyField`]).
+///
+/// ```
+/// use http::Request;
+/// use tower_redis_ratelimit::key::body::{BodyField, BodyKey};
+/// use tower_redis_ratelimit::{Key, KeyExtractor};
+///
+/// let mut request = Request::new(());
+/// request.extensions_mut().insert(BodyField::new("username", "ann"));
+/// assert_eq!(BodyKey::new("username").extract(&request), Ok(Key::from("ann")));
+/// assert!(BodyKey::new("email").extract(&request).is_err());
+/// ```
+///
+/// [`BodyFieldLayer`]: super::BodyFieldLayer
+#[derive(Debug, Clone)]
+pub struct BodyKey {
+    field: Arc<str>,
+}
+
+impl BodyKey {
+    /// Keys requests by body field `field` (see also [`BodyFieldLayer::key`]).
+    ///
+    /// [`BodyFieldLayer::key`]: super::BodyFieldLayer::key
+    pub fn new(field: &str) -> Self {
+        BodyKey {
+            field: Arc::from(field),
+        }
+    }
+
+    /// Keys requests by the field a layer reads, named with the layer's own name.
+    pub(super) fn shared(field: Arc<str>) -> Self {
+        BodyKey { field }
+    }
+}
+
+impl<B> KeyExtractor<B> for BodyKey {
+    fn extract(&self, request: &Request<B>) -> Result<Key, KeyError> {
+        match request.extensions().get::<BodyField>() {
+            Some(found) if found.name == self.field && !found.value.is_empty() => {
+                Ok(Key::from(found.value.as_str()))
+            }
+            _ => Err(KeyError::MissingBodyField(self.field.to_string())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn folds_case_width_and_white_space() {
+        assert_eq!(Normalize::Fold.apply("\u{3000}ＡＮＮ\t"), "ann");
+        assert_eq!(Normalize::Fold.apply("ÅSA"), "åsa");
+        // NFKC composes: a decomposed é is the composed one.
+        assert_eq!(Normalize::Fold.apply("E\u{301}"), "\u{e9}");
+        assert_eq!(Normalize::Trim.apply("\u{3000}Ann "), "Ann");
+    }
+
+    #[test]
+    fn the_key_is_the_field_of_its_name_and_bounded() {
+        let key = BodyKey::new("username");
+        let with = |field: BodyField| {
+            let mut request = Request::new(());
+            request.extensions_mut().insert(field);
+            request
+        };
+        assert_eq!(
+            key.extract(&with(BodyField::new("username", "ann"))),
+            Ok(Key::from("ann"))
+        );
+        let huge = key
+            .extract(&with(BodyField::new("username", "a".repeat(16_000))))
+            .unwrap();
+        assert_eq!(huge.as_str().len(), 33);
+        assert_eq!(
+            key.extract(&with(BodyField::new("email", "ann"))),
+            Err(KeyError::MissingBodyField("username".to_owned()))
+        );
+        assert!(key.extract(&Request::new(())).is_err());
+        let shown = format!("{:?}", BodyField::new("username", "ann"));
+        assert!(!shown.contains("\"ann\""), "{shown}");
+    }
+}
