@@ -1,6 +1,6 @@
 //! A login form guarded per user name, the classic recipe: after 3 failed logins in a minute
-//! the form asks for a captcha, after 10 in an hour the user is locked out for 15 minutes, and
-//! a successful login never counts.
+//! the form asks for a captcha, after 10 in an hour the user is locked out for at least 15
+//! minutes and until the hour's limit lets her in again, and a successful login never counts.
 //!
 //! ```text
 //! cargo run --example login_guard
@@ -13,8 +13,9 @@
 //!   marked over in its `Decisions` and asks for the captcha instead of checking the password
 //!   (`403`, which is not a failure and does not count);
 //! - `login-block`, `10/1h` with a penalty box of 15 minutes: the tenth failure fills it, and
-//!   every request of that user is refused for 15 minutes (`429`, `Retry-After: 900`), the
-//!   right password included.
+//!   every request of that user is refused for at least 15 minutes, the right password
+//!   included; here the ten failures came within a minute, so the hour's limit is what frees
+//!   her (`429`, `Retry-After: 3600`; ten failures spread over the hour would get 900).
 //!
 //! The user name comes from the form's body (`username=ann`): a `BodyFieldLayer` outside both
 //! layers reads that field (at most 4 KiB of body) and hands the body on intact, and both
