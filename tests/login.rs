@@ -74,12 +74,19 @@ fn ten_an_hour_then_fifteen_minutes_out(algorithm: Algorithm) -> Policy {
 /// at R − 1 s refused, one at R let through.
 async fn lockout(algorithm: Algorithm, failures_at: &[u64]) -> u64 {
     let clock = ManualClock::starting_at(UNIX_EPOCH + Duration::from_secs(START));
-    let app = form(Rule::new(ten_an_hour_then_fifteen_minutes_out(algorithm)), &clock);
+    let app = form(
+        Rule::new(ten_an_hour_then_fifteen_minutes_out(algorithm)),
+        &clock,
+    );
     let mut now = 0;
     for &at in failures_at {
         clock.advance(Duration::from_secs(at - now));
         now = at;
-        assert_eq!(attempt(&app, "ann", &[]).await, (401, None), "{algorithm:?}");
+        assert_eq!(
+            attempt(&app, "ann", &[]).await,
+            (401, None),
+            "{algorithm:?}"
+        );
     }
     let (status, retry_after) = attempt(&app, "ann", &[("x-password", "right")]).await;
     assert_eq!(status, 429, "{algorithm:?}");
@@ -87,7 +94,10 @@ async fn lockout(algorithm: Algorithm, failures_at: &[u64]) -> u64 {
     assert!(r >= 900, "{algorithm:?}: at least the box, got {r}");
     clock.advance(Duration::from_secs(r - 1));
     let early = attempt(&app, "ann", &[("x-password", "right")]).await;
-    assert_eq!(early.0, 429, "{algorithm:?}: a second before Retry-After {r}");
+    assert_eq!(
+        early.0, 429,
+        "{algorithm:?}: a second before Retry-After {r}"
+    );
     assert_eq!(early.1, Some(1), "{algorithm:?}: the refusal counts down");
     clock.advance(Duration::from_secs(1));
     let on_time = attempt(&app, "ann", &[("x-password", "right")]).await;
@@ -146,7 +156,11 @@ async fn failures_past_a_captcha_never_extend_the_box() {
         for _ in 0..3 {
             assert_eq!(attempt(&app, "bob", &[]).await.0, 401, "{algorithm:?}");
         }
-        assert_eq!(attempt(&app, "bob", &[]).await.0, 403, "{algorithm:?}: captcha");
+        assert_eq!(
+            attempt(&app, "bob", &[]).await.0,
+            403,
+            "{algorithm:?}: captcha"
+        );
         // A minute later, three failures with the captcha solved fill the limit again.
         clock.advance(Duration::from_secs(60));
         for _ in 0..3 {
@@ -156,6 +170,9 @@ async fn failures_past_a_captcha_never_extend_the_box() {
         assert_eq!(attempt(&app, "bob", &[]).await.0, 403, "{algorithm:?}");
         clock.advance(Duration::from_secs(240));
         let open = attempt(&app, "bob", &[("x-password", "right")]).await;
-        assert_eq!(open.0, 200, "{algorithm:?}: the box ended 5 minutes after the limit");
+        assert_eq!(
+            open.0, 200,
+            "{algorithm:?}: the box ended 5 minutes after the limit"
+        );
     }
 }

@@ -725,6 +725,40 @@ async fn a_boxed_key_outlives_a_flood_of_other_keys_on_memory() {
     );
 }
 
+/// Past the box's length, a key its limits still refuse stays locked out: ten failures at
+/// once at `10/1h` with a 15-minute box lock it out for the hour, and a flood of other keys
+/// 16 minutes in does not evict it into a fresh budget.
+#[tokio::test]
+async fn a_lockout_outlives_a_flood_of_other_keys_after_the_box_on_memory() {
+    let clock = ManualClock::starting_at(UNIX_EPOCH + secs(ON_THE_HOUR));
+    let store = MemoryStore::builder()
+        .max_keys(1_000)
+        .clock(clock.clone())
+        .build();
+    let policy = Policy::new("login", ["10/1h".parse().unwrap()])
+        .unwrap()
+        .block_for(BOX)
+        .unwrap();
+    let mallory = Key::from("mallory");
+    for _ in 0..10 {
+        assert!(check(&store, &mallory, &policy).await.is_allowed());
+    }
+    let locked = check(&store, &mallory, &policy).await;
+    assert_eq!(locked.retry_after(), Some(secs(3600)));
+    clock.advance(BOX + secs(60));
+    for i in 0..3_000 {
+        let other = Key::from(format!("user-{i}"));
+        assert!(check(&store, &other, &policy).await.is_allowed());
+    }
+    assert!(store.key_count() <= 1_000, "{} keys", store.key_count());
+    let still = check(&store, &mallory, &policy).await;
+    assert!(
+        !still.is_allowed(),
+        "evicted into a fresh budget: {still:?}"
+    );
+    assert_eq!(still.retry_after(), Some(secs(3600) - BOX - secs(60)));
+}
+
 /// A shard full of boxed keys (a store of 8 keys is one shard of 8) still holds at most 8: a
 /// ninth key evicts the box that ends soonest, k0's, although k1's was used less recently.
 #[tokio::test]

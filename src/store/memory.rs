@@ -109,7 +109,8 @@ fn micros(d: Duration) -> u64 {
 /// number of clients you expect within the longest window.
 ///
 /// **Pinned keys.** A key in its penalty box ([`Policy::block_for`]) is pinned until the
-/// box's length has passed, and a key that holds concurrency slots ([`Policy::concurrency`])
+/// lockout its box's first refusal announced has passed (the later of the box's end and its
+/// limits' own `Retry-After` then), and a key that holds concurrency slots ([`Policy::concurrency`])
 /// until its last slot expires: every other key is evicted first, so that a flood of new
 /// clients cannot free a boxed one. The bound is per shard: the keys are split over
 /// `max_keys / 256` shards, rounded up to a power of two, from 1 to 64 (4 shards of 250 keys
@@ -151,6 +152,10 @@ struct State {
     /// first (0: no box): the limits decide again, but a refusal of theirs is the box's, and
     /// sets no new one. Set with the box to the later of its end and the state's expiry.
     held_until: u64,
+    /// Until when (µs) the key is refused, as the refusal that set its box said (the later of
+    /// the box's end and the limits' own retry): the map keeps the key that long, so that a
+    /// flood of other keys cannot evict a locked-out one and give it a fresh budget.
+    locked_until: u64,
     /// The key's concurrency slots, when its policy has a concurrency limit.
     slots: Slots,
 }
@@ -211,39 +216,42 @@ impl State {
             of,
             boxed_until: 0,
             held_until: 0,
+            locked_until: 0,
             slots: Slots::default(),
         }
     }
 
-    /// Until when the map must not evict the key (0: it may): while it is in its penalty box,
-    /// or holds concurrency slots.
+    /// Until when the map must not evict the key (0: it may): while it is locked out by its
+    /// penalty box, or holds concurrency slots.
     fn pinned_until(&self) -> u64 {
-        self.boxed_until.max(self.slots.last_expiry())
+        self.locked_until.max(self.slots.last_expiry())
     }
 
     /// Puts the key in `policy`'s penalty box from `now`, if it has one and is not in one
     /// already (nothing extends a box), holding it at least until `kept` (the state's
-    /// expiry); until when the box lasts.
-    fn penalize(&mut self, now: u64, policy: &Policy, kept: u64) -> Option<u64> {
+    /// expiry); `retry` is the limits' own (µs). Until when the box lasts.
+    fn penalize(&mut self, now: u64, policy: &Policy, kept: u64, retry: u64) -> Option<u64> {
         let block = policy.block_micros();
         if block == 0 || self.held_until > now {
             return None;
         }
         self.boxed_until = now.saturating_add(block);
         self.held_until = self.boxed_until.max(kept);
+        self.locked_until = self.boxed_until.max(now.saturating_add(retry));
         Some(self.boxed_until)
     }
 
     /// Puts the key in `policy`'s penalty box, if it has one and is not in one already, when
     /// a charge has left it no unit (a look for one more would be refused); until when.
     fn penalize_if_full(&mut self, now: u64, policy: &Policy, kept: u64) -> Option<u64> {
-        if policy.block_micros() == 0
-            || self.held_until > now
-            || self.decide(now, now, policy, 1, false).allowed
-        {
+        if policy.block_micros() == 0 || self.held_until > now {
             return None;
         }
-        self.penalize(now, policy, kept)
+        let looked = self.decide(now, now, policy, 1, false);
+        if looked.allowed {
+            return None;
+        }
+        self.penalize(now, policy, kept, looked.retry_after.unwrap_or(0))
     }
 
     fn algorithm(&self) -> Algorithm {
@@ -296,7 +304,7 @@ impl State {
         let outcome = self.decide(now, t, policy, ask.cost, ask.record);
         if ask.record && outcome.allowed {
             // The key is admitted again: a box that held past its length ends.
-            self.held_until = 0;
+            (self.held_until, self.locked_until) = (0, 0);
             let mut until = expiry(policy, now, t);
             if let Some(take) = ask.take {
                 self.slots.take(take.id, take.until);
@@ -326,7 +334,7 @@ impl State {
             };
         }
         let until = match ask.record {
-            true => self.penalize(now, policy, kept),
+            true => self.penalize(now, policy, kept, retry),
             false => None,
         };
         Answer {
