@@ -1,4 +1,4 @@
-//! The bodies of the layer: [`RequestBody`] for the inner service, [`ResponseBody`] back.
+//! The request body the layer hands the inner service: [`RequestBody`].
 
 use std::fmt;
 use std::pin::Pin;
@@ -7,7 +7,6 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::Full;
 use pin_project_lite::pin_project;
 
 pin_project! {
@@ -91,78 +90,6 @@ impl<B: Body<Data = Bytes>> Body for RequestBody<B> {
 impl<B> fmt::Debug for RequestBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RequestBody").finish_non_exhaustive()
-    }
-}
-
-pin_project! {
-    /// The response body of a [`BodyFieldService`]: the inner service's body, or the short
-    /// body of an answer of the layer's own (`413`, `415`, `400`).
-    ///
-    /// [`BodyFieldService`]: super::BodyFieldService
-    pub struct ResponseBody<B> {
-        #[pin]
-        kind: ResponseKind<B>,
-    }
-}
-
-pin_project! {
-    #[project = ResponseKindProj]
-    enum ResponseKind<B> {
-        Inner { #[pin] body: B },
-        Own { #[pin] body: Full<Bytes> },
-    }
-}
-
-impl<B> ResponseBody<B> {
-    pub(super) fn inner(body: B) -> Self {
-        ResponseBody {
-            kind: ResponseKind::Inner { body },
-        }
-    }
-
-    pub(super) fn own(body: Full<Bytes>) -> Self {
-        ResponseBody {
-            kind: ResponseKind::Own { body },
-        }
-    }
-}
-
-impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        match self.project().kind.project() {
-            ResponseKindProj::Inner { body } => body.poll_frame(cx),
-            ResponseKindProj::Own { body } => match body.poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
-                // `Full` never fails, and has its frame at once.
-                _ => Poll::Ready(None),
-            },
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            ResponseKind::Inner { body } => body.is_end_stream(),
-            ResponseKind::Own { body } => body.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match &self.kind {
-            ResponseKind::Inner { body } => body.size_hint(),
-            ResponseKind::Own { body } => body.size_hint(),
-        }
-    }
-}
-
-impl<B> fmt::Debug for ResponseBody<B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseBody").finish_non_exhaustive()
     }
 }
 

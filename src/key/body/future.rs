@@ -16,9 +16,10 @@ use http_body_util::{BodyExt, Collected, Full, LengthLimitError, Limited};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::bodies::{RequestBody, ResponseBody};
+use super::bodies::RequestBody;
 use super::field::{BodyField, Settings};
 use super::parse::{Format, Problem};
+use crate::body::ResponseBody;
 
 pub(super) type BoxError = Box<dyn StdError + Send + Sync>;
 

@@ -101,7 +101,8 @@
 //! frame, or the original body when the request was passed on unread. axum's `Router`,
 //! `MethodRouter` and extractors (`Form`, `Json`, `Bytes`) take any such body; a service typed
 //! on one body type takes `Request<RequestBody<B>>`. Responses come back as a
-//! [`ResponseBody`]: the inner service's body, or the layer's own answer.
+//! [`ResponseBody`](crate::body::ResponseBody), as the rate-limit layer's: the inner
+//! service's body, or the layer's own answer.
 //!
 //! # gRPC
 //!
@@ -123,7 +124,7 @@ use std::sync::Arc;
 
 use tower_layer::Layer;
 
-pub use bodies::{RequestBody, ResponseBody};
+pub use bodies::RequestBody;
 use field::Settings;
 pub use field::{BodyField, BodyKey, Normalize, OtherContent};
 pub use future::ResponseFuture;

@@ -10,10 +10,11 @@ use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
 
-use super::bodies::{RequestBody, ResponseBody};
+use super::bodies::RequestBody;
 use super::field::{OtherContent, Settings};
 use super::future::{BoxError, ResponseFuture};
 use super::parse::{Format, Problem};
+use crate::body::ResponseBody;
 
 /// The service of a [`BodyFieldLayer`].
 ///
