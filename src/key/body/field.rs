@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use http::Request;
+use unicode_normalization::char::is_combining_mark;
 use unicode_normalization::UnicodeNormalization;
 
 use crate::key::{Key, KeyError, KeyExtractor};
@@ -27,8 +28,9 @@ pub enum Normalize {
     Exact,
     /// Leading and trailing white space removed (Unicode's `White_Space`).
     Trim,
-    /// Unicode NFKC, trimmed, lowercased: `ann`, ` ANN ` and `ＡＮＮ` are one budget. The
-    /// default.
+    /// Compatibility forms (NFKC), accents, invisible characters and white space at either
+    /// end folded away, then lowercased: `ann`, ` ANN `, `ＡＮＮ`, `Ánn` and `a\u{200B}nn`
+    /// are one budget. The default.
     #[default]
     Fold,
 }
@@ -41,7 +43,8 @@ impl Normalize {
     ///
     /// assert_eq!(Normalize::Fold.apply(" ANN "), "ann");
     /// assert_eq!(Normalize::Fold.apply("ＡＮＮ"), "ann");
-    /// assert_eq!(Normalize::Fold.apply("ÉLODIE"), "élodie");
+    /// assert_eq!(Normalize::Fold.apply("ÉLODIE"), "elodie");
+    /// assert_eq!(Normalize::Fold.apply("an\u{AD}n\0"), "ann");
     /// assert_eq!(Normalize::Trim.apply(" Ann "), "Ann");
     /// assert_eq!(Normalize::Exact.apply(" Ann "), " Ann ");
     /// ```
@@ -49,11 +52,50 @@ impl Normalize {
         match self {
             Normalize::Exact => value.to_owned(),
             Normalize::Trim => value.trim().to_owned(),
-            // NFKC leaves ASCII as it is.
-            Normalize::Fold if value.is_ascii() => value.trim().to_ascii_lowercase(),
-            Normalize::Fold => value.nfkc().collect::<String>().trim().to_lowercase(),
+            // NFKD leaves ASCII as it is, and ASCII has no accent or invisible character
+            // other than its controls.
+            Normalize::Fold if value.is_ascii() => {
+                let kept = value.trim().chars().filter(|c| !c.is_ascii_control());
+                kept.map(|c| c.to_ascii_lowercase()).collect()
+            }
+            Normalize::Fold => {
+                // Decomposed, so that accents are marks of their own, which go with the
+                // invisible characters; what is left is composed again.
+                let bare = value
+                    .nfkd()
+                    .filter(|&c| !is_combining_mark(c) && !is_invisible(c));
+                bare.nfkc().collect::<String>().trim().to_lowercase()
+            }
         }
     }
+}
+
+/// Whether `c` is a control character or a default-ignorable code point (Unicode's
+/// `Default_Ignorable_Code_Point`, DerivedCoreProperties.txt: zero-width spaces and joiners,
+/// the soft hyphen, the byte-order mark, variation selectors, tags...): characters that render
+/// as nothing, and that database collations (MySQL's `utf8mb4_0900_ai_ci`, say) give no
+/// weight, so that `an\u{AD}n` would log in as `ann` while counting apart.
+fn is_invisible(c: char) -> bool {
+    const IGNORABLE: [(char, char); 17] = [
+        ('\u{AD}', '\u{AD}'),
+        ('\u{34F}', '\u{34F}'),
+        ('\u{61C}', '\u{61C}'),
+        ('\u{115F}', '\u{1160}'),
+        ('\u{17B4}', '\u{17B5}'),
+        ('\u{180B}', '\u{180F}'),
+        ('\u{200B}', '\u{200F}'),
+        ('\u{202A}', '\u{202E}'),
+        ('\u{2060}', '\u{206F}'),
+        ('\u{3164}', '\u{3164}'),
+        ('\u{FE00}', '\u{FE0F}'),
+        ('\u{FEFF}', '\u{FEFF}'),
+        ('\u{FFA0}', '\u{FFA0}'),
+        ('\u{FFF0}', '\u{FFF8}'),
+        ('\u{1BCA0}', '\u{1BCA3}'),
+        ('\u{1D173}', '\u{1D17A}'),
+        ('\u{E0000}', '\u{E0FFF}'),
+    ];
+    c.is_control() || IGNORABLE.iter().any(|&(from, to)| (from..=to).contains(&c))
 }
 
 /// What [`BodyFieldLayer`] does with a request that is neither a form nor JSON: another
@@ -174,9 +216,23 @@ mod tests {
     #[test]
     fn folds_case_width_and_white_space() {
         assert_eq!(Normalize::Fold.apply("\u{3000}ＡＮＮ\t"), "ann");
-        assert_eq!(Normalize::Fold.apply("ÅSA"), "åsa");
-        // NFKC composes: a decomposed é is the composed one.
-        assert_eq!(Normalize::Fold.apply("E\u{301}"), "\u{e9}");
+        assert_eq!(Normalize::Fold.apply("ÅSA"), "asa");
+        // Accents go, composed or not.
+        assert_eq!(Normalize::Fold.apply("E\u{301}"), "e");
+        assert_eq!(Normalize::Fold.apply("\u{e9}"), "e");
+        // So do characters that render as nothing, which collations ignore.
+        for invisible in [
+            '\u{200B}',
+            '\u{AD}',
+            '\u{FEFF}',
+            '\u{2060}',
+            '\0',
+            '\u{E0041}',
+        ] {
+            assert_eq!(Normalize::Fold.apply(&format!("a{invisible}nn")), "ann");
+        }
+        // Other scripts keep their letters: a Cyrillic а is not a Latin a.
+        assert_eq!(Normalize::Fold.apply("\u{430}nn"), "\u{430}nn");
         assert_eq!(Normalize::Trim.apply("\u{3000}Ann "), "Ann");
     }
 

@@ -78,9 +78,14 @@
 //!
 //! # Normalisation
 //!
-//! [`Normalize::Fold`], the default, makes `ann`, `Ann`, ` ANN ` and the full-width `ＡＮＮ`
-//! one budget: the value is put in Unicode normalisation form NFKC, trimmed and lowercased
-//! (`str::to_lowercase`, which knows every script's case; it does not fold `ß` into `ss`).
+//! [`Normalize::Fold`], the default, makes `ann`, `Ann`, ` ANN `, the full-width `ＡＮＮ`,
+//! `Ánn` and `an\u{AD}n` (a soft hyphen inside) one budget: the value is decomposed (NFKD),
+//! its accents and its invisible characters (controls and Unicode's default-ignorable code
+//! points, which render as nothing and which database collations such as MySQL's
+//! `utf8mb4_0900_ai_ci` ignore) are dropped, and what is left is composed again (NFKC),
+//! trimmed and lowercased (`str::to_lowercase`, which knows every script's case; it does not
+//! fold `ß` into `ss`). Letters of other scripts that look alike (a Cyrillic `а`) stay apart,
+//! as they do in a user table.
 //! A lockout that a client can sidestep by writing its name in capitals locks nobody out, and
 //! folding can only merge budgets, never split one; [`Normalize::Trim`] and
 //! [`Normalize::Exact`] are there for fields whose case matters. The handler still gets the
