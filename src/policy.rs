@@ -374,7 +374,9 @@ impl Policy {
     /// request would be admitted, never early (on Redis, `Retry-After` rounds it up to whole
     /// seconds): the later of the box's end and the limits' own retry for its cost, looked at
     /// without recording, under the limits in force for the key (an
-    /// [override](crate::store::Overrides)'s included).
+    /// [override](crate::store::Overrides)'s included). Units held by requests in flight
+    /// (attempts counted by outcome, usage reservations) weigh in it as they weigh at that
+    /// moment: when they are given back later, the key is admitted earlier than it said.
     ///
     /// Requests refused during the box, and charges, never extend it: a box is set only where
     /// the key is in none, and once its length has passed, requests are decided by the limits

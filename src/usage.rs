@@ -243,7 +243,12 @@ impl UsageReport {
     /// a [soft](crate::Rule::soft) policy). The price: while 3 attempts are in flight, a fourth
     /// is refused even if all three will succeed; a flood of slow attempts locks a user out no
     /// longer than the same number of failures would. An attempt whose head never comes (the
-    /// client went away, the service failed) keeps its unit, as a failure.
+    /// client went away, the service failed) keeps its unit, as a failure. With a
+    /// [penalty box](crate::Policy::block_for), a refusal while attempts are in flight counts
+    /// them as failures in its `Retry-After`: if they succeed and give their units back, the key
+    /// is let in earlier than that said (never later). An attempt of cost 0 (a
+    /// [cost closure](crate::RateLimitLayerBuilder::cost) may say so) holds and counts
+    /// nothing: such attempts are not limited.
     ///
     /// A request passed on over a soft limit reserved nothing; it is charged when it matches,
     /// so that failures past the captcha still add up (towards a longer limit of the same
