@@ -174,6 +174,10 @@ async fn failures_over_a_soft_limit_still_count() {
     assert_eq!(attempt(&form, "eve", "right").await, 200);
 }
 
+fn failures(limit: &str) -> Policy {
+    Policy::new("login-failures", [limit.parse().unwrap()]).unwrap()
+}
+
 /// A password check that holds every attempt reaching it until the test opens it, counting
 /// the attempts that reached it.
 #[derive(Clone)]
@@ -197,11 +201,11 @@ impl HeldCheck {
     }
 
     /// `login` behind the held check.
-    fn app<St: Store>(&self, store: St, limit: &str) -> (Router, RateLimitLayer<Header, St>) {
+    fn app<St: Store>(&self, store: St, policy: Policy) -> (Router, RateLimitLayer<Header, St>) {
         let layer = RateLimitLayer::builder()
             .key(Header::new(HeaderName::from_static("x-user")))
             .store(store)
-            .policy(Policy::new("login-failures", [limit.parse().unwrap()]).unwrap())
+            .policy(policy)
             .count_when(|response| response.status == StatusCode::UNAUTHORIZED)
             .build()
             .unwrap();
@@ -270,8 +274,8 @@ async fn guesses_in_flight_are_counted_across_instances_on_redis() {
     let server = RedisServer::start();
     let (check, open) = HeldCheck::new();
     let apps = [
-        check.app(server.store().await, "3/1m"),
-        check.app(server.store().await, "3/1m"),
+        check.app(server.store().await, failures("3/1m")),
+        check.app(server.store().await, failures("3/1m")),
     ];
     let statuses = at_once(&apps, &check, &open, "ann", &["bad"; 500]).await;
     let wrong = statuses.iter().filter(|&&s| s == 401).count();
@@ -287,7 +291,7 @@ async fn guesses_in_flight_are_counted_across_instances_on_redis() {
 /// one right and two wrong passwords at once leave room for one more failure.
 async fn success_among_failures<St: Store>(store: St) {
     let (check, open) = HeldCheck::new();
-    let apps = [check.app(store, "3/1m")];
+    let apps = [check.app(store, failures("3/1m"))];
     let mut first = at_once(&apps, &check, &open, "bob", &["bad", "right", "bad"]).await;
     first.sort();
     assert_eq!(first, [200, 401, 401]);
@@ -350,4 +354,46 @@ async fn the_outcome_is_settled_when_the_head_is_in() {
         "the success gave its unit back"
     );
     drop((failure, success, again));
+}
+
+/// With leases, four instances spend units they hold without asking Redis: 200 wrong
+/// passwords at once at `20/1m`, after rounds of successes that made every instance take a
+/// lease (and give units back), still reach the password check at most 20 times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn guesses_in_flight_stay_within_the_limit_with_leases() {
+    use tower_redis_ratelimit::store::Leases;
+    use tower_redis_ratelimit::RedisStore;
+
+    let server = RedisServer::start();
+    for algorithm in [
+        Algorithm::Gcra,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+    ] {
+        let (check, open) = HeldCheck::new();
+        let policy = failures("20/1m").with_algorithm(algorithm);
+        let mut apps = Vec::new();
+        for _ in 0..4 {
+            let store = RedisStore::builder(&server.url())
+                .leases(Leases::new().max_share(0.5))
+                .connect()
+                .await
+                .unwrap();
+            apps.push(check.app(store, policy.clone()));
+        }
+        let user = format!("ann-{algorithm:?}");
+        for _ in 0..5 {
+            let welcome = at_once(&apps, &check, &open, &user, &["right"; 30]).await;
+            assert!(welcome.contains(&200), "{algorithm:?}: {welcome:?}");
+        }
+        let before = check.reached();
+        let statuses = at_once(&apps, &check, &open, &user, &["bad"; 200]).await;
+        let reached = check.reached() - before;
+        let wrong = statuses.iter().filter(|&&s| s == 401).count();
+        assert!(
+            reached <= 20,
+            "{algorithm:?}: {reached} reached the password check"
+        );
+        assert_eq!(wrong, reached, "{algorithm:?}");
+    }
 }
