@@ -374,7 +374,7 @@ async fn guesses_in_flight_stay_within_the_limit_with_leases() {
         let policy = failures("20/1m").with_algorithm(algorithm);
         let mut apps = Vec::new();
         for _ in 0..4 {
-            let store = RedisStore::builder(&server.url())
+            let store = RedisStore::builder(server.url())
                 .leases(Leases::new().max_share(0.5))
                 .connect()
                 .await
