@@ -214,10 +214,6 @@ impl Settings {
         let store = store.clone();
         let capabilities = Capabilities {
             plan_fn: self.plan.is_some(),
-            counts_outcomes: self
-                .usage
-                .as_ref()
-                .is_some_and(|report| report.outcome.is_some()),
             soft: self.options.soft,
             decisions: !self.options.no_decisions,
             supports: Box::new(move |policy| store.supports(policy)),

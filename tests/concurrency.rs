@@ -596,14 +596,40 @@ async fn the_handler_sees_which_limit_decided_and_the_fields_list_the_concurrenc
     );
 }
 
-#[test]
-fn a_layer_that_counts_by_outcome_refuses_a_concurrency_limit() {
-    let built = RateLimitLayer::builder()
-        .policy(streams("outcomes", 2, Duration::from_secs(10)))
-        .count_when(|response| response.status == StatusCode::UNAUTHORIZED)
-        .build();
-    let error = built.expect_err("refused").to_string();
-    assert!(error.contains("concurrency limit"), "{error}");
+/// A layer that counts by outcome takes slots as well: an attempt holds its slot until its
+/// body ends and its unit from its admission, kept when its head matches.
+#[tokio::test]
+async fn a_layer_that_counts_by_outcome_takes_slots_as_well() {
+    let store = MemoryStore::new();
+    let policy = Policy::new("outcomes", ["2/1m".parse().unwrap()])
+        .unwrap()
+        .concurrency(1)
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store.clone())
+        .policy(policy.clone())
+        .count_when(|response| response.status == StatusCode::OK)
+        .build()
+        .unwrap();
+    let service = layer.layer(endless());
+    let first = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 1);
+    let second = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(
+        second.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the slot is taken"
+    );
+    drop(first);
+    assert_eq!(store.slots_in_use(&Key::from("k"), &policy), 0);
+    let third = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(third.status(), StatusCode::OK);
+    drop(third);
+    let fourth = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(fourth.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(fourth.headers()["ratelimit"], "\"outcomes\";r=0;t=60");
 }
 
 /// A layer first used from a runtime that then shut down (a warm-up, a health check at start)

@@ -1,6 +1,5 @@
 //! Which rules a layer can take: the rules on how its policies combine with one another and
-//! with the layer's other options (its plan function, its store, soft limits, decisions,
-//! counting by outcome). A table is checked against them when the layer is built and again
+//! with the layer's other options (its plan function, its store, soft limits, decisions). A table is checked against them when the layer is built and again
 //! each time it is replaced at run time ([`RuleTable::replace`](super::RuleTable::replace), a
 //! rules file), so each rule is one function here, returning the [`BuildError`] that reports
 //! it.
@@ -15,8 +14,6 @@ pub(crate) type Supports = dyn Fn(&Policy) -> Result<(), StoreError> + Send + Sy
 pub(crate) struct Capabilities {
     /// Whether the layer has a plan function: without one, plans would never apply.
     pub(crate) plan_fn: bool,
-    /// Whether the layer counts requests by outcome: its store only looks before a call.
-    pub(crate) counts_outcomes: bool,
     /// Whether every policy of the layer is soft.
     pub(crate) soft: bool,
     /// Whether the layer puts its decisions into the requests.
@@ -39,8 +36,7 @@ impl Capabilities {
         self.plans_need_plan_fn(policy, plans)?;
         self.store_decides(policy, plans)?;
         names.admit(policy, plans)?;
-        self.soft_needs_decisions(policy, soft)?;
-        self.outcomes_exclude_concurrency(policy)
+        self.soft_needs_decisions(policy, soft)
     }
 
     /// Plans need the layer's plan function, which says which plan a request is on: without
@@ -76,21 +72,6 @@ impl Capabilities {
                 policy: policy.name().to_owned(),
                 why: "a soft limit needs the decisions in the requests (.decisions(true)), \
                       for the handler to see a request over it"
-                    .into(),
-            });
-        }
-        Ok(())
-    }
-
-    /// A concurrency limit takes a slot when a request is checked, which a layer that counts
-    /// by outcome never does: it only looks.
-    fn outcomes_exclude_concurrency(&self, policy: &Policy) -> Result<(), BuildError> {
-        if self.counts_outcomes && policy.concurrency_limit().is_some() {
-            return Err(BuildError::Unsupported {
-                policy: policy.name().to_owned(),
-                why: "a concurrency limit takes a slot when a request is checked, and a layer \
-                      that counts by outcome only looks; limit concurrency in a layer of \
-                      its own"
                     .into(),
             });
         }
