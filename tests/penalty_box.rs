@@ -681,6 +681,44 @@ async fn a_charge_does_not_extend_the_box_on_redis() {
     a_charge_does_not_extend_the_box(store, common::time::Time::Real).await;
 }
 
+/// Two policies of one name, one with a box and one without, share their state: the box the
+/// first sets refuses only its own requests, on both stores alike. `3/300ms`, a box of 60 s;
+/// once the window has passed, the unboxed policy admits the key.
+async fn a_box_is_its_own_policys<St: Store>(store: St, time: common::time::Time) {
+    let window = Duration::from_millis(300);
+    let plain = Policy::new(
+        "login",
+        [format!("3/{}ms", window.as_millis()).parse().unwrap()],
+    )
+    .unwrap();
+    let with_box = plain.clone().block_for(secs(60)).unwrap();
+    let key = Key::from("eve");
+    for _ in 0..3 {
+        assert!(check(&store, &key, &with_box).await.is_allowed());
+    }
+    assert!(check(&store, &key, &with_box).await.in_penalty_box());
+    time.pass(window + time.margin().max(Duration::from_millis(1)))
+        .await;
+    let unboxed = check(&store, &key, &plain).await;
+    assert!(
+        unboxed.is_allowed(),
+        "the box answered another policy: {unboxed:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_box_is_its_own_policys_on_memory() {
+    let clock = ManualClock::starting_at(UNIX_EPOCH + secs(ON_THE_HOUR));
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    a_box_is_its_own_policys(store, common::time::Time::Manual(clock)).await;
+}
+
+#[tokio::test]
+async fn a_box_is_its_own_policys_on_redis() {
+    let server = RedisServer::start();
+    a_box_is_its_own_policys(server.store().await, common::time::Time::Real).await;
+}
+
 /// Memory pressure: a store of 1 000 keys (4 shards of 250), a boxed key and a key with a
 /// request in flight (a concurrency slot), then 100 000 other clients, each admitted twice
 /// under the boxed policy (never boxed) and admitted then refused under an hourly one, on a

@@ -284,7 +284,10 @@ impl State {
     /// later of the box's end and theirs: the time until the same request is admitted. A
     /// request that no wait helps (larger than a limit itself) gets the limits' refusal.
     fn refusal(&mut self, policy: &Policy, ask: &Ask) -> Option<Decision> {
-        if self.boxed_until > ask.now {
+        // The state is the policy's name's (`Policy::state_id`): a box another policy of the
+        // name set answers only for policies with a box, as on Redis.
+        let boxes = policy.block_micros() > 0;
+        if boxes && self.boxed_until > ask.now {
             let looked = self.decide(ask.now, ask.t, policy, ask.cost, false);
             if !looked.allowed && looked.retry_after.is_none() {
                 return Some(Decision::from_outcome(looked, policy));
@@ -326,7 +329,7 @@ impl State {
                 boxed: None,
             };
         };
-        if self.held_until > now {
+        if self.held_until > now && policy.block_micros() > 0 {
             return Answer {
                 outcome,
                 keep_until: None,
