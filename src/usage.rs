@@ -248,7 +248,9 @@ impl UsageReport {
     /// them as failures in its `Retry-After`: if they succeed and give their units back, the key
     /// is let in earlier than that said (never later). An attempt of cost 0 (a
     /// [cost closure](crate::RateLimitLayerBuilder::cost) may say so) holds and counts
-    /// nothing: such attempts are not limited.
+    /// nothing: such attempts are not limited. A decision the store could not make in time
+    /// may still be recorded when Redis runs it late; its unit is then held for the window,
+    /// success or not (`docs/operations.md`, "A failed decision may still be recorded").
     ///
     /// A request passed on over a soft limit reserved nothing; it is charged when it matches,
     /// so that failures past the captcha still add up (towards a longer limit of the same
