@@ -397,3 +397,28 @@ async fn guesses_in_flight_stay_within_the_limit_with_leases() {
         assert_eq!(wrong, reached, "{algorithm:?}");
     }
 }
+
+/// A client that goes away once its attempt has reached the password check, before the
+/// answer, learns nothing and is counted: its unit stays held. Three such attempts at `3/1m`,
+/// then the right password is refused.
+#[tokio::test]
+async fn an_attempt_abandoned_before_its_answer_keeps_its_unit() {
+    let (check, open) = HeldCheck::new();
+    let (app, layer) = check.app(MemoryStore::new(), failures("3/1m"));
+    for n in 1..=3 {
+        let request = Request::post("/login")
+            .header("x-user", "mallory")
+            .header("x-password", "guess")
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let attempt = tokio::spawn(app.clone().oneshot(request));
+        while check.reached() < n {
+            tokio::task::yield_now().await;
+        }
+        attempt.abort();
+        assert!(attempt.await.unwrap_err().is_cancelled());
+    }
+    assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
+    let right = at_once(&[(app, layer)], &check, &open, "mallory", &["right"]).await;
+    assert_eq!(right, [429]);
+}
