@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use foldhash::fast::RandomState;
 
-use crate::shards::Shards;
+use crate::shards::{Pinning, Shards};
 use crate::{Decision, Key, Policy};
 
 /// Stripes of the refund counts: enough that concurrent refunds of other keys rarely keep a
@@ -46,6 +46,9 @@ struct Denial {
     /// The store's limits version the refusal was decided under.
     version: u64,
 }
+
+/// A refusal is never pinned: the cache may always forget one, and the store asks again.
+impl Pinning for Denial {}
 
 /// The refunds of a stripe counted when a decision started; see [`DenyCache::remember`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,7 +154,7 @@ impl DenyCache {
                 entry.value = denial;
             }
             // A refusal pins nothing: the store keeps what a refusal must not forget.
-            None => shard.insert(key, policy.terms_id(), now, expires, 0, denial),
+            None => shard.insert(key, policy.terms_id(), now, expires, denial),
         }
     }
 

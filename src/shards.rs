@@ -5,8 +5,8 @@
 //! refusals. Both are on the path of every request, so a lookup borrows the key instead of
 //! cloning it, hashes it once (foldhash, seeded per map), and holds one shard's lock for a few
 //! arithmetic steps; two cores rarely meet on one lock. Every entry carries the time its value
-//! stops mattering, the time it was last used, and the time until which it must not be evicted
-//! (its pin). Times are whole microseconds on a clock the owner chooses.
+//! stops mattering and the time it was last used; its value says until when it must not be
+//! evicted (its pin, [`Pinning`]). Times are whole microseconds on a clock the owner chooses.
 //!
 //! A full shard evicts unpinned entries first, least recently used first; when every entry of
 //! a shard is pinned, the one whose pin ends soonest goes (counted in
@@ -19,8 +19,8 @@
 //! entries outgrows its bound, which a client could force with boxed keys; it has no expiry per
 //! entry, which the sweep of dead state needs; and the store changes a key's state in place
 //! under its shard's lock, one atomic step per decision, where a cache hands out copies or
-//! guards. A pin here is one integer beside the expiry, which the owner sets when it writes the
-//! entry, and the eviction scan reads it in the pass it already makes.
+//! guards. A pin here is read from the value by the eviction scan, in the pass it already makes,
+//! so it can never disagree with the state it protects.
 
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -30,6 +30,14 @@ use hashbrown::HashTable;
 
 use crate::policy::Id;
 use crate::Key;
+
+/// What the map asks of a value when it must evict: until when (µs) the value must not go
+/// unless every entry of its shard must (0, the default: it may go any time).
+pub(crate) trait Pinning {
+    fn pinned_until(&self) -> u64 {
+        0
+    }
+}
 
 /// How often a shard drops expired entries while new keys arrive, at most (µs).
 const SWEEP_INTERVAL: u64 = 1_000_000;
@@ -61,9 +69,6 @@ pub(crate) struct Entry<V> {
     /// When the key was last looked up. When a shard is full, the entries used least recently
     /// are evicted first.
     used: u64,
-    /// Until when the entry is evicted only if every entry of its shard is pinned (0: not
-    /// pinned); set by the owner whenever it writes the value. Never after `expires`.
-    pub(crate) pinned: u64,
     pub(crate) value: V,
 }
 
@@ -132,7 +137,7 @@ impl<V> Shards<V> {
     }
 }
 
-impl<V> Locked<'_, V> {
+impl<V: Pinning> Locked<'_, V> {
     /// The entry of `key` under `policy`, live or expired, marked as used at `now`.
     pub(crate) fn get(&mut self, key: &Key, policy: Id<'_>, now: u64) -> Option<&mut Entry<V>> {
         let entry = self
@@ -144,17 +149,8 @@ impl<V> Locked<'_, V> {
     }
 
     /// Adds an entry for `key` under `policy`, which [`get`](Self::get) just did not find,
-    /// expiring at `expires` and pinned until `pinned` (0: not pinned), making room first if
-    /// the shard is full.
-    pub(crate) fn insert(
-        &mut self,
-        key: &Key,
-        policy: Id<'_>,
-        now: u64,
-        expires: u64,
-        pinned: u64,
-        value: V,
-    ) {
+    /// expiring at `expires`, making room first if the shard is full.
+    pub(crate) fn insert(&mut self, key: &Key, policy: Id<'_>, now: u64, expires: u64, value: V) {
         self.shard.make_room(now, self.capacity);
         let entry = Entry {
             hash: self.hash,
@@ -162,7 +158,6 @@ impl<V> Locked<'_, V> {
             key: key.clone(),
             expires,
             used: now,
-            pinned,
             value,
         };
         self.shard
@@ -205,7 +200,9 @@ impl<V> Shard<V> {
         self.entries.retain(|e| e.is_live(now));
         self.next_sweep = now.saturating_add(SWEEP_INTERVAL);
     }
+}
 
+impl<V: Pinning> Shard<V> {
     /// Before a new entry goes in: sweeps now and then, and when the shard is full, drops
     /// expired entries and then the eighth of the unpinned rest used least recently, so that
     /// the work of evicting is spread over many insertions. When every entry is pinned, the
@@ -220,7 +217,7 @@ impl<V> Shard<V> {
         let mut used: Vec<u64> = self
             .entries
             .iter()
-            .filter(|e| e.pinned <= now)
+            .filter(|e| e.value.pinned_until() <= now)
             .map(|e| e.used)
             .collect();
         if used.is_empty() {
@@ -229,19 +226,20 @@ impl<V> Shard<V> {
         let evict = (used.len() / 8).max(1);
         let (_, &mut threshold, _) = used.select_nth_unstable(evict - 1);
         self.entries
-            .retain(|e| e.pinned > now || e.used > threshold);
+            .retain(|e| e.value.pinned_until() > now || e.used > threshold);
     }
 
     /// Evicts the entry whose pin ends soonest, in a shard whose entries are all pinned.
     #[cold]
     fn evict_pinned(&mut self) {
-        let soonest = self.entries.iter().map(|e| (e.pinned, e.hash)).min();
+        let pin = |e: &Entry<V>| e.value.pinned_until();
+        let soonest = self.entries.iter().map(|e| (pin(e), e.hash)).min();
         let Some((pinned, hash)) = soonest else {
             return;
         };
         if let Ok(entry) = self
             .entries
-            .find_entry(hash, |e| e.pinned == pinned && e.hash == hash)
+            .find_entry(hash, |e| pin(e) == pinned && e.hash == hash)
         {
             crate::metrics::Report::evicted_pinned(&entry.get().policy);
             entry.remove();
@@ -254,6 +252,17 @@ mod tests {
     use super::*;
     use crate::Policy;
 
+    /// A value pinned until the time it holds.
+    struct Pin(u64);
+
+    impl Pinning for Pin {
+        fn pinned_until(&self) -> u64 {
+            self.0
+        }
+    }
+
+    impl Pinning for char {}
+
     fn policy() -> Policy {
         "1/1s".parse().unwrap()
     }
@@ -264,7 +273,7 @@ mod tests {
         let (a, b, p) = (Key::from("a"), Key::from("b"), policy());
         let other = p.clone().named("other").unwrap();
         map.lock(&a, p.state_id())
-            .insert(&a, p.state_id(), 0, 10, 0, 'a');
+            .insert(&a, p.state_id(), 0, 10, 'a');
         assert_eq!(
             map.lock(&a, p.state_id())
                 .get(&a, p.state_id(), 1)
@@ -282,7 +291,7 @@ mod tests {
         assert_eq!(map.len(5), 1);
         assert_eq!(map.len(10), 0, "expired at 10");
         map.lock(&b, p.state_id())
-            .insert(&b, p.state_id(), 0, 10, 0, 'b');
+            .insert(&b, p.state_id(), 0, 10, 'b');
         map.lock(&b, p.state_id()).remove(&b, p.state_id());
         assert_eq!(map.len(0), 0);
     }
@@ -294,7 +303,7 @@ mod tests {
         let keys: Vec<Key> = (0..8).map(|i| Key::from(format!("k{i}"))).collect();
         for (t, key) in keys.iter().enumerate() {
             map.lock(key, p.state_id())
-                .insert(key, p.state_id(), t as u64, u64::MAX, 0, ());
+                .insert(key, p.state_id(), t as u64, u64::MAX, Pin(0));
         }
         // k0 is the oldest insertion but was used last.
         assert!(map
@@ -303,7 +312,7 @@ mod tests {
             .is_some());
         let new = Key::from("new");
         map.lock(&new, p.state_id())
-            .insert(&new, p.state_id(), 101, u64::MAX, 0, ());
+            .insert(&new, p.state_id(), 101, u64::MAX, Pin(0));
         assert_eq!(map.len(101), 8);
         assert!(map
             .lock(&keys[0], p.state_id())
@@ -328,25 +337,25 @@ mod tests {
         // k0 and k1 pinned until 50 and 40 µs, k2 and k3 not.
         for (t, (key, pinned)) in keys.iter().zip([50, 40, 0, 0]).enumerate() {
             map.lock(key, p.state_id())
-                .insert(key, p.state_id(), t as u64, u64::MAX, pinned, ());
+                .insert(key, p.state_id(), t as u64, u64::MAX, Pin(pinned));
         }
         // k0 and k1 are the least recently used, but pinned: k2 goes.
         map.lock(&keys[4], p.state_id())
-            .insert(&keys[4], p.state_id(), 10, u64::MAX, 60, ());
+            .insert(&keys[4], p.state_id(), 10, u64::MAX, Pin(60));
         assert!(!has(&keys[2], 11) && has(&keys[0], 11) && has(&keys[1], 11));
         // k3 is the last unpinned entry.
         map.lock(&keys[5], p.state_id())
-            .insert(&keys[5], p.state_id(), 12, u64::MAX, 70, ());
+            .insert(&keys[5], p.state_id(), 12, u64::MAX, Pin(70));
         assert!(!has(&keys[3], 13));
         // All pinned: the pin that ends soonest, k1's, goes, though k4 was used less lately.
         map.lock(&keys[2], p.state_id())
-            .insert(&keys[2], p.state_id(), 14, u64::MAX, 0, ());
+            .insert(&keys[2], p.state_id(), 14, u64::MAX, Pin(0));
         assert_eq!(map.len(14), 4);
         assert!(!has(&keys[1], 15) && has(&keys[0], 15) && has(&keys[4], 15));
         // Once a pin has ended, its entry is evicted as any unpinned one, by when it was used
         // (k2 at 14, k0 at 15).
         map.lock(&keys[3], p.state_id())
-            .insert(&keys[3], p.state_id(), 55, u64::MAX, 0, ());
+            .insert(&keys[3], p.state_id(), 55, u64::MAX, Pin(0));
         assert!(!has(&keys[2], 56) && has(&keys[0], 56));
         assert!(has(&keys[4], 56) && has(&keys[5], 56));
     }

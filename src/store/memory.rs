@@ -12,7 +12,7 @@ use crate::algorithm::{
     sliding_window::SlidingWindow, Algorithm, Outcome, Refund, Settle,
 };
 use crate::concurrency::Slots;
-use crate::shards::{Entry, Shards};
+use crate::shards::{Entry, Pinning, Shards};
 use crate::{Decision, Key, Policy, Settlement};
 
 /// The time for [`MemoryStore`]: elapsed since the UNIX epoch.
@@ -203,6 +203,13 @@ struct Answer {
     boxed: Option<u64>,
 }
 
+/// The map keeps a key while it is locked out by its penalty box, or holds concurrency slots.
+impl Pinning for State {
+    fn pinned_until(&self) -> u64 {
+        self.locked_until.max(self.slots.last_expiry())
+    }
+}
+
 impl State {
     fn new(algorithm: Algorithm, now: u64) -> State {
         let of = match algorithm {
@@ -219,12 +226,6 @@ impl State {
             locked_until: 0,
             slots: Slots::default(),
         }
-    }
-
-    /// Until when the map must not evict the key (0: it may): while it is locked out by its
-    /// penalty box, or holds concurrency slots.
-    fn pinned_until(&self) -> u64 {
-        self.locked_until.max(self.slots.last_expiry())
     }
 
     /// Puts the key in `policy`'s penalty box from `now`, if it has one and is not in one
@@ -517,8 +518,7 @@ impl MemoryStore {
                 let answer = state.answer(policy, ask, 0);
                 // The map holds a key once a decision has recorded something for it.
                 if let Some(until) = answer.keep_until {
-                    let pinned = state.pinned_until();
-                    shard.insert(key, policy.state_id(), ask.now, until, pinned, state);
+                    shard.insert(key, policy.state_id(), ask.now, until, state);
                 }
                 answer
             }
@@ -536,14 +536,11 @@ impl MemoryStore {
         let kept = match shard.get(key, policy.state_id(), now) {
             Some(entry) if !entry.is_live(now) => false,
             Some(entry) if !renew => {
-                let held = entry.value.slots.give_back(id);
-                entry.pinned = entry.value.pinned_until();
-                return held;
+                return entry.value.slots.give_back(id);
             }
             Some(entry) => {
                 let kept = entry.value.slots.renew(now, id, until);
                 entry.expires = entry.expires.max(entry.value.slots.last_expiry());
-                entry.pinned = entry.value.pinned_until();
                 kept
             }
             None => false,
@@ -579,7 +576,6 @@ impl MemoryStore {
             Some(entry) => {
                 if !entry.is_live(now) || entry.value.algorithm() != algorithm {
                     entry.value = State::new(algorithm, now);
-                    entry.pinned = 0;
                 }
                 let drained = entry.value.settle(now, policy, change);
                 entry.expires = entry.expires.max(now.saturating_add(drained));
@@ -590,7 +586,6 @@ impl MemoryStore {
                     let kept = entry.expires;
                     let boxed = entry.value.penalize_if_full(now, policy, kept);
                     entry.expires = entry.expires.max(boxed.unwrap_or(0));
-                    entry.pinned = entry.value.pinned_until();
                 }
             }
             // Nothing recorded is left to refund.
@@ -600,8 +595,7 @@ impl MemoryStore {
                 let drained = state.settle(now, policy, change);
                 let kept = expiry(policy, now, now).max(now.saturating_add(drained));
                 let boxed = state.penalize_if_full(now, policy, kept).unwrap_or(0);
-                let (expires, pinned) = (kept.max(boxed), state.pinned_until());
-                shard.insert(key, policy.state_id(), now, expires, pinned, state);
+                shard.insert(key, policy.state_id(), now, kept.max(boxed), state);
             }
         }
     }
@@ -634,7 +628,6 @@ fn answer_held(entry: &mut Entry<State>, policy: &Policy, ask: &Ask) -> Result<A
     let algorithm = policy.algorithm();
     if !entry.is_live(ask.now) || entry.value.algorithm() != algorithm {
         entry.value = State::new(algorithm, ask.now);
-        entry.pinned = 0;
     }
     if let Some(refusal) = entry.value.refusal(policy, ask) {
         return Err(refusal);
@@ -642,7 +635,6 @@ fn answer_held(entry: &mut Entry<State>, policy: &Policy, ask: &Ask) -> Result<A
     let answer = entry.value.answer(policy, ask, entry.expires);
     if let Some(until) = answer.keep_until {
         entry.expires = entry.expires.max(until);
-        entry.pinned = entry.value.pinned_until();
     }
     Ok(answer)
 }
@@ -740,7 +732,6 @@ impl Store for MemoryStore {
                     slots,
                     ..State::new(policy.algorithm(), now)
                 };
-                entry.pinned = entry.value.pinned_until();
             }
             _ => shard.remove(key, policy.state_id()),
         }

@@ -44,7 +44,7 @@ use super::placement;
 use super::protocol::{self, Answer, Answered, Record};
 use super::{Inner, RedisStore};
 use crate::algorithm::{window_start, Algorithm, Outcome};
-use crate::shards::{lock, Shards};
+use crate::shards::{lock, Pinning, Shards};
 use crate::{Decision, Key, Policy, StoreError};
 
 mod book;
@@ -296,6 +296,9 @@ struct Held {
     entry: Entry,
 }
 
+/// A lease is never pinned: one evicted gives its units back when it ends, as any.
+impl Pinning for Held {}
+
 impl std::fmt::Debug for State {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Leases")
@@ -339,7 +342,7 @@ impl State {
             entry: Entry::default(),
         };
         let out = f(&mut held.entry);
-        locked.insert(key, policy.terms_id(), now, u64::MAX, 0, held);
+        locked.insert(key, policy.terms_id(), now, u64::MAX, held);
         out
     }
 }
