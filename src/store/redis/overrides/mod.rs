@@ -10,51 +10,28 @@
 //! key.
 //!
 //! Every change also increments a version (`<prefix>:{overrides}:version`), which each store
-//! reads every [`WATCH`]: when it changes, the layer's deny cache drops the refusals decided
+//! reads every `WATCH` (`version.rs`): when it changes, the layer's deny cache drops the refusals decided
 //! before (`Store::limits_version`), and the leases held are spent no more
 //! (`lease::limits_changed`), so that every instance follows a change within that time.
 
-use std::sync::{LazyLock, Weak};
-use std::time::Duration;
+use std::sync::LazyLock;
 
 use fred::clients::Client;
-use fred::interfaces::{HashesInterface, KeysInterface};
+use fred::interfaces::HashesInterface;
 use fred::types::scripts::Script;
 use fred::types::Value;
 
-use super::{Inner, RedisStore};
+mod list;
+mod value;
+mod version;
+
+use value::{decode, encode};
+pub(super) use version::spawn_watch;
+use version::version_key;
+
+use super::RedisStore;
 use crate::store::overrides::{Entry, Overrides, Scope};
-use crate::{Key, Policy, StoreError};
-
-/// How often a store reads the limits version.
-const WATCH: Duration = Duration::from_millis(250);
-
-/// The key of the limits version of the stores using `prefix`.
-fn version_key(prefix: &str) -> String {
-    format!("{prefix}:{{overrides}}:version")
-}
-
-/// Reads the limits version every [`WATCH`] until the store is dropped.
-pub(super) fn spawn_watch(inner: Weak<Inner>) {
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(WATCH).await;
-            let Some(inner) = inner.upgrade() else {
-                return;
-            };
-            let key = version_key(&inner.prefix);
-            let get = |client: Client| {
-                let key = key.clone();
-                async move { client.get::<Option<u64>, _>(key).await }
-            };
-            let read = tokio::time::timeout(inner.timeout, inner.batcher.on(&key, get));
-            // A version that is gone (a flush, a restart) reads as 0: another one, too.
-            if let Ok(Ok(version)) = read.await {
-                inner.limits_seen(version.unwrap_or(0));
-            }
-        }
-    });
-}
+use crate::{Policy, StoreError};
 
 impl RedisStore {
     /// The store's overrides: limits changed at run time for a key or a whole policy, kept in
@@ -113,9 +90,9 @@ impl RedisStore {
     /// lane ends with the later one's value; whether a hash changed.
     async fn write_everywhere(&self, policy: &Policy, value: Vec<u8>) -> Result<bool, StoreError> {
         static STAMP: LazyLock<Script> =
-            LazyLock::new(|| Script::from_lua(include_str!("scripts/override_stamp.lua")));
+            LazyLock::new(|| Script::from_lua(include_str!("../scripts/override_stamp.lua")));
         static WRITE: LazyLock<Script> =
-            LazyLock::new(|| Script::from_lua(include_str!("scripts/override_write.lua")));
+            LazyLock::new(|| Script::from_lua(include_str!("../scripts/override_write.lua")));
         let key = version_key(&self.inner.prefix);
         let take = |client: Client| {
             let keys = vec![key.clone(), format!("{key}:stamp")];
@@ -157,21 +134,6 @@ impl RedisStore {
             changed |= reply == 1;
         }
         Ok(changed)
-    }
-
-    /// Increments the limits version after a change, so that every store follows it; the
-    /// new version.
-    async fn announce(&self) -> Result<u64, StoreError> {
-        let key = version_key(&self.inner.prefix);
-        let incr = |client: Client| {
-            let key = key.clone();
-            async move { client.incr::<u64, _>(key).await }
-        };
-        let version = self
-            .guarded(&key, self.inner.batcher.on(&key, incr))
-            .await?;
-        self.inner.limits_seen(version);
-        Ok(version)
     }
 
     pub(crate) async fn get_override(
@@ -218,109 +180,5 @@ impl RedisStore {
             self.announce().await?;
         }
         Ok(removed)
-    }
-
-    pub(crate) async fn list_overrides(
-        &self,
-        policy: &Policy,
-    ) -> Result<Vec<(Scope, Vec<u64>)>, StoreError> {
-        let mut listed: Vec<(Scope, Vec<u64>)> = Vec::new();
-        let inner = &self.inner;
-        for lane in 0..inner.placement.lanes() {
-            let hash = inner.placement.overrides_key(&inner.prefix, lane);
-            let all = |client: Client| {
-                let hash = hash.clone();
-                async move { client.hgetall::<Value, _>(hash).await }
-            };
-            let Value::Map(fields) = self.guarded(&hash, inner.batcher.on(&hash, all)).await?
-            else {
-                continue;
-            };
-            for value in fields.values() {
-                let Some((counts, (identity, key))) = value.as_bytes().and_then(decode) else {
-                    continue;
-                };
-                if identity != policy.identity() {
-                    continue;
-                }
-                let scope = match key {
-                    Some(key) => Scope::Key(Key::from(key)),
-                    None => Scope::All,
-                };
-                if !listed.iter().any(|(s, _)| *s == scope) {
-                    listed.push((scope, counts));
-                }
-            }
-        }
-        Ok(listed)
-    }
-}
-
-/// The identity and the key (`None`: the policy's own) an override was set for.
-type SetFor<'a> = (&'a str, Option<&'a str>);
-
-/// An override's value: `m`, then count and scale of each limit, then 0 (a policy's) or 1 (a
-/// key's), the identity, a newline and the key.
-fn encode(policy: &Policy, scope: &Scope, entry: &Entry) -> Vec<u8> {
-    let limits: Vec<(u64, u64)> = match entry {
-        Entry::Limits(other) => other.windows().iter().map(|w| (w.count, w.scale)).collect(),
-        Entry::Block => Vec::new(),
-    };
-    let (kind, key) = match scope {
-        Scope::All => (0i64, ""),
-        Scope::Key(key) => (1, key.as_str()),
-    };
-    let ints = std::iter::once(limits.len() as i64)
-        .chain(limits.iter().flat_map(|&(c, s)| [c as i64, s as i64]))
-        .chain([kind]);
-    let mut value: Vec<u8> = ints.flat_map(i64::to_le_bytes).collect();
-    value.extend_from_slice(policy.identity().as_bytes());
-    value.push(b'\n');
-    value.extend_from_slice(key.as_bytes());
-    value
-}
-
-/// The counts of an override's value (empty: a block), with the identity and the key (`None`
-/// for a policy's) it was set for.
-fn decode(value: &[u8]) -> Option<(Vec<u64>, SetFor<'_>)> {
-    let int = |i: usize| {
-        let bytes = value.get(8 * i..8 * i + 8)?;
-        Some(i64::from_le_bytes(bytes.try_into().ok()?))
-    };
-    let m = usize::try_from(int(0)?).ok()?;
-    let counts = (0..m)
-        .map(|i| int(1 + 2 * i).and_then(|c| u64::try_from(c).ok()))
-        .collect::<Option<Vec<u64>>>()?;
-    let kind = int(1 + 2 * m)?;
-    let text = std::str::from_utf8(value.get(8 * (2 + 2 * m)..)?).ok()?;
-    let (identity, key) = text.split_once('\n')?;
-    Some((counts, (identity, (kind == 1).then_some(key))))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::overrides::Override;
-
-    #[test]
-    fn values_read_back() {
-        let policy =
-            Policy::new("sms", ["1/1m".parse().unwrap(), "5/1h".parse().unwrap()]).unwrap();
-        let to = Override::Limits(vec!["2/1m".parse().unwrap(), "50/1h".parse().unwrap()]);
-        let entry = Entry::new(&policy, &to).unwrap();
-        let key = Scope::Key(Key::from("+447700900123"));
-        let value = encode(&policy, &key, &entry);
-        assert_eq!(
-            decode(&value),
-            Some((vec![2, 50], ("sms:log:1m+1h", Some("+447700900123"))))
-        );
-        // A key never holds a newline (one with control characters is kept hashed), so the
-        // identity and the key part unambiguously.
-        let hashed = Key::from("+44\n7700");
-        assert!(!hashed.as_str().contains('\n'));
-        let value = encode(&policy, &Scope::All, &Entry::Block);
-        assert_eq!(decode(&value), Some((vec![], ("sms:log:1m+1h", None))));
-        assert_eq!(decode(&value[..12]), None);
-        assert_eq!(decode(b""), None);
     }
 }

@@ -1,0 +1,47 @@
+//! Listing a policy's overrides.
+
+use fred::clients::Client;
+use fred::interfaces::HashesInterface;
+use fred::types::Value;
+
+use super::super::RedisStore;
+use super::value::decode;
+use crate::store::overrides::Scope;
+use crate::{Key, Policy, StoreError};
+
+impl RedisStore {
+    pub(crate) async fn list_overrides(
+        &self,
+        policy: &Policy,
+    ) -> Result<Vec<(Scope, Vec<u64>)>, StoreError> {
+        let mut listed: Vec<(Scope, Vec<u64>)> = Vec::new();
+        let inner = &self.inner;
+        for lane in 0..inner.placement.lanes() {
+            let hash = inner.placement.overrides_key(&inner.prefix, lane);
+            let all = |client: Client| {
+                let hash = hash.clone();
+                async move { client.hgetall::<Value, _>(hash).await }
+            };
+            let Value::Map(fields) = self.guarded(&hash, inner.batcher.on(&hash, all)).await?
+            else {
+                continue;
+            };
+            for value in fields.values() {
+                let Some((counts, (identity, key))) = value.as_bytes().and_then(decode) else {
+                    continue;
+                };
+                if identity != policy.identity() {
+                    continue;
+                }
+                let scope = match key {
+                    Some(key) => Scope::Key(Key::from(key)),
+                    None => Scope::All,
+                };
+                if !listed.iter().any(|(s, _)| *s == scope) {
+                    listed.push((scope, counts));
+                }
+            }
+        }
+        Ok(listed)
+    }
+}
