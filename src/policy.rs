@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algorithm::{Algorithm, Window, MAX_GCRA_BUCKET};
+use crate::store::owner::{stable_id, Owner};
 
 /// One rate limit: at most `count` units of cost in any window of `window`.
 ///
@@ -218,8 +219,11 @@ pub struct Policy {
     /// A hash of `terms`, as `identity_hash`.
     terms_hash: u64,
     /// A hash of `identity` that every process and version computes alike, below 2^52 (exact
-    /// in Lua's doubles): the field of the policy's own override in Redis.
+    /// in Lua's doubles): what count overrides are set for (see [`Owner`]).
     override_id: u64,
+    /// Whose overrides govern the policy's decisions: its name (an unnamed policy's
+    /// identity), and its plan.
+    owner: Owner,
     /// Sorted by window, shortest first; no two share a window.
     limits: Arc<[Limit]>,
     /// The limits in the algorithms' units, computed once rather than per decision.
@@ -314,10 +318,11 @@ impl Policy {
         }
         let windows = limits.iter().map(Window::of).collect();
         let identity = identity(&name, Algorithm::SlidingLog, &limits);
-        let terms = terms(&name, Algorithm::SlidingLog, &limits);
+        let terms = terms(&name, Algorithm::SlidingLog, &limits, None);
         Ok(Policy {
             identity_hash: hash(&identity),
-            override_id: stable_hash(&identity),
+            override_id: stable_id(&[&identity]),
+            owner: Owner::new(&name, &identity, name == Policy::DEFAULT_NAME),
             identity,
             terms_hash: hash(&terms),
             terms,
@@ -335,12 +340,44 @@ impl Policy {
     /// The same limits under another name.
     pub fn named(self, name: impl Into<String>) -> Result<Self, PolicyError> {
         let (block_micros, slots, slot_micros) = (self.block_micros, self.slots, self.slot_micros);
-        Policy::new(name, self.limits.iter().copied()).map(|p| Policy {
+        let named = Policy::new(name, self.limits.iter().copied()).map(|p| Policy {
             block_micros,
             slots,
             slot_micros,
             ..p.with_algorithm(self.algorithm)
+        })?;
+        Ok(match self.plan() {
+            Some(plan) => named.on_plan(plan),
+            None => named,
         })
+    }
+
+    /// The same policy for the requests of plan `plan`: its decisions also go by the store's
+    /// overrides for that plan ([`Scope::Plan`](crate::store::Scope::Plan)). The layer
+    /// makes the policy of each plan a rule names ([`Rule::plan`](crate::Rule::plan)) this
+    /// way; call it for decisions made with a [`Store`](crate::Store) directly. The state
+    /// stays the policy's (the identity does not change), and maps of decisions kept outside
+    /// the store (refusals, leases) keep each plan's apart.
+    ///
+    /// ```
+    /// use tower_redis_ratelimit::Policy;
+    ///
+    /// let api = Policy::new("api", ["60/1m".parse()?])?;
+    /// let free = api.clone().on_plan("free");
+    /// assert_eq!(free.plan(), Some("free"));
+    /// assert_eq!(free.identity(), api.identity());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn on_plan(mut self, plan: &str) -> Policy {
+        self.owner = self.owner.on_plan(plan);
+        self.terms = terms(&self.name, self.algorithm, &self.limits, Some(plan));
+        self.terms_hash = hash(&self.terms);
+        self
+    }
+
+    /// The plan the policy decides for, if any (see [`Policy::on_plan`]).
+    pub fn plan(&self) -> Option<&str> {
+        self.owner.plan()
     }
 
     /// The same limits decided by another algorithm.
@@ -356,8 +393,14 @@ impl Policy {
         let rest = self.identity.splitn(3, ':').nth(2).unwrap_or_default();
         self.identity = format!("{}:{}:{rest}", self.name, algorithm.tag()).into();
         self.identity_hash = hash(&self.identity);
-        self.override_id = stable_hash(&self.identity);
-        self.terms = terms(&self.name, algorithm, &self.limits);
+        self.override_id = stable_id(&[&self.identity]);
+        let unnamed = &*self.name == Policy::DEFAULT_NAME;
+        let owner = Owner::new(&self.name, &self.identity, unnamed);
+        self.owner = match self.owner.plan() {
+            Some(plan) => owner.on_plan(plan),
+            None => owner,
+        };
+        self.terms = terms(&self.name, algorithm, &self.limits, self.plan());
         self.terms_hash = hash(&self.terms);
         self.in_range = in_range(algorithm, &self.windows);
         self
@@ -518,7 +561,7 @@ impl Policy {
         let mut policy = self.clone();
         policy.windows = other.windows;
         policy.limits = other.limits;
-        policy.terms = terms(&self.name, self.algorithm, &policy.limits);
+        policy.terms = terms(&self.name, self.algorithm, &policy.limits, self.plan());
         policy.terms_hash = hash(&policy.terms);
         policy.in_range = in_range(self.algorithm, &policy.windows);
         Ok(policy)
@@ -576,11 +619,15 @@ impl Policy {
         &self.identity
     }
 
-    /// The field of the policy's own override in a store's hash of overrides (Redis): a hash
-    /// of the identity that every instance computes alike.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    /// A hash of the identity that every instance computes alike: what a count override is
+    /// set for, which decides only requests of the same identity (see [`Owner`]).
     pub(crate) fn override_id(&self) -> u64 {
         self.override_id
+    }
+
+    /// Whose overrides govern the policy's decisions, and its plan.
+    pub(crate) fn owner(&self) -> &Owner {
+        &self.owner
     }
 
     /// What maps of state key by: the identity.
@@ -680,7 +727,8 @@ impl From<Limit> for Policy {
         let identity = identity(Self::DEFAULT_NAME, Algorithm::SlidingLog, &[limit]);
         Policy {
             identity_hash: hash(&identity),
-            override_id: stable_hash(&identity),
+            override_id: stable_id(&[&identity]),
+            owner: Owner::new(Self::DEFAULT_NAME, &identity, true),
             terms_hash: hash(&identity),
             terms: Arc::clone(&identity),
             identity,
@@ -701,7 +749,7 @@ impl From<Limit> for Policy {
 /// [`terms`]) for an unnamed one.
 fn identity(name: &str, algorithm: Algorithm, limits: &[Limit]) -> Arc<str> {
     if name == Policy::DEFAULT_NAME {
-        return terms(name, algorithm, limits);
+        return terms(name, algorithm, limits, None);
     }
     format!(
         "{name}:{}:{}",
@@ -711,10 +759,15 @@ fn identity(name: &str, algorithm: Algorithm, limits: &[Limit]) -> Arc<str> {
     .into()
 }
 
-/// `<name>:<algorithm>:<limit>+<limit>...`, limits shortest first as [`Limit`] displays them.
-fn terms(name: &str, algorithm: Algorithm, limits: &[Limit]) -> Arc<str> {
+/// `<name>:<algorithm>:<limit>+<limit>...`, limits shortest first as [`Limit`] displays them,
+/// then `@<plan>` for a policy on a plan (whose plan's overrides may differ from another's).
+fn terms(name: &str, algorithm: Algorithm, limits: &[Limit], plan: Option<&str>) -> Arc<str> {
     let limits: Vec<String> = limits.iter().map(Limit::to_string).collect();
-    format!("{name}:{}:{}", algorithm.tag(), limits.join("+")).into()
+    let text = format!("{name}:{}:{}", algorithm.tag(), limits.join("+"));
+    match plan {
+        Some(plan) => format!("{text}@{plan}").into(),
+        None => text.into(),
+    }
 }
 
 /// Whether `algorithm` decides `windows` exactly (see [`Policy::out_of_range`]).
@@ -728,14 +781,6 @@ fn in_range(algorithm: Algorithm, windows: &[Window]) -> bool {
 /// Each limit's window as [`Limit`] displays it, e.g. `1m`.
 fn window_labels(limits: &[Limit]) -> Vec<String> {
     limits.iter().map(Limit::window_label).collect()
-}
-
-/// BLAKE3 of `identity`, its first 52 bits: the same in every process and version.
-fn stable_hash(identity: &str) -> u64 {
-    let digest = blake3::hash(identity.as_bytes());
-    let mut first = [0; 8];
-    first.copy_from_slice(&digest.as_bytes()[..8]);
-    u64::from_le_bytes(first) & ((1 << 52) - 1)
 }
 
 fn hash(identity: &str) -> u64 {

@@ -160,7 +160,8 @@ impl Rule {
     /// a customer keeps when changing plans (upgrading after 60 requests of a free `60/1m`
     /// leaves 540 of a pro `600/1m`). A request on no plan, or on one the rule does not
     /// name, gets the policy's own limits. An [override](crate::store::Overrides) in the
-    /// store, for the key or for the whole policy, wins over a plan's limits.
+    /// store, for the key, for the plan or for the whole policy, wins over a plan's limits
+    /// (the order: [`Scope`](crate::store::Scope)).
     ///
     /// ```
     /// use tower_redis_ratelimit::{Policy, RateLimitLayer, Rule};
@@ -246,7 +247,8 @@ impl Rule {
                 let limits = limits?;
                 let limits = policy
                     .with_limits(limits.limits().iter().copied())
-                    .map_err(error)?;
+                    .map_err(error)?
+                    .on_plan(&plan);
                 Ok((plan, limits))
             })
             .collect::<Result<Plans, BuildError>>()?;

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use super::overrides::{Applied, Overrides, Table};
+use super::override_table::Table;
+use super::overrides::{Applied, Overrides};
 use super::{Store, StoreError};
 use crate::algorithm::{
     decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
@@ -779,5 +780,9 @@ impl Store for MemoryStore {
 
     fn limits_version(&self) -> u64 {
         self.shared.overrides.version()
+    }
+
+    fn run_time_overrides(&self) -> Option<Overrides> {
+        Some(self.overrides())
     }
 }

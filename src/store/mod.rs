@@ -13,7 +13,9 @@ use tracing::Instrument;
 use crate::{Decision, Key, Policy, Settlement};
 
 pub(crate) mod memory;
+pub(crate) mod override_table;
 pub(crate) mod overrides;
+pub(crate) mod owner;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
@@ -146,6 +148,14 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// default, for a store whose limits never change.
     fn limits_version(&self) -> u64 {
         0
+    }
+
+    /// The store's overrides, if it keeps any ([`Overrides`]): a layer checks them against
+    /// its rules when it is built and each time they are replaced, and logs at `WARN` those
+    /// the rules leave without effect (counts set for other windows, see [`Scope`]). `None`
+    /// by default.
+    fn run_time_overrides(&self) -> Option<Overrides> {
+        None
     }
 
     /// Whether decisions are made in this process, without I/O. The layer's deny cache is off

@@ -1,31 +1,71 @@
-//! Limits changed at run time, for one client key or for every key of a policy, kept in the
-//! store so that every instance that shares it decides by them.
+//! Limits changed at run time, for one client key, for the customers of one plan, or for every
+//! key of a policy, kept in the store so that every instance that shares it decides by them.
 //!
 //! An override replaces a policy's counts, never its windows or algorithm, and keeps its
 //! state: the usage recorded so far still counts (see [`Policy::identity`] for what that
 //! means for each algorithm). So raising `5/1h` to `8/1h` after five requests admits three
 //! more, lowering it refuses until enough usage has aged out, and removing the override
-//! restores the policy's own counts. A block refuses every request of the key (or of the
-//! policy) until it is removed. A key's own override wins over the policy's.
+//! restores the policy's own counts. A block refuses every request of the key (or of the plan,
+//! or of the policy) until it is removed. Which override decides: [`Scope`].
 //!
 //! On Redis an override lives in a hash per hash tag, in the hash slot of the keys it governs
-//! (`src/store/redis/overrides.rs`), and the decision's own script reads it in the same call:
-//! no round trip of its own, batching unchanged. The memory store keeps them in this process.
+//! (`src/store/redis/overrides/`), and the decision's own script reads it in the same call:
+//! no round trip of its own, batching unchanged. The memory store keeps them in this process
+//! (`override_table.rs`).
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
+use super::override_table::Table;
 use crate::{Key, Limit, Policy, PolicyError, StoreError};
 
 /// Whose limits an override changes.
+///
+/// # Precedence
+///
+/// This is the one place that states it. A request of a client key under a policy, on a plan
+/// or not, is decided by the first of these that applies:
+///
+/// 1. the key's own override ([`Scope::Key`]);
+/// 2. the override of the request's plan ([`Scope::Plan`]), for a request on a plan its rule
+///    names ([`Rule::plan`](crate::Rule::plan); a store decision under
+///    [`Policy::on_plan`](crate::Policy::on_plan));
+/// 3. the policy-wide override ([`Scope::All`]);
+/// 4. the limits of the request's plan ([`Rule::plan`](crate::Rule::plan));
+/// 5. the policy's own limits.
+///
+/// A block ([`Override::Block`]) stands where counts of its scope stand: a key's own raise
+/// lets it through a policy-wide block, and a key's block refuses it whatever its plan's or
+/// the policy's override says. One scope holds one override: setting counts replaces a block
+/// of that scope and a block replaces counts, so [`Overrides::get`] shows what governs.
+///
+/// Overrides belong to the policy's **name** (an unnamed policy's, parsed from a string, to
+/// its identity), not to its windows: a block survives a change of the policy's windows or
+/// algorithm (a rules edit, a deploy). Counts are set for the windows and algorithm of the
+/// policy they were set with, and govern only decisions under those
+/// ([`Policy::identity`]); after such a change they decide nothing, as if absent (the next
+/// scope down decides), until they are set again or removed. [`Overrides::unfit`] lists them,
+/// and a layer logs them at `WARN` when it is built or its rules are replaced.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Scope {
-    /// Every key of the policy that has no override of its own.
+    /// Every key of the policy.
     All,
+    /// The customers of one plan, by the name the rules give it ([`Rule::plan`](crate::Rule::plan)).
+    Plan(String),
     /// One client key. A key longer than [`Key::MAX_LEN`] bytes stands for the same hashed
     /// key that the layer's extractors give such a client.
     Key(Key),
+}
+
+/// `all`, `plan:<plan>` or `key:<key>`: one text per scope, so that a key named like a plan,
+/// or `all`, is not taken for one.
+impl std::fmt::Display for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Scope::All => f.write_str("all"),
+            Scope::Plan(plan) => write!(f, "plan:{plan}"),
+            Scope::Key(key) => write!(f, "key:{}", key.as_str()),
+        }
+    }
 }
 
 /// What an override sets.
@@ -54,7 +94,7 @@ pub enum OverrideError {
 }
 
 /// The operator's handle on a store's overrides: set, read, list and remove them. Cheap to
-/// clone; clones share the store.
+/// clone; clones share the store. Which override decides a request: [`Scope`].
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -116,11 +156,17 @@ impl Overrides {
         }
     }
 
-    /// Sets the override of `policy` for `scope`, replacing any before it.
+    /// Whether the overrides are kept in this process, their futures ready at once.
+    pub(crate) fn is_local(&self) -> bool {
+        matches!(self.backend, Backend::Memory(_))
+    }
+
+    /// Sets the override of `policy` for `scope`, replacing any before it, counts or block
+    /// alike (for a plan, `policy` may be the policy or its plan's: they share a name).
     ///
     /// Writers at once: each override is written whole, never half, and the last write wins.
-    /// On Redis a policy's own override ([`Scope::All`]) is one write per hash tag; of two at
-    /// once, every tag ends with the one stamped later by Redis' clock, even where the other
+    /// On Redis a policy-wide or plan override is one write per hash tag; of two at once,
+    /// every tag ends with the one stamped later by Redis' clock, even where the other
     /// arrived last (the earlier `set` still returns `Ok`: it was replaced).
     pub async fn set(
         &self,
@@ -137,21 +183,24 @@ impl Overrides {
         Ok(())
     }
 
-    /// The override of `policy` for `scope` (not the policy's, for a key that has none).
+    /// The override of `policy` for `scope` (not the policy's, for a key that has none), if
+    /// one governs: counts set for other windows or another algorithm than `policy`'s decide
+    /// nothing, and read as none ([`Overrides::unfit`] lists them).
     pub async fn get(
         &self,
         policy: &Policy,
         scope: &Scope,
     ) -> Result<Option<Override>, OverrideError> {
-        let counts = match &self.backend {
-            Backend::Memory(table) => table.get(policy, scope).map(|entry| entry.counts()),
+        let stored = match &self.backend {
+            Backend::Memory(table) => table.get(policy, scope),
             #[cfg(feature = "redis")]
             Backend::Redis(store) => store.get_override(policy, scope).await?,
         };
-        Ok(counts.map(|counts| Override::from_counts(policy, &counts)))
+        Ok(stored.and_then(|stored| stored.governing(policy)))
     }
 
-    /// Removes the override of `policy` for `scope`; whether there was one.
+    /// Removes the override of `policy` for `scope`, whether it governs or not; whether there
+    /// was one.
     pub async fn remove(&self, policy: &Policy, scope: &Scope) -> Result<bool, OverrideError> {
         Ok(match &self.backend {
             Backend::Memory(table) => table.remove(policy, scope),
@@ -160,19 +209,57 @@ impl Overrides {
         })
     }
 
-    /// Every override of `policy`: the policy's own first, then its keys' in no set order.
+    /// Every override that governs decisions of `policy`: the policy-wide one first, then
+    /// the plans' by name, then the keys' by key.
     pub async fn list(&self, policy: &Policy) -> Result<Vec<(Scope, Override)>, OverrideError> {
-        let listed: Vec<(Scope, Vec<u64>)> = match &self.backend {
+        let mut listed: Vec<(Scope, Override)> = self
+            .stored(policy)
+            .await?
+            .into_iter()
+            .filter_map(|(scope, stored)| Some((scope, stored.governing(policy)?)))
+            .collect();
+        listed.sort_by(|(a, _), (b, _)| scope_order(a, b));
+        Ok(listed)
+    }
+
+    /// The count overrides stored under `policy`'s name that decide nothing, because they
+    /// were set for other windows or another algorithm (see [`Scope`]), each with the
+    /// identity it was set for ([`Policy::identity`]), e.g. `api:gcra:1m`. Set them again
+    /// for the policy's windows, or remove them.
+    pub async fn unfit(&self, policy: &Policy) -> Result<Vec<(Scope, String)>, OverrideError> {
+        let mut unfit: Vec<(Scope, String)> = self
+            .stored(policy)
+            .await?
+            .into_iter()
+            .filter_map(|(scope, stored)| match stored.identity {
+                Some(identity) if *identity != *policy.identity() => Some((scope, identity.into())),
+                _ => None,
+            })
+            .collect();
+        unfit.sort_by(|(a, _), (b, _)| scope_order(a, b));
+        Ok(unfit)
+    }
+
+    /// Every override stored under `policy`'s name, governing or not.
+    async fn stored(&self, policy: &Policy) -> Result<Vec<(Scope, Stored)>, OverrideError> {
+        Ok(match &self.backend {
             Backend::Memory(table) => table.list(policy),
             #[cfg(feature = "redis")]
             Backend::Redis(store) => store.list_overrides(policy).await?,
-        };
-        let mut listed: Vec<(Scope, Override)> = listed
-            .into_iter()
-            .map(|(scope, counts)| (scope, Override::from_counts(policy, &counts)))
-            .collect();
-        listed.sort_by_key(|(scope, _)| *scope != Scope::All);
-        Ok(listed)
+        })
+    }
+}
+
+/// The policy-wide override first, then the plans' by name, then the keys' by key.
+fn scope_order(a: &Scope, b: &Scope) -> std::cmp::Ordering {
+    rank(a).cmp(&rank(b))
+}
+
+fn rank(scope: &Scope) -> (u8, &str) {
+    match scope {
+        Scope::All => (0, ""),
+        Scope::Plan(plan) => (1, plan.as_str()),
+        Scope::Key(key) => (2, key.as_str()),
     }
 }
 
@@ -223,6 +310,41 @@ impl Entry {
     }
 }
 
+/// An override as a store keeps it: its counts (empty: a block) and, for counts, the identity
+/// of the policy they were set for, which they govern alone (see [`Scope`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Stored {
+    pub(crate) counts: Vec<u64>,
+    pub(crate) identity: Option<Box<str>>,
+}
+
+impl Stored {
+    /// The override, if it governs decisions of `policy`: a block always, counts under the
+    /// identity they were set for.
+    pub(crate) fn governing(&self, policy: &Policy) -> Option<Override> {
+        match &self.identity {
+            None => Some(Override::Block),
+            Some(identity) if **identity == *policy.identity() => {
+                Some(Override::from_counts(policy, &self.counts))
+            }
+            Some(_) => None,
+        }
+    }
+}
+
+impl Entry {
+    /// How a store keeps it.
+    pub(crate) fn stored(&self) -> Stored {
+        Stored {
+            counts: self.counts(),
+            identity: match self {
+                Entry::Limits(policy) => Some(policy.identity().into()),
+                Entry::Block => None,
+            },
+        }
+    }
+}
+
 /// What a decision goes by.
 pub(crate) enum Applied<'a> {
     /// The request's own policy.
@@ -231,101 +353,4 @@ pub(crate) enum Applied<'a> {
     Other(Policy),
     /// A block.
     Blocked,
-}
-
-/// The overrides of a [`MemoryStore`](crate::MemoryStore): per policy identity, the policy's
-/// own and its keys'.
-#[derive(Default)]
-pub(crate) struct Table {
-    by_policy: RwLock<HashMap<Arc<str>, PolicyOverrides>>,
-    /// Whether any override is set, so that a store without any skips the lock.
-    any: AtomicBool,
-    /// Bumped by every change.
-    version: AtomicU64,
-}
-
-#[derive(Default)]
-struct PolicyOverrides {
-    all: Option<Entry>,
-    keys: HashMap<Key, Entry>,
-}
-
-impl Table {
-    /// What a decision of `key` under `policy` goes by.
-    pub(crate) fn apply<'a>(&self, key: &Key, policy: &'a Policy) -> Applied<'a> {
-        if !self.any.load(Ordering::Acquire) {
-            return Applied::Own(policy);
-        }
-        let by_policy = self.by_policy.read().unwrap_or_else(|e| e.into_inner());
-        let Some(overrides) = by_policy.get(policy.identity()) else {
-            return Applied::Own(policy);
-        };
-        match overrides.keys.get(key).or(overrides.all.as_ref()) {
-            // The override's counts under the request's policy (the same identity: name,
-            // algorithm and windows).
-            Some(Entry::Limits(other)) => Applied::Other(other.clone()),
-            Some(Entry::Block) => Applied::Blocked,
-            None => Applied::Own(policy),
-        }
-    }
-
-    /// How many changes there have been.
-    pub(crate) fn version(&self) -> u64 {
-        self.version.load(Ordering::Acquire)
-    }
-
-    fn set(&self, policy: &Policy, scope: &Scope, entry: Entry) {
-        let mut by_policy = self.by_policy.write().unwrap_or_else(|e| e.into_inner());
-        let overrides = by_policy.entry(Arc::from(policy.identity())).or_default();
-        match scope {
-            Scope::All => overrides.all = Some(entry),
-            Scope::Key(key) => {
-                overrides.keys.insert(key.clone(), entry);
-            }
-        }
-        self.any.store(true, Ordering::Release);
-        self.version.fetch_add(1, Ordering::AcqRel);
-    }
-
-    fn get(&self, policy: &Policy, scope: &Scope) -> Option<Entry> {
-        let by_policy = self.by_policy.read().unwrap_or_else(|e| e.into_inner());
-        let overrides = by_policy.get(policy.identity())?;
-        match scope {
-            Scope::All => overrides.all.clone(),
-            Scope::Key(key) => overrides.keys.get(key).cloned(),
-        }
-    }
-
-    fn remove(&self, policy: &Policy, scope: &Scope) -> bool {
-        let mut by_policy = self.by_policy.write().unwrap_or_else(|e| e.into_inner());
-        let Some(overrides) = by_policy.get_mut(policy.identity()) else {
-            return false;
-        };
-        let removed = match scope {
-            Scope::All => overrides.all.take().is_some(),
-            Scope::Key(key) => overrides.keys.remove(key).is_some(),
-        };
-        if overrides.all.is_none() && overrides.keys.is_empty() {
-            by_policy.remove(policy.identity());
-        }
-        self.any.store(!by_policy.is_empty(), Ordering::Release);
-        self.version.fetch_add(1, Ordering::AcqRel);
-        removed
-    }
-
-    fn list(&self, policy: &Policy) -> Vec<(Scope, Vec<u64>)> {
-        let by_policy = self.by_policy.read().unwrap_or_else(|e| e.into_inner());
-        let Some(overrides) = by_policy.get(policy.identity()) else {
-            return Vec::new();
-        };
-        let all = overrides
-            .all
-            .iter()
-            .map(|entry| (Scope::All, entry.counts()));
-        let keys = overrides
-            .keys
-            .iter()
-            .map(|(key, entry)| (Scope::Key(key.clone()), entry.counts()));
-        all.chain(keys).collect()
-    }
 }

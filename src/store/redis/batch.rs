@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use super::ask;
 use super::nodes::{self, Nodes};
 use super::placement::Place;
-use super::protocol::{self, answer, check_length, Answered, Scripts, SlotOp};
+use super::protocol::{self, answer, check_length, Answered, Scripts, SlotOp, HEAD};
 use crate::algorithm::Algorithm;
 
 /// One request waiting for its answer.
@@ -251,7 +251,9 @@ impl Batcher {
         let script = self.settings.scripts.of(algorithm);
         let keys = vec![Key::from(place.key)];
         let overrides = self.settings.overrides_of(place.lane);
-        let argv = protocol::argv(Bytes::from(args), overrides, Vec::new());
+        let mut args = Bytes::from(args);
+        let head = args.split_to(HEAD.min(args.len()));
+        let argv = protocol::argv(args, overrides, head, Vec::new());
         let values: Bytes = self.evalsha_patiently(script, keys, argv, patience).await?;
         check_length(&values, 1, 0)?;
         Ok(answer(&values, 1, 0))
@@ -394,10 +396,12 @@ fn groups(batch: Vec<Job>, clustered: bool) -> Vec<Vec<Job>> {
 
 /// A call's requests laid out for a script (`protocol.rs`, KEYS and ARGV): the keys of its
 /// decisions, then those of its slot operations; the decisions' arguments one after the
-/// other; each slot operation's two.
+/// other, and apart from them their override fields ([`HEAD`] bytes each); each slot
+/// operation's two.
 struct Laid {
     keys: Vec<Key>,
     args: Vec<u8>,
+    heads: Vec<u8>,
     ops: Vec<Value>,
     decisions: usize,
 }
@@ -414,6 +418,7 @@ impl Laid {
         Laid {
             keys: Vec::with_capacity(requests),
             args: Vec::with_capacity(bytes),
+            heads: Vec::with_capacity(HEAD * requests),
             ops: Vec::new(),
             decisions: 0,
         }
@@ -425,7 +430,9 @@ impl Laid {
         match work {
             Work::Decide(args) => {
                 debug_assert!(self.ops.is_empty(), "a decision after a slot operation");
-                self.args.extend_from_slice(&args);
+                let (head, args) = args.split_at(HEAD.min(args.len()));
+                self.heads.extend_from_slice(head);
+                self.args.extend_from_slice(args);
                 self.decisions += 1;
             }
             Work::Slot(op) => self.ops.extend(op.args()),
@@ -554,13 +561,15 @@ async fn call(
     let Laid {
         keys,
         args,
+        heads,
         ops,
         decisions,
     } = laid;
     let slot_ops = ops.len() / 2;
     // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
     let one_key = keys.iter().all(|key| *key == keys[0]);
-    let argv = protocol::argv(Bytes::from(args), settings.overrides_of(lane), ops);
+    let (args, heads) = (Bytes::from(args), Bytes::from(heads));
+    let argv = protocol::argv(args, settings.overrides_of(lane), heads, ops);
     let call = async {
         let nodes = match &settings.redis {
             // No redirections outside a cluster: nothing to keep for a second try.
@@ -644,7 +653,11 @@ mod tests {
             reply: Requester::Waiting(oneshot::channel().0),
         };
         let op = |key, id, lifetime| job(key, Work::Slot(SlotOp { id, lifetime }));
-        let decision = |key, byte| job(key, Work::Decide(Bytes::from(vec![byte; INT])));
+        // Each decision's override fields, then its arguments.
+        let decision = |key, byte: u8| {
+            let args = [vec![byte + 10; HEAD], vec![byte; INT]].concat();
+            job(key, Work::Decide(Bytes::from(args)))
+        };
         let batch = vec![
             op("a", 7, 0),
             decision("b", 1),
@@ -655,6 +668,7 @@ mod tests {
         let keys: Vec<_> = laid.keys.iter().map(|k| k.as_str().unwrap()).collect();
         assert_eq!(keys, ["b", "d", "a", "c"]);
         assert_eq!(laid.args, [[1; INT], [2; INT]].concat());
+        assert_eq!(laid.heads, [[11; HEAD], [12; HEAD]].concat());
         let ops = [7, 0, 9, 500].map(Value::Integer);
         assert_eq!(laid.ops, ops);
         assert_eq!((laid.decisions, replies.len()), (2, 4));

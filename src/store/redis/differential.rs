@@ -155,6 +155,7 @@ impl Scripts {
             Value::from(key),
             Value::Bytes(Bytes::from(args)),
             Value::from("overrides"),
+            Value::Bytes(Bytes::new()),
         ];
         self.client.custom(eval, values).await
     }

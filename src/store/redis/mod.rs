@@ -115,7 +115,7 @@ impl Inner {
         record: Record,
     ) -> Result<Answer, StoreError> {
         super::in_range(policy)?;
-        let args = protocol::encode_for(policy, cost, record, at);
+        let args = protocol::encode_for(policy, &place, cost, record, at);
         // The budget covers the whole decision: the queue, the call and a script reload.
         let lane = place.lane;
         let decision = self.batcher.decide(place, policy.algorithm(), args);
@@ -412,6 +412,10 @@ impl Store for RedisStore {
         self.inner.limits_version.load(Ordering::Acquire)
     }
 
+    fn run_time_overrides(&self) -> Option<crate::store::Overrides> {
+        Some(self.overrides())
+    }
+
     fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
         if policy.concurrency_limit().is_some() {
             let unsupported = StoreError::Unsupported("event times take no concurrency slot");
@@ -515,7 +519,7 @@ impl Store for RedisStore {
                 return Err(StoreError::Unavailable);
             }
             let started = inner.breaker(lane).now();
-            let args = protocol::encode_for(&policy, units, record, -1);
+            let args = protocol::encode_for(&policy, &place, units, record, -1);
             let call = inner
                 .batcher
                 .decide_patiently(place.clone(), algorithm, args, PATIENCE);

@@ -16,6 +16,8 @@ use fred::error::{Error, ErrorKind};
 use fred::types::scripts::Script;
 use fred::types::Value;
 
+use super::overrides;
+use super::placement::Place;
 use crate::algorithm::{Algorithm, Outcome, Window};
 use crate::{Decision, Policy, StoreError};
 
@@ -103,20 +105,34 @@ impl Scripts {
 
 // KEYS and ARGV (`prelude.lua`): the keys of a call's decisions, then those of its slot
 // operations; ARGV[1] the decisions' arguments one after the other ([`encode`]), ARGV[2] the
-// name of the hash of overrides, then two per slot operation ([`SlotOp`]).
+// name of the hash of overrides, ARGV[3] the decisions' override fields ([`HEAD`] bytes
+// each), then two per slot operation ([`SlotOp`]).
 
 /// Bytes per integer in a script's arguments and reply.
 pub(super) const INT: usize = std::mem::size_of::<i64>();
 
+/// Bytes of a decision's override fields, which [`encode_for`] puts before its arguments and a
+/// call passes apart from them (ARGV[3]): the length of the key's field (the first bytes of
+/// its state key), the policy-wide field and the plan's (0: on no plan), as
+/// `overrides/place.rs` names them.
+pub(super) const HEAD: usize = 3 * INT;
+
 /// An algorithm script's arguments: `decisions`, the decisions' arguments ([`encode`]), then
-/// `overrides`, the name of the hash of overrides of the call's lane, then `ops`, two per slot
-/// operation ([`SlotOp::args`]). The hash is read by name, not passed as a key: while a hash
-/// slot migrates, a call whose keys include one that is missing on a node is refused
+/// `overrides`, the name of the hash of overrides of the call's lane, then `heads`, the
+/// decisions' override fields ([`HEAD`] bytes each, in the same order), then `ops`, two per
+/// slot operation ([`SlotOp::args`]). The hash is read by name, not passed as a key: while a
+/// hash slot migrates, a call whose keys include one that is missing on a node is refused
 /// (`TRYAGAIN`), and the hash usually does not exist at all (`prelude.lua`).
-pub(super) fn argv(decisions: Bytes, overrides: Value, ops: Vec<Value>) -> Vec<Value> {
-    let mut argv = Vec::with_capacity(2 + ops.len());
+pub(super) fn argv(
+    decisions: Bytes,
+    overrides: Value,
+    heads: Bytes,
+    ops: Vec<Value>,
+) -> Vec<Value> {
+    let mut argv = Vec::with_capacity(3 + ops.len());
     argv.push(Value::Bytes(decisions));
     argv.push(overrides);
+    argv.push(Value::Bytes(heads));
     argv.extend(ops);
     argv
 }
@@ -191,7 +207,8 @@ impl Record {
 
 /// A request's arguments as the scripts read them (`prelude.lua`, ARGV[1]), 64-bit
 /// little-endian integers: the number of limits, cost, mode ([`Mode`]), event time (µs, -1
-/// for now), the policy's override id (`Policy::override_id`) and penalty box (µs, 0: none;
+/// for now), the policy's override id (`Policy::override_id`, what count overrides must have
+/// been set for) and penalty box (µs, 0: none;
 /// `Policy::block_for`), the mode's own arguments ([`Record`]), then count, window (µs) and
 /// scale of each limit.
 pub(super) fn encode(
@@ -219,10 +236,24 @@ pub(super) fn encode(
     args
 }
 
-/// A request's arguments under `policy`: its override id and penalty box, and its limits.
-pub(super) fn encode_for(policy: &Policy, cost: u64, record: Record, at: i64) -> Vec<u8> {
+/// A request's override fields ([`HEAD`] bytes, `overrides::head`) then its arguments
+/// ([`encode`]) under `policy`, for its key at `place`: its override id and penalty box, and
+/// its limits.
+pub(super) fn encode_for(
+    policy: &Policy,
+    place: &Place,
+    cost: u64,
+    record: Record,
+    at: i64,
+) -> Vec<u8> {
     let terms = (policy.override_id(), policy.block_micros());
-    encode(cost, record, at, terms, policy.windows())
+    let head = overrides::head(place, policy);
+    let mut args: Vec<u8> = head
+        .into_iter()
+        .flat_map(|v| clamp(v).to_le_bytes())
+        .collect();
+    args.extend(encode(cost, record, at, terms, policy.windows()));
+    args
 }
 
 /// The code `scripts/release.lua` knows `algorithm`'s state by (`FIXED_WINDOW`,

@@ -613,7 +613,7 @@ fn take(
     tokio::spawn(async move {
         let place = inner.place(&key, &policy);
         let record = plan.record(cost.into(), want);
-        let args = protocol::encode_for(&policy, cost.into(), record, -1);
+        let args = protocol::encode_for(&policy, &place, cost.into(), record, -1);
         let answered = inner
             .batcher
             .decide_patiently(place, policy.algorithm(), args, PATIENCE)

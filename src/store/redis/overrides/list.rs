@@ -6,15 +6,15 @@ use fred::types::Value;
 
 use super::super::RedisStore;
 use super::value::decode;
-use crate::store::overrides::Scope;
-use crate::{Key, Policy, StoreError};
+use crate::store::overrides::{Scope, Stored};
+use crate::{Policy, StoreError};
 
 impl RedisStore {
     pub(crate) async fn list_overrides(
         &self,
         policy: &Policy,
-    ) -> Result<Vec<(Scope, Vec<u64>)>, StoreError> {
-        let mut listed: Vec<(Scope, Vec<u64>)> = Vec::new();
+    ) -> Result<Vec<(Scope, Stored)>, StoreError> {
+        let mut listed: Vec<(Scope, Stored)> = Vec::new();
         let inner = &self.inner;
         for lane in 0..inner.placement.lanes() {
             let hash = inner.placement.overrides_key(&inner.prefix, lane);
@@ -27,18 +27,14 @@ impl RedisStore {
                 continue;
             };
             for value in fields.values() {
-                let Some((counts, (identity, key))) = value.as_bytes().and_then(decode) else {
+                let Some((owner, scope, stored)) = value.as_bytes().and_then(decode) else {
                     continue;
                 };
-                if identity != policy.identity() {
+                if owner != policy.owner().name() {
                     continue;
                 }
-                let scope = match key {
-                    Some(key) => Scope::Key(Key::from(key)),
-                    None => Scope::All,
-                };
                 if !listed.iter().any(|(s, _)| *s == scope) {
-                    listed.push((scope, counts));
+                    listed.push((scope, stored));
                 }
             }
         }

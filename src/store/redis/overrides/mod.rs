@@ -1,13 +1,10 @@
 //! Overrides in Redis (`store/overrides.rs`): one hash per lane, in the hash slot of the keys that
 //! lane holds, which the algorithm scripts read in the decision's own call (`prelude.lua`).
 //!
-//! A key's override is the field named like the key's state (its Redis key), in the hash of
-//! the key's lane; a policy's override is the field named by its override id
-//! ([`Policy::override_id`]) in every lane's hash (one on a single Redis; in a cluster one
-//! per tag, so that each hash slot's calls find it). A value is 64-bit little-endian integers: the
-//! number of limits `m` (0: a block), count and scale of each limit, then what listing needs:
-//! 0 for a policy's override or 1 for a key's, and the policy's identity, a newline and the
-//! key.
+//! Which field of which hash holds an override: `place.rs` (fields go by the policy's name, not
+//! its windows; a key's in its lane's hash, a plan's and the policy-wide one in every lane's
+//! hash: one on a single Redis, in a cluster one per tag, so that each hash slot's calls find
+//! them). What a value holds: `value.rs`.
 //!
 //! Every change also increments a version (`<prefix>:{overrides}:version`), which each store
 //! reads every `WATCH` (`version.rs`): when it changes, the layer's deny cache drops the refusals decided
@@ -22,42 +19,25 @@ use fred::types::scripts::Script;
 use fred::types::Value;
 
 mod list;
+mod place;
 mod value;
 mod version;
 
+pub(super) use place::head;
 use value::{decode, encode};
 pub(super) use version::spawn_watch;
 use version::version_key;
 
 use super::RedisStore;
-use crate::store::overrides::{Entry, Overrides, Scope};
+use crate::store::overrides::{Entry, Overrides, Scope, Stored};
 use crate::{Policy, StoreError};
 
 impl RedisStore {
-    /// The store's overrides: limits changed at run time for a key or a whole policy, kept in
+    /// The store's overrides: limits changed at run time for a key, a plan or a whole policy, kept in
     /// Redis and read by every instance's decisions from the next one on (see
     /// [`Overrides`]).
     pub fn overrides(&self) -> Overrides {
         Overrides::redis(self.clone())
-    }
-
-    /// Where the override of `policy` for `scope` lives: (hash, field) pairs, one per lane for
-    /// a policy's.
-    fn fields(&self, policy: &Policy, scope: &Scope) -> Vec<(String, String)> {
-        let inner = &self.inner;
-        match scope {
-            Scope::Key(key) => {
-                let place = inner.place(key, policy);
-                let hash = inner.placement.overrides_key(&inner.prefix, place.lane);
-                vec![(hash, place.key)]
-            }
-            Scope::All => (0..inner.placement.lanes())
-                .map(|lane| {
-                    let hash = inner.placement.overrides_key(&inner.prefix, lane);
-                    (hash, policy.override_id().to_string())
-                })
-                .collect(),
-        }
     }
 
     pub(crate) async fn set_override(
@@ -78,17 +58,22 @@ impl RedisStore {
                     self.guarded(&hash, written).await?;
                 }
             }
-            Scope::All => {
-                self.write_everywhere(policy, value).await?;
+            Scope::All | Scope::Plan(_) => {
+                self.write_everywhere(policy, scope, value).await?;
             }
         }
         self.announce().await.map(drop)
     }
 
-    /// Writes (or, with an empty `value`, removes) `policy`'s own override in every lane's
-    /// hash through `scripts/override_write.lua`, stamped so that of two writes at once every
-    /// lane ends with the later one's value; whether a hash changed.
-    async fn write_everywhere(&self, policy: &Policy, value: Vec<u8>) -> Result<bool, StoreError> {
+    /// Writes (or, with an empty `value`, removes) `policy`'s policy-wide or plan override
+    /// (`scope`) in every lane's hash through `scripts/override_write.lua`, stamped so that of
+    /// two writes at once every lane ends with the later one's value; whether a hash changed.
+    async fn write_everywhere(
+        &self,
+        policy: &Policy,
+        scope: &Scope,
+        value: Vec<u8>,
+    ) -> Result<bool, StoreError> {
         static STAMP: LazyLock<Script> =
             LazyLock::new(|| Script::from_lua(include_str!("../scripts/override_stamp.lua")));
         static WRITE: LazyLock<Script> =
@@ -112,7 +97,7 @@ impl RedisStore {
         };
         self.inner.limits_seen(version as u64);
         let mut changed = false;
-        for (hash, field) in self.fields(policy, &Scope::All) {
+        for (hash, field) in self.fields(policy, scope) {
             let write = |client: Client| {
                 let keys = vec![hash.clone(), format!("{hash}:stamps")];
                 let args: Vec<Value> = vec![
@@ -140,7 +125,7 @@ impl RedisStore {
         &self,
         policy: &Policy,
         scope: &Scope,
-    ) -> Result<Option<Vec<u64>>, StoreError> {
+    ) -> Result<Option<Stored>, StoreError> {
         let Some((hash, field)) = self.fields(policy, scope).into_iter().next() else {
             return Ok(None);
         };
@@ -151,7 +136,7 @@ impl RedisStore {
         let value = self
             .guarded(&hash, self.inner.batcher.on(&hash, get))
             .await?;
-        Ok(value.and_then(|value| decode(&value).map(|(counts, _)| counts)))
+        Ok(value.and_then(|value| decode(&value).map(|(_, _, stored)| stored)))
     }
 
     pub(crate) async fn remove_override(
@@ -160,7 +145,7 @@ impl RedisStore {
         scope: &Scope,
     ) -> Result<bool, StoreError> {
         let removed = match scope {
-            Scope::All => self.write_everywhere(policy, Vec::new()).await?,
+            Scope::All | Scope::Plan(_) => self.write_everywhere(policy, scope, Vec::new()).await?,
             Scope::Key(_) => {
                 let mut removed = false;
                 for (hash, field) in self.fields(policy, scope) {

@@ -7,7 +7,7 @@
 --
 -- KEYS[1]   the lane's hash of overrides
 -- KEYS[2]   the lane's hash of stamps (same hash tag): field -> stamp of the last write
--- ARGV[1]   the field (the policy's override id)
+-- ARGV[1]   the field (the plan's or the policy-wide one, overrides/place.rs)
 -- ARGV[2]   the value, or an empty string to remove the override
 -- ARGV[3..5] the write's stamp: seconds, microseconds, version; compared in that order
 --

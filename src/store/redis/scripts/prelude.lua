@@ -13,12 +13,17 @@
 -- ARGV[1]   64-bit little-endian signed integers, for each request k in turn: n (its number
 --           of limits), cost (units, >= 0), record (the request's mode, below), event time in
 --           microseconds since the epoch or -1 for now (Redis TIME), the policy's override id
---           (the field of its own override in the hash), its penalty box (us; 0: none,
---           Policy::block_for), the mode's own arguments, then count, window (microseconds)
---           and scale (gcd of the two, GCRA's divisor) of limits 1..n, shortest first
+--           (of its identity: what count overrides must have been set for), its penalty box
+--           (us; 0: none, Policy::block_for), the mode's own arguments, then count, window
+--           (microseconds) and scale (gcd of the two, GCRA's divisor) of limits 1..n, shortest
+--           first
 -- ARGV[2]   the name of the hash of overrides of the call's hash slot
---           (src/store/redis/overrides.rs)
--- ARGV[3..] two per slot operation j (state key KEYS[#KEYS - OPS + j]), in decimal: the
+--           (src/store/redis/overrides/)
+-- ARGV[3]   64-bit little-endian signed integers, three per request k in turn (protocol.rs,
+--           HEAD): the length of its key's override field (the first bytes of KEYS[k]), its
+--           policy's policy-wide field and its plan's field (0: on no plan), the last two
+--           written in decimal in the hash (src/store/redis/overrides/place.rs)
+-- ARGV[4..] two per slot operation j (state key KEYS[#KEYS - OPS + j]), in decimal: the
 --           slot's id, and 0 to give it back or its lifetime (us) to renew it
 --
 -- Modes (record; protocol.rs, Mode), with the arguments that follow the first six:
@@ -52,18 +57,22 @@
 --        settlement's six are those of an admitted request: remaining and reset_after after
 --        it (a refund on the sliding log answers 1 0 0 0 -1 -1)
 --
--- Overrides (src/store/overrides.rs): a request other than a settlement is decided by the
--- counts its key's own override sets (field: the key's name), else its policy's (field: the
--- override id), else its own. The hash is in the hash slot of the call's keys but is not one
--- of them: while a hash slot migrates, Redis refuses (TRYAGAIN) a call whose keys are not all
--- on one node, and the hash usually does not exist at all. It is read with pcall: where Redis
--- refuses the read (the hash on the other node of a migration), the call decides by the
--- requests' own counts. An override's value is 64-bit little-endian integers: m, then count
--- and scale of limits 1..m (the policy's windows; m = 0 blocks: the request is refused, no
--- wait helps). Settlements go by the counts decisions go by (an override's where one applies,
--- as the memory store's do), so that the answer of a charge, and the penalty box it may set,
--- say whether the key is full under those counts; a block does not stop a settlement. GCRA
--- state written under other counts is reweighed (exact.lua).
+-- Overrides (src/store/overrides.rs, Scope): a request other than a settlement is decided by
+-- the first of these fields that holds a block or counts set for its policy's identity: its
+-- key's, its plan's, its policy-wide one; else by its own counts. All the call's fields are
+-- read with one HMGET, when the first request needs them. The hash is in the hash slot of the
+-- call's keys but is not one of them: while a hash slot migrates, Redis refuses (TRYAGAIN) a
+-- call whose keys are not all on one node, and the hash usually does not exist at all. It is
+-- read with pcall: where Redis refuses the read (the hash on the other node of a migration),
+-- the call decides by the requests' own counts. An override's value (overrides/value.rs) is
+-- 64-bit little-endian integers: its kind (BLOCK -1, COUNTS -2; other values, an earlier
+-- version's, are skipped), the override id its counts were set for (0 for a block), m (0 for
+-- a block), then count and scale of limits 1..m (the policy's windows): counts set for
+-- another identity (another algorithm or other windows) or another m are skipped; a block
+-- refuses the request, no wait helps. Settlements go by the counts decisions go by (an
+-- override's where one applies, as the memory store's do), so that the answer of a charge,
+-- and the penalty box it may set, say whether the key is full under those counts; a block
+-- does not stop a settlement. GCRA state written under other counts is reweighed (exact.lua).
 --
 -- Penalty box (Policy::block_for): a key that hits its limit is refused for at least the
 -- box's length, and until its limits admit it again; the refusal's retry is the later of the
@@ -118,8 +127,9 @@ local LOOK, ADMIT, LEASE, SETTLE, TAKE = 0, 1, 2, 3, 4
 -- The limit indexes of the refusals that no limit makes (the header's "Reply").
 local BOXED, SLOTS_FULL = -1, -2
 
--- The call's slot operations (two arguments each after the hash of overrides) and requests.
-local OPS = math.max(0, math.floor((#ARGV - 2) / 2))
+-- The call's slot operations (two arguments each after the requests' override fields) and
+-- requests.
+local OPS = math.max(0, math.floor((#ARGV - 3) / 2))
 local REQUESTS = #KEYS - OPS
 -- The hash of overrides of the call's hash slot, read only where it exists, so that a store
 -- without overrides pays one EXISTS per call.
@@ -128,9 +138,12 @@ local any_override = OVERRIDES ~= nil and redis.pcall('EXISTS', OVERRIDES) == 1
 -- Whether the request at hand is decided by an override's counts (the last of its six
 -- integers is then the count of the reported limit, `counts[i]`; else -1).
 local overridden = false
--- The keys' own overrides (by request index; false: none), read for every key of the call
--- with one HMGET when the first request needs them, and the policies' (by override id).
-local own_overrides, policy_overrides = nil, {}
+-- The values of the call's override fields (false: none), read with one HMGET when the first
+-- request needs them; for request k, the index there of its key's, its plan's (false: on no
+-- plan) and its policy-wide field.
+local found, key_at, plan_at, all_at = nil, {}, {}, {}
+-- The kinds of an override's value (see "Overrides").
+local BLOCK, COUNTS = -1, -2
 -- The answer to a blocked request: refused at a limit of 0, no wait helps.
 local BLOCKED = spack('<llllll', 0, 0, 0, 0, -2, 0)
 -- The penalty box of the request at hand (see the header): its length in ms and in us (0:
@@ -156,25 +169,63 @@ end
 -- units a state holds, MAX_UNITS, is in exact.lua.)
 local MAX_COUNT, MAX_WINDOW = 1125899906842624, 315360000000000
 
--- The override that governs request k of a policy with override id `id`: its value, or
--- false.
-local function override_of(k, id)
-  if own_overrides == nil then
-    local got = redis.pcall('HMGET', OVERRIDES, unpack(KEYS))
-    own_overrides = (got.err == nil) and got or {}
+-- Reads the values of every request's override fields (see "Overrides") with one HMGET.
+local function read_overrides()
+  local heads, at, fields, index = ARGV[3], 1, {}, {}
+  local function field(name)
+    local i = index[name]
+    if i == nil then
+      i = #fields + 1
+      fields[i], index[name] = name, i
+    end
+    return i
   end
-  local value = own_overrides[k]
-  if value then
-    return value
+  for k = 1, REQUESTS do
+    local keep, all, plan
+    keep, all, plan, at = sunpack('<lll', heads, at)
+    local key = KEYS[k]
+    if keep < #key then
+      key = string.sub(key, 1, keep)
+    end
+    key_at[k], all_at[k] = field(key), field(text(all))
+    plan_at[k] = plan ~= 0 and field(text(plan))
   end
-  local field = text(id)
-  value = policy_overrides[field]
-  if value == nil then
-    local got = redis.pcall('HGET', OVERRIDES, field)
-    value = type(got) == 'string' and got
-    policy_overrides[field] = value
+  local got = redis.pcall('HMGET', OVERRIDES, unpack(fields))
+  found = (got.err == nil) and got or {}
+end
+
+-- The value of field `i` (false: none) when it governs a request whose policy has override
+-- id `id` and n limits: a block, or counts set for that id; then the byte its counts start at
+-- (0 for a block).
+local function governing(i, id, n)
+  local value = i and found[i]
+  if not value or #value < 24 then
+    return false
   end
-  return value
+  local kind, set_for, m, at = sunpack('<lll', value)
+  if kind == BLOCK then
+    return value, 0
+  end
+  if kind == COUNTS and set_for == id and m == n then
+    return value, at
+  end
+  return false
+end
+
+-- The override that governs request k, of a policy with override id `id` and n limits: its
+-- value and the byte its counts start at (0 for a block), or false.
+local function override_of(k, id, n)
+  if found == nil then
+    read_overrides()
+  end
+  local value, at = governing(key_at[k], id, n)
+  if not value then
+    value, at = governing(plan_at[k], id, n)
+  end
+  if not value then
+    value, at = governing(all_at[k], id, n)
+  end
+  return value, at
 end
 
 -- Concurrency (Policy::concurrency, src/concurrency/): the slots of request k's key are the
@@ -234,7 +285,7 @@ end
 local slots_kept = {}
 for j = 1, OPS do
   local skey = KEYS[REQUESTS + j] .. ':slots'
-  local member, lifetime = ARGV[1 + 2 * j], tonumber(ARGV[2 + 2 * j])
+  local member, lifetime = ARGV[2 + 2 * j], tonumber(ARGV[3 + 2 * j])
   local kept = '0'
   if lifetime == 0 then
     if redis.pcall('ZREM', skey, member) == 1 then
@@ -318,15 +369,14 @@ local function next_request(counts, windows, scales, k)
     box_ms = math.ceil(box / 1000)
   end
   if any_override then
-    local value = override_of(k, id)
+    local value, at = override_of(k, id, n)
     if value then
-      local m, at = sunpack('<l', value)
-      if m == 0 then
+      if at == 0 then
         -- A settlement records what was used whatever the limits say, a block's included.
         if record ~= SETTLE then
           blocked = BLOCKED
         end
-      elseif m == n then
+      else
         overridden = true
         for i = 1, n do
           counts[i], scale, at = sunpack('<ll', value, at)

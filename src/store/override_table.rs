@@ -1,0 +1,151 @@
+//! The overrides of a [`MemoryStore`](crate::MemoryStore): per owner (a named policy's name,
+//! an unnamed one's identity; see `owner.rs`), the policy-wide override, the plans' and the
+//! keys'. Which one decides a request: [`Scope`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::RwLock;
+
+use super::overrides::{Applied, Entry, Scope, Stored};
+use crate::{Key, Policy};
+
+/// The overrides of a memory store.
+#[derive(Default)]
+pub(crate) struct Table {
+    by_owner: RwLock<HashMap<Box<str>, OwnerOverrides>>,
+    /// Whether any override is set, so that a store without any skips the lock.
+    any: AtomicBool,
+    /// Bumped by every change.
+    version: AtomicU64,
+}
+
+/// The overrides of one owner, one per scope.
+#[derive(Default)]
+struct OwnerOverrides {
+    all: Option<Entry>,
+    plans: HashMap<Box<str>, Entry>,
+    keys: HashMap<Key, Entry>,
+}
+
+impl OwnerOverrides {
+    fn get(&self, scope: &Scope) -> Option<&Entry> {
+        match scope {
+            Scope::All => self.all.as_ref(),
+            Scope::Plan(plan) => self.plans.get(plan.as_str()),
+            Scope::Key(key) => self.keys.get(key),
+        }
+    }
+
+    /// Sets (`Some`) or removes (`None`) the override of `scope`; whether there was one.
+    fn put(&mut self, scope: &Scope, entry: Option<Entry>) -> bool {
+        let before = match (scope, entry) {
+            (Scope::All, entry) => std::mem::replace(&mut self.all, entry),
+            (Scope::Plan(plan), Some(entry)) => self.plans.insert(plan.as_str().into(), entry),
+            (Scope::Plan(plan), None) => self.plans.remove(plan.as_str()),
+            (Scope::Key(key), Some(entry)) => self.keys.insert(key.clone(), entry),
+            (Scope::Key(key), None) => self.keys.remove(key),
+        };
+        before.is_some()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.all.is_none() && self.plans.is_empty() && self.keys.is_empty()
+    }
+
+    /// What governs a decision of `key` under `policy` (see [`Scope`]): the first of the
+    /// key's, the plan's and the policy-wide override that is a block or counts set for the
+    /// policy's identity.
+    fn governing(&self, key: &Key, policy: &Policy) -> Option<&Entry> {
+        let plan = policy.plan().and_then(|plan| self.plans.get(plan));
+        let fits = |entry: &&Entry| match entry {
+            Entry::Block => true,
+            Entry::Limits(other) => {
+                other.override_id() == policy.override_id() && other.identity() == policy.identity()
+            }
+        };
+        [self.keys.get(key), plan, self.all.as_ref()]
+            .into_iter()
+            .flatten()
+            .find(fits)
+    }
+}
+
+impl Table {
+    /// What a decision of `key` under `policy` goes by.
+    pub(crate) fn apply<'a>(&self, key: &Key, policy: &'a Policy) -> Applied<'a> {
+        if !self.any.load(Ordering::Acquire) {
+            return Applied::Own(policy);
+        }
+        let by_owner = self.by_owner.read().unwrap_or_else(|e| e.into_inner());
+        let Some(overrides) = by_owner.get(policy.owner().name()) else {
+            return Applied::Own(policy);
+        };
+        match overrides.governing(key, policy) {
+            // The override's counts, set for the request's identity (name, algorithm and
+            // windows).
+            Some(Entry::Limits(other)) => Applied::Other(other.clone()),
+            Some(Entry::Block) => Applied::Blocked,
+            None => Applied::Own(policy),
+        }
+    }
+
+    /// How many changes there have been.
+    pub(crate) fn version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set(&self, policy: &Policy, scope: &Scope, entry: Entry) {
+        let mut by_owner = self.by_owner.write().unwrap_or_else(|e| e.into_inner());
+        let owner = policy.owner().name();
+        if !by_owner.contains_key(owner) {
+            by_owner.insert(owner.into(), OwnerOverrides::default());
+        }
+        if let Some(overrides) = by_owner.get_mut(owner) {
+            overrides.put(scope, Some(entry));
+        }
+        self.any.store(true, Ordering::Release);
+        self.version.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub(crate) fn get(&self, policy: &Policy, scope: &Scope) -> Option<Stored> {
+        let by_owner = self.by_owner.read().unwrap_or_else(|e| e.into_inner());
+        let overrides = by_owner.get(policy.owner().name())?;
+        overrides.get(scope).map(Entry::stored)
+    }
+
+    pub(crate) fn remove(&self, policy: &Policy, scope: &Scope) -> bool {
+        let mut by_owner = self.by_owner.write().unwrap_or_else(|e| e.into_inner());
+        let owner = policy.owner().name();
+        let Some(overrides) = by_owner.get_mut(owner) else {
+            return false;
+        };
+        let removed = overrides.put(scope, None);
+        if overrides.is_empty() {
+            by_owner.remove(owner);
+        }
+        self.any.store(!by_owner.is_empty(), Ordering::Release);
+        self.version.fetch_add(1, Ordering::AcqRel);
+        removed
+    }
+
+    /// Every override stored under `policy`'s owner, governing or not.
+    pub(crate) fn list(&self, policy: &Policy) -> Vec<(Scope, Stored)> {
+        let by_owner = self.by_owner.read().unwrap_or_else(|e| e.into_inner());
+        let Some(overrides) = by_owner.get(policy.owner().name()) else {
+            return Vec::new();
+        };
+        let all = overrides
+            .all
+            .iter()
+            .map(|entry| (Scope::All, entry.stored()));
+        let plans = overrides
+            .plans
+            .iter()
+            .map(|(plan, entry)| (Scope::Plan(plan.to_string()), entry.stored()));
+        let keys = overrides
+            .keys
+            .iter()
+            .map(|(key, entry)| (Scope::Key(key.clone()), entry.stored()));
+        all.chain(plans).chain(keys).collect()
+    }
+}
