@@ -211,6 +211,7 @@ impl Settings {
     /// compiles them: for the table the layer is built with and for every table that
     /// replaces it.
     fn compiler<St: Store>(&self, store: &St) -> Compiler {
+        let overrides = store.run_time_overrides();
         let store = store.clone();
         let capabilities = Capabilities {
             plan_fn: self.plan.is_some(),
@@ -222,6 +223,7 @@ impl Settings {
             algorithm: self.algorithm,
             options: self.options.clone(),
             capabilities,
+            overrides,
         }
     }
 }

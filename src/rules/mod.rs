@@ -18,6 +18,7 @@
 mod combine;
 #[cfg(feature = "config")]
 pub mod config;
+mod orphans;
 mod rule;
 mod table;
 

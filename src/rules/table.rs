@@ -11,10 +11,13 @@
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use tokio::runtime::Handle;
 
 use super::combine::{self, Capabilities, Names};
+use super::orphans::Checks;
 use super::rule::{Built, Matcher, PlanFn, Plans, RequestHead};
 use crate::response::{Options, Responder};
+use crate::store::Overrides;
 use crate::{Algorithm, BuildError, Policy, Rule};
 
 /// A layer's rules and default policy, as a value: what [`RuleTable::replace`] puts in force,
@@ -161,6 +164,8 @@ pub(crate) struct Compiler {
     pub(crate) algorithm: Option<Algorithm>,
     pub(crate) options: Options,
     pub(crate) capabilities: Capabilities,
+    /// The store's overrides, which each table put in force is checked against (`orphans`).
+    pub(crate) overrides: Option<Overrides>,
 }
 
 impl Compiler {
@@ -247,6 +252,8 @@ pub struct RuleTable {
 struct Shared {
     current: ArcSwap<Table>,
     compiler: Compiler,
+    /// The runtime the layer was built on, for the checks of a table replaced outside one.
+    runtime: Option<Handle>,
 }
 
 impl std::fmt::Debug for RuleTable {
@@ -265,12 +272,24 @@ impl std::fmt::Debug for RuleTable {
 impl RuleTable {
     pub(crate) fn new(compiler: Compiler, rules: Rules) -> Result<Self, BuildError> {
         let table = compiler.compile(rules)?;
-        Ok(RuleTable {
+        let checks = Checks::between(None, table.policies().cloned().collect());
+        let table = RuleTable {
             shared: Arc::new(Shared {
                 current: ArcSwap::from_pointee(table),
                 compiler,
+                runtime: Handle::try_current().ok(),
             }),
-        })
+        };
+        table.check(checks);
+        Ok(table)
+    }
+
+    /// Logs at `WARN` the store's overrides that a table just put in force leaves without
+    /// effect (see `orphans.rs`).
+    fn check(&self, checks: Checks) {
+        if let Some(overrides) = &self.shared.compiler.overrides {
+            checks.run(overrides, self.shared.runtime.as_ref());
+        }
     }
 
     /// The table in force, for one request.
@@ -281,9 +300,19 @@ impl RuleTable {
     /// Checks `rules` as [`RateLimitLayerBuilder::build`](crate::RateLimitLayerBuilder::build)
     /// does and puts them in force for the requests that follow; on an error, the rules in
     /// force stay.
+    ///
+    /// Overrides in the store that the new rules leave without effect are logged at `WARN`:
+    /// count overrides of a policy whose windows or algorithm changed (blocks stay in force;
+    /// see [`Scope`](crate::store::Scope)), and every override of a policy the rules no longer
+    /// have.
     pub fn replace(&self, rules: Rules) -> Result<(), BuildError> {
         let table = self.shared.compiler.compile(rules)?;
-        self.shared.current.store(Arc::new(table));
+        let now = table.policies().cloned().collect();
+        let before = self.shared.current.swap(Arc::new(table));
+        self.check(Checks::between(
+            Some(before.policies().cloned().collect()),
+            now,
+        ));
         Ok(())
     }
 
