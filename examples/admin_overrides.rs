@@ -11,10 +11,14 @@
 //!
 //! | request | does |
 //! |---|---|
-//! | `GET /admin/overrides/api` | lists the overrides of `api`, one per line |
+//! | `GET /admin/overrides/api` | lists the overrides of `api`, one per line: `all`, `plan:<plan>` or `key:<key>`, a tab, the override |
 //! | `PUT /admin/overrides/api` with body `20/1h` | sets `api` to `20/1h` for every key |
+//! | `PUT /admin/overrides/api/plans/{plan}` with body `10/1h` | sets the customers of one plan's |
 //! | `PUT /admin/overrides/api/{key}` with body `50/1h` or `block` | sets one key's |
-//! | `DELETE /admin/overrides/api[/{key}]` | removes one |
+//! | `DELETE /admin/overrides/api[/{key}]`, `DELETE /admin/overrides/api/plans/{plan}` | removes one |
+//!
+//! Which one decides a request (a key's, its plan's, the policy-wide one): `Scope`'s
+//! documentation.
 //!
 //! A malformed limit or other windows than the policy's is `400` with the reason; an unknown
 //! policy `404`. `REDIS_URL` keeps the overrides in Redis, shared by every instance; without it
@@ -65,6 +69,10 @@ pub fn admin(overrides: Overrides, table: RuleTable, token: &str) -> Router {
         .route(
             "/admin/overrides/{policy}/{key}",
             axum::routing::put(set_key).delete(remove_key),
+        )
+        .route(
+            "/admin/overrides/{policy}/plans/{plan}",
+            axum::routing::put(set_plan).delete(remove_plan),
         )
         .layer(middleware::from_fn(authorized))
         .with_state(Admin { overrides, table })
@@ -140,12 +148,10 @@ async fn list(State(admin): State<Admin>, Path(name): Path<String>) -> Response 
     };
     match admin.overrides.list(&policy).await {
         Ok(listed) => {
+            // `all`, `plan:<plan>` or `key:<key>`: a key named `all` is `key:all`.
             let lines: String = listed
                 .iter()
-                .map(|(scope, to)| match scope {
-                    Scope::Key(key) => format!("{}\t{}\n", key.as_str(), describe(to)),
-                    _ => format!("*\t{}\n", describe(to)),
-                })
+                .map(|(scope, to)| format!("{scope}\t{}\n", describe(to)))
                 .collect();
             lines.into_response()
         }
@@ -163,6 +169,21 @@ async fn set_key(
     body: Bytes,
 ) -> Response {
     admin.set(&name, Scope::Key(Key::from(key)), &body).await
+}
+
+async fn set_plan(
+    State(admin): State<Admin>,
+    Path((name, plan)): Path<(String, String)>,
+    body: Bytes,
+) -> Response {
+    admin.set(&name, Scope::Plan(plan), &body).await
+}
+
+async fn remove_plan(
+    State(admin): State<Admin>,
+    Path((name, plan)): Path<(String, String)>,
+) -> Response {
+    admin.remove(&name, Scope::Plan(plan)).await
 }
 
 async fn remove_all(State(admin): State<Admin>, Path(name): Path<String>) -> Response {

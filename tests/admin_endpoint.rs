@@ -100,6 +100,38 @@ async fn only_the_bearer_token_changes_overrides() {
     let (status, listed) = send(&app, "GET", "/admin/overrides/api", auth, "").await;
     assert_eq!(
         (status, listed.as_str()),
-        (StatusCode::OK, "customer-42\t7/1h\n")
+        (StatusCode::OK, "key:customer-42\t7/1h\n")
     );
+}
+
+/// The listing names each scope so that no key is taken for the policy-wide override or a
+/// plan's: a key named `*`, `all` or `plan:free` is listed as a key.
+#[tokio::test]
+async fn the_listing_tells_scopes_apart() {
+    let store = MemoryStore::new();
+    let app = admin_overrides::app(store.clone(), store.overrides(), "s3cret").unwrap();
+    let auth = Some("Bearer s3cret");
+    let puts = [
+        ("/admin/overrides/api", "20/1h"),
+        ("/admin/overrides/api/plans/free", "10/1h"),
+        ("/admin/overrides/api/*", "block"),
+        ("/admin/overrides/api/all", "30/1h"),
+        ("/admin/overrides/api/plan:free", "40/1h"),
+    ];
+    for (path, body) in puts {
+        assert_eq!(
+            send(&app, "PUT", path, auth, body).await.0,
+            StatusCode::OK,
+            "{path}"
+        );
+    }
+    let (status, listed) = send(&app, "GET", "/admin/overrides/api", auth, "").await;
+    assert_eq!(status, StatusCode::OK);
+    let expected =
+        "all\t20/1h\nplan:free\t10/1h\nkey:*\tblock\nkey:all\t30/1h\nkey:plan:free\t40/1h\n";
+    assert_eq!(listed, expected);
+    let removed = send(&app, "DELETE", "/admin/overrides/api/plans/free", auth, "").await;
+    assert_eq!(removed.0, StatusCode::OK);
+    let (_, listed) = send(&app, "GET", "/admin/overrides/api", auth, "").await;
+    assert!(!listed.contains("\nplan:free\t"), "{listed}");
 }

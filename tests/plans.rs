@@ -1,7 +1,8 @@
 //! Limits chosen per request: a policy's plans, picked by the layer's plan function from the
 //! request's head, decide one state under the policy's name. A customer who changes plans keeps
 //! the usage recorded so far; a refusal cached under one plan's limits is not repeated under
-//! another's; the store's overrides, for the key or the whole policy, win over a plan.
+//! another's; the store's overrides, for the key, the plan or the whole policy, win over a
+//! plan's limits, in that order.
 
 mod common;
 
@@ -136,6 +137,131 @@ async fn plans<St: Store>(store: St, overrides: Overrides) {
             what("overrides removed")
         );
     }
+}
+
+/// A service whose `api` policy is `5/1d`, on plan `free` the same, on plan `pro` `8/1d`.
+fn tiered<St: Store>(
+    store: St,
+    algorithm: Algorithm,
+) -> impl tower::Service<
+    http::Request<LayerBody>,
+    Response = http::Response<impl Sized>,
+    Error = std::convert::Infallible,
+    Future = impl Send,
+> + Clone {
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store)
+        .plan(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
+        .rule(
+            Rule::new(api(algorithm))
+                .plan("free", "5/1d")
+                .plan("pro", "8/1d"),
+        )
+        .build()
+        .unwrap();
+    common::http::served(layer)
+}
+
+/// Overrides per plan: raising `free` leaves `pro` at its own limits, and the order is the
+/// key's override, the plan's, the policy-wide one, the plan's own limits, the policy's.
+async fn plan_overrides<St: Store>(store: St, overrides: Overrides) {
+    for algorithm in ALGORITHMS {
+        let service = tiered(store.clone(), algorithm);
+        let policy = api(algorithm);
+        let key = |name: &str| format!("{name}-{algorithm:?}");
+        let try_ = |name: &str, plan: Option<&'static str>, tries: usize| {
+            let (service, key) = (service.clone(), key(name));
+            async move { admitted(&service, &key, plan, tries).await }
+        };
+        let what = |step: &str| format!("{algorithm:?}: {step}");
+        let (free, all) = (Scope::Plan("free".into()), Scope::All);
+        let limits = |n| Override::Limits(vec![daily(n)]);
+
+        overrides.set(&policy, &free, &limits(20)).await.unwrap();
+        assert_eq!(
+            try_("f1", Some("free"), 21).await,
+            (20, 20),
+            "{}",
+            what("free raised")
+        );
+        assert_eq!(
+            try_("p1", Some("pro"), 9).await,
+            (8, 8),
+            "{}",
+            what("pro kept")
+        );
+        assert_eq!(
+            try_("n1", None, 6).await,
+            (5, 5),
+            "{}",
+            what("no plan kept")
+        );
+
+        overrides.set(&policy, &all, &limits(12)).await.unwrap();
+        assert_eq!(
+            try_("f2", Some("free"), 21).await,
+            (20, 20),
+            "{}",
+            what("plan > all")
+        );
+        assert_eq!(
+            try_("p2", Some("pro"), 13).await,
+            (12, 12),
+            "{}",
+            what("all > pro's own")
+        );
+        let vip = Scope::Key(Key::from(key("f3")));
+        overrides.set(&policy, &vip, &limits(3)).await.unwrap();
+        assert_eq!(
+            try_("f3", Some("free"), 4).await,
+            (3, 3),
+            "{}",
+            what("key > plan")
+        );
+
+        // A plan's block stands where its counts stood: a key's own raise passes it.
+        overrides
+            .set(&policy, &free, &Override::Block)
+            .await
+            .unwrap();
+        assert_eq!(
+            try_("f4", Some("free"), 3).await,
+            (0, 0),
+            "{}",
+            what("free blocked")
+        );
+        let raised = Scope::Key(Key::from(key("f5")));
+        overrides.set(&policy, &raised, &limits(2)).await.unwrap();
+        assert_eq!(
+            try_("f5", Some("free"), 3).await,
+            (2, 2),
+            "{}",
+            what("key > plan block")
+        );
+        assert_eq!(
+            try_("p3", Some("pro"), 13).await,
+            (12, 12),
+            "{}",
+            what("pro not blocked")
+        );
+        for scope in [free, all, vip, raised] {
+            assert!(overrides.remove(&policy, &scope).await.unwrap());
+        }
+    }
+}
+
+#[tokio::test]
+async fn overrides_per_plan_on_memory() {
+    let store = MemoryStore::new();
+    plan_overrides(store.clone(), store.overrides()).await;
+}
+
+#[tokio::test]
+async fn overrides_per_plan_on_redis() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    plan_overrides(store.clone(), store.overrides()).await;
 }
 
 #[tokio::test]

@@ -670,3 +670,46 @@ async fn override_stamps_never_go_back() {
         ]
     );
 }
+
+/// One scope holds one override, for a key, a plan and the whole policy: counts set after a
+/// block replace it and a block set after counts replaces them; the last one governs, and
+/// `get` shows it.
+async fn last_write_governs<St: Store>(store: &St, overrides: &Overrides) {
+    let api = Policy::new("api", [hourly(5)]).unwrap();
+    let cases = [
+        (Scope::Key(Key::from("k")), api.clone(), "k"),
+        (Scope::Plan("free".into()), api.clone().on_plan("free"), "p"),
+        (Scope::All, api.clone(), "a"),
+    ];
+    let counts = |n| Override::Limits(vec![hourly(n)]);
+    for (scope, policy, key) in cases {
+        let key = Key::from(key);
+        let steps = [
+            (Override::Block, 3, 0),
+            (counts(8), 10, 8),
+            (Override::Block, 2, 0),
+            (counts(9), 3, 1),
+        ];
+        for (to, tries, expected) in steps {
+            overrides.set(&api, &scope, &to).await.unwrap();
+            let got = overrides.get(&policy, &scope).await.unwrap();
+            assert_eq!(got.as_ref(), Some(&to), "{scope}");
+            let passed = admitted(store, &key, &policy, tries).await;
+            assert_eq!(passed, expected, "{scope} after {to:?}");
+        }
+        assert!(overrides.remove(&api, &scope).await.unwrap());
+    }
+}
+
+#[tokio::test]
+async fn the_last_override_of_a_scope_governs_on_memory() {
+    let (store, _) = memory();
+    last_write_governs(&store, &store.overrides()).await;
+}
+
+#[tokio::test]
+async fn the_last_override_of_a_scope_governs_on_redis() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    last_write_governs(&store, &store.overrides()).await;
+}
