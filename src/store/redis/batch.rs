@@ -68,8 +68,9 @@ impl Requester {
 /// What a request asks of a call.
 #[derive(Debug, Clone)]
 enum Work {
-    /// A decision or a settlement: its arguments, encoded (see [`protocol::encode`]); shared, so
-    /// that a cluster call keeps them for a `TRYAGAIN` split without a copy.
+    /// A decision or a settlement: its override fields and arguments (see
+    /// [`protocol::encode_for`]); shared, so that a cluster call keeps them for a `TRYAGAIN`
+    /// split without a copy.
     Decide(Bytes),
     /// A concurrency slot's give-back or renewal.
     Slot(SlotOp),
@@ -160,7 +161,7 @@ impl Batcher {
         Batcher { lanes, settings }
     }
 
-    /// Decides one request at `place`: `args` encoded by [`protocol::encode`].
+    /// Decides one request at `place`: `args` encoded by [`protocol::encode_for`].
     pub(super) async fn decide(
         &self,
         place: Place,

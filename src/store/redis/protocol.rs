@@ -104,7 +104,7 @@ impl Scripts {
 }
 
 // KEYS and ARGV (`prelude.lua`): the keys of a call's decisions, then those of its slot
-// operations; ARGV[1] the decisions' arguments one after the other ([`encode`]), ARGV[2] the
+// operations; ARGV[1] the decisions' arguments one after the other ([`encode_into`]), ARGV[2] the
 // name of the hash of overrides, ARGV[3] the decisions' override fields ([`HEAD`] bytes
 // each), then two per slot operation ([`SlotOp`]).
 
@@ -117,7 +117,7 @@ pub(super) const INT: usize = std::mem::size_of::<i64>();
 /// `overrides/place.rs` names them.
 pub(super) const HEAD: usize = 3 * INT;
 
-/// An algorithm script's arguments: `decisions`, the decisions' arguments ([`encode`]), then
+/// An algorithm script's arguments: `decisions`, the decisions' arguments ([`encode_into`]), then
 /// `overrides`, the name of the hash of overrides of the call's lane, then `heads`, the
 /// decisions' override fields ([`HEAD`] bytes each, in the same order), then `ops`, two per
 /// slot operation ([`SlotOp::args`]). The hash is read by name, not passed as a key: while a
@@ -205,12 +205,9 @@ impl Record {
     }
 }
 
-/// A request's arguments as the scripts read them (`prelude.lua`, ARGV[1]), 64-bit
-/// little-endian integers: the number of limits, cost, mode ([`Mode`]), event time (µs, -1
-/// for now), the policy's override id (`Policy::override_id`, what count overrides must have
-/// been set for) and penalty box (µs, 0: none;
-/// `Policy::block_for`), the mode's own arguments ([`Record`]), then count, window (µs) and
-/// scale of each limit.
+/// A request's arguments ([`encode_into`]) alone, as the scripts' own tests send them (the
+/// store sends them after the override fields, [`encode_for`]).
+#[cfg(test)]
 pub(super) fn encode(
     cost: u64,
     record: Record,
@@ -218,6 +215,29 @@ pub(super) fn encode(
     policy: (u64, u64),
     windows: &[Window],
 ) -> Vec<u8> {
+    let mut args = Vec::with_capacity(encoded_len(windows));
+    encode_into(&mut args, cost, record, at, policy, windows);
+    args
+}
+
+/// The most bytes [`encode_into`] writes for `windows`.
+fn encoded_len(windows: &[Window]) -> usize {
+    INT * (6 + 3 + 3 * windows.len())
+}
+
+/// Writes a request's arguments as the scripts read them (`prelude.lua`, ARGV[1]) onto the end
+/// of `args`, 64-bit little-endian integers: the number of limits, cost, mode ([`Mode`]),
+/// event time (µs, -1 for now), the policy's override id (`Policy::override_id`, what count
+/// overrides must have been set for) and penalty box (µs, 0: none; `Policy::block_for`), the
+/// mode's own arguments ([`Record`]), then count, window (µs) and scale of each limit.
+fn encode_into(
+    args: &mut Vec<u8>,
+    cost: u64,
+    record: Record,
+    at: i64,
+    policy: (u64, u64),
+    windows: &[Window],
+) {
     let (id, block) = policy;
     let (mode, extra, len) = record.mode(cost);
     let head = [
@@ -228,16 +248,14 @@ pub(super) fn encode(
         clamp(id),
         clamp(block),
     ];
-    let mut args = Vec::with_capacity(INT * (head.len() + len + 3 * windows.len()));
     let extra = extra.into_iter().take(len);
     for value in head.into_iter().chain(extra).chain(limits(windows)) {
         args.extend_from_slice(&value.to_le_bytes());
     }
-    args
 }
 
 /// A request's override fields ([`HEAD`] bytes, `overrides::head`) then its arguments
-/// ([`encode`]) under `policy`, for its key at `place`: its override id and penalty box, and
+/// ([`encode_into`]) under `policy`, for its key at `place`: its override id and penalty box, and
 /// its limits.
 pub(super) fn encode_for(
     policy: &Policy,
@@ -247,12 +265,11 @@ pub(super) fn encode_for(
     at: i64,
 ) -> Vec<u8> {
     let terms = (policy.override_id(), policy.block_micros());
-    let head = overrides::head(place, policy);
-    let mut args: Vec<u8> = head
-        .into_iter()
-        .flat_map(|v| clamp(v).to_le_bytes())
-        .collect();
-    args.extend(encode(cost, record, at, terms, policy.windows()));
+    let mut args = Vec::with_capacity(HEAD + encoded_len(policy.windows()));
+    for value in overrides::head(place, policy) {
+        args.extend_from_slice(&clamp(value).to_le_bytes());
+    }
+    encode_into(&mut args, cost, record, at, terms, policy.windows());
     args
 }
 

@@ -139,9 +139,9 @@ local any_override = OVERRIDES ~= nil and redis.pcall('EXISTS', OVERRIDES) == 1
 -- integers is then the count of the reported limit, `counts[i]`; else -1).
 local overridden = false
 -- The values of the call's override fields (false: none), read with one HMGET when the first
--- request needs them; for request k, the index there of its key's, its plan's (false: on no
--- plan) and its policy-wide field.
-local found, key_at, plan_at, all_at = nil, {}, {}, {}
+-- request needs them: request k's key's at k; the index there of its plan's (false: on no
+-- plan) and of its policy-wide field.
+local found, plan_at, all_at = nil, {}, {}
 -- The kinds of an override's value (see "Overrides").
 local BLOCK, COUNTS = -1, -2
 -- The answer to a blocked request: refused at a limit of 0, no wait helps.
@@ -169,26 +169,34 @@ end
 -- units a state holds, MAX_UNITS, is in exact.lua.)
 local MAX_COUNT, MAX_WINDOW = 1125899906842624, 315360000000000
 
--- Reads the values of every request's override fields (see "Overrides") with one HMGET.
+-- Reads the values of every request's override fields (see "Overrides") with one HMGET: the
+-- keys' first, one per request (field k), then each distinct plan's and policy-wide one.
 local function read_overrides()
-  local heads, at, fields, index = ARGV[3], 1, {}, {}
-  local function field(name)
-    local i = index[name]
-    if i == nil then
-      i = #fields + 1
-      fields[i], index[name] = name, i
-    end
-    return i
-  end
+  local heads, at, fields, index, n = ARGV[3], 1, {}, {}, REQUESTS
+  local ssub = string.sub
   for k = 1, REQUESTS do
     local keep, all, plan
     keep, all, plan, at = sunpack('<lll', heads, at)
     local key = KEYS[k]
     if keep < #key then
-      key = string.sub(key, 1, keep)
+      key = ssub(key, 1, keep)
     end
-    key_at[k], all_at[k] = field(key), field(text(all))
-    plan_at[k] = plan ~= 0 and field(text(plan))
+    fields[k] = key
+    local i = index[all]
+    if i == nil then
+      n = n + 1
+      fields[n], index[all], i = text(all), n, n
+    end
+    all_at[k] = i
+    i = false
+    if plan ~= 0 then
+      i = index[plan]
+      if i == nil then
+        n = n + 1
+        fields[n], index[plan], i = text(plan), n, n
+      end
+    end
+    plan_at[k] = i
   end
   local got = redis.pcall('HMGET', OVERRIDES, unpack(fields))
   found = (got.err == nil) and got or {}
@@ -218,7 +226,7 @@ local function override_of(k, id, n)
   if found == nil then
     read_overrides()
   end
-  local value, at = governing(key_at[k], id, n)
+  local value, at = governing(k, id, n)
   if not value then
     value, at = governing(plan_at[k], id, n)
   end
