@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use super::ask;
 use super::nodes::{self, Nodes};
 use super::placement::Place;
-use super::protocol::{self, answer, check_length, Answered, Scripts, SlotOp, HEAD};
+use super::protocol::{self, answer, check_length, Answered, Heads, Scripts, SlotOp, HEAD};
 use crate::algorithm::Algorithm;
 
 /// One request waiting for its answer.
@@ -252,9 +252,11 @@ impl Batcher {
         let script = self.settings.scripts.of(algorithm);
         let keys = vec![Key::from(place.key)];
         let overrides = self.settings.overrides_of(place.lane);
-        let mut args = Bytes::from(args);
-        let head = args.split_to(HEAD.min(args.len()));
-        let argv = protocol::argv(args, overrides, head, Vec::new());
+        let (head, args) = args.split_at(HEAD.min(args.len()));
+        let mut heads = Heads::with_capacity(1);
+        heads.push(head, args);
+        let args = Bytes::copy_from_slice(args);
+        let argv = protocol::argv(args, overrides, heads.bytes(), Vec::new());
         let values: Bytes = self.evalsha_patiently(script, keys, argv, patience).await?;
         check_length(&values, 1, 0)?;
         Ok(answer(&values, 1, 0))
@@ -397,12 +399,12 @@ fn groups(batch: Vec<Job>, clustered: bool) -> Vec<Vec<Job>> {
 
 /// A call's requests laid out for a script (`protocol.rs`, KEYS and ARGV): the keys of its
 /// decisions, then those of its slot operations; the decisions' arguments one after the
-/// other, and apart from them their override fields ([`HEAD`] bytes each); each slot
+/// other, and apart from them what finds their override fields ([`Heads`]); each slot
 /// operation's two.
 struct Laid {
     keys: Vec<Key>,
     args: Vec<u8>,
-    heads: Vec<u8>,
+    heads: Heads,
     ops: Vec<Value>,
     decisions: usize,
 }
@@ -419,7 +421,7 @@ impl Laid {
         Laid {
             keys: Vec::with_capacity(requests),
             args: Vec::with_capacity(bytes),
-            heads: Vec::with_capacity(HEAD * requests),
+            heads: Heads::with_capacity(requests),
             ops: Vec::new(),
             decisions: 0,
         }
@@ -432,7 +434,7 @@ impl Laid {
             Work::Decide(args) => {
                 debug_assert!(self.ops.is_empty(), "a decision after a slot operation");
                 let (head, args) = args.split_at(HEAD.min(args.len()));
-                self.heads.extend_from_slice(head);
+                self.heads.push(head, args);
                 self.args.extend_from_slice(args);
                 self.decisions += 1;
             }
@@ -448,7 +450,7 @@ impl Laid {
         let bytes = jobs
             .iter()
             .map(|job| match &job.work {
-                Work::Decide(args) => args.len(),
+                Work::Decide(args) => args.len().saturating_sub(HEAD),
                 Work::Slot(_) => 0,
             })
             .sum();
@@ -569,7 +571,7 @@ async fn call(
     let slot_ops = ops.len() / 2;
     // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
     let one_key = keys.iter().all(|key| *key == keys[0]);
-    let (args, heads) = (Bytes::from(args), Bytes::from(heads));
+    let (args, heads) = (Bytes::from(args), heads.bytes());
     let argv = protocol::argv(args, settings.overrides_of(lane), heads, ops);
     let call = async {
         let nodes = match &settings.redis {
@@ -654,9 +656,11 @@ mod tests {
             reply: Requester::Waiting(oneshot::channel().0),
         };
         let op = |key, id, lifetime| job(key, Work::Slot(SlotOp { id, lifetime }));
-        // Each decision's override fields, then its arguments.
+        // Each decision's key field length, then its arguments: six integers, the policy-wide
+        // field and the plan's (none).
         let decision = |key, byte: u8| {
-            let args = [vec![byte + 10; HEAD], vec![byte; INT]].concat();
+            let fields = [7i64, 0].map(i64::to_le_bytes).concat();
+            let args = [vec![byte + 10; HEAD], vec![byte; 6 * INT], fields].concat();
             job(key, Work::Decide(Bytes::from(args)))
         };
         let batch = vec![
@@ -668,8 +672,16 @@ mod tests {
         let (laid, replies) = Laid::jobs(batch);
         let keys: Vec<_> = laid.keys.iter().map(|k| k.as_str().unwrap()).collect();
         assert_eq!(keys, ["b", "d", "a", "c"]);
-        assert_eq!(laid.args, [[1; INT], [2; INT]].concat());
-        assert_eq!(laid.heads, [[11; HEAD], [12; HEAD]].concat());
+        let fields = [7i64, 0].map(i64::to_le_bytes).concat();
+        let args = |byte| [vec![byte; 6 * INT], fields.clone()].concat();
+        assert_eq!(laid.args, [args(1), args(2)].concat());
+        // The two key fields' lengths, then the one policy-wide field, once.
+        let heads = [
+            vec![11; HEAD],
+            vec![12; HEAD],
+            [1i64, 7].map(i64::to_le_bytes).concat(),
+        ];
+        assert_eq!(laid.heads.bytes(), heads.concat());
         let ops = [7, 0, 9, 500].map(Value::Integer);
         assert_eq!(laid.ops, ops);
         assert_eq!((laid.decisions, replies.len()), (2, 4));

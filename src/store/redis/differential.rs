@@ -146,7 +146,7 @@ impl Scripts {
         windows: &[Window],
     ) -> Result<Bytes, fred::error::Error> {
         let script = protocol::source(algorithm);
-        let args = protocol::encode(cost, record, t, (0, 0), windows);
+        let args = protocol::encode(cost, record, t, [0; 4], windows);
         let eval = CustomCommand::new_static("EVAL", ClusterHash::FirstKey, false);
         // No override is ever set: the hash of overrides does not exist.
         let values = vec![

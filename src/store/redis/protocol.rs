@@ -105,24 +105,70 @@ impl Scripts {
 
 // KEYS and ARGV (`prelude.lua`): the keys of a call's decisions, then those of its slot
 // operations; ARGV[1] the decisions' arguments one after the other ([`encode_into`]), ARGV[2] the
-// name of the hash of overrides, ARGV[3] the decisions' override fields ([`HEAD`] bytes
-// each), then two per slot operation ([`SlotOp`]).
+// name of the hash of overrides, ARGV[3] what finds the decisions' override fields
+// ([`Heads`]), then two per slot operation ([`SlotOp`]).
 
 /// Bytes per integer in a script's arguments and reply.
 pub(super) const INT: usize = std::mem::size_of::<i64>();
 
-/// Bytes of a decision's override fields, which [`encode_for`] puts before its arguments and a
-/// call passes apart from them (ARGV[3]): the length of the key's field (the first bytes of
-/// its state key), the policy-wide field and the plan's (0: on no plan), as
-/// `overrides/place.rs` names them.
-pub(super) const HEAD: usize = 3 * INT;
+/// Bytes that [`encode_for`] puts before a decision's arguments: the length of its key's
+/// override field (the first bytes of its state key, `overrides/place.rs`), which a call passes
+/// apart from the arguments ([`Heads`]).
+pub(super) const HEAD: usize = INT;
+
+/// Where in a decision's arguments ([`encode_into`]) its policy-wide and plan fields are.
+const FIELDS_AT: usize = 6 * INT;
+
+/// ARGV[3] of a call, what finds its decisions' override fields: the length of each
+/// decision's key field ([`HEAD`] bytes each, in the decisions' order), then the number of
+/// policy-wide and plan fields the decisions name, and each of those once (`prelude.lua`,
+/// "Overrides"): the script reads every field with one `HMGET`.
+#[derive(Debug, Default)]
+pub(super) struct Heads {
+    keys: Vec<u8>,
+    fields: Vec<i64>,
+}
+
+impl Heads {
+    pub(super) fn with_capacity(decisions: usize) -> Heads {
+        Heads {
+            keys: Vec::with_capacity(HEAD * decisions),
+            fields: Vec::new(),
+        }
+    }
+
+    /// Takes in a decision's [`HEAD`] and arguments.
+    pub(super) fn push(&mut self, head: &[u8], args: &[u8]) {
+        self.keys.extend_from_slice(head);
+        for at in [FIELDS_AT, FIELDS_AT + INT] {
+            let field = args
+                .get(at..at + INT)
+                .and_then(|bytes| bytes.try_into().ok())
+                .map_or(0, i64::from_le_bytes);
+            if field != 0 && !self.fields.contains(&field) {
+                self.fields.push(field);
+            }
+        }
+    }
+
+    /// ARGV[3].
+    pub(super) fn bytes(self) -> Bytes {
+        let Heads { mut keys, fields } = self;
+        keys.reserve_exact(INT * (1 + fields.len()));
+        let count = std::iter::once(fields.len() as i64);
+        for value in count.chain(fields) {
+            keys.extend_from_slice(&value.to_le_bytes());
+        }
+        Bytes::from(keys)
+    }
+}
 
 /// An algorithm script's arguments: `decisions`, the decisions' arguments ([`encode_into`]), then
-/// `overrides`, the name of the hash of overrides of the call's lane, then `heads`, the
-/// decisions' override fields ([`HEAD`] bytes each, in the same order), then `ops`, two per
-/// slot operation ([`SlotOp::args`]). The hash is read by name, not passed as a key: while a
-/// hash slot migrates, a call whose keys include one that is missing on a node is refused
-/// (`TRYAGAIN`), and the hash usually does not exist at all (`prelude.lua`).
+/// `overrides`, the name of the hash of overrides of the call's lane, then `heads`, what finds
+/// the decisions' override fields ([`Heads`]), then `ops`, two per slot operation
+/// ([`SlotOp::args`]). The hash is read by name, not passed as a key: while a hash slot
+/// migrates, a call whose keys include one that is missing on a node is refused (`TRYAGAIN`),
+/// and the hash usually does not exist at all (`prelude.lua`).
 pub(super) fn argv(
     decisions: Bytes,
     overrides: Value,
@@ -205,48 +251,55 @@ impl Record {
     }
 }
 
+/// What [`encode_into`] writes of a request's policy: its override id (`Policy::override_id`,
+/// what count overrides must have been set for), its penalty box (µs, 0: none;
+/// `Policy::block_for`), and its policy-wide and plan override fields (`overrides/place.rs`;
+/// the plan's 0 on no plan).
+pub(super) type Terms = [u64; 4];
+
 /// A request's arguments ([`encode_into`]) alone, as the scripts' own tests send them (the
-/// store sends them after the override fields, [`encode_for`]).
+/// store sends them after the key's override field, [`encode_for`]).
 #[cfg(test)]
 pub(super) fn encode(
     cost: u64,
     record: Record,
     at: i64,
-    policy: (u64, u64),
+    terms: Terms,
     windows: &[Window],
 ) -> Vec<u8> {
-    let mut args = Vec::with_capacity(encoded_len(windows));
-    encode_into(&mut args, cost, record, at, policy, windows);
+    let mut args = Vec::with_capacity(encoded_len(&record, cost, windows));
+    encode_into(&mut args, cost, record, at, terms, windows);
     args
 }
 
-/// The most bytes [`encode_into`] writes for `windows`.
-fn encoded_len(windows: &[Window]) -> usize {
-    INT * (6 + 3 + 3 * windows.len())
+/// The bytes [`encode_into`] writes for `record` and `windows`.
+fn encoded_len(record: &Record, cost: u64, windows: &[Window]) -> usize {
+    INT * (8 + record.mode(cost).2 + 3 * windows.len())
 }
 
 /// Writes a request's arguments as the scripts read them (`prelude.lua`, ARGV[1]) onto the end
 /// of `args`, 64-bit little-endian integers: the number of limits, cost, mode ([`Mode`]),
-/// event time (µs, -1 for now), the policy's override id (`Policy::override_id`, what count
-/// overrides must have been set for) and penalty box (µs, 0: none; `Policy::block_for`), the
-/// mode's own arguments ([`Record`]), then count, window (µs) and scale of each limit.
+/// event time (µs, -1 for now), the policy's [`Terms`], the mode's own arguments
+/// ([`Record`]), then count, window (µs) and scale of each limit.
 fn encode_into(
     args: &mut Vec<u8>,
     cost: u64,
     record: Record,
     at: i64,
-    policy: (u64, u64),
+    terms: Terms,
     windows: &[Window],
 ) {
-    let (id, block) = policy;
     let (mode, extra, len) = record.mode(cost);
+    let [id, block, all, plan] = terms.map(clamp);
     let head = [
         windows.len() as i64,
         clamp(cost),
         mode as i64,
         at,
-        clamp(id),
-        clamp(block),
+        id,
+        block,
+        all,
+        plan,
     ];
     let extra = extra.into_iter().take(len);
     for value in head.into_iter().chain(extra).chain(limits(windows)) {
@@ -254,9 +307,8 @@ fn encode_into(
     }
 }
 
-/// A request's override fields ([`HEAD`] bytes, `overrides::head`) then its arguments
-/// ([`encode_into`]) under `policy`, for its key at `place`: its override id and penalty box, and
-/// its limits.
+/// A request's [`HEAD`] (its key's override field's length) then its arguments
+/// ([`encode_into`]) under `policy`, for its key at `place`.
 pub(super) fn encode_for(
     policy: &Policy,
     place: &Place,
@@ -264,12 +316,12 @@ pub(super) fn encode_for(
     record: Record,
     at: i64,
 ) -> Vec<u8> {
-    let terms = (policy.override_id(), policy.block_micros());
-    let mut args = Vec::with_capacity(HEAD + encoded_len(policy.windows()));
-    for value in overrides::head(place, policy) {
-        args.extend_from_slice(&clamp(value).to_le_bytes());
-    }
-    encode_into(&mut args, cost, record, at, terms, policy.windows());
+    let [keep, all, plan] = overrides::head(place, policy);
+    let terms = [policy.override_id(), policy.block_micros(), all, plan];
+    let windows = policy.windows();
+    let mut args = Vec::with_capacity(HEAD + encoded_len(&record, cost, windows));
+    args.extend_from_slice(&clamp(keep).to_le_bytes());
+    encode_into(&mut args, cost, record, at, terms, windows);
     args
 }
 

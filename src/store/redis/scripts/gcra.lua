@@ -13,7 +13,8 @@
 --           another length counts as none.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (LOOK, ADMIT, LEASE, SETTLE or TAKE), event time (-1: now; GCRA
---           takes no other), override id, penalty box (us), for a lease want and headroom
+--           takes no other), override id, penalty box (us), policy-wide and plan override
+--           fields, for a lease want and headroom
 --           (us), for a settlement refund, admission time and the units recorded then, then
 --           count, window (us) and scale of limits 1..n, shortest first; ARGV[2] and after as
 --           prelude.lua

@@ -14,19 +14,19 @@
 --           of limits), cost (units, >= 0), record (the request's mode, below), event time in
 --           microseconds since the epoch or -1 for now (Redis TIME), the policy's override id
 --           (of its identity: what count overrides must have been set for), its penalty box
---           (us; 0: none, Policy::block_for), the mode's own arguments, then count, window
---           (microseconds) and scale (gcd of the two, GCRA's divisor) of limits 1..n, shortest
---           first
+--           (us; 0: none, Policy::block_for), its policy-wide override field and its plan's
+--           (0: on no plan), the mode's own arguments, then count, window (microseconds) and
+--           scale (gcd of the two, GCRA's divisor) of limits 1..n, shortest first
 -- ARGV[2]   the name of the hash of overrides of the call's hash slot
 --           (src/store/redis/overrides/)
--- ARGV[3]   64-bit little-endian signed integers, three per request k in turn (protocol.rs,
---           HEAD): the length of its key's override field (the first bytes of KEYS[k]), its
---           policy's policy-wide field and its plan's field (0: on no plan), the last two
---           written in decimal in the hash (src/store/redis/overrides/place.rs)
+-- ARGV[3]   64-bit little-endian signed integers (protocol.rs, Heads): for each request k in
+--           turn, the length of its key's override field (the first bytes of KEYS[k]); then
+--           the number of policy-wide and plan fields the requests name, and each of those once
+--           (written in decimal in the hash: src/store/redis/overrides/place.rs)
 -- ARGV[4..] two per slot operation j (state key KEYS[#KEYS - OPS + j]), in decimal: the
 --           slot's id, and 0 to give it back or its lifetime (us) to renew it
 --
--- Modes (record; protocol.rs, Mode), with the arguments that follow the first six:
+-- Modes (record; protocol.rs, Mode), with the arguments that follow the first eight:
 --   LOOK   0  decide only, recording nothing; want (the cost) and headroom (us; GCRA keeps
 --             that much drain free in every bucket, and a look reports against the same room)
 --   ADMIT  1  decide, and record an admitted request
@@ -139,9 +139,9 @@ local any_override = OVERRIDES ~= nil and redis.pcall('EXISTS', OVERRIDES) == 1
 -- integers is then the count of the reported limit, `counts[i]`; else -1).
 local overridden = false
 -- The values of the call's override fields (false: none), read with one HMGET when the first
--- request needs them: request k's key's at k; the index there of its plan's (false: on no
--- plan) and of its policy-wide field.
-local found, plan_at, all_at = nil, {}, {}
+-- request needs them: request k's key's at k, then the policy-wide and plan fields, whose
+-- index there `field_at` gives by their number.
+local found, field_at = nil, {}
 -- The kinds of an override's value (see "Overrides").
 local BLOCK, COUNTS = -1, -2
 -- The answer to a blocked request: refused at a limit of 0, no wait helps.
@@ -169,71 +169,53 @@ end
 -- units a state holds, MAX_UNITS, is in exact.lua.)
 local MAX_COUNT, MAX_WINDOW = 1125899906842624, 315360000000000
 
--- Reads the values of every request's override fields (see "Overrides") with one HMGET: the
--- keys' first, one per request (field k), then each distinct plan's and policy-wide one.
-local function read_overrides()
-  local heads, at, fields, index, n = ARGV[3], 1, {}, {}, REQUESTS
-  local ssub = string.sub
-  for k = 1, REQUESTS do
-    local keep, all, plan
-    keep, all, plan, at = sunpack('<lll', heads, at)
-    local key = KEYS[k]
-    if keep < #key then
-      key = ssub(key, 1, keep)
+-- The override that governs request k, of a policy with override id `id`, n limits, and the
+-- policy-wide field `all` and plan field `plan` (0: on no plan): its value and the byte its
+-- counts start at (0 for a block), or false. The first request that asks reads the values of
+-- every request's override fields (see "Overrides") with one HMGET: the keys' first, one per
+-- request (field k), then the policy-wide and plan fields. One function, not three: each
+-- function of the script is made anew by every call.
+local function override_of(k, id, n, all, plan)
+  if found == nil then
+    local heads, fields, ssub = ARGV[3], {}, string.sub
+    local ints = {sunpack('<' .. string.rep('l', REQUESTS + 1), heads)}
+    for r = 1, REQUESTS do
+      local key, keep = KEYS[r], ints[r]
+      if keep < #key then
+        key = ssub(key, 1, keep)
+      end
+      fields[r] = key
     end
-    fields[k] = key
-    local i = index[all]
-    if i == nil then
-      n = n + 1
-      fields[n], index[all], i = text(all), n, n
+    local at = ints[REQUESTS + 2]
+    for j = REQUESTS + 1, REQUESTS + ints[REQUESTS + 1] do
+      local field
+      field, at = sunpack('<l', heads, at)
+      fields[j], field_at[field] = text(field), j
     end
-    all_at[k] = i
-    i = false
-    if plan ~= 0 then
-      i = index[plan]
-      if i == nil then
-        n = n + 1
-        fields[n], index[plan], i = text(plan), n, n
+    local got = redis.pcall('HMGET', OVERRIDES, unpack(fields))
+    found = (got.err == nil) and got or {}
+  end
+  -- The key's field, the plan's, the policy-wide one: the first that holds a block, or counts
+  -- set for this override id and number of limits.
+  local i = k
+  for level = 1, 3 do
+    if level == 2 then
+      i = plan ~= 0 and field_at[plan]
+    elseif level == 3 then
+      i = field_at[all]
+    end
+    local value = i and found[i]
+    if value and #value >= 24 then
+      local kind, set_for, m, at = sunpack('<lll', value)
+      if kind == BLOCK then
+        return value, 0
+      end
+      if kind == COUNTS and set_for == id and m == n then
+        return value, at
       end
     end
-    plan_at[k] = i
-  end
-  local got = redis.pcall('HMGET', OVERRIDES, unpack(fields))
-  found = (got.err == nil) and got or {}
-end
-
--- The value of field `i` (false: none) when it governs a request whose policy has override
--- id `id` and n limits: a block, or counts set for that id; then the byte its counts start at
--- (0 for a block).
-local function governing(i, id, n)
-  local value = i and found[i]
-  if not value or #value < 24 then
-    return false
-  end
-  local kind, set_for, m, at = sunpack('<lll', value)
-  if kind == BLOCK then
-    return value, 0
-  end
-  if kind == COUNTS and set_for == id and m == n then
-    return value, at
   end
   return false
-end
-
--- The override that governs request k, of a policy with override id `id` and n limits: its
--- value and the byte its counts start at (0 for a block), or false.
-local function override_of(k, id, n)
-  if found == nil then
-    read_overrides()
-  end
-  local value, at = governing(k, id, n)
-  if not value then
-    value, at = governing(plan_at[k], id, n)
-  end
-  if not value then
-    value, at = governing(all_at[k], id, n)
-  end
-  return value, at
 end
 
 -- Concurrency (Policy::concurrency, src/concurrency/): the slots of request k's key are the
@@ -341,8 +323,8 @@ end
 -- are left over from an earlier request and never read; `scales` may be nil), and sets
 -- `overridden`.
 local function next_request(counts, windows, scales, k)
-  local n, cost, record, t, id, box, want, headroom, refund, admitted, weight
-  n, cost, record, t, id, box, next_byte = sunpack('<llllll', requests, next_byte)
+  local n, cost, record, t, id, box, all, plan, want, headroom, refund, admitted, weight
+  n, cost, record, t, id, box, all, plan, next_byte = sunpack('<llllllll', requests, next_byte)
   if t < 0 then
     t = now
   end
@@ -377,7 +359,7 @@ local function next_request(counts, windows, scales, k)
     box_ms = math.ceil(box / 1000)
   end
   if any_override then
-    local value, at = override_of(k, id, n)
+    local value, at = override_of(k, id, n, all, plan)
     if value then
       if at == 0 then
         -- A settlement records what was used whatever the limits say, a block's included.

@@ -13,7 +13,8 @@
 --           the total before its first (total - weight): two members, however many units.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (ADMIT, LOOK, SETTLE or TAKE), event time (-1: now; any other time,
---           past or future, is taken), override id, penalty box (us), for a settlement refund
+--           past or future, is taken), override id, penalty box (us), policy-wide and plan
+--           override fields, for a settlement refund
 --           (0 or 1) and the admission time of the request settled (us; -1: not known), then
 --           count and window (us) of limits 1..n, shortest first; ARGV[2] and after as
 --           prelude.lua
