@@ -19,7 +19,10 @@
 //! Limits that change at run time (the store's overrides, `store/overrides.rs`) may make room
 //! too: the store's limits version ([`Store::limits_version`](crate::Store::limits_version))
 //! changes with them, and a refusal decided under another version is neither cached nor
-//! repeated.
+//! repeated. A store that cannot vouch for its limits now (a [`RedisStore`](crate::RedisStore)
+//! that could not read the version for half a second) answers
+//! [`UNCONFIRMED_LIMITS`]: then nothing is cached or repeated, so that a change the store
+//! has not seen yet is not outlived by refusals from before it.
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,6 +32,7 @@ use std::time::Duration;
 use foldhash::fast::RandomState;
 
 use crate::shards::{Pinning, Shards};
+use crate::store::UNCONFIRMED_LIMITS;
 use crate::{Decision, Key, Policy};
 
 /// Stripes of the refund counts: enough that concurrent refunds of other keys rarely keep a
@@ -145,6 +149,7 @@ impl DenyCache {
         // sees the count, or `forget` comes after the insert and removes it.
         if self.refunds[ticket.stripe].load(Ordering::Acquire) != ticket.refunds
             || (self.version)() != ticket.version
+            || ticket.version == UNCONFIRMED_LIMITS
         {
             return;
         }
@@ -175,7 +180,12 @@ impl DenyCache {
         let mut shard = self.entries.lock(key, policy.terms_id());
         let entry = shard.get(key, policy.terms_id(), now)?;
         let denial = &entry.value;
-        if !entry.is_live(now) || cost < denial.cost || denial.version != (self.version)() {
+        let version = (self.version)();
+        if !entry.is_live(now)
+            || cost < denial.cost
+            || denial.version != version
+            || version == UNCONFIRMED_LIMITS
+        {
             return None;
         }
         let left = Duration::from_micros(denial.until.saturating_sub(now));
