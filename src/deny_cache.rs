@@ -180,12 +180,8 @@ impl DenyCache {
         let mut shard = self.entries.lock(key, policy.terms_id());
         let entry = shard.get(key, policy.terms_id(), now)?;
         let denial = &entry.value;
-        let version = (self.version)();
-        if !entry.is_live(now)
-            || cost < denial.cost
-            || denial.version != version
-            || version == UNCONFIRMED_LIMITS
-        {
+        // Never kept under UNCONFIRMED_LIMITS (`remember`), so never repeated under it.
+        if !entry.is_live(now) || cost < denial.cost || denial.version != (self.version)() {
             return None;
         }
         let left = Duration::from_micros(denial.until.saturating_sub(now));
@@ -245,5 +241,27 @@ mod tests {
         // A refund that lands after the refusal was cached forgets it.
         cache.forget(&key, &policy);
         assert!(cache.refusal(&key, &policy, 100).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_is_kept_or_repeated_while_the_store_cannot_vouch_for_its_limits() {
+        let version = Arc::new(AtomicU64::new(7));
+        let read = Arc::clone(&version);
+        let cache = DenyCache::new(1000, Arc::new(move || read.load(Ordering::Acquire)));
+        let policy: Policy = "150/1m".parse().unwrap();
+        let key = Key::from("k");
+
+        let ticket = cache.ticket(&key, &policy);
+        cache.remember(&key, &policy, 1, refusal(&policy), ticket);
+        assert!(cache.refusal(&key, &policy, 1).is_some());
+        // Unconfirmed: the refusal is not repeated, and none decided meanwhile is kept.
+        version.store(UNCONFIRMED_LIMITS, Ordering::Release);
+        assert!(cache.refusal(&key, &policy, 1).is_none());
+        let ticket = cache.ticket(&key, &policy);
+        cache.remember(&key, &policy, 1, refusal(&policy), ticket);
+        assert!(cache.refusal(&key, &policy, 1).is_none());
+        // Confirmed again, and unchanged: the refusal from before holds again.
+        version.store(7, Ordering::Release);
+        assert!(cache.refusal(&key, &policy, 1).is_some());
     }
 }
