@@ -25,6 +25,7 @@ mod list;
 mod value;
 mod version;
 
+pub(crate) use list::RedisPages;
 use value::{decode, encode};
 pub(super) use version::spawn_watch;
 use version::version_key;
