@@ -244,7 +244,7 @@ impl OverridePages {
     /// listed. After an error, the next call asks for the same page again, so an admin tool
     /// can retry a page that timed out without starting over.
     pub async fn next(&mut self) -> Option<Result<Vec<(Scope, Override)>, OverrideError>> {
-        let page = match &mut self.pages {
+        let page: Result<_, StoreError> = match &mut self.pages {
             Pages::Memory(table) => Some(table.take()?.list(&self.policy))
                 .filter(|page| !page.is_empty())
                 .map(Ok),
