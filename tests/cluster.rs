@@ -336,3 +336,61 @@ async fn concurrency_slots_hold_on_every_primary() {
         assert_eq!(held.trim(), "2", "{slots}");
     }
 }
+
+/// In a Cluster an override and the limits version live in different hash slots. A key's
+/// override written while its primary is stopped: `set` says it may have landed; once the
+/// primary goes on, the store writes it again under the same stamp and raises the version
+/// after it, so every instance follows the change however late it landed (without the retry,
+/// the version stayed at the stamp taken before the write).
+#[tokio::test]
+async fn a_write_whose_reply_is_lost_is_announced_once_its_primary_answers() {
+    use tower_redis_ratelimit::store::{Override, OverrideError, Scope};
+
+    let cluster = RedisCluster::start(3);
+    let store = RedisStore::builder(cluster.url())
+        .timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    let policy = Policy::new("sms", ["5/1h".parse().unwrap()]).unwrap();
+    let version_key = format!("{}:{{overrides}}:limits", store.prefix());
+    let version_node = cluster.owner_of_key(&version_key);
+    let key = (0..100)
+        .map(|i| Key::from(format!("phone-{i}")))
+        .find(|key| cluster.owner_of_key(&store.redis_key(key, &policy)) != version_node)
+        .unwrap();
+    let node = cluster.owner_of_key(&store.redis_key(&key, &policy));
+    let version = || {
+        let v = cluster.cli(version_node, &["HGET", &version_key, "version"]);
+        v.trim().parse::<u64>().unwrap_or(0)
+    };
+
+    cluster.signal(node, "-STOP");
+    let raise = Override::Limits(vec!["50/1h".parse().unwrap()]);
+    let set = store
+        .overrides()
+        .set(&policy, &Scope::Key(key.clone()), &raise)
+        .await;
+    assert!(
+        matches!(set, Err(OverrideError::Unconfirmed(_))),
+        "sent, not confirmed: {set:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let stamped = version();
+    assert!(stamped > 0, "the stamp was taken before the write");
+    cluster.signal(node, "-CONT");
+    let resumed = tokio::time::Instant::now();
+    while version() == stamped {
+        assert!(
+            resumed.elapsed() < Duration::from_secs(3),
+            "the version was never raised after the write"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "version raised {:?} after the primary went on",
+        resumed.elapsed()
+    );
+    let got = store.overrides().get(&policy, &Scope::Key(key)).await;
+    assert_eq!(got.unwrap(), Some(raise));
+}

@@ -634,39 +634,47 @@ async fn an_override_for_a_key_over_128_bytes_governs_that_client_on_redis() {
     long_key(store.clone(), store.overrides()).await;
 }
 
-/// Stamps of policy-wide override writes never go back: after a failover to a replica whose
-/// clock is behind, or a clock step, a write still gets a later stamp than the last one, which
-/// the lanes' hashes may hold, so it is not taken for an earlier write and dropped. The stamp
-/// script run as the store runs it, with the last stamp an hour ahead of Redis' clock.
+/// The limits version never goes back: after a failover to a replica whose clock is behind,
+/// or a clock step, a change still gets a later version than the last one, which the lanes'
+/// stamps may hold, so a write is not taken for an earlier one and dropped, and the epoch
+/// stays. The bump script run as the store runs it, with the version an hour ahead of Redis'
+/// clock.
 #[tokio::test]
-async fn override_stamps_never_go_back() {
+async fn the_limits_version_never_goes_back() {
     use fred::prelude::*;
 
     let server = RedisServer::start();
     let admin = common::client(&server.url()).await;
-    let script = include_str!("../src/store/redis/scripts/override_stamp.lua");
+    let script = [
+        include_str!("../src/store/redis/scripts/limits_version.lua"),
+        include_str!("../src/store/redis/scripts/limits_bump.lua"),
+    ]
+    .concat();
     let ahead = std::time::SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
-        .as_secs()
-        + 3600;
-    let keys = vec!["t:{overrides}:version", "t:{overrides}:version:stamp"];
+        .as_micros() as u64
+        + 3_600_000_000;
+    let key = "t:{overrides}:limits";
     let _: () = admin
-        .set(keys[1], format!("{ahead}:999999"), None, None, false)
+        .hset(
+            key,
+            [("version", ahead.to_string()), ("epoch", "1.2".to_owned())],
+        )
         .await
         .unwrap();
-    let mut stamps = Vec::new();
+    let mut versions = Vec::new();
     for _ in 0..3 {
-        let stamp: Vec<i64> = admin.eval(script, keys.clone(), ()).await.unwrap();
-        stamps.push(stamp);
+        let reply: (u64, String) = admin.eval(script.as_str(), vec![key], ()).await.unwrap();
+        versions.push(reply);
     }
-    let ahead = ahead as i64;
+    let epoch = || "1.2".to_owned();
     assert_eq!(
-        stamps,
+        versions,
         [
-            vec![ahead + 1, 0, 1],
-            vec![ahead + 1, 1, 2],
-            vec![ahead + 1, 2, 3]
+            (ahead + 1, epoch()),
+            (ahead + 2, epoch()),
+            (ahead + 3, epoch())
         ]
     );
 }

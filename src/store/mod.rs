@@ -12,6 +12,9 @@ use tracing::Instrument;
 
 use crate::{Decision, Key, Policy, Settlement};
 
+/// What [`Store::limits_version`] answers while the store cannot vouch for its limits.
+pub(crate) const UNCONFIRMED_LIMITS: u64 = u64::MAX;
+
 pub(crate) mod memory;
 pub(crate) mod overrides;
 #[cfg(feature = "redis")]
@@ -143,7 +146,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// override set or removed ([`Overrides`]), here or, for a store shared by a fleet, by
     /// another instance (which a [`RedisStore`] sees within a quarter of a second). The layer's
     /// deny cache neither keeps nor repeats a refusal decided under another number. `0` by
-    /// default, for a store whose limits never change.
+    /// default, for a store whose limits never change. `u64::MAX` says the store cannot vouch
+    /// for its limits now (a [`RedisStore`] that could not read its version for half a
+    /// second): the deny cache then neither keeps nor repeats any refusal.
     fn limits_version(&self) -> u64 {
         0
     }

@@ -47,10 +47,17 @@ pub enum OverrideError {
     /// The counts are out of the algorithm's range (see [`Policy::out_of_range`]).
     #[error("override: {0}")]
     OutOfRange(&'static str),
-    /// The store could not be reached, or answered with an error; nothing was changed unless
-    /// the error says that only some hash tags were written (Redis Cluster: set it again).
+    /// The store could not be reached, or answered with an error, before any write was sent:
+    /// nothing was changed.
     #[error("override: {0}")]
     Store(#[from] StoreError),
+    /// A write was sent but no reply confirmed it (a timeout, a lost connection, an error
+    /// after part of it was made): the change may have landed, in whole or in part. If it
+    /// did, every instance follows it as any change: the limits version is raised with it
+    /// (or, in a Redis Cluster, after it, until Redis answers). Setting or removing it again
+    /// is safe.
+    #[error("override: the change may have landed, unconfirmed (setting it again is safe): {0}")]
+    Unconfirmed(StoreError),
 }
 
 /// The operator's handle on a store's overrides: set, read, list and remove them. Cheap to

@@ -1,38 +1,46 @@
--- Writes a policy's override into one lane's hash of overrides (src/store/redis/overrides.rs),
--- unless a later write has reached that hash first. A policy's override is written to every
--- lane's hash, one call each; two operators writing at once could otherwise leave some lanes
--- with one's value and the rest with the other's. Each write carries a stamp
--- (override_stamp.lua, taken before it starts), and a lane keeps the stamp of the last write
--- it took, so every lane ends with the value of the write with the highest stamp.
+-- Writes one override into a hash of overrides (src/store/redis/overrides/mod.rs), after
+-- limits_version.lua. On a single Redis the write changes the limits version in the same call,
+-- so that a write whose reply is lost is still announced to every instance. In a Cluster the
+-- version lives in its own hash slot: the store takes a stamp there first (limits_bump.lua)
+-- and announces after the writes.
 --
--- KEYS[1]   the lane's hash of overrides
--- KEYS[2]   the lane's hash of stamps (same hash tag): field -> stamp of the last write
--- ARGV[1]   the field (the policy's override id)
+-- A policy's override is written to every lane's hash, one call each; two operators writing
+-- at once could otherwise leave some lanes with one's value and the rest with the other's. So
+-- such a write carries its stamp and a lane keeps the stamp of the last write it took, per
+-- field: every lane ends with the value of the write with the highest stamp.
+--
+-- KEYS[1]   the hash of overrides
+-- KEYS[2]   the hash's stamps (same hash tag): field -> stamp of the last write
+-- KEYS[3]   (single Redis only) the limits version: the stamp is taken, and the version
+--           changed, here
+-- ARGV[1]   the field
 -- ARGV[2]   the value, or an empty string to remove the override
--- ARGV[3..5] the write's stamp: seconds, microseconds, version; compared in that order
+-- ARGV[3]   the write's stamp (a limits version; ignored with KEYS[3])
+-- ARGV[4]   1 to keep the stamp (a policy's override), 0 not to (a key's: one hash, the last
+--           write to arrive wins)
 --
--- Reply     1: the hash changed; 0: nothing to remove; -1: a later write was here first
+-- Reply     {changed, version, epoch}: changed is 1 where the hash changed, 0 where there was
+--           nothing to remove, -1 where a later write was here first; version and epoch are
+--           the limits version after the write where it was changed here, else 0 and ''
 
-local stamp = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}
-local seen = redis.call('HGET', KEYS[2], ARGV[1])
-if seen then
-  local s, us, v = string.match(seen, '^(%d+):(%d+):(%d+)$')
-  local before = {tonumber(s), tonumber(us), tonumber(v)}
-  for i = 1, 3 do
-    if before[i] ~= stamp[i] then
-      if before[i] > stamp[i] then
-        return -1
-      end
-      break
-    end
-    if i == 3 then
-      return -1
-    end
+local stamp = tonumber(ARGV[3])
+if KEYS[3] then
+  stamp = next_version(KEYS[3])
+end
+if ARGV[4] == '1' then
+  local seen = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+  if seen ~= nil and seen >= stamp then
+    return {-1, 0, ''}
   end
+  redis.call('HSET', KEYS[2], ARGV[1], string.format('%d', stamp))
 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[3] .. ':' .. ARGV[4] .. ':' .. ARGV[5])
+local changed = 1
 if ARGV[2] == '' then
-  return redis.call('HDEL', KEYS[1], ARGV[1])
+  changed = redis.call('HDEL', KEYS[1], ARGV[1])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-return 1
+if KEYS[3] and changed == 1 then
+  return {1, stamp, set_version(KEYS[3], stamp)}
+end
+return {changed, 0, ''}
