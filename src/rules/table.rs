@@ -148,11 +148,39 @@ impl Table {
         self.default.as_ref().map(|choice| &choice.own.policy)
     }
 
+    /// Which policies limit their requests, for a warning when a new table stops limiting
+    /// some (`config`'s file watcher).
+    #[cfg(feature = "config")]
+    pub(crate) fn limiting(&self) -> Limiting {
+        let limits = |choice: &Choice| {
+            (
+                choice.own.policy.name().to_owned(),
+                !choice.own.options.soft,
+            )
+        };
+        Limiting {
+            rules: self
+                .rules
+                .iter()
+                .map(|(_, choice)| limits(choice))
+                .collect(),
+            default: self.default.as_ref().map(limits),
+        }
+    }
+
     /// The policies of the rules, in order, then the default policy.
     fn policies(&self) -> impl Iterator<Item = &Policy> {
         let rules = self.rules.iter().map(|(_, choice)| choice);
         rules.chain(&self.default).map(|choice| &choice.own.policy)
     }
+}
+
+/// The policy names of a table's rules and of its default policy, each with whether it limits
+/// its requests (a soft policy passes those over the limit on).
+#[cfg(feature = "config")]
+pub(crate) struct Limiting {
+    pub(crate) rules: Vec<(String, bool)>,
+    pub(crate) default: Option<(String, bool)>,
 }
 
 /// What checks a table against the layer and makes it: the layer's algorithm, its response

@@ -168,18 +168,105 @@ impl Overrides {
     }
 
     /// Every override of `policy`: the policy's own first, then its keys' in no set order.
+    /// All of [`pages`](Self::pages) collected: one call per page of the policy's overrides,
+    /// each within its own budget, so listing never slows a decision by more than a page.
     pub async fn list(&self, policy: &Policy) -> Result<Vec<(Scope, Override)>, OverrideError> {
-        let listed: Vec<(Scope, Vec<u64>)> = match &self.backend {
-            Backend::Memory(table) => table.list(policy),
-            #[cfg(feature = "redis")]
-            Backend::Redis(store) => store.list_overrides(policy).await?,
-        };
-        let mut listed: Vec<(Scope, Override)> = listed
-            .into_iter()
-            .map(|(scope, counts)| (scope, Override::from_counts(policy, &counts)))
-            .collect();
+        let mut pages = self.pages(policy);
+        let mut listed = Vec::new();
+        while let Some(page) = pages.next().await {
+            listed.extend(page?);
+        }
         listed.sort_by_key(|(scope, _)| *scope != Scope::All);
         Ok(listed)
+    }
+
+    /// The overrides of `policy` a page at a time, for an admin tool that shows them as they
+    /// come rather than waiting for all of them (see [`OverridePages`]). Reads nothing until
+    /// the first [`next`](OverridePages::next).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_redis_ratelimit::store::{Override, Scope};
+    /// use tower_redis_ratelimit::{Key, MemoryStore, Policy};
+    ///
+    /// let store = MemoryStore::new();
+    /// let sms = Policy::new("sms", ["5/1h".parse()?])?;
+    /// let overrides = store.overrides();
+    /// overrides.set(&sms, &Scope::Key(Key::from("+44 7700 900123")), &Override::Block).await?;
+    /// let mut pages = overrides.pages(&sms);
+    /// let mut count = 0;
+    /// while let Some(page) = pages.next().await {
+    ///     count += page?.len();
+    /// }
+    /// assert_eq!(count, 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn pages(&self, policy: &Policy) -> OverridePages {
+        let pages = match &self.backend {
+            Backend::Memory(table) => Pages::Memory(Some(table.clone())),
+            #[cfg(feature = "redis")]
+            Backend::Redis(store) => {
+                Pages::Redis(crate::store::redis::RedisPages::new(store.clone(), policy))
+            }
+        };
+        OverridePages {
+            policy: policy.clone(),
+            pages,
+        }
+    }
+}
+
+/// A policy's overrides, a page at a time: what [`Overrides::pages`] returns.
+///
+/// On Redis a page is one `HSCAN` of up to about 1 000 overrides, with a budget of its own
+/// (1 s) outside the decisions' time budget and breaker: Redis runs one command at a time, so
+/// a decision waits for one page at most, and a list that is slow or fails never makes the
+/// decisions fail (or pass unchecked). An override set or removed during the listing may or
+/// may not be listed; every other is listed exactly once. On the memory store, all the
+/// overrides come as one page (it holds them in this process; listing takes no round trip).
+pub struct OverridePages {
+    policy: Policy,
+    pages: Pages,
+}
+
+enum Pages {
+    /// The table, until its one page is taken.
+    Memory(Option<Arc<Table>>),
+    #[cfg(feature = "redis")]
+    Redis(crate::store::redis::RedisPages),
+}
+
+impl std::fmt::Debug for OverridePages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let policy = self.policy.identity();
+        f.debug_struct("OverridePages")
+            .field("policy", &policy)
+            .finish()
+    }
+}
+
+impl OverridePages {
+    /// The next page: overrides not listed yet, never an empty page; `None` when all are
+    /// listed. After an error, the next call asks for the same page again, so an admin tool
+    /// can retry a page that timed out without starting over.
+    pub async fn next(&mut self) -> Option<Result<Vec<(Scope, Override)>, OverrideError>> {
+        let page: Result<_, StoreError> = match &mut self.pages {
+            Pages::Memory(table) => Some(table.take()?.list(&self.policy))
+                .filter(|page| !page.is_empty())
+                .map(Ok),
+            #[cfg(feature = "redis")]
+            Pages::Redis(pages) => pages.next().await,
+        }?;
+        let policy = &self.policy;
+        let page = page.map(|page| {
+            let with = |(scope, counts): (Scope, Vec<u64>)| {
+                let to = Override::from_counts(policy, &counts);
+                (scope, to)
+            };
+            page.into_iter().map(with).collect()
+        });
+        Some(page.map_err(OverrideError::from))
     }
 }
 

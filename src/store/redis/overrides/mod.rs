@@ -21,6 +21,7 @@ mod value;
 mod version;
 mod write;
 
+pub(crate) use list::RedisPages;
 use value::decode;
 pub(super) use version::{spawn_watch, Change, Limits, Reading};
 
