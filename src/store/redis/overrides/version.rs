@@ -51,8 +51,9 @@ pub(in crate::store::redis) struct Reading {
 
 /// What one instance knows of the limits version.
 pub(in crate::store::redis) struct Limits {
-    /// The last reading, which changes are compared with.
-    last: Mutex<Reading>,
+    /// The last reading, which changes are compared with, and when (µs since `origin`) the
+    /// call that read it was sent.
+    last: Mutex<(Reading, u64)>,
     /// A hash of the last reading, never [`UNCONFIRMED`].
     token: AtomicU64,
     /// Times are ms since this instant, on tokio's clock (paused time in tests).
@@ -75,24 +76,33 @@ impl Limits {
     /// cached refusal, and reads at once.
     pub(in crate::store::redis) fn new() -> Limits {
         Limits {
-            last: Mutex::new(Reading {
-                epoch: None,
-                version: 0,
-            }),
+            last: Mutex::new((
+                Reading {
+                    epoch: None,
+                    version: 0,
+                },
+                0,
+            )),
             token: AtomicU64::new(0),
             origin: Instant::now(),
             confirmed: AtomicU64::new(0),
         }
     }
 
-    /// Records `reading`, read by a call sent at `sent`; how it differs from the last one.
+    /// Records `reading`, read by a call sent at `sent`; how it differs from the last one. A
+    /// reading sent before the last one taken is older (a watch read queued behind a write of
+    /// this instance's, answered after it): it confirms, and changes nothing.
     pub(in crate::store::redis) fn seen(&self, reading: Reading, sent: Instant) -> Change {
-        let at = sent.saturating_duration_since(self.origin).as_millis() as u64;
-        self.confirmed.fetch_max(at, Ordering::AcqRel);
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        if *last == reading {
+        let since = sent.saturating_duration_since(self.origin);
+        self.confirmed
+            .fetch_max(since.as_millis() as u64, Ordering::AcqRel);
+        let sent = since.as_micros() as u64;
+        let mut guard = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let (last, last_sent) = &mut *guard;
+        if *last == reading || sent < *last_sent {
             return Change::Same;
         }
+        *last_sent = sent;
         let lost = last.epoch.is_some() && last.epoch != reading.epoch;
         let mut hasher = DefaultHasher::new();
         reading.hash(&mut hasher);
@@ -182,6 +192,22 @@ mod tests {
         assert_eq!(limits.seen(reading(Some("9.1"), 7), now), Change::Changed);
         assert_ne!(limits.token(), before);
         assert_eq!(limits.seen(reading(Some("4.4"), 8), now), Change::Lost);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reading_sent_before_the_last_one_changes_nothing() {
+        let limits = Limits::new();
+        let at = |us: u64| limits.origin + Duration::from_micros(us);
+        // A watch read sent at 10 µs, queued behind Redis, answered after this instance's
+        // own first write (sent at 20 µs) made the epoch: not a loss, and not a change back.
+        assert_eq!(
+            limits.seen(reading(Some("1.5"), 7), at(20)),
+            Change::Changed
+        );
+        let token = limits.token();
+        assert_eq!(limits.seen(reading(None, 0), at(10)), Change::Same);
+        assert_eq!(limits.token(), token);
+        assert_eq!(limits.seen(reading(None, 0), at(30)), Change::Lost);
     }
 
     #[tokio::test(start_paused = true)]
