@@ -12,7 +12,6 @@ use std::time::Duration;
 use common::http::{api_key, passes, served, LayerBody};
 use common::proxy::Proxy;
 use common::{Captured, RedisServer};
-use fred::prelude::*;
 use tokio::time::Instant;
 use tower_redis_ratelimit::store::{Leases, Override, OverrideError, Scope};
 use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store};
@@ -47,26 +46,21 @@ fn instance(
     served(layer)
 }
 
-/// Blocks the Redis behind `client` for `seconds` (`DEBUG SLEEP`); returns when it answers.
-async fn stall(client: &Client, seconds: f64) {
-    let debug = fred::types::CustomCommand::new_static("DEBUG", None, false);
-    let _: fred::types::Value = client
-        .custom(debug, vec!["SLEEP".to_owned(), seconds.to_string()])
-        .await
-        .expect("DEBUG SLEEP");
-}
+/// The text of the script that writes an override, which the proxy stops in front of Redis.
+const WRITE: &[u8] = b"Writes one override";
 
-/// A raise set through one instance while Redis sleeps for a second: `set` cannot confirm it
-/// and says the change may have landed; it did, and every instance follows it once Redis
-/// answers again, cached refusals included (before, the version stayed where it was and the
-/// deny caches repeated an hour's refusal: 0 of 50 admitted for 5 s).
+/// A raise set through one instance whose write (not its stamp) is held up for a second on
+/// the way to Redis: `set` cannot confirm it and says the change may have landed; it lands,
+/// and every instance follows it once it has, cached refusals included (before, a write that
+/// landed after its reply was given up raised no version, and the deny caches repeated an
+/// hour's refusal: 0 of 50 admitted for 5 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_whose_reply_is_lost_is_still_followed_by_every_instance() {
-    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
-    let admin = common::client(&server.url()).await;
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await;
     let mut stores = Vec::new();
-    for _ in 0..3 {
-        stores.push(leasing(server.url(), Duration::from_secs(1)).await);
+    for url in [server.url(), server.url(), proxy.url()] {
+        stores.push(leasing(url, Duration::from_secs(1)).await);
     }
     let api = Policy::new("api", ["10/1h".parse().unwrap()])
         .unwrap()
@@ -83,24 +77,41 @@ async fn a_write_whose_reply_is_lost_is_still_followed_by_every_instance() {
         assert!(!passes(service, "vip").await, "refused, and cached");
     }
 
-    let asleep = tokio::spawn(async move { stall(&admin, 1.0).await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.pause_at(WRITE);
     let raise = Override::Limits(vec!["30/1h".parse().unwrap()]);
     let vip = Scope::Key(Key::from("vip"));
     let set = stores[2].overrides().set(&api, &vip, &raise).await;
+    assert!(proxy.is_paused(), "the write was held up");
     assert!(
         matches!(set, Err(OverrideError::Unconfirmed(_))),
         "a write sent and not confirmed says it may have landed: {set:?}"
     );
-    asleep.await.unwrap();
-    let awake = Instant::now();
-    assert_eq!(
-        stores[0].overrides().get(&api, &vip).await.unwrap(),
-        Some(raise.clone()),
-        "it landed"
-    );
-    // Within the bound of Redis answering again, every instance has read the change.
-    tokio::time::sleep(BOUND.saturating_sub(awake.elapsed()) + Duration::from_millis(100)).await;
+    // Clients go on asking while the write is held up: refused, and cached again under the
+    // version the stamp raised.
+    for _ in 0..20 {
+        for service in &fleet[..2] {
+            assert!(!passes(service, "vip").await);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(stores[0].overrides().get(&api, &vip).await.unwrap(), None);
+    proxy.resume();
+    let resumed = Instant::now();
+    while stores[0]
+        .overrides()
+        .get(&api, &vip)
+        .await
+        .unwrap()
+        .is_none()
+    {
+        assert!(
+            resumed.elapsed() < Duration::from_secs(1),
+            "it never landed"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Within the bound of the write landing, every instance has read the change.
+    tokio::time::sleep(BOUND + Duration::from_millis(100)).await;
     let mut more = 0;
     for (i, service) in fleet.iter().enumerate() {
         let mine = usize::from(passes(service, "vip").await);
@@ -113,6 +124,42 @@ async fn a_write_whose_reply_is_lost_is_still_followed_by_every_instance() {
         }
     }
     assert_eq!(more, 20, "exactly the raise, over the fleet");
+}
+
+/// An operator told that a write may have landed sets the override again through another
+/// instance, and is confirmed; the first write, held up on its way, lands after it and
+/// changes nothing: every write carries a stamp taken before it is sent (before, the late
+/// write replaced the confirmed one 2.3 s after it).
+#[tokio::test]
+async fn a_write_that_lands_late_never_undoes_a_later_one() {
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await;
+    let (slow, other) = (
+        RedisStore::connect(&proxy.url()).await.unwrap(),
+        RedisStore::connect(&server.url()).await.unwrap(),
+    );
+    let api = Policy::new("api", ["10/1h".parse().unwrap()]).unwrap();
+    let limits = |n: &str| Override::Limits(vec![n.parse().unwrap()]);
+    for scope in [Scope::Key(Key::from("vip")), Scope::All] {
+        proxy.pause_at(WRITE);
+        let first = slow.overrides().set(&api, &scope, &limits("11/1h")).await;
+        assert!(
+            matches!(first, Err(OverrideError::Unconfirmed(_))),
+            "{first:?}"
+        );
+        other
+            .overrides()
+            .set(&api, &scope, &limits("99/1h"))
+            .await
+            .unwrap();
+        proxy.resume();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            other.overrides().get(&api, &scope).await.unwrap(),
+            Some(limits("99/1h")),
+            "{scope:?}: the confirmed write stays"
+        );
+    }
 }
 
 /// Sends a request of `key` through `store` every `every` until `stop` (five times as slowly

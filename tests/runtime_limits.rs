@@ -678,3 +678,45 @@ async fn the_limits_version_never_goes_back() {
         ]
     );
 }
+
+/// A write that lands after one stamped later changes nothing: an operator told that a write
+/// may have landed (`OverrideError::Unconfirmed`), who then sets or removes the override
+/// again, is never undone by the first write arriving late. The write script run as the store
+/// runs it on a single Redis, with the stamps the store takes before sending (before, the
+/// stamp was taken when the script ran, so the late write always looked newest).
+#[tokio::test]
+async fn a_write_stamped_earlier_never_undoes_one_stamped_later() {
+    use fred::prelude::*;
+
+    let server = RedisServer::start();
+    let admin = common::client(&server.url()).await;
+    let script = [
+        include_str!("../src/store/redis/scripts/limits_version.lua"),
+        include_str!("../src/store/redis/scripts/override_write.lua"),
+    ]
+    .concat();
+    let keys = vec!["t:overrides", "t:overrides:stamps", "t:{overrides}:limits"];
+    let write = |value: &'static str, stamp: u64| {
+        let (admin, script, keys) = (admin.clone(), script.clone(), keys.clone());
+        async move {
+            let args = vec![
+                "t:{api:k}:fw:1h".to_owned(),
+                value.to_owned(),
+                stamp.to_string(),
+            ];
+            let (changed, _, _): (i64, u64, String) =
+                admin.eval(script.as_str(), keys, args).await.unwrap();
+            let now: Option<String> = admin.hget("t:overrides", "t:{api:k}:fw:1h").await.unwrap();
+            (changed, now)
+        }
+    };
+    // The second operator's write (stamp 20) lands first; the first one's (stamp 10) late.
+    assert_eq!(
+        write("ninety-nine", 20).await,
+        (1, Some("ninety-nine".into()))
+    );
+    assert_eq!(write("eleven", 10).await, (-1, Some("ninety-nine".into())));
+    // A removal stamped later than a write that lands after it: the write is refused too.
+    assert_eq!(write("", 30).await, (1, None));
+    assert_eq!(write("eleven", 25).await, (-1, None));
+}

@@ -2,7 +2,7 @@
 //! read from or written to either side, so one store's connections stall as a network
 //! partition would stall them while the server and every other store go on.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -12,8 +12,13 @@ use tokio::sync::watch;
 pub struct Proxy {
     port: u16,
     paused: Arc<watch::Sender<bool>>,
+    trigger: Trigger,
     accept: tokio::task::JoinHandle<()>,
 }
+
+/// Bytes that, once a client sends a chunk holding them, pause the proxy before it passes
+/// that chunk on.
+type Trigger = Arc<Mutex<Option<Vec<u8>>>>;
 
 impl Proxy {
     pub async fn start(target: u16) -> Proxy {
@@ -21,6 +26,8 @@ impl Proxy {
         let port = listener.local_addr().unwrap().port();
         let paused = Arc::new(watch::channel(false).0);
         let gate = Arc::clone(&paused);
+        let trigger: Trigger = Arc::default();
+        let armed = Arc::clone(&trigger);
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(("127.0.0.1", target)).await else {
@@ -28,13 +35,15 @@ impl Proxy {
                 };
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
-                tokio::spawn(pipe(client_read, server_write, gate.subscribe()));
-                tokio::spawn(pipe(server_read, client_write, gate.subscribe()));
+                let upstream = Some((Arc::clone(&gate), Arc::clone(&armed)));
+                tokio::spawn(pipe(client_read, server_write, gate.subscribe(), upstream));
+                tokio::spawn(pipe(server_read, client_write, gate.subscribe(), None));
             }
         });
         Proxy {
             port,
             paused,
+            trigger,
             accept,
         }
     }
@@ -45,6 +54,16 @@ impl Proxy {
 
     pub fn pause(&self) {
         self.paused.send_replace(true);
+    }
+
+    /// Pauses the proxy when a client next sends a chunk holding `bytes`, before that chunk
+    /// reaches the server: a stall that hits one command and not the ones before it.
+    pub fn pause_at(&self, bytes: &[u8]) {
+        *self.trigger.lock().unwrap() = Some(bytes.to_vec());
+    }
+
+    pub fn is_paused(&self) -> bool {
+        *self.paused.borrow()
     }
 
     pub fn resume(&self) {
@@ -58,11 +77,14 @@ impl Drop for Proxy {
     }
 }
 
-/// Copies `from` to `to`, holding each chunk (and reading no more) while paused.
+/// Copies `from` to `to`, holding each chunk (and reading no more) while paused; from a
+/// client (`upstream`: the pause switch and the trigger), a chunk that holds the trigger's
+/// bytes pauses the proxy first.
 async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut paused: watch::Receiver<bool>,
+    upstream: Option<(Arc<watch::Sender<bool>>, Trigger)>,
 ) {
     let mut buffer = vec![0u8; 64 * 1024];
     loop {
@@ -73,6 +95,16 @@ async fn pipe(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        if let Some((gate, trigger)) = &upstream {
+            let mut armed = trigger.lock().unwrap();
+            let hit = armed
+                .as_ref()
+                .is_some_and(|bytes| buffer[..n].windows(bytes.len()).any(|w| w == bytes));
+            if hit {
+                *armed = None;
+                gate.send_replace(true);
+            }
+        }
         if paused.wait_for(|paused| !paused).await.is_err() {
             return;
         }

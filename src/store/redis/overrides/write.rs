@@ -1,13 +1,15 @@
 //! Writing an override so that every instance follows it, whatever becomes of the reply.
 //!
-//! On a single Redis each write raises the limits version in the same script
-//! (`scripts/override_write.lua`): a write that ran was announced, even where its reply was lost
-//! to a timeout. In a Redis Cluster the version lives in its own hash slot, so a write is
-//! ordered: a stamp from the version first (for a policy's override, written to every lane),
-//! then the writes, then the version raised again. Where a write may have been sent and no
-//! reply confirmed it, the store raises the version again in the background, every
-//! quarter second until Redis answers: a raise without a change is harmless, and the change,
-//! if it landed, is announced once Redis answers again.
+//! Every write takes a stamp first (a limits version, `scripts/limits_bump.lua`) and carries
+//! it, so a write that lands late never undoes one stamped after it (`override_write.lua`).
+//! On a single Redis each write then raises the limits version in its own script: a write
+//! that ran was announced, even where its reply was lost to a timeout. In a Redis Cluster the
+//! version lives in its own hash slot, so the store raises it after the writes; where a write
+//! may have been sent and no reply confirmed it, the store writes it again under the same
+//! stamp and raises the version every quarter second until Redis answers: the retry is
+//! refused where the first try landed, and the raise announces whatever landed. A write to
+//! every lane (a policy's or a plan's override) tries every lane even where one fails, so a
+//! primary that is gone delays only the keys it holds.
 
 use std::sync::{Arc, LazyLock, Weak};
 
@@ -35,12 +37,10 @@ static BUMP: LazyLock<String> =
     LazyLock::new(|| [LIMITS, include_str!("../scripts/limits_bump.lua")].concat());
 
 /// One override to write (or, with an empty value, remove) at every (hash, field) of
-/// `places`; `stamped` where it is a policy's, written to every lane, whose lanes must end
-/// alike when two writes cross.
+/// `places`.
 struct Write {
     places: Vec<(String, String)>,
     value: Vec<u8>,
-    stamped: bool,
 }
 
 impl RedisStore {
@@ -68,58 +68,52 @@ impl RedisStore {
         Write {
             places: self.fields(policy, scope),
             value,
-            // A policy's override is written to every lane; in a Cluster every write is
-            // stamped (see `write`).
-            stamped: matches!(scope, Scope::All) || self.inner.batcher.is_clustered(),
         }
     }
 
     /// Runs `write`; whether a hash changed. An error after a write may have been sent says
     /// so ([`OverrideError::Unconfirmed`]).
     async fn write(&self, write: Write) -> Result<bool, OverrideError> {
-        let mut sent = false;
-        if !self.inner.batcher.is_clustered() {
-            let written = self.write_with_version(&write, &mut sent).await;
-            return written.map_err(|error| unconfirmed_if(sent, error));
-        }
-        // A Cluster: every write carries a stamp, so that a retry of it never undoes a later
-        // one, nor does the first try landing after the retry.
         let stamp = self.announce().await?;
-        let written = self.write_then_announce(&write, stamp, &mut sent).await;
-        if written.is_err() && sent {
+        let mut sent = false;
+        let written = self.write_at(&write, stamp, &mut sent).await;
+        if written.is_err() && sent && self.inner.batcher.is_clustered() {
             rewrite_until_answered(Arc::downgrade(&self.inner), write, stamp);
         }
-        written.map_err(|error| unconfirmed_if(sent, error))
+        written.map_err(|error| match sent {
+            true => OverrideError::Unconfirmed(error),
+            false => OverrideError::Store(error),
+        })
     }
 
-    /// A single Redis: each write raises the version in its own script.
-    async fn write_with_version(&self, write: &Write, sent: &mut bool) -> Result<bool, StoreError> {
-        let version = limits_key(&self.inner.prefix);
-        let mut changed = false;
-        for (hash, field) in &write.places {
-            let keys = vec![hash.clone(), format!("{hash}:stamps"), version.clone()];
-            changed |= self.write_one(keys, field, write, 0, sent).await?;
-        }
-        Ok(changed)
-    }
-
-    /// A Redis Cluster: the writes under `stamp`, then the version raised where something
-    /// changed.
-    async fn write_then_announce(
+    /// Writes `write` under `stamp` at every place, each even where another failed; then, in
+    /// a Cluster, raises the version where something changed. Whether a hash changed, or the
+    /// first error.
+    async fn write_at(
         &self,
         write: &Write,
         stamp: u64,
         sent: &mut bool,
     ) -> Result<bool, StoreError> {
-        let mut changed = false;
+        let clustered = self.inner.batcher.is_clustered();
+        let version = limits_key(&self.inner.prefix);
+        let (mut changed, mut failed) = (false, None);
         for (hash, field) in &write.places {
-            let keys = vec![hash.clone(), format!("{hash}:stamps")];
-            changed |= self.write_one(keys, field, write, stamp, sent).await?;
+            let mut keys = vec![hash.clone(), format!("{hash}:stamps")];
+            if !clustered {
+                keys.push(version.clone());
+            }
+            match self.write_one(keys, field, &write.value, stamp, sent).await {
+                Ok(one) => changed |= one,
+                Err(error) => failed = failed.or(Some(error)),
+            }
         }
-        if changed {
-            self.announce().await?;
+        if changed && clustered {
+            if let Err(error) = self.announce().await {
+                failed = failed.or(Some(error));
+            }
         }
-        Ok(changed)
+        failed.map_or(Ok(changed), Err)
     }
 
     /// One call of `override_write.lua`; whether it changed the hash.
@@ -127,15 +121,14 @@ impl RedisStore {
         &self,
         keys: Vec<String>,
         field: &str,
-        write: &Write,
+        value: &[u8],
         stamp: u64,
         sent: &mut bool,
     ) -> Result<bool, StoreError> {
         let args: Vec<Value> = vec![
             field.into(),
-            Value::Bytes(write.value.clone().into()),
+            Value::Bytes(value.to_vec().into()),
             Value::Integer(stamp as i64),
-            Value::Integer(i64::from(write.stamped)),
         ];
         let hash = keys[0].clone();
         let call = |client: Client| {
@@ -186,14 +179,6 @@ async fn bump(inner: &Inner) -> Result<Reading, StoreError> {
     Ok(Reading { epoch, version })
 }
 
-/// The error of a write: [`OverrideError::Unconfirmed`] where a write may have been sent.
-fn unconfirmed_if(sent: bool, error: StoreError) -> OverrideError {
-    match sent {
-        true => OverrideError::Unconfirmed(error),
-        false => OverrideError::Store(error),
-    }
-}
-
 /// Writes `write` again under its `stamp`, and then raises the version, every quarter second
 /// until Redis answers or the store is dropped. A write in a Cluster whose reply was lost may
 /// land after the version was raised; the retry is answered only once the first try can
@@ -208,7 +193,7 @@ fn rewrite_until_answered(inner: Weak<Inner>, write: Write, stamp: u64) {
             };
             let store = RedisStore { inner };
             let mut sent = false;
-            let retried = store.write_then_announce(&write, stamp, &mut sent).await;
+            let retried = store.write_at(&write, stamp, &mut sent).await;
             if retried.is_ok() && store.announce().await.is_ok() {
                 return;
             }

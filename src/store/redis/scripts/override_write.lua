@@ -1,39 +1,34 @@
--- Writes one override into a hash of overrides (src/store/redis/overrides/mod.rs), after
--- limits_version.lua. On a single Redis the write changes the limits version in the same call,
--- so that a write whose reply is lost is still announced to every instance. In a Cluster the
--- version lives in its own hash slot: the store takes a stamp there first (limits_bump.lua)
--- and announces after the writes.
+-- Writes one override into a hash of overrides (src/store/redis/overrides/write.rs), after
+-- limits_version.lua.
 --
--- A policy's override is written to every lane's hash, one call each; two operators writing
--- at once could otherwise leave some lanes with one's value and the rest with the other's. So
--- such a write carries its stamp and a lane keeps the stamp of the last write it took, per
--- field: every lane ends with the value of the write with the highest stamp.
+-- Every write carries a stamp, a limits version taken before it was sent (limits_bump.lua),
+-- and a hash keeps, per field, the stamp of the last write it took: a write that lands after
+-- one stamped later (its reply lost, the write retried, or two operators at once) changes
+-- nothing. So a write whose caller was told it may have landed never undoes a later one, and
+-- a policy's override, written to every lane's hash one call each, ends alike everywhere.
+--
+-- On a single Redis the write also raises the limits version in the same call, so that a
+-- write whose reply is lost is still announced to every instance. In a Cluster the version
+-- lives in its own hash slot, and the store raises it after the writes.
 --
 -- KEYS[1]   the hash of overrides
 -- KEYS[2]   the hash's stamps (same hash tag): field -> stamp of the last write
--- KEYS[3]   (single Redis only) the limits version: the stamp is taken, and the version
---           changed, here
+-- KEYS[3]   (single Redis only) the limits version, raised here where the hash changed
 -- ARGV[1]   the field
 -- ARGV[2]   the value, or an empty string to remove the override
--- ARGV[3]   the write's stamp (a limits version; ignored with KEYS[3])
--- ARGV[4]   1 to keep the stamp (a policy's override), 0 not to (a key's: one hash, the last
---           write to arrive wins)
+-- ARGV[3]   the write's stamp
 --
 -- Reply     {changed, version, epoch}: changed is 1 where the hash changed, 0 where there was
---           nothing to remove, -1 where a later write was here first; version and epoch are
---           the limits version after the write where it was changed here, else 0 and ''
+--           nothing to remove, -1 where a write stamped later was here first; version and
+--           epoch are the limits version after the write where it was raised here, else 0
+--           and ''
 
 local stamp = tonumber(ARGV[3])
-if KEYS[3] then
-  stamp = next_version(KEYS[3])
+local seen = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+if seen ~= nil and seen >= stamp then
+  return {-1, 0, ''}
 end
-if ARGV[4] == '1' then
-  local seen = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
-  if seen ~= nil and seen >= stamp then
-    return {-1, 0, ''}
-  end
-  redis.call('HSET', KEYS[2], ARGV[1], string.format('%d', stamp))
-end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 local changed = 1
 if ARGV[2] == '' then
   changed = redis.call('HDEL', KEYS[1], ARGV[1])
@@ -41,6 +36,7 @@ else
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 end
 if KEYS[3] and changed == 1 then
-  return {1, stamp, set_version(KEYS[3], stamp)}
+  local version = next_version(KEYS[3])
+  return {1, version, set_version(KEYS[3], version)}
 end
 return {changed, 0, ''}
