@@ -132,10 +132,11 @@ fn describe(to: &Override) -> String {
     }
 }
 
-/// `400` for what the operator sent, `503` when the store failed.
+/// `400` for what the operator sent, `503` when the store failed; the body says whether the
+/// change may have landed (`Unconfirmed`: sending it again is safe).
 fn failed(error: OverrideError) -> Response {
     let status = match error {
-        OverrideError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
+        OverrideError::Store(_) | OverrideError::Unconfirmed(_) => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::BAD_REQUEST,
     };
     (status, format!("{error}\n")).into_response()

@@ -10,7 +10,9 @@
 //! it on a free loopback port, and edits the file while sending requests: a raise, a broken
 //! file (refused, the rules in force stay) and a fix, printing what each request got. With a
 //! file it serves `BIND` (default `127.0.0.1:3000`) until stopped; edit the file, or send
-//! `kill -HUP <pid>`, and the log says what was applied or why the file was refused.
+//! `kill -HUP <pid>`, and the log says what was applied or why the file was refused. A change
+//! is applied once the file has stayed the same for a second; to replace it in one step,
+//! write the new rules beside it and rename them over it (`mv rules.toml.tmp rules.toml`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -142,21 +144,29 @@ async fn applied(layer: &RateLimitLayer, count: u64) {
     panic!("the rules file was not applied within 5 s");
 }
 
+/// Writes `text` beside `path`, then renames it over `path`: a rename within one file system
+/// is atomic, so the watcher reads the old rules or the new ones, never part of them.
+fn replace_file(path: &Path, text: &str) -> std::io::Result<()> {
+    let temporary = path.with_extension("toml.tmp");
+    std::fs::write(&temporary, text)?;
+    std::fs::rename(&temporary, path)
+}
+
 async fn demonstrate(addr: SocketAddr, path: &Path, layer: &RateLimitLayer) -> Result<(), Error> {
     let first = burst(addr, 4, "3/1m").await?;
     assert_eq!(first, [200, 200, 200, 429]);
 
-    std::fs::write(path, RULES.replace("3/1m", "5/1m"))?;
+    replace_file(path, &RULES.replace("3/1m", "5/1m"))?;
     applied(layer, 5).await;
     let raised = burst(addr, 3, "raised to 5/1m (the 3 used still count)").await?;
     assert_eq!(raised, [200, 200, 429]);
 
-    std::fs::write(path, RULES.replace("3/1m", "50/1fortnight"))?;
+    replace_file(path, &RULES.replace("3/1m", "50/1fortnight"))?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let kept = burst(addr, 1, "a broken file: the rules in force stay").await?;
     assert_eq!(kept, [429]);
 
-    std::fs::write(path, RULES.replace("3/1m", "6/1m"))?;
+    replace_file(path, &RULES.replace("3/1m", "6/1m"))?;
     applied(layer, 6).await;
     let fixed = burst(addr, 2, "fixed, 6/1m").await?;
     assert_eq!(fixed, [200, 429]);

@@ -19,7 +19,10 @@
 //! Limits that change at run time (the store's overrides, `store/overrides.rs`) may make room
 //! too: the store's limits version ([`Store::limits_version`](crate::Store::limits_version))
 //! changes with them, and a refusal decided under another version is neither cached nor
-//! repeated.
+//! repeated. A store that cannot vouch for its limits now (a [`RedisStore`](crate::RedisStore)
+//! that could not read the version for half a second) answers
+//! [`UNCONFIRMED_LIMITS`]: then nothing is cached or repeated, so that a change the store
+//! has not seen yet is not outlived by refusals from before it.
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,6 +32,7 @@ use std::time::Duration;
 use foldhash::fast::RandomState;
 
 use crate::shards::{Pinning, Shards};
+use crate::store::UNCONFIRMED_LIMITS;
 use crate::{Decision, Key, Policy};
 
 /// Stripes of the refund counts: enough that concurrent refunds of other keys rarely keep a
@@ -145,6 +149,7 @@ impl DenyCache {
         // sees the count, or `forget` comes after the insert and removes it.
         if self.refunds[ticket.stripe].load(Ordering::Acquire) != ticket.refunds
             || (self.version)() != ticket.version
+            || ticket.version == UNCONFIRMED_LIMITS
         {
             return;
         }
@@ -175,6 +180,7 @@ impl DenyCache {
         let mut shard = self.entries.lock(key, policy.terms_id());
         let entry = shard.get(key, policy.terms_id(), now)?;
         let denial = &entry.value;
+        // Never kept under UNCONFIRMED_LIMITS (`remember`), so never repeated under it.
         if !entry.is_live(now) || cost < denial.cost || denial.version != (self.version)() {
             return None;
         }
@@ -235,5 +241,27 @@ mod tests {
         // A refund that lands after the refusal was cached forgets it.
         cache.forget(&key, &policy);
         assert!(cache.refusal(&key, &policy, 100).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_is_kept_or_repeated_while_the_store_cannot_vouch_for_its_limits() {
+        let version = Arc::new(AtomicU64::new(7));
+        let read = Arc::clone(&version);
+        let cache = DenyCache::new(1000, Arc::new(move || read.load(Ordering::Acquire)));
+        let policy: Policy = "150/1m".parse().unwrap();
+        let key = Key::from("k");
+
+        let ticket = cache.ticket(&key, &policy);
+        cache.remember(&key, &policy, 1, refusal(&policy), ticket);
+        assert!(cache.refusal(&key, &policy, 1).is_some());
+        // Unconfirmed: the refusal is not repeated, and none decided meanwhile is kept.
+        version.store(UNCONFIRMED_LIMITS, Ordering::Release);
+        assert!(cache.refusal(&key, &policy, 1).is_none());
+        let ticket = cache.ticket(&key, &policy);
+        cache.remember(&key, &policy, 1, refusal(&policy), ticket);
+        assert!(cache.refusal(&key, &policy, 1).is_none());
+        // Confirmed again, and unchanged: the refusal from before holds again.
+        version.store(7, Ordering::Release);
+        assert!(cache.refusal(&key, &policy, 1).is_some());
     }
 }

@@ -12,6 +12,7 @@
 //! | `ratelimit_fallbacks_total` | counter | `policy` | of those, decisions made by the fallback store instead |
 //! | `ratelimit_settle_errors_total` | counter | `policy` | usage settlements (and concurrency slots' give-backs and renewals) that did not run, got no reply within their patience (3 s on Redis), or were abandoned when their runtime shut down (see [`usage`](crate::usage)); a late settle that landed is not counted; the responses were not affected |
 //! | `ratelimit_evicted_pinned_total` | counter | `policy` | memory-store keys evicted while pinned (in their penalty box, or holding concurrency slots) because every key of their shard was pinned: the key whose pin ended soonest went, and starts afresh (see [`MemoryStore`](crate::MemoryStore)) |
+//! | `ratelimit_overrides_lost_total` | counter | | times a [`RedisStore`](crate::RedisStore) found the overrides in Redis lost (the epoch of the limits version gone or replaced: a restart without persistence, a flush); logged at ERROR too, see `docs/operations.md` |
 //! | `ratelimit_decision_seconds` | histogram | `policy` | time from asking the store to its answer, failures included; for a request that waited for a concurrency slot (`max_wait`), to its last answer, the wait included |
 //!
 //! Without the feature these functions do nothing and cost nothing.
@@ -56,6 +57,12 @@ impl Report {
             .increment(1);
     }
 
+    /// Not by policy: the overrides of every policy went at once.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn overrides_lost() {
+        ::metrics::counter!("ratelimit_overrides_lost_total").increment(1);
+    }
+
     pub(crate) fn denied_concurrency(policy: &Policy) {
         ::metrics::counter!(
             "ratelimit_denied_total",
@@ -95,6 +102,8 @@ impl Report {
     pub(crate) fn store_error(_: &Policy) {}
     pub(crate) fn fallback(_: &Policy) {}
     pub(crate) fn settle_error(_: &Policy) {}
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn overrides_lost() {}
     pub(crate) fn latency(_: &Policy, _: Duration) {}
     pub(crate) fn denied_concurrency(_: &Policy) {}
     pub(crate) fn slots_in_use(_: &Policy, _: f64) {}

@@ -336,3 +336,134 @@ async fn concurrency_slots_hold_on_every_primary() {
         assert_eq!(held.trim(), "2", "{slots}");
     }
 }
+
+/// In a Cluster an override and the limits version live in different hash slots. A key's
+/// override written while its primary is stopped: `set` says it may have landed; once the
+/// primary goes on, the store writes it again under the same stamp and raises the version
+/// after it, so every instance follows the change however late it landed (without the retry,
+/// the version stayed at the stamp taken before the write).
+#[tokio::test]
+async fn a_write_whose_reply_is_lost_is_announced_once_its_primary_answers() {
+    use tower_redis_ratelimit::store::{Override, OverrideError, Scope};
+
+    let cluster = RedisCluster::start(3);
+    let store = RedisStore::builder(cluster.url())
+        .timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    let policy = Policy::new("sms", ["5/1h".parse().unwrap()]).unwrap();
+    let version_key = format!("{}:{{overrides}}:limits", store.prefix());
+    let version_node = cluster.owner_of_key(&version_key);
+    let key = (0..100)
+        .map(|i| Key::from(format!("phone-{i}")))
+        .find(|key| cluster.owner_of_key(&store.redis_key(key, &policy)) != version_node)
+        .unwrap();
+    let node = cluster.owner_of_key(&store.redis_key(&key, &policy));
+    let version = || {
+        let v = cluster.cli(version_node, &["HGET", &version_key, "version"]);
+        v.trim().parse::<u64>().unwrap_or(0)
+    };
+
+    cluster.signal(node, "-STOP");
+    let raise = Override::Limits(vec!["50/1h".parse().unwrap()]);
+    let set = store
+        .overrides()
+        .set(&policy, &Scope::Key(key.clone()), &raise)
+        .await;
+    assert!(
+        matches!(set, Err(OverrideError::Unconfirmed(_))),
+        "sent, not confirmed: {set:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let stamped = version();
+    assert!(stamped > 0, "the stamp was taken before the write");
+    cluster.signal(node, "-CONT");
+    let resumed = tokio::time::Instant::now();
+    while version() == stamped {
+        assert!(
+            resumed.elapsed() < Duration::from_secs(3),
+            "the version was never raised after the write"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "version raised {:?} after the primary went on",
+        resumed.elapsed()
+    );
+    let got = store.overrides().get(&policy, &Scope::Key(key)).await;
+    assert_eq!(got.unwrap(), Some(raise));
+}
+
+/// A policy-wide block is written to every tag's hash, one primary each. With one primary
+/// stopped, the others take it at once and refuse their keys within the bound; the stopped
+/// one's keys follow once it answers again (before, the writes stopped at the first failing
+/// tag, and every tag after it went on admitting for as long as the primary was stopped).
+#[tokio::test]
+async fn a_policy_block_reaches_the_primaries_that_answer_while_one_is_stopped() {
+    use tower_redis_ratelimit::store::{Override, OverrideError, Scope};
+
+    let cluster = RedisCluster::start(3);
+    let writer = RedisStore::connect(&cluster.url()).await.unwrap();
+    let observer = RedisStore::connect(&cluster.url()).await.unwrap();
+    let version_node = cluster.owner_of_key(&format!("{}:{{overrides}}:limits", writer.prefix()));
+    // Each primary but the version's, stopped in turn while a block of its own policy is set.
+    for stopped in cluster
+        .primaries()
+        .into_iter()
+        .filter(|&p| p != version_node)
+    {
+        let api = Policy::new(format!("api-{stopped}"), ["100000/1h".parse().unwrap()]).unwrap();
+        let mut by_owner = std::collections::BTreeMap::<usize, Vec<Key>>::new();
+        for i in 0..200 {
+            let key = Key::from(format!("c-{i}"));
+            let owner = cluster.owner_of_key(&observer.redis_key(&key, &api));
+            by_owner.entry(owner).or_default().push(key);
+        }
+        assert_eq!(by_owner.len(), 3, "keys on every primary");
+        cluster.signal(stopped, "-STOP");
+        let written = tokio::time::Instant::now();
+        let set = writer
+            .overrides()
+            .set(&api, &Scope::All, &Override::Block)
+            .await;
+        assert!(
+            matches!(set, Err(OverrideError::Unconfirmed(_))),
+            "one tag unconfirmed: {set:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500).saturating_sub(written.elapsed())).await;
+        let mut admitted = 0;
+        for (_, keys) in by_owner.iter().filter(|(&owner, _)| owner != stopped) {
+            for key in keys {
+                admitted += usize::from(observer.check(key, &api, 1).await.unwrap().is_allowed());
+            }
+        }
+        assert_eq!(
+            admitted, 0,
+            "primary {stopped} stopped: the others follow the block"
+        );
+        cluster.signal(stopped, "-CONT");
+        let resumed = tokio::time::Instant::now();
+        let keys = &by_owner[&stopped];
+        loop {
+            let mut refused = 0;
+            for key in keys {
+                if let Ok(decision) = observer.check(key, &api, 1).await {
+                    refused += usize::from(!decision.is_allowed());
+                }
+            }
+            if refused == keys.len() {
+                break;
+            }
+            assert!(
+                resumed.elapsed() < Duration::from_secs(3),
+                "the stopped primary's keys never followed"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        eprintln!(
+            "primary {stopped} stopped: its keys refused {:?} after it went on",
+            resumed.elapsed()
+        );
+    }
+}

@@ -284,3 +284,196 @@ async fn a_watched_file_is_followed_and_a_broken_one_keeps_the_rules_in_force() 
     watch.abort();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A rules file to be cut in two: login's and export's rules, then `[default]`, last.
+const RULES: &str = r#"[[rule]]
+name = "login"
+limits = "2/1h"
+path = "/login"
+
+[[rule]]
+name = "export"
+limits = "1/1h"
+path = "/export"
+
+[default]
+name = "api"
+limits = "3/1h"
+"#;
+
+/// The first half of `RULES`: it parses, as a table without a default policy.
+fn first_half() -> &'static str {
+    &RULES[..RULES.find("[default]").unwrap()]
+}
+
+/// A layer built from `text`, whose table `watch_file` follows every second (tokio's clock),
+/// the file in a directory of this test's own (removed when the guard drops), and the logs.
+struct Watched {
+    layer: RateLimitLayer<tower_redis_ratelimit::Header, MemoryStore>,
+    file: std::path::PathBuf,
+    captured: Captured,
+    _log: tracing::subscriber::DefaultGuard,
+    watch: tokio::task::JoinHandle<()>,
+}
+
+const EVERY: Duration = Duration::from_secs(1);
+
+impl Watched {
+    fn start(test: &str, text: &str) -> Watched {
+        let captured = Captured::default();
+        let log = tracing::subscriber::set_default(captured.subscriber());
+        let dir = std::env::temp_dir().join(format!("{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("rules.toml");
+        std::fs::write(&file, text).unwrap();
+        let layer = RateLimitLayer::builder()
+            .key(api_key())
+            .store(store())
+            .rules(Rules::from_toml(text).unwrap())
+            .build()
+            .unwrap();
+        let watch = layer.rule_table().watch_file(file.clone(), EVERY);
+        Watched {
+            layer,
+            file,
+            captured,
+            _log: log,
+            watch,
+        }
+    }
+
+    /// Of `tries` requests of `key` to `path`, how many pass.
+    async fn admitted(&self, path: &str, key: &str, tries: usize) -> usize {
+        use tower::ServiceExt;
+        let service = served(self.layer.clone());
+        let mut admitted = 0;
+        for _ in 0..tries {
+            let mut request = common::http::keyed(key);
+            *request.uri_mut() = path.parse().unwrap();
+            let response = service.clone().oneshot(request).await.unwrap();
+            admitted += usize::from(response.status() == 200);
+        }
+        admitted
+    }
+
+    /// How many times the rules were applied, by the logs.
+    fn applied(&self) -> usize {
+        self.captured
+            .text()
+            .matches("rate-limit rules applied")
+            .count()
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.watch.abort();
+        let _ = std::fs::remove_dir_all(self.file.parent().unwrap());
+    }
+}
+
+/// The file is written in two halves, one watch interval apart, each just after a read (the
+/// worst moment): the watcher reads the half once and never applies it, though it parses (a
+/// table without a default policy: `/` would go unlimited). The whole file is applied once it
+/// has stayed the same for an interval. On tokio's paused clock: the reads happen at whole
+/// seconds, the writes between them.
+#[tokio::test(start_paused = true)]
+async fn a_rules_file_written_in_two_halves_is_applied_only_whole() {
+    let before = RULES.replace("\"3/1h\"", "\"2/1h\"");
+    let watched = Watched::start("two-halves", &before);
+    tokio::time::sleep(EVERY * 3 / 2).await; // 1.5 s: reads at 0 s and 1 s, the same file
+    assert_eq!(watched.applied(), 1, "the file in place, once it settled");
+
+    std::fs::write(&watched.file, first_half()).unwrap();
+    tokio::time::sleep(EVERY).await; // 2.5 s: the half was read at 2 s
+    assert_eq!(
+        watched.admitted("/", "c", 3).await,
+        2,
+        "the default of 2/1h stays"
+    );
+    std::fs::write(&watched.file, RULES).unwrap();
+    tokio::time::sleep(EVERY).await; // 3.5 s: the whole file was read at 3 s, once
+    assert_eq!(watched.applied(), 1, "{}", watched.captured.text());
+    assert_eq!(watched.admitted("/", "c", 1).await, 0, "the old rules stay");
+
+    tokio::time::sleep(EVERY).await; // 4.5 s: read again at 4 s, unchanged: applied
+    assert_eq!(watched.applied(), 2, "{}", watched.captured.text());
+    assert_eq!(watched.admitted("/", "c", 2).await, 1, "one more of 3/1h");
+    assert_eq!(watched.admitted("/login", "c", 3).await, 2);
+    let log = watched.captured.text();
+    assert!(!log.contains("unlimited"), "{log}");
+}
+
+/// A complete file that drops the default policy and login's rule, then one that makes
+/// export's rule soft: each is applied (it is what the operator wrote) and logged at WARN,
+/// naming the requests no longer limited. A raise is not.
+#[tokio::test(start_paused = true)]
+async fn rules_that_leave_requests_unlimited_are_logged_at_warn() {
+    let watched = Watched::start("unlimited", RULES);
+    let settled = EVERY * 3 / 2;
+    tokio::time::sleep(settled).await;
+    let raised = RULES.replace("\"3/1h\"", "\"30/1h\"");
+    std::fs::write(&watched.file, &raised).unwrap();
+    tokio::time::sleep(settled + EVERY).await;
+    assert_eq!(watched.applied(), 2);
+    assert!(!watched.captured.text().contains("WARN"));
+
+    let export = &raised[raised.find("[[rule]]\nname = \"export\"").unwrap()..];
+    let export = &export[..export.find("[default]").unwrap()];
+    std::fs::write(&watched.file, export).unwrap();
+    tokio::time::sleep(settled + EVERY).await;
+    assert_eq!(watched.admitted("/", "c", 5).await, 5, "no default policy");
+    let log = watched.captured.text();
+    let warned: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warned.len(), 1, "{log}");
+    assert!(
+        warned[0].contains("leave requests unlimited")
+            && warned[0].contains(r#"GET /login of rule "login" (no rule or default policy now)"#)
+            && warned[0].contains(r#"requests no rule matches (default policy "api" removed)"#),
+        "{log}"
+    );
+
+    std::fs::write(&watched.file, format!("{export}soft = true\n")).unwrap();
+    tokio::time::sleep(settled + EVERY).await;
+    let log = watched.captured.text();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains(r#"GET /export of rule "export" (now soft policy "export")"#)),
+        "{log}"
+    );
+}
+
+/// A rules edit that leaves a route unlimited without removing its rule is named too: a soft
+/// catch-all put first, a rule moved to another path, a rule given another method. Each is
+/// decided as before by a request of each rule tried against the new table.
+#[tokio::test(start_paused = true)]
+async fn routes_left_unlimited_by_a_moved_or_shadowed_rule_are_logged_at_warn() {
+    let login =
+        "[[rule]]\nname = \"login\"\nlimits = \"2/1h\"\npath = \"/login\"\nmethod = \"POST\"\n";
+    let edits = [
+        (
+            format!("[[rule]]\nname = \"all\"\nlimits = \"1/1h\"\npath = \"/**\"\nsoft = true\n\n{login}"),
+            r#"POST /login of rule "login" (now soft policy "all")"#,
+        ),
+        (
+            login.replace("path = \"/login\"", "path = \"/signin\""),
+            r#"POST /login of rule "login" (no rule or default policy now)"#,
+        ),
+        (
+            login.replace("POST", "GET"),
+            r#"POST /login of rule "login" (no rule or default policy now)"#,
+        ),
+    ];
+    for (i, (edited, named)) in edits.iter().enumerate() {
+        let watched = Watched::start(&format!("moved-{i}"), login);
+        let settled = EVERY * 3 / 2;
+        tokio::time::sleep(settled).await;
+        std::fs::write(&watched.file, edited).unwrap();
+        tokio::time::sleep(settled + EVERY).await;
+        let log = watched.captured.text();
+        assert!(
+            log.lines().any(|l| l.contains("WARN") && l.contains(named)),
+            "edit {i}: {log}"
+        );
+    }
+}

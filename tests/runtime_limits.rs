@@ -634,39 +634,47 @@ async fn an_override_for_a_key_over_128_bytes_governs_that_client_on_redis() {
     long_key(store.clone(), store.overrides()).await;
 }
 
-/// Stamps of policy-wide override writes never go back: after a failover to a replica whose
-/// clock is behind, or a clock step, a write still gets a later stamp than the last one, which
-/// the lanes' hashes may hold, so it is not taken for an earlier write and dropped. The stamp
-/// script run as the store runs it, with the last stamp an hour ahead of Redis' clock.
+/// The limits version never goes back: after a failover to a replica whose clock is behind,
+/// or a clock step, a change still gets a later version than the last one, which the lanes'
+/// stamps may hold, so a write is not taken for an earlier one and dropped, and the epoch
+/// stays. The bump script run as the store runs it, with the version an hour ahead of Redis'
+/// clock.
 #[tokio::test]
-async fn override_stamps_never_go_back() {
+async fn the_limits_version_never_goes_back() {
     use fred::prelude::*;
 
     let server = RedisServer::start();
     let admin = common::client(&server.url()).await;
-    let script = include_str!("../src/store/redis/scripts/override_stamp.lua");
+    let script = [
+        include_str!("../src/store/redis/scripts/limits_version.lua"),
+        include_str!("../src/store/redis/scripts/limits_bump.lua"),
+    ]
+    .concat();
     let ahead = std::time::SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
-        .as_secs()
-        + 3600;
-    let keys = vec!["t:{overrides}:version", "t:{overrides}:version:stamp"];
+        .as_micros() as u64
+        + 3_600_000_000;
+    let key = "t:{overrides}:limits";
     let _: () = admin
-        .set(keys[1], format!("{ahead}:999999"), None, None, false)
+        .hset(
+            key,
+            [("version", ahead.to_string()), ("epoch", "1.2".to_owned())],
+        )
         .await
         .unwrap();
-    let mut stamps = Vec::new();
+    let mut versions = Vec::new();
     for _ in 0..3 {
-        let stamp: Vec<i64> = admin.eval(script, keys.clone(), ()).await.unwrap();
-        stamps.push(stamp);
+        let reply: (u64, String) = admin.eval(script.as_str(), vec![key], ()).await.unwrap();
+        versions.push(reply);
     }
-    let ahead = ahead as i64;
+    let epoch = || "1.2".to_owned();
     assert_eq!(
-        stamps,
+        versions,
         [
-            vec![ahead + 1, 0, 1],
-            vec![ahead + 1, 1, 2],
-            vec![ahead + 1, 2, 3]
+            (ahead + 1, epoch()),
+            (ahead + 2, epoch()),
+            (ahead + 3, epoch())
         ]
     );
 }
@@ -712,4 +720,46 @@ async fn the_last_override_of_a_scope_governs_on_redis() {
     let server = RedisServer::start();
     let store = server.store().await;
     last_write_governs(&store, &store.overrides()).await;
+}
+
+/// A write that lands after one stamped later changes nothing: an operator told that a write
+/// may have landed (`OverrideError::Unconfirmed`), who then sets or removes the override
+/// again, is never undone by the first write arriving late. The write script run as the store
+/// runs it on a single Redis, with the stamps the store takes before sending (before, the
+/// stamp was taken when the script ran, so the late write always looked newest).
+#[tokio::test]
+async fn a_write_stamped_earlier_never_undoes_one_stamped_later() {
+    use fred::prelude::*;
+
+    let server = RedisServer::start();
+    let admin = common::client(&server.url()).await;
+    let script = [
+        include_str!("../src/store/redis/scripts/limits_version.lua"),
+        include_str!("../src/store/redis/scripts/override_write.lua"),
+    ]
+    .concat();
+    let keys = vec!["t:overrides", "t:overrides:stamps", "t:{overrides}:limits"];
+    let write = |value: &'static str, stamp: u64| {
+        let (admin, script, keys) = (admin.clone(), script.clone(), keys.clone());
+        async move {
+            let args = vec![
+                "t:{api:k}:fw:1h".to_owned(),
+                value.to_owned(),
+                stamp.to_string(),
+            ];
+            let (changed, _, _): (i64, u64, String) =
+                admin.eval(script.as_str(), keys, args).await.unwrap();
+            let now: Option<String> = admin.hget("t:overrides", "t:{api:k}:fw:1h").await.unwrap();
+            (changed, now)
+        }
+    };
+    // The second operator's write (stamp 20) lands first; the first one's (stamp 10) late.
+    assert_eq!(
+        write("ninety-nine", 20).await,
+        (1, Some("ninety-nine".into()))
+    );
+    assert_eq!(write("eleven", 10).await, (-1, Some("ninety-nine".into())));
+    // A removal stamped later than a write that lands after it: the write is refused too.
+    assert_eq!(write("", 30).await, (1, None));
+    assert_eq!(write("eleven", 25).await, (-1, None));
 }

@@ -60,8 +60,8 @@ async fn acls_let_the_operator_change_overrides_and_the_application_only_read_th
     let admin = common::client(&format!("redis://:s3cret@127.0.0.1:{port}")).await;
     let users: [&[&str]; 2] = [
         // State keys are `ratelimit:{<policy>:<client>}:...`; the overrides' are
-        // `ratelimit:overrides` (with `:stamps`) and `ratelimit:{overrides}:version` (with
-        // `:stamp`).
+        // `ratelimit:overrides` (with `:stamps`) and the limits version
+        // `ratelimit:{overrides}:limits`.
         &[
             "SETUSER",
             "app",
@@ -69,7 +69,7 @@ async fn acls_let_the_operator_change_overrides_and_the_application_only_read_th
             ">app-pass",
             "~ratelimit:{*:*}*",
             "%R~ratelimit:overrides",
-            "%R~ratelimit:{overrides}:version",
+            "%R~ratelimit:{overrides}:limits",
             "+@all",
         ],
         &[
@@ -78,7 +78,7 @@ async fn acls_let_the_operator_change_overrides_and_the_application_only_read_th
             "on",
             ">op-pass",
             "~ratelimit:overrides*",
-            "~ratelimit:{overrides}:version*",
+            "~ratelimit:{overrides}:limits",
             "+@all",
         ],
     ];

@@ -88,6 +88,14 @@ impl Key {
         }
     }
 
+    /// The key whose text ([`as_str`](Self::as_str)) is `text`, as a store kept it: a key
+    /// that was hashed stays that hash, where [`Key::from`] would hash the hash again (its
+    /// `#`), giving a key that names no client.
+    #[cfg(feature = "redis")]
+    pub(crate) fn from_stored(text: &str) -> Key {
+        Key(text.to_owned(), None)
+    }
+
     /// The key of a client network (an IPv6 prefix, or one address).
     pub(crate) fn from_network(net: IpNet) -> Key {
         let text = match net {

@@ -300,81 +300,15 @@ fn algorithm_named(name: &str) -> Option<Algorithm> {
 
 impl RuleTable {
     /// Reads the rules file at `path` and puts its rules in force (see [`RuleTable::replace`]);
-    /// on an error the rules in force stay. Feature `config`.
+    /// on an error the rules in force stay. Rules that leave requests unlimited where the
+    /// rules in force limited them are logged at WARN, as [`RuleTable::watch_file`] does.
+    /// Feature `config`.
     pub fn load_file(&self, path: impl AsRef<Path>) -> Result<(), ConfigError> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
             path: path.to_owned(),
             error,
         })?;
-        self.replace(Rules::from_toml(&text)?)?;
-        Ok(())
+        self.replace_warning(path, Rules::from_toml(&text)?)
     }
-
-    /// Reads the rules file at `path` every `every` and, when its content has changed, puts
-    /// its rules in force. Each change is logged (`tracing`, target `tower_redis_ratelimit`):
-    /// INFO with the policies applied, or WARN with the line and the problem when the file is
-    /// refused and the rules in force stay. Runs until the returned task is aborted. Call it
-    /// within a Tokio runtime. Feature `config`.
-    ///
-    /// The content is compared rather than the modification time, so that an edit within the
-    /// time's resolution is not missed; an editor that replaces the file (write, then rename)
-    /// is followed too.
-    pub fn watch_file(
-        &self,
-        path: impl Into<PathBuf>,
-        every: Duration,
-    ) -> tokio::task::JoinHandle<()> {
-        let (table, path) = (self.clone(), path.into());
-        tokio::spawn(async move {
-            let mut last: Option<Result<String, String>> = None;
-            loop {
-                let read = match std::fs::read_to_string(&path) {
-                    Ok(text) => Ok(text),
-                    Err(error) => Err(error.to_string()),
-                };
-                if last.as_ref() != Some(&read) {
-                    table.apply(&path, &read);
-                    last = Some(read);
-                }
-                tokio::time::sleep(every).await;
-            }
-        })
-    }
-
-    /// Applies what [`watch_file`](Self::watch_file) read, and logs it.
-    fn apply(&self, path: &Path, read: &Result<String, String>) {
-        let file = path.display();
-        let outcome = match read {
-            Ok(text) => Rules::from_toml(text).and_then(|rules| Ok(self.replace(rules)?)),
-            Err(error) => {
-                let error = std::io::Error::other(error.clone());
-                let path = path.to_owned();
-                Err(ConfigError::Read { path, error })
-            }
-        };
-        match outcome {
-            Ok(()) => {
-                let policies: Vec<String> = self.policies().iter().map(describe).collect();
-                tracing::info!(
-                    target: "tower_redis_ratelimit",
-                    %file,
-                    policies = %policies.join(", "),
-                    "rate-limit rules applied"
-                );
-            }
-            Err(error) => tracing::warn!(
-                target: "tower_redis_ratelimit",
-                %file,
-                %error,
-                "rate-limit rules refused; the rules in force stay"
-            ),
-        }
-    }
-}
-
-/// `login 5/1m + 20/1h`.
-fn describe(policy: &Policy) -> String {
-    let limits: Vec<String> = policy.limits().iter().map(|l| l.to_string()).collect();
-    format!("{} {}", policy.name(), limits.join(" + "))
 }

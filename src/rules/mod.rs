@@ -13,7 +13,7 @@
 //! The parts, in the order data flows through them: [`Rule`] and [`Rules`] are what the builder
 //! and [`RuleTable::replace`] take; `combine` checks them against the layer's other options;
 //! the table compiled from them is what a request reads. With feature `config`, `config` reads
-//! [`Rules`] from a TOML file.
+//! [`Rules`] from a TOML file, and `watch` follows one.
 
 mod combine;
 #[cfg(feature = "config")]
@@ -21,6 +21,8 @@ pub mod config;
 mod orphans;
 mod rule;
 mod table;
+#[cfg(feature = "config")]
+mod watch;
 
 pub(crate) use combine::Capabilities;
 pub(crate) use rule::PlanFn;

@@ -278,6 +278,33 @@ pub(crate) struct Matcher {
 }
 
 impl Matcher {
+    /// A request this matcher matches, as a method and a path (each wildcard segment made
+    /// `x`), for the file watcher's check of what a new table leaves unlimited; `None` for a
+    /// rule with a predicate, whose requests a method and path do not tell.
+    #[cfg(feature = "config")]
+    pub(crate) fn probe(&self) -> Option<(Method, String)> {
+        if self.predicate.is_some() {
+            return None;
+        }
+        let method = self.method.clone().unwrap_or(Method::GET);
+        let segments = self.path.as_ref().map_or(&[][..], |p| &p.0[..]);
+        let path: String = segments
+            .iter()
+            .map(|segment| match segment {
+                Segment::Literal(literal) => format!("/{literal}"),
+                Segment::Any | Segment::Rest => "/x".to_owned(),
+            })
+            .collect();
+        Some((
+            method,
+            if path.is_empty() {
+                "/".to_owned()
+            } else {
+                path
+            },
+        ))
+    }
+
     pub(crate) fn matches(&self, head: &RequestHead<'_>) -> bool {
         // A GET handler answers HEAD too (axum's `get` does), so a GET rule covers it.
         let method =

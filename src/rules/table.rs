@@ -151,6 +151,43 @@ impl Table {
         self.default.as_ref().map(|choice| &choice.own.policy)
     }
 
+    /// The default policy's name, and whether it limits its requests (a soft policy passes
+    /// those over the limit on), for the file watcher's warning.
+    #[cfg(feature = "config")]
+    pub(crate) fn default_limits(&self) -> Option<(String, bool)> {
+        let choice = self.default.as_ref()?;
+        Some((
+            choice.own.policy.name().to_owned(),
+            !choice.own.options.soft,
+        ))
+    }
+
+    /// A request of each rule (see `Matcher::probe`), with the rule's policy name.
+    #[cfg(feature = "config")]
+    pub(crate) fn probes(&self) -> Vec<(String, http::Method, String)> {
+        let probe = |(matcher, choice): &(Matcher, Choice)| {
+            let (method, path) = matcher.probe()?;
+            Some((choice.own.policy.name().to_owned(), method, path))
+        };
+        self.rules.iter().filter_map(probe).collect()
+    }
+
+    /// The policy name that decides a request of `method` and `path` (on no plan), and whether
+    /// it limits it; `None` where nothing decides it.
+    #[cfg(feature = "config")]
+    pub(crate) fn decides(&self, method: &http::Method, path: &str) -> Option<(String, bool)> {
+        let uri = http::Uri::try_from(path).ok()?;
+        let (headers, extensions) = (http::HeaderMap::new(), http::Extensions::new());
+        let head = RequestHead {
+            method,
+            uri: &uri,
+            headers: &headers,
+            extensions: &extensions,
+        };
+        let responder = self.responder(&head, None)?;
+        Some((responder.policy.name().to_owned(), !responder.options.soft))
+    }
+
     /// The policies of the rules, in order, then the default policy.
     fn policies(&self) -> impl Iterator<Item = &Policy> {
         let rules = self.rules.iter().map(|(_, choice)| choice);

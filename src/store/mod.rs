@@ -12,6 +12,9 @@ use tracing::Instrument;
 
 use crate::{Decision, Key, Policy, Settlement};
 
+/// What [`Store::limits_version`] answers while the store cannot vouch for its limits.
+pub(crate) const UNCONFIRMED_LIMITS: u64 = u64::MAX;
+
 pub(crate) mod memory;
 pub(crate) mod override_table;
 pub(crate) mod overrides;
@@ -21,7 +24,7 @@ pub(crate) mod redis;
 
 pub use crate::decision::{SlotId, Units};
 pub use memory::{Clock, ManualClock, MemoryStore, MemoryStoreBuilder, TokioClock};
-pub use overrides::{Override, OverrideError, Overrides, Scope};
+pub use overrides::{Override, OverrideError, OverridePages, Overrides, Scope};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::{Leases, RedisStore, RedisStoreBuilder};
@@ -145,7 +148,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// override set or removed ([`Overrides`]), here or, for a store shared by a fleet, by
     /// another instance (which a [`RedisStore`] sees within a quarter of a second). The layer's
     /// deny cache neither keeps nor repeats a refusal decided under another number. `0` by
-    /// default, for a store whose limits never change.
+    /// default, for a store whose limits never change. `u64::MAX` says the store cannot vouch
+    /// for its limits now (a [`RedisStore`] that could not read its version for half a
+    /// second): the deny cache then neither keeps nor repeats any refusal.
     fn limits_version(&self) -> u64 {
         0
     }

@@ -87,10 +87,17 @@ pub enum OverrideError {
     /// The counts are out of the algorithm's range (see [`Policy::out_of_range`]).
     #[error("override: {0}")]
     OutOfRange(&'static str),
-    /// The store could not be reached, or answered with an error; nothing was changed unless
-    /// the error says that only some hash tags were written (Redis Cluster: set it again).
+    /// The store could not be reached, or answered with an error, before any write was sent:
+    /// nothing was changed.
     #[error("override: {0}")]
     Store(#[from] StoreError),
+    /// A write was sent but no reply confirmed it (a timeout, a lost connection, an error
+    /// after part of it was made): the change may have landed, in whole or in part. If it
+    /// did, every instance follows it as any change: the limits version is raised with it
+    /// (or, in a Redis Cluster, after it, until Redis answers). Setting or removing it again
+    /// is safe.
+    #[error("override: the change may have landed, unconfirmed (setting it again is safe): {0}")]
+    Unconfirmed(StoreError),
 }
 
 /// The operator's handle on a store's overrides: set, read, list and remove them. Cheap to
@@ -210,14 +217,15 @@ impl Overrides {
     }
 
     /// Every override that governs decisions of `policy`: the policy-wide one first, then
-    /// the plans' by name, then the keys' by key.
+    /// the plans' by name, then the keys' by key. All of [`pages`](Self::pages) collected: one
+    /// call per page of the policy's overrides, each within its own budget, so listing never
+    /// slows a decision by more than a page.
     pub async fn list(&self, policy: &Policy) -> Result<Vec<(Scope, Override)>, OverrideError> {
-        let mut listed: Vec<(Scope, Override)> = self
-            .stored(policy)
-            .await?
-            .into_iter()
-            .filter_map(|(scope, stored)| Some((scope, stored.governing(policy)?)))
-            .collect();
+        let mut pages = self.pages(policy);
+        let mut listed = Vec::new();
+        while let Some(page) = pages.next().await {
+            listed.extend(page?);
+        }
         listed.sort_by(|(a, _), (b, _)| scope_order(a, b));
         Ok(listed)
     }
@@ -225,28 +233,56 @@ impl Overrides {
     /// The count overrides stored under `policy`'s name that decide nothing, because they
     /// were set for other windows or another algorithm (see [`Scope`]), each with the
     /// identity it was set for ([`Policy::identity`]), e.g. `api:gcra:1m`. Set them again
-    /// for the policy's windows, or remove them.
+    /// for the policy's windows, or remove them. Read a page at a time, as
+    /// [`list`](Self::list).
     pub async fn unfit(&self, policy: &Policy) -> Result<Vec<(Scope, String)>, OverrideError> {
-        let mut unfit: Vec<(Scope, String)> = self
-            .stored(policy)
-            .await?
-            .into_iter()
-            .filter_map(|(scope, stored)| match stored.identity {
+        let mut pages = self.pages(policy);
+        let mut unfit = Vec::new();
+        while let Some(page) = pages.next_stored().await {
+            let of_other = |(scope, stored): (Scope, Stored)| match stored.identity {
                 Some(identity) if *identity != *policy.identity() => Some((scope, identity.into())),
                 _ => None,
-            })
-            .collect();
+            };
+            unfit.extend(page?.into_iter().filter_map(of_other));
+        }
         unfit.sort_by(|(a, _), (b, _)| scope_order(a, b));
         Ok(unfit)
     }
 
-    /// Every override stored under `policy`'s name, governing or not.
-    async fn stored(&self, policy: &Policy) -> Result<Vec<(Scope, Stored)>, OverrideError> {
-        Ok(match &self.backend {
-            Backend::Memory(table) => table.list(policy),
+    /// The overrides of `policy` a page at a time, for an admin tool that shows them as they
+    /// come rather than waiting for all of them (see [`OverridePages`]). Reads nothing until
+    /// the first [`next`](OverridePages::next).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_redis_ratelimit::store::{Override, Scope};
+    /// use tower_redis_ratelimit::{Key, MemoryStore, Policy};
+    ///
+    /// let store = MemoryStore::new();
+    /// let sms = Policy::new("sms", ["5/1h".parse()?])?;
+    /// let overrides = store.overrides();
+    /// overrides.set(&sms, &Scope::Key(Key::from("+44 7700 900123")), &Override::Block).await?;
+    /// let mut pages = overrides.pages(&sms);
+    /// let mut count = 0;
+    /// while let Some(page) = pages.next().await {
+    ///     count += page?.len();
+    /// }
+    /// assert_eq!(count, 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn pages(&self, policy: &Policy) -> OverridePages {
+        let pages = match &self.backend {
+            Backend::Memory(table) => Pages::Memory(Some(table.clone())),
             #[cfg(feature = "redis")]
-            Backend::Redis(store) => store.list_overrides(policy).await?,
-        })
+            Backend::Redis(store) => {
+                Pages::Redis(crate::store::redis::RedisPages::new(store.clone(), policy))
+            }
+        };
+        OverridePages {
+            policy: policy.clone(),
+            pages,
+        }
     }
 }
 
@@ -260,6 +296,71 @@ fn rank(scope: &Scope) -> (u8, &str) {
         Scope::All => (0, ""),
         Scope::Plan(plan) => (1, plan.as_str()),
         Scope::Key(key) => (2, key.as_str()),
+    }
+}
+
+/// A policy's overrides, a page at a time: what [`Overrides::pages`] returns.
+///
+/// On Redis a page is one `HSCAN` of up to about 1 000 overrides, with a budget of its own
+/// (1 s) outside the decisions' time budget and breaker: Redis runs one command at a time, so
+/// a decision waits for one page at most, and a list that is slow or fails never makes the
+/// decisions fail (or pass unchecked). An override set or removed during the listing may or
+/// may not be listed; every other is listed exactly once. On the memory store, all the
+/// overrides come as one page (it holds them in this process; listing takes no round trip).
+pub struct OverridePages {
+    policy: Policy,
+    pages: Pages,
+}
+
+enum Pages {
+    /// The table, until its one page is taken.
+    Memory(Option<Arc<Table>>),
+    #[cfg(feature = "redis")]
+    Redis(crate::store::redis::RedisPages),
+}
+
+impl std::fmt::Debug for OverridePages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let policy = self.policy.identity();
+        f.debug_struct("OverridePages")
+            .field("policy", &policy)
+            .finish()
+    }
+}
+
+impl OverridePages {
+    /// The next page: overrides not listed yet that govern the policy's decisions (see
+    /// [`Overrides::list`]), never an empty page; `None` when all are listed. After an error,
+    /// the next call asks for the same page again, so an admin tool can retry a page that
+    /// timed out without starting over.
+    pub async fn next(&mut self) -> Option<Result<Vec<(Scope, Override)>, OverrideError>> {
+        loop {
+            let page = match self.next_stored().await? {
+                Ok(page) => page,
+                Err(error) => return Some(Err(error)),
+            };
+            let policy = &self.policy;
+            let governing = |(scope, stored): (Scope, Stored)| {
+                let to = stored.governing(policy)?;
+                Some((scope, to))
+            };
+            let page: Vec<_> = page.into_iter().filter_map(governing).collect();
+            if !page.is_empty() {
+                return Some(Ok(page));
+            }
+        }
+    }
+
+    /// The next page of the overrides stored under the policy's name, governing or not.
+    async fn next_stored(&mut self) -> Option<Result<Vec<(Scope, Stored)>, OverrideError>> {
+        let page: Result<_, StoreError> = match &mut self.pages {
+            Pages::Memory(table) => Some(table.take()?.list(&self.policy))
+                .filter(|page| !page.is_empty())
+                .map(Ok),
+            #[cfg(feature = "redis")]
+            Pages::Redis(pages) => pages.next().await,
+        }?;
+        Some(page.map_err(OverrideError::from))
     }
 }
 

@@ -282,6 +282,12 @@ impl RedisCluster {
         primaries
     }
 
+    /// Sends `signal` to node `node`'s process, e.g. `-STOP` to pause it and `-CONT` to let
+    /// it go on.
+    pub fn signal(&self, node: usize, signal: &str) {
+        self.nodes[node].signal(signal);
+    }
+
     /// Kills node `node` with SIGKILL, as a crash would: no shutdown, no failover handshake.
     pub fn kill(&mut self, node: usize) {
         self.nodes[node].kill();

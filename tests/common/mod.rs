@@ -6,6 +6,7 @@ pub mod conformance;
 pub mod http;
 pub mod load;
 pub mod outage;
+pub mod proxy;
 pub mod scenarios;
 pub mod sentinel;
 pub mod time;

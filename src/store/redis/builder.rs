@@ -352,7 +352,7 @@ impl RedisStoreBuilder {
                 .map(|_| Breaker::new(self.retry_interval))
                 .collect(),
             leases: self.leases.map(lease::State::new),
-            limits_version: AtomicU64::new(0),
+            limits: overrides::Limits::new(),
             next_slot: AtomicU64::new(random_start()),
         });
         overrides::spawn_watch(Arc::downgrade(&inner));

@@ -31,6 +31,7 @@ mod protocol;
 
 pub use builder::RedisStoreBuilder;
 pub use lease::Leases;
+pub(crate) use overrides::RedisPages;
 
 use batch::Batcher;
 use health::{is_outage, Breaker};
@@ -83,20 +84,33 @@ struct Inner {
     breakers: Vec<Breaker>,
     /// Set when the store leases ([`RedisStoreBuilder::leases`]).
     leases: Option<lease::State>,
-    /// The limits version last seen in Redis (`overrides.rs`).
-    limits_version: AtomicU64,
+    /// What this store knows of the limits version in Redis (`overrides/version.rs`).
+    limits: overrides::Limits,
     /// The id of the next concurrency slot taken: from a random start per store, so that
     /// instances sharing Redis take different ids, below 2^52 (exact in Lua's doubles).
     next_slot: AtomicU64,
 }
 
 impl Inner {
-    /// Records the limits version `version` read from Redis; when it is another, the leases
-    /// held now are spent no more (`lease::limits_changed`).
-    fn limits_seen(&self, version: u64) {
-        if self.limits_version.swap(version, Ordering::AcqRel) != version {
-            lease::limits_changed(self);
+    /// Records the limits version read from Redis by a call sent at `sent`; when it is
+    /// another, the leases held now are spent no more (`lease::limits_changed`), and when the
+    /// overrides were lost with Redis's data, says so.
+    fn limits_seen(&self, reading: overrides::Reading, sent: tokio::time::Instant) {
+        match self.limits.seen(reading, sent) {
+            overrides::Change::Same => return,
+            overrides::Change::Changed => {}
+            overrides::Change::Lost => {
+                tracing::error!(
+                    target: "tower_redis_ratelimit",
+                    prefix = %self.prefix,
+                    "the overrides in Redis were lost (a restart without persistence, or a \
+                     flush): every override set before is gone, and each key and policy \
+                     decides by its own limits until they are set again"
+                );
+                crate::metrics::Report::overrides_lost();
+            }
         }
+        lease::limits_changed(self);
     }
 
     /// Where the state of `key` under `policy` lives.
@@ -409,7 +423,7 @@ impl Store for RedisStore {
     }
 
     fn limits_version(&self) -> u64 {
-        self.inner.limits_version.load(Ordering::Acquire)
+        self.inner.limits.token()
     }
 
     fn run_time_overrides(&self) -> Option<crate::store::Overrides> {

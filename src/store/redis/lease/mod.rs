@@ -358,7 +358,7 @@ pub(super) fn check_now(
 ) -> Option<Result<Decision, StoreError>> {
     let state = inner.leases.as_ref()?;
     let plan = state.settings.plan(policy)?;
-    if state.is_drained() {
+    if !spending(inner, state) {
         return None;
     }
     let now = state.now();
@@ -419,6 +419,14 @@ pub(super) fn limits_changed(inner: &Inner) {
     }
 }
 
+/// Whether this instance spends from its leases now: not once drained, nor while its limits
+/// version is older than the stated bound (`overrides/version.rs`, `STALE`): an instance cut
+/// off from Redis cannot know whether a change (a block, a cut) was made meanwhile, so it
+/// decides in Redis, and its failure mode applies there, until it reads the version again.
+fn spending(inner: &Inner, state: &State) -> bool {
+    !state.is_drained() && inner.limits.is_current()
+}
+
 /// What [`check`] does with a request once it has looked at the key's lease.
 enum Step {
     /// Spent from the lease: the outcome, and the Redis time its last unit was counted.
@@ -440,7 +448,7 @@ pub(super) fn peek_now(
 ) -> Option<Decision> {
     let state = inner.leases.as_ref()?;
     state.settings.plan(policy)?;
-    if state.is_drained() {
+    if !spending(inner, state) {
         return None;
     }
     let now = state.now();
@@ -478,7 +486,7 @@ pub(super) async fn check(
 ) -> Result<Decision, StoreError> {
     let state = state(&inner)?;
     let now = state.now();
-    let drained = state.is_drained();
+    let drained = !spending(&inner, state);
     let step = state.with(&key, &policy, |entry| {
         entry.used(now, plan.period, cost.into());
         if drained {
@@ -609,6 +617,7 @@ fn take(
     }
     state.taking.fetch_add(1, Ordering::AcqRel);
     let sent = state.now();
+    let version = inner.limits.token();
     let (inner, key, policy) = (Arc::clone(inner), key.clone(), policy.clone());
     tokio::spawn(async move {
         let place = inner.place(&key, &policy);
@@ -631,6 +640,11 @@ fn take(
             if let Some(granted) = granted {
                 let lease = Lease { plan, sent, cost };
                 book(entry, lease, &policy, granted, taken_by_caller);
+                // The limits changed while the call was out: Redis may have granted under
+                // the old ones (`limits_changed` has already run).
+                if inner.limits.token() != version {
+                    entry.expire_grants();
+                }
             }
         });
         let late = state.drain_waited.load(Ordering::Acquire);

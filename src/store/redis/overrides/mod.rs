@@ -6,30 +6,26 @@
 //! hash: one on a single Redis, in a cluster one per tag, so that each hash slot's calls find
 //! them). What a value holds: `value.rs`.
 //!
-//! Every change also increments a version (`<prefix>:{overrides}:version`), which each store
-//! reads every `WATCH` (`version.rs`): when it changes, the layer's deny cache drops the refusals decided
-//! before (`Store::limits_version`), and the leases held are spent no more
-//! (`lease::limits_changed`), so that every instance follows a change within that time.
-
-use std::sync::LazyLock;
+//! Every change also raises the limits version (`version.rs`), which each store reads every
+//! quarter second to follow changes made through other instances (`write.rs` says how a write
+//! and its announcement are ordered).
 
 use fred::clients::Client;
 use fred::interfaces::HashesInterface;
-use fred::types::scripts::Script;
-use fred::types::Value;
 
 mod list;
 mod place;
 mod value;
 mod version;
+mod write;
 
+pub(crate) use list::RedisPages;
 pub(super) use place::head;
-use value::{decode, encode};
-pub(super) use version::spawn_watch;
-use version::version_key;
+use value::decode;
+pub(super) use version::{spawn_watch, Change, Limits, Reading};
 
 use super::RedisStore;
-use crate::store::overrides::{Entry, Overrides, Scope, Stored};
+use crate::store::overrides::{Overrides, Scope, Stored};
 use crate::{Policy, StoreError};
 
 impl RedisStore {
@@ -38,87 +34,6 @@ impl RedisStore {
     /// [`Overrides`]).
     pub fn overrides(&self) -> Overrides {
         Overrides::redis(self.clone())
-    }
-
-    pub(crate) async fn set_override(
-        &self,
-        policy: &Policy,
-        scope: &Scope,
-        entry: &Entry,
-    ) -> Result<(), StoreError> {
-        let value = encode(policy, scope, entry);
-        match scope {
-            Scope::Key(_) => {
-                for (hash, field) in self.fields(policy, scope) {
-                    let set = |client: Client| {
-                        let (hash, field, value) = (hash.clone(), field.clone(), value.clone());
-                        async move { client.hset::<(), _, _>(hash, (field, value)).await }
-                    };
-                    let written = self.inner.batcher.on(&hash, set);
-                    self.guarded(&hash, written).await?;
-                }
-            }
-            Scope::All | Scope::Plan(_) => {
-                self.write_everywhere(policy, scope, value).await?;
-            }
-        }
-        self.announce().await.map(drop)
-    }
-
-    /// Writes (or, with an empty `value`, removes) `policy`'s policy-wide or plan override
-    /// (`scope`) in every lane's hash through `scripts/override_write.lua`, stamped so that of
-    /// two writes at once every lane ends with the later one's value; whether a hash changed.
-    async fn write_everywhere(
-        &self,
-        policy: &Policy,
-        scope: &Scope,
-        value: Vec<u8>,
-    ) -> Result<bool, StoreError> {
-        static STAMP: LazyLock<Script> =
-            LazyLock::new(|| Script::from_lua(include_str!("../scripts/override_stamp.lua")));
-        static WRITE: LazyLock<Script> =
-            LazyLock::new(|| Script::from_lua(include_str!("../scripts/override_write.lua")));
-        let key = version_key(&self.inner.prefix);
-        let take = |client: Client| {
-            let keys = vec![key.clone(), format!("{key}:stamp")];
-            async move {
-                STAMP
-                    .evalsha_with_reload::<Vec<i64>, _, _>(&client, keys, ())
-                    .await
-            }
-        };
-        let stamp = self
-            .guarded(&key, self.inner.batcher.on(&key, take))
-            .await?;
-        let [seconds, micros, version] = stamp[..] else {
-            let why = format!("override stamp: {stamp:?}");
-            let error = fred::error::Error::new(fred::error::ErrorKind::Parse, why);
-            return Err(StoreError::Redis(error));
-        };
-        self.inner.limits_seen(version as u64);
-        let mut changed = false;
-        for (hash, field) in self.fields(policy, scope) {
-            let write = |client: Client| {
-                let keys = vec![hash.clone(), format!("{hash}:stamps")];
-                let args: Vec<Value> = vec![
-                    field.clone().into(),
-                    Value::Bytes(value.clone().into()),
-                    Value::Integer(seconds),
-                    Value::Integer(micros),
-                    Value::Integer(version),
-                ];
-                async move {
-                    WRITE
-                        .evalsha_with_reload::<i64, _, _>(&client, keys, args)
-                        .await
-                }
-            };
-            let reply = self
-                .guarded(&hash, self.inner.batcher.on(&hash, write))
-                .await?;
-            changed |= reply == 1;
-        }
-        Ok(changed)
     }
 
     pub(crate) async fn get_override(
@@ -137,33 +52,5 @@ impl RedisStore {
             .guarded(&hash, self.inner.batcher.on(&hash, get))
             .await?;
         Ok(value.and_then(|value| decode(&value).map(|(_, _, stored)| stored)))
-    }
-
-    pub(crate) async fn remove_override(
-        &self,
-        policy: &Policy,
-        scope: &Scope,
-    ) -> Result<bool, StoreError> {
-        let removed = match scope {
-            Scope::All | Scope::Plan(_) => self.write_everywhere(policy, scope, Vec::new()).await?,
-            Scope::Key(_) => {
-                let mut removed = false;
-                for (hash, field) in self.fields(policy, scope) {
-                    let del = |client: Client| {
-                        let (hash, field) = (hash.clone(), field.clone());
-                        async move { client.hdel::<u64, _, _>(hash, field).await }
-                    };
-                    removed |= self
-                        .guarded(&hash, self.inner.batcher.on(&hash, del))
-                        .await?
-                        > 0;
-                }
-                removed
-            }
-        };
-        if removed {
-            self.announce().await?;
-        }
-        Ok(removed)
     }
 }

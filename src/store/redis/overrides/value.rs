@@ -71,7 +71,7 @@ pub(super) fn decode(value: &[u8]) -> Option<(&str, Scope, Stored)> {
     };
     let scope = match scope_kind {
         0 => Scope::All,
-        1 => Scope::Key(Key::from(rest)),
+        1 => Scope::Key(Key::from_stored(rest)),
         2 => Scope::Plan(rest.to_owned()),
         _ => return None,
     };

@@ -1,38 +1,42 @@
--- Writes a policy's override into one lane's hash of overrides (src/store/redis/overrides.rs),
--- unless a later write has reached that hash first. A policy's override is written to every
--- lane's hash, one call each; two operators writing at once could otherwise leave some lanes
--- with one's value and the rest with the other's. Each write carries a stamp
--- (override_stamp.lua, taken before it starts), and a lane keeps the stamp of the last write
--- it took, so every lane ends with the value of the write with the highest stamp.
+-- Writes one override into a hash of overrides (src/store/redis/overrides/write.rs), after
+-- limits_version.lua.
 --
--- KEYS[1]   the lane's hash of overrides
--- KEYS[2]   the lane's hash of stamps (same hash tag): field -> stamp of the last write
--- ARGV[1]   the field (the plan's or the policy-wide one, overrides/place.rs)
+-- Every write carries a stamp, a limits version taken before it was sent (limits_bump.lua),
+-- and a hash keeps, per field, the stamp of the last write it took: a write that lands after
+-- one stamped later (its reply lost, the write retried, or two operators at once) changes
+-- nothing. So a write whose caller was told it may have landed never undoes a later one, and
+-- a policy's override, written to every lane's hash one call each, ends alike everywhere.
+--
+-- On a single Redis the write also raises the limits version in the same call, so that a
+-- write whose reply is lost is still announced to every instance. In a Cluster the version
+-- lives in its own hash slot, and the store raises it after the writes.
+--
+-- KEYS[1]   the hash of overrides
+-- KEYS[2]   the hash's stamps (same hash tag): field -> stamp of the last write
+-- KEYS[3]   (single Redis only) the limits version, raised here where the hash changed
+-- ARGV[1]   the field (overrides/place.rs)
 -- ARGV[2]   the value, or an empty string to remove the override
--- ARGV[3..5] the write's stamp: seconds, microseconds, version; compared in that order
+-- ARGV[3]   the write's stamp
 --
--- Reply     1: the hash changed; 0: nothing to remove; -1: a later write was here first
+-- Reply     {changed, version, epoch}: changed is 1 where the hash changed, 0 where there was
+--           nothing to remove, -1 where a write stamped later was here first; version and
+--           epoch are the limits version after the write where it was raised here, else 0
+--           and ''
 
-local stamp = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}
-local seen = redis.call('HGET', KEYS[2], ARGV[1])
-if seen then
-  local s, us, v = string.match(seen, '^(%d+):(%d+):(%d+)$')
-  local before = {tonumber(s), tonumber(us), tonumber(v)}
-  for i = 1, 3 do
-    if before[i] ~= stamp[i] then
-      if before[i] > stamp[i] then
-        return -1
-      end
-      break
-    end
-    if i == 3 then
-      return -1
-    end
-  end
+local stamp = tonumber(ARGV[3])
+local seen = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+if seen ~= nil and seen >= stamp then
+  return {-1, 0, ''}
 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[3] .. ':' .. ARGV[4] .. ':' .. ARGV[5])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+local changed = 1
 if ARGV[2] == '' then
-  return redis.call('HDEL', KEYS[1], ARGV[1])
+  changed = redis.call('HDEL', KEYS[1], ARGV[1])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-return 1
+if KEYS[3] and changed == 1 then
+  local version = next_version(KEYS[3])
+  return {1, version, set_version(KEYS[3], version)}
+end
+return {changed, 0, ''}
