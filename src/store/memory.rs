@@ -451,7 +451,7 @@ impl MemoryStore {
     /// The store's overrides: limits changed at run time for a key or a whole policy,
     /// applied to every decision of this store and its clones from the next one on.
     pub fn overrides(&self) -> Overrides {
-        Overrides::memory(Arc::clone(&self.shared.overrides))
+        super::override_table::overrides(&self.shared.overrides)
     }
 
     /// The number of keys held, once expired ones are dropped.

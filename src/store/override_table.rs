@@ -4,10 +4,12 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 
-use super::overrides::{Applied, Entry, Scope, Stored};
-use crate::{Key, Policy};
+use super::overrides::{
+    Applied, Backend, BoxFuture, Entry, OverrideError, Pages, Scope, Stored, StoredPage,
+};
+use crate::{Key, Policy, StoreError};
 
 /// The overrides of a memory store.
 #[derive(Default)]
@@ -148,4 +150,62 @@ impl Table {
             .map(|(key, entry)| (Scope::Key(key.clone()), entry.stored()));
         all.chain(plans).chain(keys).collect()
     }
+}
+
+/// The memory store's side of [`Overrides`](super::Overrides): in this process, every future
+/// ready at once.
+impl Backend for Table {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    fn is_local(&self) -> bool {
+        true
+    }
+
+    fn set<'a>(
+        &'a self,
+        policy: &'a Policy,
+        scope: &'a Scope,
+        entry: Entry,
+    ) -> BoxFuture<'a, Result<(), OverrideError>> {
+        Table::set(self, policy, scope, entry);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn get<'a>(
+        &'a self,
+        policy: &'a Policy,
+        scope: &'a Scope,
+    ) -> BoxFuture<'a, Result<Option<Stored>, OverrideError>> {
+        Box::pin(std::future::ready(Ok(Table::get(self, policy, scope))))
+    }
+
+    fn remove<'a>(
+        &'a self,
+        policy: &'a Policy,
+        scope: &'a Scope,
+    ) -> BoxFuture<'a, Result<bool, OverrideError>> {
+        Box::pin(std::future::ready(Ok(Table::remove(self, policy, scope))))
+    }
+
+    /// All of them as one page: listing takes no round trip.
+    fn pages(&self, policy: &Policy) -> Box<dyn Pages> {
+        let page = self.list(policy);
+        Box::new(OnePage((!page.is_empty()).then_some(page)))
+    }
+}
+
+/// The memory store's one page, until it is taken.
+struct OnePage(Option<StoredPage>);
+
+impl Pages for OnePage {
+    fn next(&mut self) -> BoxFuture<'_, Option<Result<StoredPage, StoreError>>> {
+        Box::pin(std::future::ready(self.0.take().map(Ok)))
+    }
+}
+
+/// A handle on `table` as the store's overrides.
+pub(crate) fn overrides(table: &Arc<Table>) -> super::Overrides {
+    super::Overrides::new(Arc::clone(table) as Arc<dyn Backend>)
 }

@@ -15,7 +15,6 @@
 
 use std::sync::Arc;
 
-use super::override_table::Table;
 use crate::{Key, Limit, Policy, PolicyError, StoreError};
 
 /// Whose limits an override changes.
@@ -128,44 +127,67 @@ pub enum OverrideError {
 /// ```
 #[derive(Clone)]
 pub struct Overrides {
-    backend: Backend,
+    backend: Arc<dyn Backend>,
 }
 
-#[derive(Clone)]
-enum Backend {
-    Memory(Arc<Table>),
-    #[cfg(feature = "redis")]
-    Redis(crate::RedisStore),
+/// A future of a store's side of the overrides.
+pub(crate) type BoxFuture<'a, T> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// Where a store keeps its overrides: the memory store's table (`override_table.rs`) or
+/// Redis (`redis/overrides/`). Each store implements it, so that this module, which the
+/// stores use, knows neither.
+pub(crate) trait Backend: Send + Sync + 'static {
+    /// `"memory"` or `"redis"`, for `Debug`.
+    fn kind(&self) -> &'static str;
+    /// Whether the overrides are kept in this process, their futures ready at once.
+    fn is_local(&self) -> bool;
+    fn set<'a>(
+        &'a self,
+        policy: &'a Policy,
+        scope: &'a Scope,
+        entry: Entry,
+    ) -> BoxFuture<'a, Result<(), OverrideError>>;
+    fn get<'a>(
+        &'a self,
+        policy: &'a Policy,
+        scope: &'a Scope,
+    ) -> BoxFuture<'a, Result<Option<Stored>, OverrideError>>;
+    fn remove<'a>(
+        &'a self,
+        policy: &'a Policy,
+        scope: &'a Scope,
+    ) -> BoxFuture<'a, Result<bool, OverrideError>>;
+    /// The overrides stored under `policy`'s name, a page at a time, from the start.
+    fn pages(&self, policy: &Policy) -> Box<dyn Pages>;
+}
+
+/// A page of the overrides stored under a policy's name, governing it or not.
+pub(crate) type StoredPage = Vec<(Scope, Stored)>;
+
+/// A listing under way (see [`Backend::pages`]).
+pub(crate) trait Pages: Send {
+    /// The next page of overrides stored under the policy's name, governing or not, never
+    /// empty; `None` at the end. After an error the next call asks for the same page again.
+    fn next(&mut self) -> BoxFuture<'_, Option<Result<StoredPage, StoreError>>>;
 }
 
 impl std::fmt::Debug for Overrides {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kind = match self.backend {
-            Backend::Memory(_) => "memory",
-            #[cfg(feature = "redis")]
-            Backend::Redis(_) => "redis",
-        };
+        let kind = self.backend.kind();
         f.debug_struct("Overrides").field("store", &kind).finish()
     }
 }
 
 impl Overrides {
-    pub(crate) fn memory(table: Arc<Table>) -> Overrides {
-        Overrides {
-            backend: Backend::Memory(table),
-        }
-    }
-
-    #[cfg(feature = "redis")]
-    pub(crate) fn redis(store: crate::RedisStore) -> Overrides {
-        Overrides {
-            backend: Backend::Redis(store),
-        }
+    /// The overrides a store keeps in `backend`.
+    pub(crate) fn new(backend: Arc<dyn Backend>) -> Overrides {
+        Overrides { backend }
     }
 
     /// Whether the overrides are kept in this process, their futures ready at once.
     pub(crate) fn is_local(&self) -> bool {
-        matches!(self.backend, Backend::Memory(_))
+        self.backend.is_local()
     }
 
     /// Sets the override of `policy` for `scope`, replacing any before it, counts or block
@@ -182,12 +204,7 @@ impl Overrides {
         to: &Override,
     ) -> Result<(), OverrideError> {
         let entry = Entry::new(policy, to)?;
-        match &self.backend {
-            Backend::Memory(table) => table.set(policy, scope, entry),
-            #[cfg(feature = "redis")]
-            Backend::Redis(store) => store.set_override(policy, scope, &entry).await?,
-        }
-        Ok(())
+        self.backend.set(policy, scope, entry).await
     }
 
     /// The override of `policy` for `scope` (not the policy's, for a key that has none), if
@@ -198,22 +215,14 @@ impl Overrides {
         policy: &Policy,
         scope: &Scope,
     ) -> Result<Option<Override>, OverrideError> {
-        let stored = match &self.backend {
-            Backend::Memory(table) => table.get(policy, scope),
-            #[cfg(feature = "redis")]
-            Backend::Redis(store) => store.get_override(policy, scope).await?,
-        };
+        let stored = self.backend.get(policy, scope).await?;
         Ok(stored.and_then(|stored| stored.governing(policy)))
     }
 
     /// Removes the override of `policy` for `scope`, whether it governs or not; whether there
     /// was one.
     pub async fn remove(&self, policy: &Policy, scope: &Scope) -> Result<bool, OverrideError> {
-        Ok(match &self.backend {
-            Backend::Memory(table) => table.remove(policy, scope),
-            #[cfg(feature = "redis")]
-            Backend::Redis(store) => store.remove_override(policy, scope).await?,
-        })
+        self.backend.remove(policy, scope).await
     }
 
     /// Every override that governs decisions of `policy`: the policy-wide one first, then
@@ -272,16 +281,9 @@ impl Overrides {
     /// # Ok(()) }
     /// ```
     pub fn pages(&self, policy: &Policy) -> OverridePages {
-        let pages = match &self.backend {
-            Backend::Memory(table) => Pages::Memory(Some(table.clone())),
-            #[cfg(feature = "redis")]
-            Backend::Redis(store) => {
-                Pages::Redis(crate::store::redis::RedisPages::new(store.clone(), policy))
-            }
-        };
         OverridePages {
             policy: policy.clone(),
-            pages,
+            pages: self.backend.pages(policy),
         }
     }
 }
@@ -309,14 +311,7 @@ fn rank(scope: &Scope) -> (u8, &str) {
 /// overrides come as one page (it holds them in this process; listing takes no round trip).
 pub struct OverridePages {
     policy: Policy,
-    pages: Pages,
-}
-
-enum Pages {
-    /// The table, until its one page is taken.
-    Memory(Option<Arc<Table>>),
-    #[cfg(feature = "redis")]
-    Redis(crate::store::redis::RedisPages),
+    pages: Box<dyn Pages>,
 }
 
 impl std::fmt::Debug for OverridePages {
@@ -353,13 +348,7 @@ impl OverridePages {
 
     /// The next page of the overrides stored under the policy's name, governing or not.
     async fn next_stored(&mut self) -> Option<Result<Vec<(Scope, Stored)>, OverrideError>> {
-        let page: Result<_, StoreError> = match &mut self.pages {
-            Pages::Memory(table) => Some(table.take()?.list(&self.policy))
-                .filter(|page| !page.is_empty())
-                .map(Ok),
-            #[cfg(feature = "redis")]
-            Pages::Redis(pages) => pages.next().await,
-        }?;
+        let page = self.pages.next().await?;
         Some(page.map_err(OverrideError::from))
     }
 }

@@ -31,7 +31,6 @@ mod protocol;
 
 pub use builder::RedisStoreBuilder;
 pub use lease::Leases;
-pub(crate) use overrides::RedisPages;
 
 use batch::Batcher;
 use health::{is_outage, Breaker};

@@ -21,7 +21,7 @@ use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::super::RedisStore;
 use super::value::decode;
-use crate::store::overrides::{Scope, Stored};
+use crate::store::overrides::{BoxFuture, Pages, Scope, Stored};
 use crate::{Policy, StoreError};
 
 /// Fields asked of Redis per page (`HSCAN ... COUNT`, a hint Redis follows closely for a hash
@@ -47,6 +47,12 @@ pub(crate) struct RedisPages {
     listed: HashSet<Scope>,
 }
 
+impl Pages for RedisPages {
+    fn next(&mut self) -> BoxFuture<'_, Option<Result<Page, StoreError>>> {
+        Box::pin(self.next_page())
+    }
+}
+
 impl RedisPages {
     /// A listing of `policy`'s overrides in `store`, from the start; nothing is read yet.
     pub(crate) fn new(store: RedisStore, policy: &Policy) -> RedisPages {
@@ -62,7 +68,7 @@ impl RedisPages {
     /// The next overrides not listed yet, `None` at the end. Scans on until a page holds one of
     /// the policy's, so that a page is never empty. After an error the position is kept:
     /// the next call asks for the same page again.
-    pub(crate) async fn next(&mut self) -> Option<Result<Page, StoreError>> {
+    async fn next_page(&mut self) -> Option<Result<Page, StoreError>> {
         let mut page = Vec::new();
         while page.is_empty() && self.lane < self.store.inner.placement.lanes() {
             let (cursor, fields) = match self.scan().await {

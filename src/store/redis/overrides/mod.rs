@@ -25,7 +25,9 @@ use value::decode;
 pub(super) use version::{spawn_watch, Change, Limits, Reading};
 
 use super::RedisStore;
-use crate::store::overrides::{Overrides, Scope, Stored};
+use crate::store::overrides::{
+    Backend, BoxFuture, Entry, OverrideError, Overrides, Pages, Scope, Stored,
+};
 use crate::{Policy, StoreError};
 
 impl RedisStore {
@@ -33,7 +35,7 @@ impl RedisStore {
     /// Redis and read by every instance's decisions from the next one on (see
     /// [`Overrides`]).
     pub fn overrides(&self) -> Overrides {
-        Overrides::redis(self.clone())
+        Overrides::new(std::sync::Arc::new(self.clone()))
     }
 
     pub(crate) async fn get_override(
@@ -52,5 +54,45 @@ impl RedisStore {
             .guarded(&hash, self.inner.batcher.on(&hash, get))
             .await?;
         Ok(value.and_then(|value| decode(&value).map(|(_, _, stored)| stored)))
+    }
+}
+
+/// Redis's side of [`Overrides`].
+impl Backend for RedisStore {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    fn is_local(&self) -> bool {
+        false
+    }
+
+    fn set<'a>(
+        &'a self,
+        policy: &'a Policy,
+        scope: &'a Scope,
+        entry: Entry,
+    ) -> BoxFuture<'a, Result<(), OverrideError>> {
+        Box::pin(async move { self.set_override(policy, scope, &entry).await })
+    }
+
+    fn get<'a>(
+        &'a self,
+        policy: &'a Policy,
+        scope: &'a Scope,
+    ) -> BoxFuture<'a, Result<Option<Stored>, OverrideError>> {
+        Box::pin(async move { Ok(self.get_override(policy, scope).await?) })
+    }
+
+    fn remove<'a>(
+        &'a self,
+        policy: &'a Policy,
+        scope: &'a Scope,
+    ) -> BoxFuture<'a, Result<bool, OverrideError>> {
+        Box::pin(async move { self.remove_override(policy, scope).await })
+    }
+
+    fn pages(&self, policy: &Policy) -> Box<dyn Pages> {
+        Box::new(RedisPages::new(self.clone(), policy))
     }
 }
