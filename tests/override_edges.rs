@@ -9,7 +9,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::http::{api_key, passes, served, LayerBody};
+use common::http::{instance, passes};
 use common::proxy::Proxy;
 use common::{Captured, RedisServer};
 use tokio::time::Instant;
@@ -25,25 +25,6 @@ async fn leasing(url: String, period: Duration) -> RedisStore {
         .connect()
         .await
         .unwrap()
-}
-
-/// One instance: a layer with its deny cache (on by default on Redis) over `store`.
-fn instance(
-    store: RedisStore,
-    policy: &Policy,
-) -> impl tower::Service<
-    http::Request<LayerBody>,
-    Response = http::Response<impl Sized>,
-    Error = std::convert::Infallible,
-    Future = impl Send,
-> + Clone {
-    let layer = tower_redis_ratelimit::RateLimitLayer::builder()
-        .policy(policy.clone())
-        .key(api_key())
-        .store(store)
-        .build()
-        .unwrap();
-    served(layer)
 }
 
 /// The text of the script that writes an override, which the proxy stops in front of Redis.

@@ -26,11 +26,11 @@ fn api(algorithm: Algorithm) -> Policy {
         .with_algorithm(algorithm)
 }
 
-/// A service behind a layer whose `api` policy is `5/1d`, `8/1d` on plan `pro`; the plan is
-/// read from `x-plan`, standing in for what an authentication middleware would set.
-fn service<St: Store>(
+/// A service behind a layer of `rule`; the plan is read from `x-plan`, standing in for what an
+/// authentication middleware would set.
+fn with_plans<St: Store>(
     store: St,
-    algorithm: Algorithm,
+    rule: Rule,
 ) -> impl tower::Service<
     http::Request<LayerBody>,
     Response = http::Response<impl Sized>,
@@ -41,7 +41,7 @@ fn service<St: Store>(
         .key(api_key())
         .store(store)
         .plan(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
-        .rule(Rule::new(api(algorithm)).plan("pro", "8/1d"))
+        .rule(rule)
         .build()
         .unwrap();
     common::http::served(layer)
@@ -77,7 +77,8 @@ where
 
 async fn plans<St: Store>(store: St, overrides: Overrides) {
     for algorithm in ALGORITHMS {
-        let service = service(store.clone(), algorithm);
+        // `api` is `5/1d`, `8/1d` on plan `pro`.
+        let service = with_plans(store.clone(), Rule::new(api(algorithm)).plan("pro", "8/1d"));
         let free = format!("free-{algorithm:?}");
         let what = |step: &str| format!("{algorithm:?}: {step}");
         assert_eq!(
@@ -139,35 +140,15 @@ async fn plans<St: Store>(store: St, overrides: Overrides) {
     }
 }
 
-/// A service whose `api` policy is `5/1d`, on plan `free` the same, on plan `pro` `8/1d`.
-fn tiered<St: Store>(
-    store: St,
-    algorithm: Algorithm,
-) -> impl tower::Service<
-    http::Request<LayerBody>,
-    Response = http::Response<impl Sized>,
-    Error = std::convert::Infallible,
-    Future = impl Send,
-> + Clone {
-    let layer = RateLimitLayer::builder()
-        .key(api_key())
-        .store(store)
-        .plan(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
-        .rule(
-            Rule::new(api(algorithm))
-                .plan("free", "5/1d")
-                .plan("pro", "8/1d"),
-        )
-        .build()
-        .unwrap();
-    common::http::served(layer)
-}
-
 /// Overrides per plan: raising `free` leaves `pro` at its own limits, and the order is the
 /// key's override, the plan's, the policy-wide one, the plan's own limits, the policy's.
 async fn plan_overrides<St: Store>(store: St, overrides: Overrides) {
     for algorithm in ALGORITHMS {
-        let service = tiered(store.clone(), algorithm);
+        // `api` is `5/1d`, on plan `free` the same, on plan `pro` `8/1d`.
+        let rule = Rule::new(api(algorithm))
+            .plan("free", "5/1d")
+            .plan("pro", "8/1d");
+        let service = with_plans(store.clone(), rule);
         let policy = api(algorithm);
         let key = |name: &str| format!("{name}-{algorithm:?}");
         let try_ = |name: &str, plan: Option<&'static str>, tries: usize| {

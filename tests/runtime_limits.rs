@@ -9,7 +9,7 @@ mod common;
 
 use std::time::{Duration, UNIX_EPOCH};
 
-use common::http::{api_key, keyed, passes, served, LayerBody};
+use common::http::{api_key, instance, keyed, passes, served, LayerBody};
 use common::time::Time;
 use common::RedisServer;
 use common::ALGORITHMS;
@@ -389,26 +389,6 @@ async fn overrides_must_keep_the_windows() {
 }
 
 type Body = LayerBody;
-
-/// One instance of a service: a layer with its deny cache (on by default for Redis) over a
-/// leasing store.
-fn instance(
-    store: RedisStore,
-    policy: &Policy,
-) -> impl tower::Service<
-    http::Request<Body>,
-    Response = http::Response<impl Sized>,
-    Error = std::convert::Infallible,
-    Future = impl Send,
-> + Clone {
-    let layer = tower_redis_ratelimit::RateLimitLayer::builder()
-        .policy(policy.clone())
-        .key(api_key())
-        .store(store)
-        .build()
-        .unwrap();
-    served(layer)
-}
 
 /// Sends requests for `key` through `service`, 5 ms apart, until one gets `admitted`; how long
 /// that took, or `None` after `within`.

@@ -56,6 +56,26 @@ pub fn api_key() -> tower_redis_ratelimit::Header {
     tower_redis_ratelimit::Header::new(http::HeaderName::from_static("x-api-key"))
 }
 
+/// One instance of a service: a layer of `policy` keyed by `x-api-key`, with its deny cache
+/// (on by default for Redis), over `store`.
+pub fn instance<St: tower_redis_ratelimit::Store>(
+    store: St,
+    policy: &tower_redis_ratelimit::Policy,
+) -> impl tower::Service<
+    Request<LayerBody>,
+    Response = http::Response<impl Sized>,
+    Error = std::convert::Infallible,
+    Future = impl Send,
+> + Clone {
+    let layer = tower_redis_ratelimit::RateLimitLayer::builder()
+        .policy(policy.clone())
+        .key(api_key())
+        .store(store)
+        .build()
+        .unwrap();
+    served(layer)
+}
+
 /// A service behind `layer` that answers every admitted request with 200.
 pub fn served<St: tower_redis_ratelimit::Store>(
     layer: tower_redis_ratelimit::RateLimitLayer<tower_redis_ratelimit::Header, St>,
