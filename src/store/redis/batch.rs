@@ -32,6 +32,7 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use super::ask;
 use super::nodes::{self, Nodes};
 use super::placement::Place;
+use super::overrides::Known;
 use super::protocol::{self, answer, check_length, Answered, Heads, Scripts, SlotOp, HEAD};
 use crate::algorithm::Algorithm;
 
@@ -113,6 +114,9 @@ pub(super) struct Settings {
     /// argument.
     pub(super) overrides: Vec<Value>,
     pub(super) scripts: Scripts,
+    /// The override fields the calls read, which later decisions resolve by
+    /// (`overrides/known.rs`).
+    pub(super) known: Known,
     pub(super) max_batch: usize,
     /// The call permits of each lane: how many of its calls may be under way at once.
     pub(super) in_flight: usize,
@@ -127,6 +131,13 @@ impl Settings {
     /// The name of lane `lane`'s hash of overrides, as its calls pass it.
     fn overrides_of(&self, lane: usize) -> Value {
         self.overrides[lane % self.overrides.len()].clone()
+    }
+
+    /// Keeps what a whole reply `values` of a call to lane `lane` read of the lane's hash of
+    /// overrides.
+    fn learn(&self, lane: usize, values: &[u8], decisions: usize, slot_ops: usize) {
+        let (generation, fields) = protocol::read(values, decisions, slot_ops);
+        self.known.learn(lane, generation, fields.flatten());
     }
 }
 
@@ -259,7 +270,13 @@ impl Batcher {
         let argv = protocol::argv(args, overrides, heads.bytes(), Vec::new());
         let values: Bytes = self.evalsha_patiently(script, keys, argv, patience).await?;
         check_length(&values, 1, 0)?;
+        self.settings.learn(place.lane, &values, 1, 0);
         Ok(answer(&values, 1, 0))
+    }
+
+    /// The override fields this store's calls have read (`overrides/known.rs`).
+    pub(super) fn known(&self) -> &Known {
+        &self.settings.known
     }
 
     /// `EVALSHA` of `script` over `keys` (one hash slot) with arguments `argv`, waiting for
@@ -610,6 +627,7 @@ async fn call(
         }
     };
     check_length(&values, decisions, slot_ops)?;
+    settings.learn(lane, &values, decisions, slot_ops);
     Ok(values)
 }
 
@@ -686,13 +704,26 @@ mod tests {
         assert_eq!(laid.ops, ops);
         assert_eq!((laid.decisions, replies.len()), (2, 4));
 
-        // Two decisions' six integers, the time, then one byte per slot operation.
+        // Two decisions' six integers, the time, the generation of the hash of overrides,
+        // then one byte per slot operation.
         let mut values: Vec<u8> = (0..12i64).flat_map(i64::to_le_bytes).collect();
-        values.extend(42i64.to_le_bytes());
+        values.extend([42i64, 5].map(i64::to_le_bytes).concat());
         values.extend(b"10");
         assert!(check_length(&values, 2, 2).is_ok());
         assert!(check_length(&values, 2, 1).is_err());
         assert!(check_length(&values, 3, 0).is_err());
+        // Then the fields the call read: their number, each name and value (-1: absent).
+        let mut read = values.clone();
+        let int = |i: i64| i.to_le_bytes().to_vec();
+        let tail = [int(2), int(1), b"k".to_vec(), int(2), b"v1".to_vec()];
+        read.extend([tail.concat(), int(3), b"123".to_vec(), int(-1)].concat());
+        assert!(check_length(&read, 2, 2).is_ok());
+        assert!(check_length(&read[..read.len() - 1], 2, 2).is_err());
+        let (generation, fields) = protocol::read(&read, 2, 2);
+        let fields: Vec<_> = fields.collect();
+        let expected = [Some((&b"k"[..], Some(&b"v1"[..]))), Some((&b"123"[..], None))];
+        assert_eq!((generation, fields), (5, expected.to_vec()));
+        assert_eq!(answer(&read, 2, 2).ints[0], 1);
         let decided = answer(&values, 2, 1);
         assert_eq!((decided.ints, decided.time), ([6, 7, 8, 9, 10, 11], 42));
         let kept = answer(&values, 2, 2);

@@ -324,6 +324,7 @@ impl RedisStoreBuilder {
                     None => batch::Redis::Single(pool.clone()),
                 },
                 scripts,
+                known: overrides::Known::new(lanes),
                 max_batch: self.max_batch,
                 // Without batching, waiting for a call permit gains nothing: send everything at
                 // once, as fred pipelines it.

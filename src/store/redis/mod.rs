@@ -128,7 +128,7 @@ impl Inner {
         record: Record,
     ) -> Result<Answer, StoreError> {
         super::in_range(policy)?;
-        let args = protocol::encode_for(policy, &place, cost, record, at);
+        let args = protocol::encode_for(policy, &place, cost, record, at, self.batcher.known());
         // The budget covers the whole decision: the queue, the call and a script reload.
         let lane = place.lane;
         let decision = self.batcher.decide(place, policy.algorithm(), args);
@@ -532,7 +532,8 @@ impl Store for RedisStore {
                 return Err(StoreError::Unavailable);
             }
             let started = inner.breaker(lane).now();
-            let args = protocol::encode_for(&policy, &place, units, record, -1);
+            let known = inner.batcher.known();
+            let args = protocol::encode_for(&policy, &place, units, record, -1, known);
             let call = inner
                 .batcher
                 .decide_patiently(place.clone(), algorithm, args, PATIENCE);

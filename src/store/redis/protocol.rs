@@ -16,7 +16,7 @@ use fred::error::{Error, ErrorKind};
 use fred::types::scripts::Script;
 use fred::types::Value;
 
-use super::overrides;
+use super::overrides::{self, Known, Resolution};
 use super::placement::Place;
 use crate::algorithm::{Algorithm, Outcome, Window};
 use crate::{Decision, Policy, StoreError};
@@ -268,19 +268,21 @@ pub(super) fn encode(
     windows: &[Window],
 ) -> Vec<u8> {
     let mut args = Vec::with_capacity(encoded_len(&record, cost, windows));
-    encode_into(&mut args, cost, record, at, terms, windows);
+    encode_into(&mut args, cost, record, at, terms, windows, &Resolution::Unknown);
     args
 }
 
-/// The bytes [`encode_into`] writes for `record` and `windows`.
+/// The bytes [`encode_into`] writes for `record` and `windows`, less an override's.
 fn encoded_len(record: &Record, cost: u64, windows: &[Window]) -> usize {
-    INT * (8 + record.mode(cost).2 + 3 * windows.len())
+    INT * (10 + record.mode(cost).2 + 5 * windows.len())
 }
 
 /// Writes a request's arguments as the scripts read them (`prelude.lua`, ARGV[1]) onto the end
 /// of `args`, 64-bit little-endian integers: the number of limits, cost, mode ([`Mode`]),
-/// event time (µs, -1 for now), the policy's [`Terms`], the mode's own arguments
-/// ([`Record`]), then count, window (µs) and scale of each limit.
+/// event time (µs, -1 for now), the policy's [`Terms`], the generation of the hash of
+/// overrides that `known` was made at (-1: none), the mode's own arguments ([`Record`]), count,
+/// window (µs) and scale of each limit, then the override that `known` says applies
+/// ([`Resolution::tail`]).
 fn encode_into(
     args: &mut Vec<u8>,
     cost: u64,
@@ -288,6 +290,7 @@ fn encode_into(
     at: i64,
     terms: Terms,
     windows: &[Window],
+    known: &Resolution,
 ) {
     let (mode, extra, len) = record.mode(cost);
     let [id, block, all, plan] = terms.map(clamp);
@@ -300,28 +303,34 @@ fn encode_into(
         block,
         all,
         plan,
+        known.generation(),
     ];
     let extra = extra.into_iter().take(len);
-    for value in head.into_iter().chain(extra).chain(limits(windows)) {
+    let ints = head.into_iter().chain(extra).chain(limits(windows));
+    for value in ints.chain(known.tail()) {
         args.extend_from_slice(&value.to_le_bytes());
     }
 }
 
 /// A request's [`HEAD`] (its key's override field's length) then its arguments
-/// ([`encode_into`]) under `policy`, for its key at `place`.
+/// ([`encode_into`]) under `policy`, for its key at `place`, with the override that applies
+/// where this instance knows it (`known`, `overrides/known.rs`).
 pub(super) fn encode_for(
     policy: &Policy,
     place: &Place,
     cost: u64,
     record: Record,
     at: i64,
+    known: &Known,
 ) -> Vec<u8> {
     let [keep, all, plan] = overrides::head(place, policy);
+    let key_field = place.key.get(..keep as usize).unwrap_or(&place.key);
+    let resolution = known.resolve(place.lane, key_field, all, plan, policy);
     let terms = [policy.override_id(), policy.block_micros(), all, plan];
     let windows = policy.windows();
     let mut args = Vec::with_capacity(HEAD + encoded_len(&record, cost, windows));
     args.extend_from_slice(&clamp(keep).to_le_bytes());
-    encode_into(&mut args, cost, record, at, terms, windows);
+    encode_into(&mut args, cost, record, at, terms, windows, &resolution);
     args
 }
 
@@ -385,8 +394,9 @@ impl SlotOp {
     }
 }
 
-// The reply (`prelude.lua`, "Reply"): six integers per decision, Redis `TIME`, then a byte per
-// slot operation.
+// The reply (`prelude.lua`, "Reply"): six integers per decision, Redis `TIME`, the generation of
+// the hash of overrides, a byte per slot operation, then the override fields the call read
+// ([`Read`]).
 
 /// The limit index of a request refused because its key is in the policy's penalty box
 /// (`BOXED` in `prelude.lua`); its retry is the time until the same request would be
@@ -421,9 +431,11 @@ pub(super) struct Answer {
 pub(super) type Answered = Result<Answer, Error>;
 
 /// Whether `values` is a reply to `decisions` decisions and `slot_ops` slot operations: six
-/// integers each, the time, then a byte each.
+/// integers each, the time, the generation, a byte each, then the fields read ([`read`]).
 pub(super) fn check_length(values: &[u8], decisions: usize, slot_ops: usize) -> Result<(), Error> {
-    if values.len() != (6 * decisions + 1) * INT + slot_ops {
+    let fixed = (6 * decisions + 2) * INT + slot_ops;
+    let fields = values.get(fixed..).and_then(|tail| Fields::new(tail).count());
+    if fields.is_none() {
         let message = format!(
             "{} bytes for {decisions} decisions and {slot_ops} slot operations",
             values.len()
@@ -431,6 +443,82 @@ pub(super) fn check_length(values: &[u8], decisions: usize, slot_ops: usize) -> 
         return Err(Error::new(ErrorKind::Parse, message));
     }
     Ok(())
+}
+
+/// What a call read of its lane's hash of overrides: the hash's generation (`-1`: Redis
+/// refused the read; `0`: the hash holds none), and each field the call read with its value
+/// (`None`: absent), from a reply that [`check_length`] found whole.
+pub(super) fn read(values: &[u8], decisions: usize, slot_ops: usize) -> (i64, Fields<'_>) {
+    let at = (6 * decisions + 1) * INT;
+    let generation = values
+        .get(at..at + INT)
+        .and_then(|int| int.try_into().ok())
+        .map_or(-1, i64::from_le_bytes);
+    let tail = values.get(at + INT + slot_ops..).unwrap_or_default();
+    (generation, Fields::new(tail))
+}
+
+/// The fields a call read (`prelude.lua`, "Reply"): nothing, or their number, then for each
+/// the length of its name, the name, the length of its value (`-1`: absent) and the value.
+pub(super) struct Fields<'a> {
+    tail: &'a [u8],
+    left: Option<usize>,
+}
+
+impl<'a> Fields<'a> {
+    fn new(tail: &'a [u8]) -> Fields<'a> {
+        let mut fields = Fields { tail, left: Some(0) };
+        if !tail.is_empty() {
+            fields.left = fields.int().and_then(|n| usize::try_from(n).ok());
+        }
+        fields
+    }
+
+    fn int(&mut self) -> Option<i64> {
+        let (int, rest) = self.tail.split_at_checked(INT)?;
+        self.tail = rest;
+        Some(i64::from_le_bytes(int.try_into().ok()?))
+    }
+
+    fn bytes(&mut self, len: i64) -> Option<&'a [u8]> {
+        let (bytes, rest) = self.tail.split_at_checked(usize::try_from(len).ok()?)?;
+        self.tail = rest;
+        Some(bytes)
+    }
+
+    /// How many fields there are, where the tail is whole and holds nothing more.
+    fn count(mut self) -> Option<usize> {
+        let mut n = 0;
+        for field in self.by_ref() {
+            field?;
+            n += 1;
+        }
+        (self.left == Some(0) && self.tail.is_empty()).then_some(n)
+    }
+}
+
+impl<'a> Iterator for Fields<'a> {
+    /// A field and its value, or `None` where the tail is cut short.
+    type Item = Option<(&'a [u8], Option<&'a [u8]>)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let left = self.left?;
+        if left == 0 {
+            return None;
+        }
+        let mut field = || {
+            let len = self.int()?;
+            let name = self.bytes(len)?;
+            let value = match self.int()? {
+                -1 => None,
+                len => Some(self.bytes(len)?),
+            };
+            Some((name, value))
+        };
+        let field = field();
+        self.left = field.map(|_| left - 1);
+        Some(field)
+    }
 }
 
 /// The answer to request `i` (in the reply's order) in a reply of the right length to
@@ -444,7 +532,7 @@ pub(super) fn answer(values: &[u8], decisions: usize, i: usize) -> Answer {
     let time_at = 6 * decisions * INT;
     let time = int(time_at);
     if i >= decisions {
-        let kept = values[time_at + INT + (i - decisions)] == b'1';
+        let kept = values[time_at + 2 * INT + (i - decisions)] == b'1';
         return Answer {
             ints: [i64::from(kept), 0, 0, 0, RETRY_ADMITTED, COUNT_OWN],
             time,

@@ -622,7 +622,8 @@ fn take(
     tokio::spawn(async move {
         let place = inner.place(&key, &policy);
         let record = plan.record(cost.into(), want);
-        let args = protocol::encode_for(&policy, &place, cost.into(), record, -1);
+        let known = inner.batcher.known();
+        let args = protocol::encode_for(&policy, &place, cost.into(), record, -1, known);
         let answered = inner
             .batcher
             .decide_patiently(place, policy.algorithm(), args, PATIENCE)

@@ -13,12 +13,14 @@
 use fred::clients::Client;
 use fred::interfaces::HashesInterface;
 
+mod known;
 mod list;
 mod place;
 mod value;
 mod version;
 mod write;
 
+pub(super) use known::{Known, Resolution};
 pub(crate) use list::RedisPages;
 pub(super) use place::head;
 use value::decode;

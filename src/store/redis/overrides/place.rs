@@ -11,6 +11,8 @@
 //! - the policy-wide one: the decimal owner id ([`Owner::all_id`](crate::store::owner::Owner)),
 //!   in every lane's hash.
 //!
+//! No field is named `""`: that one holds the hash's generation (`known.rs`).
+//!
 //! A decision's script finds the same fields from what [`head`] passes it (`prelude.lua`,
 //! "Overrides").
 

@@ -14,16 +14,18 @@
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (LOOK, ADMIT, LEASE, SETTLE or TAKE), event time (-1: now; GCRA
 --           takes no other), override id, penalty box (us), policy-wide and plan override
---           fields, for a lease want and headroom
---           (us), for a settlement refund, admission time and the units recorded then, then
---           count, window (us) and scale of limits 1..n, shortest first; ARGV[2] and after as
---           prelude.lua
+--           fields, known (-1, or the generation of the hash of overrides the override that
+--           follows the limits was read at), for a lease want and headroom (us), for a
+--           settlement refund, admission time and the units recorded then, count, window (us)
+--           and scale of limits 1..n, shortest first, then where known is not -1 the
+--           override that applies (prelude.lua); ARGV[2] and after as prelude.lua
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
 --           request: allowed (0 refused, else 1 + units leased beyond the cost), limit index
 --           (0-based), remaining, reset_after (us), retry_after (us; -1 when admitted, -2
---           when no wait helps), the overriding count (-1: none); then Redis TIME, then a
---           byte per slot operation
+--           when no wait helps), the overriding count (-1: none); then Redis TIME, the
+--           generation of the hash of overrides, a byte per slot operation, and the override
+--           fields read (prelude.lua)
 --
 -- Headroom h: a store that leases keeps h of drain free in every bucket (capacity (w - h) * d
 -- instead of w * d), because leased units may be spent up to h after they were taken; the

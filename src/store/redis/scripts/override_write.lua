@@ -7,6 +7,12 @@
 -- nothing. So a write whose caller was told it may have landed never undoes a later one, and
 -- a policy's override, written to every lane's hash one call each, ends alike everywhere.
 --
+-- A write that changes the hash also moves its generation, the field '' (never a field's
+-- name: place.rs), to the Redis time in us, or one more than it was where that is not later:
+-- a value the hash never held before, unless Redis's clock goes back. Decisions use an override
+-- their store read earlier only while the hash is at the generation it was read at
+-- (prelude.lua, "Overrides").
+--
 -- On a single Redis the write also raises the limits version in the same call, so that a
 -- write whose reply is lost is still announced to every instance. In a Cluster the version
 -- lives in its own hash slot, and the store raises it after the writes.
@@ -34,6 +40,15 @@ if ARGV[2] == '' then
   changed = redis.call('HDEL', KEYS[1], ARGV[1])
 else
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+end
+if changed == 1 then
+  local time = redis.call('TIME')
+  local generation = tonumber(time[1]) * 1000000 + tonumber(time[2])
+  local was = tonumber(redis.call('HGET', KEYS[1], '') or '0') or 0
+  if generation <= was then
+    generation = was + 1
+  end
+  redis.call('HSET', KEYS[1], '', string.format('%d', generation))
 end
 if KEYS[3] and changed == 1 then
   local version = next_version(KEYS[3])

@@ -15,8 +15,12 @@
 --           microseconds since the epoch or -1 for now (Redis TIME), the policy's override id
 --           (of its identity: what count overrides must have been set for), its penalty box
 --           (us; 0: none, Policy::block_for), its policy-wide override field and its plan's
---           (0: on no plan), the mode's own arguments, then count, window (microseconds) and
---           scale (gcd of the two, GCRA's divisor) of limits 1..n, shortest first
+--           (0: on no plan), known (the generation of the hash of overrides at which the store
+--           knew the override that applies, -1: not known; see "Overrides"), the mode's own
+--           arguments, count, window (microseconds) and scale (gcd of the two, GCRA's
+--           divisor) of limits 1..n, shortest first, then, where known is not -1, the override
+--           that applies: its kind (0: none, BLOCK, COUNTS) and for COUNTS count and scale of
+--           limits 1..n
 -- ARGV[2]   the name of the hash of overrides of the call's hash slot
 --           (src/store/redis/overrides/)
 -- ARGV[3]   64-bit little-endian signed integers (protocol.rs, Heads): for each request k in
@@ -26,7 +30,7 @@
 -- ARGV[4..] two per slot operation j (state key KEYS[#KEYS - OPS + j]), in decimal: the
 --           slot's id, and 0 to give it back or its lifetime (us) to renew it
 --
--- Modes (record; protocol.rs, Mode), with the arguments that follow the first eight:
+-- Modes (record; protocol.rs, Mode), with the arguments that follow the first nine:
 --   LOOK   0  decide only, recording nothing; want (the cost) and headroom (us; GCRA keeps
 --             that much drain free in every bucket, and a look reports against the same room)
 --   ADMIT  1  decide, and record an admitted request
@@ -48,14 +52,18 @@
 --        limit index (0-based), remaining, reset_after (us), retry_after (us; -1 when
 --        admitted, -2 when no wait helps), and the count of the reported limit when an
 --        override set it (0 for a block; -1: the request's own); then, once per call, Redis
---        TIME in us; then one byte per slot operation, '1' where the slot was held, else
---        '0'. Two limit indexes are no limit's: BOXED (-1), a request refused by its penalty
+--        TIME in us, and the generation of the hash of overrides (see "Overrides"); then one
+--        byte per slot operation, '1' where the slot was held, else '0'. Two limit indexes are no limit's: BOXED (-1), a request refused by its penalty
 --        box, answers 0 BOXED 0 left left count (left: us until the same request would be
 --        admitted, see "Penalty box"; count: the first limit's when an override set it, else
 --        -1); SLOTS_FULL (-2), a request refused for its concurrency slots, answers
 --        0 SLOTS_FULL 0 left left cap (left: us until the first slot expires). A
 --        settlement's six are those of an admitted request: remaining and reset_after after
---        it (a refund on the sliding log answers 1 0 0 0 -1 -1)
+--        it (a refund on the sliding log answers 1 0 0 0 -1 -1). After the slot operations'
+--        bytes, where the call read override fields: their number, then for each the length
+--        of its name, the name, the length of its value (-1: absent) and the value (the
+--        integers 64-bit little-endian); the generation (after TIME) is -1 where Redis
+--        refused to read the hash
 --
 -- Overrides (src/store/overrides.rs, Scope): a request other than a settlement is decided by
 -- the first of these fields that holds a block or counts set for its policy's identity: its
@@ -73,6 +81,13 @@
 -- override's where one applies, as the memory store's do), so that the answer of a charge,
 -- and the penalty box it may set, say whether the key is full under those counts; a block
 -- does not stop a settlement. GCRA state written under other counts is reweighed (exact.lua).
+--
+-- The hash's generation, its field '' (override_write.lua writes it with every change), is
+-- read first, with one HGET: 0 where the hash holds no override. A request whose `known` is
+-- that generation carries the override that applies, which the store read in an earlier call
+-- (src/store/redis/overrides/known.rs): the hash has not changed since, so it is used as it
+-- comes and no field is read for it. Other requests read the fields as above, and the reply
+-- returns every field read, so that the store knows them for the next requests.
 --
 -- Penalty box (Policy::block_for): a key that hits its limit is refused for at least the
 -- box's length, and until its limits admit it again; the refusal's retry is the later of the
@@ -131,19 +146,30 @@ local BOXED, SLOTS_FULL = -1, -2
 -- requests.
 local OPS = math.max(0, math.floor((#ARGV - 3) / 2))
 local REQUESTS = #KEYS - OPS
--- The hash of overrides of the call's hash slot, read only where it exists, so that a store
--- without overrides pays one EXISTS per call.
+-- The hash of overrides of the call's hash slot and its generation (see "Overrides"; -1 where
+-- Redis refused the read): its fields are read only where it holds overrides, so that a store
+-- without overrides pays one HGET per call.
 local OVERRIDES = ARGV[2]
-local any_override = OVERRIDES ~= nil and redis.pcall('EXISTS', OVERRIDES) == 1
+local generation = 0
+if OVERRIDES ~= nil then
+  local got = redis.pcall('HGET', OVERRIDES, '')
+  if type(got) == 'string' then
+    generation = tonumber(got) or -1
+  elseif type(got) == 'table' then
+    generation = -1
+  end
+end
+local any_override = generation > 0
 -- Whether the request at hand is decided by an override's counts (the last of its six
 -- integers is then the count of the reported limit, `counts[i]`; else -1).
 local overridden = false
--- The values of the call's override fields (false: none), read with one HMGET when the first
--- request needs them: request k's key's at k, then the policy-wide and plan fields, whose
--- index there `field_at` gives by their number.
-local found, field_at = nil, {}
--- The kinds of an override's value (see "Overrides").
-local BLOCK, COUNTS = -1, -2
+-- The call's override fields and their values (false: none), read with one HMGET when the
+-- first request needs them: request k's key's at k, then the policy-wide and plan fields,
+-- whose index there `field_at` gives by their number.
+local fields, found, field_at = {}, nil, {}
+-- The kinds of an override's value, and of a known override when none applies (see
+-- "Overrides").
+local BLOCK, COUNTS, NONE = -1, -2, 0
 -- The answer to a blocked request: refused at a limit of 0, no wait helps.
 local BLOCKED = spack('<llllll', 0, 0, 0, 0, -2, 0)
 -- The penalty box of the request at hand (see the header): its length in ms and in us (0:
@@ -177,7 +203,7 @@ local MAX_COUNT, MAX_WINDOW = 1125899906842624, 315360000000000
 -- function of the script is made anew by every call.
 local function override_of(k, id, n, all, plan)
   if found == nil then
-    local heads, fields, ssub = ARGV[3], {}, string.sub
+    local heads, ssub = ARGV[3], string.sub
     local ints = {sunpack('<' .. string.rep('l', REQUESTS + 1), heads)}
     for r = 1, REQUESTS do
       local key, keep = KEYS[r], ints[r]
@@ -193,7 +219,10 @@ local function override_of(k, id, n, all, plan)
       fields[j], field_at[field] = text(field), j
     end
     local got = redis.pcall('HMGET', OVERRIDES, unpack(fields))
-    found = (got.err == nil) and got or {}
+    if got.err ~= nil then
+      fields, got = {}, {}
+    end
+    found = got
   end
   -- The key's field, the plan's, the policy-wide one: the first that holds a block, or counts
   -- set for this override id and number of limits.
@@ -323,8 +352,10 @@ end
 -- are left over from an earlier request and never read; `scales` may be nil), and sets
 -- `overridden`.
 local function next_request(counts, windows, scales, k)
-  local n, cost, record, t, id, box, all, plan, want, headroom, refund, admitted, weight
-  n, cost, record, t, id, box, all, plan, next_byte = sunpack('<llllllll', requests, next_byte)
+  local n, cost, record, t, id, box, all, plan, known
+  local want, headroom, refund, admitted, weight
+  n, cost, record, t, id, box, all, plan, known, next_byte =
+    sunpack('<lllllllll', requests, next_byte)
   if t < 0 then
     t = now
   end
@@ -358,7 +389,32 @@ local function next_request(counts, windows, scales, k)
   if box > 0 then
     box_ms = math.ceil(box / 1000)
   end
-  if any_override then
+  -- The override the store knew (see "Overrides"): used where the hash is at its generation.
+  local kind = false
+  if known >= 0 then
+    kind, next_byte = sunpack('<l', requests, next_byte)
+    if kind == COUNTS then
+      if known == generation then
+        overridden = true
+        for i = 1, n do
+          counts[i], scale, next_byte = sunpack('<ll', requests, next_byte)
+          if scales then
+            scales[i] = scale
+          end
+        end
+      else
+        next_byte = next_byte + 16 * n
+      end
+    end
+    if known ~= generation then
+      kind = false
+    end
+  end
+  if kind == BLOCK then
+    if record ~= SETTLE then
+      blocked = BLOCKED
+    end
+  elseif kind == false and any_override then
     local value, at = override_of(k, id, n, all, plan)
     if value then
       if at == 0 then
@@ -458,10 +514,22 @@ local function conclude(k, answer)
   return answer
 end
 
--- The reply of the whole call: every request's answer, the time, then the slot operations'.
+-- The reply of the whole call: every request's answer, the time, the generation of the hash
+-- of overrides, the slot operations', then the override fields read, if any.
 local function finish()
-  reply[#reply + 1] = spack('<l', now)
+  reply[#reply + 1] = spack('<ll', now, generation)
   reply[#reply + 1] = table.concat(slots_kept)
+  if found ~= nil and #fields > 0 then
+    reply[#reply + 1] = spack('<l', #fields)
+    for j = 1, #fields do
+      local name, value = fields[j], found[j]
+      if value then
+        reply[#reply + 1] = spack('<l', #name) .. name .. spack('<l', #value) .. value
+      else
+        reply[#reply + 1] = spack('<l', #name) .. name .. spack('<l', -1)
+      end
+    end
+  end
   return table.concat(reply)
 end
 

@@ -14,15 +14,17 @@
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (ADMIT, LOOK, SETTLE or TAKE), event time (-1: now; any other time,
 --           past or future, is taken), override id, penalty box (us), policy-wide and plan
---           override fields, for a settlement refund
---           (0 or 1) and the admission time of the request settled (us; -1: not known), then
---           count and window (us) of limits 1..n, shortest first; ARGV[2] and after as
---           prelude.lua
+--           override fields, known (-1, or the generation of the hash of overrides the
+--           override that follows the limits was read at), for a settlement refund (0 or 1)
+--           and the admission time of the request settled (us; -1: not known), count and
+--           window (us) of limits 1..n, shortest first, then where known is not -1 the
+--           override that applies (prelude.lua); ARGV[2] and after as prelude.lua
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
 --           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
 --           retry_after (us; -1 when admitted, -2 when no wait helps), the overriding count
---           (-1: none), then Redis TIME, then a byte per slot operation
+--           (-1: none), then Redis TIME, the generation of the hash of overrides, a byte per
+--           slot operation, and the override fields read (prelude.lua)
 --
 -- The log is never leased (the store refuses it): LEASE is not sent here.
 --
