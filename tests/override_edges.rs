@@ -369,8 +369,8 @@ async fn followed_at_once(a: &RedisStore, b: &RedisStore, api: &Policy, key: &st
 /// script uses it only while the hash of overrides is unchanged. An instance that knows a
 /// key's fields follows, at its next decision, counts, a removal, a policy-wide block and its
 /// removal, and a key's block, each written through another instance, on every algorithm
-/// (without the script's check of the generation, the other instance's first change was never
-/// seen: it admitted 3 of 3 under its own 100/1h where 3/1h allowed 1).
+/// (without the script's check of the generation, it went on deciding by what it had read:
+/// `[2, 1, 1, 1, 1, 1]` admitted where the changes allow `[2, 1, 2, 0, 2, 0]`).
 #[tokio::test]
 async fn an_instance_never_decides_by_an_override_that_changed_since_it_read_it() {
     let server = RedisServer::start();
