@@ -280,9 +280,9 @@ fn encoded_len(record: &Record, cost: u64, windows: &[Window]) -> usize {
 /// Writes a request's arguments as the scripts read them (`prelude.lua`, ARGV[1]) onto the end
 /// of `args`, 64-bit little-endian integers: the number of limits, cost, mode ([`Mode`]),
 /// event time (µs, -1 for now), the policy's [`Terms`], the generation of the hash of
-/// overrides that `known` was made at (-1: none), the mode's own arguments ([`Record`]), count,
-/// window (µs) and scale of each limit, then the override that `known` says applies
-/// ([`Resolution::tail`]).
+/// overrides that `known` was made at (-1: none) and the kind of override it says applies, the
+/// mode's own arguments ([`Record`]), count, window (µs) and scale of each limit, then, for
+/// counts, count and scale of each limit of the override ([`Resolution::kind`]).
 fn encode_into(
     args: &mut Vec<u8>,
     cost: u64,
@@ -294,6 +294,7 @@ fn encode_into(
 ) {
     let (mode, extra, len) = record.mode(cost);
     let [id, block, all, plan] = terms.map(clamp);
+    let (kind, counts) = known.kind();
     let head = [
         windows.len() as i64,
         clamp(cost),
@@ -304,10 +305,11 @@ fn encode_into(
         all,
         plan,
         known.generation(),
+        kind,
     ];
     let extra = extra.into_iter().take(len);
     let ints = head.into_iter().chain(extra).chain(limits(windows));
-    for value in ints.chain(known.tail()) {
+    for value in ints.chain(counts.iter().flatten().copied()) {
         args.extend_from_slice(&value.to_le_bytes());
     }
 }

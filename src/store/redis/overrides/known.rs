@@ -142,18 +142,17 @@ pub(in crate::store::redis) enum Applies {
 }
 
 impl Resolution {
-    /// The integers that follow a decision's limits (`prelude.lua`, ARGV[1]): the kind, and
-    /// for counts, count and scale of each limit; none when unknown.
-    pub(in crate::store::redis) fn tail(&self) -> impl Iterator<Item = i64> + '_ {
-        let (kind, limits): (Option<i64>, &[[i64; 2]]) = match self {
-            Resolution::Unknown => (None, &[]),
+    /// Its kind (`prelude.lua`'s `kind`: 0 none, or unknown, [`BLOCK`], [`COUNTS`]), and for
+    /// counts, count and scale of each limit, which follow the decision's limits.
+    pub(in crate::store::redis) fn kind(&self) -> (i64, &[[i64; 2]]) {
+        match self {
+            Resolution::Unknown => (NONE, &[]),
             Resolution::At { applies, .. } => match applies {
-                Applies::Nothing => (Some(NONE), &[]),
-                Applies::Block => (Some(BLOCK), &[]),
-                Applies::Counts(limits) => (Some(COUNTS), limits),
+                Applies::Nothing => (NONE, &[]),
+                Applies::Block => (BLOCK, &[]),
+                Applies::Counts(limits) => (COUNTS, limits),
             },
-        };
-        kind.into_iter().chain(limits.iter().flatten().copied())
+        }
     }
 
     /// The generation it was made at (`prelude.lua`'s `known`; -1 when unknown).
@@ -321,8 +320,8 @@ mod tests {
             applies: Applies::Block,
         };
         assert_eq!(known.resolve(0, "k", all, 0, &policy), blocked);
-        assert_eq!(blocked.tail().collect::<Vec<_>>(), vec![BLOCK]);
-        assert_eq!(at_7.tail().collect::<Vec<_>>(), vec![COUNTS, 99, 1]);
-        assert_eq!(Resolution::Unknown.tail().count(), 0);
+        assert_eq!(blocked.kind(), (BLOCK, &[][..]));
+        assert_eq!(at_7.kind(), (COUNTS, &[[99, 1]][..]));
+        assert_eq!(Resolution::Unknown.kind(), (NONE, &[][..]));
     }
 }

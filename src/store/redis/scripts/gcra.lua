@@ -14,11 +14,11 @@
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (LOOK, ADMIT, LEASE, SETTLE or TAKE), event time (-1: now; GCRA
 --           takes no other), override id, penalty box (us), policy-wide and plan override
---           fields, known (-1, or the generation of the hash of overrides the override that
---           follows the limits was read at), for a lease want and headroom (us), for a
---           settlement refund, admission time and the units recorded then, count, window (us)
---           and scale of limits 1..n, shortest first, then where known is not -1 the
---           override that applies (prelude.lua); ARGV[2] and after as prelude.lua
+--           fields, known and the kind of the override the store knew (prelude.lua,
+--           "Overrides"), for a lease want and headroom (us), for a settlement refund,
+--           admission time and the units recorded then, count, window (us) and scale of
+--           limits 1..n, shortest first, then for known counts the override's (prelude.lua);
+--           ARGV[2] and after as prelude.lua
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
 --           request: allowed (0 refused, else 1 + units leased beyond the cost), limit index

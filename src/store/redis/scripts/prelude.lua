@@ -16,11 +16,11 @@
 --           (of its identity: what count overrides must have been set for), its penalty box
 --           (us; 0: none, Policy::block_for), its policy-wide override field and its plan's
 --           (0: on no plan), known (the generation of the hash of overrides at which the store
---           knew the override that applies, -1: not known; see "Overrides"), the mode's own
---           arguments, count, window (microseconds) and scale (gcd of the two, GCRA's
---           divisor) of limits 1..n, shortest first, then, where known is not -1, the override
---           that applies: its kind (0: none, BLOCK, COUNTS) and for COUNTS count and scale of
---           limits 1..n
+--           knew the override that applies, -1: not known; see "Overrides") and the kind of
+--           that override (0: none, BLOCK, COUNTS), the mode's own arguments, count, window
+--           (microseconds) and scale (gcd of the two, GCRA's divisor) of limits 1..n,
+--           shortest first, then, where the known kind is COUNTS, count and scale of limits
+--           1..n
 -- ARGV[2]   the name of the hash of overrides of the call's hash slot
 --           (src/store/redis/overrides/)
 -- ARGV[3]   64-bit little-endian signed integers (protocol.rs, Heads): for each request k in
@@ -30,7 +30,7 @@
 -- ARGV[4..] two per slot operation j (state key KEYS[#KEYS - OPS + j]), in decimal: the
 --           slot's id, and 0 to give it back or its lifetime (us) to renew it
 --
--- Modes (record; protocol.rs, Mode), with the arguments that follow the first nine:
+-- Modes (record; protocol.rs, Mode), with the arguments that follow the first ten:
 --   LOOK   0  decide only, recording nothing; want (the cost) and headroom (us; GCRA keeps
 --             that much drain free in every bucket, and a look reports against the same room)
 --   ADMIT  1  decide, and record an admitted request
@@ -53,10 +53,11 @@
 --        admitted, -2 when no wait helps), and the count of the reported limit when an
 --        override set it (0 for a block; -1: the request's own); then, once per call, Redis
 --        TIME in us, and the generation of the hash of overrides (see "Overrides"); then one
---        byte per slot operation, '1' where the slot was held, else '0'. Two limit indexes are no limit's: BOXED (-1), a request refused by its penalty
---        box, answers 0 BOXED 0 left left count (left: us until the same request would be
---        admitted, see "Penalty box"; count: the first limit's when an override set it, else
---        -1); SLOTS_FULL (-2), a request refused for its concurrency slots, answers
+--        byte per slot operation, '1' where the slot was held, else '0'. Two limit
+--        indexes are no limit's: BOXED (-1), a request refused by its penalty box, answers
+--        0 BOXED 0 left left count (left: us until the same request would be admitted, see
+--        "Penalty box"; count: the first limit's when an override set it, else -1);
+--        SLOTS_FULL (-2), a request refused for its concurrency slots, answers
 --        0 SLOTS_FULL 0 left left cap (left: us until the first slot expires). A
 --        settlement's six are those of an admitted request: remaining and reset_after after
 --        it (a refund on the sliding log answers 1 0 0 0 -1 -1). After the slot operations'
@@ -352,10 +353,10 @@ end
 -- are left over from an earlier request and never read; `scales` may be nil), and sets
 -- `overridden`.
 local function next_request(counts, windows, scales, k)
-  local n, cost, record, t, id, box, all, plan, known
+  local n, cost, record, t, id, box, all, plan, known, kind
   local want, headroom, refund, admitted, weight
-  n, cost, record, t, id, box, all, plan, known, next_byte =
-    sunpack('<lllllllll', requests, next_byte)
+  n, cost, record, t, id, box, all, plan, known, kind, next_byte =
+    sunpack('<llllllllll', requests, next_byte)
   if t < 0 then
     t = now
   end
@@ -390,25 +391,21 @@ local function next_request(counts, windows, scales, k)
     box_ms = math.ceil(box / 1000)
   end
   -- The override the store knew (see "Overrides"): used where the hash is at its generation.
-  local kind = false
-  if known >= 0 then
-    kind, next_byte = sunpack('<l', requests, next_byte)
-    if kind == COUNTS then
-      if known == generation then
-        overridden = true
-        for i = 1, n do
-          counts[i], scale, next_byte = sunpack('<ll', requests, next_byte)
-          if scales then
-            scales[i] = scale
-          end
+  if kind == COUNTS then
+    if known == generation then
+      overridden = true
+      for i = 1, n do
+        counts[i], scale, next_byte = sunpack('<ll', requests, next_byte)
+        if scales then
+          scales[i] = scale
         end
-      else
-        next_byte = next_byte + 16 * n
       end
+    else
+      next_byte = next_byte + 16 * n
     end
-    if known ~= generation then
-      kind = false
-    end
+  end
+  if known ~= generation then
+    kind = false
   end
   if kind == BLOCK then
     if record ~= SETTLE then

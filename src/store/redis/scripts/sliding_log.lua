@@ -14,11 +14,11 @@
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (ADMIT, LOOK, SETTLE or TAKE), event time (-1: now; any other time,
 --           past or future, is taken), override id, penalty box (us), policy-wide and plan
---           override fields, known (-1, or the generation of the hash of overrides the
---           override that follows the limits was read at), for a settlement refund (0 or 1)
---           and the admission time of the request settled (us; -1: not known), count and
---           window (us) of limits 1..n, shortest first, then where known is not -1 the
---           override that applies (prelude.lua); ARGV[2] and after as prelude.lua
+--           override fields, known and the kind of the override the store knew
+--           (prelude.lua, "Overrides"), for a settlement refund (0 or 1) and the admission
+--           time of the request settled (us; -1: not known), count and window (us) of limits
+--           1..n, shortest first, then for known counts the override's (prelude.lua); ARGV[2]
+--           and after as prelude.lua
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
 --           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
