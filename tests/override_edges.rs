@@ -409,3 +409,40 @@ async fn after_a_flush_an_instance_never_decides_by_what_it_read_before() {
     }
     assert_eq!(admitted, 1);
 }
+
+/// Once its last override is removed, a store's decisions read no override field again, as in
+/// a store that never had one (the removal deletes the hash, generation and all: while the
+/// generation stayed, each key not decided since read its fields, 201 `HMGET`s for 200 keys).
+#[tokio::test]
+async fn after_the_last_override_is_removed_decisions_read_no_field() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let api = Policy::new("api", ["100/1h".parse().unwrap()]).unwrap();
+    let scope = Scope::Key(Key::from("vip"));
+    store.overrides().set(&api, &scope, &Override::Block).await.unwrap();
+    assert!(store.overrides().remove(&api, &scope).await.unwrap());
+    let admin = server.client().await;
+    let before = common::command_calls(&admin, "hmget").await;
+    for i in 0..200 {
+        let key = Key::from(format!("k{i}"));
+        assert!(store.check(&key, &api, 1).await.unwrap().is_allowed());
+    }
+    assert_eq!(common::command_calls(&admin, "hmget").await, before);
+}
+
+/// A hash of overrides without its generation (restored in part, or its field `""` deleted by
+/// hand) is read in every call: its block holds (before, such a hash was taken for none).
+#[tokio::test]
+async fn a_hash_without_its_generation_is_still_read() {
+    let server = RedisServer::start();
+    let (a, b) = (server.store().await, server.store().await);
+    let api = Policy::new("api", ["100/1h".parse().unwrap()]).unwrap();
+    let vip = Key::from("vip");
+    let scope = Scope::Key(vip.clone());
+    a.overrides().set(&api, &scope, &Override::Block).await.unwrap();
+    assert!(!b.check(&vip, &api, 1).await.unwrap().is_allowed());
+    common::cluster::cli(server.port(), &["HDEL", "ratelimit:overrides", ""]);
+    for store in [&a, &b, &server.store().await] {
+        assert!(!store.check(&vip, &api, 1).await.unwrap().is_allowed());
+    }
+}

@@ -184,12 +184,19 @@ pub async fn client(url: &str) -> Client {
 
 /// How many `EVALSHA` commands the server behind `client` has run (`INFO commandstats`).
 pub async fn evalsha_calls(client: &Client) -> u64 {
+    command_calls(client, "evalsha").await
+}
+
+/// How many times the server behind `client` has run `command` (lower case), scripts' calls
+/// included (`INFO commandstats`).
+pub async fn command_calls(client: &Client, command: &str) -> u64 {
     let info: String = client
         .info(Some(fred::types::InfoKind::CommandStats))
         .await
         .unwrap();
+    let prefix = format!("cmdstat_{command}:calls=");
     info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
         .and_then(|rest| rest.split(',').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)

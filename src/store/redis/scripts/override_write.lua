@@ -9,7 +9,8 @@
 --
 -- A write that changes the hash also moves its generation, the field '' (never a field's
 -- name: place.rs), to the Redis time in us, or one more than it was where that is not later:
--- a value the hash never held before, unless Redis's clock goes back. Decisions use an override
+-- a value the hash never held before, unless Redis's clock goes back. A removal that leaves
+-- no override deletes the hash, generation and all: no hash is generation 0, no override. Decisions use an override
 -- their store read earlier only while the hash is at the generation it was read at
 -- (prelude.lua, "Overrides").
 --
@@ -41,7 +42,11 @@ if ARGV[2] == '' then
 else
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 end
-if changed == 1 then
+if changed == 1 and ARGV[2] == '' and redis.call('HLEN', KEYS[1]) == 1
+  and redis.call('HEXISTS', KEYS[1], '') == 1 then
+  -- The last override gone: no hash, so that decisions read no field (generation 0).
+  redis.call('DEL', KEYS[1])
+elseif changed == 1 then
   local time = redis.call('TIME')
   local generation = tonumber(time[1]) * 1000000 + tonumber(time[2])
   local was = tonumber(redis.call('HGET', KEYS[1], '') or '0') or 0

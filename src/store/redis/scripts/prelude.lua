@@ -83,8 +83,9 @@
 -- and the penalty box it may set, say whether the key is full under those counts; a block
 -- does not stop a settlement. GCRA state written under other counts is reweighed (exact.lua).
 --
--- The hash's generation, its field '' (override_write.lua writes it with every change), is
--- read first, with one HGET: 0 where the hash holds no override. A request whose `known` is
+-- The hash's generation, its field '' (override_write.lua writes it with every change and
+-- deletes the hash with its last override), is read first, with one HGET: 0 where there is no
+-- hash. A hash without one (restored in part, or edited by hand) is read in every call. A request whose `known` is
 -- that generation carries the override that applies, which the store read in an earlier call
 -- (src/store/redis/overrides/known.rs): the hash has not changed since, so it is used as it
 -- comes and no field is read for it. Other requests read the fields as above, and the reply
@@ -151,16 +152,20 @@ local REQUESTS = #KEYS - OPS
 -- Redis refused the read): its fields are read only where it holds overrides, so that a store
 -- without overrides pays one HGET per call.
 local OVERRIDES = ARGV[2]
-local generation = 0
+local generation, any_override = 0, false
 if OVERRIDES ~= nil then
   local got = redis.pcall('HGET', OVERRIDES, '')
   if type(got) == 'string' then
     generation = tonumber(got) or -1
+    any_override = generation > 0
   elseif type(got) == 'table' then
     generation = -1
+  elseif redis.pcall('EXISTS', OVERRIDES) == 1 then
+    -- A hash without a generation (restored in part, or edited by hand): its fields are
+    -- read in every call, and the reply teaches the store nothing.
+    generation, any_override = -1, true
   end
 end
-local any_override = generation > 0
 -- Whether the request at hand is decided by an override's counts (the last of its six
 -- integers is then the count of the reported limit, `counts[i]`; else -1).
 local overridden = false
@@ -391,8 +396,9 @@ local function next_request(counts, windows, scales, k)
     box_ms = math.ceil(box / 1000)
   end
   -- The override the store knew (see "Overrides"): used where the hash is at its generation.
+  local trusted = known >= 0 and known == generation
   if kind == COUNTS then
-    if known == generation then
+    if trusted then
       overridden = true
       for i = 1, n do
         counts[i], scale, next_byte = sunpack('<ll', requests, next_byte)
@@ -404,7 +410,7 @@ local function next_request(counts, windows, scales, k)
       next_byte = next_byte + 16 * n
     end
   end
-  if known ~= generation then
+  if not trusted then
     kind = false
   end
   if kind == BLOCK then
