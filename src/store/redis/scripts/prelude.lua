@@ -84,8 +84,9 @@
 -- does not stop a settlement. GCRA state written under other counts is reweighed (exact.lua).
 --
 -- The hash's generation, its field '' (override_write.lua writes it with every change and
--- deletes the hash with its last override), is read first, with one HGET: 0 where there is no
--- hash. A hash without one (restored in part, or edited by hand) is read in every call. A request whose `known` is
+-- deletes the hash with its last override), is read first (HLEN, then HGET where the hash
+-- exists): 0 where there is no hash. A hash without one (restored in part, or edited by hand)
+-- is read in every call. A request whose `known` is
 -- that generation carries the override that applies, which the store read in an earlier call
 -- (src/store/redis/overrides/known.rs): the hash has not changed since, so it is used as it
 -- comes and no field is read for it. Other requests read the fields as above, and the reply
@@ -150,17 +151,21 @@ local OPS = math.max(0, math.floor((#ARGV - 3) / 2))
 local REQUESTS = #KEYS - OPS
 -- The hash of overrides of the call's hash slot and its generation (see "Overrides"; -1 where
 -- Redis refused the read): its fields are read only where it holds overrides, so that a store
--- without overrides pays one HGET per call.
+-- without overrides pays one HLEN per call.
 local OVERRIDES = ARGV[2]
 local generation, any_override = 0, false
-if OVERRIDES ~= nil then
+-- One command where there is no hash (the store without overrides), two where there is.
+local fields_held = OVERRIDES ~= nil and redis.pcall('HLEN', OVERRIDES)
+if type(fields_held) == 'table' then
+  generation = -1
+elseif fields_held and fields_held > 0 then
   local got = redis.pcall('HGET', OVERRIDES, '')
   if type(got) == 'string' then
     generation = tonumber(got) or -1
     any_override = generation > 0
   elseif type(got) == 'table' then
     generation = -1
-  elseif redis.pcall('EXISTS', OVERRIDES) == 1 then
+  else
     -- A hash without a generation (restored in part, or edited by hand): its fields are
     -- read in every call, and the reply teaches the store nothing.
     generation, any_override = -1, true
