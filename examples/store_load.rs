@@ -99,7 +99,14 @@ async fn main() -> Result<(), Error> {
         let far = Override::Limits(vec!["2000000/1s".parse()?]);
         for i in 0..overrides.min(KEYS) {
             let key = Scope::Key(Key::from(format!("c{i}")));
-            store.overrides().set(policy, &key, &far).await?;
+            // A write whose reply came late may have landed: setting it again is safe.
+            let mut tries = 0;
+            while let Err(error) = store.overrides().set(policy, &key, &far).await {
+                tries += 1;
+                if tries == 5 {
+                    return Err(error.into());
+                }
+            }
         }
     }
 

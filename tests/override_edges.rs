@@ -355,7 +355,10 @@ async fn followed_at_once(a: &RedisStore, b: &RedisStore, api: &Policy, key: &st
     seen.push(admitted(3).await);
     overrides.remove(api, &scope).await.unwrap();
     seen.push(admitted(2).await);
-    overrides.set(api, &Scope::All, &Override::Block).await.unwrap();
+    overrides
+        .set(api, &Scope::All, &Override::Block)
+        .await
+        .unwrap();
     seen.push(admitted(2).await);
     overrides.remove(api, &Scope::All).await.unwrap();
     seen.push(admitted(2).await);
@@ -419,7 +422,11 @@ async fn after_the_last_override_is_removed_decisions_read_no_field() {
     let store = server.store().await;
     let api = Policy::new("api", ["100/1h".parse().unwrap()]).unwrap();
     let scope = Scope::Key(Key::from("vip"));
-    store.overrides().set(&api, &scope, &Override::Block).await.unwrap();
+    store
+        .overrides()
+        .set(&api, &scope, &Override::Block)
+        .await
+        .unwrap();
     assert!(store.overrides().remove(&api, &scope).await.unwrap());
     let admin = server.client().await;
     let before = common::command_calls(&admin, "hmget").await;
@@ -439,7 +446,10 @@ async fn a_hash_without_its_generation_is_still_read() {
     let api = Policy::new("api", ["100/1h".parse().unwrap()]).unwrap();
     let vip = Key::from("vip");
     let scope = Scope::Key(vip.clone());
-    a.overrides().set(&api, &scope, &Override::Block).await.unwrap();
+    a.overrides()
+        .set(&api, &scope, &Override::Block)
+        .await
+        .unwrap();
     assert!(!b.check(&vip, &api, 1).await.unwrap().is_allowed());
     common::cluster::cli(server.port(), &["HDEL", "ratelimit:overrides", ""]);
     for store in [&a, &b, &server.store().await] {

@@ -31,8 +31,8 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::ask;
 use super::nodes::{self, Nodes};
-use super::placement::Place;
 use super::overrides::Known;
+use super::placement::Place;
 use super::protocol::{self, answer, check_length, Answered, Heads, Scripts, SlotOp, HEAD};
 use crate::algorithm::Algorithm;
 
@@ -721,7 +721,10 @@ mod tests {
         assert!(check_length(&read[..read.len() - 1], 2, 2).is_err());
         let (generation, fields) = protocol::read(&read, 2, 2);
         let fields: Vec<_> = fields.collect();
-        let expected = [Some((&b"k"[..], Some(&b"v1"[..]))), Some((&b"123"[..], None))];
+        let expected = [
+            Some((&b"k"[..], Some(&b"v1"[..]))),
+            Some((&b"123"[..], None)),
+        ];
         assert_eq!((generation, fields), (5, expected.to_vec()));
         assert_eq!(answer(&read, 2, 2).ints[0], 1);
         let decided = answer(&values, 2, 1);

@@ -268,7 +268,15 @@ pub(super) fn encode(
     windows: &[Window],
 ) -> Vec<u8> {
     let mut args = Vec::with_capacity(encoded_len(&record, cost, windows));
-    encode_into(&mut args, cost, record, at, terms, windows, &Resolution::Unknown);
+    encode_into(
+        &mut args,
+        cost,
+        record,
+        at,
+        terms,
+        windows,
+        &Resolution::Unknown,
+    );
     args
 }
 
@@ -436,7 +444,9 @@ pub(super) type Answered = Result<Answer, Error>;
 /// integers each, the time, the generation, a byte each, then the fields read ([`read`]).
 pub(super) fn check_length(values: &[u8], decisions: usize, slot_ops: usize) -> Result<(), Error> {
     let fixed = (6 * decisions + 2) * INT + slot_ops;
-    let fields = values.get(fixed..).and_then(|tail| Fields::new(tail).count());
+    let fields = values
+        .get(fixed..)
+        .and_then(|tail| Fields::new(tail).count());
     if fields.is_none() {
         let message = format!(
             "{} bytes for {decisions} decisions and {slot_ops} slot operations",
@@ -469,7 +479,10 @@ pub(super) struct Fields<'a> {
 
 impl<'a> Fields<'a> {
     fn new(tail: &'a [u8]) -> Fields<'a> {
-        let mut fields = Fields { tail, left: Some(0) };
+        let mut fields = Fields {
+            tail,
+            left: Some(0),
+        };
         if !tail.is_empty() {
             fields.left = fields.int().and_then(|n| usize::try_from(n).ok());
         }

@@ -81,7 +81,10 @@ impl Value {
     fn applies(&self, id: u64, n: usize) -> bool {
         match self {
             Value::Block => true,
-            Value::Counts { id: set_for, limits } => *set_for == id && limits.len() == n,
+            Value::Counts {
+                id: set_for,
+                limits,
+            } => *set_for == id && limits.len() == n,
             Value::Other => false,
         }
     }
@@ -312,8 +315,14 @@ mod tests {
         assert_eq!(known.resolve(0, "k", all, 0, &policy), Resolution::Unknown);
         // Counts set for another identity are passed over, as the script does.
         let other = counts(policy.override_id() + 1, 5);
-        let block = [BLOCK, 0, 0].iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>();
-        let fields = [(&b"k"[..], Some(&other[..])), (all_text.as_bytes(), Some(&block[..]))];
+        let block = [BLOCK, 0, 0]
+            .iter()
+            .flat_map(|i| i.to_le_bytes())
+            .collect::<Vec<u8>>();
+        let fields = [
+            (&b"k"[..], Some(&other[..])),
+            (all_text.as_bytes(), Some(&block[..])),
+        ];
         known.learn(0, 9, fields.into_iter());
         let blocked = Resolution::At {
             generation: 9,

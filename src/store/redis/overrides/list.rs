@@ -124,7 +124,10 @@ impl RedisPages {
 fn keep(listed: &mut HashSet<Scope>, owner: &str, fields: &[Value], page: &mut Page) {
     for pair in fields.chunks_exact(2) {
         // The hash's generation (`known.rs`) is no override.
-        let Some(value) = pair[1].as_bytes().filter(|_| pair[0].as_bytes() != Some(b"")) else {
+        let Some(value) = pair[1]
+            .as_bytes()
+            .filter(|_| pair[0].as_bytes() != Some(b""))
+        else {
             continue;
         };
         let Some((of, scope, stored)) = decode(value) else {
