@@ -400,44 +400,37 @@ local function next_request(counts, windows, scales, k)
   if box > 0 then
     box_ms = math.ceil(box / 1000)
   end
-  -- The override the store knew (see "Overrides"): used where the hash is at its generation.
-  local trusted = known >= 0 and known == generation
+  -- The override the store knew (see "Overrides"), used where the hash is at the generation
+  -- it was read at; else the one the hash holds. `from` and `at`: where the override's counts
+  -- are (the arguments, or the value read), if counts decide.
+  local trusted, from, at = known >= 0 and known == generation, false, 0
   if kind == COUNTS then
-    if trusted then
-      overridden = true
-      for i = 1, n do
-        counts[i], scale, next_byte = sunpack('<ll', requests, next_byte)
-        if scales then
-          scales[i] = scale
-        end
-      end
-    else
-      next_byte = next_byte + 16 * n
-    end
+    from, at = requests, next_byte
+    next_byte = next_byte + 16 * n
   end
   if not trusted then
-    kind = false
+    kind, from = NONE, false
+    if any_override then
+      local value
+      value, at = override_of(k, id, n, all, plan)
+      if value and at == 0 then
+        kind = BLOCK
+      elseif value then
+        kind, from = COUNTS, value
+      end
+    end
   end
   if kind == BLOCK then
+    -- A settlement records what was used whatever the limits say, a block's included.
     if record ~= SETTLE then
       blocked = BLOCKED
     end
-  elseif kind == false and any_override then
-    local value, at = override_of(k, id, n, all, plan)
-    if value then
-      if at == 0 then
-        -- A settlement records what was used whatever the limits say, a block's included.
-        if record ~= SETTLE then
-          blocked = BLOCKED
-        end
-      else
-        overridden = true
-        for i = 1, n do
-          counts[i], scale, at = sunpack('<ll', value, at)
-          if scales then
-            scales[i] = scale
-          end
-        end
+  elseif from then
+    overridden = true
+    for i = 1, n do
+      counts[i], scale, at = sunpack('<ll', from, at)
+      if scales then
+        scales[i] = scale
       end
     end
   end
