@@ -495,10 +495,13 @@ impl Policy {
     /// How long a concurrency slot lives without a renewal unless told otherwise: 10 s.
     pub const DEFAULT_SLOT_EXPIRY: Duration = Duration::from_secs(10);
 
-    /// How long a concurrency slot lives without a renewal (default
-    /// [`DEFAULT_SLOT_EXPIRY`](Policy::DEFAULT_SLOT_EXPIRY)): the longest an instance that
-    /// dies keeps its slots, and how long an instance cut off from the store can go on
-    /// without losing them. From 100 ms to one hour.
+    /// How long an instance cut off from the store can go on without losing its concurrency
+    /// slots (default [`DEFAULT_SLOT_EXPIRY`](Policy::DEFAULT_SLOT_EXPIRY)), `L`. On Redis a
+    /// slot is stored for `1.5 L + 2 B` after it was taken or last renewed (`B` the store's
+    /// time budget, `RedisStoreBuilder::timeout`): that is
+    /// the longest an instance that dies keeps its slots (`docs/operations.md`, "Requests in
+    /// flight"). In the memory store a slot lives `L` after it was taken or renewed. From
+    /// 100 ms to one hour.
     pub fn slot_expiry(mut self, expiry: Duration) -> Result<Policy, PolicyError> {
         if expiry < Duration::from_millis(100) || expiry > Duration::from_secs(3600) {
             return Err(PolicyError::SlotExpiry { duration: expiry });

@@ -23,7 +23,8 @@ use http_body_util::{BodyExt, StreamBody};
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_redis_ratelimit::key::Header;
 use tower_redis_ratelimit::{
-    Decisions, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Settlement, Store, StoreError,
+    Decisions, FailureMode, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Settlement,
+    Store, StoreError,
 };
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -503,11 +504,15 @@ async fn a_request_longer_than_the_slot_lifetime_keeps_its_slot_on_redis() {
     until_admitted(&service, "k", Duration::from_secs(1)).await;
 }
 
+/// An instance killed while it holds two slots: they come back within their stored lifetime,
+/// `1.5 L + 2 B` after their last renewal (3.5 s at `L` = 2 s and the default 250 ms budget),
+/// while the live instance's slot is kept.
 #[test]
-fn a_killed_instances_slots_come_back_within_the_slot_lifetime_on_redis() {
+fn a_killed_instances_slots_come_back_within_the_stored_lifetime_on_redis() {
     let server = RedisServer::start();
     let url = server.url();
     let expiry = Duration::from_secs(2);
+    let stored = expiry + expiry / 2 + Duration::from_millis(500);
     let policy = streams("crash-redis", 3, expiry);
     let layer = |url: String, policy: Policy| async move {
         let layer = limited(RedisStore::connect(&url).await.unwrap(), policy);
@@ -552,14 +557,14 @@ fn a_killed_instances_slots_come_back_within_the_slot_lifetime_on_redis() {
     survivor.block_on(async move {
         let refused = service.clone().oneshot(request("k")).await.unwrap();
         assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
-        let took = until_admitted(&service, "k", expiry + Duration::from_secs(1)).await;
+        let took = until_admitted(&service, "k", stored + Duration::from_secs(1)).await;
         let since_crash = crashed.elapsed();
         println!(
             "slot lifetime {expiry:?}: admitted again {since_crash:?} after the crash \
              ({took:?} of polling; slots taken {:?} before the crash)",
             crashed - taken_at
         );
-        assert!(since_crash <= expiry + Duration::from_secs(1));
+        assert!(since_crash <= stored + Duration::from_secs(1));
         // The live instance's slot was renewed all along: it still counts, two more fit.
         let two: Vec<_> = join_all([(); 2].map(|_| service.clone().oneshot(request("k"))))
             .await
@@ -846,4 +851,204 @@ async fn a_new_request_does_not_overtake_the_line() {
     assert_eq!(served.status(), StatusCode::OK);
     drop(served);
     assert_eq!(late.await.unwrap().status(), StatusCode::OK);
+}
+
+/// A layer keyed by `x-api-key` deciding `policy` on a Redis store at `url`, refusing (503)
+/// while Redis is out of reach.
+async fn closed(url: &str, policy: Policy) -> RateLimitLayer<Header, RedisStore> {
+    RateLimitLayer::builder()
+        .key(api_key())
+        .store(RedisStore::connect(url).await.unwrap())
+        .policy(policy)
+        .failure_mode(FailureMode::Closed)
+        .build()
+        .unwrap()
+}
+
+/// Stops the Redis of `server` for `seconds`: `DEBUG SLEEP` (`how` "sleep") or `SIGSTOP` then
+/// `SIGCONT` ("stop"); returns when it answers again.
+async fn stop_redis(server: &RedisServer, how: &str, seconds: f64) {
+    match how {
+        "sleep" => {
+            let port = server.port();
+            let seconds = seconds.to_string();
+            tokio::task::spawn_blocking(move || {
+                common::cluster::cli(port, &["DEBUG", "SLEEP", &seconds]);
+            })
+            .await
+            .unwrap();
+        }
+        _ => {
+            server.signal("-STOP");
+            tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
+            server.signal("-CONT");
+        }
+    }
+}
+
+/// How many of the requests sent every 50 ms for `period` were admitted (the others were
+/// refused, 429, or failed closed, 503).
+async fn admitted_during<S>(service: &S, key: &str, period: Duration) -> usize
+where
+    S: Service<Request<()>, Response = Response<tower_redis_ratelimit::body::ResponseBody<Body>>>
+        + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let (started, mut admitted) = (tokio::time::Instant::now(), 0);
+    while started.elapsed() < period {
+        let response = service.clone().oneshot(request(key)).await.unwrap();
+        admitted += usize::from(response.status() == StatusCode::OK);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    admitted
+}
+
+/// Two streams hold both slots of a key (`slot_expiry` 2 s, `FailureMode::Closed`) while Redis
+/// answers nothing for 1.9 s, by `DEBUG SLEEP` and by `SIGSTOP`: no slot is lost, so nothing
+/// else is admitted during the stall nor in the 3 s after it, past the lifetime, until a
+/// stream ends. A slot lives in Redis for 1.5 lifetimes and twice the time budget after its
+/// last renewal (with the lifetime alone, both were lost to either stall and a third stream
+/// was admitted: 4 in flight at cap 2 with two instances, in the issue's attack).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_shorter_than_the_slot_lifetime_loses_no_slot_on_redis() {
+    for how in ["sleep", "stop"] {
+        let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+        let policy = streams("stall", 2, Duration::from_secs(2));
+        let service = closed(&server.url(), policy).await.layer(endless());
+        let [first, second, _] = fill_two(&service).await;
+        // Past a renewal, so that the stall starts with a slot renewed some time before.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let stalled = async { admitted_during(&service, "k", Duration::from_millis(1900)).await };
+        let (during, ()) = futures::join!(stalled, stop_redis(&server, how, 1.9));
+        let after = admitted_during(&service, "k", Duration::from_secs(3)).await;
+        assert_eq!((during, after), (0, 0), "{how}: admitted past the cap");
+        drop((first, second));
+        let mut freed = false;
+        for _ in 0..50 {
+            let response = service.clone().oneshot(request("k")).await.unwrap();
+            if response.status() == StatusCode::OK {
+                freed = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            freed,
+            "{how}: the slots given back were not free within a second"
+        );
+    }
+}
+
+/// Two streams end while Redis sleeps 0.4 s, past the time budget, with the breaker open:
+/// their give-backs wait and are sent as soon as Redis answers, so the key admits again
+/// within a second of that (before, they were dropped as "store unavailable" and the key was
+/// refused for the slots' lifetime: 8.3 s in the issue's attack).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn give_backs_during_a_blip_are_sent_once_redis_answers_on_redis() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let policy = streams("blip", 2, Duration::from_secs(10));
+    let service = closed(&server.url(), policy).await.layer(endless());
+    let [first, second, _] = fill_two(&service).await;
+    let blip = stop_redis(&server, "sleep", 0.4);
+    let ends = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // A decision that outlasts the budget opens the breaker.
+        let tripped = service.clone().oneshot(request("other")).await.unwrap();
+        assert_eq!(tripped.status(), StatusCode::SERVICE_UNAVAILABLE);
+        drop((first, second));
+    };
+    futures::join!(blip, ends);
+    let woke = tokio::time::Instant::now();
+    loop {
+        let response = service.clone().oneshot(request("k")).await.unwrap();
+        if response.status() == StatusCode::OK {
+            break;
+        }
+        let late = woke.elapsed();
+        assert!(
+            late < Duration::from_secs(1),
+            "still refused {late:?} after Redis woke"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends requests of `key` every 20 ms until two are admitted and held at once; how long that
+/// took, or `None` past `within`.
+async fn both_slots_free<S>(service: &S, key: &str, within: Duration) -> Option<Duration>
+where
+    S: Service<Request<()>, Response = Response<tower_redis_ratelimit::body::ResponseBody<Body>>>
+        + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let started = tokio::time::Instant::now();
+    let mut held = Vec::new();
+    while started.elapsed() < within {
+        let response = service.clone().oneshot(request(key)).await.unwrap();
+        if response.status() == StatusCode::OK {
+            held.push(response);
+            if held.len() == 2 {
+                return Some(started.elapsed());
+            }
+        } else {
+            held.clear();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    None
+}
+
+/// Twelve clients that leave 0 to 3 ms after sending, while their decisions are on their way
+/// to Redis: the slots those decisions took are given back by the instance (it chose their
+/// ids), so both of the key's slots are free again within a second (before, the key was
+/// refused for the slots' lifetime with nothing in flight: 9.6 s in the issue's attack).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_leave_during_their_decision_leave_no_slot_taken_on_redis() {
+    let server = RedisServer::start();
+    let policy = streams("leaving", 2, Duration::from_secs(10));
+    let service = closed(&server.url(), policy).await.layer(endless());
+    let leaving = (0..12u64).map(|i| {
+        let service = service.clone();
+        async move {
+            let wait = Duration::from_millis(i % 4);
+            let _ = tokio::time::timeout(wait, service.oneshot(request("k"))).await;
+        }
+    });
+    join_all(leaving).await;
+    let took = both_slots_free(&service, "k", Duration::from_secs(1)).await;
+    assert!(
+        took.is_some(),
+        "the key's slots were not free within a second"
+    );
+}
+
+/// Decisions answered 503 while Redis sleeps 1 s (`FailureMode::Closed`) are run by Redis when
+/// it wakes and take the key's slots; the instance gives them back, so both slots are free
+/// again within a second of Redis answering (before, they blocked the key for a lifetime).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_answered_503_during_a_stall_leave_no_slot_taken_on_redis() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let policy = streams("stalled", 2, Duration::from_secs(10));
+    let service = closed(&server.url(), policy).await.layer(endless());
+    let asks = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let asks = (0..6).map(|_| service.clone().oneshot(request("k")));
+        let statuses: Vec<_> = join_all(asks)
+            .await
+            .into_iter()
+            .map(|r| r.unwrap().status())
+            .collect();
+        assert!(
+            statuses
+                .iter()
+                .all(|s| *s == StatusCode::SERVICE_UNAVAILABLE),
+            "{statuses:?}"
+        );
+    };
+    futures::join!(stop_redis(&server, "sleep", 1.0), asks);
+    let took = both_slots_free(&service, "k", Duration::from_secs(1)).await;
+    assert!(
+        took.is_some(),
+        "the key's slots were not free within a second of Redis waking"
+    );
 }

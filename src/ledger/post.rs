@@ -111,12 +111,17 @@ impl Entry {
         }
         if let Err(error) = outcome {
             Report::settle_error(&self.responder.policy);
+            let what = match self.settlement {
+                Settlement::Release(_) => "give back a request's concurrency slot",
+                Settlement::Renew(_) => "renew a request's concurrency slot",
+                Settlement::Charge(_) | Settlement::Refund(_) => "settle a request's usage",
+            };
             tracing::warn!(
                 target: "tower_redis_ratelimit",
                 policy = self.responder.policy.name(),
                 key = %self.key.loggable(),
                 %error,
-                "rate-limit store failed to settle a request's usage"
+                "rate-limit store failed to {what}"
             );
         }
     }

@@ -354,6 +354,7 @@ impl RedisStoreBuilder {
                 .collect(),
             leases: self.leases.map(lease::State::new),
             limits: overrides::Limits::new(),
+            waiting: Default::default(),
             next_slot: AtomicU64::new(random_start()),
         });
         overrides::spawn_watch(Arc::downgrade(&inner));

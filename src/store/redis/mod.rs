@@ -28,6 +28,7 @@ mod nodes;
 mod overrides;
 mod placement;
 mod protocol;
+mod slots;
 
 pub use builder::RedisStoreBuilder;
 pub use lease::Leases;
@@ -88,6 +89,8 @@ struct Inner {
     /// The id of the next concurrency slot taken: from a random start per store, so that
     /// instances sharing Redis take different ids, below 2^52 (exact in Lua's doubles).
     next_slot: AtomicU64,
+    /// Slot give-backs and renewals waiting for Redis (`slots.rs`).
+    waiting: slots::Waiting,
 }
 
 impl Inner {
@@ -309,11 +312,21 @@ impl RedisStore {
         let inner = Arc::clone(&self.inner);
         let place = inner.place(key, policy);
         let policy = policy.clone();
+        // A slot taken by a decision whose answer is never read is given back (`slots.rs`).
+        let mut unheld = match record {
+            Record::Take { id, .. } => Some(slots::Unheld::new(&inner, key, &policy, id)),
+            _ => None,
+        };
         Box::pin(async move {
-            let answer = inner
-                .decide(place, &policy, cost.into(), at, record)
-                .await?;
+            let answer = inner.decide(place, &policy, cost.into(), at, record).await;
+            if let (Some(unheld), Err(StoreError::Unavailable)) = (&mut unheld, &answer) {
+                unheld.disarm();
+            }
+            let answer = answer?;
             let decision = answer.verdict(&policy)?.decision(&policy);
+            if let Some(unheld) = &mut unheld {
+                unheld.disarm();
+            }
             // The script records at the event time, or at the call's `TIME`.
             let recorded = |d: Decision| {
                 d.recorded_at(Some(if at < 0 { answer.time } else { at }), cost.into())
@@ -397,7 +410,7 @@ impl Store for RedisStore {
     fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
         if let Some(cap) = policy.concurrency_limit() {
             let id = self.inner.next_slot();
-            let ttl = policy.slot_micros();
+            let ttl = slots::stored_micros(policy, self.inner.timeout);
             return self.run(key, policy, cost, -1, Record::Take { cap, id, ttl });
         }
         if let Some(plan) = lease::plan(&self.inner, policy) {
@@ -494,7 +507,7 @@ impl Store for RedisStore {
         /// came within this long. Shorter than a lease's patience, so that a Redis that is
         /// gone is reported within a typical shutdown deadline.
         const PATIENCE: Duration = Duration::from_secs(3);
-        if let Some(op) = slot_op(policy, &settlement) {
+        if let Some(op) = slot_op(policy, &settlement, self.inner.timeout) {
             // The path of the layer's own give-backs (`settle_then`), sent when first polled.
             let (store, key, policy) = (self.clone(), key.clone(), policy.clone());
             return Box::pin(async move {
@@ -552,7 +565,7 @@ impl Store for RedisStore {
     /// and `then` runs in the batching task that sent it (at once while the breaker is open):
     /// a give-back costs no task of its own. Charges and refunds run in a task, as by default.
     fn settle_then(&self, key: &Key, policy: &Policy, settlement: Settlement, then: OnSettled) {
-        match slot_op(policy, &settlement) {
+        match slot_op(policy, &settlement, self.inner.timeout) {
             Some(op) => self.keep_slot(key, policy, op, then),
             None => super::settle_in_task(self, key, policy, settlement, then),
         }
@@ -560,31 +573,20 @@ impl Store for RedisStore {
 }
 
 impl RedisStore {
-    /// Sends slot operation `op` with the next batched call of its key's lane, within the
-    /// time budget: a give-back or a renewal may run twice or not at all without harm (the
-    /// slot's expiry is the backstop), so it needs none of a charge's patience, and no timer
-    /// of its own (the call has its timeout). Behind the breaker, as a decision is.
-    fn keep_slot(&self, key: &Key, policy: &Policy, op: SlotOp, done: SlotDone) {
-        let place = self.inner.place(key, policy);
-        let lane = place.lane;
-        if self.inner.breaker(lane).is_open() {
-            return done(Err(StoreError::Unavailable));
-        }
-        let started = self.inner.breaker(lane).now();
-        let inner = Arc::clone(&self.inner);
-        let then = Box::new(move |reply| done(inner.slot_kept(lane, started, op, reply)));
-        self.inner
-            .batcher
-            .keep_then(place, policy.algorithm(), op, then);
+    /// Sends slot operation `op` with the next batched call of its key's lane, behind the
+    /// breaker as a decision is; where the breaker is open or Redis does not answer, it waits
+    /// and is sent again until Redis answers or the slot has expired there (`slots.rs`).
+    fn keep_slot(&self, key: &Key, policy: &Policy, op: SlotOp, done: OnSettled) {
+        let lifetime = slots::stored_micros(policy, self.inner.timeout);
+        let work = slots::SlotWork::new(key.clone(), policy.clone(), op, lifetime, done);
+        self.inner.send_slot_op(work, false);
     }
 }
 
-/// What runs with the outcome of a slot's give-back or renewal.
-type SlotDone = super::OnSettled;
-
 /// The slot operation `settlement` asks for under `policy`: a give-back (lifetime 0) or a
-/// renewal for the policy's slot lifetime; `None` for a charge or a refund.
-fn slot_op(policy: &Policy, settlement: &Settlement) -> Option<SlotOp> {
+/// renewal for the slot's stored lifetime (`slots.rs`, within a time budget of `budget`);
+/// `None` for a charge or a refund.
+fn slot_op(policy: &Policy, settlement: &Settlement, budget: Duration) -> Option<SlotOp> {
     match settlement {
         Settlement::Release(id) => Some(SlotOp {
             id: id.get(),
@@ -592,7 +594,7 @@ fn slot_op(policy: &Policy, settlement: &Settlement) -> Option<SlotOp> {
         }),
         Settlement::Renew(id) => Some(SlotOp {
             id: id.get(),
-            lifetime: policy.slot_micros().max(1),
+            lifetime: slots::stored_micros(policy, budget),
         }),
         Settlement::Charge(_) | Settlement::Refund(_) => None,
     }
