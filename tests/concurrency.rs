@@ -998,28 +998,28 @@ where
     None
 }
 
-/// Twelve clients that leave 0 to 3 ms after sending, while their decisions are on their way
-/// to Redis: the slots those decisions took are given back by the instance (it chose their
-/// ids), so both of the key's slots are free again within a second (before, the key was
-/// refused for the slots' lifetime with nothing in flight: 9.6 s in the attack).
+/// Twelve clients that leave 20 to 23 ms after sending, while their decisions wait on a Redis
+/// that sleeps 0.2 s: Redis runs the decisions when it wakes and the first two take the key's
+/// slots, which nobody holds; the instance chose their ids and gives them back, so both slots
+/// are free again within a second (before, the key was refused for the slots' lifetime with
+/// nothing in flight: 9.6 s in the attack).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_leave_during_their_decision_leave_no_slot_taken_on_redis() {
-    let server = RedisServer::start();
+    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
     let policy = streams("leaving", 2, Duration::from_secs(10));
     let service = closed(&server.url(), policy).await.layer(endless());
     let leaving = (0..12u64).map(|i| {
         let service = service.clone();
         async move {
-            let wait = Duration::from_millis(i % 4);
-            let _ = tokio::time::timeout(wait, service.oneshot(request("k"))).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let wait = Duration::from_millis(20 + i % 4);
+            let left = tokio::time::timeout(wait, service.oneshot(request("k"))).await;
+            assert!(left.is_err(), "answered before the client left");
         }
     });
-    join_all(leaving).await;
+    futures::join!(stop_redis(&server, "sleep", 0.2), join_all(leaving));
     let took = both_slots_free(&service, "k", Duration::from_secs(1)).await;
-    assert!(
-        took.is_some(),
-        "the key's slots were not free within a second"
-    );
+    assert!(took.is_some(), "the key's slots were not free within a second");
 }
 
 /// Decisions answered 503 while Redis sleeps 1 s (`FailureMode::Closed`) are run by Redis when
