@@ -1052,3 +1052,25 @@ async fn decisions_answered_503_during_a_stall_leave_no_slot_taken_on_redis() {
         "the key's slots were not free within a second of Redis waking"
     );
 }
+
+/// Memory pressure on the memory store: `max_keys(10_000)`, a key holding both its slots with
+/// two streams, then 20 000 other clients decided: the key's slots stay (its entry is pinned
+/// while it holds slots), so a third stream of the key is refused and at most 2 are in flight
+/// (before, its slots were evicted and a third was admitted: 3 in flight at cap 2).
+#[tokio::test]
+async fn a_flood_of_other_keys_never_evicts_slots_in_use_on_memory() {
+    let store = MemoryStore::builder().max_keys(10_000).build();
+    let layer = limited(store.clone(), streams("evict", 2, Duration::from_secs(10)));
+    let service = layer.layer(endless());
+    let [first, second, refused] = fill_two(&service).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let others = Policy::new("others", ["5/1m".parse().unwrap()]).unwrap();
+    for i in 0..20_000 {
+        let key = Key::from(format!("client-{i}"));
+        assert!(store.check(&key, &others, 1).await.unwrap().is_allowed());
+    }
+    assert!(store.key_count() <= 10_000, "{} keys", store.key_count());
+    let third = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS, "a third in flight");
+    drop((first, second));
+}

@@ -5,6 +5,7 @@
 //! hands it to a lane of the batcher (`batch.rs`), which sends it in a call through fred's pool
 //! or, in a Redis Cluster, the store's own routing (`nodes.rs`, `ask.rs`); the reply comes back
 //! the same way and is read by `protocol.rs`. Beside that path: the breakers (`health.rs`),
+//! concurrency slots' give-backs and renewals that wait for Redis (`slots.rs`),
 //! leases (`lease/`), overrides (`overrides.rs`), the cluster's key layout check (`layout.rs`),
 //! and the settings that start it all (`builder.rs`).
 
