@@ -1019,7 +1019,10 @@ async fn clients_that_leave_during_their_decision_leave_no_slot_taken_on_redis()
     });
     futures::join!(stop_redis(&server, "sleep", 0.2), join_all(leaving));
     let took = both_slots_free(&service, "k", Duration::from_secs(1)).await;
-    assert!(took.is_some(), "the key's slots were not free within a second");
+    assert!(
+        took.is_some(),
+        "the key's slots were not free within a second"
+    );
 }
 
 /// Decisions answered 503 while Redis sleeps 1 s (`FailureMode::Closed`) are run by Redis when
@@ -1071,6 +1074,61 @@ async fn a_flood_of_other_keys_never_evicts_slots_in_use_on_memory() {
     }
     assert!(store.key_count() <= 10_000, "{} keys", store.key_count());
     let third = service.clone().oneshot(request("k")).await.unwrap();
-    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS, "a third in flight");
+    assert_eq!(
+        third.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "a third in flight"
+    );
+    drop((first, second));
+}
+
+/// Under `FailureMode::Open` (the default), a concurrency limit holds on each instance alone
+/// while Redis is out of reach: with one stream of the key held and Redis asleep 1 s, one more
+/// request of the key is admitted (2 in flight here, the cap) and the others are refused for a
+/// slot (before, each was admitted without a slot: 10 in flight at cap 2 in the attack).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_open_keeps_the_cap_on_each_instance_on_redis() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let layer = limited(store, streams("open", 2, Duration::from_secs(10)));
+    let service = layer.layer(endless());
+    let held = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    let asks = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut responses = Vec::new();
+        for _ in 0..4 {
+            responses.push(service.clone().oneshot(request("k")).await.unwrap());
+        }
+        responses
+    };
+    let ((), responses) = futures::join!(stop_redis(&server, "sleep", 1.0), asks);
+    let statuses: Vec<_> = responses.iter().map(|r| r.status()).collect();
+    let admitted = statuses.iter().filter(|s| **s == StatusCode::OK).count();
+    assert_eq!(admitted, 1, "{statuses:?}");
+    assert!(statuses
+        .iter()
+        .all(|s| *s == StatusCode::OK || *s == StatusCode::TOO_MANY_REQUESTS));
+    drop((held, responses));
+}
+
+/// A request waiting for a slot (`max_wait`) while Redis sleeps is not let in by the outage
+/// under `FailureMode::Open`: the instance holds the key's cap, so the waiter waits out its
+/// time and is refused (before, the first store error let it in: 12 in flight at cap 2 in
+/// the attack).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_does_not_let_waiters_in_on_redis() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let policy = streams("waiters", 2, Duration::from_secs(10));
+    let layer = limited_waiting(store, policy, Duration::from_millis(1500));
+    let service = layer.layer(endless());
+    let [first, second, _] = fill_two(&service).await;
+    let waiter = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        service.clone().oneshot(request("k")).await.unwrap().status()
+    };
+    let ((), status) = futures::join!(stop_redis(&server, "sleep", 1.0), waiter);
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     drop((first, second));
 }

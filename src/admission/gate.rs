@@ -166,6 +166,7 @@ fn decided<F>(
     outcome: Result<Decision, StoreError>,
     waiting: Option<Waiting<F>>,
 ) -> Admission<F> {
+    let outcome = check.at_cap_alone(outcome);
     if let Some(mut waiting) = waiting {
         if let Some(wait) = waiting.wait_for_slot(&check, &outcome) {
             return Admission::Later(Later::waiting(wait, check, waiting));

@@ -3,6 +3,7 @@
 //! cache, the failure mode), one function per outcome.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -212,12 +213,46 @@ impl Check {
             mode = ?options.failure_mode,
             "rate-limit store failed"
         );
-        match options.failure_mode {
-            FailureMode::Closed => Verdict::Answer(Responder::unavailable(self.grpc.as_ref())),
-            _ => Verdict::Call(Admitted::undecided(
-                Arc::clone(&self.responder),
-                Undecided::StoreUnavailable,
-            )),
+        let undecided =
+            || Admitted::undecided(Arc::clone(&self.responder), Undecided::StoreUnavailable);
+        match (&options.failure_mode, &self.holds) {
+            (FailureMode::Closed, _) => Verdict::Answer(Responder::unavailable(self.grpc.as_ref())),
+            // A concurrency limit holds on each instance alone while the store is out of reach.
+            (FailureMode::Open, Some((holds, ledger))) => {
+                match holds.hold_alone(&self.key, &self.responder, Arc::clone(ledger)) {
+                    Some(slot) => {
+                        let mut admitted = undecided();
+                        admitted.receipt.slot = Some(slot);
+                        Verdict::Call(admitted)
+                    }
+                    None => {
+                        let full = Decision::slots_full(&self.responder.policy, Duration::ZERO);
+                        Verdict::Answer(self.slots_full(full))
+                    }
+                }
+            }
+            _ => Verdict::Call(undecided()),
+        }
+    }
+
+    /// Under [`FailureMode::Open`], a store's failure for a request of a policy with a
+    /// concurrency limit, while this layer already holds the cap of the key's slots: a refusal
+    /// for a slot, which a request allowed to wait for one waits out (see
+    /// [`store_failed`](Self::store_failed)); any other outcome as it is.
+    pub(crate) fn at_cap_alone(
+        &self,
+        outcome: Result<Decision, StoreError>,
+    ) -> Result<Decision, StoreError> {
+        let (Err(_), FailureMode::Open, Some(holds)) =
+            (&outcome, &self.responder.options.failure_mode, self.holds())
+        else {
+            return outcome;
+        };
+        let policy = &self.responder.policy;
+        let cap = policy.concurrency_limit().unwrap_or(u32::MAX) as usize;
+        match holds.held_here(&self.key, &self.responder) >= cap {
+            true => Ok(Decision::slots_full(policy, Duration::ZERO)),
+            false => outcome,
         }
     }
 

@@ -174,6 +174,55 @@ impl Holds {
         })
     }
 
+    /// How many slots of `key` this layer holds for `responder`'s policy, the store's and its
+    /// own ([`hold_alone`](Self::hold_alone)).
+    pub(crate) fn held_here(&self, key: &Key, responder: &Arc<Responder>) -> usize {
+        let all = crate::shards::lock(&self.held);
+        Self::count(&all, key, responder)
+    }
+
+    fn count(all: &Registry, key: &Key, responder: &Arc<Responder>) -> usize {
+        let mine = |slot: &&Held| Arc::ptr_eq(&slot.responder, responder) && slot.key == *key;
+        all.slots.values().filter(mine).count()
+    }
+
+    /// Holds a slot of `key` that no store keeps, while the store is out of reach under
+    /// [`FailureMode::Open`](crate::FailureMode::Open): only while this layer holds fewer than
+    /// the policy's cap of the key's slots, so that each instance keeps the cap on its own;
+    /// `None` at the cap. It is neither renewed nor given back to a store: its decision took no
+    /// slot, and `ledger` is never used.
+    pub(crate) fn hold_alone(
+        self: &Arc<Self>,
+        key: &Key,
+        responder: &Arc<Responder>,
+        ledger: Arc<dyn Ledger>,
+    ) -> Option<Slot> {
+        let cap = responder.policy.concurrency_limit()? as usize;
+        let serial = self.next.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        {
+            let mut all = crate::shards::lock(&self.held);
+            if Self::count(&all, key, responder) >= cap {
+                return None;
+            }
+            let held = Held {
+                key: key.clone(),
+                responder: Arc::clone(responder),
+                ledger,
+                decision: Decision::slots_full(&responder.policy, Duration::ZERO),
+                renewed: now,
+                gone: false,
+            };
+            all.slots.insert(serial, held);
+        }
+        crate::metrics::Report::slots_in_use(&responder.policy, 1.0);
+        Some(Slot {
+            holds: Arc::clone(self),
+            serial,
+            since: now,
+        })
+    }
+
     /// How long a refused request should wait for a slot of `policy`: the median of the
     /// latest hold times, capped at the slot lifetime and never under 1 s (`Retry-After` counts
     /// whole seconds, and 0 would invite a retry storm); 1 s before any is known.

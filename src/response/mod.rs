@@ -61,7 +61,11 @@ pub enum MissingKey {
 #[derive(Debug, Clone, Default)]
 #[non_exhaustive]
 pub enum FailureMode {
-    /// Admit the request: the limiter never becomes the outage.
+    /// Admit the request: the limiter never becomes the outage. A concurrency limit
+    /// ([`Policy::concurrency`](crate::Policy::concurrency)) still holds on each instance
+    /// alone: a request is admitted while the layer holds fewer than the cap of the key's
+    /// slots, and otherwise refused for a slot (or left waiting, with
+    /// [`max_wait`](crate::RateLimitLayerBuilder::max_wait)).
     #[default]
     Open,
     /// Refuse with `503 Service Unavailable` and `Retry-After: 1`.
