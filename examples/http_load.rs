@@ -17,7 +17,7 @@
 //! | `redis_log_lean` | the same without rate-limit headers on admitted answers, which is what `tower-rate-limit-fred` does |
 //! | `redis_gcra` | this crate, `RedisStore`, GCRA, `1000000/1s` per key |
 //! | `redis_gcra_lean` | the same without rate-limit headers on admitted answers |
-//! | `redis_gcra_overrides` | `redis_gcra_lean` with 1 000 overrides in Redis, one per key of the load (`2000000/1s`): every decision reads its key's override in its script call |
+//! | `redis_gcra_overrides` | `redis_gcra_lean` with 1 000 overrides in Redis, one per key of the load (`2000000/1s`): every decision goes by its key's override (the store sends it once it has read it; the script reads the hash's generation) |
 //! | `redis_gcra_concurrency` | `redis_gcra_lean` with a concurrency limit of 1 000 per key (`Policy::concurrency`), far above the load's concurrency: each request takes a slot in its decision's script call and gives it back when its response ends |
 //! | `redis_gcra_lease` | `redis_gcra_lean` with leases (`RedisStoreBuilder::leases`, the defaults), `60000000/1m` per key: the same rate over a minute, so that GCRA's headroom allows a full lease period |
 //! | `redis_fw_lease` | the same with the fixed window counter |

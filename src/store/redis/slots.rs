@@ -12,10 +12,11 @@
 //!
 //! A decision that takes a slot and whose answer nobody reads (its call timed out or failed,
 //! or its caller left: a client that disconnects) may still have taken it in Redis: the slot id
-//! is the instance's, so the decision gives it back all the same ([`Unheld`]). Where its call
-//! had not run yet, the give-back finds nothing; it is then sent again a few times
-//! ([`UNFOUND_TRIES`], [`RETRY`] apart), so that it lands after a call that was still on its
-//! way.
+//! is the instance's, so the decision gives it back all the same ([`Unheld`]). Its call may
+//! still be on its way, held up on one stalled connection of the pool while the others answer:
+//! while the give-back finds nothing it is sent again, [`RETRY`] apart and twice as long each
+//! time up to [`UNFOUND_PACE`], until the slot's stored lifetime has passed, so that a slot
+//! that call takes late is gone within [`UNFOUND_PACE`] of its taking.
 
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -46,8 +47,9 @@ pub(super) fn stored_micros(policy: &Policy, budget: Duration) -> u64 {
         .max(1)
 }
 
-/// How many times more a decision's own give-back ([`Unheld`]) is sent while it finds no slot.
-const UNFOUND_TRIES: u8 = 3;
+/// The longest a decision's own give-back ([`Unheld`]) waits before it is sent again, while
+/// it finds no slot.
+pub(super) const UNFOUND_PACE: Duration = Duration::from_millis(800);
 
 /// A give-back or renewal on its way, and what hears how it went.
 pub(super) struct SlotWork {
@@ -58,8 +60,12 @@ pub(super) struct SlotWork {
     /// found its slot gone, a give-back has nothing left to give back.
     pub(super) until: Instant,
     pub(super) done: OnSettled,
-    /// How many times more a give-back that finds no slot is sent.
-    pub(super) unfound: u8,
+    /// Whether a give-back that finds no slot is sent again (a decision's own, [`Unheld`]),
+    /// and how many times it found none.
+    until_found: bool,
+    unfound: u32,
+    /// Not sent again before this.
+    next: Instant,
 }
 
 impl SlotWork {
@@ -71,13 +77,27 @@ impl SlotWork {
         lifetime: u64,
         done: OnSettled,
     ) -> Self {
+        let now = Instant::now();
         SlotWork {
             key,
             policy,
             op,
-            until: Instant::now() + Duration::from_micros(lifetime),
+            until: now + Duration::from_micros(lifetime),
             done,
+            until_found: false,
             unfound: 0,
+            next: now,
+        }
+    }
+
+    /// The same give-back, sent again later: it found no slot.
+    fn again(self) -> SlotWork {
+        let unfound = self.unfound + 1;
+        let wait = RETRY.saturating_mul(1 << unfound.min(8)).min(UNFOUND_PACE);
+        SlotWork {
+            unfound,
+            next: Instant::now() + wait,
+            ..self
         }
     }
 }
@@ -127,10 +147,7 @@ impl Inner {
             let kept = reply.as_ref().is_ok_and(|answer| answer.ints[0] == 1);
             match inner.slot_kept(lane, started, work.op, reply) {
                 Err(error) if worth_again(&error) => inner.waiting.push(work, &inner),
-                Ok(()) if !kept && work.unfound > 0 => {
-                    let unfound = work.unfound - 1;
-                    inner.waiting.push(SlotWork { unfound, ..work }, &inner);
-                }
+                Ok(()) if !kept && work.until_found => inner.waiting.push(work.again(), &inner),
                 outcome => (work.done)(outcome),
             }
         });
@@ -158,7 +175,9 @@ async fn retry(inner: Weak<Inner>) {
         }
         let now = Instant::now();
         for work in due {
-            if now < work.until {
+            if now < work.until && now < work.next {
+                inner.waiting.push(work, &inner);
+            } else if now < work.until {
                 inner.send_slot_op(work, true);
             } else if work.op.lifetime == 0 {
                 (work.done)(Ok(()));
@@ -211,7 +230,7 @@ impl Drop for Unheld {
         let (key, policy) = (self.key.clone(), self.policy.clone());
         let work = SlotWork::new(key, policy, op, lifetime, Box::new(drop));
         let work = SlotWork {
-            unfound: UNFOUND_TRIES,
+            until_found: true,
             ..work
         };
         self.inner.send_slot_op(work, false);
