@@ -24,7 +24,7 @@ use http_body_util::{BodyExt, StreamBody};
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_redis_ratelimit::key::Header;
 use tower_redis_ratelimit::{
-    Decisions, FailureMode, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Settlement,
+    Decisions, FailureMode, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Rule, Settlement,
     Store, StoreError,
 };
 
@@ -1119,16 +1119,61 @@ async fn an_outage_does_not_let_waiters_in_on_redis() {
     let [first, second, _] = fill_two(&service).await;
     let waiter = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        service
+        let asked = tokio::time::Instant::now();
+        let status = service
             .clone()
             .oneshot(request("k"))
             .await
             .unwrap()
-            .status()
+            .status();
+        (status, asked.elapsed())
     };
-    let ((), status) = futures::join!(stop_redis(&server, "sleep", 1.0), waiter);
+    let ((), (status, waited)) = futures::join!(stop_redis(&server, "sleep", 1.0), waiter);
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        waited >= Duration::from_millis(1400),
+        "refused after {waited:?}, not waiting"
+    );
     drop((first, second));
+}
+
+/// Two rules of one layer that share a policy (and so its slots in Redis) share its cap while
+/// Redis is out of reach too (before, each rule kept the cap on its own: 4 in flight at cap 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_sharing_a_policy_share_its_cap_while_failing_open_on_redis() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let policy = streams("shared", 2, Duration::from_secs(10));
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store)
+        .rule(Rule::new(policy.clone()).path("/a"))
+        .rule(Rule::new(policy).path("/b"))
+        .build()
+        .unwrap();
+    let service = layer.layer(endless());
+    let to = |path: &str| {
+        Request::builder()
+            .uri(path)
+            .header("x-api-key", "k")
+            .body(())
+            .unwrap()
+    };
+    let held = service.clone().oneshot(to("/a")).await.unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    let asks = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut responses = Vec::new();
+        for path in ["/a", "/b", "/a", "/b"] {
+            responses.push(service.clone().oneshot(to(path)).await.unwrap());
+        }
+        responses
+    };
+    let ((), responses) = futures::join!(stop_redis(&server, "sleep", 1.0), asks);
+    let statuses: Vec<_> = responses.iter().map(|r| r.status()).collect();
+    let admitted = statuses.iter().filter(|s| **s == StatusCode::OK).count();
+    assert_eq!(admitted, 1, "{statuses:?}");
+    drop((held, responses));
 }
 
 /// One stalled connection of the store's pool holds up a decision for 1.2 s while other
@@ -1187,4 +1232,43 @@ async fn a_decision_held_up_on_one_stalled_connection_leaves_no_slot_taken_on_re
         took.is_some(),
         "the slot taken late was not given back within 1.5 s"
     );
+}
+
+/// A shadow layer passes requests on at the cap while Redis is out of reach, as it does over a
+/// limit (before, failing open refused them for a slot: a shadow layer enforced the cap
+/// during an outage).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_layer_refuses_nothing_while_failing_open_on_redis() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(RedisStore::connect(&server.url()).await.unwrap())
+        .policy(streams("shadow", 1, Duration::from_secs(10)))
+        .shadow(true)
+        .build()
+        .unwrap();
+    let service = layer.layer(endless());
+    let held = service.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    let asks = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut statuses = Vec::new();
+        for _ in 0..3 {
+            statuses.push(
+                service
+                    .clone()
+                    .oneshot(request("k"))
+                    .await
+                    .unwrap()
+                    .status(),
+            );
+        }
+        statuses
+    };
+    let ((), statuses) = futures::join!(stop_redis(&server, "sleep", 1.0), asks);
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    drop(held);
 }

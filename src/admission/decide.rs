@@ -121,7 +121,10 @@ where
                         Next::GiveUp(refusal) => (Ok(refusal), false),
                     }
                 }
-                StepProj::Asking { decision } => (ready!(decision.poll(cx)), true),
+                StepProj::Asking { decision } => {
+                    let outcome = ready!(decision.poll(cx));
+                    (pending.check.at_cap_alone(outcome), true)
+                }
             };
             let waiting = pending.waiting.as_mut().filter(|_| may_wait);
             match waiting.and_then(|w| w.wait_for_slot(&pending.check, &outcome)) {

@@ -217,7 +217,8 @@ impl Check {
             || Admitted::undecided(Arc::clone(&self.responder), Undecided::StoreUnavailable);
         match (&options.failure_mode, &self.holds) {
             (FailureMode::Closed, _) => Verdict::Answer(Responder::unavailable(self.grpc.as_ref())),
-            // A concurrency limit holds on each instance alone while the store is out of reach.
+            // A concurrency limit holds on each instance alone while the store is out of reach
+            // (shadow and soft layers pass the request on at the cap, as over a limit).
             (FailureMode::Open, Some((holds, ledger))) => {
                 match holds.hold_alone(&self.key, &self.responder, Arc::clone(ledger)) {
                     Some(slot) => {
@@ -225,6 +226,7 @@ impl Check {
                         admitted.receipt.slot = Some(slot);
                         Verdict::Call(admitted)
                     }
+                    None if options.shadow || options.soft => Verdict::Call(undecided()),
                     None => {
                         let full = Decision::slots_full(&self.responder.policy, Duration::ZERO);
                         Verdict::Answer(self.slots_full(full))
@@ -243,9 +245,13 @@ impl Check {
         &self,
         outcome: Result<Decision, StoreError>,
     ) -> Result<Decision, StoreError> {
-        let (Err(_), FailureMode::Open, Some(holds)) =
-            (&outcome, &self.responder.options.failure_mode, self.holds())
-        else {
+        let options = &self.responder.options;
+        let (Err(_), FailureMode::Open, Some(holds), false) = (
+            &outcome,
+            &options.failure_mode,
+            self.holds(),
+            options.shadow || options.soft,
+        ) else {
             return outcome;
         };
         let policy = &self.responder.policy;

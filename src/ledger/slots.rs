@@ -174,16 +174,19 @@ impl Holds {
         })
     }
 
-    /// How many slots of `key` this layer holds for `responder`'s policy, the store's and its
-    /// own ([`hold_alone`](Self::hold_alone)).
+    /// How many slots of `key` this layer holds under `responder`'s policy's state (every
+    /// rule of the layer that shares it), the store's and its own
+    /// ([`hold_alone`](Self::hold_alone)).
     pub(crate) fn held_here(&self, key: &Key, responder: &Arc<Responder>) -> usize {
         let all = crate::shards::lock(&self.held);
         Self::count(&all, key, responder)
     }
 
     fn count(all: &Registry, key: &Key, responder: &Arc<Responder>) -> usize {
-        let mine = |slot: &&Held| Arc::ptr_eq(&slot.responder, responder) && slot.key == *key;
-        all.slots.values().filter(mine).count()
+        let state = responder.policy.state_id();
+        let shares =
+            |slot: &&Held| slot.key == *key && state.is(slot.responder.policy.state_id().text);
+        all.slots.values().filter(shares).count()
     }
 
     /// Holds a slot of `key` that no store keeps, while the store is out of reach under
