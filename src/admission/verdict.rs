@@ -16,7 +16,7 @@ use crate::ledger::tab::Tab;
 use crate::ledger::Receipt;
 use crate::metrics::Report;
 use crate::response::{FailureMode, Responder, Tally};
-use crate::{Decision, Store, StoreError, Undecided};
+use crate::{Decision, Settlement, Store, StoreError, Undecided};
 
 /// What to do with a request once its decision is in.
 pub(crate) enum Verdict {
@@ -68,6 +68,9 @@ impl Check {
         }
         let (outcome, fallback) = self.fall_back(outcome);
         match outcome {
+            Ok(d) if d.is_allowed() && self.over_cap_here(&d, fallback.is_some()) => {
+                Verdict::Answer(self.slots_full(self.give_back_slot(d)))
+            }
             Ok(d) if d.is_allowed() => Verdict::Call(self.admitted(d, fallback)),
             // Passed on over the limit: shadow mode (logged for the roll-out) or a soft limit
             // (the handler sees it in the decisions).
@@ -235,6 +238,29 @@ impl Check {
             }
             _ => Verdict::Call(undecided()),
         }
+    }
+
+    /// Whether the store admitted `d` with a slot while this layer already holds the key's
+    /// cap, counting the slots it took alone during an outage, which the store does not know
+    /// (never with a fallback store's decision).
+    fn over_cap_here(&self, d: &Decision, fell_back: bool) -> bool {
+        let options = &self.responder.options;
+        let passes = options.shadow || options.soft;
+        let holds = self
+            .holds()
+            .filter(|_| d.holds_slot() && !fell_back && !passes);
+        holds.is_some_and(|holds| holds.over_cap_with_alone(&self.key, &self.responder))
+    }
+
+    /// Gives back the slot the store gave `d`, unused; returns the refusal for a slot to
+    /// answer instead.
+    fn give_back_slot(&self, d: Decision) -> Decision {
+        if let (Some((holds, ledger)), Some(release)) = (&self.holds, Settlement::release(&d)) {
+            let about = (self.key.clone(), Arc::clone(&self.responder));
+            let entry = crate::ledger::post::Entry::new(about.0, about.1, release, None);
+            ledger.settle(entry, holds.in_flight());
+        }
+        Decision::slots_full(&self.responder.policy, Duration::ZERO)
     }
 
     /// Under [`FailureMode::Open`], a store's failure for a request of a policy with a

@@ -42,6 +42,8 @@ pub(crate) struct Holds {
     /// The requests waiting for a slot (`RateLimitLayerBuilder::max_wait`), woken by a
     /// give-back here.
     lines: Arc<Lines>,
+    /// How many slots are held alone ([`hold_alone`](Self::hold_alone)).
+    alone: AtomicU64,
 }
 
 /// A map keyed by a serial or a hash already made, hashed cheaply.
@@ -73,6 +75,8 @@ struct Held {
     renewed: Instant,
     /// Found gone at a renewal: no longer renewed, nor reported again.
     gone: bool,
+    /// Held alone, no store keeping it ([`Holds::hold_alone`]).
+    alone: bool,
 }
 
 /// The latest hold times of one policy, a ring.
@@ -119,6 +123,7 @@ impl Holds {
             wake: Arc::new(Notify::new()),
             hold_times: Mutex::default(),
             lines: Arc::default(),
+            alone: AtomicU64::new(0),
         }
     }
 
@@ -151,6 +156,7 @@ impl Holds {
             decision,
             renewed: now,
             gone: false,
+            alone: false,
         };
         let quarter = micros(responder.policy.slot_lifetime() / 4);
         // The task sleeps until woken while idle, and otherwise ticks at a quarter of the
@@ -172,6 +178,17 @@ impl Holds {
             serial,
             since: now,
         })
+    }
+
+    /// Whether this layer holds `key`'s cap of slots under `responder`'s policy, counting one
+    /// the store just gave it, while it holds any slot alone: the store does not count
+    /// those, so after an outage it may admit past the cap. Cheap while none is held alone.
+    pub(crate) fn over_cap_with_alone(&self, key: &Key, responder: &Arc<Responder>) -> bool {
+        if self.alone.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let cap = responder.policy.concurrency_limit().unwrap_or(u32::MAX) as usize;
+        self.held_here(key, responder) >= cap
     }
 
     /// How many slots of `key` this layer holds under `responder`'s policy's state (every
@@ -215,9 +232,11 @@ impl Holds {
                 decision: Decision::slots_full(&responder.policy, Duration::ZERO),
                 renewed: now,
                 gone: false,
+                alone: true,
             };
             all.slots.insert(serial, held);
         }
+        self.alone.fetch_add(1, Ordering::Relaxed);
         crate::metrics::Report::slots_in_use(&responder.policy, 1.0);
         Some(Slot {
             holds: Arc::clone(self),
@@ -288,6 +307,9 @@ impl Holds {
         let Some(slot) = crate::shards::lock(&self.held).slots.remove(&serial) else {
             return;
         };
+        if slot.alone {
+            self.alone.fetch_sub(1, Ordering::Relaxed);
+        }
         let policy = &slot.responder.policy;
         crate::metrics::Report::slots_in_use(policy, -1.0);
         crate::shards::lock(&self.hold_times)
