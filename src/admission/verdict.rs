@@ -280,10 +280,8 @@ impl Check {
         ) else {
             return outcome;
         };
-        let policy = &self.responder.policy;
-        let cap = policy.concurrency_limit().unwrap_or(u32::MAX) as usize;
-        match holds.held_here(&self.key, &self.responder) >= cap {
-            true => Ok(Decision::slots_full(policy, Duration::ZERO)),
+        match holds.at_cap(&self.key, &self.responder) {
+            true => Ok(Decision::slots_full(&self.responder.policy, Duration::ZERO)),
             false => outcome,
         }
     }

@@ -184,26 +184,22 @@ impl Holds {
     /// the store just gave it, while it holds any slot alone: the store does not count
     /// those, so after an outage it may admit past the cap. Cheap while none is held alone.
     pub(crate) fn over_cap_with_alone(&self, key: &Key, responder: &Arc<Responder>) -> bool {
-        if self.alone.load(Ordering::Relaxed) == 0 {
-            return false;
-        }
-        let cap = responder.policy.concurrency_limit().unwrap_or(u32::MAX) as usize;
-        self.held_here(key, responder) >= cap
+        self.alone.load(Ordering::Relaxed) != 0 && self.at_cap(key, responder)
     }
 
-    /// How many slots of `key` this layer holds under `responder`'s policy's state (every
-    /// rule of the layer that shares it), the store's and its own
+    /// Whether this layer holds the cap of `key`'s slots under `responder`'s policy's state
+    /// (every rule of the layer that shares it), the store's and its own
     /// ([`hold_alone`](Self::hold_alone)).
-    pub(crate) fn held_here(&self, key: &Key, responder: &Arc<Responder>) -> usize {
-        let all = crate::shards::lock(&self.held);
-        Self::count(&all, key, responder)
+    pub(crate) fn at_cap(&self, key: &Key, responder: &Arc<Responder>) -> bool {
+        Self::full(&crate::shards::lock(&self.held), key, responder)
     }
 
-    fn count(all: &Registry, key: &Key, responder: &Arc<Responder>) -> usize {
+    fn full(all: &Registry, key: &Key, responder: &Arc<Responder>) -> bool {
+        let cap = responder.policy.concurrency_limit().unwrap_or(u32::MAX) as usize;
         let state = responder.policy.state_id();
         let shares =
             |slot: &&Held| slot.key == *key && state.is(slot.responder.policy.state_id().text);
-        all.slots.values().filter(shares).count()
+        all.slots.values().filter(shares).count() >= cap
     }
 
     /// Holds a slot of `key` that no store keeps, while the store is out of reach under
@@ -217,12 +213,12 @@ impl Holds {
         responder: &Arc<Responder>,
         ledger: Arc<dyn Ledger>,
     ) -> Option<Slot> {
-        let cap = responder.policy.concurrency_limit()? as usize;
+        responder.policy.concurrency_limit()?;
         let serial = self.next.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
         {
             let mut all = crate::shards::lock(&self.held);
-            if Self::count(&all, key, responder) >= cap {
+            if Self::full(&all, key, responder) {
                 return None;
             }
             let held = Held {
