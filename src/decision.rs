@@ -12,7 +12,9 @@ use crate::algorithm::MAX_UNITS;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decision {
     pub(crate) allowed: bool,
-    pub(crate) limit_index: usize,
+    /// `u32`, so that it shares a word with the flags: a decision travels in every request's
+    /// future.
+    pub(crate) limit_index: u32,
     pub(crate) limit: u64,
     pub(crate) window: Duration,
     pub(crate) remaining: u64,
@@ -28,8 +30,14 @@ pub struct Decision {
     pub(crate) penalty: bool,
     /// The concurrency slot the request took, when its policy has a concurrency limit.
     pub(crate) slot: Option<u64>,
-    /// Describes the policy's concurrency limit: refused because the key holds every slot.
+    /// Describes the policy's concurrency limit: refused because the key holds every slot,
+    /// or every slot not kept for the waiters ahead of the request.
     pub(crate) concurrency: bool,
+    /// Refused for a slot while waiting for one: the request's place in its key's line (its
+    /// deadline there, µs on the store's clock); 0 when it is in none.
+    pub(crate) place: u64,
+    /// Refused for a slot: the key's typical hold time the store keeps (ms; 0: none known).
+    pub(crate) hold_ms: u32,
 }
 
 impl Decision {
@@ -40,7 +48,7 @@ impl Decision {
 
     /// The index, in [`Policy::limits`](crate::Policy::limits), of the limit described.
     pub fn limit_index(&self) -> usize {
-        self.limit_index
+        self.limit_index as usize
     }
 
     /// The count of the limit described.
@@ -78,7 +86,7 @@ impl Decision {
         let limit = policy.limits()[outcome.index.min(policy.limits().len() - 1)];
         Decision {
             allowed: outcome.allowed,
-            limit_index: outcome.index,
+            limit_index: u32::try_from(outcome.index).unwrap_or(u32::MAX),
             limit: limit.count(),
             window: limit.window(),
             remaining: outcome.remaining,
@@ -89,6 +97,8 @@ impl Decision {
             penalty: false,
             slot: None,
             concurrency: false,
+            place: 0,
+            hold_ms: 0,
         }
     }
 
@@ -120,6 +130,8 @@ impl Decision {
             penalty: true,
             slot: None,
             concurrency: false,
+            place: 0,
+            hold_ms: 0,
         }
     }
 
@@ -128,9 +140,10 @@ impl Decision {
     /// request was refused because [`limit`](Self::limit) requests of its key are in flight.
     /// [`limit_index`](Self::limit_index) is then the number of rate limits (one past the
     /// last), [`window`](Self::window) zero, and [`retry_after`](Self::retry_after) when a slot
-    /// is likely to be free: from the store, when the first slot held would expire unrenewed;
-    /// from the layer, the median time its requests held a slot, capped at the slot lifetime
-    /// and never under 1 s.
+    /// is likely to be free: from the store, the key's typical hold time across every
+    /// instance that shares it, or, while the store knows none, when the first slot held would
+    /// expire unrenewed; from the layer, the same hold time capped at the slot lifetime and
+    /// never under 1 s (the layer's own when the store keeps none).
     pub fn is_concurrency_limit(&self) -> bool {
         self.concurrency
     }
@@ -145,19 +158,38 @@ impl Decision {
     /// The refusal of a request whose key holds all `policy`'s concurrency slots; the first
     /// expires unrenewed after `left`.
     pub(crate) fn slots_full(policy: &crate::Policy, left: Duration) -> Decision {
+        let left = u64::try_from(left.as_micros()).unwrap_or(u64::MAX);
+        let full = crate::concurrency::Full {
+            left,
+            place: 0,
+            hold: 0,
+        };
+        Decision::refused_slot(policy, full)
+    }
+
+    /// The refusal of a request for a concurrency slot, as the store's line answers it: its
+    /// retry is the key's typical hold time where the store knows one, else the time until
+    /// the first slot expires.
+    pub(crate) fn refused_slot(policy: &crate::Policy, full: crate::concurrency::Full) -> Decision {
+        let retry = Duration::from_micros(match full.hold {
+            0 => full.left,
+            hold => hold,
+        });
         Decision {
             allowed: false,
-            limit_index: policy.limits().len(),
+            limit_index: u32::try_from(policy.limits().len()).unwrap_or(u32::MAX),
             limit: policy.concurrency_limit().map_or(0, u64::from),
             window: Duration::ZERO,
             remaining: 0,
-            reset_after: left,
-            retry_after: Some(left),
+            reset_after: retry,
+            retry_after: Some(retry),
             admitted_at: None,
             recorded: 0,
             penalty: false,
             slot: None,
             concurrency: true,
+            place: full.place,
+            hold_ms: u32::try_from(full.hold.div_ceil(1_000)).unwrap_or(u32::MAX),
         }
     }
 
@@ -186,6 +218,8 @@ impl Decision {
             penalty: false,
             slot: None,
             concurrency: false,
+            place: 0,
+            hold_ms: 0,
         }
     }
 
@@ -242,8 +276,10 @@ pub enum Settlement {
     Charge(Units),
     /// Takes back units of those the request recorded.
     Refund(Units),
-    /// Gives the request's concurrency slot back.
-    Release(SlotId),
+    /// Gives the request's concurrency slot back, held for this long (zero: not known). The
+    /// store keeps the key's typical hold time, from which it says when a slot is likely to
+    /// be free to the requests it refuses one.
+    Release(SlotId, Duration),
     /// Keeps the request's concurrency slot for another
     /// [`slot_lifetime`](crate::Policy::slot_lifetime) from now.
     Renew(SlotId),
@@ -336,7 +372,16 @@ impl Settlement {
     /// layer does this when a response ends; a caller of [`Store::check`](crate::Store::check)
     /// does it when its work is done.
     pub fn release(decision: &Decision) -> Option<Settlement> {
-        decision.slot.map(|slot| Settlement::Release(SlotId(slot)))
+        Settlement::release_after(decision, Duration::ZERO)
+    }
+
+    /// Gives back the concurrency slot the request that got `decision` took, as
+    /// [`release`](Self::release) does, after it held it for `held`: the store counts that
+    /// towards the key's typical hold time.
+    pub fn release_after(decision: &Decision, held: Duration) -> Option<Settlement> {
+        decision
+            .slot
+            .map(|slot| Settlement::Release(SlotId(slot), held))
     }
 
     /// Renews the concurrency slot the request that got `decision` took, for another
@@ -352,7 +397,7 @@ impl Settlement {
     pub fn is_refund(&self) -> bool {
         match self {
             Settlement::Refund(_) => true,
-            Settlement::Charge(_) | Settlement::Release(_) | Settlement::Renew(_) => false,
+            Settlement::Charge(_) | Settlement::Release(..) | Settlement::Renew(_) => false,
         }
     }
 
@@ -360,7 +405,7 @@ impl Settlement {
     pub fn units(&self) -> u64 {
         match self {
             Settlement::Charge(units) | Settlement::Refund(units) => units.count,
-            Settlement::Release(_) | Settlement::Renew(_) => 0,
+            Settlement::Release(..) | Settlement::Renew(_) => 0,
         }
     }
 }

@@ -468,8 +468,8 @@ impl Policy {
     /// its slots in batches every quarter of that while their requests run, so a request may
     /// run for hours, and the slots of an instance that dies come back within one expiry.
     /// A request refused for a slot answers `429` (gRPC `RESOURCE_EXHAUSTED`) with a
-    /// `Retry-After` of the median time this layer's requests held a slot (capped at the slot
-    /// expiry, never under 1 s), and [`Decision::is_concurrency_limit`](crate::Decision::is_concurrency_limit)
+    /// `Retry-After` of the key's typical hold time across the fleet, which the store keeps from
+    /// the give-backs (capped at the slot expiry, never under 1 s), and [`Decision::is_concurrency_limit`](crate::Decision::is_concurrency_limit)
     /// tells it apart from a rate refusal. The limit is from 1 to
     /// [`MAX_CONCURRENCY`](Policy::MAX_CONCURRENCY).
     ///

@@ -1286,3 +1286,152 @@ async fn a_shadow_layer_refuses_nothing_while_failing_open_on_redis() {
     );
     drop(held);
 }
+
+/// How many pairs of `order` are out of order: the number of inversions.
+fn inversions(order: &[usize]) -> usize {
+    let pairs = order
+        .iter()
+        .enumerate()
+        .flat_map(|(i, a)| order[i + 1..].iter().map(move |b| (a, b)));
+    pairs.filter(|(a, b)| a > b).count()
+}
+
+/// Waiters of one key on two instances get its slot in the order they came, whichever
+/// instance gives it back: the store keeps their line, and a slot given back is kept for the
+/// first in it. Without the line, the instance that gives a slot back wakes its own waiters at
+/// once, and the other's, which look every 50 ms, lose it to them.
+#[tokio::test]
+async fn waiters_on_two_instances_get_slots_in_arrival_order_on_redis() {
+    let server = RedisServer::start();
+    let policy = streams("fleet-line", 1, Duration::from_secs(10));
+    let mut instances = Vec::new();
+    for _ in 0..2 {
+        let store = server.store().await;
+        let layer = limited_waiting(store, policy.clone(), Duration::from_secs(30));
+        instances.push(layer.layer(endless()));
+    }
+    let held = instances[0].clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    // 20 waiters, 40 ms apart, alternating between the instances; each holds its slot 30 ms.
+    let start = tokio::time::Instant::now();
+    let served = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for i in 0..20 {
+        let (service, served) = (instances[i % 2].clone(), Arc::clone(&served));
+        waiters.push(tokio::spawn(async move {
+            let response = service.oneshot(request("k")).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK, "waiter {i}");
+            let admitted = start.elapsed();
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            drop(response);
+            served.lock().unwrap().push((i, admitted, start.elapsed()));
+        }));
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    drop(held);
+    let released = start.elapsed();
+    for waiter in waiters {
+        waiter.await.unwrap();
+    }
+    let served = served.lock().unwrap().clone();
+    let order: Vec<usize> = served.iter().map(|&(i, _, _)| i).collect();
+    // From each give-back to the next admission: the slot free, kept for the first in line.
+    let mut ends = vec![released];
+    ends.extend(served.iter().map(|&(_, _, ended)| ended));
+    let mut gaps: Vec<Duration> = served
+        .iter()
+        .zip(&ends)
+        .map(|(&(_, admitted, _), &ended)| admitted.saturating_sub(ended))
+        .collect();
+    gaps.sort();
+    println!(
+        "served {order:?}; gap from give-back to next admission: median {:?}, max {:?}",
+        gaps[gaps.len() / 2],
+        gaps[gaps.len() - 1]
+    );
+    assert_eq!(inversions(&order), 0, "{order:?}");
+}
+
+/// The `Retry-After` of a refusal for a slot says how long the key's slots are typically held
+/// across the fleet, as the store keeps it, even on an instance that never held one.
+#[tokio::test]
+async fn a_slot_refusal_says_the_fleets_hold_time_on_redis() {
+    let server = RedisServer::start();
+    let policy = streams("fleet-hold", 2, Duration::from_secs(20));
+    let holder = limited(server.store().await, policy.clone()).layer(endless());
+    let fresh = limited(server.store().await, policy).layer(endless());
+    refused_after_holds(
+        &holder,
+        &fresh,
+        Duration::from_millis(2_500),
+        tokio::time::sleep,
+    )
+    .await;
+}
+
+/// The same on one memory store shared by two layers.
+#[tokio::test(start_paused = true)]
+async fn a_slot_refusal_says_the_fleets_hold_time_on_memory() {
+    let store = MemoryStore::new();
+    let policy = streams("fleet-hold-memory", 2, Duration::from_secs(60));
+    let holder = limited(store.clone(), policy.clone()).layer(endless());
+    let fresh = limited(store, policy).layer(endless());
+    refused_after_holds(&holder, &fresh, Duration::from_secs(7), tokio::time::sleep).await;
+}
+
+/// `holder` takes the key's two slots and keeps them `held`, twice; then, with both held
+/// again, `fresh` (which has held none) is refused with a `Retry-After` of `held`, rounded up.
+async fn refused_after_holds<S, F, Fut>(holder: &S, fresh: &S, held: Duration, sleep: F)
+where
+    S: Service<Request<()>, Response = Response<tower_redis_ratelimit::body::ResponseBody<Body>>>
+        + Clone,
+    S::Error: std::fmt::Debug,
+    F: Fn(Duration) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    for _ in 0..2 {
+        let both = join_all((0..2).map(|_| holder.clone().oneshot(request("k")))).await;
+        assert!(both
+            .iter()
+            .all(|r| r.as_ref().unwrap().status() == StatusCode::OK));
+        sleep(held).await;
+        drop(both);
+        // The give-backs are on their way (at once on the memory store).
+        sleep(Duration::from_millis(200)).await;
+    }
+    let _both = join_all((0..2).map(|_| holder.clone().oneshot(request("k")))).await;
+    let refused = fresh.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry = refused.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let expected = held.as_secs_f64().ceil() as u64;
+    assert_eq!(retry, expected.to_string(), "held {held:?}");
+}
+
+/// A waiter whose client goes away leaves the store's line at once: the slot it would have
+/// been kept for goes to the next request, not after the waiter's deadline.
+#[tokio::test]
+async fn a_waiter_whose_client_leaves_gives_up_its_place_on_redis() {
+    let server = RedisServer::start();
+    let policy = streams("left-line", 1, Duration::from_secs(10));
+    let waiting = limited_waiting(
+        server.store().await,
+        policy.clone(),
+        Duration::from_secs(30),
+    );
+    let waiting = waiting.layer(endless());
+    let other = limited(server.store().await, policy).layer(endless());
+    let held = other.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    let waiter = tokio::spawn(waiting.oneshot(request("k")));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished());
+    waiter.abort();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(held);
+    let took = until_admitted(&other, "k", Duration::from_secs(5)).await;
+    println!("admitted {took:?} after the give-back");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+}

@@ -46,17 +46,6 @@ impl<F> Later<F> {
             waiting,
         }
     }
-
-    /// The request waits in line for a slot.
-    pub(crate) fn waiting(wait: Wait, check: Check, waiting: Waiting<F>) -> Self {
-        Later {
-            step: Step::Waiting {
-                wait: Box::pin(wait),
-            },
-            check,
-            waiting: Some(waiting),
-        }
-    }
 }
 
 pin_project! {

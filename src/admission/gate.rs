@@ -1,7 +1,6 @@
 //! The gate: rule → key → allow list → deny cache → store, for one request.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -10,7 +9,7 @@ use http_body_util::Full;
 use super::check::Check;
 use super::decide::Later;
 use super::limiter::Limiter;
-use super::wait::{Recheck, Waiting};
+use super::wait::{Line, Waiting};
 use super::{Admission, Admitted};
 use crate::deny_cache::{DenyCache, Ticket};
 use crate::metrics::Started;
@@ -109,25 +108,19 @@ impl<K, St: Store> Limiter<K, St> {
     }
 
     /// The store's decision: at once when the store decides without waiting, later
-    /// otherwise.
+    /// otherwise. A request that may wait for a concurrency slot asks as a waiter, so that
+    /// the store serves the key's waiters, here and on other instances, before it.
     fn ask(&self, check: Check) -> Admission<St::Future> {
-        let waiting = self.waiting(&check);
         let (key, policy, cost) = (&check.key, &check.responder.policy, check.cost);
-        // Requests of the key already waiting for a slot here go first: this one takes its
-        // place at the back of their line without asking the store, as if refused for a slot.
-        let in_line = waiting.is_some()
-            && check
-                .holds()
-                .is_some_and(|holds| holds.lines().has_line(key, policy));
-        let now = match in_line {
-            true => Some(Ok(Decision::slots_full(policy, Duration::from_secs(1)))),
-            false => self.store.check_now(key, policy, cost),
-        };
-        match now {
-            Some(outcome) => decided(check, outcome, waiting),
+        if let Some(waiting) = self.waiting(&check) {
+            let decision = waiting.ask(&check);
+            return Admission::Later(Later::asking(decision, check, Some(waiting)));
+        }
+        match self.store.check_now(key, policy, cost) {
+            Some(outcome) => decided(check, outcome),
             None => {
                 let decision = self.store.check(key, policy, cost);
-                Admission::Later(Later::asking(decision, check, waiting))
+                Admission::Later(Later::asking(decision, check, None))
             }
         }
     }
@@ -136,13 +129,11 @@ impl<K, St: Store> Limiter<K, St> {
     /// ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)); `None` when it may not.
     fn waiting(&self, check: &Check) -> Option<Waiting<St::Future>> {
         let options = &check.responder.options;
-        let waits = check.holds.is_some() && !options.max_wait.is_zero();
-        (waits && !options.soft && !options.shadow).then(|| {
-            let store = self.store.clone();
-            let recheck: Recheck<St::Future> =
-                Arc::new(move |key: &Key, policy, cost| store.check(key, policy, cost));
-            Waiting::new(recheck, options.max_wait)
-        })
+        let waits = !options.max_wait.is_zero() && !options.soft && !options.shadow;
+        let (holds, _) = check.holds.as_ref().filter(|_| waits)?;
+        let waiter = holds.lines().waiter(options.max_wait);
+        let line: Arc<dyn Line<St::Future>> = Arc::new(self.store.clone());
+        Some(Waiting::new(line, waiter))
     }
 }
 
@@ -159,19 +150,9 @@ fn undecided<F>(responder: Arc<Responder>, why: Undecided) -> Admission<F> {
     Admission::Call(Admitted::undecided(responder, why))
 }
 
-/// A request the store decided at once: refused for a slot, it waits for one if it may;
-/// otherwise its verdict.
-fn decided<F>(
-    check: Check,
-    outcome: Result<Decision, StoreError>,
-    waiting: Option<Waiting<F>>,
-) -> Admission<F> {
+/// The verdict on a request the store decided at once.
+fn decided<F>(check: Check, outcome: Result<Decision, StoreError>) -> Admission<F> {
     let outcome = check.at_cap_alone(outcome);
-    if let Some(mut waiting) = waiting {
-        if let Some(wait) = waiting.wait_for_slot(&check, &outcome) {
-            return Admission::Later(Later::waiting(wait, check, waiting));
-        }
-    }
     check.verdict(outcome).into()
 }
 
@@ -352,7 +333,13 @@ mod tests {
             .build()
             .unwrap();
         let limiter = layer.limiter();
-        let Admission::Call(first) = limiter.admit(&mut user("ann")) else {
+        // A request that may wait asks the store as a waiter, so its decision comes later.
+        let Admission::Later(first) = limiter.admit(&mut user("ann")) else {
+            panic!("a request that may wait is decided later");
+        };
+        let mut first = std::pin::pin!(Deciding::new(first, ()));
+        let verdict = std::future::poll_fn(|cx| first.as_mut().poll_verdict(cx)).await;
+        let Some((Verdict::Call(first), ())) = verdict else {
             panic!("the first request takes the slot");
         };
         assert!(first.receipt.slot.is_some());

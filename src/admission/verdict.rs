@@ -173,7 +173,8 @@ impl Check {
             .options
             .tally(policy, &self.key, Tally::DeniedConcurrency);
         if let Some(holds) = self.holds() {
-            let retry = holds.retry_after(policy);
+            let known = Duration::from_millis(d.hold_ms.into());
+            let retry = holds.retry_after(policy, known);
             (d.retry_after, d.reset_after) = (Some(retry), retry);
         }
         tracing::debug!(

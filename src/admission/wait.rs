@@ -10,10 +10,26 @@ use tokio::time::Instant;
 
 use super::check::Check;
 use crate::concurrency::lines::{InLine, Wait};
-use crate::{Decision, Key, Policy, StoreError};
+use crate::concurrency::Waiter;
+use crate::{Decision, Key, Policy, Store, StoreError};
 
-/// Asks the store again for a request waiting for a concurrency slot.
-pub(crate) type Recheck<F> = Arc<dyn Fn(&Key, &Policy, u32) -> F + Send + Sync>;
+/// The store, as a waiting request asks it: again for a slot, or to take it out of line.
+pub(crate) trait Line<F>: Send + Sync {
+    /// Decides the request (`Store::check_in_line`).
+    fn ask(&self, key: &Key, policy: &Policy, cost: u32, waiter: &Waiter) -> F;
+    /// Takes it out of the key's line (`Store::leave_line`).
+    fn leave(&self, key: &Key, policy: &Policy, waiter: &Waiter);
+}
+
+impl<St: Store> Line<St::Future> for St {
+    fn ask(&self, key: &Key, policy: &Policy, cost: u32, waiter: &Waiter) -> St::Future {
+        self.check_in_line(key, policy, cost, waiter)
+    }
+
+    fn leave(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
+        self.leave_line(key, policy, waiter);
+    }
+}
 
 /// How often the first request in line asks the store again while it waits: a slot may free
 /// on another instance, or expire, with no give-back here to wake it.
@@ -21,13 +37,15 @@ const RECHECK_EVERY: Duration = Duration::from_millis(50);
 
 /// A request's wait for a slot: its deadline and its place in line, once refused.
 pub(crate) struct Waiting<F> {
-    recheck: Recheck<F>,
-    max_wait: Duration,
+    line: Arc<dyn Line<F>>,
+    waiter: Waiter,
     /// Set at the first refusal.
     deadline: Option<Instant>,
     ticket: Option<InLine>,
     /// The latest refusal: the answer once the deadline has passed.
     refusal: Option<Decision>,
+    /// The key and policy of the store's line the request is in, while it is in one.
+    queued: Option<(Key, Policy)>,
 }
 
 /// What a waiting request does next.
@@ -41,14 +59,24 @@ pub(crate) enum Next<F> {
 }
 
 impl<F> Waiting<F> {
-    pub(crate) fn new(recheck: Recheck<F>, max_wait: Duration) -> Self {
+    /// A request that may wait for a slot as `waiter` ([`Lines::waiter`]).
+    ///
+    /// [`Lines::waiter`]: crate::concurrency::lines::Lines::waiter
+    pub(crate) fn new(line: Arc<dyn Line<F>>, waiter: Waiter) -> Self {
         Waiting {
-            recheck,
-            max_wait,
+            line,
+            waiter,
             deadline: None,
             ticket: None,
             refusal: None,
+            queued: None,
         }
+    }
+
+    /// The store's first decision of the request.
+    pub(crate) fn ask(&self, check: &Check) -> F {
+        let (key, policy) = (&check.key, &check.responder.policy);
+        self.line.ask(key, policy, check.cost, &self.waiter)
     }
 
     /// Starts or goes on waiting when `outcome` refused the request for a concurrency slot,
@@ -60,25 +88,37 @@ impl<F> Waiting<F> {
     ) -> Option<Wait> {
         let refusal = match outcome {
             Ok(d) if d.is_concurrency_limit() => *d,
-            _ => {
-                self.ticket = None;
+            Ok(d) => {
+                // Admitted, the store took it out of its line; refused by a rate limit, it
+                // leaves.
+                self.stop(d.is_allowed());
+                return None;
+            }
+            Err(_) => {
+                self.stop(false);
                 return None;
             }
         };
         let now = Instant::now();
-        let later = now.checked_add(self.max_wait).unwrap_or(now);
+        let later = now.checked_add(self.waiter.wait).unwrap_or(now);
         let deadline = *self.deadline.get_or_insert(later);
         // A wait needs tokio's timer: called outside a runtime, the request is not kept.
         let timer = tokio::runtime::Handle::try_current().is_ok();
         let (Some(holds), true) = (check.holds(), now < deadline && timer) else {
-            self.ticket = None;
+            self.stop(false);
             return None;
         };
         self.refusal = Some(refusal);
         let (key, policy) = (&check.key, &check.responder.policy);
+        let place = refusal.place;
+        if place > 0 && self.queued.is_none() {
+            self.waiter.queued = true;
+            self.queued = Some((key.clone(), policy.clone()));
+        }
+        let (id, lines) = (self.waiter.id, holds.lines());
         let ticket = self
             .ticket
-            .get_or_insert_with(|| holds.lines().join(key, policy));
+            .get_or_insert_with(|| lines.join(key, policy, id, place));
         let until = match ticket.is_first() {
             true => deadline.min(now + RECHECK_EVERY),
             false => deadline,
@@ -91,16 +131,30 @@ impl<F> Waiting<F> {
         let now = Instant::now();
         let deadline = self.deadline.unwrap_or(now);
         if let (true, Some(refusal)) = (now >= deadline, self.refusal) {
-            self.ticket = None;
+            self.stop(false);
             return Next::GiveUp(refusal);
         }
         match &self.ticket {
             Some(ticket) if !ticket.is_first() => Next::Wait(ticket.wait(deadline)),
-            _ => Next::Recheck((self.recheck)(
-                &check.key,
-                &check.responder.policy,
-                check.cost,
-            )),
+            _ => Next::Recheck(self.ask(check)),
         }
+    }
+
+    /// The request waits no more: it leaves this layer's line, and the store's unless the
+    /// store `admitted` it (which took it out).
+    fn stop(&mut self, admitted: bool) {
+        self.ticket = None;
+        if let Some((key, policy)) = self.queued.take() {
+            if !admitted {
+                self.line.leave(&key, &policy, &self.waiter);
+            }
+        }
+    }
+}
+
+/// A request dropped while it waits (its client went away) leaves the store's line.
+impl<F> Drop for Waiting<F> {
+    fn drop(&mut self) {
+        self.stop(false);
     }
 }

@@ -1,8 +1,9 @@
 //! The requests of one layer waiting for a concurrency slot
-//! ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)): a line per policy and key, in
-//! arrival order. Only the first in line asks the store again, so that slots go in arrival
-//! order among this instance's requests; a slot given back here, or the first leaving the
-//! line, wakes the next.
+//! ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)): a line per policy and key, in the
+//! order of their places in the store's line (their deadlines there), then of arrival. Only
+//! the first in line asks the store again, so that this layer asks for a key's slot once at a
+//! time, for the request the store serves first among its own; a slot given back here, or the
+//! first leaving the line, wakes the next.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -10,30 +11,43 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use pin_project_lite::pin_project;
 use tokio::sync::futures::OwnedNotified;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::Waiter;
 use crate::{Key, Policy};
 
 /// The lines of a layer's requests waiting for a slot.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Lines {
     lines: Mutex<ByQueue>,
     /// Set once any request has waited, so that a layer that never waits does not look here
     /// at each give-back.
     used: AtomicBool,
-    /// A serial per request in line.
+    /// The id of the next waiter ([`waiter`](Self::waiter)).
     next: AtomicU64,
+}
+
+impl Default for Lines {
+    fn default() -> Self {
+        Lines {
+            lines: Mutex::default(),
+            used: AtomicBool::new(false),
+            next: AtomicU64::new(super::random_start()),
+        }
+    }
 }
 
 /// A line's name: the policy's identity and the key.
 type Queue = (Arc<str>, Key);
 
-/// The requests in a line, first in line first: each one's serial and what wakes it.
-type Line = VecDeque<(u64, Arc<Notify>)>;
+/// The requests in a line, first in line first: each one's place in the store's line (0: not
+/// known, then last), its waiter id, and what wakes it.
+type Line = VecDeque<(u64, u64, Arc<Notify>)>;
 
 /// Keyed by what clients send, so hashed with a seed of its own.
 type ByQueue = hashbrown::HashMap<Queue, Line, foldhash::fast::RandomState>;
@@ -51,38 +65,49 @@ impl hashbrown::Equivalent<Queue> for QueueOf<'_> {
 
 /// What wakes the first request in line `queue`, if any.
 fn first_in(lines: &ByQueue, queue: &QueueOf<'_>) -> Option<Arc<Notify>> {
-    let (_, wake) = lines.get(queue).and_then(VecDeque::front)?;
+    let (_, _, wake) = lines.get(queue).and_then(VecDeque::front)?;
     Some(Arc::clone(wake))
 }
 
 impl Lines {
-    /// Puts a request refused for a slot of `key` under `policy` in line, after those of this
-    /// layer already waiting for one.
-    pub(crate) fn join(self: &Arc<Self>, key: &Key, policy: &Policy) -> InLine {
-        self.used.store(true, Ordering::Release);
-        let queue = (Arc::clone(policy.state_id().text), key.clone());
-        let serial = self.next.fetch_add(1, Ordering::Relaxed);
-        let wake = Arc::new(Notify::new());
-        crate::shards::lock(&self.lines)
-            .entry(queue.clone())
-            .or_default()
-            .push_back((serial, Arc::clone(&wake)));
-        InLine {
-            lines: Arc::clone(self),
-            queue,
-            serial,
-            wake,
+    /// A new waiter, for a request of this layer that may wait `wait` for a slot.
+    pub(crate) fn waiter(&self, wait: Duration) -> Waiter {
+        let id = self.next.fetch_add(1, Ordering::Relaxed) & ((1 << 52) - 1);
+        Waiter {
+            id,
+            wait,
+            queued: false,
         }
     }
 
-    /// Whether requests of `key` under `policy` wait for a slot here: a new one joins them
-    /// at the back rather than asking the store before them.
-    pub(crate) fn has_line(&self, key: &Key, policy: &Policy) -> bool {
-        if !self.used.load(Ordering::Acquire) {
-            return false;
+    /// Puts waiter `id`, refused a slot of `key` under `policy`, in this layer's line at its
+    /// `place` in the store's (0: not known, after every known one), after those of the same
+    /// place.
+    pub(crate) fn join(
+        self: &Arc<Self>,
+        key: &Key,
+        policy: &Policy,
+        id: u64,
+        place: u64,
+    ) -> InLine {
+        self.used.store(true, Ordering::Release);
+        let queue = (Arc::clone(policy.state_id().text), key.clone());
+        let place = match place {
+            0 => u64::MAX,
+            place => place,
+        };
+        let wake = Arc::new(Notify::new());
+        let mut lines = crate::shards::lock(&self.lines);
+        let line = lines.entry(queue.clone()).or_default();
+        let at = line.partition_point(|&(other, _, _)| other <= place);
+        line.insert(at, (place, id, Arc::clone(&wake)));
+        drop(lines);
+        InLine {
+            lines: Arc::clone(self),
+            queue,
+            id,
+            wake,
         }
-        let lines = crate::shards::lock(&self.lines);
-        lines.contains_key(&QueueOf(policy.identity(), key))
     }
 
     /// What wakes the first request waiting for a slot of `key` under `policy`, if any.
@@ -96,21 +121,22 @@ impl Lines {
 }
 
 /// A request's place in line for a slot of its key on this instance: only the first in line
-/// asks the store again, so that slots go in arrival order. Dropping it (the request got a
+/// asks the store again. Dropping it (the request got a
 /// slot, gave up, or its client went away) leaves the line and wakes the next.
 pub(crate) struct InLine {
     lines: Arc<Lines>,
     queue: Queue,
-    serial: u64,
+    /// The waiter's id.
+    id: u64,
     wake: Arc<Notify>,
 }
 
 impl InLine {
-    /// Whether no request of the key came before this one.
+    /// Whether it is first in this layer's line for the key.
     pub(crate) fn is_first(&self) -> bool {
         let lines = crate::shards::lock(&self.lines.lines);
         let first = lines.get(&self.queue).and_then(VecDeque::front);
-        first.is_some_and(|&(serial, _)| serial == self.serial)
+        first.is_some_and(|&(_, id, _)| id == self.id)
     }
 
     /// Waits until woken (a slot of the key given back here, or the first in line left) or
@@ -129,10 +155,8 @@ impl Drop for InLine {
         let Some(line) = lines.get_mut(&self.queue) else {
             return;
         };
-        let first = line
-            .front()
-            .is_some_and(|&(serial, _)| serial == self.serial);
-        line.retain(|&(serial, _)| serial != self.serial);
+        let first = line.front().is_some_and(|&(_, id, _)| id == self.id);
+        line.retain(|&(_, id, _)| id != self.id);
         if line.is_empty() {
             lines.remove(&self.queue);
         } else if first {
@@ -148,9 +172,7 @@ impl Drop for InLine {
 
 impl std::fmt::Debug for InLine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InLine")
-            .field("serial", &self.serial)
-            .finish()
+        f.debug_struct("InLine").field("id", &self.id).finish()
     }
 }
 

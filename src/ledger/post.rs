@@ -112,7 +112,7 @@ impl Entry {
         if let Err(error) = outcome {
             Report::settle_error(&self.responder.policy);
             let what = match self.settlement {
-                Settlement::Release(_) => "give back a request's concurrency slot",
+                Settlement::Release(..) => "give back a request's concurrency slot",
                 Settlement::Renew(_) => "renew a request's concurrency slot",
                 Settlement::Charge(_) | Settlement::Refund(_) => "settle a request's usage",
             };

@@ -241,16 +241,22 @@ impl Holds {
         })
     }
 
-    /// How long a refused request should wait for a slot of `policy`: the median of the
-    /// latest hold times, capped at the slot lifetime and never under 1 s (`Retry-After` counts
-    /// whole seconds, and 0 would invite a retry storm); 1 s before any is known.
-    pub(crate) fn retry_after(&self, policy: &Policy) -> Duration {
-        let times = crate::shards::lock(&self.hold_times);
-        let median = times
-            .get(&policy.state_id().hash)
-            .and_then(HoldTimes::median);
+    /// How long a refused request should wait for a slot of `policy`: the key's typical hold
+    /// time across the fleet, `known` by the store (zero: it keeps none), else the median of
+    /// this layer's latest hold times; capped at the slot lifetime and never under 1 s
+    /// (`Retry-After` counts whole seconds, and 0 would invite a retry storm); 1 s before any
+    /// is known.
+    pub(crate) fn retry_after(&self, policy: &Policy, known: Duration) -> Duration {
+        let typical = match known.is_zero() {
+            false => Some(known),
+            true => {
+                let times = crate::shards::lock(&self.hold_times);
+                let own = times.get(&policy.state_id().hash);
+                own.and_then(HoldTimes::median)
+            }
+        };
         let second = Duration::from_secs(1);
-        median
+        typical
             .unwrap_or(second)
             .min(policy.slot_lifetime())
             .max(second)
@@ -312,7 +318,7 @@ impl Holds {
             .entry(policy.state_id().hash)
             .or_default()
             .add(held);
-        if let Some(release) = Settlement::release(&slot.decision) {
+        if let Some(release) = Settlement::release_after(&slot.decision, held) {
             let first = self.lines.first(&slot.key, policy);
             let entry = Entry::new(slot.key, slot.responder, release, None);
             slot.ledger.settle(entry, &self.in_flight);

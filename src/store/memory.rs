@@ -12,7 +12,7 @@ use crate::algorithm::{
     decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
     sliding_window::SlidingWindow, Algorithm, Outcome, Refund, Settle,
 };
-use crate::concurrency::Slots;
+use crate::concurrency::{Slots, Waiter};
 use crate::shards::{Entry, Pinning, Shards};
 use crate::{Decision, Key, Policy, Settlement};
 
@@ -181,6 +181,15 @@ struct Ask {
     /// The concurrency slot an admitted request takes: only a recorded decision under a
     /// concurrency limit takes one.
     take: Option<Take>,
+    /// The request's place in its key's line for a slot, when it waits for one.
+    waiter: Option<Waiter>,
+}
+
+/// What a settle or a waiter leaving does to a key's concurrency slots.
+enum SlotOp {
+    GiveBack { id: u64, held: Duration },
+    Renew(u64),
+    Leave(u64),
 }
 
 /// The concurrency slot a request takes when admitted.
@@ -297,8 +306,10 @@ impl State {
             let left = (self.boxed_until - ask.now).max(looked.retry_after.unwrap_or(0));
             return Some(Decision::boxed(policy, Duration::from_micros(left)));
         }
-        let left = self.slots.full(ask.now, ask.take?.cap)?;
-        Some(Decision::slots_full(policy, Duration::from_micros(left)))
+        let full = self
+            .slots
+            .full(ask.now, ask.take?.cap, ask.waiter.as_ref())?;
+        Some(Decision::refused_slot(policy, full))
     }
 
     /// Decides `ask` against the limits, and keeps what a recorded decision leaves: the
@@ -312,7 +323,7 @@ impl State {
             (self.held_until, self.locked_until) = (0, 0);
             let mut until = expiry(policy, now, t);
             if let Some(take) = ask.take {
-                self.slots.take(take.id, take.until);
+                self.slots.take(take.id, take.until, ask.waiter.as_ref());
                 until = until.max(take.until);
             }
             return Answer {
@@ -471,12 +482,16 @@ impl MemoryStore {
         cost: u32,
         at: Option<SystemTime>,
         record: bool,
+        waiter: Option<&Waiter>,
     ) -> Ready<Result<Decision, StoreError>> {
         if let Err(error) = decidable(policy, at) {
             return ready(Err(error));
         }
         // The concurrency limit is the request's policy's, whatever counts an override sets.
-        let ask = self.ask(policy, cost, at, record);
+        let ask = Ask {
+            waiter: waiter.copied(),
+            ..self.ask(policy, cost, at, record)
+        };
         ready(Ok(match self.shared.overrides.apply(key, policy) {
             Applied::Own(policy) => self.decide_under(key, policy, &ask),
             Applied::Other(policy) => self.decide_under(key, &policy, &ask),
@@ -502,6 +517,7 @@ impl MemoryStore {
             cost: u64::from(cost),
             record,
             take,
+            waiter: None,
         }
     }
 
@@ -512,7 +528,7 @@ impl MemoryStore {
         let answer = match shard.get(key, policy.state_id(), ask.now) {
             Some(entry) => match answer_held(entry, policy, ask) {
                 Ok(answer) => answer,
-                Err(refusal) => return refusal,
+                Err(refusal) => return *refusal,
             },
             None => {
                 let mut state = State::new(policy.algorithm(), ask.now);
@@ -528,25 +544,28 @@ impl MemoryStore {
         decision(answer, policy, ask)
     }
 
-    /// Gives back (`renew` false) or renews concurrency slot `id` of `key` under `policy`;
-    /// whether a slot to renew was still held.
-    fn keep_slot(&self, key: &Key, policy: &Policy, id: u64, renew: bool) -> bool {
+    /// Does `op` to the concurrency slots of `key` under `policy`; whether the slot (or the
+    /// waiter) was there.
+    fn keep_slot(&self, key: &Key, policy: &Policy, op: SlotOp) -> bool {
         let now = self.now();
         let until = now.saturating_add(policy.slot_micros());
         let mut shard = self.shared.entries.lock(key, policy.state_id());
-        let kept = match shard.get(key, policy.state_id(), now) {
-            Some(entry) if !entry.is_live(now) => false,
-            Some(entry) if !renew => {
-                return entry.value.slots.give_back(id);
-            }
-            Some(entry) => {
-                let kept = entry.value.slots.renew(now, id, until);
-                entry.expires = entry.expires.max(entry.value.slots.last_expiry());
+        let Some(entry) = shard.get(key, policy.state_id(), now) else {
+            return false;
+        };
+        if !entry.is_live(now) {
+            return false;
+        }
+        let slots = &mut entry.value.slots;
+        match op {
+            SlotOp::GiveBack { id, held } => slots.give_back(id, micros(held)),
+            SlotOp::Leave(id) => slots.leave(id),
+            SlotOp::Renew(id) => {
+                let kept = slots.renew(now, id, until);
+                entry.expires = entry.expires.max(slots.last_expiry());
                 kept
             }
-            None => false,
-        };
-        kept
+        }
     }
 
     /// Records `settlement` for `key` under `policy`, now.
@@ -570,7 +589,7 @@ impl MemoryStore {
                 recorded: units.recorded(),
             }),
             // Slots are kept by `keep_slot`; they record no units.
-            Settlement::Release(_) | Settlement::Renew(_) => Settle::Charge(0),
+            Settlement::Release(..) | Settlement::Renew(_) => Settle::Charge(0),
         };
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
@@ -624,14 +643,21 @@ fn decidable(policy: &Policy, at: Option<SystemTime>) -> Result<(), StoreError> 
 }
 
 /// Answers `ask` for a key the map holds in `entry`, afresh when its state has expired or was
-/// kept under another algorithm; `Err` with the refusal it meets before the limits are asked.
-fn answer_held(entry: &mut Entry<State>, policy: &Policy, ask: &Ask) -> Result<Answer, Decision> {
+/// kept under another algorithm; `Err` with the refusal it meets before the limits are asked
+/// (boxed: a penalty box or a full key is the rare answer, and a decision is large).
+fn answer_held(
+    entry: &mut Entry<State>,
+    policy: &Policy,
+    ask: &Ask,
+) -> Result<Answer, Box<Decision>> {
     let algorithm = policy.algorithm();
     if !entry.is_live(ask.now) || entry.value.algorithm() != algorithm {
         entry.value = State::new(algorithm, ask.now);
     }
     if let Some(refusal) = entry.value.refusal(policy, ask) {
-        return Err(refusal);
+        // A waiter refused a slot may have joined the key's line: the key is kept as long.
+        entry.expires = entry.expires.max(entry.value.slots.last_expiry());
+        return Err(Box::new(refusal));
     }
     let answer = entry.value.answer(policy, ask, entry.expires);
     if let Some(until) = answer.keep_until {
@@ -711,15 +737,15 @@ impl Store for MemoryStore {
     type ResetFuture = Ready<Result<(), StoreError>>;
 
     fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        self.decide(key, policy, cost, None, true)
+        self.decide(key, policy, cost, None, true, None)
     }
 
     fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
-        self.decide(key, policy, cost, Some(at), true)
+        self.decide(key, policy, cost, Some(at), true, None)
     }
 
     fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        self.decide(key, policy, cost, None, false)
+        self.decide(key, policy, cost, None, false, None)
     }
 
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
@@ -744,8 +770,11 @@ impl Store for MemoryStore {
             return ready(Err(error));
         }
         match settlement {
-            Settlement::Release(id) => drop(self.keep_slot(key, policy, id.get(), false)),
-            Settlement::Renew(id) if !self.keep_slot(key, policy, id.get(), true) => {
+            Settlement::Release(id, held) => {
+                let give_back = SlotOp::GiveBack { id: id.get(), held };
+                self.keep_slot(key, policy, give_back);
+            }
+            Settlement::Renew(id) if !self.keep_slot(key, policy, SlotOp::Renew(id.get())) => {
                 return ready(Err(StoreError::SlotGone))
             }
             Settlement::Renew(_) => {}
@@ -772,6 +801,20 @@ impl Store for MemoryStore {
         cost: u32,
     ) -> Option<Result<Decision, StoreError>> {
         Some(self.check(key, policy, cost).into_inner())
+    }
+
+    fn check_in_line(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        waiter: &Waiter,
+    ) -> Self::Future {
+        self.decide(key, policy, cost, None, true, Some(waiter))
+    }
+
+    fn leave_line(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
+        self.keep_slot(key, policy, SlotOp::Leave(waiter.id()));
     }
 
     fn is_local(&self) -> bool {

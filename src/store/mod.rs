@@ -22,6 +22,7 @@ pub(crate) mod owner;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
+pub use crate::concurrency::Waiter;
 pub use crate::decision::{SlotId, Units};
 pub use memory::{Clock, ManualClock, MemoryStore, MemoryStoreBuilder, TokioClock};
 pub use overrides::{Override, OverrideError, OverridePages, Overrides, Scope};
@@ -121,6 +122,32 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> Option<Result<(), StoreError>> {
         let _ = (key, policy, settlement);
         None
+    }
+
+    /// Decides as [`check`](Store::check) does, for a request that waits for a concurrency
+    /// slot ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)) as `waiter`: the layer asks
+    /// this way first and each time the request asks again. A store that keeps a line of
+    /// waiters refuses the request while the key's live slots and the waiters ahead of it leave
+    /// no slot for it, and puts it in line at its deadline when it refuses it first, so that
+    /// slots go to the waiters of every instance in turn; the built-in stores do, in the
+    /// key's set of slots. By default the store keeps no line and decides as `check`: waiters
+    /// are then served in no set order across instances.
+    fn check_in_line(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        waiter: &Waiter,
+    ) -> Self::Future {
+        let _ = waiter;
+        self.check(key, policy, cost)
+    }
+
+    /// Takes `waiter` out of `key`'s line under `policy`: it stopped waiting without a slot
+    /// (its wait ran out, its client went away, or a rate limit refused it). A waiter left in
+    /// line would hold a slot free for itself until its deadline. Nothing by default.
+    fn leave_line(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
+        let _ = (key, policy, waiter);
     }
 
     /// The decision of [`check`](Store::check), when the store can make it without waiting;

@@ -673,7 +673,7 @@ mod tests {
             work,
             reply: Requester::Waiting(oneshot::channel().0),
         };
-        let op = |key, id, lifetime| job(key, Work::Slot(SlotOp { id, lifetime }));
+        let op = |key, op| job(key, Work::Slot(op));
         // Each decision's key field length, then its arguments: six integers, the policy-wide
         // field and the plan's (none).
         let decision = |key, byte: u8| {
@@ -682,9 +682,15 @@ mod tests {
             job(key, Work::Decide(Bytes::from(args)))
         };
         let batch = vec![
-            op("a", 7, 0),
+            op("a", SlotOp::GiveBack { id: 7, held: 40 }),
             decision("b", 1),
-            op("c", 9, 500),
+            op(
+                "c",
+                SlotOp::Renew {
+                    id: 9,
+                    lifetime: 500,
+                },
+            ),
             decision("d", 2),
         ];
         let (laid, replies) = Laid::jobs(batch);
@@ -700,7 +706,7 @@ mod tests {
             [1i64, 7].map(i64::to_le_bytes).concat(),
         ];
         assert_eq!(laid.heads.bytes(), heads.concat());
-        let ops = [7, 0, 9, 500].map(Value::Integer);
+        let ops = [7, -41, 9, 500].map(Value::Integer);
         assert_eq!(laid.ops, ops);
         assert_eq!((laid.decisions, replies.len()), (2, 4));
 

@@ -15,7 +15,8 @@ use super::health::Breaker;
 use super::nodes::Nodes;
 use super::placement::Placement;
 use super::protocol::Scripts;
-use super::{layout, lease, overrides, random_start, Inner, Leases, RedisStore};
+use super::{layout, lease, overrides, Inner, Leases, RedisStore};
+use crate::concurrency::random_start;
 use crate::StoreError;
 
 /// Scheduler passes a cluster lane waits for more requests before it sends a batch (see

@@ -41,6 +41,7 @@ use protocol::{Answer, Answered, Record, SlotOp};
 
 use super::{OnSettled, Store, StoreError};
 use crate::algorithm::Algorithm;
+use crate::concurrency::Waiter;
 use crate::{Decision, Key, Policy, Settlement};
 
 /// Rate-limit state in Redis, shared by every instance of a service.
@@ -216,8 +217,8 @@ impl Inner {
         reply: Answered,
     ) -> Result<(), StoreError> {
         let answer = self.judge(lane, started, Some(reply))?;
-        match (op.lifetime, answer.ints[0]) {
-            (1.., 0) => Err(StoreError::SlotGone),
+        match (op.is_renewal(), answer.ints[0]) {
+            (true, 0) => Err(StoreError::SlotGone),
             _ => Ok(()),
         }
     }
@@ -299,6 +300,27 @@ impl RedisStore {
     /// Useful to inspect or clear state by hand.
     pub fn redis_key(&self, key: &Key, policy: &Policy) -> String {
         self.inner.place(key, policy).key
+    }
+
+    /// Decides a request under a concurrency limit, taking a slot if admitted (for `waiter`,
+    /// if it waits).
+    fn take(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        waiter: Option<Waiter>,
+    ) -> <Self as Store>::Future {
+        let cap = policy.concurrency_limit().unwrap_or(u32::MAX);
+        let id = self.inner.next_slot();
+        let ttl = slots::stored_micros(policy, self.inner.timeout);
+        let take = Record::Take {
+            cap,
+            id,
+            ttl,
+            waiter,
+        };
+        self.run(key, policy, cost, -1, take)
     }
 
     /// Runs the policy's script; `at` is an event time in µs since the epoch (`-1`: now).
@@ -409,10 +431,8 @@ impl Store for RedisStore {
     type ResetFuture = BoxFuture<()>;
 
     fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        if let Some(cap) = policy.concurrency_limit() {
-            let id = self.inner.next_slot();
-            let ttl = slots::stored_micros(policy, self.inner.timeout);
-            return self.run(key, policy, cost, -1, Record::Take { cap, id, ttl });
+        if policy.concurrency_limit().is_some() {
+            return self.take(key, policy, cost, None);
         }
         if let Some(plan) = lease::plan(&self.inner, policy) {
             let (inner, key, policy) = (Arc::clone(&self.inner), key.clone(), policy.clone());
@@ -428,6 +448,28 @@ impl Store for RedisStore {
         cost: u32,
     ) -> Option<Result<Decision, StoreError>> {
         lease::check_now(&self.inner, key, policy, cost)
+    }
+
+    fn check_in_line(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        waiter: &Waiter,
+    ) -> Self::Future {
+        match policy.concurrency_limit() {
+            Some(_) => self.take(key, policy, cost, Some(*waiter)),
+            None => self.check(key, policy, cost),
+        }
+    }
+
+    /// Sent as a slot give-back is: it waits while Redis is out of reach, and is sent until
+    /// the waiter's deadline has passed there.
+    fn leave_line(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
+        let op = SlotOp::Leave { id: waiter.id() };
+        let until = u64::try_from(waiter.wait().as_micros()).unwrap_or(u64::MAX);
+        let work = slots::SlotWork::new(key.clone(), policy.clone(), op, until, Box::new(drop));
+        self.inner.send_slot_op(work, false);
     }
 
     fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
@@ -528,7 +570,7 @@ impl Store for RedisStore {
             Settlement::Charge(units) => (units, false),
             Settlement::Refund(units) => (units, true),
             // Sent through `keep_slot` above.
-            Settlement::Release(_) | Settlement::Renew(_) => return Box::pin(async { Ok(()) }),
+            Settlement::Release(..) | Settlement::Renew(_) => return Box::pin(async { Ok(()) }),
         };
         let record = Record::Settle {
             refund,
@@ -589,31 +631,14 @@ impl RedisStore {
 /// `None` for a charge or a refund.
 fn slot_op(policy: &Policy, settlement: &Settlement, budget: Duration) -> Option<SlotOp> {
     match settlement {
-        Settlement::Release(id) => Some(SlotOp {
+        Settlement::Release(id, held) => Some(SlotOp::GiveBack {
             id: id.get(),
-            lifetime: 0,
+            held: u64::try_from(held.as_micros()).unwrap_or(u64::MAX),
         }),
-        Settlement::Renew(id) => Some(SlotOp {
+        Settlement::Renew(id) => Some(SlotOp::Renew {
             id: id.get(),
             lifetime: slots::stored_micros(policy, budget),
         }),
         Settlement::Charge(_) | Settlement::Refund(_) => None,
     }
-}
-
-/// A start for a store's concurrency slot ids that another process, or another store of this
-/// one, is unlikely to share: a hash of the process, the time and a fresh allocation's address.
-fn random_start() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
-    let here = Box::new(0u8);
-    let mut hasher = blake3::Hasher::new();
-    hasher.update(&std::process::id().to_le_bytes());
-    hasher.update(&nanos.to_le_bytes());
-    hasher.update(&(std::ptr::addr_of!(*here) as usize).to_le_bytes());
-    let mut first = [0; 8];
-    first.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
-    u64::from_le_bytes(first) & ((1 << 52) - 1)
 }

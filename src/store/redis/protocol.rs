@@ -19,6 +19,7 @@ use fred::types::Value;
 use super::overrides::{self, Known, Resolution};
 use super::placement::Place;
 use crate::algorithm::{Algorithm, Outcome, Window};
+use crate::concurrency::{Full, Waiter};
 use crate::{Decision, Policy, StoreError};
 
 /// A script: exact arithmetic past 2^53, the shared prelude (arguments, reply, `TIME`), then,
@@ -201,7 +202,8 @@ pub(super) enum Mode {
     /// settled and the units it recorded.
     Settle = 3,
     /// 4, `TAKE`: decide and record as `ADMIT`, and when admitted take a concurrency slot;
-    /// followed by the key's cap of slots, the slot's id and its lifetime.
+    /// followed by the key's cap of slots, the slot's id and its lifetime, then the waiter's
+    /// id (0: the request does not wait), wait (µs) and whether it is in line (0 or 1).
     Take = 4,
 }
 
@@ -225,28 +227,50 @@ pub(super) enum Record {
         recorded: u64,
     },
     /// Decide and record as [`Admit`](Record::Admit), and when admitted take concurrency slot
-    /// `id` for `ttl` µs, refusing at once while the key holds `cap` live slots.
-    Take { cap: u32, id: u64, ttl: u64 },
+    /// `id` for `ttl` µs, refusing at once while the key's live slots and the waiters in line
+    /// ahead of the request (those ahead of `waiter`, or all of them) leave none of its `cap`
+    /// free; a `waiter` refused joins the line.
+    Take {
+        cap: u32,
+        id: u64,
+        ttl: u64,
+        waiter: Option<Waiter>,
+    },
 }
 
 impl Record {
     /// Its mode, and the arguments that follow the common six (`prelude.lua`, ARGV[1]): the
     /// first `len` of the three.
-    fn mode(&self, cost: u64) -> (Mode, [i64; 3], usize) {
+    fn mode(&self, cost: u64) -> (Mode, [i64; 6], usize) {
         match *self {
-            Record::Look { headroom } => (Mode::Look, [clamp(cost), clamp(headroom), 0], 2),
-            Record::Admit => (Mode::Admit, [0; 3], 0),
-            Record::Lease { want, headroom } => (Mode::Lease, [clamp(want), clamp(headroom), 0], 2),
+            Record::Look { headroom } => {
+                (Mode::Look, [clamp(cost), clamp(headroom), 0, 0, 0, 0], 2)
+            }
+            Record::Admit => (Mode::Admit, [0; 6], 0),
+            Record::Lease { want, headroom } => {
+                (Mode::Lease, [clamp(want), clamp(headroom), 0, 0, 0, 0], 2)
+            }
             Record::Settle {
                 refund,
                 admitted,
                 recorded,
             } => (
                 Mode::Settle,
-                [i64::from(refund), admitted, clamp(recorded)],
+                [i64::from(refund), admitted, clamp(recorded), 0, 0, 0],
                 3,
             ),
-            Record::Take { cap, id, ttl } => (Mode::Take, [cap.into(), clamp(id), clamp(ttl)], 3),
+            Record::Take {
+                cap,
+                id,
+                ttl,
+                waiter,
+            } => {
+                let (waiter, wait, queued) = waiter.map_or((0, 0, 0), |w| {
+                    (clamp(w.id), clamp(w.wait_micros()), i64::from(w.queued))
+                });
+                let args = [cap.into(), clamp(id), clamp(ttl), waiter, wait, queued];
+                (Mode::Take, args, 6)
+            }
         }
     }
 }
@@ -383,24 +407,38 @@ fn clamp(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-/// A concurrency slot's give-back (`lifetime` 0) or renewal for `lifetime` µs. A call carries
-/// these after its decisions, as two arguments each ([`args`](Self::args)), which the script
-/// uses as they come: no mode and no answer of six integers, since a give-back or renewal
-/// decides nothing (`prelude.lua`, "Slot operations"). Its answer is a byte, read as
-/// `[kept, 0, 0, 0, -1, -1]` ([`answer`]), kept 1 where the slot was held.
+/// An operation on a key's concurrency slots: a give-back, a renewal, or a waiter leaving the
+/// key's line. A call carries these after its decisions, as two arguments each
+/// ([`args`](Self::args)), which the script uses as they come: no mode and no answer of six
+/// integers, since they decide nothing (`prelude.lua`, "Slot operations"). Its answer is a
+/// byte, read as `[kept, 0, 0, 0, -1, -1]` ([`answer`]), kept 1 where the slot (or the waiter)
+/// was there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct SlotOp {
-    pub(super) id: u64,
-    pub(super) lifetime: u64,
+pub(super) enum SlotOp {
+    /// Gives slot `id` back, held `held` µs (0: not known).
+    GiveBack { id: u64, held: u64 },
+    /// Renews slot `id` for `lifetime` µs.
+    Renew { id: u64, lifetime: u64 },
+    /// Takes waiter `id` out of the line.
+    Leave { id: u64 },
 }
 
 impl SlotOp {
-    /// Its two arguments: the slot's id (its member in the key's set) and the lifetime.
+    /// Its two arguments: the id (the slot's member in the key's set, or the waiter's), then
+    /// what to do: a renewal's lifetime (positive), 0 for a waiter leaving, or for a give-back
+    /// minus one more than the µs it was held.
     pub(super) fn args(self) -> [Value; 2] {
-        [
-            Value::Integer(clamp(self.id)),
-            Value::Integer(clamp(self.lifetime)),
-        ]
+        let (id, what) = match self {
+            SlotOp::GiveBack { id, held } => (id, -clamp(held).min(i64::MAX - 1) - 1),
+            SlotOp::Renew { id, lifetime } => (id, clamp(lifetime.max(1))),
+            SlotOp::Leave { id } => (id, 0),
+        };
+        [Value::Integer(clamp(id)), Value::Integer(what)]
+    }
+
+    /// Whether it renews a slot, which answers [`StoreError::SlotGone`] when it finds none.
+    pub(super) fn is_renewal(&self) -> bool {
+        matches!(self, SlotOp::Renew { .. })
     }
 }
 
@@ -414,7 +452,10 @@ impl SlotOp {
 pub(super) const BOXED: i64 = -1;
 
 /// The limit index of a request refused because its key holds every concurrency slot
-/// (`SLOTS_FULL` in `prelude.lua`); its retry is the time until the first slot expires.
+/// or every slot not kept for the waiters ahead of it (`SLOTS_FULL` in `prelude.lua`). Its
+/// answer carries the request's place in line where it waits (in place of `remaining`), the
+/// time until the first slot expires (as `reset_after`) and the key's typical hold time (as
+/// `retry_after`; -1 while none is known).
 pub(super) const SLOTS_FULL: i64 = -2;
 
 /// The retry of an admitted request (`-1` in `prelude.lua`'s reply).
@@ -570,8 +611,8 @@ pub(super) struct Verdict {
     /// When the key is in the policy's penalty box: how long (µs) until the request would be
     /// admitted.
     boxed: Option<u64>,
-    /// When the key holds every concurrency slot: how long (µs) until the first expires.
-    slots_full: Option<u64>,
+    /// When the key has no concurrency slot free for the request: why.
+    slots_full: Option<Full>,
 }
 
 impl Verdict {
@@ -594,8 +635,8 @@ impl Verdict {
 
     /// The decision it tells, under `policy` or the override's count.
     pub(super) fn decision(&self, policy: &Policy) -> Decision {
-        if let Some(left) = self.slots_full {
-            return Decision::slots_full(policy, std::time::Duration::from_micros(left));
+        if let Some(full) = self.slots_full {
+            return Decision::refused_slot(policy, full);
         }
         if let Some(left) = self.boxed {
             let left = std::time::Duration::from_micros(left);
@@ -623,10 +664,14 @@ impl Answer {
                 })
             }
             SLOTS_FULL => {
-                let left = non_negative(retry_after)?;
+                let full = Full {
+                    left: non_negative(reset_after)?,
+                    place: non_negative(remaining)?,
+                    hold: u64::try_from(retry_after).unwrap_or(0),
+                };
                 return Ok(Verdict {
-                    slots_full: Some(left),
-                    ..Verdict::boxed(left)
+                    slots_full: Some(full),
+                    ..Verdict::boxed(full.left)
                 });
             }
             _ => {}

@@ -179,10 +179,10 @@ async fn retry(inner: Weak<Inner>) {
                 inner.waiting.push(work, &inner);
             } else if now < work.until {
                 inner.send_slot_op(work, true);
-            } else if work.op.lifetime == 0 {
-                (work.done)(Ok(()));
-            } else {
+            } else if work.op.is_renewal() {
                 (work.done)(Err(StoreError::SlotGone));
+            } else {
+                (work.done)(Ok(()));
             }
         }
     }
@@ -222,9 +222,9 @@ impl Drop for Unheld {
         if !self.armed {
             return;
         }
-        let op = SlotOp {
+        let op = SlotOp::GiveBack {
             id: self.id,
-            lifetime: 0,
+            held: 0,
         };
         let lifetime = stored_micros(&self.policy, self.inner.timeout);
         let (key, policy) = (self.key.clone(), self.policy.clone());

@@ -28,7 +28,9 @@
 --           the number of policy-wide and plan fields the requests name, and each of those once
 --           (written in decimal in the hash: src/store/redis/overrides/place.rs)
 -- ARGV[4..] two per slot operation j (state key KEYS[#KEYS - OPS + j]), in decimal: the
---           slot's id, and 0 to give it back or its lifetime (us) to renew it
+--           slot's id (a waiter's, to leave the line), then its lifetime (us, > 0) to renew
+--           it, 0 for the waiter to leave the line, or -(held + 1) to give it back after it
+--           was held `held` us (0: not known)
 --
 -- Modes (record; protocol.rs, Mode), with the arguments that follow the first ten:
 --   LOOK   0  decide only, recording nothing; want (the cost) and headroom (us; GCRA keeps
@@ -40,7 +42,8 @@
 --             the admission time (Redis time, us, of the request being settled; -1: not
 --             known) and the units that request recorded
 --   TAKE   4  decide as ADMIT, and take a concurrency slot when admitted (see Concurrency);
---             the key's cap of slots, the slot's id and its lifetime (us)
+--             the key's cap of slots, the slot's id, its lifetime (us), the waiter's id (0:
+--             the request does not wait), its wait (us) and whether it is in line (0 or 1)
 --
 -- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
 -- 2255), and every state saturates at MAX_UNITS (2^52) units, so that every number the
@@ -58,7 +61,9 @@
 --        0 BOXED 0 left left count (left: us until the same request would be admitted, see
 --        "Penalty box"; count: the first limit's when an override set it, else -1);
 --        SLOTS_FULL (-2), a request refused for its concurrency slots, answers
---        0 SLOTS_FULL 0 left left cap (left: us until the first slot expires). A
+--        0 SLOTS_FULL place left hold cap (place: the waiter's deadline in line, Redis
+--        time in us, 0 for a request that does not wait; left: us until the first slot
+--        expires; hold: the key's typical hold time in us, -1 while none is known). A
 --        settlement's six are those of an admitted request: remaining and reset_after after
 --        it (a refund on the sliding log answers 1 0 0 0 -1 -1). After the slot operations'
 --        bytes, where the call read override fields: their number, then for each the length
@@ -260,74 +265,139 @@ end
 
 -- Concurrency (Policy::concurrency, src/concurrency/): the slots of request k's key are the
 -- members of the sorted set `<KEYS[k]>:slots` (same hash slot), each scored by its expiry
--- (Redis time, us); an expired one counts no more and goes at the next look. The request at
--- hand's cap (0: it takes no slot), slot id and slot lifetime (us).
+-- (Redis time, us); an expired one counts no more and goes at the next look. The same set
+-- holds the key's line of waiters (requests that wait for a slot, `max_wait`): member 'w' and
+-- the waiter's id, scored LINE plus its deadline, above every slot's score, so that the line
+-- sorts by deadline after the slots. A request is admitted only where the live slots and the
+-- waiters ahead of it (all of them, for one not in line) leave a slot free, so that a slot
+-- given back goes to the first waiter on any instance rather than to whoever asks first; a
+-- waiter refused joins the line, and leaves it when admitted, or by a slot operation when it
+-- stops waiting; one past its deadline counts no more. The key's typical hold time is the
+-- string `<KEYS[k]>:held` (us): each give-back that says how long its slot was held moves it
+-- an eighth of the way there (src/concurrency/mod.rs, hold_average), kept an hour.
+-- The request at hand's cap (0: it takes no slot), slot id and slot lifetime (us), and its
+-- waiter's id (0: none), wait (us) and whether it is in line.
 local slot_cap, slot_id, slot_ttl = 0, 0, 0
--- The slots (live or not) the request's key held when it was looked at, for `take_slot`.
+local waiter_id, waiter_wait, waiter_queued = 0, 0, 0
+local LINE = 4000000000000000
+local HOLD_KEPT_MS = 3600000
+-- The members (live or not) of the request's key's set when it was looked at, for `take_slot`.
 local slot_held = 0
--- The answer to a request refused because its key holds `slot_cap` live slots: 0 -2 0 left
--- left cap, where left is the time (us) until the first slot expires.
+-- Makes the set of slots `skey` live at least `us` from now, never shorter: instances with
+-- another lifetime (a rolling deploy) must not expire each other's. Extended to twice that
+-- once less is left, so that most takes and renewals read the time left and write nothing.
+local function keep_set(skey, fresh, us)
+  local ms = math.ceil(us / 1000)
+  local left = fresh and -1 or redis.pcall('PTTL', skey)
+  if type(left) == 'number' and left < ms then
+    redis.pcall('PEXPIRE', skey, text(2 * ms))
+  end
+end
+-- The answer to a request refused for a slot: 0 -2 place left hold cap (see the header).
+local function refused_slot(k, skey, live, place)
+  local left = 1000
+  if live > 0 then
+    local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
+    left = math.max(tonumber(first[2]) - now, 1)
+  end
+  local hold = tonumber(redis.pcall('GET', KEYS[k] .. ':held')) or -1
+  return spack('<llllll', 0, SLOTS_FULL, place, left, hold, slot_cap)
+end
+-- The answer to request k when the key has no slot free for it (see above), else false. A
+-- waiter refused joins the line.
 local function slots_full(k)
   local skey = KEYS[k] .. ':slots'
   -- With pcall, as the box: while the key's hash slot migrates, a set Redis refuses to read
   -- here cannot be counted, and the request is refused rather than admitted past the cap.
   local held = redis.pcall('ZCARD', skey)
   if type(held) ~= 'number' then
-    return spack('<llllll', 0, SLOTS_FULL, 0, 1000000, 1000000, slot_cap)
+    return spack('<llllll', 0, SLOTS_FULL, 0, 1000000, -1, slot_cap)
   end
-  -- Expired slots still count in `held`: they are dropped only when they could matter.
-  if held >= slot_cap then
-    held = held - redis.call('ZREMRANGEBYSCORE', skey, '-inf', text(now))
-  end
+  -- Fewer members than the cap: a slot is free whatever the line. Expired slots and waiters
+  -- past their deadline still count in `held`: they are dropped only when they could matter.
   slot_held = held
   if held < slot_cap then
     return false
   end
-  local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
-  local left = math.max(tonumber(first[2]) - now, 1)
-  return spack('<llllll', 0, SLOTS_FULL, 0, left, left, slot_cap)
-end
--- Makes the set of slots `skey` live at least until now + the request's slot lifetime (every
--- member's expiry), never shorter: instances with another lifetime (a rolling deploy) must not
--- expire each other's. Extended to twice the lifetime once less than one is left, so that most
--- takes and renewals read the time left and write nothing.
-local function keep_set(skey, fresh)
-  local ms = math.ceil(slot_ttl / 1000)
-  local left = fresh and -1 or redis.pcall('PTTL', skey)
-  if type(left) == 'number' and left < ms then
-    redis.pcall('PEXPIRE', skey, text(2 * ms))
+  held = held - redis.call('ZREMRANGEBYSCORE', skey, '-inf', text(now))
+  held = held - redis.call('ZREMRANGEBYSCORE', skey, text(LINE), text(LINE + now))
+  slot_held = held
+  if held < slot_cap then
+    return false
   end
+  local live = redis.call('ZCOUNT', skey, '-inf', '(' .. text(LINE))
+  local ahead, member = held - live, nil
+  if waiter_id > 0 then
+    member = 'w' .. text(waiter_id)
+    local rank = redis.call('ZRANK', skey, member)
+    if rank then
+      ahead = rank - live
+    end
+  end
+  if live + ahead < slot_cap then
+    return false
+  end
+  local place = 0
+  if member then
+    local score = redis.call('ZSCORE', skey, member)
+    if score then
+      place = tonumber(score) - LINE
+    else
+      place = now + math.max(waiter_wait, 1)
+      redis.call('ZADD', skey, text(LINE + place), member)
+      keep_set(skey, false, math.max(slot_ttl, place - now))
+    end
+  end
+  return refused_slot(k, skey, live, place)
 end
 -- Takes the slot of admitted request k: until now + its lifetime, the set living as long (a
 -- set that held nothing is new: the last give-back deleted it, so it has no expiry to read).
+-- A waiter in line leaves it.
 local function take_slot(k)
   local skey = KEYS[k] .. ':slots'
   redis.pcall('ZADD', skey, text(now + slot_ttl), text(slot_id))
-  keep_set(skey, slot_held == 0)
+  if waiter_queued == 1 then
+    redis.pcall('ZREM', skey, 'w' .. text(waiter_id))
+  end
+  keep_set(skey, slot_held == 0, slot_ttl)
 end
--- Slot operations (give-backs and renewals, src/concurrency/): they decide nothing, so they
--- are not requests with a record and an answer of six, only two arguments each, used as they
--- come, and a byte of answer. They run before the requests: a slot given back in a call is
--- free for a request of the same call. A give-back removes the slot; a renewal moves its
--- expiry to now + lifetime, but never takes an expired slot again (its holder was cut off from
--- Redis longer than the lifetime, or Redis lost its state): a give-back sent while the renewal
--- was on its way may have run first, and would then be undone.
+-- Slot operations (give-backs, renewals, waiters leaving the line): they decide nothing, so
+-- they are not requests with a record and an answer of six, only two arguments each, used as
+-- they come, and a byte of answer. They run before the requests: a slot given back in a call
+-- is free for a request of the same call. A give-back removes the slot and counts how long it
+-- was held towards the key's typical hold time; a renewal moves its expiry to now + lifetime,
+-- but never takes an expired slot again (its holder was cut off from Redis longer than the
+-- lifetime, or Redis lost its state): a give-back sent while the renewal was on its way may
+-- have run first, and would then be undone.
 local slots_kept = {}
 for j = 1, OPS do
-  local skey = KEYS[REQUESTS + j] .. ':slots'
-  local member, lifetime = ARGV[2 + 2 * j], tonumber(ARGV[3 + 2 * j])
+  local key = KEYS[REQUESTS + j]
+  local skey = key .. ':slots'
+  local member, what = ARGV[2 + 2 * j], tonumber(ARGV[3 + 2 * j])
   local kept = '0'
-  if lifetime == 0 then
+  if what <= 0 then
+    if what == 0 then
+      member = 'w' .. member
+    end
     if redis.pcall('ZREM', skey, member) == 1 then
       kept = '1'
+    end
+    local held = -what - 1
+    if held > 0 then
+      local hkey = key .. ':held'
+      local old = tonumber(redis.pcall('GET', hkey)) or 0
+      if old > 0 then
+        held = math.floor((old * 7 + held) / 8)
+      end
+      redis.pcall('SET', hkey, text(math.max(held, 1)), 'PX', HOLD_KEPT_MS)
     end
   else
     local score = redis.pcall('ZSCORE', skey, member)
     if type(score) == 'string' and tonumber(score) > now then
       kept = '1'
-      slot_ttl = lifetime
-      redis.pcall('ZADD', skey, 'XX', text(now + lifetime), member)
-      keep_set(skey, false)
+      slot_ttl = what
+      redis.pcall('ZADD', skey, 'XX', text(now + what), member)
+      keep_set(skey, false, what)
     end
   end
   slots_kept[j] = kept
@@ -371,13 +441,14 @@ local function next_request(counts, windows, scales, k)
     t = now
   end
   want, headroom, refund, admitted, weight = cost, 0, 0, -1, 0
-  slot_cap = 0
+  slot_cap, waiter_id, waiter_queued = 0, 0, 0
   if record == LEASE or record == LOOK then
     want, headroom, next_byte = sunpack('<ll', requests, next_byte)
   elseif record == SETTLE then
     refund, admitted, weight, next_byte = sunpack('<lll', requests, next_byte)
   elseif record == TAKE then
-    slot_cap, slot_id, slot_ttl, next_byte = sunpack('<lll', requests, next_byte)
+    slot_cap, slot_id, slot_ttl, waiter_id, waiter_wait, waiter_queued, next_byte =
+      sunpack('<llllll', requests, next_byte)
   end
   local scale
   for i = 1, n do
