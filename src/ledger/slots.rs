@@ -84,16 +84,29 @@ struct Held {
 struct HoldTimes {
     times: Vec<Duration>,
     next: usize,
+    /// How many of `times` are a second or more.
+    long: usize,
 }
+
+/// The shortest `Retry-After`: a refusal never says less, so hold times shorter than this
+/// matter to the store only among longer ones.
+const SECOND: Duration = Duration::from_secs(1);
 
 impl HoldTimes {
     fn add(&mut self, held: Duration) {
         if self.times.len() < HOLD_TIMES {
             self.times.push(held);
         } else {
-            self.times[self.next] = held;
+            let old = std::mem::replace(&mut self.times[self.next], held);
+            self.long -= usize::from(old >= SECOND);
         }
+        self.long += usize::from(held >= SECOND);
         self.next = (self.next + 1) % HOLD_TIMES;
+    }
+
+    /// Whether the median is a second or more.
+    fn mostly_long(&self) -> bool {
+        self.long > 0 && self.long >= self.times.len() - self.times.len() / 2
     }
 
     fn median(&self) -> Option<Duration> {
@@ -255,11 +268,10 @@ impl Holds {
                 own.and_then(HoldTimes::median)
             }
         };
-        let second = Duration::from_secs(1);
         typical
-            .unwrap_or(second)
+            .unwrap_or(SECOND)
             .min(policy.slot_lifetime())
-            .max(second)
+            .max(SECOND)
     }
 
     /// Starts the renewal task on the current runtime unless it runs; wakes it (`wake`)
@@ -314,11 +326,17 @@ impl Holds {
         }
         let policy = &slot.responder.policy;
         crate::metrics::Report::slots_in_use(policy, -1.0);
-        crate::shards::lock(&self.hold_times)
-            .entry(policy.state_id().hash)
-            .or_default()
-            .add(held);
-        if let Some(release) = Settlement::release_after(&slot.decision, held) {
+        let long = {
+            let mut times = crate::shards::lock(&self.hold_times);
+            let own = times.entry(policy.state_id().hash).or_default();
+            own.add(held);
+            held >= SECOND || own.mostly_long()
+        };
+        // The store keeps the key's typical hold time for the `Retry-After` of refusals, never
+        // under a second: a policy whose requests hold slots for less (most of them here) tells
+        // it nothing, and saves it the writes (two commands per give-back on Redis).
+        let told = if long { held } else { Duration::ZERO };
+        if let Some(release) = Settlement::release_after(&slot.decision, told) {
             let first = self.lines.first(&slot.key, policy);
             let entry = Entry::new(slot.key, slot.responder, release, None);
             slot.ledger.settle(entry, &self.in_flight);
@@ -415,5 +433,31 @@ impl std::fmt::Debug for Slot {
         f.debug_struct("Slot")
             .field("serial", &self.serial)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hold_times_say_when_their_median_is_a_second_or_more() {
+        let mut times = HoldTimes::default();
+        let ms = Duration::from_millis;
+        times.add(ms(10));
+        times.add(ms(2_000));
+        assert!(times.mostly_long(), "one of two");
+        times.add(ms(20));
+        assert!(!times.mostly_long(), "one of three");
+        // The ring forgets the oldest: 64 long ones replace every short one.
+        for _ in 0..HOLD_TIMES {
+            times.add(ms(1_000));
+        }
+        assert_eq!((times.long, times.times.len()), (HOLD_TIMES, HOLD_TIMES));
+        for _ in 0..HOLD_TIMES / 2 + 1 {
+            times.add(ms(5));
+        }
+        assert!(!times.mostly_long());
+        assert_eq!(times.median(), Some(ms(5)));
     }
 }
