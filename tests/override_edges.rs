@@ -13,7 +13,7 @@ use common::http::{instance, passes};
 use common::proxy::Proxy;
 use common::{Captured, RedisServer};
 use tokio::time::Instant;
-use tower_redis_ratelimit::store::{Leases, Override, OverrideError, Scope};
+use tower_redis_ratelimit::store::{Leases, Override, OverrideError, Overrides, Scope};
 use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store};
 
 /// How old an instance's view of the overrides may be (`docs/operations.md`).
@@ -455,4 +455,55 @@ async fn a_hash_without_its_generation_is_still_read() {
     for store in [&a, &b, &server.store().await] {
         assert!(!store.check(&vip, &api, 1).await.unwrap().is_allowed());
     }
+}
+
+/// A GCRA key that spent an override's raise keeps its backlog once the override is removed:
+/// its units weigh more under the policy's own counts, and the key's state is kept until they
+/// have drained under those too (before, it expired a window after the last request, and the
+/// key started afresh with units still owed).
+async fn gcra_usage_outlives_a_removed_raise<St: Store>(
+    store: &St,
+    overrides: Overrides,
+    wait: impl AsyncFn(Duration),
+) {
+    let policy = Policy::new("gcra-raise", ["2/1s".parse().unwrap()])
+        .unwrap()
+        .with_algorithm(Algorithm::Gcra);
+    let (key, scope) = (Key::from("raised"), Scope::Key(Key::from("raised")));
+    let raise = Override::Limits(vec!["4/1s".parse().unwrap()]);
+    overrides.set(&policy, &scope, &raise).await.unwrap();
+    for _ in 0..4 {
+        assert!(store.check(&key, &policy, 1).await.unwrap().is_allowed());
+    }
+    overrides.remove(&policy, &scope).await.unwrap();
+    // Four units at 0.5 s each under 2/1s: a backlog of 2 s; one more fits once it is down to
+    // 0.5 s, at 1.5 s. At 1.2 s the state has outlived its window, and the key is still full.
+    wait(Duration::from_millis(1_200)).await;
+    let refused = store.check(&key, &policy, 1).await.unwrap();
+    assert!(
+        !refused.is_allowed(),
+        "the units spent under the raise were forgotten"
+    );
+    let retry = refused.retry_after().unwrap();
+    assert!(
+        retry > Duration::from_millis(100) && retry <= Duration::from_millis(300),
+        "{retry:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn gcra_usage_outlives_a_removed_raise_on_memory() {
+    let store = tower_redis_ratelimit::MemoryStore::new();
+    let overrides = store.overrides();
+    gcra_usage_outlives_a_removed_raise(&store, overrides, async |d| tokio::time::sleep(d).await)
+        .await;
+}
+
+#[tokio::test]
+async fn gcra_usage_outlives_a_removed_raise_on_redis() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let overrides = store.overrides();
+    gcra_usage_outlives_a_removed_raise(&store, overrides, async |d| tokio::time::sleep(d).await)
+        .await;
 }

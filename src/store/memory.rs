@@ -183,6 +183,41 @@ struct Ask {
     take: Option<Take>,
     /// The request's place in its key's line for a slot, when it waits for one.
     waiter: Option<Waiter>,
+    /// How much longer than its longest window the state must be kept ([`Stretch`]).
+    stretch: Stretch,
+}
+
+/// How much longer a GCRA state decided under an override's counts must be kept than their
+/// longest window: its backlog holds units of cost, which weigh `count / count'` times more
+/// under the policy's own counts than under the override's (`src/algorithm/gcra.rs`), so once
+/// the override is removed it drains that much slower. The largest such ratio of the limits, as
+/// a fraction; 1 for the other algorithms, whose state is kept by time alone.
+#[derive(Clone, Copy)]
+struct Stretch(u64, u64);
+
+impl Stretch {
+    const NONE: Stretch = Stretch(1, 1);
+
+    /// The stretch of state decided under `used`, the counts in force for a key of `own`.
+    fn of(own: &Policy, used: &Policy) -> Stretch {
+        if used.algorithm() != Algorithm::Gcra {
+            return Stretch::NONE;
+        }
+        let pairs = own.limits().iter().zip(used.limits());
+        pairs.fold(Stretch::NONE, |most, (own, used)| {
+            let (over, under) = (used.count(), own.count().max(1));
+            match u128::from(over) * u128::from(most.1) > u128::from(most.0) * u128::from(under) {
+                true => Stretch(over, under),
+                false => most,
+            }
+        })
+    }
+
+    /// `micros` stretched, rounded up.
+    fn apply(self, micros: u64) -> u64 {
+        let stretched = (u128::from(micros) * u128::from(self.0)).div_ceil(u128::from(self.1));
+        u64::try_from(stretched).unwrap_or(u64::MAX)
+    }
 }
 
 /// What a settle or a waiter leaving does to a key's concurrency slots.
@@ -321,7 +356,7 @@ impl State {
         if ask.record && outcome.allowed {
             // The key is admitted again: a box that held past its length ends.
             (self.held_until, self.locked_until) = (0, 0);
-            let mut until = expiry(policy, now, t);
+            let mut until = expiry(policy, now, t, ask.stretch);
             if let Some(take) = ask.take {
                 self.slots.take(take.id, take.until, ask.waiter.as_ref());
                 until = until.max(take.until);
@@ -494,7 +529,10 @@ impl MemoryStore {
         };
         ready(Ok(match self.shared.overrides.apply(key, policy) {
             Applied::Own(policy) => self.decide_under(key, policy, &ask),
-            Applied::Other(policy) => self.decide_under(key, &policy, &ask),
+            Applied::Other(used) => {
+                let stretch = Stretch::of(policy, &used);
+                self.decide_under(key, &used, &Ask { stretch, ..ask })
+            }
             Applied::Blocked => Decision::blocked(policy),
         }))
     }
@@ -518,6 +556,7 @@ impl MemoryStore {
             record,
             take,
             waiter: None,
+            stretch: Stretch::NONE,
         }
     }
 
@@ -572,13 +611,17 @@ impl MemoryStore {
     fn settle_now(&self, key: &Key, policy: &Policy, settlement: Settlement) {
         let now = self.now();
         // Settled under the counts the key is decided by; a blocked key's under its own.
-        let other;
+        let (other, stretch);
         let policy = match self.shared.overrides.apply(key, policy) {
-            Applied::Other(policy) => {
-                other = policy;
+            Applied::Other(used) => {
+                stretch = Stretch::of(policy, &used);
+                other = used;
                 &other
             }
-            _ => policy,
+            _ => {
+                stretch = Stretch::NONE;
+                policy
+            }
         };
         let algorithm = policy.algorithm();
         let change = match settlement {
@@ -597,10 +640,10 @@ impl MemoryStore {
                 if !entry.is_live(now) || entry.value.algorithm() != algorithm {
                     entry.value = State::new(algorithm, now);
                 }
-                let drained = entry.value.settle(now, policy, change);
+                let drained = stretch.apply(entry.value.settle(now, policy, change));
                 entry.expires = entry.expires.max(now.saturating_add(drained));
                 if let Settle::Charge(_) = change {
-                    entry.expires = entry.expires.max(expiry(policy, now, now));
+                    entry.expires = entry.expires.max(expiry(policy, now, now, stretch));
                     // A charge that fills the key puts it in the penalty box, unless it is in
                     // one already.
                     let kept = entry.expires;
@@ -612,8 +655,8 @@ impl MemoryStore {
             None if matches!(change, Settle::Refund { .. }) => {}
             None => {
                 let mut state = State::new(algorithm, now);
-                let drained = state.settle(now, policy, change);
-                let kept = expiry(policy, now, now).max(now.saturating_add(drained));
+                let drained = stretch.apply(state.settle(now, policy, change));
+                let kept = expiry(policy, now, now, stretch).max(now.saturating_add(drained));
                 let boxed = state.penalize_if_full(now, policy, kept).unwrap_or(0);
                 shard.insert(key, policy.state_id(), now, kept.max(boxed), state);
             }
@@ -683,10 +726,10 @@ fn decision(answer: Answer, policy: &Policy, ask: &Ask) -> Decision {
 }
 
 /// When the state left by an event at `t`, decided at `now`, stops mattering: a window after
-/// the later of the two (a future event counts until its window has passed).
-fn expiry(policy: &Policy, now: u64, t: u64) -> u64 {
+/// the later of the two (a future event counts until its window has passed), `stretch`ed.
+fn expiry(policy: &Policy, now: u64, t: u64, stretch: Stretch) -> u64 {
     let retention = micros(policy.algorithm().retention(policy.longest_window()));
-    now.max(t).saturating_add(retention)
+    now.max(t).saturating_add(stretch.apply(retention))
 }
 
 /// Configures a [`MemoryStore`].

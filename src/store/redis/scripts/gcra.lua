@@ -54,7 +54,8 @@
 --
 -- Writes: an admitted request, or a settlement, stores every limit's new backlog and sets the
 -- key to expire once every bucket has drained: after the longest window, or longer where a
--- charge overfilled a bucket.
+-- charge overfilled a bucket, or where an override's counts decided (its units weigh more
+-- under the policy's own, once it is removed: prelude.lua, `stretch_num`).
 
 -- The largest bucket, in GCRA units (2^50; MAX_GCRA_BUCKET in src/algorithm/mod.rs): past it
 -- the arithmetic would not be exact, so such a request is an error (the policy refuses it).
@@ -162,6 +163,11 @@ for k = 1, REQUESTS do
           end
           parts[n + 1] = spack('<ll', born, leased)
           value = table.concat(parts)
+        end
+        -- Decided under an override's counts: kept until the backlog drains under the
+        -- policy's own too (prelude.lua, `stretch_num`), at most 2^50 us.
+        if stretch_num > stretch_den then
+          ttl = math.min(math.ceil(ttl * stretch_num / stretch_den), 1125899906842624)
         end
         redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
       end

@@ -179,6 +179,11 @@ end
 -- Whether the request at hand is decided by an override's counts (the last of its six
 -- integers is then the count of the reported limit, `counts[i]`; else -1).
 local overridden = false
+-- How much longer than its longest window a GCRA state decided under an override's counts is
+-- kept (gcra.lua): the largest ratio of an override's count to the policy's own, num / den, at
+-- least 1. A backlog holds units of cost, which weigh that much more once the override is
+-- removed (src/store/memory.rs, Stretch).
+local stretch_num, stretch_den = 1, 1
 -- The call's override fields and their values (false: none), read with one HMGET when the
 -- first request needs them: request k's key's at k, then the policy-wide and plan fields,
 -- whose index there `field_at` gives by their number.
@@ -464,7 +469,7 @@ local function next_request(counts, windows, scales, k)
     -- Decided as ADMIT; the slot is taken in `conclude` if the request is admitted.
     record = ADMIT
   end
-  overridden = false
+  overridden, stretch_num, stretch_den = false, 1, 1
   local blocked = false
   box_ms, box_us, box_record, box_refund = 0, box, record, refund
   box_end, box_held, box_count = 0, false, -1
@@ -498,8 +503,13 @@ local function next_request(counts, windows, scales, k)
     end
   elseif from then
     overridden = true
+    stretch_num, stretch_den = 1, 1
     for i = 1, n do
+      local own = counts[i]
       counts[i], scale, at = sunpack('<ll', from, at)
+      if counts[i] * stretch_den > stretch_num * own then
+        stretch_num, stretch_den = counts[i], own
+      end
       if scales then
         scales[i] = scale
       end
