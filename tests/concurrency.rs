@@ -1435,3 +1435,78 @@ async fn a_waiter_whose_client_leaves_gives_up_its_place_on_redis() {
     println!("admitted {took:?} after the give-back");
     assert!(took < Duration::from_secs(1), "{took:?}");
 }
+
+/// Waiters decided in one call to Redis share a deadline there: the store orders them by id,
+/// and so does their instance, whose first in line is then the store's first. Before, the
+/// instance ordered them by arrival of the answers: its first asked again and again behind a
+/// waiter that never did, and most were refused after their whole wait with the slot free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_decided_together_are_all_served_on_redis() {
+    let server = RedisServer::start();
+    let policy = streams("together", 1, Duration::from_secs(10));
+    let waiting = limited_waiting(server.store().await, policy, Duration::from_secs(6));
+    let service = waiting.layer(endless());
+    let held = service.clone().oneshot(request("k")).await.unwrap();
+    let waiters: Vec<_> = (0..20)
+        .map(|_| {
+            let service = service.clone();
+            tokio::spawn(async move {
+                let response = service.oneshot(request("k")).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                response.status()
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = tokio::time::Instant::now();
+    drop(held);
+    let statuses = join_all(waiters).await;
+    let served = statuses
+        .iter()
+        .filter(|s| *s.as_ref().unwrap() == StatusCode::OK)
+        .count();
+    println!("{served} of 20 served in {:?}", started.elapsed());
+    assert_eq!(served, 20);
+}
+
+/// A waiter whose first answer never comes (its decision timed out while Redis slept) may
+/// still have been put in line when Redis woke: it leaves the line all the same, so the slot
+/// is not kept for it until its deadline.
+#[tokio::test]
+async fn a_waiter_whose_first_answer_is_lost_leaves_the_line_on_redis() {
+    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let policy = streams("lost-ask", 1, Duration::from_secs(10));
+    let plain = closed(&server.url(), policy.clone()).await.layer(endless());
+    let waiting = RateLimitLayer::builder()
+        .key(api_key())
+        .store(server.store().await)
+        .policy(policy)
+        .failure_mode(FailureMode::Closed)
+        .max_wait(Duration::from_secs(8))
+        .build()
+        .unwrap()
+        .layer(endless());
+    let held = plain.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    // The layer (and its store) lives on: it sends what its requests leave behind.
+    let ask = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        waiting
+            .clone()
+            .oneshot(request("k"))
+            .await
+            .unwrap()
+            .status()
+    };
+    let (_, status) = futures::join!(stop_redis(&server, "sleep", 0.3), ask);
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the decision timed out"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(held);
+    let took = until_admitted(&plain, "k", Duration::from_secs(5)).await;
+    println!("admitted {took:?} after the give-back");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+}

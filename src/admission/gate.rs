@@ -112,7 +112,7 @@ impl<K, St: Store> Limiter<K, St> {
     /// the store serves the key's waiters, here and on other instances, before it.
     fn ask(&self, check: Check) -> Admission<St::Future> {
         let (key, policy, cost) = (&check.key, &check.responder.policy, check.cost);
-        if let Some(waiting) = self.waiting(&check) {
+        if let Some(mut waiting) = self.waiting(&check) {
             let decision = waiting.ask(&check);
             return Admission::Later(Later::asking(decision, check, Some(waiting)));
         }

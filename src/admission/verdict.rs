@@ -69,7 +69,7 @@ impl Check {
         let (outcome, fallback) = self.fall_back(outcome);
         match outcome {
             Ok(d) if d.is_allowed() && self.over_cap_here(&d, fallback.is_some()) => {
-                Verdict::Answer(self.slots_full(self.give_back_slot(d)))
+                Verdict::Answer(self.slots_full(self.give_back_unused(d)))
             }
             Ok(d) if d.is_allowed() => Verdict::Call(self.admitted(d, fallback)),
             // Passed on over the limit: shadow mode (logged for the roll-out) or a soft limit
@@ -253,13 +253,17 @@ impl Check {
         holds.is_some_and(|holds| holds.over_cap_with_alone(&self.key, &self.responder))
     }
 
-    /// Gives back the slot the store gave `d`, unused; returns the refusal for a slot to
-    /// answer instead.
-    fn give_back_slot(&self, d: Decision) -> Decision {
-        if let (Some((holds, ledger)), Some(release)) = (&self.holds, Settlement::release(&d)) {
-            let about = (self.key.clone(), Arc::clone(&self.responder));
-            let entry = crate::ledger::post::Entry::new(about.0, about.1, release, None);
-            ledger.settle(entry, holds.in_flight());
+    /// Gives back what the store gave `d`, unused: its slot and the units it recorded (the
+    /// request is refused, and a refused request counts for nothing); returns the refusal for
+    /// a slot to answer instead.
+    fn give_back_unused(&self, d: Decision) -> Decision {
+        if let Some((holds, ledger)) = &self.holds {
+            let refund = Settlement::refund(&d, d.recorded).filter(|r| r.units() > 0);
+            for settlement in Settlement::release(&d).into_iter().chain(refund) {
+                let (key, responder) = (self.key.clone(), Arc::clone(&self.responder));
+                let entry = crate::ledger::post::Entry::new(key, responder, settlement, None);
+                ledger.settle(entry, holds.in_flight());
+            }
         }
         Decision::slots_full(&self.responder.policy, Duration::ZERO)
     }

@@ -44,8 +44,12 @@ pub(crate) struct Waiting<F> {
     ticket: Option<InLine>,
     /// The latest refusal: the answer once the deadline has passed.
     refusal: Option<Decision>,
-    /// The key and policy of the store's line the request is in, while it is in one.
-    queued: Option<(Key, Policy)>,
+    /// The key and policy of the store's line the request may be in: set when it asks, and
+    /// taken when it leaves (or the store took it out, admitting it).
+    line_of: Option<(Key, Policy)>,
+    /// Whether an ask is on its way, unanswered: the store may have put the request in line
+    /// without its answer ever coming back (a timeout, its client gone).
+    asking: bool,
 }
 
 /// What a waiting request does next.
@@ -69,13 +73,18 @@ impl<F> Waiting<F> {
             deadline: None,
             ticket: None,
             refusal: None,
-            queued: None,
+            line_of: None,
+            asking: false,
         }
     }
 
-    /// The store's first decision of the request.
-    pub(crate) fn ask(&self, check: &Check) -> F {
+    /// Asks the store for a slot as this waiter (the first decision, and each after a wait).
+    pub(crate) fn ask(&mut self, check: &Check) -> F {
         let (key, policy) = (&check.key, &check.responder.policy);
+        if self.line_of.is_none() {
+            self.line_of = Some((key.clone(), policy.clone()));
+        }
+        self.asking = true;
         self.line.ask(key, policy, check.cost, &self.waiter)
     }
 
@@ -86,6 +95,7 @@ impl<F> Waiting<F> {
         check: &Check,
         outcome: &Result<Decision, StoreError>,
     ) -> Option<Wait> {
+        self.asking = outcome.is_err();
         let refusal = match outcome {
             Ok(d) if d.is_concurrency_limit() => *d,
             Ok(d) => {
@@ -111,10 +121,7 @@ impl<F> Waiting<F> {
         self.refusal = Some(refusal);
         let (key, policy) = (&check.key, &check.responder.policy);
         let place = refusal.place;
-        if place > 0 && self.queued.is_none() {
-            self.waiter.queued = true;
-            self.queued = Some((key.clone(), policy.clone()));
-        }
+        self.waiter.queued |= place > 0;
         let (id, lines) = (self.waiter.id, holds.lines());
         let ticket = self
             .ticket
@@ -140,15 +147,25 @@ impl<F> Waiting<F> {
         }
     }
 
-    /// The request waits no more: it leaves this layer's line, and the store's unless the
-    /// store `admitted` it (which took it out).
+    /// The request waits no more: it leaves this layer's line, and the store's where it is or
+    /// may be in it (an answer that never came may have put it there), unless the store
+    /// `admitted` it, which took it out.
     fn stop(&mut self, admitted: bool) {
         self.ticket = None;
-        if let Some((key, policy)) = self.queued.take() {
-            if !admitted {
-                self.line.leave(&key, &policy, &self.waiter);
-            }
+        let may_be_in = self.waiter.queued || self.asking;
+        if let Some((key, policy)) = self.line_of.take().filter(|_| may_be_in && !admitted) {
+            // Past its deadline the store counts it no more: what is left of its wait bounds
+            // how long the leave is worth sending.
+            let now = Instant::now();
+            let left = self.deadline.map(|d| d.saturating_duration_since(now));
+            let waiter = Waiter {
+                wait: left.unwrap_or(self.waiter.wait),
+                ..self.waiter
+            };
+            self.line.leave(&key, &policy, &waiter);
         }
+        self.waiter.queued = false;
+        self.asking = false;
     }
 }
 

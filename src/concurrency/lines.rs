@@ -70,9 +70,14 @@ fn first_in(lines: &ByQueue, queue: &QueueOf<'_>) -> Option<Arc<Notify>> {
 }
 
 impl Lines {
-    /// A new waiter, for a request of this layer that may wait `wait` for a slot.
+    /// A new waiter, for a request of this layer that may wait `wait` for a slot. Its id has
+    /// 16 decimal digits, like every waiter's: the line on Redis orders waiters of the same
+    /// deadline by their members' text, which is then their ids' order, as here and on the
+    /// memory store.
     pub(crate) fn waiter(&self, wait: Duration) -> Waiter {
-        let id = self.next.fetch_add(1, Ordering::Relaxed) & ((1 << 52) - 1);
+        const FIRST: u64 = 1_000_000_000_000_000;
+        const SPAN: u64 = 3_000_000_000_000_000;
+        let id = FIRST + self.next.fetch_add(1, Ordering::Relaxed) % SPAN;
         Waiter {
             id,
             wait,
@@ -81,8 +86,8 @@ impl Lines {
     }
 
     /// Puts waiter `id`, refused a slot of `key` under `policy`, in this layer's line at its
-    /// `place` in the store's (0: not known, after every known one), after those of the same
-    /// place.
+    /// `place` in the store's (0: not known, after every known one), in the store's order:
+    /// by place, then by id (requests decided in one call to the store share a place).
     pub(crate) fn join(
         self: &Arc<Self>,
         key: &Key,
@@ -99,7 +104,7 @@ impl Lines {
         let wake = Arc::new(Notify::new());
         let mut lines = crate::shards::lock(&self.lines);
         let line = lines.entry(queue.clone()).or_default();
-        let at = line.partition_point(|&(other, _, _)| other <= place);
+        let at = line.partition_point(|&(other, waiter, _)| (other, waiter) < (place, id));
         line.insert(at, (place, id, Arc::clone(&wake)));
         drop(lines);
         InLine {

@@ -46,7 +46,8 @@ impl<St: Store> Ledger for StoreLedger<St> {
     }
 }
 
-/// What a slot's holder does when a renewal finds the slot gone.
+/// What a slot's holder does when a renewal finds the slot gone, or once a give-back has
+/// landed.
 pub(crate) type OnGone = Box<dyn FnOnce() + Send>;
 
 /// One settle: what it is about, and the deny cache a refund makes stale.
@@ -60,6 +61,8 @@ pub(crate) struct Entry {
     deny_cache: Option<DenyCache>,
     /// What hears that a concurrency slot to renew is gone from the store.
     on_gone: Option<OnGone>,
+    /// What runs once the store has answered, however it did.
+    then: Option<OnGone>,
 }
 
 impl Entry {
@@ -81,6 +84,17 @@ impl Entry {
             settlement,
             deny_cache,
             on_gone: None,
+            then: None,
+        }
+    }
+
+    /// The same settle, and `then` once the store has answered (at once where it settles in
+    /// place): a slot's give-back wakes the first request waiting for one of the key then, so
+    /// that its ask does not reach the store before the slot is free there.
+    pub(crate) fn then(self, then: OnGone) -> Entry {
+        Entry {
+            then: Some(then),
+            ..self
         }
     }
 
@@ -101,7 +115,10 @@ impl Entry {
     /// What follows a settle's outcome: the deny cache forgets the key after a refund (one
     /// that failed made no room, but forgetting costs only a store call), and a failure is
     /// logged and counted.
-    fn finish(self, outcome: Result<(), StoreError>) {
+    fn finish(mut self, outcome: Result<(), StoreError>) {
+        if let Some(then) = self.then.take() {
+            then();
+        }
         if let Some(cache) = &self.deny_cache {
             cache.forget(&self.key, &self.responder.policy);
         }

@@ -86,6 +86,9 @@ struct HoldTimes {
     next: usize,
     /// How many of `times` are a second or more.
     long: usize,
+    /// Whether the store's typical hold time for a key of the policy, as its last refusal here
+    /// said, was a second or more.
+    store_long: bool,
 }
 
 /// The shortest `Retry-After`: a refusal never says less, so hold times shorter than this
@@ -104,9 +107,12 @@ impl HoldTimes {
         self.next = (self.next + 1) % HOLD_TIMES;
     }
 
-    /// Whether the median is a second or more.
-    fn mostly_long(&self) -> bool {
-        self.long > 0 && self.long >= self.times.len() - self.times.len() / 2
+    /// Whether the store should hear of the next hold time: where a `Retry-After` may say
+    /// more than a second (never less), because a hold of a second or more was seen lately,
+    /// here (the last 64) or by the store (its last refusal here), so that short holds bring
+    /// the store's average back down.
+    fn worth_telling(&self, held: Duration) -> bool {
+        held >= SECOND || self.long > 0 || self.store_long
     }
 
     fn median(&self) -> Option<Duration> {
@@ -260,12 +266,15 @@ impl Holds {
     /// (`Retry-After` counts whole seconds, and 0 would invite a retry storm); 1 s before any
     /// is known.
     pub(crate) fn retry_after(&self, policy: &Policy, known: Duration) -> Duration {
-        let typical = match known.is_zero() {
-            false => Some(known),
-            true => {
-                let times = crate::shards::lock(&self.hold_times);
-                let own = times.get(&policy.state_id().hash);
-                own.and_then(HoldTimes::median)
+        let typical = {
+            let mut times = crate::shards::lock(&self.hold_times);
+            let own = times.entry(policy.state_id().hash).or_default();
+            if !known.is_zero() {
+                own.store_long = known >= SECOND;
+            }
+            match known.is_zero() {
+                false => Some(known),
+                true => own.median(),
             }
         };
         typical
@@ -326,27 +335,27 @@ impl Holds {
         }
         let policy = &slot.responder.policy;
         crate::metrics::Report::slots_in_use(policy, -1.0);
-        let long = {
+        let tell = {
             let mut times = crate::shards::lock(&self.hold_times);
             let own = times.entry(policy.state_id().hash).or_default();
             own.add(held);
-            held >= SECOND || own.mostly_long()
+            own.worth_telling(held)
         };
         // The store keeps the key's typical hold time for the `Retry-After` of refusals, never
-        // under a second: a policy whose requests hold slots for less (most of them here) tells
-        // it nothing, and saves it the writes (two commands per give-back on Redis).
-        let told = if long { held } else { Duration::ZERO };
+        // under a second: a policy whose requests hold slots for less tells it nothing, and
+        // saves it the writes (two commands per give-back on Redis).
+        let told = if tell { held } else { Duration::ZERO };
         if let Some(release) = Settlement::release_after(&slot.decision, told) {
             let first = self.lines.first(&slot.key, policy);
-            let entry = Entry::new(slot.key, slot.responder, release, None);
-            slot.ledger.settle(entry, &self.in_flight);
-            // Once the give-back is on its way (done, on the memory store): the first request
-            // in line for the key asks again. On Redis its ask may land before the give-back,
-            // and it then asks again 50 ms later. (Had the first left meanwhile, its leaving
-            // woke the next.)
+            let mut entry = Entry::new(slot.key, slot.responder, release, None);
+            // Once the store has the slot back (at once, on the memory store), the first
+            // request in line for the key asks again; asked before, it would find the slot
+            // still taken, and ask again only at its next look, 50 ms on. (Had the first left
+            // meanwhile, its leaving woke the next.)
             if let Some(wake) = first {
-                wake.notify_one();
+                entry = entry.then(Box::new(move || wake.notify_one()));
             }
+            slot.ledger.settle(entry, &self.in_flight);
         }
     }
 
@@ -441,23 +450,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hold_times_say_when_their_median_is_a_second_or_more() {
+    fn the_store_hears_of_holds_while_a_long_one_was_seen_lately() {
         let mut times = HoldTimes::default();
         let ms = Duration::from_millis;
         times.add(ms(10));
+        assert!(!times.worth_telling(ms(10)), "short holds only");
+        assert!(times.worth_telling(ms(2_000)));
         times.add(ms(2_000));
-        assert!(times.mostly_long(), "one of two");
-        times.add(ms(20));
-        assert!(!times.mostly_long(), "one of three");
-        // The ring forgets the oldest: 64 long ones replace every short one.
+        // The long one is among the last 64: short ones are told too, until it has left.
+        assert!(times.worth_telling(ms(20)));
         for _ in 0..HOLD_TIMES {
-            times.add(ms(1_000));
-        }
-        assert_eq!((times.long, times.times.len()), (HOLD_TIMES, HOLD_TIMES));
-        for _ in 0..HOLD_TIMES / 2 + 1 {
             times.add(ms(5));
         }
-        assert!(!times.mostly_long());
+        assert!(!times.worth_telling(ms(20)));
         assert_eq!(times.median(), Some(ms(5)));
+        // The store said a key's slots are held a second or more: short holds are told.
+        times.store_long = true;
+        assert!(times.worth_telling(ms(20)));
     }
 }

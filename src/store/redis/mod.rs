@@ -463,13 +463,15 @@ impl Store for RedisStore {
         }
     }
 
-    /// Sent as a slot give-back is: it waits while Redis is out of reach, and is sent until
-    /// the waiter's deadline has passed there.
+    /// Sent as a decision's own give-back is (`slots.rs`): it waits while Redis is out of
+    /// reach, and while it finds the waiter gone it is sent again, until what was left of the
+    /// waiter's wait has passed, so that an ask that was still on its way when the waiter left
+    /// (its answer lost) is undone once it lands.
     fn leave_line(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
         let op = SlotOp::Leave { id: waiter.id() };
         let until = u64::try_from(waiter.wait().as_micros()).unwrap_or(u64::MAX);
         let work = slots::SlotWork::new(key.clone(), policy.clone(), op, until, Box::new(drop));
-        self.inner.send_slot_op(work, false);
+        self.inner.send_slot_op(work.until_found(), false);
     }
 
     fn supports(&self, policy: &Policy) -> Result<(), StoreError> {

@@ -90,7 +90,16 @@ impl SlotWork {
         }
     }
 
-    /// The same give-back, sent again later: it found no slot.
+    /// The same operation, sent again while it finds nothing (a give-back no slot, a waiter's
+    /// leave no waiter), until its time is up: a call held up on its way may still take them.
+    pub(super) fn until_found(self) -> SlotWork {
+        SlotWork {
+            until_found: true,
+            ..self
+        }
+    }
+
+    /// The same operation, sent again later: it found nothing.
     fn again(self) -> SlotWork {
         let unfound = self.unfound + 1;
         let wait = RETRY.saturating_mul(1 << unfound.min(8)).min(UNFOUND_PACE);
@@ -229,10 +238,6 @@ impl Drop for Unheld {
         let lifetime = stored_micros(&self.policy, self.inner.timeout);
         let (key, policy) = (self.key.clone(), self.policy.clone());
         let work = SlotWork::new(key, policy, op, lifetime, Box::new(drop));
-        let work = SlotWork {
-            until_found: true,
-            ..work
-        };
-        self.inner.send_slot_op(work, false);
+        self.inner.send_slot_op(work.until_found(), false);
     }
 }

@@ -1,0 +1,1095 @@
+//! The crate's promises (`docs/promises.md`) as properties over generated configurations.
+//!
+//! proptest generates a configuration (algorithm, limits, penalty box, soft, outcome counting,
+//! concurrency and `max_wait`, a second layer stacked on the first, the failure mode, the memory
+//! store's bound) and a schedule (requests that end, fail or are dropped, time passing, resets,
+//! overrides, outages, floods of other keys, retries at a refusal's `Retry-After`), runs it on
+//! the memory store under tokio's paused clock, and checks every promise against what the
+//! handler and the client saw: one oracle per promise. A configuration the crate does not
+//! support must fail to build with a typed error, and only those do ([`unsupported`]).
+//!
+//! `PROMISE_CASES` sets the number of cases (default 2 000).
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http::{HeaderName, Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, StreamBody};
+use proptest::prelude::*;
+use proptest::test_runner::{Config as Cases, TestCaseError, TestRunner};
+use tokio::time::Instant;
+use tower::{service_fn, Layer, Service, ServiceExt};
+use tower_redis_ratelimit::key::Header;
+use tower_redis_ratelimit::store::{Override, Scope, TokioClock, Waiter};
+use tower_redis_ratelimit::{
+    Algorithm, BuildError, Decision, Decisions, FailureMode, Key, Limit, MemoryStore, Policy,
+    RateLimitLayer, Settlement, Store, StoreError, Undecided,
+};
+
+type Body = BoxBody<Bytes, Infallible>;
+type Frame = Result<http_body::Frame<Bytes>, Infallible>;
+
+/// The store's clock starts here: a multiple of every window generated, so that fixed windows
+/// line up with the schedule's time.
+const EPOCH: u64 = 1_800_000_000;
+const KEYS: [&str; 2] = ["a", "b"];
+const WINDOWS: [u64; 3] = [1, 3, 10];
+
+/// What a case configures.
+#[derive(Debug, Clone)]
+struct Config {
+    algorithm: Algorithm,
+    /// (count, window in seconds), shortest window first.
+    limits: Vec<(u64, u64)>,
+    /// The penalty box, in seconds.
+    block: Option<u64>,
+    soft: bool,
+    /// Outcome counting: a response counts when its status is 401.
+    count_when: bool,
+    concurrency: Option<u32>,
+    /// `max_wait` in ms (0: none).
+    max_wait: u64,
+    /// A second layer, outermost, with its own policy (count, window) on the same key.
+    outer: Option<(u64, u64)>,
+    failure: FailureMode,
+    max_keys: Option<u64>,
+}
+
+/// One step of a schedule.
+#[derive(Debug, Clone)]
+enum Op {
+    /// A request of key `key`: the handler answers `status` (200, 401 or 500) after `head`
+    /// ms, and the client reads its body to the end `hold` ms later, or drops it then
+    /// (`drop`).
+    Send {
+        key: usize,
+        status: u16,
+        head: u64,
+        hold: u64,
+        drop: bool,
+    },
+    /// Time passes.
+    Pass(u64),
+    Reset(usize),
+    /// An override of the inner policy for a key: its counts (each limit's count times this,
+    /// in percent, at least 0: a block), or none.
+    Override(usize, Option<u64>),
+    /// The store fails (or answers again).
+    Outage(bool),
+    /// Requests of this many other keys.
+    Flood(u64),
+    /// A lone client retries at its last refusal's `Retry-After`, and a second before.
+    Retry(usize),
+}
+
+fn algorithm() -> impl Strategy<Value = Algorithm> {
+    prop_oneof![
+        Just(Algorithm::SlidingLog),
+        Just(Algorithm::SlidingWindow),
+        Just(Algorithm::FixedWindow),
+        Just(Algorithm::Gcra),
+    ]
+}
+
+fn limits() -> impl Strategy<Value = Vec<(u64, u64)>> {
+    (1..=4u64, 0..3usize, prop::option::of((1..=8u64, 1..3usize))).prop_map(|(c, w, second)| {
+        let mut limits = vec![(c, WINDOWS[w])];
+        if let Some((c2, step)) = second {
+            let w2 = WINDOWS[(w + step).min(2)];
+            if w2 != WINDOWS[w] {
+                limits.push((c.max(c2), w2));
+            }
+        }
+        limits
+    })
+}
+
+fn config() -> impl Strategy<Value = Config> {
+    let features = (
+        prop::option::weighted(0.3, 2..=20u64),
+        prop::bool::weighted(0.15),
+        prop::bool::weighted(0.3),
+        prop::option::weighted(0.3, 1..=3u32),
+        prop_oneof![3 => Just(0u64), 1 => 100..=3_000u64],
+    );
+    let around = (
+        prop::option::weighted(0.25, (1..=6u64, prop::sample::select(WINDOWS.to_vec()))),
+        prop_oneof![Just(FailureMode::Open), Just(FailureMode::Closed)],
+        prop::option::weighted(0.2, 16..=64u64),
+    );
+    (algorithm(), limits(), features, around).prop_map(
+        |(algorithm, limits, (block, soft, count_when, concurrency, max_wait), around)| {
+            let (outer, failure, max_keys) = around;
+            Config {
+                algorithm,
+                limits,
+                block,
+                soft,
+                count_when,
+                concurrency,
+                max_wait: if concurrency.is_some() { max_wait } else { 0 },
+                outer,
+                failure,
+                max_keys,
+            }
+        },
+    )
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let key = 0..KEYS.len();
+    prop_oneof![
+        12 => (
+            key.clone(),
+            prop::sample::select(vec![200u16, 401, 500]),
+            prop_oneof![4 => Just(0u64), 1 => 1..=1_500u64],
+            prop_oneof![0..=5u64, 0..=4_000u64],
+            prop::bool::weighted(0.2),
+        )
+            .prop_map(|(key, status, head, hold, drop)| Op::Send {
+                key,
+                status,
+                head,
+                hold,
+                drop
+            }),
+        5 => prop_oneof![1..=400u64, 400..=12_000u64].prop_map(Op::Pass),
+        1 => key.clone().prop_map(Op::Reset),
+        1 => (key.clone(), prop::option::of(prop_oneof![Just(0u64), 50..=300u64]))
+            .prop_map(|(key, pct)| Op::Override(key, pct)),
+        1 => any::<bool>().prop_map(Op::Outage),
+        1 => (1..=60u64).prop_map(Op::Flood),
+        2 => key.prop_map(Op::Retry),
+    ]
+}
+
+fn case() -> impl Strategy<Value = (Config, Vec<Op>)> {
+    (config(), prop::collection::vec(op(), 1..40))
+}
+
+/// The combinations the crate refuses to build, with why; `None` for those it must build. The
+/// list in `docs/promises.md`, "What is not supported".
+fn unsupported(config: &Config) -> Option<&'static str> {
+    let _ = config;
+    None
+}
+
+// ---------------------------------------------------------------------------------------
+// The run.
+
+/// A store that fails while told to: the memory store behind a switch, for the failure modes.
+#[derive(Clone)]
+struct Flaky {
+    store: MemoryStore,
+    down: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Flaky {
+    fn down(&self) -> bool {
+        self.down.load(Ordering::SeqCst)
+    }
+
+    fn fail<T>(&self, then: impl FnOnce() -> T) -> Result<T, StoreError> {
+        match self.down() {
+            true => Err(StoreError::Unavailable),
+            false => Ok(then()),
+        }
+    }
+}
+
+type Ready<T> = std::future::Ready<Result<T, StoreError>>;
+
+impl Store for Flaky {
+    type Future = Ready<Decision>;
+    type ResetFuture = Ready<()>;
+
+    fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        let decided = self.fail(|| self.store.check(key, policy, cost).into_inner());
+        std::future::ready(decided.and_then(|d| d))
+    }
+
+    fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
+        let decided = self.fail(|| self.store.check_at(key, policy, cost, at).into_inner());
+        std::future::ready(decided.and_then(|d| d))
+    }
+
+    fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        let decided = self.fail(|| self.store.peek(key, policy, cost).into_inner());
+        std::future::ready(decided.and_then(|d| d))
+    }
+
+    fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
+        self.store.reset(key, policy)
+    }
+
+    fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture {
+        // Settles wait out an outage elsewhere; here they land (the store is in this process).
+        self.store.settle(key, policy, settlement)
+    }
+
+    fn check_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        Some(self.check(key, policy, cost).into_inner())
+    }
+
+    fn settle_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        settlement: Settlement,
+    ) -> Option<Result<(), StoreError>> {
+        self.store.settle_now(key, policy, settlement)
+    }
+
+    fn check_in_line(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        waiter: &Waiter,
+    ) -> Self::Future {
+        let decided = self.fail(|| {
+            let store = &self.store;
+            store.check_in_line(key, policy, cost, waiter).into_inner()
+        });
+        std::future::ready(decided.and_then(|d| d))
+    }
+
+    fn leave_line(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
+        self.store.leave_line(key, policy, waiter);
+    }
+
+    fn is_local(&self) -> bool {
+        true
+    }
+
+    fn run_time_overrides(&self) -> Option<tower_redis_ratelimit::store::Overrides> {
+        self.store.run_time_overrides()
+    }
+
+    fn limits_version(&self) -> u64 {
+        self.store.limits_version()
+    }
+}
+
+/// What the handler saw of one request.
+#[derive(Debug, Clone)]
+struct Handled {
+    /// When the handler was called ([`Log::next`]): just after the decision.
+    seq: usize,
+    at: Duration,
+    decisions: Option<Decisions>,
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, Default)]
+struct Record {
+    /// When it was sent, in the run's order of events ([`Log::next`]).
+    seq: usize,
+    key: usize,
+    sent: Duration,
+    status: Option<StatusCode>,
+    retry_after: Option<u64>,
+    /// The `RateLimit` field's members: policy, remaining.
+    fields: Vec<(String, i64)>,
+    /// What the outer layer passed on (its decisions), when there is one.
+    passed_outer: Option<Decisions>,
+    handled: Option<Handled>,
+    /// The handler's status, when it answered.
+    answered: Option<u16>,
+    /// When its response's head came back.
+    responded: Option<Duration>,
+    /// When its body ended or was dropped.
+    ended: Option<Duration>,
+    /// A probe of a retry: refused expected (`false`) or admitted expected (`true`).
+    probe: Option<bool>,
+}
+
+/// The log of a run, shared by the client side and the handler.
+#[derive(Default)]
+struct Log {
+    records: Mutex<Vec<Record>>,
+    /// The run's events in order: requests sent, resets, overrides, looks at the store.
+    seq: AtomicUsize,
+    /// Responses streaming now per key, and the most at once.
+    streaming: [AtomicUsize; 2],
+    most: [AtomicUsize; 2],
+}
+
+impl Log {
+    fn next(&self) -> usize {
+        self.seq.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    fn with<T>(&self, i: usize, f: impl FnOnce(&mut Record) -> T) -> T {
+        f(&mut self.records.lock().unwrap()[i])
+    }
+}
+
+/// Counts a response of a key streaming until dropped.
+struct Streaming(Arc<Log>, usize);
+
+impl Drop for Streaming {
+    fn drop(&mut self) {
+        self.0.streaming[self.1].fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn since(start: Instant) -> Duration {
+    Instant::now() - start
+}
+
+/// The handler: answers the status the request asks for, with a body that streams until the
+/// client ends it (`x-end` fires) or drops it.
+fn handler(
+    log: Arc<Log>,
+    start: Instant,
+    ends: Arc<Mutex<BTreeMap<usize, tokio::sync::oneshot::Receiver<()>>>>,
+) -> impl Service<Request<()>, Response = Response<Body>, Error = Infallible, Future: Send> + Clone
+{
+    service_fn(move |request: Request<()>| {
+        let i: usize = request.headers()["x-i"].to_str().unwrap().parse().unwrap();
+        let number = |name: &str| request.headers()[name].to_str().unwrap().parse::<u64>();
+        let status = number("x-status").unwrap() as u16;
+        let head = number("x-head").unwrap();
+        let key = log.with(i, |r| r.key);
+        let decisions = request.extensions().get::<Decisions>().cloned();
+        let handled = Handled {
+            seq: log.next(),
+            at: since(start),
+            decisions,
+        };
+        log.with(i, |r| {
+            r.handled = Some(handled);
+            r.answered = Some(status);
+        });
+        let now = log.streaming[key].fetch_add(1, Ordering::SeqCst) + 1;
+        log.most[key].fetch_max(now, Ordering::SeqCst);
+        let guard = Streaming(Arc::clone(&log), key);
+        let end = ends.lock().unwrap().remove(&i).unwrap();
+        async move {
+            tokio::time::sleep(Duration::from_millis(head)).await;
+            let frames = futures::stream::once(async move {
+                let _ = end.await;
+                drop(guard);
+                Ok::<_, Infallible>(http_body::Frame::data(Bytes::from_static(b"done")))
+            });
+            let body: Body = BodyExt::boxed(StreamBody::new(frames.map(|f: Frame| f)));
+            let mut response = Response::new(body);
+            *response.status_mut() = StatusCode::from_u16(status).unwrap();
+            Ok(response)
+        }
+    })
+}
+
+fn policy(name: &str, algorithm: Algorithm, limits: &[(u64, u64)]) -> Policy {
+    let limits = limits
+        .iter()
+        .map(|&(c, w)| Limit::new(c, Duration::from_secs(w)).unwrap());
+    Policy::new(name, limits).unwrap().with_algorithm(algorithm)
+}
+
+fn inner_policy(config: &Config) -> Policy {
+    let mut p = policy("inner", config.algorithm, &config.limits);
+    if let Some(block) = config.block {
+        p = p.block_for(Duration::from_secs(block)).unwrap();
+    }
+    if let Some(cap) = config.concurrency {
+        p = p
+            .concurrency(cap)
+            .unwrap()
+            .slot_expiry(Duration::from_secs(5))
+            .unwrap();
+    }
+    p
+}
+
+fn outer_policy(config: &Config) -> Option<Policy> {
+    let (c, w) = config.outer?;
+    Some(policy("outer", config.algorithm, &[(c, w)]))
+}
+
+/// The `RateLimit` field's members: (policy, remaining).
+fn fields(response: &Response<impl Sized>) -> Vec<(String, i64)> {
+    let Some(value) = response.headers().get("ratelimit") else {
+        return Vec::new();
+    };
+    let list: sfv::List = sfv::Parser::new(value.as_bytes()).parse().unwrap();
+    list.iter()
+        .filter_map(|entry| match entry {
+            sfv::ListEntry::Item(item) => {
+                let name = item.bare_item.as_string()?.as_str().to_owned();
+                let r = item.params.iter().find(|(k, _)| k.as_str() == "r")?;
+                Some((name, i64::from(r.1.as_integer()?)))
+            }
+            sfv::ListEntry::InnerList(_) => None,
+        })
+        .collect()
+}
+
+/// What a run left for the oracles.
+struct Run {
+    records: Vec<Record>,
+    /// (event, key) of each reset ([`Log::next`]).
+    resets: Vec<(usize, usize)>,
+    /// (event, key, percent or none) of each override.
+    overrides: Vec<(usize, usize, Option<u64>)>,
+    /// (from, to) of each outage.
+    outages: Vec<(Duration, Duration)>,
+    /// (event) of each flood of other keys, which may evict the keys not pinned.
+    floods: Vec<usize>,
+    most: [usize; 2],
+    /// After every request ended and the state aged out: slots in use and keys held.
+    slots_left: usize,
+    keys_left: u64,
+    /// The sliding log's events held, at each look: (time, event, key, events).
+    log_sizes: Vec<(Duration, usize, usize, usize)>,
+}
+
+async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> {
+    let start = Instant::now();
+    let epoch = UNIX_EPOCH + Duration::from_secs(EPOCH);
+    let mut builder = MemoryStore::builder().clock(TokioClock::starting_at(epoch));
+    if let Some(max) = config.max_keys {
+        builder = builder.max_keys(max);
+    }
+    let memory = builder.build();
+    let store = Flaky {
+        store: memory.clone(),
+        down: Arc::default(),
+    };
+    let inner = inner_policy(config);
+    let flood = Policy::new("flood", ["100/1s".parse().unwrap()]).unwrap();
+    let header = Header::new(HeaderName::from_static("x-key"));
+    let mut layer = RateLimitLayer::builder()
+        .key(header.clone())
+        .store(store.clone())
+        .policy(inner.clone())
+        .soft(config.soft)
+        .failure_mode(config.failure.clone());
+    if config.count_when {
+        layer = layer.count_when(|head| head.status == StatusCode::UNAUTHORIZED);
+    }
+    if config.max_wait > 0 {
+        layer = layer.max_wait(Duration::from_millis(config.max_wait));
+    }
+    let inner_layer = layer.build()?;
+    let outer = outer_policy(config);
+    let outer_layer = match &outer {
+        Some(p) => Some(
+            RateLimitLayer::builder()
+                .key(header)
+                .store(store.clone())
+                .policy(p.clone())
+                .failure_mode(config.failure.clone())
+                .build()?,
+        ),
+        None => None,
+    };
+    let log = Arc::new(Log::default());
+    let ends = Arc::new(Mutex::new(BTreeMap::new()));
+    let handled = inner_layer.layer(handler(Arc::clone(&log), start, Arc::clone(&ends)));
+    let probe_log = Arc::clone(&log);
+    let passed = service_fn(move |request: Request<()>| {
+        let i: usize = request.headers()["x-i"].to_str().unwrap().parse().unwrap();
+        let decisions = request.extensions().get::<Decisions>().cloned();
+        probe_log.with(i, |r| r.passed_outer = decisions);
+        handled.clone().oneshot(request)
+    });
+    let passed = passed.map_response(|r| r.map(BodyExt::boxed));
+    let service = match outer_layer {
+        Some(outer) => {
+            let outer = outer.layer(passed).map_response(|r| r.map(BodyExt::boxed));
+            tower::util::BoxCloneService::new(outer)
+        }
+        None => tower::util::BoxCloneService::new(passed),
+    };
+    let mut tasks = Vec::new();
+    let mut resets = Vec::new();
+    let mut overrides = Vec::new();
+    let mut outages = Vec::new();
+    let mut floods = Vec::new();
+    let mut log_sizes = Vec::new();
+    let mut down_since = None;
+    // The last event that may free a key or change its count: a probe of a refusal before it
+    // tests nothing the promise says.
+    let mut changed = 0;
+    let send = |key: usize, status: u16, (head, hold): (u64, u64), drop_it: bool, probe| {
+        let i = {
+            let mut records = log.records.lock().unwrap();
+            records.push(Record {
+                seq: log.next(),
+                key,
+                sent: since(start),
+                probe,
+                ..Record::default()
+            });
+            records.len() - 1
+        };
+        let (end, ended) = tokio::sync::oneshot::channel();
+        ends.lock().unwrap().insert(i, ended);
+        let request = Request::builder()
+            .header("x-key", KEYS[key])
+            .header("x-i", i.to_string())
+            .header("x-status", status.to_string())
+            .header("x-head", head.to_string())
+            .body(())
+            .unwrap();
+        let (service, log) = (service.clone(), Arc::clone(&log));
+        tokio::spawn(async move {
+            let response = service.oneshot(request).await.unwrap();
+            let retry = response.headers().get("retry-after");
+            let retry = retry.map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
+            let members = fields(&response);
+            log.with(i, |r| {
+                r.status = Some(response.status());
+                r.responded = Some(since(start));
+                r.retry_after = retry;
+                r.fields = members;
+            });
+            tokio::time::sleep(Duration::from_millis(hold)).await;
+            match drop_it {
+                true => drop(response),
+                false => {
+                    let _ = end.send(());
+                    let _ = response.into_body().collect().await;
+                }
+            }
+            log.with(i, |r| r.ended = Some(since(start)));
+        })
+    };
+    for op in ops {
+        match *op {
+            Op::Send {
+                key,
+                status,
+                head,
+                hold,
+                drop,
+            } => tasks.push(send(key, status, (head, hold), drop, None)),
+            Op::Pass(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+            Op::Reset(key) => {
+                let k = Key::from(KEYS[key]);
+                memory.reset(&k, &inner).await.unwrap();
+                if let Some(outer) = &outer {
+                    memory.reset(&k, outer).await.unwrap();
+                }
+                resets.push((log.next(), key));
+                changed = log.next();
+            }
+            Op::Override(key, pct) => {
+                let scope = Scope::Key(Key::from(KEYS[key]));
+                let overrides_of = memory.overrides();
+                match pct {
+                    Some(0) => overrides_of
+                        .set(&inner, &scope, &Override::Block)
+                        .await
+                        .unwrap(),
+                    Some(pct) => {
+                        let counts = config.limits.iter().map(|&(c, w)| {
+                            let c = (c * pct / 100).max(1);
+                            Limit::new(c, Duration::from_secs(w)).unwrap()
+                        });
+                        let to = Override::Limits(counts.collect());
+                        overrides_of.set(&inner, &scope, &to).await.unwrap();
+                    }
+                    None => drop(overrides_of.remove(&inner, &scope).await.unwrap()),
+                }
+                overrides.push((log.next(), key, pct));
+                changed = log.next();
+            }
+            Op::Outage(on) => {
+                store.down.store(on, Ordering::SeqCst);
+                changed = log.next();
+                match (on, down_since) {
+                    (true, None) => down_since = Some(since(start)),
+                    (false, Some(from)) => {
+                        outages.push((from, since(start)));
+                        down_since = None;
+                    }
+                    _ => {}
+                }
+            }
+            Op::Flood(n) => {
+                for other in 0..n {
+                    let k = Key::from(format!("flood-{other}").as_str());
+                    let _ = memory.check(&k, &flood, 1).await;
+                }
+                floods.push(log.next());
+                // A key in its penalty box is kept whatever the flood (it is refused until
+                // its `Retry-After`); another key may be evicted, and start afresh.
+                if config.block.is_none() && config.max_keys.is_some() {
+                    changed = log.next();
+                }
+            }
+            Op::Retry(key) => {
+                // The last answer of this key, if it is a refusal nothing has touched since.
+                let last = {
+                    let records = log.records.lock().unwrap();
+                    records.iter().rev().find(|r| r.key == key).cloned()
+                };
+                let Some(last) = last.filter(|l| l.seq > changed && !store.down()) else {
+                    continue;
+                };
+                let (Some(StatusCode::TOO_MANY_REQUESTS), Some(retry)) =
+                    (last.status, last.retry_after)
+                else {
+                    continue;
+                };
+                let at = last.sent + Duration::from_secs(retry);
+                let early = at.saturating_sub(Duration::from_secs(1));
+                if early > since(start) && retry >= 2 {
+                    tokio::time::sleep(early - since(start)).await;
+                    tasks.push(send(key, 200, (0, 0), false, Some(false)));
+                    settle().await;
+                }
+                if at > since(start) {
+                    tokio::time::sleep(at - since(start)).await;
+                }
+                tasks.push(send(key, 200, (0, 0), false, Some(true)));
+            }
+        }
+        settle().await;
+        if config.algorithm == Algorithm::SlidingLog {
+            for (k, name) in KEYS.iter().enumerate() {
+                let held = memory.events(&Key::from(*name), &inner);
+                log_sizes.push((since(start), log.next(), k, held));
+            }
+        }
+    }
+    if let Some(from) = down_since {
+        outages.push((from, since(start)));
+    }
+    store.down.store(false, Ordering::SeqCst);
+    // Every body ends (the longest hold is 4 s, a wait 3 s), then everything ages out.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let slots_left = KEYS
+        .iter()
+        .map(|k| memory.slots_in_use(&Key::from(*k), &inner))
+        .sum();
+    // Then the state ages out: the longest window (twice that for the sliding window
+    // counter), GCRA's stretched by the largest raise, or the box; a second's margin.
+    let windows = config.limits.iter().chain(&config.outer).map(|l| l.1);
+    let longest = windows.max().unwrap();
+    let raise = overrides
+        .iter()
+        .filter_map(|o| o.2)
+        .max()
+        .unwrap_or(100)
+        .max(100);
+    let kept = match config.algorithm {
+        Algorithm::SlidingWindow => 2 * longest,
+        Algorithm::Gcra => (longest * raise).div_ceil(100),
+        _ => longest,
+    };
+    let block = config.block.unwrap_or(0);
+    let slots = config.concurrency.map_or(0, |_| 5);
+    tokio::time::sleep(Duration::from_secs(kept.max(block).max(slots) + 1)).await;
+    let records = log.records.lock().unwrap().clone();
+    let most = [0, 1].map(|k| log.most[k].load(Ordering::SeqCst));
+    Ok(Run {
+        records,
+        resets,
+        overrides,
+        outages,
+        floods,
+        most,
+        slots_left,
+        keys_left: memory.key_count(),
+        log_sizes,
+    })
+}
+
+/// Lets every task spawned run until it waits on time: a sleep of zero on the paused clock
+/// returns once every task ready to run has run.
+async fn settle() {
+    for _ in 0..64 {
+        tokio::task::yield_now().await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The oracles: one per promise, each over a run.
+
+/// The counts in force for `key` at event `seq`: the inner policy's, or an override's.
+fn counts_at(config: &Config, run: &Run, key: usize, seq: usize) -> Vec<u64> {
+    let last = run
+        .overrides
+        .iter()
+        .filter(|&&(at, k, _)| k == key && at < seq)
+        .last();
+    config
+        .limits
+        .iter()
+        .map(|&(c, _)| match last {
+            Some(&(_, _, Some(pct))) => (c * pct / 100).max(if pct == 0 { 0 } else { 1 }),
+            _ => c,
+        })
+        .collect()
+}
+
+/// The last reset of `key` before event `seq` (0: none; events after it count).
+fn reset_before(run: &Run, key: usize, seq: usize) -> usize {
+    reset_only(run, key, seq)
+}
+
+/// Whether the memory store may have evicted a key before event `seq`: it holds at most
+/// `max_keys`, and once a flood of other keys has filled it, any new key may evict one of
+/// ours that is not pinned (by its penalty box or its slots), which then starts afresh.
+fn may_be_evicted(config: &Config, run: &Run, seq: usize) -> bool {
+    config.max_keys.is_some() && run.floods.iter().any(|&at| at < seq)
+}
+
+/// The last reset of `key` before event `seq` (0: none).
+fn reset_only(run: &Run, key: usize, seq: usize) -> usize {
+    let resets = run.resets.iter().filter(|&&(at, k)| k == key && at < seq);
+    resets.map(|&(at, _)| at).max().unwrap_or_default()
+}
+
+/// A unit the inner policy recorded: when, and when it was taken back (outcome counting, an
+/// attempt whose outcome does not count: when its response's head is in).
+struct Unit {
+    /// When the request was sent ([`Log::next`]).
+    seq: usize,
+    at: Duration,
+    refunded: Option<Duration>,
+}
+
+fn inner_units(config: &Config, run: &Run, key: usize) -> Vec<Unit> {
+    let recorded = run.records.iter().filter(|r| r.key == key);
+    recorded
+        .filter_map(|r| {
+            let handled = r.handled.as_ref()?;
+            let decision = handled.decisions.as_ref()?.get("inner")?;
+            let counted = !config.count_when || r.answered == Some(401);
+            if !decision.is_allowed() {
+                // Passed on over a soft limit: charged when its outcome counts.
+                let charged = config.soft && config.count_when && counted;
+                return charged.then_some(Unit {
+                    seq: handled.seq,
+                    at: r.responded?,
+                    refunded: None,
+                });
+            }
+            let refunded = (!counted).then_some(r.responded).flatten();
+            Some(Unit {
+                seq: handled.seq,
+                at: handled.at,
+                refunded,
+            })
+        })
+        .collect()
+}
+
+/// Never over: at each admission, the units the inner policy holds in each of its windows (as
+/// its algorithm counts them) are within the counts in force. The sliding log holds every
+/// sliding window to its count; the fixed window and the sliding window counter every fixed
+/// window; GCRA every interval `d` to `count + d · count / window`.
+fn never_over(config: &Config, run: &Run) -> Result<(), String> {
+    // A soft limit refuses nothing: its promise is that it passes every request on.
+    if config.soft {
+        return Ok(());
+    }
+    for key in 0..KEYS.len() {
+        let units = inner_units(config, run, key);
+        for (j, unit) in units.iter().enumerate() {
+            if may_be_evicted(config, run, unit.seq) {
+                break;
+            }
+            let t = unit.at;
+            let since = reset_before(run, key, unit.seq);
+            // Held at t: recorded after the last reset, not taken back before t.
+            let held =
+                |u: &&Unit| u.seq > since && u.seq <= unit.seq && u.refunded.is_none_or(|r| r > t);
+            let counts = counts_at(config, run, key, unit.seq);
+            for (i, &(_, w)) in config.limits.iter().enumerate() {
+                let (c, w) = (counts[i], Duration::from_secs(w));
+                let n = match config.algorithm {
+                    Algorithm::SlidingLog => {
+                        let within = |u: &&Unit| u.at + w > t;
+                        units.iter().filter(held).filter(within).count() as f64
+                    }
+                    Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+                        let window = |d: Duration| d.as_micros() / w.as_micros();
+                        let same = |u: &&Unit| window(u.at) == window(t);
+                        units.iter().filter(held).filter(same).count() as f64
+                    }
+                    _ => gcra_excess(run, key, &units, j, c, w),
+                };
+                if n > c as f64 + 1e-6 {
+                    return Err(format!(
+                        "key {key}: admission {j} at {t:?} holds {n} in a window of {w:?}, count {c}"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// GCRA: the most, over the intervals that end at admission `j`, of the units admitted in the
+/// interval less the room the interval's drain and any refund in it made: at most the count.
+/// Intervals start after the last reset and the last override of the key (a change of counts
+/// changes the drain).
+fn gcra_excess(run: &Run, key: usize, units: &[Unit], j: usize, c: u64, w: Duration) -> f64 {
+    if c == 0 {
+        return units.get(j).map_or(0.0, |_| 1.0);
+    }
+    let (t, seq) = (units[j].at, units[j].seq);
+    let changed = run
+        .overrides
+        .iter()
+        .filter(|&&(at, k, _)| k == key && at < seq)
+        .map(|&(at, _, _)| at)
+        .max()
+        .unwrap_or_default();
+    let since = reset_before(run, key, seq).max(changed);
+    let period = w.as_secs_f64() / c as f64;
+    let mut most: f64 = 0.0;
+    for first in units[..=j].iter().filter(|u| u.seq > since) {
+        let start = first.at;
+        let admitted = units[..=j].iter().filter(|u| u.seq >= first.seq).count() as f64;
+        let refunds: f64 = units
+            .iter()
+            .filter_map(|u| {
+                let r = u.refunded.filter(|&r| r >= start && r <= t)?;
+                let left = period - (r - u.at).as_secs_f64();
+                Some((left / period).max(0.0))
+            })
+            .sum();
+        let drained = (t - start).as_secs_f64() / period;
+        most = most.max(admitted - refunds - drained);
+    }
+    most
+}
+
+/// `Retry-After` never early: a lone client that retries at a refusal's `Retry-After` is
+/// admitted, and one that retries a second before is not.
+fn retry_after_true(config: &Config, run: &Run) -> Result<(), String> {
+    for (i, r) in run.records.iter().enumerate() {
+        let Some(admitted) = r.probe else { continue };
+        let got = r.status == Some(StatusCode::OK) || r.handled.is_some();
+        let inner = r
+            .handled
+            .as_ref()
+            .and_then(|h| h.decisions.as_ref()?.get("inner").copied());
+        let passed = match inner {
+            Some(d) => d.is_allowed(),
+            None => got,
+        };
+        // The refusal it follows, for the message.
+        let before = run.records[..i]
+            .iter()
+            .rev()
+            .find(|b| b.key == r.key && b.probe.is_none());
+        // Counted by outcome, a refusal counts the attempts in flight as failures: those that
+        // succeed give their units back, and the key is let in earlier (never later).
+        let in_flight_then = |refusal: &Record| {
+            run.records.iter().any(|o| {
+                let handled = o.handled.as_ref().map(|h| h.at);
+                o.key == refusal.key
+                    && handled.is_some_and(|at| at <= refusal.sent)
+                    && o.responded.is_none_or(|at| at > refusal.sent)
+            })
+        };
+        if !admitted && config.count_when && before.is_some_and(in_flight_then) {
+            continue;
+        }
+        if passed != admitted {
+            return Err(format!(
+                "retry probe {i} of key {} at {:?} expected admitted={admitted}, got {:?} (the refusal: {:?})",
+                r.key, r.sent, r.status, before.map(|b| (b.sent, b.retry_after, &b.fields))
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether the schedule makes a retry probe meaningless: between the refusal and the probe,
+/// another request of the key, a reset, an override, an outage, a flood or eviction may have
+/// changed what the key holds; a refusal for a slot says when one usually frees, no promise;
+/// and the outer layer may refuse at the inner's `Retry-After`.
+fn probes_apply(config: &Config) -> bool {
+    config.outer.is_none() && !config.soft && config.concurrency.is_none()
+}
+
+/// Nothing leaked and memory follows what is held: once every request has ended, no slot is
+/// held; once the state has aged out, the store holds no key; and the sliding log never holds
+/// more events than the units the oracle accounts for in its longest window.
+fn nothing_left(config: &Config, run: &Run) -> Result<(), String> {
+    if run.slots_left != 0 {
+        return Err(format!(
+            "{} slots held after every request ended",
+            run.slots_left
+        ));
+    }
+    if run.keys_left != 0 {
+        return Err(format!(
+            "{} keys held after the state aged out",
+            run.keys_left
+        ));
+    }
+    if config.algorithm == Algorithm::SlidingLog {
+        let longest = Duration::from_secs(config.limits.iter().map(|l| l.1).max().unwrap());
+        for &(t, seq, key, held) in &run.log_sizes {
+            let since = reset_only(run, key, seq);
+            let units = inner_units(config, run, key);
+            let live = units
+                .iter()
+                .filter(|u| u.seq > since && u.seq < seq && u.at + longest > t)
+                .count();
+            // Refunded units weigh nothing but may stay until they age out.
+            if held > live {
+                return Err(format!(
+                    "key {key} at {t:?}: the log holds {held} events, {live} live"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The limiter is never the outage: failing open, no request gets a 5xx the handler did not
+/// answer, and every request the handler sees carries a `Decisions` entry per layer.
+fn never_the_outage(config: &Config, run: &Run) -> Result<(), String> {
+    for (i, r) in run.records.iter().enumerate() {
+        let status = r.status.ok_or(format!("request {i} never answered"))?;
+        let own = r.answered.map(|s| s == status.as_u16()).unwrap_or(false);
+        if matches!(config.failure, FailureMode::Open) && status.is_server_error() && !own {
+            return Err(format!(
+                "request {i}: {status} from the limiter, failing open"
+            ));
+        }
+        if let Some(handled) = &r.handled {
+            let decisions = handled
+                .decisions
+                .as_ref()
+                .ok_or(format!("request {i}: no Decisions"))?;
+            let has = |name: &str| {
+                decisions.get(name).is_some() || decisions.undecided().any(|(p, _)| p == name)
+            };
+            if !has("inner") || (config.outer.is_some() && !has("outer")) {
+                return Err(format!(
+                    "request {i}: Decisions lacks a layer: {decisions:?}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The handler's `Decisions` and the response's `RateLimit` field describe the same decision.
+fn fields_agree(run: &Run) -> Result<(), String> {
+    for (i, r) in run.records.iter().enumerate() {
+        let Some(decisions) = r.handled.as_ref().and_then(|h| h.decisions.as_ref()) else {
+            continue;
+        };
+        for (name, decision) in decisions.iter() {
+            let field = r
+                .fields
+                .iter()
+                .find(|(n, _)| n == name || n.starts_with(&format!("{name}-")));
+            let Some((_, remaining)) = field else {
+                return Err(format!(
+                    "request {i}: no RateLimit member for {name}: {:?}",
+                    r.fields
+                ));
+            };
+            if decision.is_concurrency_limit() {
+                continue;
+            }
+            if *remaining != decision.remaining() as i64 {
+                return Err(format!(
+                    "request {i}: {name} remaining {} in Decisions, {remaining} in the field",
+                    decision.remaining()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// At most the concurrency limit in flight per key (on this one instance, failing open too).
+fn at_most_cap(config: &Config, run: &Run) -> Result<(), String> {
+    let Some(cap) = config.concurrency.filter(|_| !config.soft) else {
+        return Ok(());
+    };
+    for (key, &most) in run.most.iter().enumerate() {
+        if most > cap as usize {
+            return Err(format!("key {key}: {most} in flight at cap {cap}"));
+        }
+    }
+    Ok(())
+}
+
+fn check(config: &Config, ops: &[Op]) -> Result<(), TestCaseError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    let run = match runtime.block_on(run(config, ops)) {
+        Ok(run) => run,
+        Err(error) => {
+            return match unsupported(config) {
+                Some(_) => Ok(()),
+                None => Err(TestCaseError::fail(format!(
+                    "{config:?} failed to build: {error}"
+                ))),
+            }
+        }
+    };
+    if let Some(why) = unsupported(config) {
+        return Err(TestCaseError::fail(format!(
+            "built what is listed unsupported: {why}"
+        )));
+    }
+    let oracles: [(&str, Result<(), String>); 6] = [
+        ("never over", never_over(config, &run)),
+        (
+            "Retry-After never early",
+            match probes_apply(config) {
+                true => retry_after_true(config, &run),
+                false => Ok(()),
+            },
+        ),
+        ("nothing leaked", nothing_left(config, &run)),
+        ("never the outage", never_the_outage(config, &run)),
+        ("Decisions and fields agree", fields_agree(&run)),
+        ("at most the cap", at_most_cap(config, &run)),
+    ];
+    for (promise, outcome) in oracles {
+        outcome.map_err(|why| TestCaseError::fail(format!("{promise}: {why}")))?;
+    }
+    let _ = (&run.outages, &run.floods, Undecided::StoreUnavailable);
+    Ok(())
+}
+
+#[test]
+fn the_promises_hold_on_the_memory_store() {
+    let cases = std::env::var("PROMISE_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(2_000);
+    let mut runner = TestRunner::new(Cases {
+        cases,
+        failure_persistence: None,
+        ..Cases::default()
+    });
+    runner
+        .run(&case(), |(config, ops)| check(&config, &ops))
+        .unwrap();
+}
