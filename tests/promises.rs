@@ -8,7 +8,8 @@
 //! handler and the client saw: one oracle per promise. A configuration the crate does not
 //! support must fail to build with a typed error, and only those do ([`unsupported`]).
 //!
-//! `PROMISE_CASES` sets the number of cases (default 2 000).
+//! `PROMISE_CASES` sets the number of cases on the memory store (default 2 000),
+//! `PROMISE_REDIS_CASES` on Redis (default 50).
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -1183,12 +1184,15 @@ fn check_case(config: &Config, ops: &[Op]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// The number of cases the environment variable `var` asks for, else `default`.
+fn cases_from(var: &str, default: u32) -> u32 {
+    let asked = std::env::var(var).ok().and_then(|n| n.parse().ok());
+    asked.unwrap_or(default)
+}
+
 #[test]
 fn the_promises_hold_on_the_memory_store() {
-    let cases = std::env::var("PROMISE_CASES")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(2_000);
+    let cases = cases_from("PROMISE_CASES", 2_000);
     let mut runner = TestRunner::new(Cases {
         cases,
         failure_persistence: None,
@@ -1519,10 +1523,7 @@ fn check_redis(
 
 #[test]
 fn the_promises_hold_on_redis() {
-    let cases = std::env::var("PROMISE_REDIS_CASES")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(50);
+    let cases = cases_from("PROMISE_REDIS_CASES", 50);
     let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
     let server = std::cell::RefCell::new(server);
     let mut runner = TestRunner::new(Cases {

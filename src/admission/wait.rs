@@ -1,7 +1,8 @@
 //! A request's wait for a concurrency slot
-//! ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)): until its deadline, in line behind
-//! the requests of its key that came before it on this instance, asking the store again when
-//! it is first in line.
+//! ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)): until its deadline, as a waiter in
+//! the store's line for its key (`Store::check_in_line`), behind those of this instance that
+//! come before it there, asking the store again when it is first; leaving the store's line
+//! when it stops waiting without a slot.
 
 use std::sync::Arc;
 use std::time::Duration;
