@@ -26,6 +26,10 @@ pub struct Decision {
     pub(crate) admitted_at: Option<i64>,
     /// The units the request recorded (its cost; 0 for a peek or a refusal).
     pub(crate) recorded: u64,
+    /// Which of the memory store's states of the key recorded the request (numbered as the
+    /// store makes them; 0 on other stores): a refund applies to that state alone, not to
+    /// one a reset, an expiry or an eviction made since, even within the same microsecond.
+    pub(crate) state: u64,
     /// Refused because the key is in its policy's penalty box.
     pub(crate) penalty: bool,
     /// The concurrency slot the request took, when its policy has a concurrency limit.
@@ -94,6 +98,7 @@ impl Decision {
             retry_after: outcome.retry_after.map(Duration::from_micros),
             admitted_at: None,
             recorded: 0,
+            state: 0,
             penalty: false,
             slot: None,
             concurrency: false,
@@ -127,6 +132,7 @@ impl Decision {
             retry_after: Some(left),
             admitted_at: None,
             recorded: 0,
+            state: 0,
             penalty: true,
             slot: None,
             concurrency: false,
@@ -185,6 +191,7 @@ impl Decision {
             retry_after: Some(retry),
             admitted_at: None,
             recorded: 0,
+            state: 0,
             penalty: false,
             slot: None,
             concurrency: true,
@@ -215,6 +222,7 @@ impl Decision {
             retry_after: None,
             admitted_at: None,
             recorded: 0,
+            state: 0,
             penalty: false,
             slot: None,
             concurrency: false,
@@ -242,6 +250,10 @@ impl Decision {
             },
             false => self,
         }
+    }
+    /// Marks a recorded decision as the memory store's state `state`'s (see `state`).
+    pub(crate) fn in_state(self, state: u64) -> Decision {
+        Decision { state, ..self }
     }
 }
 
@@ -292,6 +304,7 @@ pub struct Units {
     count: u64,
     admitted_at: Option<i64>,
     recorded: u64,
+    state: u64,
 }
 
 impl Units {
@@ -310,6 +323,11 @@ impl Units {
     /// request's own event by its time and this weight.
     pub fn recorded(&self) -> u64 {
         self.recorded
+    }
+
+    /// The memory store's state that recorded the request (`Decision`'s `state`).
+    pub(crate) fn state(&self) -> u64 {
+        self.state
     }
 }
 
@@ -344,6 +362,7 @@ impl Settlement {
             count: units.min(MAX_UNITS),
             admitted_at: decision.admitted_at,
             recorded: decision.recorded,
+            state: decision.state,
         }))
     }
 
@@ -354,6 +373,7 @@ impl Settlement {
             count: units.min(MAX_UNITS),
             admitted_at: None,
             recorded: 0,
+            state: 0,
         })
     }
 
@@ -364,6 +384,7 @@ impl Settlement {
             count: units.min(decision.recorded),
             admitted_at: decision.admitted_at,
             recorded: decision.recorded,
+            state: decision.state,
         }))
     }
 

@@ -135,16 +135,19 @@ struct Shared {
     entries: Shards<State>,
     /// The id of the next concurrency slot taken.
     next_slot: AtomicU64,
+    /// The number of the next key state made (`State::number`).
+    next_state: AtomicU64,
     clock: Arc<dyn Clock>,
     overrides: Arc<Table>,
 }
 
 /// One key's state: when it was created, and its algorithm's state.
 struct State {
-    /// The store's time (µs) the state was created at. A refund applies only to state created
-    /// no later than the request it refunds: state made afresh since (a reset, an expiry,
-    /// an eviction) never held its units.
-    born: u64,
+    /// This state's number, from the store's count of the states it has made (from 1). A
+    /// refund applies only to the state that recorded its request (`Decision`'s `state`):
+    /// one made afresh since (a reset, an expiry, an eviction) never held its units, even
+    /// when made in the same microsecond, as on a clock that stands still.
+    number: u64,
     of: Of,
     /// Until when (µs) the key is in its policy's penalty box (the box's own length); 0 when
     /// it never was. Requests are then refused whatever the limits say.
@@ -256,7 +259,7 @@ impl Pinning for State {
 }
 
 impl State {
-    fn new(algorithm: Algorithm, now: u64) -> State {
+    fn new(algorithm: Algorithm, number: u64) -> State {
         let of = match algorithm {
             Algorithm::SlidingLog => Of::Log(SlidingLog::default()),
             Algorithm::SlidingWindow => Of::Sliding(SlidingWindow::default()),
@@ -264,7 +267,7 @@ impl State {
             Algorithm::Gcra => Of::Gcra(Gcra::default()),
         };
         State {
-            born: now,
+            number,
             of,
             boxed_until: 0,
             held_until: 0,
@@ -399,11 +402,6 @@ impl State {
     /// that can be longer than the policy's retention (a GCRA bucket charged past its size).
     fn settle(&mut self, now: u64, policy: &Policy, change: Settle) -> u64 {
         let windows = policy.windows();
-        if let Settle::Refund(Refund { at, .. }) = change {
-            if at.is_none_or(|at| at < self.born) {
-                return 0;
-            }
-        }
         match &mut self.of {
             Of::Log(log) => {
                 trim(log, now, policy);
@@ -509,6 +507,14 @@ impl MemoryStore {
         micros(self.shared.clock.now())
     }
 
+    /// A new, empty state for `algorithm`, numbered.
+    fn fresh(&self, algorithm: Algorithm) -> State {
+        State::new(
+            algorithm,
+            self.shared.next_state.fetch_add(1, Ordering::Relaxed),
+        )
+    }
+
     /// Decides at event time `at` (`None`: now), recording an admitted request if `record`.
     fn decide(
         &self,
@@ -565,18 +571,19 @@ impl MemoryStore {
     fn decide_under(&self, key: &Key, policy: &Policy, ask: &Ask) -> Decision {
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         let answer = match shard.get(key, policy.state_id(), ask.now) {
-            Some(entry) => match answer_held(entry, policy, ask) {
-                Ok(answer) => answer,
+            Some(entry) => match answer_held(entry, policy, ask, &self.shared.next_state) {
+                Ok(answer) => (answer, entry.value.number),
                 Err(refusal) => return *refusal,
             },
             None => {
-                let mut state = State::new(policy.algorithm(), ask.now);
+                let mut state = self.fresh(policy.algorithm());
                 let answer = state.answer(policy, ask, 0);
+                let number = state.number;
                 // The map holds a key once a decision has recorded something for it.
                 if let Some(until) = answer.keep_until {
                     shard.insert(key, policy.state_id(), ask.now, until, state);
                 }
-                answer
+                (answer, number)
             }
         };
         drop(shard);
@@ -624,6 +631,11 @@ impl MemoryStore {
             }
         };
         let algorithm = policy.algorithm();
+        // The state a refund's units were recorded in, the only one it applies to.
+        let recorded_in = match &settlement {
+            Settlement::Refund(units) => Some(units.state()),
+            _ => None,
+        };
         let change = match settlement {
             Settlement::Charge(units) => Settle::Charge(units.count()),
             Settlement::Refund(units) => Settle::Refund(Refund {
@@ -637,8 +649,12 @@ impl MemoryStore {
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
             Some(entry) => {
-                if !entry.is_live(now) || entry.value.algorithm() != algorithm {
-                    entry.value = State::new(algorithm, now);
+                let stale = !entry.is_live(now) || entry.value.algorithm() != algorithm;
+                if recorded_in.is_some_and(|n| stale || n != entry.value.number) {
+                    return;
+                }
+                if stale {
+                    entry.value = self.fresh(algorithm);
                 }
                 let drained = stretch.apply(entry.value.settle(now, policy, change));
                 entry.expires = entry.expires.max(now.saturating_add(drained));
@@ -654,7 +670,7 @@ impl MemoryStore {
             // Nothing recorded is left to refund.
             None if matches!(change, Settle::Refund { .. }) => {}
             None => {
-                let mut state = State::new(algorithm, now);
+                let mut state = self.fresh(algorithm);
                 let drained = stretch.apply(state.settle(now, policy, change));
                 let kept = expiry(policy, now, now, stretch).max(now.saturating_add(drained));
                 let boxed = state.penalize_if_full(now, policy, kept).unwrap_or(0);
@@ -692,10 +708,11 @@ fn answer_held(
     entry: &mut Entry<State>,
     policy: &Policy,
     ask: &Ask,
+    next_state: &AtomicU64,
 ) -> Result<Answer, Box<Decision>> {
     let algorithm = policy.algorithm();
     if !entry.is_live(ask.now) || entry.value.algorithm() != algorithm {
-        entry.value = State::new(algorithm, ask.now);
+        entry.value = State::new(algorithm, next_state.fetch_add(1, Ordering::Relaxed));
     }
     if let Some(refusal) = entry.value.refusal(policy, ask) {
         // A waiter refused a slot may have joined the key's line: the key is kept as long.
@@ -711,7 +728,7 @@ fn answer_held(
 
 /// The decision `answer` makes: the penalty box's refusal, or the limits' outcome, with the
 /// concurrency slot an admitted request took and what a recorded one recorded.
-fn decision(answer: Answer, policy: &Policy, ask: &Ask) -> Decision {
+fn decision((answer, state): (Answer, u64), policy: &Policy, ask: &Ask) -> Decision {
     if let Some(left) = answer.boxed {
         return Decision::boxed(policy, Duration::from_micros(left));
     }
@@ -720,7 +737,9 @@ fn decision(answer: Answer, policy: &Policy, ask: &Ask) -> Decision {
         decision = decision.with_slot(take.id);
     }
     match ask.record {
-        true => decision.recorded_at(i64::try_from(ask.t).ok(), ask.cost),
+        true => decision
+            .recorded_at(i64::try_from(ask.t).ok(), ask.cost)
+            .in_state(state),
         false => decision,
     }
 }
@@ -766,6 +785,7 @@ impl MemoryStoreBuilder {
             shared: Arc::new(Shared {
                 entries: Shards::new(self.max_keys),
                 next_slot: AtomicU64::new(1),
+                next_state: AtomicU64::new(1),
                 clock: self
                     .clock
                     .unwrap_or_else(|| Arc::new(TokioClock::default())),
@@ -800,7 +820,7 @@ impl Store for MemoryStore {
                 let slots = std::mem::take(&mut entry.value.slots);
                 entry.value = State {
                     slots,
-                    ..State::new(policy.algorithm(), now)
+                    ..self.fresh(policy.algorithm())
                 };
             }
             _ => shard.remove(key, policy.state_id()),
