@@ -507,3 +507,60 @@ async fn gcra_usage_outlives_a_removed_raise_on_redis() {
     gcra_usage_outlives_a_removed_raise(&store, overrides, async |d| tokio::time::sleep(d).await)
         .await;
 }
+
+/// A GCRA key refused under an override that cuts its counts stays refused for the whole
+/// `Retry-After` it was given: its backlog weighs more under the cut than when it was written,
+/// and outlives the expiry that write set (before, the state expired a window after it, and
+/// the key was let in a second before its `Retry-After`).
+async fn gcra_backlog_outlives_its_expiry_under_a_cut<St: Store>(
+    store: &St,
+    overrides: Overrides,
+    wait: impl AsyncFn(Duration),
+) {
+    let policy = Policy::new("gcra-cut", ["2/1s".parse().unwrap()])
+        .unwrap()
+        .with_algorithm(Algorithm::Gcra);
+    let (key, scope) = (Key::from("cut"), Scope::Key(Key::from("cut")));
+    for _ in 0..2 {
+        assert!(store.check(&key, &policy, 1).await.unwrap().is_allowed());
+    }
+    // Written under 2/1s, the state expires in 1 s. Under 1/1s its two units are a backlog of
+    // 2 s, and one more makes 3 s: it fits once the backlog is down to 0, in 2 s.
+    let cut = Override::Limits(vec!["1/1s".parse().unwrap()]);
+    overrides.set(&policy, &scope, &cut).await.unwrap();
+    let refused = store.check(&key, &policy, 1).await.unwrap();
+    assert!(!refused.is_allowed());
+    let retry = refused.retry_after().unwrap();
+    assert!(retry > Duration::from_millis(1_800), "{retry:?}");
+    // Past the write's expiry, before the retry: still refused, for what is left of it.
+    wait(Duration::from_millis(1_300)).await;
+    let again = store.check(&key, &policy, 1).await.unwrap();
+    assert!(
+        !again.is_allowed(),
+        "let in {:?} before the Retry-After it was given",
+        retry - Duration::from_millis(1_300)
+    );
+    let left = again.retry_after().unwrap();
+    assert!(left <= retry - Duration::from_millis(1_200), "{left:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn gcra_backlog_outlives_its_expiry_under_a_cut_on_memory() {
+    let store = tower_redis_ratelimit::MemoryStore::new();
+    let overrides = store.overrides();
+    gcra_backlog_outlives_its_expiry_under_a_cut(&store, overrides, async |d| {
+        tokio::time::sleep(d).await
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn gcra_backlog_outlives_its_expiry_under_a_cut_on_redis() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let overrides = store.overrides();
+    gcra_backlog_outlives_its_expiry_under_a_cut(&store, overrides, async |d| {
+        tokio::time::sleep(d).await
+    })
+    .await;
+}

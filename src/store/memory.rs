@@ -398,6 +398,16 @@ impl State {
         }
     }
 
+    /// How long from `now` the state matters under `policy`'s counts, when that can be longer
+    /// than the policy's retention from its last write (a GCRA backlog, read under other
+    /// counts than it was written under, or overfilled by a charge); 0 otherwise.
+    fn drained_in(&self, now: u64, policy: &Policy) -> u64 {
+        match &self.of {
+            Of::Gcra(s) => s.drained_in(now, policy.windows()),
+            _ => 0,
+        }
+    }
+
     /// Records a settlement at `now`; returns how long the state matters from now on, when
     /// that can be longer than the policy's retention (a GCRA bucket charged past its size).
     fn settle(&mut self, now: u64, policy: &Policy, change: Settle) -> u64 {
@@ -722,6 +732,12 @@ fn answer_held(
     let answer = entry.value.answer(policy, ask, entry.expires);
     if let Some(until) = answer.keep_until {
         entry.expires = entry.expires.max(until);
+    }
+    if !answer.outcome.allowed {
+        // Under an override that cuts the counts, a GCRA backlog weighs more than when it was
+        // written, and drains later than the expiry set then: the key is kept until it has.
+        let drained = entry.value.drained_in(ask.now, policy);
+        entry.expires = entry.expires.max(ask.now.saturating_add(drained));
     }
     Ok(answer)
 }
