@@ -276,8 +276,9 @@ end
 -- sorts by deadline after the slots. A request is admitted only where the live slots and the
 -- waiters ahead of it (all of them, for one not in line) leave a slot free, so that a slot
 -- given back goes to the first waiter on any instance rather than to whoever asks first; a
--- waiter refused joins the line, and leaves it when admitted, or by a slot operation when it
--- stops waiting; one past its deadline counts no more. The key's typical hold time is the
+-- waiter refused for the first time joins the line (never again once out of it), and leaves
+-- it when admitted, or by a slot operation when it stops waiting; one past its deadline
+-- counts no more. The key's typical hold time is the
 -- string `<KEYS[k]>:held` (us): each give-back that says how long its slot was held moves it
 -- an eighth of the way there (src/concurrency/mod.rs, hold_average), kept an hour.
 -- The request at hand's cap (0: it takes no slot), slot id and slot lifetime (us), and its
@@ -342,12 +343,15 @@ local function slots_full(k)
   if live + ahead < slot_cap then
     return false
   end
+  -- A waiter joins the line at its first refusal only: one that was in line and is not any
+  -- more has left it (its client went away while this ask was on its way, and its leave ran
+  -- first) or lost it (a reset, a restart), and is not put back.
   local place = 0
   if member then
     local score = redis.call('ZSCORE', skey, member)
     if score then
       place = tonumber(score) - LINE
-    else
+    elseif waiter_queued == 0 then
       place = now + math.max(waiter_wait, 1)
       redis.call('ZADD', skey, text(LINE + place), member)
       keep_set(skey, false, math.max(slot_ttl, place - now))
