@@ -24,8 +24,8 @@ use http_body_util::{BodyExt, StreamBody};
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_redis_ratelimit::key::Header;
 use tower_redis_ratelimit::{
-    Decisions, FailureMode, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Rule, Settlement,
-    Store, StoreError,
+    Decisions, FailureMode, Key, MemoryStore, Policy, RateLimit, RateLimitLayer, RedisStore, Rule,
+    Settlement, Store, StoreError,
 };
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -1474,6 +1474,64 @@ async fn waiters_that_stop_waiting_leave_the_line_on_redis() {
     let took = until_admitted(&other, "k", Duration::from_secs(5)).await;
     println!("admitted {took:?} after the give-back");
     assert!(took < Duration::from_secs(1), "{took:?}");
+}
+
+/// Waiters that lost their place in the store's line to a restart without data join it
+/// again, and their instance's line follows the store's: every waiter is served, in arrival
+/// order, and the slot never sits free while one waits. Before, the waiter whose place was
+/// lost stayed first on its instance, where it alone asked, while the store kept the slot for
+/// a later waiter that never asked: the slot sat free for 2.9 s, and that waiter was refused
+/// after its whole wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_that_lose_their_place_to_a_restart_are_served_in_order_on_redis() {
+    let mut server = RedisServer::start();
+    let policy = streams("lost-place", 1, Duration::from_secs(2));
+    let wait = Duration::from_secs(4);
+    let a = limited_waiting(server.store().await, policy.clone(), wait).layer(endless());
+    let b = limited_waiting(server.store().await, policy, wait).layer(endless());
+    let held = a.clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    let start = tokio::time::Instant::now();
+    let served = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let waiter = |name: &'static str, service: &RateLimit<_, Header, RedisStore>, hold: u64| {
+        let (service, served) = (service.clone(), Arc::clone(&served));
+        tokio::spawn(async move {
+            let response = service.oneshot(request("k")).await.unwrap();
+            served
+                .lock()
+                .unwrap()
+                .push((name, response.status(), start.elapsed()));
+            tokio::time::sleep(Duration::from_millis(hold)).await;
+        })
+    };
+    let w1 = waiter("W1", &a, 700);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let w2 = waiter("W2", &a, 300);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::task::block_in_place(|| server.restart());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let c = waiter("C", &b, 300);
+    for task in [w1, w2, c] {
+        task.await.unwrap();
+    }
+    drop(held);
+    let served = served.lock().unwrap().clone();
+    println!("{served:?}");
+    let order: Vec<_> = served
+        .iter()
+        .map(|&(name, status, _)| (name, status))
+        .collect();
+    let ok = StatusCode::OK;
+    assert_eq!(order, [("W1", ok), ("W2", ok), ("C", ok)]);
+    // Each next one within half a second of the slot's give-back.
+    assert!(
+        served[1].2 < served[0].2 + Duration::from_millis(1_200),
+        "{served:?}"
+    );
+    assert!(
+        served[2].2 < served[1].2 + Duration::from_millis(800),
+        "{served:?}"
+    );
 }
 
 /// Waiters decided in one call to Redis share a deadline there: the store orders them by id,

@@ -14,7 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -68,6 +68,9 @@ struct Config {
     leases: Option<u32>,
     /// A configuration the crate refuses to build, added to the rest (the memory property).
     odd: Option<Odd>,
+    /// A plan `pro` of the inner policy, its counts this percent of the policy's; clients
+    /// move to it and back (`Op::Plan`).
+    plan: Option<u64>,
 }
 
 /// A configuration the crate does not support (`docs/promises.md`), besides a soft layer
@@ -126,6 +129,8 @@ enum Op {
     Flood(u64),
     /// A lone client retries at its last refusal's `Retry-After`, and a second before.
     Retry(usize),
+    /// A key's client moves to the plan `pro` (`true`) or back to none.
+    Plan(usize, bool),
 }
 
 fn algorithm() -> impl Strategy<Value = Algorithm> {
@@ -172,9 +177,13 @@ fn config() -> impl Strategy<Value = Config> {
             ],
         ),
     );
-    (algorithm(), limits(), features, around).prop_map(
-        |(algorithm, limits, (block, soft, count_when, concurrency, max_wait), around)| {
+    let plan = prop::option::weighted(0.3, prop_oneof![30..=90u64, 150..=400u64]);
+    (algorithm(), limits(), features, around, plan).prop_map(
+        |(algorithm, limits, (block, soft, count_when, concurrency, max_wait), around, plan)| {
             let (outer, failure, max_keys, decisions, odd) = around;
+            // With plans, the layer has a plan function: a plan's limits without one is the
+            // unsupported case, drawn without plans.
+            let plan = plan.filter(|_| !matches!(odd, Some(Odd::PlanWithoutFunction)));
             let (algorithm, limits) = match odd {
                 Some(Odd::HugeBucket) => (Algorithm::Gcra, vec![(1_000_003, 30 * 86_400)]),
                 _ => (algorithm, limits),
@@ -193,6 +202,7 @@ fn config() -> impl Strategy<Value = Config> {
                 decisions,
                 leases: None,
                 odd,
+                plan,
             }
         },
     )
@@ -233,7 +243,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(key, pct)| Op::Override(key, pct)),
         1 => any::<bool>().prop_map(Op::Outage),
         1 => (1..=60u64).prop_map(Op::Flood),
-        2 => key.prop_map(Op::Retry),
+        2 => key.clone().prop_map(Op::Retry),
+        1 => (key, any::<bool>()).prop_map(|(key, pro)| Op::Plan(key, pro)),
     ]
 }
 
@@ -421,6 +432,8 @@ struct Record {
     streamed_until: Option<Duration>,
     /// A probe of a retry: refused expected (`false`) or admitted expected (`true`).
     probe: Option<bool>,
+    /// Sent on the plan `pro`.
+    pro: bool,
 }
 
 /// The log of a run, shared by the client side and the handler.
@@ -524,6 +537,20 @@ fn policy(name: &str, algorithm: Algorithm, limits: &[(u64, u64)]) -> Policy {
     Policy::new(name, limits).unwrap().with_algorithm(algorithm)
 }
 
+/// The counts of the plan `pro`: the inner policy's, times the plan's percent, at least 1.
+fn plan_counts(config: &Config) -> Vec<(u64, u64)> {
+    let pct = config.plan.unwrap_or(100);
+    let scaled = config
+        .limits
+        .iter()
+        .map(|&(c, w)| ((c * pct / 100).max(1), w));
+    scaled.collect()
+}
+
+fn plan_policy(config: &Config) -> Policy {
+    policy("inner", config.algorithm, &plan_counts(config))
+}
+
 fn inner_policy(config: &Config) -> Policy {
     let mut p = policy("inner", config.algorithm, &config.limits);
     if let Some(block) = config.block {
@@ -577,6 +604,8 @@ struct Run {
     reset_done: Vec<(usize, Duration)>,
     /// (event, key, percent or none) of each override.
     overrides: Vec<(usize, usize, Option<u64>)>,
+    /// (event, key) of each move to a plan or back.
+    plans: Vec<(usize, usize)>,
     /// (from, to) of each outage.
     /// (from, to) of each outage, as events ([`Log::next`]).
     outages: Vec<(usize, usize)>,
@@ -610,10 +639,15 @@ async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> {
     let mut layer = RateLimitLayer::builder()
         .key(header.clone())
         .store(store.clone())
-        .policy(inner.clone())
         .soft(config.soft)
         .decisions(config.decisions)
         .failure_mode(config.failure.clone());
+    layer = match config.plan {
+        Some(_) => layer
+            .rule(Rule::new(inner.clone()).plan("pro", plan_policy(config)))
+            .plan(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok())),
+        None => layer.policy(inner.clone()),
+    };
     if config.count_when {
         layer = layer.count_when(|head| head.status == StatusCode::UNAUTHORIZED);
     }
@@ -683,12 +717,17 @@ async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> {
     // The last event that may free a key or change its count: a probe of a refusal before it
     // tests nothing the promise says.
     let mut changed = 0;
+    let on_plan = [AtomicBool::new(false), AtomicBool::new(false)];
+    let mut plans = Vec::new();
     let send = |key: usize, status: u16, (head, hold): (u64, u64), drop_it: bool, probe| {
         let i = log.open(key, since(start), probe);
+        let pro = on_plan[key].load(Ordering::SeqCst);
+        log.with(i, |r| r.pro = pro);
         let (end, ended) = tokio::sync::oneshot::channel();
         ends.lock().unwrap().insert(i, ended);
         let request = Request::builder()
             .header("x-key", KEYS[key])
+            .header("x-plan", if pro { "pro" } else { "none" })
             .header("x-i", i.to_string())
             .header("x-status", status.to_string())
             .header("x-head", head.to_string())
@@ -734,6 +773,11 @@ async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> {
                     memory.reset(&k, outer).await.unwrap();
                 }
                 resets.push((log.next(), key));
+                changed = log.next();
+            }
+            Op::Plan(key, pro) => {
+                on_plan[key].store(pro, Ordering::SeqCst);
+                plans.push((log.next(), key));
                 changed = log.next();
             }
             Op::Override(key, pct) => {
@@ -852,6 +896,13 @@ async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> {
         })
         .max()
         .unwrap_or(1);
+    // A plan's counts and the policy's weigh a GCRA backlog differently, as a cut does.
+    let plan = config.plan.map_or(1, |pct| {
+        let counts = config.limits.iter().zip(plan_counts(config));
+        let ratio = |(&(c, _), (p, _)): (&(u64, u64), (u64, u64))| c.max(p).div_ceil(c.min(p));
+        counts.map(ratio).max().unwrap_or(1).max(pct.div_ceil(100))
+    });
+    let cut = cut * plan;
     let kept = match config.algorithm {
         Algorithm::SlidingWindow => 2 * longest,
         Algorithm::Gcra => (longest * raise).div_ceil(100) * cut,
@@ -884,6 +935,7 @@ async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> {
         resets,
         reset_done: Vec::new(),
         overrides,
+        plans,
         outages,
         floods,
         most,
@@ -906,17 +958,23 @@ async fn settle() {
 // The oracles: one per promise, each over a run.
 
 /// The counts in force for `key` at event `seq`: the inner policy's, or an override's.
-fn counts_at(config: &Config, run: &Run, key: usize, seq: usize) -> Vec<u64> {
+fn counts_at(config: &Config, run: &Run, key: usize, seq: usize, pro: bool) -> Vec<u64> {
     let last = run
         .overrides
         .iter()
         .rfind(|&&(at, k, _)| k == key && at < seq);
+    // A key's override wins over its plan's counts.
+    let own = match pro {
+        true => plan_counts(config),
+        false => config.limits.clone(),
+    };
     config
         .limits
         .iter()
-        .map(|&(c, _)| match last {
+        .zip(own)
+        .map(|(&(c, _), (own, _))| match last {
             Some(&(_, _, Some(pct))) => (c * pct / 100).max(if pct == 0 { 0 } else { 1 }),
-            _ => c,
+            _ => own,
         })
         .collect()
 }
@@ -954,6 +1012,8 @@ struct Unit {
     at: Duration,
     /// When it was taken back, on the same clock.
     refunded: Option<Duration>,
+    /// Decided on the plan `pro`.
+    pro: bool,
 }
 
 /// Whether `u` was recorded no later than `v`: by the store's time, then (for one time, as on
@@ -987,6 +1047,7 @@ fn inner_units(config: &Config, run: &Run, key: usize) -> Vec<Unit> {
                     seq: handled.seq,
                     at: run.epoch + handled.at,
                     refunded: refunded.map(|t| run.epoch + t),
+                    pro: r.pro,
                 });
             }
             let decision = handled.decisions.as_ref()?.get("inner")?;
@@ -997,6 +1058,7 @@ fn inner_units(config: &Config, run: &Run, key: usize) -> Vec<Unit> {
                     seq: r.answered_seq?,
                     at: run.epoch + r.responded?,
                     refunded: None,
+                    pro: r.pro,
                 });
             }
             let refunded = (!counted).then_some(r.responded).flatten();
@@ -1004,6 +1066,7 @@ fn inner_units(config: &Config, run: &Run, key: usize) -> Vec<Unit> {
                 seq: handled.seq,
                 at: recorded_at(decision).unwrap_or(run.epoch + handled.at),
                 refunded: refunded.map(|t| run.epoch + t),
+                pro: r.pro,
             })
         })
         .collect()
@@ -1034,7 +1097,7 @@ fn never_over(config: &Config, run: &Run) -> Result<(), String> {
                     && no_later(u, unit)
                     && u.refunded.is_none_or(|r| r > t)
             };
-            let counts = counts_at(config, run, key, unit.seq);
+            let counts = counts_at(config, run, key, unit.seq, unit.pro);
             for (i, &(_, w)) in config.limits.iter().enumerate() {
                 let (c, w) = (counts[i], Duration::from_secs(w));
                 let n = match config.algorithm {
@@ -1069,11 +1132,12 @@ fn gcra_excess(run: &Run, key: usize, units: &[Unit], j: usize, c: u64, w: Durat
         return units.get(j).map_or(0.0, |_| 1.0);
     }
     let (t, seq) = (units[j].at, units[j].seq);
-    let changed = run
-        .overrides
-        .iter()
-        .filter(|&&(at, k, _)| k == key && at < seq)
-        .map(|&(at, _, _)| at)
+    // A change of counts in force (an override, a move to a plan or back) changes the drain.
+    let overridden = run.overrides.iter().map(|&(at, k, _)| (at, k));
+    let changed = overridden
+        .chain(run.plans.iter().copied())
+        .filter(|&(at, k)| k == key && at < seq)
+        .map(|(at, _)| at)
         .max()
         .unwrap_or_default();
     let done = reset_done(run, reset_before(run, key, seq));
@@ -1386,6 +1450,7 @@ fn plain(algorithm: Algorithm, limits: Vec<(u64, u64)>) -> Config {
         decisions: true,
         leases: None,
         odd: None,
+        plan: None,
     }
 }
 
@@ -1708,6 +1773,7 @@ async fn run_redis(
         resets,
         reset_done,
         overrides: Vec::new(),
+        plans: Vec::new(),
         outages: Vec::new(),
         floods: Vec::new(),
         most,

@@ -111,6 +111,7 @@ impl Lines {
             lines: Arc::clone(self),
             queue,
             id,
+            place,
             wake,
         }
     }
@@ -133,10 +134,17 @@ pub(crate) struct InLine {
     queue: Queue,
     /// The waiter's id.
     id: u64,
+    /// Its place, as in the line (`u64::MAX`: not known).
+    place: u64,
     wake: Arc<Notify>,
 }
 
 impl InLine {
+    /// Whether it stands at `place` in the store's line (0: not known).
+    pub(crate) fn is_at(&self, place: u64) -> bool {
+        self.place == if place == 0 { u64::MAX } else { place }
+    }
+
     /// Whether it is first in this layer's line for the key.
     pub(crate) fn is_first(&self) -> bool {
         let lines = crate::shards::lock(&self.lines.lines);

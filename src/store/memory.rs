@@ -729,15 +729,14 @@ fn answer_held(
         entry.expires = entry.expires.max(entry.value.slots.last_expiry());
         return Err(Box::new(refusal));
     }
+    // Under counts lower than those it was written under (an override's cut, a plan's), a
+    // GCRA backlog drains later than the expiry its write set: the key is kept until it has,
+    // so that a refusal's retry holds, and a penalty box set now holds as long.
+    let drained = entry.value.drained_in(ask.now, policy);
+    entry.expires = entry.expires.max(ask.now.saturating_add(drained));
     let answer = entry.value.answer(policy, ask, entry.expires);
     if let Some(until) = answer.keep_until {
         entry.expires = entry.expires.max(until);
-    }
-    if !answer.outcome.allowed {
-        // Under an override that cuts the counts, a GCRA backlog weighs more than when it was
-        // written, and drains later than the expiry set then: the key is kept until it has.
-        let drained = entry.value.drained_in(ask.now, policy);
-        entry.expires = entry.expires.max(ask.now.saturating_add(drained));
     }
     Ok(answer)
 }

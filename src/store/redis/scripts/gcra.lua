@@ -56,8 +56,8 @@
 -- key to expire once every bucket has drained: after the longest window, or longer where a
 -- charge overfilled a bucket, or where an override's counts decided (its units weigh more
 -- under the policy's own, once it is removed: prelude.lua, `stretch_num`).
--- A refusal under counts that weigh a backlog more than those it was written under (an
--- override that cuts them) extends the key's expiry to when it drains under them.
+-- A refusal extends the key's expiry to when its backlog drains under the counts at hand,
+-- where that is later (counts lower than those it was written under).
 
 -- The largest bucket, in GCRA units (2^50; MAX_GCRA_BUCKET in src/algorithm/mod.rs): past it
 -- the arithmetic would not be exact, so such a request is an error (the policy refuses it).
@@ -84,8 +84,6 @@ for k = 1, REQUESTS do
     -- helps, is the latest of all); `room`, the fewest whole units that fit in any limit.
     local state_byte = 1
     local denied, denied_retry, room = nil, nil, nil
-    -- Whether a backlog was written under other counts than those at hand.
-    local reweighed = false
     for i = 1, n do
       local c, w, g, at, left = counts[i], windows[i], scales[i]
       local u, d = w / g, c / g
@@ -99,7 +97,6 @@ for k = 1, REQUESTS do
         at, left, from, state_byte = sunpack('<lll', state, state_byte)
         if from ~= u then
           left = reweigh(left, from, u)
-          reweighed = true
         end
         b = math.max(left - math.max(t - at, 0) * d, 0)
       end
@@ -135,10 +132,11 @@ for k = 1, REQUESTS do
     -- with the fewest units left (the first of equals). A refund writes only to state that held
     -- the request (created no later than its admission).
     local allowed, reported, retry = 0, denied, denied_retry
-    if denied ~= nil and reweighed then
-      -- Refused under counts that weigh the backlog more than those it was written under (an
-      -- override that cuts them): it drains later than the expiry its write set, and the key
-      -- is kept until it has, so that the refusal's retry holds.
+    if denied ~= nil and state then
+      -- Refused under counts that drain the backlog slower than those it was written under
+      -- (an override that cuts them, a plan's, a rule's): it drains later than the expiry its
+      -- write set, and the key is kept until it has, so that the refusal's retry holds. Under
+      -- the counts it was written under, the key's expiry already covers it.
       local drained = 0
       for i = 1, n do
         drained = math.max(drained, math.ceil(backlogs[i] / drains[i]))

@@ -276,9 +276,9 @@ end
 -- sorts by deadline after the slots. A request is admitted only where the live slots and the
 -- waiters ahead of it (all of them, for one not in line) leave a slot free, so that a slot
 -- given back goes to the first waiter on any instance rather than to whoever asks first; a
--- waiter refused for the first time joins the line (never again once out of it), and leaves
--- it when admitted, or by a slot operation when it stops waiting; one past its deadline
--- counts no more. The key's typical hold time is the
+-- waiter refused joins the line, unless it asks as one in it (see slots_full), and leaves it
+-- when admitted, or by a slot operation when it stops waiting; one past its deadline counts
+-- no more. The key's typical hold time is the
 -- string `<KEYS[k]>:held` (us): each give-back that says how long its slot was held moves it
 -- an eighth of the way there (src/concurrency/mod.rs, hold_average), kept an hour.
 -- The request at hand's cap (0: it takes no slot), slot id and slot lifetime (us), and its
@@ -343,9 +343,10 @@ local function slots_full(k)
   if live + ahead < slot_cap then
     return false
   end
-  -- A waiter joins the line at its first refusal only: one that was in line and is not any
-  -- more has left it (its client went away while this ask was on its way, and its leave ran
-  -- first) or lost it (a reset, a restart), and is not put back.
+  -- A waiter that asks as one in line and is not in it has left it (its client went away
+  -- while this ask was on its way, and its leave ran first) or lost it (a restart): it is not
+  -- put back, and its place of 0 tells its instance, which asks again as a newcomer if it
+  -- still waits (src/admission/wait.rs).
   local place = 0
   if member then
     local score = redis.call('ZSCORE', skey, member)
