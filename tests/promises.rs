@@ -831,7 +831,12 @@ async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> {
                     let records = log.records.lock().unwrap();
                     records.iter().rev().find(|r| r.key == key).cloned()
                 };
-                let Some(last) = last.filter(|l| l.seq > changed && !store.down()) else {
+                // Once a flood has filled a bounded store, any new key may evict this one (not
+                // pinned without a box), which then starts afresh, a documented bound.
+                let evictable = config.max_keys.is_some() && !floods.is_empty();
+                let evictable = evictable && config.block.is_none();
+                let fresh = |l: &Record| l.seq > changed && !store.down() && !evictable;
+                let Some(last) = last.filter(fresh) else {
                     continue;
                 };
                 let (Some(StatusCode::TOO_MANY_REQUESTS), Some(retry)) =
