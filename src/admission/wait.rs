@@ -122,12 +122,9 @@ impl<F> Waiting<F> {
         self.refusal = Some(refusal);
         let (key, policy) = (&check.key, &check.responder.policy);
         let place = refusal.place;
-        if place == 0 && self.waiter.queued {
-            // It was in the store's line and is no more (a restart lost the line): it asks
-            // next to join it again, at its end.
-            self.waiter.queued = false;
-        }
-        self.waiter.queued |= place > 0;
+        // In the store's line where it has a place there; one that was and has none any more
+        // (a restart lost the line) asks next to join it again, at its end.
+        self.waiter.queued = place > 0;
         if self.ticket.as_ref().is_some_and(|t| !t.is_at(place)) {
             // Its place in the store's line changed (lost, or joined again): this layer's
             // line follows, so that the first here is the store's first of those here.

@@ -141,7 +141,14 @@ struct Shared {
     overrides: Arc<Table>,
 }
 
-/// One key's state: when it was created, and its algorithm's state.
+impl Shared {
+    /// A new, empty state for `algorithm`, numbered.
+    fn fresh(&self, algorithm: Algorithm) -> State {
+        State::new(algorithm, self.next_state.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// One key's state: which one it is, and its algorithm's state.
 struct State {
     /// This state's number, from the store's count of the states it has made (from 1). A
     /// refund applies only to the state that recorded its request (`Decision`'s `state`):
@@ -519,10 +526,7 @@ impl MemoryStore {
 
     /// A new, empty state for `algorithm`, numbered.
     fn fresh(&self, algorithm: Algorithm) -> State {
-        State::new(
-            algorithm,
-            self.shared.next_state.fetch_add(1, Ordering::Relaxed),
-        )
+        self.shared.fresh(algorithm)
     }
 
     /// Decides at event time `at` (`None`: now), recording an admitted request if `record`.
@@ -581,7 +585,7 @@ impl MemoryStore {
     fn decide_under(&self, key: &Key, policy: &Policy, ask: &Ask) -> Decision {
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         let answer = match shard.get(key, policy.state_id(), ask.now) {
-            Some(entry) => match answer_held(entry, policy, ask, &self.shared.next_state) {
+            Some(entry) => match answer_held(entry, policy, ask, &self.shared) {
                 Ok(answer) => (answer, entry.value.number),
                 Err(refusal) => return *refusal,
             },
@@ -718,11 +722,11 @@ fn answer_held(
     entry: &mut Entry<State>,
     policy: &Policy,
     ask: &Ask,
-    next_state: &AtomicU64,
+    shared: &Shared,
 ) -> Result<Answer, Box<Decision>> {
     let algorithm = policy.algorithm();
     if !entry.is_live(ask.now) || entry.value.algorithm() != algorithm {
-        entry.value = State::new(algorithm, next_state.fetch_add(1, Ordering::Relaxed));
+        entry.value = shared.fresh(algorithm);
     }
     if let Some(refusal) = entry.value.refusal(policy, ask) {
         // A waiter refused a slot may have joined the key's line: the key is kept as long.
