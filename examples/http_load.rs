@@ -21,6 +21,7 @@
 //! | `redis_gcra_concurrency` | `redis_gcra_lean` with a concurrency limit of 1 000 per key (`Policy::concurrency`), far above the load's concurrency: each request takes a slot in its decision's script call and gives it back when its response ends |
 //! | `redis_gcra_lease` | `redis_gcra_lean` with leases (`RedisStoreBuilder::leases`, the defaults), `60000000/1m` per key: the same rate over a minute, so that GCRA's headroom allows a full lease period |
 //! | `redis_fw_lease` | the same with the fixed window counter |
+//! | `redis_log_lease` | `redis_log` with leases (the defaults) and `60000000/1m` per key, rate-limit headers on admitted answers as `memory`: the exact sliding log, shared through Redis, decided in process |
 //! | `fred_peer` | `tower-rate-limit-fred` (GCRA in Redis), capacity 65 535, 1 per ms |
 //! | `flood_nocache` | this crate, `RedisStore`, every request on one key already over `1/1h`, no deny cache |
 //! | `flood_cache` | the same flood with the default deny cache |
@@ -290,6 +291,7 @@ enum Scenario {
     RedisGcraConcurrency,
     RedisGcraLease,
     RedisFwLease,
+    RedisLogLease,
     FredPeer,
     FloodNocache,
     FloodCache,
@@ -297,7 +299,7 @@ enum Scenario {
 }
 
 impl Scenario {
-    const ALL: [Scenario; 16] = [
+    const ALL: [Scenario; 17] = [
         Scenario::Bare,
         Scenario::Memory,
         Scenario::MemoryGcra,
@@ -311,6 +313,7 @@ impl Scenario {
         Scenario::RedisGcraConcurrency,
         Scenario::RedisGcraLease,
         Scenario::RedisFwLease,
+        Scenario::RedisLogLease,
         Scenario::FredPeer,
         Scenario::FloodNocache,
         Scenario::FloodCache,
@@ -330,6 +333,7 @@ impl Scenario {
             Scenario::RedisGcraConcurrency => "redis_gcra_concurrency",
             Scenario::RedisGcraLease => "redis_gcra_lease",
             Scenario::RedisFwLease => "redis_fw_lease",
+            Scenario::RedisLogLease => "redis_log_lease",
             Scenario::FredPeer => "fred_peer",
             Scenario::FloodNocache => "flood_nocache",
             Scenario::FloodCache => "flood_cache",
@@ -363,6 +367,7 @@ impl Scenario {
             }
             // What leases are for: in-process speed with a limit shared through Redis.
             Scenario::RedisGcraLease | Scenario::RedisFwLease => Some(Scenario::MemoryGcra),
+            Scenario::RedisLogLease => Some(Scenario::Memory),
             _ => None,
         }
     }
@@ -404,7 +409,7 @@ impl Scenario {
                 let policy = HIGH_LIMIT.parse::<Policy>()?.concurrency(1000)?;
                 route.layer(ours.policy(policy).build()?)
             }
-            Scenario::RedisGcraLease | Scenario::RedisFwLease => {
+            Scenario::RedisGcraLease | Scenario::RedisFwLease | Scenario::RedisLogLease => {
                 // A store of its own, so that no lease outlives its configuration.
                 let backend = redis()?;
                 let store = RedisStore::builder(&backend.url)
@@ -414,10 +419,16 @@ impl Scenario {
                     .connect_lazy()?;
                 let algorithm = match self {
                     Scenario::RedisGcraLease => Algorithm::Gcra,
+                    Scenario::RedisLogLease => Algorithm::SlidingLog,
                     _ => Algorithm::FixedWindow,
                 };
                 let ours = ours().store(store).algorithm(algorithm);
-                route.layer(ours.headers_on_allowed(false).policy(LEASE_LIMIT).build()?)
+                let headers = self == Scenario::RedisLogLease;
+                route.layer(
+                    ours.headers_on_allowed(headers)
+                        .policy(LEASE_LIMIT)
+                        .build()?,
+                )
             }
             Scenario::FredPeer => route.layer(peer_layer(redis()?.peer_pool.clone())),
             Scenario::FloodNocache => {

@@ -251,8 +251,10 @@ async fn with_redis_gone_leases_are_served_until_they_expire_then_the_failure_mo
     );
 }
 
+/// The sliding log is leased (its windows read longer, `docs/leases.md`); a GCRA policy whose
+/// headroom would starve the bucket is still refused (`impossible_lease_settings_fail_to_build`).
 #[tokio::test]
-async fn a_leasing_store_refuses_the_sliding_log_at_build_time() {
+async fn a_leasing_store_takes_the_sliding_log() {
     let server = RedisServer::start();
     let store = leasing(server.url()).await;
     let built = RateLimitLayer::builder()
@@ -260,19 +262,16 @@ async fn a_leasing_store_refuses_the_sliding_log_at_build_time() {
         .algorithm(Algorithm::SlidingLog)
         .store(store.clone())
         .build();
-    match built {
-        Err(BuildError::Unsupported { policy, why }) => {
-            assert_eq!(policy, "default");
-            assert!(why.contains("sliding log cannot be leased"), "{why}");
-        }
-        other => panic!("expected a build error, got {other:?}"),
-    }
-    let gcra = RateLimitLayer::builder()
-        .policy("100/1m")
-        .algorithm(Algorithm::Gcra)
-        .store(store)
-        .build();
-    assert!(gcra.is_ok());
+    assert!(built.is_ok(), "{:?}", built.err());
+    let key = Key::from("log");
+    assert_eq!(
+        paced(&store, &key, &log("100/1m"), 40, Duration::from_millis(5)).await,
+        40
+    );
+    assert!(
+        store.check_now(&key, &log("100/1m"), 1).is_some(),
+        "a busy key of the log holds a lease"
+    );
 }
 
 /// A policy with a penalty box (or a concurrency limit) is never leased, so a leasing store
@@ -520,10 +519,27 @@ async fn paced(store: &RedisStore, key: &Key, policy: &Policy, n: usize, every: 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_does_not_let_old_give_backs_free_new_units() {
+    a_reset_does_not_let_old_give_backs_free(fixed("100/1m")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_does_not_let_old_give_backs_free_new_units_on_the_log() {
+    a_reset_does_not_let_old_give_backs_free(log("100/1m")).await;
+}
+
+/// The units `key` holds in Redis under `policy`: a fixed window's count, or the log's.
+async fn units_held(client: &Client, store: &RedisStore, key: &Key, policy: &Policy) -> i64 {
+    match policy.algorithm() {
+        Algorithm::SlidingLog => logged(client, store, key, policy, None).await as i64,
+        _ => counted(client, store, key, policy).await,
+    }
+}
+
+async fn a_reset_does_not_let_old_give_backs_free(policy: Policy) {
     let server = RedisServer::start();
     let client = server.client().await;
     let (a, b) = (leasing(server.url()).await, leasing(server.url()).await);
-    let (key, policy) = (Key::from("reset"), fixed("100/1m"));
+    let key = Key::from("reset");
     within_one_minute(Duration::from_secs(20)).await;
     // A serves the key until it holds a lease.
     let warm = paced(&a, &key, &policy, 30, Duration::from_millis(5)).await;
@@ -532,7 +548,7 @@ async fn a_reset_does_not_let_old_give_backs_free_new_units() {
         matches!(leased, Some(Ok(ref d)) if d.is_allowed()),
         "A holds a lease after {warm} admitted: {leased:?}"
     );
-    let held = counted(&client, &a, &key, &policy).await - warm as i64 - 1;
+    let held = units_held(&client, &a, &key, &policy).await - warm as i64 - 1;
     a.reset(&key, &policy).await.unwrap();
     // Only B serves now, 200 requests over 2 s: A's sweeper gives its idle key's units back
     // (after a quarter period, 250 ms) in between.
@@ -549,6 +565,15 @@ async fn a_reset_does_not_let_old_give_backs_free_new_units() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_does_not_let_old_give_backs_free_new_units() {
+    a_restart_does_not_let_old_give_backs_free(fixed("100/1m")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_does_not_let_old_give_backs_free_new_units_on_the_log() {
+    a_restart_does_not_let_old_give_backs_free(log("100/1m")).await;
+}
+
+async fn a_restart_does_not_let_old_give_backs_free(policy: Policy) {
     let mut server = RedisServer::start();
     // A 2 s period: an idle key gives its units back after 500 ms, well after the restart
     // is over (which leaves old give-backs to land on the new state, the case at hand).
@@ -557,7 +582,7 @@ async fn a_restart_does_not_let_old_give_backs_free_new_units() {
     let stores: Vec<RedisStore> =
         futures::future::join_all((0..3).map(|_| leasing_with(server.url(), leases, timeout)))
             .await;
-    let (key, policy) = (Key::from("restart"), fixed("100/1m"));
+    let key = Key::from("restart");
     within_one_minute(Duration::from_secs(20)).await;
     // The first two serve the key until each holds a lease.
     let warm = futures::future::join_all(
@@ -567,7 +592,8 @@ async fn a_restart_does_not_let_old_give_backs_free_new_units() {
     )
     .await;
     let client = server.client().await;
-    let held = counted(&client, &stores[0], &key, &policy).await - warm.iter().sum::<u64>() as i64;
+    let held =
+        units_held(&client, &stores[0], &key, &policy).await - warm.iter().sum::<u64>() as i64;
     drop(client);
     let asked = tokio::time::Instant::now();
     let mut server = tokio::task::spawn_blocking(move || {
@@ -1150,5 +1176,190 @@ async fn a_charge_landing_during_a_lease_fetch_ends_that_lease_too() {
     assert!(
         after.iter().all(|&n| n == 0),
         "requests admitted from leases after a charge filled the key, per key: {after:?}"
+    );
+}
+
+fn log(limit: &str) -> Policy {
+    named("log", limit, Algorithm::SlidingLog)
+}
+
+/// The units the sliding log of `key` holds in Redis in events of time `at` (all events for
+/// `None`): the sum of their weights (members "<time>:<total>:<weight>").
+async fn logged(
+    client: &Client,
+    store: &RedisStore,
+    key: &Key,
+    policy: &Policy,
+    at: Option<i64>,
+) -> u64 {
+    let members: Vec<String> = client
+        .zrange(
+            store.redis_key(key, policy),
+            0,
+            -1,
+            None,
+            false,
+            None,
+            false,
+        )
+        .await
+        .unwrap();
+    let field = |m: &String, i: usize| m.split(':').nth(i).unwrap().parse::<i64>().unwrap();
+    let at_time = |m: &&String| at.is_none_or(|t| field(m, 0) == t);
+    members
+        .iter()
+        .filter(at_time)
+        .map(|m| field(m, 2) as u64)
+        .sum()
+}
+
+/// A request of 1 decided as the layer decides it; when admitted, when its unit was spent:
+/// the local time for a unit of a lease (logged earlier, at the lease's grant), the Redis
+/// time Redis logged it at for one that Redis decided (one host, one clock).
+async fn spent_at(store: &RedisStore, key: &Key, policy: &Policy) -> Option<u64> {
+    let before = micros_now();
+    let decision = match store.check_now(key, policy, 1) {
+        Some(outcome) => outcome,
+        None => store.check(key, policy, 1).await,
+    };
+    let decision = decision.ok().filter(|d| d.is_allowed())?;
+    let Some(Settlement::Charge(units)) = Settlement::charge(&decision, 1) else {
+        return None;
+    };
+    let logged = u64::try_from(units.admitted_at()?).ok()?;
+    // Logged before this call began: a lease's unit, spent now.
+    Some(if logged < before { before } else { logged })
+}
+
+/// The issue's fleet: four leasing instances, a sliding log of `1000/10s` with a 150 ms lease
+/// period (as 1 s is to a minute), two clients each at three times the limit for 22 s. Every
+/// admission is timed where its unit was spent; no window of 10 s ending at any admission
+/// holds more than 1000, and in steady state (once the first window plus the headroom has
+/// passed) every window holds at least 900.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_of_four_keeps_the_sliding_log_within_every_window() {
+    let server = RedisServer::start();
+    let policy = log("1000/10s");
+    const WINDOW: u64 = 10_000_000;
+    let leases = Leases::new().period(Duration::from_millis(150));
+    let timeout = Duration::from_millis(200);
+    let stores: Vec<RedisStore> =
+        futures::future::join_all((0..4).map(|_| leasing_with(server.url(), leases, timeout)))
+            .await;
+    let start = micros_now();
+    let end = start + 22_000_000;
+    let admitted = Arc::new(std::sync::Mutex::new([Vec::new(), Vec::new()]));
+    let mut tasks = Vec::new();
+    for store in &stores {
+        for client in 0..2usize {
+            let (store, policy, admitted) = (store.clone(), policy.clone(), admitted.clone());
+            tasks.push(tokio::spawn(async move {
+                let key = Key::from(format!("client-{client}"));
+                let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / 75));
+                while micros_now() < end {
+                    tick.tick().await;
+                    if let Some(at) = spent_at(&store, &key, &policy).await {
+                        admitted.lock().unwrap()[client].push(at);
+                    }
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let calls = evalsha_calls(&server.client().await).await;
+    let mut admitted = admitted.lock().unwrap().clone();
+    for (client, times) in admitted.iter_mut().enumerate() {
+        times.sort_unstable();
+        // The fullest window ends at an admission: (t - w, t] for each admission t.
+        let (mut fullest, mut at) = (0, 0);
+        for (i, &t) in times.iter().enumerate() {
+            let held = i + 1 - times.partition_point(|&s| s + WINDOW <= t);
+            if held > fullest {
+                (fullest, at) = (held, t - start);
+            }
+        }
+        // Steady state: windows ending every 10 ms from 10.65 s on.
+        let in_window = |t: u64| {
+            times.partition_point(|&s| s <= t) - times.partition_point(|&s| s + WINDOW <= t)
+        };
+        let ends = (start + WINDOW + 650_000..end - 50_000).step_by(10_000);
+        let (emptiest, when) = ends.map(|t| (in_window(t), t - start)).min().unwrap();
+        eprintln!(
+            "client {client}: {} admitted in 22 s; the fullest window of 10 s holds {fullest} \
+             (ending {at} us in), the emptiest in steady state {emptiest} (ending {when} us in); \
+             {calls} EVALSHA in all (refusals included)",
+            times.len()
+        );
+        assert!(
+            fullest <= 1000,
+            "client {client}: {fullest} admitted in the 10 s ending {at} us in"
+        );
+        assert!(
+            emptiest >= 900,
+            "client {client}: only {emptiest} admitted in the 10 s ending {when} us in"
+        );
+    }
+}
+
+/// Event times on a leasing store read the same longer window as its decisions: an event of
+/// the whole limit at `t0` refuses one at `t0 + w + h / 2`, which a window of `w` alone would
+/// admit, with the wait to `t0 + w + h`; at `t0 + w + h` it is admitted.
+#[tokio::test]
+async fn a_leasing_store_reads_event_times_in_the_longer_window() {
+    let server = RedisServer::start();
+    // A share of 0.5 (5 units of 10, leased), h = min(period, 0.5 * 2 s) = 200 ms.
+    let leases = Leases::new()
+        .period(Duration::from_millis(200))
+        .max_share(0.5);
+    let store = leasing_with(server.url(), leases, Duration::from_millis(200)).await;
+    let (key, policy) = (Key::from("events"), log("10/2s"));
+    let h = Duration::from_millis(200);
+    let t0 = SystemTime::now();
+    let first = store.check_at(&key, &policy, 10, t0).await.unwrap();
+    assert!(first.is_allowed(), "{first:?}");
+    let w = Duration::from_secs(2);
+    let inside = store
+        .check_at(&key, &policy, 1, t0 + w + h / 2)
+        .await
+        .unwrap();
+    assert!(
+        !inside.is_allowed(),
+        "admitted within w + h of t0: {inside:?}"
+    );
+    assert_eq!(inside.retry_after(), Some(h / 2), "{inside:?}");
+    let after = store.check_at(&key, &policy, 1, t0 + w + h).await.unwrap();
+    assert!(after.is_allowed(), "{after:?}");
+}
+
+/// A refund of a request admitted from a lease (the layer's outcome counting, a usage
+/// reservation not used) takes its unit off the lease's event: the log holds one unit less.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_of_a_leased_request_frees_its_unit_on_the_log() {
+    let server = RedisServer::start();
+    let client = server.client().await;
+    let store = leasing(server.url()).await;
+    let (key, policy) = (Key::from("refund"), log("1000/1m"));
+    paced(&store, &key, &policy, 100, Duration::from_millis(5)).await;
+    let decision = store
+        .check_now(&key, &policy, 1)
+        .expect("the busy key holds a lease")
+        .unwrap();
+    assert!(decision.is_allowed());
+    let refund = Settlement::refund(&decision, 1).unwrap();
+    let Settlement::Refund(units) = &refund else {
+        unreachable!()
+    };
+    // The lease's event: the time the decision says it was recorded at.
+    let at = units.admitted_at();
+    assert!(at.is_some(), "{decision:?}");
+    let before = logged(&client, &store, &key, &policy, at).await;
+    store.settle(&key, &policy, refund).await.unwrap();
+    let after = logged(&client, &store, &key, &policy, at).await;
+    assert_eq!(
+        after + 1,
+        before,
+        "the lease's event weighed {before} units, {after} after the refund"
     );
 }

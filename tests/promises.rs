@@ -1787,9 +1787,9 @@ async fn run_redis(
 }
 
 /// What the Redis property's configuration `config` asks that a leasing store does not
-/// support (`docs/promises.md`): the sliding log, and GCRA where the lease's headroom leaves
-/// a bucket less than one unit; a policy with a penalty box or a concurrency limit is never
-/// leased, nor one whose share of its smallest count is under two units.
+/// support (`docs/promises.md`): GCRA where the lease's headroom leaves a bucket less than
+/// one unit; a policy with a penalty box or a concurrency limit is never leased, nor one
+/// whose share of its smallest count is under two units.
 fn unsupported_on_redis(config: &Config) -> Option<&'static str> {
     let share = f64::from(config.leases?) / 100.0;
     if config.block.is_some() || config.concurrency.is_some() {
@@ -1799,7 +1799,6 @@ fn unsupported_on_redis(config: &Config) -> Option<&'static str> {
     let shortest = config.limits[0].1 * 1_000_000;
     let leased = (smallest as f64 * share) as u64 >= 2;
     match config.algorithm {
-        Algorithm::SlidingLog => Some("the sliding log over a leasing store"),
         Algorithm::Gcra if leased => {
             let headroom = 1_000_000u64.min((shortest as f64 * share) as u64);
             let starved = config.limits.iter().any(|&(c, w)| {

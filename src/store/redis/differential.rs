@@ -342,6 +342,7 @@ async fn run_counted(
                     refund: false,
                     admitted: -1,
                     recorded: 0,
+                    headroom: 0,
                 };
                 scripts
                     .call(case.algorithm, key, units, record, t, windows)
@@ -406,6 +407,7 @@ async fn run_counted(
                     refund: true,
                     admitted: at as i64,
                     recorded,
+                    headroom: 0,
                 };
                 scripts
                     .call(case.algorithm, key, units, record, t, windows)

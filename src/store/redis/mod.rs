@@ -355,7 +355,8 @@ impl RedisStore {
                 d.recorded_at(Some(if at < 0 { answer.time } else { at }), cost.into())
             };
             Ok(match record {
-                Record::Admit => recorded(decision),
+                // A lease of its cost alone: an event time's decision on a leasing store.
+                Record::Admit | Record::Lease { .. } => recorded(decision),
                 Record::Take { id, .. } => recorded(decision).with_slot(id),
                 _ => decision,
             })
@@ -504,13 +505,9 @@ impl Store for RedisStore {
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default()
             .as_micros();
-        self.run(
-            key,
-            policy,
-            cost,
-            i64::try_from(micros).unwrap_or(i64::MAX),
-            Record::Admit,
-        )
+        let at = i64::try_from(micros).unwrap_or(i64::MAX);
+        let record = lease::record_alone(&self.inner, policy, cost);
+        self.run(key, policy, cost, at, record)
     }
 
     /// What a decision would answer now: from this instance's lease when it holds the units,
@@ -578,6 +575,7 @@ impl Store for RedisStore {
             refund,
             admitted: units.admitted_at().unwrap_or(-1),
             recorded: units.recorded(),
+            headroom: lease::settling_headroom(&self.inner, &policy),
         };
         let units = units.count();
         Box::pin(async move {

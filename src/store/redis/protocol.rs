@@ -23,9 +23,17 @@ use crate::concurrency::{Full, Waiter};
 use crate::{Decision, Policy, StoreError};
 
 /// A script: exact arithmetic past 2^53, the shared prelude (arguments, reply, `TIME`), then,
-/// for the algorithms that use it, the driver that combines limits, then the algorithm's own
-/// file.
+/// for the algorithms that use it, the driver that combines limits (the counters) or the
+/// format of events (the sliding log), then the algorithm's own file.
 macro_rules! script {
+    (log, $file:literal) => {
+        concat!(
+            include_str!("scripts/exact.lua"),
+            include_str!("scripts/prelude.lua"),
+            include_str!("scripts/log_events.lua"),
+            include_str!($file)
+        )
+    };
     ($file:literal) => {
         concat!(
             include_str!("scripts/exact.lua"),
@@ -47,7 +55,7 @@ macro_rules! script {
 /// speed (their headers say why).
 pub(super) const fn source(algorithm: Algorithm) -> &'static str {
     match algorithm {
-        Algorithm::SlidingLog => script!("scripts/sliding_log.lua"),
+        Algorithm::SlidingLog => script!(log, "scripts/sliding_log.lua"),
         Algorithm::SlidingWindow => script!(driver, "scripts/sliding_window.lua"),
         Algorithm::FixedWindow => script!(driver, "scripts/fixed_window.lua"),
         Algorithm::Gcra => script!("scripts/gcra.lua"),
@@ -55,9 +63,11 @@ pub(super) const fn source(algorithm: Algorithm) -> &'static str {
 }
 
 /// The text of `scripts/release.lua`, which gives leased units back: it decides nothing, so
-/// it goes without the prelude.
+/// it goes without the prelude; it makes the sliding log's events lighter as the log's own
+/// script does (`scripts/log_events.lua`).
 const RELEASE: &str = concat!(
     include_str!("scripts/exact.lua"),
+    include_str!("scripts/log_events.lua"),
     include_str!("scripts/release.lua")
 );
 
@@ -220,11 +230,14 @@ pub(super) enum Record {
     Lease { want: u64, headroom: u64 },
     /// Decide nothing: record a settlement of `cost` units now, added (a charge) or taken
     /// back (`refund`) from the `recorded` units a request recorded at `admitted` (Redis
-    /// time, µs; -1: not known).
+    /// time, µs; -1: not known). The reply reads the sliding log's windows `headroom` µs
+    /// longer, as a leasing store's decisions of it do (0 for the other algorithms, whose
+    /// settlements read no headroom).
     Settle {
         refund: bool,
         admitted: i64,
         recorded: u64,
+        headroom: u64,
     },
     /// Decide and record as [`Admit`](Record::Admit), and when admitted take concurrency slot
     /// `id` for `ttl` µs, refusing at once while the key's live slots and the waiters in line
@@ -240,7 +253,7 @@ pub(super) enum Record {
 
 impl Record {
     /// Its mode, and the arguments that follow the common six (`prelude.lua`, ARGV[1]): the
-    /// first `len` of the three.
+    /// first `len` of the six.
     fn mode(&self, cost: u64) -> (Mode, [i64; 6], usize) {
         match *self {
             Record::Look { headroom } => {
@@ -254,10 +267,18 @@ impl Record {
                 refund,
                 admitted,
                 recorded,
+                headroom,
             } => (
                 Mode::Settle,
-                [i64::from(refund), admitted, clamp(recorded), 0, 0, 0],
-                3,
+                [
+                    i64::from(refund),
+                    admitted,
+                    clamp(recorded),
+                    clamp(headroom),
+                    0,
+                    0,
+                ],
+                4,
             ),
             Record::Take {
                 cap,
@@ -369,29 +390,29 @@ pub(super) fn encode_for(
 }
 
 /// The code `scripts/release.lua` knows `algorithm`'s state by (`FIXED_WINDOW`,
-/// `SLIDING_WINDOW`, `GCRA` there); `None` for the sliding log, which is never leased.
-const fn release_code(algorithm: Algorithm) -> Option<i64> {
+/// `SLIDING_WINDOW`, `GCRA`, `SLIDING_LOG` there).
+const fn release_code(algorithm: Algorithm) -> i64 {
     match algorithm {
-        Algorithm::FixedWindow => Some(1),
-        Algorithm::SlidingWindow => Some(2),
-        Algorithm::Gcra => Some(3),
-        Algorithm::SlidingLog => None,
+        Algorithm::FixedWindow => 1,
+        Algorithm::SlidingWindow => 2,
+        Algorithm::Gcra => 3,
+        Algorithm::SlidingLog => 4,
     }
 }
 
 /// One give-back's arguments as `scripts/release.lua` reads them: algorithm
 /// ([`release_code`]), number of limits, units, the Redis time of the grant (µs), then
-/// count, window and scale of each limit; `None` for an algorithm that is never leased.
+/// count, window and scale of each limit.
 pub(super) fn encode_release(
     algorithm: Algorithm,
     units: u64,
     granted: i64,
     windows: &[Window],
-) -> Option<Vec<u8>> {
-    let code = release_code(algorithm)?;
+) -> Vec<u8> {
+    let code = release_code(algorithm);
     let head = [code, windows.len() as i64, clamp(units), granted];
     let ints = head.into_iter().chain(limits(windows));
-    Some(ints.flat_map(i64::to_le_bytes).collect())
+    ints.flat_map(i64::to_le_bytes).collect()
 }
 
 /// Count, window (µs) and scale of each limit.

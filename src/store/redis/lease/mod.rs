@@ -13,11 +13,15 @@
 //! least what the fleet admitted. What keeps the count true for spending *later* than taking:
 //! - fixed and sliding window counters: a lease expires when the current window of its
 //!   shortest limit ends, so every unit is spent in the window it was counted in;
-//! - GCRA: a lease expires `h` after it was taken, and every decision of a leasing store keeps
-//!   `h` of drain free in each bucket (the script's headroom), so spending up to `h` late never
-//!   lets the bucket hold more than its capacity. The burst is `c * (1 - h / w)` instead of `c`;
-//!   the rate is unchanged. `h` is at most the lease period and `max_share` of the shortest
-//!   window.
+//! - GCRA and the sliding log: a lease expires `h` after it was taken (a hundredth sooner on
+//!   this instance's clock, for drift), `h` at most the lease period and `max_share` of the
+//!   shortest window, and every decision of a leasing store allows for units spent up to `h`
+//!   late (the script's headroom). GCRA keeps `h` of drain free in each bucket, so spending up
+//!   to `h` late never lets the bucket hold more than its capacity: the burst is
+//!   `c * (1 - h / w)` instead of `c`, the rate unchanged. The log logs a lease as one event at
+//!   the time it was taken and reads every window `h` longer, `(now − w − h, now]`: every span
+//!   of `w + h` holds at most the count as logged, so every window of `w` holds at most the
+//!   count as spent (`docs/leases.md` has the proof). The price is a window of `w + h`.
 //!
 //! **A charge that fills a key** (a usage settlement, [`Store::settle`](crate::Store::settle))
 //! ends this instance's leases of it: once the settlement's reply shows the key full, the units
@@ -29,10 +33,8 @@
 //! they are spent or given back, at most `max_share` of the limit per instance and key, and for
 //! at most one lease period (sooner when the key goes idle).
 //!
-//! The sliding log cannot be leased: its exactness is per event, and units spent after they
-//! were logged would sit at the wrong times in it. A leasing store refuses it at build time,
-//! unless the policy has a penalty box or a concurrency limit: those are never leased, every
-//! decision going to Redis as without leases, so any algorithm will do.
+//! A policy with a penalty box or a concurrency limit is never leased, whatever its algorithm:
+//! every decision goes to Redis as without leases.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -141,9 +143,8 @@ impl Leases {
         Ok(())
     }
 
-    /// How `policy` is leased; `None` when it is not (the sliding log, a share under two
-    /// units, or a policy with a penalty box or a concurrency limit, which every decision
-    /// must read in Redis).
+    /// How `policy` is leased; `None` when it is not (a share under two units, or a policy
+    /// with a penalty box or a concurrency limit, which every decision must read in Redis).
     fn plan(&self, policy: &Policy) -> Option<Plan> {
         if never_leased(policy) {
             return None;
@@ -153,8 +154,7 @@ impl Leases {
         let shortest = policy.windows()[0].micros;
         let period = micros(self.period);
         let (period, headroom, life) = match policy.algorithm() {
-            Algorithm::SlidingLog => return None,
-            Algorithm::Gcra => {
+            Algorithm::Gcra | Algorithm::SlidingLog => {
                 let h = period.min((shortest as f64 * self.max_share) as u64);
                 (h, h, Life::Period)
             }
@@ -171,6 +171,9 @@ impl Leases {
     /// Why these settings cannot lease `policy`, if they cannot: GCRA's headroom would leave
     /// a bucket room for less than one unit, so that the key would never admit anything.
     fn refuses(&self, policy: &Policy) -> Option<StoreError> {
+        if policy.algorithm() != Algorithm::Gcra {
+            return None;
+        }
         let plan = self.plan(policy)?;
         let starved = policy.windows().iter().position(|w| {
             let room = u128::from(w.micros.saturating_sub(plan.headroom)) * u128::from(w.count);
@@ -196,7 +199,9 @@ pub(super) struct Plan {
     cap: u64,
     /// The longest a lease lasts (µs), and the span whose use sets its size.
     period: u64,
-    /// GCRA's headroom (µs), kept by every decision of the policy; 0 for the counters.
+    /// How late a leased unit may be spent after Redis recorded it (µs), which every decision
+    /// of the policy allows for: GCRA keeps that much drain free, the sliding log reads every
+    /// window that much longer; 0 for the counters, whose leases end with their window.
     headroom: u64,
     life: Life,
 }
@@ -204,7 +209,8 @@ pub(super) struct Plan {
 /// How long a lease's units may be spent (see the module's docs, "Never over the limit").
 #[derive(Debug, Clone, Copy)]
 enum Life {
-    /// For the plan's period after the sending (GCRA: the headroom covers that much delay).
+    /// For the plan's period after the sending, less [`DRIFT`] (GCRA and the sliding log: the
+    /// headroom covers that much delay).
     Period,
     /// Until the current window of the shortest limit ends, or for the period if sooner (the
     /// counters: every unit is spent in the window that counted it).
@@ -227,12 +233,16 @@ impl Plan {
     /// Whether a settlement's reply that `remaining` units are left (in the limit with the
     /// fewest) may mean that the key is full: Redis counts the units this instance holds as
     /// used, and with none left it may count more than the limit without them, which spending
-    /// them would admit past. For the counters, when none is left. A settlement's reply
-    /// counts GCRA's `remaining` without the headroom (`scripts/gcra.lua`), against `w·c`
-    /// rather than `(w − h)·c`: the key may be full when fewer than `1 + h·c/w` units are
-    /// left, in any limit, since the limit with the fewest units left without the headroom
-    /// need not be the one with the fewest with it.
+    /// them would admit past. For the counters and the sliding log (whose settlements read
+    /// the same longer windows as its decisions, [`settling_headroom`]), when none is left.
+    /// A settlement's reply counts GCRA's `remaining` without the headroom
+    /// (`scripts/gcra.lua`), against `w·c` rather than `(w − h)·c`: the key may be full when
+    /// fewer than `1 + h·c/w` units are left, in any limit, since the limit with the fewest
+    /// units left without the headroom need not be the one with the fewest with it.
     fn full(&self, policy: &Policy, remaining: u64) -> bool {
+        if policy.algorithm() != Algorithm::Gcra {
+            return remaining == 0;
+        }
         let room = |count: u64, micros: u64| {
             u128::from(remaining) * u128::from(micros)
                 < u128::from(micros) + u128::from(self.headroom) * u128::from(count)
@@ -246,7 +256,7 @@ impl Plan {
     fn expiry(&self, policy: &Policy, sent: u64, granted: i64) -> u64 {
         let t = u64::try_from(granted).unwrap_or(0);
         let life = match self.life {
-            Life::Period => self.period,
+            Life::Period => self.period - self.period / DRIFT,
             Life::Window => policy
                 .windows()
                 .iter()
@@ -256,6 +266,12 @@ impl Plan {
         sent + life
     }
 }
+
+/// A lease's units are spent up to `h` after they were sent for, as this instance's clock
+/// measures it, and Redis's headroom allows `h` as Redis's clock measures it: a lease that
+/// allows for the headroom ends a hundredth of `h` sooner, far more than two clocks' rates
+/// differ (100 ppm is a poor quartz; NTP slews at most 500 ppm).
+const DRIFT: u64 = 100;
 
 /// How long a lease's reply is waited for, however long after its caller gave up: Redis
 /// counted its units when the script ran, so they are booked (spent or given back) when the
@@ -456,9 +472,28 @@ pub(super) fn peek_now(
     Some(Decision::from_outcome(outcome, policy))
 }
 
-/// The GCRA headroom (µs) the store's decisions of `policy` keep; 0 when not leased.
+/// The headroom (µs) the store's decisions of `policy` allow for ([`Plan`]); 0 when not
+/// leased.
 pub(super) fn headroom(inner: &Inner, policy: &Policy) -> u64 {
     plan(inner, policy).map_or(0, |plan| plan.headroom)
+}
+
+/// What a request of `cost` that takes no lease records for `policy` (an event time's, which
+/// [`Store::check_at`](crate::Store::check_at) decides in Redis): its cost, allowing for the
+/// headroom of the policy's leases, so that the log's bound covers events logged at other
+/// times than now as well.
+pub(super) fn record_alone(inner: &Inner, policy: &Policy, cost: u32) -> Record {
+    plan(inner, policy).map_or(Record::Admit, |plan| plan.record(cost.into(), cost.into()))
+}
+
+/// The headroom a settlement of `policy` reads: the sliding log's, so that the reply says
+/// whether the key is full in the windows its decisions read ([`Plan::full`]); 0 for GCRA,
+/// whose settlement replies count without it, and for the counters.
+pub(super) fn settling_headroom(inner: &Inner, policy: &Policy) -> u64 {
+    match policy.algorithm() {
+        Algorithm::SlidingLog => headroom(inner, policy),
+        Algorithm::Gcra | Algorithm::FixedWindow | Algorithm::SlidingWindow => 0,
+    }
 }
 
 /// The lease state of a store that was given a plan, so has leases.
@@ -736,11 +771,7 @@ fn returns(store: &RedisStore, state: &State, now: u64, all: bool) -> Vec<Due> {
         for Return { units, granted } in held.entry.returns(now, idle, all) {
             let policy = &held.policy;
             let windows = policy.windows();
-            // Only leased algorithms hold units, and each of them has a give-back.
-            let Some(args) = protocol::encode_release(policy.algorithm(), units, granted, windows)
-            else {
-                continue;
-            };
+            let args = protocol::encode_release(policy.algorithm(), units, granted, windows);
             due.push(Due {
                 key: store.inner.place(key, policy).key,
                 args,
@@ -844,28 +875,13 @@ pub(super) async fn stop(inner: &Inner) {
     state.drain_waited.store(true, Ordering::Release);
 }
 
-/// Whether the store can decide `policy`: a leasing store cannot lease the sliding log, nor
-/// a GCRA policy whose headroom would leave a bucket no room (see [`Leases::refuses`]); a
-/// policy it never leases (a penalty box, a concurrency limit) it decides whatever its
-/// algorithm.
+/// Whether the store can decide `policy`: a leasing store cannot lease a GCRA policy whose
+/// headroom would leave a bucket no room (see [`Leases::refuses`]); a policy it never leases
+/// (a penalty box, a concurrency limit) it decides whatever its algorithm.
 pub(super) fn supports(inner: &Inner, policy: &Policy) -> Result<(), StoreError> {
     let Some(state) = &inner.leases else {
         return Ok(());
     };
-    // Decided in Redis every time, as by a store without leases: any algorithm will do.
-    if never_leased(policy) {
-        return Ok(());
-    }
-    match policy.algorithm() {
-        Algorithm::SlidingLog => {
-            return Err(StoreError::Unsupported(
-                "the sliding log cannot be leased: its events must be logged at the times they \
-                 are admitted; use GCRA or a window counter with leases, or a store without \
-                 leases",
-            ))
-        }
-        Algorithm::SlidingWindow | Algorithm::FixedWindow | Algorithm::Gcra => {}
-    }
     match state.settings.refuses(policy) {
         Some(error) => Err(error),
         None => Ok(()),

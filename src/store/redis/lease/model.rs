@@ -1,6 +1,7 @@
 //! A property test of the lease bookkeeping on a virtual clock: several instances lease from
-//! one model of the scripts (`gcra.lua`, `fixed_window.lua` and `release.lua`, one limit), and
-//! the units they admit, at the times they admit them, never exceed the limit.
+//! one model of the scripts (`gcra.lua`, `fixed_window.lua`, `sliding_log.lua` and
+//! `release.lua`, one limit), and the units they admit, at the times they admit them, never
+//! exceed the limit.
 
 use proptest::prelude::*;
 
@@ -16,6 +17,8 @@ enum Model {
     Fixed(u64, u64),
     /// Time of the last write, backlog then (µs scaled by c).
     Gcra(u64, u128),
+    /// The log's events: time logged, weight.
+    Log(Vec<(u64, u64)>),
 }
 
 impl Model {
@@ -31,6 +34,16 @@ impl Model {
                 (cost <= room).then(|| {
                     let take = want.min(room);
                     *count += take;
+                    take
+                })
+            }
+            Model::Log(events) => {
+                // Every window read `h` longer: (now - w - h, now].
+                events.retain(|&(t, _)| t + w + h > now);
+                let logged: u64 = events.iter().map(|&(_, k)| k).sum();
+                (logged + cost <= c).then(|| {
+                    let take = want.min(c - logged);
+                    events.push((now, take));
                     take
                 })
             }
@@ -50,6 +63,14 @@ impl Model {
     /// `release.lua` for `units` granted at `granted`.
     fn release(&mut self, now: u64, c: u64, w: u64, units: u64, granted: u64) {
         match self {
+            Model::Log(events) => {
+                let mut left = units;
+                for (_, k) in events.iter_mut().rev().filter(|(t, _)| *t == granted) {
+                    let give = left.min(*k);
+                    (*k, left) = (*k - give, left - give);
+                }
+                events.retain(|&(_, k)| k > 0);
+            }
             Model::Fixed(start, count) => {
                 if *start == window_start(granted, w) {
                     *count = count.saturating_sub(units);
@@ -104,11 +125,9 @@ fn simulate(
     let (policy, plan) = leased(algorithm, c, w);
     let mut redis = match algorithm {
         Algorithm::Gcra => Model::Gcra(0, 0),
-        // The counters (the cases run the fixed window); the sliding log is never leased
-        // (`leased` fails first).
-        Algorithm::FixedWindow | Algorithm::SlidingWindow | Algorithm::SlidingLog => {
-            Model::Fixed(0, 0)
-        }
+        Algorithm::SlidingLog => Model::Log(Vec::new()),
+        // The counters (the cases run the fixed window).
+        Algorithm::FixedWindow | Algorithm::SlidingWindow => Model::Fixed(0, 0),
     };
     let mut entries = vec![Entry::default(); instances];
     let mut fetches: Vec<Fetch> = Vec::new();
@@ -265,6 +284,11 @@ proptest! {
     }
 
     #[test]
+    fn sliding_log_windows_never_hold_more_than_the_limit(c in 8u64..60, steps in steps()) {
+        fits_every_window(c, &simulate(Algorithm::SlidingLog, c, W, 4, &steps))?;
+    }
+
+    #[test]
     fn gcra_admissions_fit_the_bucket(c in 8u64..60, steps in steps()) {
         fits_the_bucket(c, &simulate(Algorithm::Gcra, c, W, 4, &steps))?;
     }
@@ -289,6 +313,84 @@ fn fits_the_bucket(c: u64, admitted: &[(u64, u64, usize)]) -> Result<(), TestCas
         }
     }
     Ok(())
+}
+
+/// Whether no window `(t − W, t]` ending at an admission holds more than `c` units admitted:
+/// the fullest window of any placement ends at an admission.
+fn fits_every_window(c: u64, admitted: &[(u64, u64, usize)]) -> Result<(), TestCaseError> {
+    for (i, &(t, _, _)) in admitted.iter().enumerate() {
+        let units: u64 = admitted[..=i]
+            .iter()
+            .filter(|&&(s, _, _)| s + W > t)
+            .map(|&(_, k, _)| k)
+            .sum();
+        prop_assert!(
+            units <= c,
+            "{units} units in ({}, {t}] exceed {c}",
+            t as i64 - W as i64
+        );
+    }
+    Ok(())
+}
+
+/// The interleaving the log's longer window is for: instance 0 leases at `t0` and spends what
+/// it holds just before the lease expires, while the others fill the key just after `t0`'s
+/// event has left a window of `W`.
+///
+/// - At 0, instance 0 asks for `cap` units in one request, decided alone (a cold key asks for
+///   its cost), so that its use over the last `period` is `cap` at `t0 = period`.
+/// - At `t0`, a request of 1 from instance 0 leases `cap` units (it spends 1, holds `cap - 1`).
+/// - At `t1`, 1 µs before the lease expires, instance 0 spends its `cap - 1` units.
+/// - At `t0 + W + 1`, when neither the warm-up nor the lease is in `(now − W, now]`, the
+///   other instances ask for all `c` units at once, then for what is left after the lease,
+///   `c − cap`. (A fetch ahead of need that the spending at `t1` starts runs only after all
+///   that: one logged at `t1` would refuse the first request with or without the longer
+///   window.)
+///
+/// Without the longer window the first takes all `c` units (the log reads nothing in its last
+/// `W`), and the window `(t1 − 1, t1 − 1 + W]` holds them and instance 0's `cap - 1`. With it,
+/// the lease logged at `t0` still counts at `t0 + W + 1` (`h = period`): the first is refused
+/// and the second admitted.
+fn late_spender(c: u64, instances: usize) -> Vec<Step> {
+    let (policy, plan) = leased(Algorithm::SlidingLog, c, W);
+    let t0 = plan.period;
+    let t1 = plan.expiry(&policy, t0, t0 as i64) - 1;
+    let mut steps = vec![(0, 0, plan.cap, 0, 0, false), (t0, 0, 1, 0, 0, false)];
+    let never = 10 * W;
+    steps.push((t1 - t0, 0, 1, never, 0, false));
+    steps.extend((1..plan.cap - 1).map(|_| (0, 0, 1, never, 0, false)));
+    steps.push((t0 + W + 1 - t1, 1, c, 0, 0, false));
+    steps.push((0, instances - 1, c - plan.cap, 0, 0, false));
+    steps
+}
+
+#[test]
+fn the_log_counts_a_lease_spent_late_in_every_window_it_is_spent_in() {
+    for instances in 2..=4 {
+        for c in 8u64..60 {
+            let (policy, plan) = leased(Algorithm::SlidingLog, c, W);
+            let t1 = plan.expiry(&policy, plan.period, plan.period as i64) - 1;
+            let steps = late_spender(c, instances);
+            let admitted = simulate(Algorithm::SlidingLog, c, W, instances, &steps);
+            if let Err(e) = fits_every_window(c, &admitted) {
+                panic!("{instances} instances, c = {c}: {e}");
+            }
+            // The case still builds what it is for: instance 0 spends its lease at `t1`.
+            let late: u64 = admitted
+                .iter()
+                .filter(|&&(t, _, i)| t == t1 && i == 0)
+                .map(|&(_, units, _)| units)
+                .sum();
+            assert_eq!(late + 1, plan.cap, "{instances} instances, c = {c}");
+            // And the others only what the longer window leaves them.
+            let others: u64 = admitted
+                .iter()
+                .filter(|&&(_, _, i)| i != 0)
+                .map(|&(_, units, _)| units)
+                .sum();
+            assert_eq!(others, c - plan.cap, "{instances} instances, c = {c}");
+        }
+    }
 }
 
 /// The interleaving GCRA's headroom is for, which random traffic rarely builds: instance 0

@@ -33,14 +33,17 @@
 --           was held `held` us (0: not known)
 --
 -- Modes (record; protocol.rs, Mode), with the arguments that follow the first ten:
---   LOOK   0  decide only, recording nothing; want (the cost) and headroom (us; GCRA keeps
---             that much drain free in every bucket, and a look reports against the same room)
+--   LOOK   0  decide only, recording nothing; want (the cost) and headroom (us: how late a
+--             leasing store may spend a unit after Redis recorded it; GCRA keeps that much
+--             drain free in every bucket, the sliding log reads every window that much longer,
+--             and a look reports against the same room; 0 for the counters and without leases)
 --   ADMIT  1  decide, and record an admitted request
 --   LEASE  2  decide, and record as many units as fit now (see Leases); want (the most units
 --             to take, >= cost) and headroom
 --   SETTLE 3  a settlement (see Settlements): refund (0: add `cost` units, 1: take them back),
 --             the admission time (Redis time, us, of the request being settled; -1: not
---             known) and the units that request recorded
+--             known), the units that request recorded, and headroom (the sliding log's, so
+--             that its reply reads the windows a leasing store decides by; 0 otherwise)
 --   TAKE   4  decide as ADMIT, and take a concurrency slot when admitted (see Concurrency);
 --             the key's cap of slots, the slot's id, its lifetime (us), the waiter's id (0:
 --             the request does not wait), its wait (us) and whether it is in line (0 or 1)
@@ -199,17 +202,6 @@ local BLOCKED = spack('<llllll', 0, 0, 0, 0, -2, 0)
 -- past its end; and the count its BOXED answer reports (-1: the request's own).
 local box_ms, box_us, box_record, box_refund = 0, 0, 0, 0
 local box_end, box_held, box_count = 0, false, -1
-
--- The decimal text of the integer x, made once per call.
-local texts = {}
-local function text(x)
-  local s = texts[x]
-  if s == nil then
-    s = string.format('%d', x)
-    texts[x] = s
-  end
-  return s
-end
 
 -- The largest count (2^50, Limit::MAX_COUNT) and the longest window (3650 days in us,
 -- Limit::MAX_WINDOW): a request past those is an error, never decided inexactly. (The most
@@ -435,11 +427,11 @@ local function box_end_of(k)
 end
 
 -- Reads the next request's arguments, request k's: returns its number of limits n, cost, mode
--- (LOOK to SETTLE; TAKE is decided as ADMIT), event time (now for -1), want and headroom (cost
--- and 0 unless a lease or a look), refund (0 unless a settlement), admission time (-1 unless a
--- settlement), the units the settled request recorded, and its answer when an override blocks
--- it or the key is in its penalty box (else false); puts each limit's count (an override's, if
--- one applies), window and scale in `counts[i]`, `windows[i]` and `scales[i]` (entries past n
+-- (LOOK to SETTLE; TAKE is decided as ADMIT), event time (now for -1), want (the cost unless
+-- a lease or a look), headroom (0 unless a lease, a look or a settlement), refund (0 unless a
+-- settlement), admission time (-1 unless a settlement), the units the settled request
+-- recorded, and its answer when an override blocks it or the key is in its penalty box (else
+-- false); puts each limit's count (an override's, if one applies), window and scale in `counts[i]`, `windows[i]` and `scales[i]` (entries past n
 -- are left over from an earlier request and never read; `scales` may be nil), and sets
 -- `overridden`.
 local function next_request(counts, windows, scales, k)
@@ -455,7 +447,7 @@ local function next_request(counts, windows, scales, k)
   if record == LEASE or record == LOOK then
     want, headroom, next_byte = sunpack('<ll', requests, next_byte)
   elseif record == SETTLE then
-    refund, admitted, weight, next_byte = sunpack('<lll', requests, next_byte)
+    refund, admitted, weight, headroom, next_byte = sunpack('<llll', requests, next_byte)
   elseif record == TAKE then
     slot_cap, slot_id, slot_ttl, waiter_id, waiter_wait, waiter_queued, next_byte =
       sunpack('<llllll', requests, next_byte)

@@ -1,11 +1,12 @@
 -- Gives back leased units that were never spent (src/store/redis/lease/ says when): for each
 -- key, removes them from the state they were added to, where that state still counts them.
--- Stands alone, without prelude.lua (only exact.lua before it): it decides nothing.
+-- Stands alone, without prelude.lua (exact.lua and log_events.lua before it): it decides
+-- nothing.
 --
 -- KEYS[k]   the state of give-back k, as the algorithm's own script keeps it (gcra.lua,
 --           fixed_window.lua, sliding_window.lua)
 -- ARGV[1]   64-bit little-endian signed integers, for each give-back k in turn: algorithm
---           (FIXED_WINDOW 1, SLIDING_WINDOW 2, GCRA 3; src/store/redis/protocol.rs,
+--           (FIXED_WINDOW 1, SLIDING_WINDOW 2, GCRA 3, SLIDING_LOG 4; protocol.rs,
 --           encode_release), n (number of limits), units, the Redis time (us) the lease was
 --           granted at, then count, window (us) and scale (their gcd) of limits 1..n
 --
@@ -27,6 +28,9 @@
 --   units * u - (now - t0) * d of its backlog now (in gcra.lua's units, u = w / scale and
 --   d = c / scale); that much leaves. A backlog written under other counts is first read in
 --   the lease's units (exact.lua's `reweigh`), and written back in them.
+-- - the sliding log: a lease is one event at the time it was granted, and the units leave it
+--   (log_events.lua, `lighten`). Its time is the log's header: a set made again after the
+--   grant (a reset, a restart) holds no event of that microsecond, and is left alone.
 -- State of another shape (the policy changed) is left alone. Writes keep the key's expiry.
 
 local time = redis.call('TIME')
@@ -34,7 +38,7 @@ local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local spack, sunpack = struct.pack, struct.unpack
 local args, next_byte = ARGV[1], 1
 -- The algorithms whose state a give-back applies to, and the integers per limit of each.
-local FIXED_WINDOW, SLIDING_WINDOW, GCRA = 1, 2, 3
+local FIXED_WINDOW, SLIDING_WINDOW, GCRA, SLIDING_LOG = 1, 2, 3, 4
 local FIELDS = { [FIXED_WINDOW] = 2, [SLIDING_WINDOW] = 3, [GCRA] = 3 }
 local changed = 0
 local counts, windows, scales = {}, {}, {}
@@ -43,13 +47,9 @@ local function window_start(x, w)
   return x - math.fmod(x, w)
 end
 
-for k = 1, #KEYS do
-  local key = KEYS[k]
-  local algorithm, n, units, granted
-  algorithm, n, units, granted, next_byte = sunpack('<llll', args, next_byte)
-  for i = 1, n do
-    counts[i], windows[i], scales[i], next_byte = sunpack('<lll', args, next_byte)
-  end
+-- Gives `units` granted at `granted` back to the counter or GCRA state at `key` (limits in
+-- `counts`, `windows`, `scales`); 1 if the state changed, else 0.
+local function give_back(key, algorithm, n, units, granted)
   local fields = FIELDS[algorithm]
   local raw = redis.call('GET', key)
   local values, size = nil, 0
@@ -86,7 +86,24 @@ for k = 1, #KEYS do
       end
     end
     redis.call('SET', key, spack('<' .. string.rep('l', size), unpack(values)), 'KEEPTTL')
-    changed = changed + 1
+    return 1
+  end
+  return 0
+end
+
+for k = 1, #KEYS do
+  local key = KEYS[k]
+  local algorithm, n, units, granted
+  algorithm, n, units, granted, next_byte = sunpack('<llll', args, next_byte)
+  for i = 1, n do
+    counts[i], windows[i], scales[i], next_byte = sunpack('<lll', args, next_byte)
+  end
+  if algorithm == SLIDING_LOG then
+    if redis.call('TYPE', key).ok == 'zset' and lighten(key, granted, units) > 0 then
+      changed = changed + 1
+    end
+  else
+    changed = changed + give_back(key, algorithm, n, units, granted)
   end
 end
 

@@ -4,36 +4,38 @@
 -- sorted-set commands, and the driver (closures called per limit, tables per request) cost
 -- more than those commands. It combines limits exactly as the driver's `decide` does.
 --
--- KEYS[k]   sorted set; one member per admitted request, score = event time in us, member =
---           "<time>:<total>:<weight>": weight is the request's cost (>= 1), total the running
---           total of the weights of the set's events up to and including this one, in time
---           order (events of one microsecond in the order they were added), written as 16
---           zero-padded digits so that the members of one microsecond sort in that order and
---           never collide. The units in a score range are the total of its last member minus
---           the total before its first (total - weight): two members, however many units.
+-- KEYS[k]   sorted set of events (log_events.lua, which is appended before this file); an
+--           admitted request's event weighs its cost, a lease's the units it took
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
---           cost, record (ADMIT, LOOK, SETTLE or TAKE), event time (-1: now; any other time,
---           past or future, is taken), override id, penalty box (us), policy-wide and plan
---           override fields, known and the kind of the override the store knew
---           (prelude.lua, "Overrides"), for a settlement refund (0 or 1) and the admission
---           time of the request settled (us; -1: not known), count and window (us) of limits
---           1..n, shortest first, then for known counts the override's (prelude.lua); ARGV[2]
---           and after as prelude.lua
+--           cost, record (LOOK, ADMIT, LEASE, SETTLE or TAKE), event time (-1: now; any other
+--           time, past or future, is taken), override id, penalty box (us), policy-wide and
+--           plan override fields, known and the kind of the override the store knew
+--           (prelude.lua, "Overrides"), the mode's arguments (want and headroom for a look or
+--           a lease; refund, the admission time of the request settled (us; -1: not known),
+--           the units it recorded and headroom for a settlement), count and window (us) of
+--           limits 1..n, shortest first, then for known counts the override's (prelude.lua);
+--           ARGV[2] and after as prelude.lua
 --
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
---           request: allowed (1 or 0), limit index (0-based), remaining, reset_after (us),
---           retry_after (us; -1 when admitted, -2 when no wait helps), the overriding count
---           (-1: none), then Redis TIME, the generation of the hash of overrides, a byte per
---           slot operation, and the override fields read (prelude.lua)
+--           request: allowed (0 when refused; when admitted, 1 plus the units leased beyond
+--           the cost), limit index (0-based), remaining, reset_after (us), retry_after (us;
+--           -1 when admitted, -2 when no wait helps), the overriding count (-1: none), then
+--           Redis TIME, the generation of the hash of overrides, a byte per slot operation,
+--           and the override fields read (prelude.lua)
 --
--- The log is never leased (the store refuses it): LEASE is not sent here.
+-- Leases (src/store/redis/lease/, docs/leases.md): a lease is one event of the units it takes
+-- (as many as fit in every limit, up to want), at now; release.lua makes it lighter by what
+-- was not spent. A leasing store spends a unit up to `headroom` after Redis logged it, so
+-- every request of a leased policy (LOOK, ADMIT sent as a LEASE of its cost, LEASE, SETTLE)
+-- reads each window `headroom` longer: (t - w - headroom, t]. Every span of that length then
+-- holds at most the count at the times events were logged, so every window of length w holds
+-- at most the count at the times units were spent. Trim and expiry follow the longer window.
 --
--- Settlements: a charge is recorded as an admitted request of that cost, one member at now,
--- whatever the limits say. A refund finds the settled request's own member, the last one at
--- its admission time (members of one microsecond weigh the same in every window), and takes
--- up to its units off its weight, and as much off the totals of the members after it
--- (rewritten, as for a past event time); a member left weighing nothing is removed. Nothing
--- when that member has aged out or the admission time is not known. The key's expiry stays.
+-- Settlements: a charge is recorded as an admitted request of that cost, one event at now,
+-- whatever the limits say. A refund takes up to the units the settled request recorded off
+-- the events of its admission time (log_events.lua, `lighten`; a request admitted from a
+-- lease was logged with it, at the lease's time). Nothing when they have aged out or the
+-- admission time is not known. The key's expiry stays.
 --
 -- A set whose newest member is "<time>:<n>" (one member per unit, as earlier versions kept the
 -- log) is deleted and counts as none, once. While versions run side by side in a rolling
@@ -52,21 +54,10 @@
 -- Retry: the events of the window are read oldest first, in pages, until their weights cover
 -- the units that must leave; usually the window's first event, which is read anyway.
 
-local call = redis.call
-local find, sub, max, min, format = string.find, string.sub, math.max, math.min, string.format
 -- Per limit of the request at hand (entries past its n are left over and never read): count,
 -- window, units in (t - w, t], the most any window (a, a + w] containing t holds, and the time
 -- of the first event of (t - w, t] (false: none).
 local counts, windows, pasts, fullests, firsts = {}, {}, {}, {}, {}
-local TOTAL_LIMIT = MAX_UNITS
-
--- Time, total and weight of the member "<time>:<total>:<weight>". Reading them from the
--- member instead of asking for scores spares Redis printing a double and Lua parsing it.
-local function event(member)
-  local a = find(member, ':', 1, true)
-  return tonumber(sub(member, 1, a - 1)), tonumber(sub(member, a + 1, a + 16)) or 0,
-    tonumber(sub(member, a + 18)) or 0
-end
 
 -- The running total through the last event at or before `at` (a score), or false when
 -- there is none.
@@ -79,66 +70,9 @@ local function total_through(key, at)
   return total
 end
 
-local function member(time, total, weight)
-  return text(time) .. ':' .. format('%016d', total) .. ':' .. text(weight)
-end
-
--- Moves the totals of `members` by delta: all are removed before any is added back, since a
--- moved member may spell one not moved yet.
-local function shift(key, members, delta)
-  for j = 1, #members, 1000 do
-    call('ZREM', key, unpack(members, j, min(j + 999, #members)))
-  end
-  local batch = {}
-  for j = 1, #members do
-    local e, total, weight = event(members[j])
-    batch[#batch + 1] = text(e)
-    batch[#batch + 1] = member(e, total + delta, weight)
-    if #batch >= 2000 or j == #members then
-      call('ZADD', key, unpack(batch))
-      batch = {}
-    end
-  end
-end
-
--- A refund of `units` of the request that recorded `recorded` units at `admitted` (see the
--- header): its own member is one of that time and weight (the last such; members of one
--- microsecond and one weight are alike in every window).
-local function give_back(key, units, admitted, recorded)
-  if admitted >= 0 then
-    local at = text(admitted)
-    local same = call('ZRANGEBYSCORE', key, at, at)
-    for j = #same, 1, -1 do
-      local own = same[j]
-      -- A member of the earlier one-per-unit layout ("<time>:<n>") is left alone.
-      if #own >= find(own, ':', 1, true) + 18 then
-        local e, total, weight = event(own)
-        if weight == recorded then
-          local take = min(units, weight)
-          if take > 0 then
-            -- Every member after it carries `take` less: those of the same microsecond that
-            -- sort after it, and all later ones.
-            local after = { unpack(same, j + 1) }
-            local later = call('ZRANGEBYSCORE', key, '(' .. at, '+inf')
-            for m = 1, #later do
-              after[#after + 1] = later[m]
-            end
-            call('ZREM', key, own)
-            shift(key, after, -take)
-            if take < weight then
-              call('ZADD', key, at, member(e, total - take, weight - take))
-            end
-          end
-          break
-        end
-      end
-    end
-  end
-  return spack('<llllll', 1, 0, 0, 0, -1, -1)
-end
-
--- Decides (LOOK or ADMIT) or charges (SETTLE) a request of `cost` at `t`; returns its answer.
-local function decide(key, n, cost, record, t)
+-- Decides (LOOK, ADMIT or LEASE) or charges (SETTLE) a request of `cost` at `t`, taking up to
+-- `want` units for a lease; returns its answer.
+local function decide(key, n, cost, record, t, want)
   local longest = windows[n]
   local at = text(t)
 
@@ -150,7 +84,7 @@ local function decide(key, n, cost, record, t)
   local newest = call('ZRANGE', key, '-1', '-1')[1]
   if newest then
     -- A set of one member per unit ("<time>:<n>", as earlier versions kept it) counts as none.
-    if #newest < find(newest, ':', 1, true) + 18 then
+    if not is_event(newest) then
       call('DEL', key)
     else
       newest_t, newest_total = event(newest)
@@ -247,15 +181,23 @@ local function decide(key, n, cost, record, t)
     allowed, retry = 1, -1
     -- An event weighs at most one unit more than the largest count: no decision tells more
     -- from that (sliding_log.rs, `record`).
-    if record ~= LOOK then
+    if record == LEASE then
+      -- A lease takes as many units as fit in every limit now, up to want (at least the
+      -- cost, which fits), as one event.
+      local take = want
+      for i = 1, n do
+        take = min(take, counts[i] - fullests[i])
+      end
+      allowed, cost = 1 + take - cost, take
+    elseif record ~= LOOK then
       local largest = 0
       for i = 1, n do
         largest = max(largest, counts[i])
       end
       cost = min(cost, largest + 1)
     end
-    if record ~= LOOK and cost > 0 and newest_t ~= nil and newest_total + cost > TOTAL_LIMIT then
-      -- Totals restart from the oldest member; the log's units stay within TOTAL_LIMIT
+    if record ~= LOOK and cost > 0 and newest_t ~= nil and newest_total + cost > MAX_UNITS then
+      -- Totals restart from the oldest member; the log's units stay within MAX_UNITS
       -- (MAX_UNITS), the event weighing less if need be.
       local _, total, weight = event(call('ZRANGE', key, '0', '0')[1])
       local base = total - weight
@@ -264,7 +206,7 @@ local function decide(key, n, cost, record, t)
       if upto then
         upto = upto - base
       end
-      cost = min(cost, TOTAL_LIMIT - newest_total)
+      cost = min(cost, MAX_UNITS - newest_total)
     end
     if record ~= LOOK and cost > 0 then
       -- The total before the new event: through the last event at or before t, else before
@@ -316,14 +258,22 @@ end
 
 for k = 1, REQUESTS do
   local key = KEYS[k]
-  local n, cost, record, t, _, _, refund, admitted, recorded, blocked =
+  local n, cost, record, t, want, headroom, refund, admitted, recorded, blocked =
     next_request(counts, windows, nil, k)
   if blocked then
     reply[k] = blocked
   elseif record == SETTLE and refund == 1 then
-    reply[k] = give_back(key, cost, admitted, recorded)
+    if admitted >= 0 then
+      lighten(key, admitted, min(cost, recorded))
+    end
+    reply[k] = spack('<llllll', 1, 0, 0, 0, -1, -1)
   else
-    reply[k] = decide(key, n, cost, record, t)
+    -- A leasing store's units may be spent up to `headroom` after they were logged: every
+    -- window is read that much longer (see "Leases").
+    for i = 1, n do
+      windows[i] = windows[i] + headroom
+    end
+    reply[k] = decide(key, n, cost, record, t, want)
     if box_ms > 0 or slot_cap > 0 then
       reply[k] = conclude(k, reply[k])
     end
