@@ -507,6 +507,57 @@ async fn a_fleet_follows_a_change_within_a_second() {
     assert_eq!(late, 0, "admitted after the cut was followed");
 }
 
+/// The same cut on the sliding log, whose leases are events of the log: once every instance has
+/// seen the cut, nothing more is admitted from the leases they held, nor by Redis, which reads
+/// the 30 units spent under the cut's 20 (in the window a leasing store reads, a lease period
+/// longer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_on_the_sliding_log_follows_a_cut_of_its_leases() {
+    use tower_redis_ratelimit::store::Leases;
+
+    let server = RedisServer::start();
+    let mut stores = Vec::new();
+    for _ in 0..3 {
+        let store = RedisStore::builder(server.url()).leases(Leases::new());
+        stores.push(store.connect().await.unwrap());
+    }
+    let api = Policy::new("api", ["100/1m".parse().unwrap()])
+        .unwrap()
+        .with_algorithm(Algorithm::SlidingLog);
+    let fleet: Vec<_> = stores.iter().map(|s| instance(s.clone(), &api)).collect();
+    let mut spent = 0;
+    for _ in 0..10 {
+        for service in &fleet {
+            spent += usize::from(passes(service, "m").await);
+        }
+    }
+    assert_eq!(spent, 30);
+    let key = Key::from("m");
+    let leased = stores.iter().filter(|s| s.check_now(&key, &api, 0).is_some());
+    eprintln!("{} of 3 instances hold a lease of the key", leased.count());
+    let cut = Override::Limits(vec!["20/1m".parse().unwrap()]);
+    let before: Vec<u64> = stores.iter().map(|s| s.limits_version()).collect();
+    stores[1]
+        .overrides()
+        .set(&api, &Scope::Key(key.clone()), &cut)
+        .await
+        .unwrap();
+    let set = tokio::time::Instant::now();
+    for (i, store) in stores.iter().enumerate() {
+        while store.limits_version() == before[i] {
+            assert!(set.elapsed() < Duration::from_secs(3), "instance {i} never saw the cut");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let mut late = 0;
+    for _ in 0..20 {
+        for service in &fleet {
+            late += usize::from(passes(service, "m").await);
+        }
+    }
+    assert_eq!(late, 0, "admitted after the cut was followed");
+}
+
 /// A blocked key through the layer: 429 with `RateLimit-Limit`-style limit 0, no `Retry-After`
 /// (no wait helps), and a body that says so; other keys pass.
 #[tokio::test]

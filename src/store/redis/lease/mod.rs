@@ -66,8 +66,9 @@ use book::{Entry, Grant, Return};
 /// ```
 ///
 /// Pass them to [`RedisStoreBuilder::leases`](super::RedisStoreBuilder::leases). Every
-/// instance sharing a Redis should use the same settings: GCRA's headroom is only kept by
-/// leasing stores.
+/// instance sharing a Redis should use the same settings: the headroom for units spent late
+/// (GCRA's drain kept free, the sliding log's longer window) is only kept by leasing stores,
+/// at their own settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Leases {
     period: Duration,
@@ -98,8 +99,10 @@ impl Leases {
     }
 
     /// How long a lease lasts: it holds what the key used in the last period, and its units
-    /// may be spent for that long at most (less for GCRA and at the end of a counter's window;
-    /// see the module docs). Longer periods mean fewer Redis calls and larger shares held by
+    /// may be spent for that long at most (less at the end of a counter's window, and for GCRA
+    /// and the sliding log at most `max_share` of the shortest window; see the module docs).
+    /// For GCRA and the sliding log it is also the headroom every decision keeps: a smaller
+    /// burst, or a window read that much longer. Longer periods mean fewer Redis calls and larger shares held by
     /// one instance.
     pub fn period(mut self, period: Duration) -> Self {
         self.period = period;
