@@ -920,36 +920,12 @@ async fn a_fleet_of_four_keeps_gcra_within_its_bucket() {
     let (count, window) = (200.0, 2_000_000.0);
     let stores: Vec<RedisStore> =
         futures::future::join_all((0..4).map(|_| leasing(server.url()))).await;
-    // Two clients, each sending three times its rate (300 per second), spread evenly over the
-    // four instances: 75 requests per second per instance and client, for 6 s.
-    let end = micros_now() + 6_000_000;
-    let admitted = Arc::new(std::sync::Mutex::new([Vec::new(), Vec::new()]));
-    let mut tasks = Vec::new();
-    for store in &stores {
-        for client in 0..2usize {
-            let (store, policy, admitted) = (store.clone(), policy.clone(), admitted.clone());
-            tasks.push(tokio::spawn(async move {
-                let key = Key::from(format!("client-{client}"));
-                let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / 75));
-                while micros_now() < end {
-                    tick.tick().await;
-                    let before = micros_now();
-                    if admit(&store, &key, &policy, 1).await {
-                        admitted.lock().unwrap()[client].push(before);
-                    }
-                }
-            }));
-        }
-    }
-    for task in tasks {
-        task.await.unwrap();
-    }
-    let mut admitted = admitted.lock().unwrap().clone();
-    for (client, times) in admitted.iter_mut().enumerate() {
-        times.sort_unstable();
+    // Two clients, each sending three times its rate (300 per second), for 6 s.
+    let admitted = three_times_the_limit(&stores, &policy, Duration::from_secs(6)).await;
+    for (client, times) in admitted.iter().enumerate() {
         // The bucket admits at most c * (t - s + w) / w units in any span [s, t]: a full
-        // bucket, then the rate. The times are this process's clock taken before each call,
-        // while Redis decides on its own clock a little later: 2 units of margin for that.
+        // bucket, then the rate. The times are where units were spent (`spent_at`); 2 units of
+        // margin for the lease's units, timed when the call began.
         let mut worst = (f64::NEG_INFINITY, 0, 0);
         for (i, &s) in times.iter().enumerate() {
             for (j, &t) in times.iter().enumerate().skip(i) {
@@ -1231,26 +1207,18 @@ async fn spent_at(store: &RedisStore, key: &Key, policy: &Policy) -> Option<u64>
     Some(if logged < before { before } else { logged })
 }
 
-/// The fleet: four leasing instances, a sliding log of `1000/10s` with a 150 ms lease
-/// period (as 1 s is to a minute), two clients each at three times the limit for 22 s. Every
-/// admission is timed where its unit was spent; no window of 10 s ending at any admission
-/// holds more than 1000, and in steady state (once the first window plus the headroom has
-/// passed) every window holds at least 900.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fleet_of_four_keeps_the_sliding_log_within_every_window() {
-    let server = RedisServer::start();
-    let policy = log("1000/10s");
-    const WINDOW: u64 = 10_000_000;
-    let leases = Leases::new().period(Duration::from_millis(150));
-    let timeout = Duration::from_millis(200);
-    let stores: Vec<RedisStore> =
-        futures::future::join_all((0..4).map(|_| leasing_with(server.url(), leases, timeout)))
-            .await;
-    let start = micros_now();
-    let end = start + 22_000_000;
+/// Two clients, each sending 75 requests per second to each of `stores` for `run` (with four
+/// stores, 300 per second each); returns, per client, when each admitted unit was spent
+/// ([`spent_at`]), in order.
+async fn three_times_the_limit(
+    stores: &[RedisStore],
+    policy: &Policy,
+    run: Duration,
+) -> [Vec<u64>; 2] {
+    let end = micros_now() + run.as_micros() as u64;
     let admitted = Arc::new(std::sync::Mutex::new([Vec::new(), Vec::new()]));
     let mut tasks = Vec::new();
-    for store in &stores {
+    for store in stores {
         for client in 0..2usize {
             let (store, policy, admitted) = (store.clone(), policy.clone(), admitted.clone());
             tasks.push(tokio::spawn(async move {
@@ -1268,10 +1236,31 @@ async fn a_fleet_of_four_keeps_the_sliding_log_within_every_window() {
     for task in tasks {
         task.await.unwrap();
     }
-    let calls = evalsha_calls(&server.client().await).await;
     let mut admitted = admitted.lock().unwrap().clone();
-    for (client, times) in admitted.iter_mut().enumerate() {
-        times.sort_unstable();
+    admitted.iter_mut().for_each(|times| times.sort_unstable());
+    admitted
+}
+
+/// The fleet: four leasing instances, a sliding log of `1000/10s` with a 150 ms lease
+/// period (as 1 s is to a minute), two clients each at three times the limit for 22 s. Every
+/// admission is timed where its unit was spent; no window of 10 s ending at any admission
+/// holds more than 1000, and in steady state (once the first window plus the headroom has
+/// passed) every window holds at least 900.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_of_four_keeps_the_sliding_log_within_every_window() {
+    let server = RedisServer::start();
+    let policy = log("1000/10s");
+    const WINDOW: u64 = 10_000_000;
+    let leases = Leases::new().period(Duration::from_millis(150));
+    let timeout = Duration::from_millis(200);
+    let stores: Vec<RedisStore> =
+        futures::future::join_all((0..4).map(|_| leasing_with(server.url(), leases, timeout)))
+            .await;
+    let start = micros_now();
+    let end = start + 22_000_000;
+    let admitted = three_times_the_limit(&stores, &policy, Duration::from_secs(22)).await;
+    let calls = evalsha_calls(&server.client().await).await;
+    for (client, times) in admitted.iter().enumerate() {
         // The fullest window ends at an admission: (t - w, t] for each admission t.
         let (mut fullest, mut at) = (0, 0);
         for (i, &t) in times.iter().enumerate() {

@@ -533,7 +533,9 @@ async fn a_fleet_on_the_sliding_log_follows_a_cut_of_its_leases() {
     }
     assert_eq!(spent, 30);
     let key = Key::from("m");
-    let leased = stores.iter().filter(|s| s.check_now(&key, &api, 0).is_some());
+    let leased = stores
+        .iter()
+        .filter(|s| s.check_now(&key, &api, 0).is_some());
     eprintln!("{} of 3 instances hold a lease of the key", leased.count());
     let cut = Override::Limits(vec!["20/1m".parse().unwrap()]);
     let before: Vec<u64> = stores.iter().map(|s| s.limits_version()).collect();
@@ -545,7 +547,10 @@ async fn a_fleet_on_the_sliding_log_follows_a_cut_of_its_leases() {
     let set = tokio::time::Instant::now();
     for (i, store) in stores.iter().enumerate() {
         while store.limits_version() == before[i] {
-            assert!(set.elapsed() < Duration::from_secs(3), "instance {i} never saw the cut");
+            assert!(
+                set.elapsed() < Duration::from_secs(3),
+                "instance {i} never saw the cut"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }

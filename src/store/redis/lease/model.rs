@@ -364,32 +364,40 @@ fn late_spender(c: u64, instances: usize) -> Vec<Step> {
     steps
 }
 
+/// The cases of the late-spending tests: 2 to 4 instances, `c` from 8 to 59, the plan of `c`
+/// per `W` under `algorithm`, and `t1`, the last µs of a lease taken at `plan.period`.
+fn late_spending_cases(algorithm: Algorithm) -> impl Iterator<Item = (usize, u64, Plan, u64)> {
+    (2..=4).flat_map(move |instances| {
+        (8u64..60).map(move |c| {
+            let (policy, plan) = leased(algorithm, c, W);
+            let t1 = plan.expiry(&policy, plan.period, plan.period as i64) - 1;
+            (instances, c, plan, t1)
+        })
+    })
+}
+
 #[test]
 fn the_log_counts_a_lease_spent_late_in_every_window_it_is_spent_in() {
-    for instances in 2..=4 {
-        for c in 8u64..60 {
-            let (policy, plan) = leased(Algorithm::SlidingLog, c, W);
-            let t1 = plan.expiry(&policy, plan.period, plan.period as i64) - 1;
-            let steps = late_spender(c, instances);
-            let admitted = simulate(Algorithm::SlidingLog, c, W, instances, &steps);
-            if let Err(e) = fits_every_window(c, &admitted) {
-                panic!("{instances} instances, c = {c}: {e}");
-            }
-            // The case still builds what it is for: instance 0 spends its lease at `t1`.
-            let late: u64 = admitted
-                .iter()
-                .filter(|&&(t, _, i)| t == t1 && i == 0)
-                .map(|&(_, units, _)| units)
-                .sum();
-            assert_eq!(late + 1, plan.cap, "{instances} instances, c = {c}");
-            // And the others only what the longer window leaves them.
-            let others: u64 = admitted
-                .iter()
-                .filter(|&&(_, _, i)| i != 0)
-                .map(|&(_, units, _)| units)
-                .sum();
-            assert_eq!(others, c - plan.cap, "{instances} instances, c = {c}");
+    for (instances, c, plan, t1) in late_spending_cases(Algorithm::SlidingLog) {
+        let steps = late_spender(c, instances);
+        let admitted = simulate(Algorithm::SlidingLog, c, W, instances, &steps);
+        if let Err(e) = fits_every_window(c, &admitted) {
+            panic!("{instances} instances, c = {c}: {e}");
         }
+        // The case still builds what it is for: instance 0 spends its lease at `t1`.
+        let late: u64 = admitted
+            .iter()
+            .filter(|&&(t, _, i)| t == t1 && i == 0)
+            .map(|&(_, units, _)| units)
+            .sum();
+        assert_eq!(late + 1, plan.cap, "{instances} instances, c = {c}");
+        // And the others only what the longer window leaves them.
+        let others: u64 = admitted
+            .iter()
+            .filter(|&&(_, _, i)| i != 0)
+            .map(|&(_, units, _)| units)
+            .sum();
+        assert_eq!(others, c - plan.cap, "{instances} instances, c = {c}");
     }
 }
 
@@ -427,27 +435,23 @@ fn held_lease(c: u64, instances: usize) -> Vec<Step> {
 
 #[test]
 fn gcra_keeps_room_for_a_lease_spent_late_after_a_burst() {
-    for instances in 2..=4 {
-        for c in 8u64..60 {
-            let (policy, plan) = leased(Algorithm::Gcra, c, W);
-            let t1 = plan.expiry(&policy, plan.period, plan.period as i64) - 1;
-            let admitted = simulate(Algorithm::Gcra, c, W, instances, &held_lease(c, instances));
-            if let Err(e) = fits_the_bucket(c, &admitted) {
-                panic!("{instances} instances, c = {c}: {e}");
-            }
-            // The case still builds what it is for: instance 0 spends its lease at `t1`.
-            let late: u64 = admitted
-                .iter()
-                .filter(|&&(t, _, i)| t == t1 && i == 0)
-                .map(|&(_, units, _)| units)
-                .sum();
-            assert!(
-                late + 1 >= plan.cap,
-                "{instances} instances, c = {c}: instance 0 spent {late} units at {t1}, \
-                 not the {} it leased at {}",
-                plan.cap - 1,
-                plan.period
-            );
+    for (instances, c, plan, t1) in late_spending_cases(Algorithm::Gcra) {
+        let admitted = simulate(Algorithm::Gcra, c, W, instances, &held_lease(c, instances));
+        if let Err(e) = fits_the_bucket(c, &admitted) {
+            panic!("{instances} instances, c = {c}: {e}");
         }
+        // The case still builds what it is for: instance 0 spends its lease at `t1`.
+        let late: u64 = admitted
+            .iter()
+            .filter(|&&(t, _, i)| t == t1 && i == 0)
+            .map(|&(_, units, _)| units)
+            .sum();
+        assert!(
+            late + 1 >= plan.cap,
+            "{instances} instances, c = {c}: instance 0 spent {late} units at {t1}, \
+             not the {} it leased at {}",
+            plan.cap - 1,
+            plan.period
+        );
     }
 }
