@@ -478,26 +478,8 @@ async fn a_fleet_follows_a_change_within_a_second() {
         }
     }
     assert_eq!(spent, 30);
-    let cut = Override::Limits(vec!["20/1m".parse().unwrap()]);
-    let before: Vec<u64> = stores.iter().map(|s| s.limits_version()).collect();
-    stores[1]
-        .overrides()
-        .set(&api, &Scope::Key(Key::from("m")), &cut)
-        .await
-        .unwrap();
-    // Once a store has seen the cut (its watch reads the version every 250 ms), the leases it
-    // holds are spent no more: wait for every instance to see it, and say how long it took.
-    let set = tokio::time::Instant::now();
-    for (i, store) in stores.iter().enumerate() {
-        while store.limits_version() == before[i] {
-            assert!(
-                set.elapsed() < Duration::from_secs(3),
-                "instance {i} never saw the cut"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-    eprintln!("every instance saw the cut within {:?}", set.elapsed());
+    let seen = cut_to_twenty(&stores, &api, &Key::from("m")).await;
+    eprintln!("every instance saw the cut within {seen:?}");
     let mut late = 0;
     for _ in 0..20 {
         for service in &fleet {
@@ -505,6 +487,28 @@ async fn a_fleet_follows_a_change_within_a_second() {
         }
     }
     assert_eq!(late, 0, "admitted after the cut was followed");
+}
+
+/// Cuts `key` of `api` to `20/1m` through the second of `stores`, then waits until every store
+/// has seen the change (its watch reads the limits version every 250 ms; from then on the
+/// leases it holds are spent no more); returns how long that took.
+async fn cut_to_twenty(stores: &[RedisStore], api: &Policy, key: &Key) -> Duration {
+    let cut = Override::Limits(vec!["20/1m".parse().unwrap()]);
+    let before: Vec<u64> = stores.iter().map(|s| s.limits_version()).collect();
+    let scope = Scope::Key(key.clone());
+    stores[1].overrides().set(api, &scope, &cut).await.unwrap();
+    let set = tokio::time::Instant::now();
+    for (i, store) in stores.iter().enumerate() {
+        while store.limits_version() == before[i] {
+            let waited = set.elapsed();
+            assert!(
+                waited < Duration::from_secs(3),
+                "instance {i} never saw the cut"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    set.elapsed()
 }
 
 /// The same cut on the sliding log, whose leases are events of the log: once every instance has
@@ -537,23 +541,7 @@ async fn a_fleet_on_the_sliding_log_follows_a_cut_of_its_leases() {
         .iter()
         .filter(|s| s.check_now(&key, &api, 0).is_some());
     eprintln!("{} of 3 instances hold a lease of the key", leased.count());
-    let cut = Override::Limits(vec!["20/1m".parse().unwrap()]);
-    let before: Vec<u64> = stores.iter().map(|s| s.limits_version()).collect();
-    stores[1]
-        .overrides()
-        .set(&api, &Scope::Key(key.clone()), &cut)
-        .await
-        .unwrap();
-    let set = tokio::time::Instant::now();
-    for (i, store) in stores.iter().enumerate() {
-        while store.limits_version() == before[i] {
-            assert!(
-                set.elapsed() < Duration::from_secs(3),
-                "instance {i} never saw the cut"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
+    cut_to_twenty(&stores, &api, &key).await;
     let mut late = 0;
     for _ in 0..20 {
         for service in &fleet {

@@ -364,6 +364,12 @@ fn late_spender(c: u64, instances: usize) -> Vec<Step> {
     steps
 }
 
+/// The units of the admissions `(time, units, instance)` that `which` picks.
+fn units_of(admitted: &[(u64, u64, usize)], which: impl Fn(u64, usize) -> bool) -> u64 {
+    let picked = admitted.iter().filter(|&&(t, _, i)| which(t, i));
+    picked.map(|&(_, units, _)| units).sum()
+}
+
 /// The cases of the late-spending tests: 2 to 4 instances, `c` from 8 to 59, the plan of `c`
 /// per `W` under `algorithm`, and `t1`, the last µs of a lease taken at `plan.period`.
 fn late_spending_cases(algorithm: Algorithm) -> impl Iterator<Item = (usize, u64, Plan, u64)> {
@@ -385,18 +391,10 @@ fn the_log_counts_a_lease_spent_late_in_every_window_it_is_spent_in() {
             panic!("{instances} instances, c = {c}: {e}");
         }
         // The case still builds what it is for: instance 0 spends its lease at `t1`.
-        let late: u64 = admitted
-            .iter()
-            .filter(|&&(t, _, i)| t == t1 && i == 0)
-            .map(|&(_, units, _)| units)
-            .sum();
+        let late = units_of(&admitted, |t, i| t == t1 && i == 0);
         assert_eq!(late + 1, plan.cap, "{instances} instances, c = {c}");
         // And the others only what the longer window leaves them.
-        let others: u64 = admitted
-            .iter()
-            .filter(|&&(_, _, i)| i != 0)
-            .map(|&(_, units, _)| units)
-            .sum();
+        let others = units_of(&admitted, |_, i| i != 0);
         assert_eq!(others, c - plan.cap, "{instances} instances, c = {c}");
     }
 }
@@ -441,11 +439,7 @@ fn gcra_keeps_room_for_a_lease_spent_late_after_a_burst() {
             panic!("{instances} instances, c = {c}: {e}");
         }
         // The case still builds what it is for: instance 0 spends its lease at `t1`.
-        let late: u64 = admitted
-            .iter()
-            .filter(|&&(t, _, i)| t == t1 && i == 0)
-            .map(|&(_, units, _)| units)
-            .sum();
+        let late = units_of(&admitted, |t, i| t == t1 && i == 0);
         assert!(
             late + 1 >= plan.cap,
             "{instances} instances, c = {c}: instance 0 spent {late} units at {t1}, \
