@@ -319,6 +319,7 @@ impl RedisStore {
             id,
             ttl,
             waiter,
+            headroom: lease::headroom(&self.inner, policy),
         };
         self.run(key, policy, cost, -1, take)
     }
@@ -439,7 +440,8 @@ impl Store for RedisStore {
             let (inner, key, policy) = (Arc::clone(&self.inner), key.clone(), policy.clone());
             return Box::pin(lease::check(inner, plan, key, policy, cost));
         }
-        self.run(key, policy, cost, -1, Record::Admit)
+        let record = lease::record_alone(&self.inner, policy, cost);
+        self.run(key, policy, cost, -1, record)
     }
 
     fn check_now(

@@ -242,27 +242,31 @@ pub(super) enum Record {
     /// Decide and record as [`Admit`](Record::Admit), and when admitted take concurrency slot
     /// `id` for `ttl` µs, refusing at once while the key's live slots and the waiters in line
     /// ahead of the request (those ahead of `waiter`, or all of them) leave none of its `cap`
-    /// free; a `waiter` refused joins the line.
+    /// free; a `waiter` refused joins the line. `headroom` as for a look (the sliding log's on
+    /// a leasing store, which reads every window that much longer).
     Take {
         cap: u32,
         id: u64,
         ttl: u64,
         waiter: Option<Waiter>,
+        headroom: u64,
     },
 }
 
 impl Record {
     /// Its mode, and the arguments that follow the common six (`prelude.lua`, ARGV[1]): the
-    /// first `len` of the six.
-    fn mode(&self, cost: u64) -> (Mode, [i64; 6], usize) {
+    /// first `len` of the seven.
+    fn mode(&self, cost: u64) -> (Mode, [i64; 7], usize) {
         match *self {
             Record::Look { headroom } => {
-                (Mode::Look, [clamp(cost), clamp(headroom), 0, 0, 0, 0], 2)
+                (Mode::Look, [clamp(cost), clamp(headroom), 0, 0, 0, 0, 0], 2)
             }
-            Record::Admit => (Mode::Admit, [0; 6], 0),
-            Record::Lease { want, headroom } => {
-                (Mode::Lease, [clamp(want), clamp(headroom), 0, 0, 0, 0], 2)
-            }
+            Record::Admit => (Mode::Admit, [0; 7], 0),
+            Record::Lease { want, headroom } => (
+                Mode::Lease,
+                [clamp(want), clamp(headroom), 0, 0, 0, 0, 0],
+                2,
+            ),
             Record::Settle {
                 refund,
                 admitted,
@@ -277,6 +281,7 @@ impl Record {
                     clamp(headroom),
                     0,
                     0,
+                    0,
                 ],
                 4,
             ),
@@ -285,12 +290,14 @@ impl Record {
                 id,
                 ttl,
                 waiter,
+                headroom,
             } => {
                 let (waiter, wait, queued) = waiter.map_or((0, 0, 0), |w| {
                     (clamp(w.id), clamp(w.wait_micros()), i64::from(w.queued))
                 });
-                let args = [cap.into(), clamp(id), clamp(ttl), waiter, wait, queued];
-                (Mode::Take, args, 6)
+                let (ttl, headroom) = (clamp(ttl), clamp(headroom));
+                let args = [cap.into(), clamp(id), ttl, waiter, wait, queued, headroom];
+                (Mode::Take, args, 7)
             }
         }
     }

@@ -154,14 +154,14 @@ impl Leases {
         }
         let smallest = policy.windows().iter().map(|w| w.count).min()?;
         let cap = (smallest as f64 * self.max_share) as u64;
-        let shortest = policy.windows()[0].micros;
-        let period = micros(self.period);
         let (period, headroom, life) = match policy.algorithm() {
             Algorithm::Gcra | Algorithm::SlidingLog => {
-                let h = period.min((shortest as f64 * self.max_share) as u64);
+                let h = self.late(policy);
                 (h, h, Life::Period)
             }
-            Algorithm::FixedWindow | Algorithm::SlidingWindow => (period, 0, Life::Window),
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+                (micros(self.period), 0, Life::Window)
+            }
         };
         (cap >= 2 && period > 0).then_some(Plan {
             cap,
@@ -169,6 +169,26 @@ impl Leases {
             headroom,
             life,
         })
+    }
+
+    /// How late (µs) a unit of a lease of `policy` may be spent after Redis recorded it, where
+    /// its lease lasts a time rather than a window: the period, at most `max_share` of the
+    /// shortest window.
+    fn late(&self, policy: &Policy) -> u64 {
+        let shortest = policy.windows()[0].micros;
+        micros(self.period).min((shortest as f64 * self.max_share) as u64)
+    }
+
+    /// The headroom (µs) every decision of `policy` allows for ([`Plan`]): a leased GCRA
+    /// policy's; for the sliding log, whether this policy is leased or not, since a policy of
+    /// its name and windows shares its log and may be leased (other counts, no penalty box),
+    /// and the units it spends late are in every window this one reads. 0 otherwise.
+    fn headroom(&self, policy: &Policy) -> u64 {
+        match policy.algorithm() {
+            Algorithm::SlidingLog => self.late(policy),
+            Algorithm::Gcra => self.plan(policy).map_or(0, |plan| plan.headroom),
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => 0,
+        }
     }
 
     /// Why these settings cannot lease `policy`, if they cannot: GCRA's headroom would leave
@@ -475,18 +495,27 @@ pub(super) fn peek_now(
     Some(Decision::from_outcome(outcome, policy))
 }
 
-/// The headroom (µs) the store's decisions of `policy` allow for ([`Plan`]); 0 when not
-/// leased.
+/// The headroom (µs) the store's decisions of `policy` allow for ([`Leases::headroom`]); 0
+/// without leases.
 pub(super) fn headroom(inner: &Inner, policy: &Policy) -> u64 {
-    plan(inner, policy).map_or(0, |plan| plan.headroom)
+    match (&inner.leases, policy.out_of_range()) {
+        (Some(state), None) => state.settings.headroom(policy),
+        _ => 0,
+    }
 }
 
-/// What a request of `cost` that takes no lease records for `policy` (an event time's, which
-/// [`Store::check_at`](crate::Store::check_at) decides in Redis): its cost, allowing for the
-/// headroom of the policy's leases, so that the log's bound covers events logged at other
-/// times than now as well.
+/// What a request of `cost` that takes no lease records for `policy` (a policy never leased,
+/// or an event time's, which [`Store::check_at`](crate::Store::check_at) decides in Redis):
+/// its cost, allowing for the headroom of the store's leases, so that the log's bound covers
+/// events logged at other times than now and by policies not leased as well.
 pub(super) fn record_alone(inner: &Inner, policy: &Policy, cost: u32) -> Record {
-    plan(inner, policy).map_or(Record::Admit, |plan| plan.record(cost.into(), cost.into()))
+    match headroom(inner, policy) {
+        0 => Record::Admit,
+        headroom => Record::Lease {
+            want: cost.into(),
+            headroom,
+        },
+    }
 }
 
 /// The headroom a settlement of `policy` reads: the sliding log's, so that the reply says

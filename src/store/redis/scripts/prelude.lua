@@ -46,7 +46,8 @@
 --             that its reply reads the windows a leasing store decides by; 0 otherwise)
 --   TAKE   4  decide as ADMIT, and take a concurrency slot when admitted (see Concurrency);
 --             the key's cap of slots, the slot's id, its lifetime (us), the waiter's id (0:
---             the request does not wait), its wait (us) and whether it is in line (0 or 1)
+--             the request does not wait), its wait (us), whether it is in line (0 or 1), and
+--             headroom (the sliding log's; 0 otherwise)
 --
 -- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
 -- 2255), and every state saturates at MAX_UNITS (2^52) units, so that every number the
@@ -428,12 +429,12 @@ end
 
 -- Reads the next request's arguments, request k's: returns its number of limits n, cost, mode
 -- (LOOK to SETTLE; TAKE is decided as ADMIT), event time (now for -1), want (the cost unless
--- a lease or a look), headroom (0 unless a lease, a look or a settlement), refund (0 unless a
--- settlement), admission time (-1 unless a settlement), the units the settled request
--- recorded, and its answer when an override blocks it or the key is in its penalty box (else
--- false); puts each limit's count (an override's, if one applies), window and scale in `counts[i]`, `windows[i]` and `scales[i]` (entries past n
--- are left over from an earlier request and never read; `scales` may be nil), and sets
--- `overridden`.
+-- a lease or a look), headroom (0 for an admission), refund (0 unless a settlement),
+-- admission time (-1 unless a settlement), the units the settled request recorded, and its
+-- answer when an override blocks it or the key is in its penalty box (else false); puts each
+-- limit's count (an override's, if one applies), window and scale in `counts[i]`,
+-- `windows[i]` and `scales[i]` (entries past n are left over from an earlier request and
+-- never read; `scales` may be nil), and sets `overridden`.
 local function next_request(counts, windows, scales, k)
   local n, cost, record, t, id, box, all, plan, known, kind
   local want, headroom, refund, admitted, weight
@@ -449,8 +450,8 @@ local function next_request(counts, windows, scales, k)
   elseif record == SETTLE then
     refund, admitted, weight, headroom, next_byte = sunpack('<llll', requests, next_byte)
   elseif record == TAKE then
-    slot_cap, slot_id, slot_ttl, waiter_id, waiter_wait, waiter_queued, next_byte =
-      sunpack('<llllll', requests, next_byte)
+    slot_cap, slot_id, slot_ttl, waiter_id, waiter_wait, waiter_queued, headroom, next_byte =
+      sunpack('<lllllll', requests, next_byte)
   end
   local scale
   for i = 1, n do
