@@ -1352,3 +1352,48 @@ async fn a_refund_of_a_leased_request_frees_its_unit_on_the_log() {
         "the lease's event weighed {before} units, {after} after the refund"
     );
 }
+
+/// A policy that is never leased (here a count whose share is under two units) shares the log
+/// of a leased policy of its name and windows: it reads the same longer window, so that the
+/// leased policy's units, spent up to `h` after they were logged, count in every window it
+/// decides. `api` `1000/1s` is busy for 300 ms from leases (`h` = 100 ms), then `api`
+/// `10/1s` asks every 2 ms from 0.9 s after the last unit spent: no window of 1 s ending at
+/// one of its admissions holds more than its 10 (18 to 25 when it read windows of 1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_not_leased_reads_the_longer_window_of_a_leased_one_of_its_name() {
+    let server = RedisServer::start();
+    let store = leasing(server.url()).await;
+    let big = named("api", "1000/1s", Algorithm::SlidingLog);
+    let small = named("api", "10/1s", Algorithm::SlidingLog);
+    let key = Key::from("shared");
+    let mut spent = Vec::new();
+    let stop = micros_now() + 300_000;
+    while micros_now() < stop {
+        spent.extend(spent_at(&store, &key, &big).await);
+        tokio::time::sleep(Duration::from_micros(500)).await;
+    }
+    let last = *spent.iter().max().expect("the big policy admitted");
+    let from = last + 900_000;
+    tokio::time::sleep(Duration::from_micros(from.saturating_sub(micros_now()))).await;
+    let mut small_spent = Vec::new();
+    while micros_now() < from + 400_000 {
+        small_spent.extend(spent_at(&store, &key, &small).await);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    spent.extend(&small_spent);
+    let in_window = |t: u64| {
+        spent
+            .iter()
+            .filter(|&&s| s <= t && s + 1_000_000 > t)
+            .count()
+    };
+    let fullest = small_spent.iter().map(|&t| in_window(t)).max().unwrap_or(0);
+    eprintln!(
+        "the small policy admitted {}; the fullest second ending at one of them holds {fullest}",
+        small_spent.len()
+    );
+    assert!(
+        fullest <= 10,
+        "{fullest} units in a second of a 10/1s policy"
+    );
+}
