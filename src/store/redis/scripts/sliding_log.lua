@@ -26,8 +26,9 @@
 -- Leases (src/store/redis/lease/, docs/leases.md): a lease is one event of the units it takes
 -- (as many as fit in every limit, up to want), at now; release.lua makes it lighter by what
 -- was not spent. A leasing store spends a unit up to `headroom` after Redis logged it, so
--- every request of a leased policy (LOOK, ADMIT sent as a LEASE of its cost, LEASE, SETTLE)
--- reads each window `headroom` longer: (t - w - headroom, t]. Every span of that length then
+-- every request of a log policy on a leasing store, leased or not (LOOK, ADMIT sent as a
+-- LEASE of its cost, LEASE, SETTLE, TAKE), reads each window `headroom` longer:
+-- (t - w - headroom, t]. Every span of that length then
 -- holds at most the count at the times events were logged, so every window of length w holds
 -- at most the count at the times units were spent. Trim and expiry follow the longer window.
 --
