@@ -1035,6 +1035,11 @@ async fn a_charge_that_fills_a_sliding_window_key_ends_the_lease() {
     a_charge_that_fills_the_key_ends_the_lease(Algorithm::SlidingWindow).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_that_fills_a_sliding_log_key_ends_the_lease() {
+    a_charge_that_fills_the_key_ends_the_lease(Algorithm::SlidingLog).await;
+}
+
 /// Two instances hold leases of one key; a charge on the first fills it. The first admits
 /// nothing more. The second did not see the charge: it admits from its lease until the reply
 /// to its own first charge after the fill comes back, so with four clients each waiting for
