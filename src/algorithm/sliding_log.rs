@@ -172,28 +172,30 @@ impl Limiter for SlidingLog {
         (w.count.saturating_sub(fullest), reset)
     }
 
-    /// The request's own event weighs up to `units` less, and goes when it weighs nothing;
-    /// the events after it carry that much less in their totals. Its own event is one at `at`
-    /// that weighs what it recorded (the last such: events of one microsecond and one weight
-    /// are alike in every window), so that two requests of one microsecond each refund their
-    /// own. Nothing when there is none (aged out, reset) or `at` is not known.
+    /// Takes up to `units`, at most what the request recorded, off the events of its admission
+    /// time `at`, the last added first: units of one microsecond weigh alike in every window,
+    /// so which of its events gives them does not matter (on Redis a request admitted from a
+    /// lease was logged in the lease's event). An event goes when it weighs nothing; the
+    /// events after carry that much less in their totals. Nothing when no event has that time
+    /// (aged out, reset) or `at` is not known. As `scripts/log_events.lua`'s `lighten`.
     fn refund(&mut self, _: u64, _: &[Window], back: Refund) {
         let Some(at) = back.at else { return };
         let end = self.events.partition_point(|e| e.time <= at);
         let start = self.events.partition_point(|e| e.time < at);
-        let Some(i) = (start..end)
-            .rev()
-            .find(|&i| self.events[i].total.wrapping_sub(self.mark(i)) == back.recorded)
-        else {
-            return;
-        };
-        let weight = self.events[i].total.wrapping_sub(self.mark(i));
-        let take = back.units.min(weight);
-        for e in self.events.range_mut(i..) {
-            e.total = e.total.wrapping_sub(take);
-        }
-        if take == weight {
-            self.events.remove(i);
+        let mut left = back.units.min(back.recorded);
+        for i in (start..end).rev() {
+            if left == 0 {
+                break;
+            }
+            let weight = self.events[i].total.wrapping_sub(self.mark(i));
+            let take = left.min(weight);
+            for e in self.events.range_mut(i..) {
+                e.total = e.total.wrapping_sub(take);
+            }
+            if take == weight {
+                self.events.remove(i);
+            }
+            left -= take;
         }
     }
 }
@@ -290,7 +292,7 @@ mod tests {
     }
 
     #[test]
-    fn settles_the_requests_own_event() {
+    fn settles_the_events_of_the_requests_time() {
         use crate::algorithm::{settle, Refund, Settle};
         let w = windows(&[(1000, 60)]);
         let mut log = SlidingLog::default();
@@ -320,9 +322,8 @@ mod tests {
         // At most its own units: the event goes, the others stay.
         settle(&mut log, 2 * S, &w, refund(500, S, 100));
         assert_eq!((log.len(), log.events()), (11, 2));
-        // No event of that time and weight (aged out, reset, or never), or no time: nothing.
+        // No event of that time (aged out, reset, or never), or no time: nothing.
         settle(&mut log, 2 * S, &w, refund(5, 7, 100));
-        settle(&mut log, 2 * S, &w, refund(5, 0, 100));
         let unknown = Refund {
             units: 5,
             at: None,
@@ -336,7 +337,7 @@ mod tests {
     }
 
     #[test]
-    fn requests_of_one_microsecond_each_refund_their_own_event() {
+    fn requests_of_one_microsecond_refund_what_they_recorded() {
         use crate::algorithm::{settle, Refund, Settle};
         let w = windows(&[(1000, 60)]);
         let mut log = SlidingLog::default();
@@ -350,8 +351,16 @@ mod tests {
             };
             settle(&mut log, 2 * S, &w, Settle::Refund(back));
         }
-        assert_eq!((log.len(), log.events()), (20, 2));
+        assert_eq!(log.len(), 20);
         assert_eq!(check(&mut log, 2 * S, &w, 0).remaining, 980);
+        // At most what one recorded, however much is asked back.
+        let back = Refund {
+            units: 500,
+            at: Some(S),
+            recorded: 5,
+        };
+        settle(&mut log, 2 * S, &w, Settle::Refund(back));
+        assert_eq!(log.len(), 15);
     }
 
     #[test]
