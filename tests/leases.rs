@@ -1402,3 +1402,35 @@ async fn a_policy_not_leased_reads_the_longer_window_of_a_leased_one_of_its_name
         "{fullest} units in a second of a 10/1s policy"
     );
 }
+
+/// A settlement's reply reads the log's longer window too, so that a charge that fills the key
+/// in the window decisions read ends the lease, even while the shorter window still has room.
+/// An event of 500 units logged 10.3 s ago (in `(now − w − h, now]` for `1000/10s` and `h` =
+/// 1 s, not in `(now − w, now]`), a key warmed until it holds a lease, then a charge of what
+/// a peek says is left: the lease is spent no more (with the reply read in windows of `w`,
+/// 500 units still looked free and the lease went on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_that_fills_the_longer_window_ends_the_lease() {
+    let server = RedisServer::start();
+    let store = leasing(server.url()).await;
+    let (key, policy) = (Key::from("longer"), log("1000/10s"));
+    let old = SystemTime::now() - Duration::from_millis(10_300);
+    assert!(store
+        .check_at(&key, &policy, 500, old)
+        .await
+        .unwrap()
+        .is_allowed());
+    paced(&store, &key, &policy, 30, Duration::from_millis(5)).await;
+    let decision = store
+        .check_now(&key, &policy, 1)
+        .expect("the busy key holds a lease")
+        .unwrap();
+    let left = store.peek(&key, &policy, 1).await.unwrap().remaining();
+    let charge = Settlement::charge(&decision, left + 1).unwrap();
+    store.settle(&key, &policy, charge).await.unwrap();
+    let after = store.check_now(&key, &policy, 1);
+    assert!(
+        after.is_none(),
+        "charged one unit past the {left} left, and the lease still answers: {after:?}"
+    );
+}
