@@ -34,7 +34,8 @@
 //! at most one lease period (sooner when the key goes idle).
 //!
 //! A policy with a penalty box or a concurrency limit is never leased, whatever its algorithm:
-//! every decision goes to Redis as without leases.
+//! every decision goes to Redis as without leases (a sliding-log one reading the longer
+//! window all the same, since a leased policy of its name may share its log).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -102,8 +103,8 @@ impl Leases {
     /// may be spent for that long at most (less at the end of a counter's window, and for GCRA
     /// and the sliding log at most `max_share` of the shortest window; see the module docs).
     /// For GCRA and the sliding log it is also the headroom every decision keeps: a smaller
-    /// burst, or a window read that much longer. Longer periods mean fewer Redis calls and larger shares held by
-    /// one instance.
+    /// burst, or a window read that much longer. Longer periods mean fewer Redis calls and
+    /// larger shares held by one instance.
     pub fn period(mut self, period: Duration) -> Self {
         self.period = period;
         self
