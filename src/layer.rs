@@ -174,7 +174,8 @@ pub enum BuildError {
     /// An allow-listed network is not in CIDR notation.
     #[error("allow-listed network {0:?} is not an address or CIDR network")]
     Network(String),
-    /// The store cannot decide a policy (e.g. a sliding log over a leasing `RedisStore`).
+    /// The store cannot decide a policy (e.g. a leasing `RedisStore` whose GCRA headroom would
+    /// leave a bucket less than one unit).
     #[error("policy {policy:?}: {why}")]
     Unsupported {
         /// The policy's name.

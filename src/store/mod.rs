@@ -166,7 +166,8 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Whether this store can decide `policy`; the layer's builder asks for each policy and
     /// fails with [`BuildError::Unsupported`](crate::BuildError::Unsupported) if not. By
     /// default every policy that is in range ([`Policy::out_of_range`]); a [`RedisStore`]
-    /// with leases also refuses the sliding log.
+    /// with leases also refuses a GCRA policy whose lease headroom would leave a bucket less
+    /// than one unit.
     fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
         in_range(policy)
     }

@@ -62,10 +62,10 @@ impl RedisStoreBuilder {
     /// requests from them in this process: Redis sees one call per lease instead of one per
     /// request, and the fleet still never admits more than the limit. Off by default.
     ///
-    /// Applies to GCRA and the fixed and sliding window counters; a layer with a sliding-log
-    /// policy over a leasing store fails to build. [`RedisStore::drain`] gives the units back
-    /// on shutdown. What it costs (under-admission while another instance holds units, GCRA's
-    /// smaller burst) is in [`Leases`] and the README.
+    /// Applies to every algorithm; the sliding log stays exact in every window, reading each
+    /// window a lease's headroom longer. [`RedisStore::drain`] gives the units back on
+    /// shutdown. What it costs (under-admission while another instance holds units, GCRA's
+    /// smaller burst, the log's longer window) is in [`Leases`] and `docs/leases.md`.
     pub fn leases(mut self, leases: Leases) -> Self {
         self.leases = Some(leases);
         self
