@@ -524,11 +524,6 @@ impl MemoryStore {
         micros(self.shared.clock.now())
     }
 
-    /// A new, empty state for `algorithm`, numbered.
-    fn fresh(&self, algorithm: Algorithm) -> State {
-        self.shared.fresh(algorithm)
-    }
-
     /// Decides at event time `at` (`None`: now), recording an admitted request if `record`.
     fn decide(
         &self,
@@ -590,7 +585,7 @@ impl MemoryStore {
                 Err(refusal) => return *refusal,
             },
             None => {
-                let mut state = self.fresh(policy.algorithm());
+                let mut state = self.shared.fresh(policy.algorithm());
                 let answer = state.answer(policy, ask, 0);
                 let number = state.number;
                 // The map holds a key once a decision has recorded something for it.
@@ -668,7 +663,7 @@ impl MemoryStore {
                     return;
                 }
                 if stale {
-                    entry.value = self.fresh(algorithm);
+                    entry.value = self.shared.fresh(algorithm);
                 }
                 let drained = stretch.apply(entry.value.settle(now, policy, change));
                 entry.expires = entry.expires.max(now.saturating_add(drained));
@@ -684,7 +679,7 @@ impl MemoryStore {
             // Nothing recorded is left to refund.
             None if matches!(change, Settle::Refund { .. }) => {}
             None => {
-                let mut state = self.fresh(algorithm);
+                let mut state = self.shared.fresh(algorithm);
                 let drained = stretch.apply(state.settle(now, policy, change));
                 let kept = expiry(policy, now, now, stretch).max(now.saturating_add(drained));
                 let boxed = state.penalize_if_full(now, policy, kept).unwrap_or(0);
@@ -839,7 +834,7 @@ impl Store for MemoryStore {
                 let slots = std::mem::take(&mut entry.value.slots);
                 entry.value = State {
                     slots,
-                    ..self.fresh(policy.algorithm())
+                    ..self.shared.fresh(policy.algorithm())
                 };
             }
             _ => shard.remove(key, policy.state_id()),

@@ -242,16 +242,10 @@ enum Life {
 }
 
 impl Plan {
-    /// What a request of `cost` records that takes up to `want` units (its cost alone when
-    /// `want` is no more), keeping the policy's headroom.
+    /// What a request of `cost` records that takes up to `want` units, keeping the policy's
+    /// headroom ([`recording`]).
     fn record(&self, cost: u64, want: u64) -> Record {
-        match self.headroom {
-            0 if want <= cost => Record::Admit,
-            headroom => Record::Lease {
-                want: want.max(cost),
-                headroom,
-            },
-        }
+        recording(cost, want, self.headroom)
     }
 
     /// Whether a settlement's reply that `remaining` units are left (in the limit with the
@@ -510,10 +504,17 @@ pub(super) fn headroom(inner: &Inner, policy: &Policy) -> u64 {
 /// its cost, allowing for the headroom of the store's leases, so that the log's bound covers
 /// events logged at other times than now and by policies not leased as well.
 pub(super) fn record_alone(inner: &Inner, policy: &Policy, cost: u32) -> Record {
-    match headroom(inner, policy) {
-        0 => Record::Admit,
+    recording(cost.into(), cost.into(), headroom(inner, policy))
+}
+
+/// What a request of `cost` that takes up to `want` units records, allowing for `headroom`:
+/// an admission of its cost when it takes no more and there is no headroom, else a lease
+/// (of its cost alone when `want` is no more), which carries the headroom to the script.
+fn recording(cost: u64, want: u64, headroom: u64) -> Record {
+    match headroom {
+        0 if want <= cost => Record::Admit,
         headroom => Record::Lease {
-            want: cost.into(),
+            want: want.max(cost),
             headroom,
         },
     }
