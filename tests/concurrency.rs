@@ -1608,3 +1608,73 @@ async fn a_waiter_whose_first_answer_is_lost_leaves_the_line_on_redis() {
     println!("admitted {took:?} after the give-back");
     assert!(took < Duration::from_secs(1), "{took:?}");
 }
+
+/// A layer failing open that holds the key's cap answers its waiters' failed asks with a
+/// refusal of its own; the asks may still have put them in the store's line (a stalled Redis
+/// runs them when it wakes). A waiter that stops leaves the line all the same: `queued`, one
+/// whose client left during the outage; `lost`, one whose first ask was held up past its
+/// whole wait. The key is free within a second of Redis answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_failing_open_leaves_the_line_it_may_be_in_on_redis() {
+    for case in ["queued", "lost"] {
+        let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+        let policy = streams(&format!("open-{case}"), 1, Duration::from_secs(10));
+        let plain = closed(&server.url(), policy.clone()).await.layer(endless());
+        let wait = match case {
+            "queued" => Duration::from_secs(8),
+            _ => Duration::from_secs(2),
+        };
+        let waiting = RateLimitLayer::builder()
+            .key(api_key())
+            .store(server.store().await)
+            .policy(policy)
+            .failure_mode(FailureMode::Open)
+            .max_wait(wait)
+            .build()
+            .unwrap()
+            .layer(endless());
+        // This layer holds the cap, so that failing open it refuses its waiters itself.
+        let held = waiting.clone().oneshot(request("k")).await.unwrap();
+        assert_eq!(held.status(), StatusCode::OK);
+        let stall = match case {
+            "queued" => 1.5,
+            _ => 3.0,
+        };
+        let waiter = tokio::spawn({
+            let waiting = waiting.clone();
+            async move {
+                if case == "lost" {
+                    // Asked while Redis sleeps: the ask waits for it, past the whole wait.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                waiting.oneshot(request("k")).await.unwrap().status()
+            }
+        });
+        if case == "queued" {
+            // In the store's line before the stall.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let outage = tokio::spawn({
+            let port = server.port();
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    common::cluster::cli(port, &["DEBUG", "SLEEP", &stall.to_string()]);
+                })
+                .await
+                .unwrap();
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        match case {
+            // Its client leaves during the outage.
+            "queued" => waiter.abort(),
+            // It gives up at its deadline, during the outage.
+            _ => assert_eq!(waiter.await.unwrap(), StatusCode::TOO_MANY_REQUESTS),
+        }
+        drop(held);
+        outage.await.unwrap();
+        let took = until_admitted(&plain, "k", Duration::from_secs(8)).await;
+        println!("{case}: admitted {took:?} after Redis woke");
+        assert!(took < Duration::from_secs(1), "{case}: {took:?}");
+    }
+}

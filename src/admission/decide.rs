@@ -90,7 +90,9 @@ where
         let mut this = self.project();
         let pending = &mut **this.pending;
         let outcome = loop {
-            let (outcome, may_wait) = match this.step.as_mut().project() {
+            // `unanswered`: the store's answer never came, though the request may stand in its
+            // line (an outage's refusal at this layer's cap replaces the error).
+            let (outcome, may_wait, unanswered) = match this.step.as_mut().project() {
                 StepProj::Waiting { wait } => {
                     ready!(wait.as_mut().poll(cx));
                     // Only a request that may wait waits; were it not so, it is decided as a
@@ -107,16 +109,17 @@ where
                             this.step.set(Step::Asking { decision });
                             continue;
                         }
-                        Next::GiveUp(refusal) => (Ok(refusal), false),
+                        Next::GiveUp(refusal) => (Ok(refusal), false, false),
                     }
                 }
                 StepProj::Asking { decision } => {
                     let outcome = ready!(decision.poll(cx));
-                    (pending.check.at_cap_alone(outcome), true)
+                    let unanswered = outcome.is_err();
+                    (pending.check.at_cap_alone(outcome), true, unanswered)
                 }
             };
             let waiting = pending.waiting.as_mut().filter(|_| may_wait);
-            match waiting.and_then(|w| w.wait_for_slot(&pending.check, &outcome)) {
+            match waiting.and_then(|w| w.wait_for_slot(&pending.check, &outcome, unanswered)) {
                 Some(wait) => this.step.set(Step::Waiting {
                     wait: Box::pin(wait),
                 }),

@@ -90,13 +90,17 @@ impl<F> Waiting<F> {
     }
 
     /// Starts or goes on waiting when `outcome` refused the request for a concurrency slot,
-    /// before its deadline; `None` otherwise (and the request leaves the line).
+    /// before its deadline; `None` otherwise (and the request leaves the line). `unanswered`:
+    /// the store's answer never came (`outcome` then stands in for it, as a refusal at this
+    /// layer's cap under `FailureMode::Open` does), so the request may be in the store's line
+    /// and leaves it when it stops.
     pub(crate) fn wait_for_slot(
         &mut self,
         check: &Check,
         outcome: &Result<Decision, StoreError>,
+        unanswered: bool,
     ) -> Option<Wait> {
-        self.asking = outcome.is_err();
+        self.asking = unanswered || outcome.is_err();
         let refusal = match outcome {
             Ok(d) if d.is_concurrency_limit() => *d,
             Ok(d) => {
@@ -163,11 +167,17 @@ impl<F> Waiting<F> {
         let may_be_in = self.waiter.queued || self.asking;
         if let Some((key, policy)) = self.line_of.take().filter(|_| may_be_in && !admitted) {
             // Past its deadline the store counts it no more: what is left of its wait bounds
-            // how long the leave is worth sending.
+            // how long the leave is worth sending. An ask still unanswered may run later (a
+            // stalled Redis runs it when it wakes) and start the store's deadline then: the
+            // leave is worth sending for a whole wait.
             let now = Instant::now();
             let left = self.deadline.map(|d| d.saturating_duration_since(now));
+            let wait = match self.asking {
+                true => self.waiter.wait,
+                false => left.unwrap_or(self.waiter.wait),
+            };
             let waiter = Waiter {
-                wait: left.unwrap_or(self.waiter.wait),
+                wait,
                 ..self.waiter
             };
             self.line.leave(&key, &policy, &waiter);
