@@ -103,6 +103,12 @@ impl Limiter for Gcra {
         (remaining as u64, div_ceil(backlog, d))
     }
 
+    /// Recorded now, past the capacity if need be: the backlog is the queue, and a unit
+    /// recorded now that goes when the backlog has drained to fit it goes at its turn.
+    fn reserve_at(&mut self, now: u64, _: u64, windows: &[Window], cost: u64) {
+        self.record(now, windows, cost);
+    }
+
     /// The units leave the backlog as far as they still weigh in it: units taken at `at` have
     /// drained for `now - at` since, so at most `units * u - (now - at) * d` of the backlog is
     /// theirs (the lease give-back, `scripts/release.lua`, takes the same). Without `at`,
