@@ -7,10 +7,17 @@ use std::time::{Duration, SystemTime};
 
 use super::override_table::Table;
 use super::overrides::{Applied, Overrides};
+use super::reserve::{reservable, Reserve};
 use super::{Store, StoreError};
 use crate::algorithm::{
-    decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
-    sliding_window::SlidingWindow, Algorithm, Outcome, Refund, Settle,
+    decide,
+    fixed_window::FixedWindow,
+    gcra::Gcra,
+    reserve::{reserve, Reserved},
+    settle,
+    sliding_log::SlidingLog,
+    sliding_window::SlidingWindow,
+    Algorithm, Outcome, Refund, Settle,
 };
 use crate::concurrency::{Slots, Waiter};
 use crate::shards::{Entry, Pinning, Shards};
@@ -195,6 +202,8 @@ struct Ask {
     waiter: Option<Waiter>,
     /// How much longer than its longest window the state must be kept ([`Stretch`]).
     stretch: Stretch,
+    /// A reservation ([`Reserve`]): the most it may wait for its turn (µs).
+    reserve: Option<u64>,
 }
 
 /// How much longer a GCRA state decided under an override's counts must be kept than their
@@ -256,6 +265,8 @@ struct Answer {
     /// When the penalty box answers the refusal (it set the box, or the box holds): its
     /// retry (µs), the later of the box's end and the limits' own retry.
     boxed: Option<u64>,
+    /// A reservation's turn (µs, the store's time), when it was reserved.
+    turn: Option<u64>,
 }
 
 /// The map keeps a key while it is locked out by its penalty box, or holds concurrency slots.
@@ -361,6 +372,9 @@ impl State {
     /// request it admits and the concurrency slot that takes, or the penalty box of a refusal.
     /// `kept` is until when the key's state is kept so far (0: new).
     fn answer(&mut self, policy: &Policy, ask: &Ask, kept: u64) -> Answer {
+        if let Some(max_wait) = ask.reserve {
+            return self.reserve(policy, ask, max_wait);
+        }
         let (now, t) = (ask.now, ask.t);
         let outcome = self.decide(now, t, policy, ask.cost, ask.record);
         if ask.record && outcome.allowed {
@@ -375,6 +389,7 @@ impl State {
                 outcome,
                 keep_until: Some(until),
                 boxed: None,
+                turn: None,
             };
         }
         // Refused by a limit that a wait satisfies (not a request larger than the limit
@@ -385,6 +400,7 @@ impl State {
                 outcome,
                 keep_until: None,
                 boxed: None,
+                turn: None,
             };
         };
         if self.held_until > now && policy.block_micros() > 0 {
@@ -392,6 +408,7 @@ impl State {
                 outcome,
                 keep_until: None,
                 boxed: Some(retry),
+                turn: None,
             };
         }
         let until = match ask.record {
@@ -402,6 +419,40 @@ impl State {
             outcome,
             keep_until: until,
             boxed: until.map(|until| (until - now).max(retry)),
+            turn: None,
+        }
+    }
+
+    /// Reserves `ask`'s cost for its turn, within `max_wait` (`algorithm::reserve`): the
+    /// answer of a request admitted at its turn, and the key kept a window past it.
+    fn reserve(&mut self, policy: &Policy, ask: &Ask, max_wait: u64) -> Answer {
+        let (now, windows) = (ask.now, policy.windows());
+        let reserved = match &mut self.of {
+            Of::Log(log) => {
+                trim(log, now, policy);
+                reserve(log, now, windows, ask.cost, max_wait)
+            }
+            Of::Gcra(bucket) => reserve(bucket, now, windows, ask.cost, max_wait),
+            // `reservable` refuses them first.
+            Of::Sliding(_) | Of::Fixed(_) => Reserved::TooLate(None),
+        };
+        let (turn, outcome) = match reserved {
+            Reserved::At(turn) => (Some(turn), self.decide(now, turn, policy, 0, false)),
+            Reserved::TooLate(wait) => {
+                let looked = self.decide(now, now, policy, ask.cost, false);
+                let refused = Outcome {
+                    allowed: false,
+                    retry_after: wait,
+                    ..looked
+                };
+                (None, refused)
+            }
+        };
+        Answer {
+            outcome,
+            keep_until: turn.map(|turn| expiry(policy, now, turn, ask.stretch)),
+            boxed: None,
+            turn,
         }
     }
 
@@ -542,14 +593,19 @@ impl MemoryStore {
             waiter: waiter.copied(),
             ..self.ask(policy, cost, at, record)
         };
-        ready(Ok(match self.shared.overrides.apply(key, policy) {
+        ready(Ok(self.decide_overridden(key, policy, ask)))
+    }
+
+    /// Decides `ask` under the limits in force for `key` (an override's, or `policy`'s own).
+    fn decide_overridden(&self, key: &Key, policy: &Policy, ask: Ask) -> Decision {
+        match self.shared.overrides.apply(key, policy) {
             Applied::Own(policy) => self.decide_under(key, policy, &ask),
             Applied::Other(used) => {
                 let stretch = Stretch::of(policy, &used);
                 self.decide_under(key, &used, &Ask { stretch, ..ask })
             }
             Applied::Blocked => Decision::blocked(policy),
-        }))
+        }
     }
 
     /// What a decision of `cost` at event time `at` (`None`: now) asks; a recorded one under a
@@ -572,6 +628,7 @@ impl MemoryStore {
             take,
             waiter: None,
             stretch: Stretch::NONE,
+            reserve: None,
         }
     }
 
@@ -750,11 +807,31 @@ fn decision((answer, state): (Answer, u64), policy: &Policy, ask: &Ask) -> Decis
     if let Some(take) = ask.take {
         decision = decision.with_slot(take.id);
     }
+    if let Some(turn) = answer.turn {
+        let wait = Duration::from_micros(turn - ask.now);
+        let recorded = decision.recorded_at(i64::try_from(turn).ok(), ask.cost);
+        return recorded.in_state(state).with_turn(wait);
+    }
     match ask.record {
         true => decision
             .recorded_at(i64::try_from(ask.t).ok(), ask.cost)
             .in_state(state),
         false => decision,
+    }
+}
+
+/// Reserves in the map, as decisions are made: under the override or plan in force for the
+/// key, blocked by a block; the key is kept until a window past its last turn.
+impl Reserve for MemoryStore {
+    fn reserve(&self, key: &Key, policy: &Policy, cost: u32, max_wait: Duration) -> Self::Future {
+        if let Err(error) = super::in_range(policy).and_then(|()| reservable(policy)) {
+            return ready(Err(error));
+        }
+        let ask = Ask {
+            reserve: Some(micros(max_wait)),
+            ..self.ask(policy, cost, None, true)
+        };
+        ready(Ok(self.decide_overridden(key, policy, ask)))
     }
 }
 

@@ -21,6 +21,7 @@ pub(crate) mod overrides;
 pub(crate) mod owner;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+pub(crate) mod reserve;
 
 pub use crate::concurrency::Waiter;
 pub use crate::decision::{SlotId, Units};
@@ -29,6 +30,7 @@ pub use overrides::{Override, OverrideError, OverridePages, Overrides, Scope};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::{Leases, RedisStore, RedisStoreBuilder};
+pub use reserve::Reserve;
 
 /// Decides whether a request fits a policy, and records it if it does, in one atomic step.
 ///

@@ -1,0 +1,168 @@
+//! Reservations on the memory store, on a manual clock: turns in reservation order, a wait
+//! past `max_wait` refused without recording, a reservation given back frees its place, and
+//! the policies that cannot reserve say so.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use tower_redis_ratelimit::store::{ManualClock, Override, Reserve, Scope};
+use tower_redis_ratelimit::{Algorithm, Key, MemoryStore, Policy, Settlement, Store, StoreError};
+
+const MS: Duration = Duration::from_millis(1);
+
+fn store() -> (MemoryStore, ManualClock) {
+    let clock = ManualClock::starting_at(UNIX_EPOCH + Duration::from_secs(1_700_000_000));
+    (MemoryStore::builder().clock(clock.clone()).build(), clock)
+}
+
+fn policy(limit: &str, algorithm: Algorithm) -> Policy {
+    Policy::new("api", [limit.parse().unwrap()])
+        .unwrap()
+        .with_algorithm(algorithm)
+}
+
+/// The turns of `n` reservations of 1, each allowed to wait `max_wait`; `None` for a refusal.
+async fn turns(
+    store: &MemoryStore,
+    key: &Key,
+    policy: &Policy,
+    n: usize,
+    max_wait: Duration,
+) -> Vec<Option<Duration>> {
+    let mut turns = Vec::new();
+    for _ in 0..n {
+        let d = store.reserve(key, policy, 1, max_wait).await.unwrap();
+        turns.push(d.is_allowed().then(|| d.turn()));
+    }
+    turns
+}
+
+#[tokio::test]
+async fn turns_follow_reservation_order_one_drain_apart() {
+    for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
+        let (store, _) = store();
+        let (key, policy) = (Key::from("k"), policy("10/1s", algorithm));
+        let got = turns(&store, &key, &policy, 12, Duration::from_secs(5)).await;
+        assert!(
+            got[..10].iter().all(|t| *t == Some(Duration::ZERO)),
+            "{algorithm:?}: {got:?}"
+        );
+        let expected = match algorithm {
+            // One unit drains every 100 ms.
+            Algorithm::Gcra => [100 * MS, 200 * MS],
+            // The first two units leave the window at 1 s.
+            _ => [1000 * MS, 1000 * MS],
+        };
+        assert_eq!(
+            got[10..],
+            [Some(expected[0]), Some(expected[1])],
+            "{algorithm:?}"
+        );
+        // A plain decision waits behind the reservations.
+        let now = store.peek(&key, &policy, 1).await.unwrap();
+        assert!(
+            !now.is_allowed() && now.retry_after() > Some(expected[1] - MS),
+            "{now:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn past_max_wait_nothing_is_recorded() {
+    let (store, _) = store();
+    let (key, policy) = (Key::from("k"), policy("10/1s", Algorithm::Gcra));
+    turns(&store, &key, &policy, 10, Duration::ZERO).await;
+    let late = store.reserve(&key, &policy, 1, 50 * MS).await.unwrap();
+    assert!(!late.is_allowed());
+    assert_eq!(
+        late.retry_after(),
+        Some(100 * MS),
+        "the turn it would have had"
+    );
+    // Nothing recorded: the next one gets the same turn.
+    let next = store.reserve(&key, &policy, 1, 100 * MS).await.unwrap();
+    assert_eq!((next.is_allowed(), next.turn()), (true, 100 * MS));
+    // A cost over the count never gets a turn.
+    let never = store
+        .reserve(&key, &policy, 11, Duration::MAX)
+        .await
+        .unwrap();
+    assert_eq!((never.is_allowed(), never.retry_after()), (false, None));
+}
+
+#[tokio::test]
+async fn a_reservation_given_back_before_its_turn_frees_its_place() {
+    for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
+        let (store, clock) = store();
+        let (key, policy) = (Key::from("k"), policy("10/1s", algorithm));
+        turns(&store, &key, &policy, 10, Duration::ZERO).await;
+        let waiting = store
+            .reserve(&key, &policy, 1, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let turn = waiting.turn();
+        clock.advance(10 * MS);
+        store
+            .settle(&key, &policy, Settlement::refund(&waiting, 1).unwrap())
+            .await
+            .unwrap();
+        // Given back whole: the next caller takes the same turn (10 ms later now).
+        let next = store
+            .reserve(&key, &policy, 1, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(next.turn(), turn - 10 * MS, "{algorithm:?}");
+        // And a give-back of more than was reserved frees no more.
+        store
+            .settle(&key, &policy, Settlement::refund(&next, 5).unwrap())
+            .await
+            .unwrap();
+        let after = store
+            .reserve(&key, &policy, 1, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(after.turn(), turn - 10 * MS, "{algorithm:?}");
+    }
+}
+
+#[tokio::test]
+async fn an_override_sets_the_turns() {
+    let (store, _) = store();
+    let (key, policy) = (Key::from("k"), policy("10/1s", Algorithm::Gcra));
+    let cut = Override::Limits(vec!["2/1s".parse().unwrap()]);
+    store
+        .overrides()
+        .set(&policy, &Scope::Key(key.clone()), &cut)
+        .await
+        .unwrap();
+    let got = turns(&store, &key, &policy, 3, Duration::from_secs(5)).await;
+    assert_eq!(
+        got,
+        [Some(Duration::ZERO), Some(Duration::ZERO), Some(500 * MS)]
+    );
+}
+
+#[tokio::test]
+async fn policies_that_cannot_reserve_say_so() {
+    let (store, _) = store();
+    let key = Key::from("k");
+    let boxed = policy("10/1s", Algorithm::Gcra)
+        .block_for(Duration::from_secs(1))
+        .unwrap();
+    let slots = policy("10/1s", Algorithm::SlidingLog)
+        .concurrency(2)
+        .unwrap();
+    for policy in [
+        policy("10/1s", Algorithm::FixedWindow),
+        policy("10/1s", Algorithm::SlidingWindow),
+        boxed,
+        slots,
+    ] {
+        let got = store
+            .reserve(&key, &policy, 1, Duration::from_secs(1))
+            .await;
+        assert!(
+            matches!(got, Err(StoreError::Unsupported(_))),
+            "{policy:?}: {got:?}"
+        );
+    }
+}
