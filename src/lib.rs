@@ -9,6 +9,7 @@ mod algorithm;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod blocklist;
 pub mod body;
+pub mod client;
 mod concurrency;
 mod decision;
 mod deny_cache;

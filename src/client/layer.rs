@@ -1,0 +1,124 @@
+//! The layer and its builder.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+use super::service::Outbound;
+use crate::key::Global;
+use crate::store::reserve::reservable;
+use crate::{BuildError, MemoryStore, Policy, Store};
+
+/// Makes every request of the wrapped service wait for its turn under one policy
+/// ([`client`](super) has an example).
+#[derive(Debug)]
+pub struct OutboundLayer<K, St> {
+    shared: Arc<Shared<K, St>>,
+}
+
+impl<K, St> Clone for OutboundLayer<K, St> {
+    fn clone(&self) -> Self {
+        OutboundLayer {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+/// What every service and future of one layer reads.
+#[derive(Debug)]
+pub(super) struct Shared<K, St> {
+    pub(super) key: K,
+    pub(super) store: St,
+    pub(super) policy: Policy,
+    pub(super) max_wait: Duration,
+}
+
+impl OutboundLayer<Global, MemoryStore> {
+    /// A builder: one key for every request ([`Global`]), a [`MemoryStore`] of this process,
+    /// a `max_wait` of 30 s; set a policy.
+    pub fn builder() -> OutboundLayerBuilder<Global, MemoryStore> {
+        OutboundLayerBuilder {
+            key: Global,
+            store: MemoryStore::new(),
+            policy: None,
+            max_wait: Duration::from_secs(30),
+        }
+    }
+}
+
+impl<K, St, S> Layer<S> for OutboundLayer<K, St> {
+    type Service = Outbound<S, K, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Outbound::new(inner, Arc::clone(&self.shared))
+    }
+}
+
+/// Configures an [`OutboundLayer`].
+#[derive(Debug)]
+pub struct OutboundLayerBuilder<K, St> {
+    key: K,
+    store: St,
+    policy: Option<Policy>,
+    max_wait: Duration,
+}
+
+impl<K, St> OutboundLayerBuilder<K, St> {
+    /// The limit the upstream sets (GCRA or the sliding log: they keep turns in order).
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
+    /// What a request's turn is counted by: one key for every request by default (the
+    /// upstream's limit of this account), or any [`KeyExtractor`](crate::KeyExtractor).
+    pub fn key<K2>(self, key: K2) -> OutboundLayerBuilder<K2, St> {
+        OutboundLayerBuilder {
+            key,
+            store: self.store,
+            policy: self.policy,
+            max_wait: self.max_wait,
+        }
+    }
+
+    /// The store that keeps the turns: a [`RedisStore`](crate::RedisStore) shared by every
+    /// worker of a fleet, or the default memory store for one process.
+    pub fn store<St2>(self, store: St2) -> OutboundLayerBuilder<K, St2> {
+        OutboundLayerBuilder {
+            key: self.key,
+            store,
+            policy: self.policy,
+            max_wait: self.max_wait,
+        }
+    }
+
+    /// The longest a request waits for its turn; past it, [`OutboundError::TooLate`](super::OutboundError::TooLate) at once.
+    pub fn max_wait(mut self, max_wait: Duration) -> Self {
+        self.max_wait = max_wait;
+        self
+    }
+
+    /// The layer; fails without a policy, or with one that cannot keep turns (a counter, a
+    /// penalty box, a concurrency limit) or that the store cannot decide.
+    pub fn build(self) -> Result<OutboundLayer<K, St>, BuildError>
+    where
+        St: Store,
+    {
+        let policy = self.policy.ok_or(BuildError::NoPolicy)?;
+        let unsupported = |error: crate::StoreError| BuildError::Unsupported {
+            policy: policy.name().to_owned(),
+            why: error.to_string(),
+        };
+        reservable(&policy).map_err(unsupported)?;
+        self.store.supports(&policy).map_err(unsupported)?;
+        Ok(OutboundLayer {
+            shared: Arc::new(Shared {
+                key: self.key,
+                store: self.store,
+                policy,
+                max_wait: self.max_wait,
+            }),
+        })
+    }
+}
