@@ -166,3 +166,74 @@ async fn policies_that_cannot_reserve_say_so() {
         );
     }
 }
+
+mod common;
+
+/// The same on Redis, two stores sharing it: turns follow reservation order whichever store
+/// reserves, and a reservation given back frees its turn. Real time passes between the calls,
+/// so turns are compared where they were recorded (Redis time).
+#[tokio::test]
+async fn turns_follow_reservation_order_across_stores_on_redis() {
+    let server = common::RedisServer::start();
+    let stores = [server.store().await, server.store().await];
+    for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
+        let key = Key::from(format!("{algorithm:?}"));
+        let policy = policy("10/1s", algorithm);
+        let mut at = Vec::new();
+        for i in 0..12 {
+            let store = &stores[i % 2];
+            let d = store
+                .reserve(&key, &policy, 1, Duration::from_secs(5))
+                .await
+                .unwrap();
+            assert!(d.is_allowed(), "{algorithm:?} {i}: {d:?}");
+            let Some(Settlement::Charge(units)) = Settlement::charge(&d, 1) else {
+                unreachable!()
+            };
+            at.push(units.admitted_at().unwrap());
+        }
+        let first = at[0];
+        let after = |i: usize| Duration::from_micros((at[i] - first) as u64);
+        assert!(
+            after(9) < 100 * MS,
+            "{algorithm:?}: the burst took {:?}",
+            after(9)
+        );
+        match algorithm {
+            // One unit drains every 100 ms from the first burst on.
+            Algorithm::Gcra => {
+                assert!(
+                    after(10) >= 95 * MS && after(10) <= 200 * MS,
+                    "{:?}",
+                    after(10)
+                );
+                assert_eq!(at[11] - at[10], 100_000, "one drain apart");
+            }
+            // The first units leave the window a second after they were logged.
+            _ => {
+                assert!(after(10) >= Duration::from_secs(1) - MS, "{:?}", after(10));
+                assert!(at[11] >= at[10], "in order");
+            }
+        }
+        // Given back before its turn, the last reservation's turn goes to the next caller.
+        let last = stores[1]
+            .reserve(&key, &policy, 1, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let refund = Settlement::refund(&last, 1).unwrap();
+        stores[1].settle(&key, &policy, refund).await.unwrap();
+        let next = stores[0]
+            .reserve(&key, &policy, 1, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let turn_of = |d: &tower_redis_ratelimit::Decision| match Settlement::charge(d, 1) {
+            Some(Settlement::Charge(units)) => units.admitted_at().unwrap(),
+            _ => unreachable!(),
+        };
+        assert_eq!(
+            turn_of(&next),
+            turn_of(&last),
+            "{algorithm:?}: the turn given back"
+        );
+    }
+}

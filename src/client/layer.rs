@@ -93,7 +93,8 @@ impl<K, St> OutboundLayerBuilder<K, St> {
         }
     }
 
-    /// The longest a request waits for its turn; past it, [`OutboundError::TooLate`](super::OutboundError::TooLate) at once.
+    /// The longest a request waits for its turn; past it, it fails at once with
+    /// [`OutboundError::TooLate`](super::OutboundError::TooLate).
     pub fn max_wait(mut self, max_wait: Duration) -> Self {
         self.max_wait = max_wait;
         self

@@ -29,6 +29,7 @@ mod nodes;
 mod overrides;
 mod placement;
 mod protocol;
+mod reserve;
 mod slots;
 
 pub use builder::RedisStoreBuilder;

@@ -215,6 +215,10 @@ pub(super) enum Mode {
     /// followed by the key's cap of slots, the slot's id and its lifetime, then the waiter's
     /// id (0: the request does not wait), wait (µs) and whether it is in line (0 or 1).
     Take = 4,
+    /// 5, `RESERVE`: decide the earliest turn at or after every reservation before within
+    /// the most it may wait, and record it (`Reserve::reserve`); followed by that wait (µs)
+    /// and headroom.
+    Reserve = 5,
 }
 
 /// What a request asks a script to do: its [`Mode`], with the arguments that mode takes.
@@ -251,6 +255,10 @@ pub(super) enum Record {
         waiter: Option<Waiter>,
         headroom: u64,
     },
+    /// Reserve the cost for the earliest turn within `max_wait` µs, after every reservation
+    /// before; answered as admitted with the turn (µs from now) as its retry, or refused with
+    /// the turn it would have had. `headroom` as for a look.
+    Reserve { max_wait: u64, headroom: u64 },
 }
 
 impl Record {
@@ -298,6 +306,10 @@ impl Record {
                 let (ttl, headroom) = (clamp(ttl), clamp(headroom));
                 let args = [cap.into(), clamp(id), ttl, waiter, wait, queued, headroom];
                 (Mode::Take, args, 7)
+            }
+            Record::Reserve { max_wait, headroom } => {
+                let args = [clamp(max_wait), clamp(headroom), 0, 0, 0, 0, 0];
+                (Mode::Reserve, args, 2)
             }
         }
     }

@@ -119,6 +119,18 @@ for k = 1, REQUESTS do
       end
     end
 
+    -- A reservation (prelude.lua, RESERVE) takes the latest retry as its turn, within its
+    -- wait: it is recorded now, past the capacity (the backlog is the queue), and answered
+    -- admitted with the turn as its retry.
+    local turn = nil
+    if record == RESERVE then
+      if denied == nil then
+        turn = 0
+      elseif denied_retry >= 0 and denied_retry <= reserve_wait then
+        turn, denied = denied_retry, nil
+      end
+    end
+
     -- The header: when the state was created, when a lease was last taken from it.
     local born, leased = now, 0
     if state then
@@ -166,7 +178,7 @@ for k = 1, REQUESTS do
           else
             backlogs[i] = math.min(backlogs[i] + cost * u, MAX_UNITS)
           end
-          if record == SETTLE then
+          if record == SETTLE or record == RESERVE then
             ttl = math.max(ttl, math.ceil(backlogs[i] / d))
           end
         end
@@ -196,6 +208,9 @@ for k = 1, REQUESTS do
           least, reported = remaining, i
         end
       end
+    end
+    if turn ~= nil then
+      retry = turn
     end
     local w, b = windows[reported], backlogs[reported]
     local u, d = weights[reported], drains[reported]
