@@ -30,7 +30,10 @@ async fn turns(
 ) -> Vec<Option<Duration>> {
     let mut turns = Vec::new();
     for _ in 0..n {
-        let d = store.reserve(key, policy, 1, max_wait).await.unwrap();
+        let d = store
+            .reserve(key, policy, 1, max_wait, Duration::ZERO)
+            .await
+            .unwrap();
         turns.push(d.is_allowed().then(|| d.turn()));
     }
     turns
@@ -71,7 +74,10 @@ async fn past_max_wait_nothing_is_recorded() {
     let (store, _) = store();
     let (key, policy) = (Key::from("k"), policy("10/1s", Algorithm::Gcra));
     turns(&store, &key, &policy, 10, Duration::ZERO).await;
-    let late = store.reserve(&key, &policy, 1, 50 * MS).await.unwrap();
+    let late = store
+        .reserve(&key, &policy, 1, 50 * MS, Duration::ZERO)
+        .await
+        .unwrap();
     assert!(!late.is_allowed());
     assert_eq!(
         late.retry_after(),
@@ -79,11 +85,14 @@ async fn past_max_wait_nothing_is_recorded() {
         "the turn it would have had"
     );
     // Nothing recorded: the next one gets the same turn.
-    let next = store.reserve(&key, &policy, 1, 100 * MS).await.unwrap();
+    let next = store
+        .reserve(&key, &policy, 1, 100 * MS, Duration::ZERO)
+        .await
+        .unwrap();
     assert_eq!((next.is_allowed(), next.turn()), (true, 100 * MS));
     // A cost over the count never gets a turn.
     let never = store
-        .reserve(&key, &policy, 11, Duration::MAX)
+        .reserve(&key, &policy, 11, Duration::MAX, Duration::ZERO)
         .await
         .unwrap();
     assert_eq!((never.is_allowed(), never.retry_after()), (false, None));
@@ -96,7 +105,7 @@ async fn a_reservation_given_back_before_its_turn_frees_its_place() {
         let (key, policy) = (Key::from("k"), policy("10/1s", algorithm));
         turns(&store, &key, &policy, 10, Duration::ZERO).await;
         let waiting = store
-            .reserve(&key, &policy, 1, Duration::from_secs(5))
+            .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
             .await
             .unwrap();
         let turn = waiting.turn();
@@ -107,7 +116,7 @@ async fn a_reservation_given_back_before_its_turn_frees_its_place() {
             .unwrap();
         // Given back whole: the next caller takes the same turn (10 ms later now).
         let next = store
-            .reserve(&key, &policy, 1, Duration::from_secs(5))
+            .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
             .await
             .unwrap();
         assert_eq!(next.turn(), turn - 10 * MS, "{algorithm:?}");
@@ -117,7 +126,7 @@ async fn a_reservation_given_back_before_its_turn_frees_its_place() {
             .await
             .unwrap();
         let after = store
-            .reserve(&key, &policy, 1, Duration::from_secs(5))
+            .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
             .await
             .unwrap();
         assert_eq!(after.turn(), turn - 10 * MS, "{algorithm:?}");
@@ -158,7 +167,7 @@ async fn policies_that_cannot_reserve_say_so() {
         slots,
     ] {
         let got = store
-            .reserve(&key, &policy, 1, Duration::from_secs(1))
+            .reserve(&key, &policy, 1, Duration::from_secs(1), Duration::ZERO)
             .await;
         assert!(
             matches!(got, Err(StoreError::Unsupported(_))),
@@ -183,7 +192,7 @@ async fn turns_follow_reservation_order_across_stores_on_redis() {
         for i in 0..12 {
             let store = &stores[i % 2];
             let d = store
-                .reserve(&key, &policy, 1, Duration::from_secs(5))
+                .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
                 .await
                 .unwrap();
             assert!(d.is_allowed(), "{algorithm:?} {i}: {d:?}");
@@ -217,13 +226,13 @@ async fn turns_follow_reservation_order_across_stores_on_redis() {
         }
         // Given back before its turn, the last reservation's turn goes to the next caller.
         let last = stores[1]
-            .reserve(&key, &policy, 1, Duration::from_secs(5))
+            .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
             .await
             .unwrap();
         let refund = Settlement::refund(&last, 1).unwrap();
         stores[1].settle(&key, &policy, refund).await.unwrap();
         let next = stores[0]
-            .reserve(&key, &policy, 1, Duration::from_secs(5))
+            .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
             .await
             .unwrap();
         let turn_of = |d: &tower_redis_ratelimit::Decision| match Settlement::charge(d, 1) {

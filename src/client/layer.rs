@@ -32,17 +32,19 @@ pub(super) struct Shared<K, St> {
     pub(super) store: St,
     pub(super) policy: Policy,
     pub(super) max_wait: Duration,
+    pub(super) late: Duration,
 }
 
 impl OutboundLayer<Global, MemoryStore> {
     /// A builder: one key for every request ([`Global`]), a [`MemoryStore`] of this process,
-    /// a `max_wait` of 30 s; set a policy.
+    /// a `max_wait` of 30 s, a `margin` of 50 ms; set a policy.
     pub fn builder() -> OutboundLayerBuilder<Global, MemoryStore> {
         OutboundLayerBuilder {
             key: Global,
             store: MemoryStore::new(),
             policy: None,
             max_wait: Duration::from_secs(30),
+            margin: Duration::from_millis(50),
         }
     }
 }
@@ -62,6 +64,7 @@ pub struct OutboundLayerBuilder<K, St> {
     store: St,
     policy: Option<Policy>,
     max_wait: Duration,
+    margin: Duration,
 }
 
 impl<K, St> OutboundLayerBuilder<K, St> {
@@ -79,6 +82,7 @@ impl<K, St> OutboundLayerBuilder<K, St> {
             store: self.store,
             policy: self.policy,
             max_wait: self.max_wait,
+            margin: self.margin,
         }
     }
 
@@ -90,6 +94,7 @@ impl<K, St> OutboundLayerBuilder<K, St> {
             store,
             policy: self.policy,
             max_wait: self.max_wait,
+            margin: self.margin,
         }
     }
 
@@ -97,6 +102,15 @@ impl<K, St> OutboundLayerBuilder<K, St> {
     /// [`OutboundError::TooLate`](super::OutboundError::TooLate).
     pub fn max_wait(mut self, max_wait: Duration) -> Self {
         self.max_wait = max_wait;
+        self
+    }
+
+    /// How much later than its turn a request may reach the upstream, which counts requests
+    /// as they arrive (default 50 ms): turns keep every window that much longer within the
+    /// count, so that a request sent late, or one that took longer on the way than the one
+    /// before it, is not counted in the next window. The price is a window that much longer.
+    pub fn margin(mut self, margin: Duration) -> Self {
+        self.margin = margin;
         self
     }
 
@@ -119,6 +133,7 @@ impl<K, St> OutboundLayerBuilder<K, St> {
                 store: self.store,
                 policy,
                 max_wait: self.max_wait,
+                late: self.margin,
             }),
         })
     }

@@ -59,7 +59,7 @@ where
         };
         let reserve = shared
             .store
-            .reserve(&key, &shared.policy, 1, shared.max_wait);
+            .reserve(&key, &shared.policy, 1, shared.max_wait, shared.late);
         let giver = Giver::new(shared.store.clone(), key, shared.policy.clone());
         ResponseFuture::new(reserve, giver, request, self.inner.clone())
     }

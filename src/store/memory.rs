@@ -17,7 +17,7 @@ use crate::algorithm::{
     settle,
     sliding_log::SlidingLog,
     sliding_window::SlidingWindow,
-    Algorithm, Outcome, Refund, Settle,
+    Algorithm, Outcome, Refund, Settle, Window,
 };
 use crate::concurrency::{Slots, Waiter};
 use crate::shards::{Entry, Pinning, Shards};
@@ -202,8 +202,9 @@ struct Ask {
     waiter: Option<Waiter>,
     /// How much longer than its longest window the state must be kept ([`Stretch`]).
     stretch: Stretch,
-    /// A reservation ([`Reserve`]): the most it may wait for its turn (µs).
-    reserve: Option<u64>,
+    /// A reservation ([`Reserve`]): the most it may wait for its turn, and how late its
+    /// units may be used after it (µs).
+    reserve: Option<(u64, u64)>,
 }
 
 /// How much longer a GCRA state decided under an override's counts must be kept than their
@@ -372,8 +373,8 @@ impl State {
     /// request it admits and the concurrency slot that takes, or the penalty box of a refusal.
     /// `kept` is until when the key's state is kept so far (0: new).
     fn answer(&mut self, policy: &Policy, ask: &Ask, kept: u64) -> Answer {
-        if let Some(max_wait) = ask.reserve {
-            return self.reserve(policy, ask, max_wait);
+        if let Some((max_wait, late)) = ask.reserve {
+            return self.reserve(policy, ask, max_wait, late);
         }
         let (now, t) = (ask.now, ask.t);
         let outcome = self.decide(now, t, policy, ask.cost, ask.record);
@@ -425,12 +426,16 @@ impl State {
 
     /// Reserves `ask`'s cost for its turn, within `max_wait` (`algorithm::reserve`): the
     /// answer of a request admitted at its turn, and the key kept a window past it.
-    fn reserve(&mut self, policy: &Policy, ask: &Ask, max_wait: u64) -> Answer {
+    fn reserve(&mut self, policy: &Policy, ask: &Ask, max_wait: u64, late: u64) -> Answer {
         let (now, windows) = (ask.now, policy.windows());
         let reserved = match &mut self.of {
             Of::Log(log) => {
-                trim(log, now, policy);
-                reserve(log, now, windows, ask.cost, max_wait)
+                trim(log, now.saturating_sub(late), policy);
+                let longer: Vec<Window> = windows
+                    .iter()
+                    .map(|w| Window::new(w.count, w.micros.saturating_add(late)))
+                    .collect();
+                reserve(log, now, &longer, ask.cost, max_wait)
             }
             Of::Gcra(bucket) => reserve(bucket, now, windows, ask.cost, max_wait),
             // `reservable` refuses them first.
@@ -450,7 +455,7 @@ impl State {
         };
         Answer {
             outcome,
-            keep_until: turn.map(|turn| expiry(policy, now, turn, ask.stretch)),
+            keep_until: turn.map(|turn| expiry(policy, now, turn, ask.stretch) + late),
             boxed: None,
             turn,
         }
@@ -823,12 +828,21 @@ fn decision((answer, state): (Answer, u64), policy: &Policy, ask: &Ask) -> Decis
 /// Reserves in the map, as decisions are made: under the override or plan in force for the
 /// key, blocked by a block; the key is kept until a window past its last turn.
 impl Reserve for MemoryStore {
-    fn reserve(&self, key: &Key, policy: &Policy, cost: u32, max_wait: Duration) -> Self::Future {
+    /// `late` is kept by the sliding log (its windows read that much longer); GCRA's bucket
+    /// on the memory store keeps no headroom yet, and takes it as 0.
+    fn reserve(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        max_wait: Duration,
+        late: Duration,
+    ) -> Self::Future {
         if let Err(error) = super::in_range(policy).and_then(|()| reservable(policy)) {
             return ready(Err(error));
         }
         let ask = Ask {
-            reserve: Some(micros(max_wait)),
+            reserve: Some((micros(max_wait), micros(late))),
             ..self.ask(policy, cost, None, true)
         };
         ready(Ok(self.decide_overridden(key, policy, ask)))

@@ -21,10 +21,24 @@ pub trait Reserve: Store {
     /// [`retry_after`](crate::Decision::retry_after) says when the turn would have come
     /// (`None`: never, a cost over a count).
     ///
+    /// `late`: how long after its turn the caller may use the units, as the limit that counts
+    /// them sees it (an upstream API counts requests as they arrive, a network's delay after
+    /// they left). Turns keep every window `late` longer within its count (the sliding log
+    /// reads it that much longer, GCRA keeps that much drain free on Redis), so that units
+    /// used up to `late` after their turns stay within the limit (`docs/leases.md` has the
+    /// argument, for leases).
+    ///
     /// GCRA and the sliding log reserve; the counters keep no place for a later turn, and a
     /// penalty box or a concurrency limit has no meaning for a turn:
     /// [`StoreError::Unsupported`].
-    fn reserve(&self, key: &Key, policy: &Policy, cost: u32, max_wait: Duration) -> Self::Future;
+    fn reserve(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        max_wait: Duration,
+        late: Duration,
+    ) -> Self::Future;
 }
 
 /// Whether `policy` can be reserved ([`Reserve::reserve`]).

@@ -14,7 +14,14 @@ impl Reserve for RedisStore {
     /// Decided in Redis, never from a lease; on a leasing store against the same headroom as
     /// its decisions (the sliding log's longer window), so that leased units spent late and
     /// reservations never share a window past its count.
-    fn reserve(&self, key: &Key, policy: &Policy, cost: u32, max_wait: Duration) -> Self::Future {
+    fn reserve(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        max_wait: Duration,
+        late: Duration,
+    ) -> Self::Future {
         if let Err(error) = crate::store::in_range(policy).and_then(|()| reservable(policy)) {
             return Box::pin(std::future::ready(Err(error)));
         }
@@ -22,8 +29,8 @@ impl Reserve for RedisStore {
         let place = inner.place(key, policy);
         let policy = policy.clone();
         let record = Record::Reserve {
-            max_wait: u64::try_from(max_wait.as_micros()).unwrap_or(u64::MAX),
-            headroom: lease::headroom(&inner, &policy),
+            max_wait: micros(max_wait),
+            headroom: lease::headroom(&inner, &policy).max(micros(late)),
         };
         Box::pin(async move {
             let answer = inner
@@ -43,4 +50,8 @@ impl Reserve for RedisStore {
             Ok(decision.with_turn(Duration::from_micros(turn)))
         })
     }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
