@@ -168,3 +168,125 @@ async fn a_turn_past_max_wait_fails_at_once() {
         other => panic!("expected TooLate, got {other:?}"),
     }
 }
+
+/// The upstream's limit, as the fleet tests use it: 10 per second, and one per 50 ms (100 ms
+/// with the layer's margin), so that turns come one at a time.
+fn spaced() -> Policy {
+    let limits = ["10/1s".parse().unwrap(), "1/50ms".parse().unwrap()];
+    Policy::new("api", limits)
+        .unwrap()
+        .with_algorithm(Algorithm::SlidingLog)
+}
+
+/// Arrivals per second at the upstream, after `since`: the calls that arrived after it, over
+/// the time from it to the last of them.
+fn rate_after(arrivals: &[(Instant, u64)], since: Instant) -> (usize, f64) {
+    let after: Vec<Instant> = arrivals
+        .iter()
+        .map(|&(t, _)| t)
+        .filter(|&t| t > since)
+        .collect();
+    let last = after.iter().max().copied().unwrap_or(since);
+    let span = (last - since).as_secs_f64();
+    (after.len(), after.len() as f64 / span)
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancelling_half_of_the_waiting_calls_keeps_the_rest_at_the_full_rate() {
+    let arrivals: Arrivals = Arc::default();
+    let store = MemoryStore::new();
+    let layer = OutboundLayer::builder()
+        .policy(spaced())
+        .store(store.clone())
+        .max_wait(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let client = ServiceBuilder::new()
+        .layer(layer)
+        .service(upstream(arrivals.clone()));
+    let calls: Vec<_> = (0..60)
+        .map(|n| tokio::spawn(client.clone().oneshot(Request::new(n))))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let cancelled = Instant::now();
+    let mut kept = Vec::new();
+    for (n, call) in calls.into_iter().enumerate() {
+        match n % 2 == 1 && !call.is_finished() {
+            true => call.abort(),
+            false => kept.push(call),
+        }
+    }
+    for call in kept {
+        call.await.unwrap().unwrap();
+    }
+    let arrivals = arrivals.lock().unwrap().clone();
+    let (count, rate) = rate_after(&arrivals, cancelled);
+    println!("{count} calls after the cancellations, at {rate:.2} per second");
+    assert!(rate >= 9.0, "{rate:.2} per second");
+    // Nothing is left reserved: ten calls go at once.
+    tokio::time::advance(Duration::from_secs(2)).await;
+    let free = store
+        .peek(&Key::from("global"), &spaced(), 1)
+        .await
+        .unwrap();
+    assert_eq!(free.remaining(), 1, "{free:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_upstream_429_pauses_every_call_for_its_retry_after() {
+    let arrivals: Arrivals = Arc::default();
+    let refused_once = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let upstream = {
+        let (arrivals, refused_once) = (arrivals.clone(), refused_once.clone());
+        tower::service_fn(move |request: Request<u64>| {
+            let (arrivals, refused_once) = (arrivals.clone(), refused_once.clone());
+            async move {
+                let n = *request.body();
+                arrivals.lock().unwrap().push((Instant::now(), n));
+                let refuse =
+                    n == 14 && !refused_once.swap(true, std::sync::atomic::Ordering::SeqCst);
+                let status = match refuse {
+                    true => http::StatusCode::TOO_MANY_REQUESTS,
+                    false => http::StatusCode::OK,
+                };
+                let response = Response::builder()
+                    .status(status)
+                    .header("retry-after", "2")
+                    .body(())
+                    .unwrap();
+                Ok::<_, Infallible>(response)
+            }
+        })
+    };
+    let layer = OutboundLayer::builder()
+        .policy(spaced())
+        .max_wait(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let client = ServiceBuilder::new().layer(layer).service(upstream);
+    let calls: Vec<_> = (0..30)
+        .map(|n| tokio::spawn(client.clone().oneshot(Request::new(n))))
+        .collect();
+    let mut refused = 0;
+    for call in calls {
+        let response = call.await.unwrap().unwrap();
+        refused += usize::from(response.status() == http::StatusCode::TOO_MANY_REQUESTS);
+    }
+    assert_eq!(refused, 1);
+    let arrivals = arrivals.lock().unwrap().clone();
+    let at_429 = arrivals.iter().find(|&&(_, n)| n == 14).unwrap().0;
+    let during: Vec<_> = arrivals
+        .iter()
+        .filter(|&&(t, _)| t > at_429 && t < at_429 + Duration::from_secs(2))
+        .collect();
+    assert!(during.is_empty(), "sent during the pause: {during:?}");
+    let after = arrivals.iter().filter(|&&(t, _)| t > at_429).count();
+    assert_eq!(after, 15, "every call resumed after the pause");
+    let first_after = arrivals
+        .iter()
+        .map(|&(t, _)| t)
+        .filter(|&t| t > at_429)
+        .min()
+        .unwrap();
+    println!("resumed {:?} after the 429", first_after - at_429);
+}

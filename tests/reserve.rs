@@ -4,10 +4,22 @@
 
 use std::time::{Duration, UNIX_EPOCH};
 
-use tower_redis_ratelimit::store::{ManualClock, Override, Reserve, Scope};
+use tower_redis_ratelimit::store::{ManualClock, Override, Reserve, Scope, Ticket};
 use tower_redis_ratelimit::{Algorithm, Key, MemoryStore, Policy, Settlement, Store, StoreError};
 
 const MS: Duration = Duration::from_millis(1);
+
+/// A ticket of `cost` with a fresh id, for a reservation that waits up to `max_wait` and uses
+/// its units up to `late` after its turn.
+fn ticket(cost: u32, max_wait: Duration, late: Duration) -> Ticket {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let id = 1_000_000_000_000_000 + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    Ticket {
+        cost,
+        late,
+        ..Ticket::new(id, max_wait)
+    }
+}
 
 fn store() -> (MemoryStore, ManualClock) {
     let clock = ManualClock::starting_at(UNIX_EPOCH + Duration::from_secs(1_700_000_000));
@@ -31,7 +43,7 @@ async fn turns(
     let mut turns = Vec::new();
     for _ in 0..n {
         let d = store
-            .reserve(key, policy, 1, max_wait, Duration::ZERO)
+            .reserve(key, policy, ticket(1, max_wait, Duration::ZERO))
             .await
             .unwrap();
         turns.push(d.is_allowed().then(|| d.turn()));
@@ -75,7 +87,7 @@ async fn past_max_wait_nothing_is_recorded() {
     let (key, policy) = (Key::from("k"), policy("10/1s", Algorithm::Gcra));
     turns(&store, &key, &policy, 10, Duration::ZERO).await;
     let late = store
-        .reserve(&key, &policy, 1, 50 * MS, Duration::ZERO)
+        .reserve(&key, &policy, ticket(1, 50 * MS, Duration::ZERO))
         .await
         .unwrap();
     assert!(!late.is_allowed());
@@ -86,13 +98,13 @@ async fn past_max_wait_nothing_is_recorded() {
     );
     // Nothing recorded: the next one gets the same turn.
     let next = store
-        .reserve(&key, &policy, 1, 100 * MS, Duration::ZERO)
+        .reserve(&key, &policy, ticket(1, 100 * MS, Duration::ZERO))
         .await
         .unwrap();
     assert_eq!((next.is_allowed(), next.turn()), (true, 100 * MS));
     // A cost over the count never gets a turn.
     let never = store
-        .reserve(&key, &policy, 11, Duration::MAX, Duration::ZERO)
+        .reserve(&key, &policy, ticket(11, Duration::MAX, Duration::ZERO))
         .await
         .unwrap();
     assert_eq!((never.is_allowed(), never.retry_after()), (false, None));
@@ -105,7 +117,11 @@ async fn a_reservation_given_back_before_its_turn_frees_its_place() {
         let (key, policy) = (Key::from("k"), policy("10/1s", algorithm));
         turns(&store, &key, &policy, 10, Duration::ZERO).await;
         let waiting = store
-            .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
+            .reserve(
+                &key,
+                &policy,
+                ticket(1, Duration::from_secs(5), Duration::ZERO),
+            )
             .await
             .unwrap();
         let turn = waiting.turn();
@@ -116,7 +132,11 @@ async fn a_reservation_given_back_before_its_turn_frees_its_place() {
             .unwrap();
         // Given back whole: the next caller takes the same turn (10 ms later now).
         let next = store
-            .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
+            .reserve(
+                &key,
+                &policy,
+                ticket(1, Duration::from_secs(5), Duration::ZERO),
+            )
             .await
             .unwrap();
         assert_eq!(next.turn(), turn - 10 * MS, "{algorithm:?}");
@@ -126,7 +146,11 @@ async fn a_reservation_given_back_before_its_turn_frees_its_place() {
             .await
             .unwrap();
         let after = store
-            .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
+            .reserve(
+                &key,
+                &policy,
+                ticket(1, Duration::from_secs(5), Duration::ZERO),
+            )
             .await
             .unwrap();
         assert_eq!(after.turn(), turn - 10 * MS, "{algorithm:?}");
@@ -167,7 +191,11 @@ async fn policies_that_cannot_reserve_say_so() {
         slots,
     ] {
         let got = store
-            .reserve(&key, &policy, 1, Duration::from_secs(1), Duration::ZERO)
+            .reserve(
+                &key,
+                &policy,
+                ticket(1, Duration::from_secs(1), Duration::ZERO),
+            )
             .await;
         assert!(
             matches!(got, Err(StoreError::Unsupported(_))),
@@ -192,7 +220,11 @@ async fn turns_follow_reservation_order_across_stores_on_redis() {
         for i in 0..12 {
             let store = &stores[i % 2];
             let d = store
-                .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
+                .reserve(
+                    &key,
+                    &policy,
+                    ticket(1, Duration::from_secs(5), Duration::ZERO),
+                )
                 .await
                 .unwrap();
             assert!(d.is_allowed(), "{algorithm:?} {i}: {d:?}");
@@ -226,13 +258,21 @@ async fn turns_follow_reservation_order_across_stores_on_redis() {
         }
         // Given back before its turn, the last reservation's turn goes to the next caller.
         let last = stores[1]
-            .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
+            .reserve(
+                &key,
+                &policy,
+                ticket(1, Duration::from_secs(5), Duration::ZERO),
+            )
             .await
             .unwrap();
         let refund = Settlement::refund(&last, 1).unwrap();
         stores[1].settle(&key, &policy, refund).await.unwrap();
         let next = stores[0]
-            .reserve(&key, &policy, 1, Duration::from_secs(5), Duration::ZERO)
+            .reserve(
+                &key,
+                &policy,
+                ticket(1, Duration::from_secs(5), Duration::ZERO),
+            )
             .await
             .unwrap();
         let turn_of = |d: &tower_redis_ratelimit::Decision| match Settlement::charge(d, 1) {
@@ -245,4 +285,136 @@ async fn turns_follow_reservation_order_across_stores_on_redis() {
             "{algorithm:?}: the turn given back"
         );
     }
+}
+
+/// Four reservations one turn apart (`1/100ms`), and the second leaves the line: the two
+/// behind it move up a turn each, in their order, and the place left at the end is given back,
+/// so that the next reservation takes it. Turns are read as waits from the store's now; on
+/// Redis real time passes between the calls, within `slack`.
+async fn leaving_moves_those_behind_up<S: Reserve>(store: &S, key: &Key, slack: Duration) {
+    for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
+        let key = Key::from(format!("{}-{algorithm:?}", key.as_str()));
+        let policy = policy("1/100ms", algorithm);
+        let tickets: Vec<Ticket> = (0..4)
+            .map(|_| ticket(1, Duration::from_secs(5), Duration::ZERO))
+            .collect();
+        for (i, &t) in tickets.iter().enumerate() {
+            let d = store.reserve(&key, &policy, t).await.unwrap();
+            let expected = 100 * MS * i as u32;
+            assert!(
+                d.turn() + slack >= expected && d.turn() <= expected + MS,
+                "{algorithm:?} {i}: {:?}",
+                d.turn()
+            );
+        }
+        let left = store
+            .leave(&key, &policy, tickets[1], 50 * MS)
+            .await
+            .unwrap();
+        assert!(left.turn.is_some(), "{algorithm:?}: it was in line");
+        for (i, expected) in [(2, 100 * MS), (3, 200 * MS)] {
+            let stood = store.look(&key, &policy, tickets[i]).await.unwrap();
+            let turn = stood.turn.unwrap();
+            assert!(
+                turn + slack >= expected && turn <= expected,
+                "{algorithm:?}: reservation {i} stands at {turn:?}"
+            );
+        }
+        let gone = store.look(&key, &policy, tickets[1]).await.unwrap();
+        assert_eq!(gone.turn, None, "{algorithm:?}");
+        // Leaving twice frees nothing more.
+        let again = store
+            .leave(&key, &policy, tickets[1], 50 * MS)
+            .await
+            .unwrap();
+        assert_eq!(again.turn, None, "{algorithm:?}");
+        let next = store
+            .reserve(
+                &key,
+                &policy,
+                ticket(1, Duration::from_secs(5), Duration::ZERO),
+            )
+            .await
+            .unwrap();
+        assert!(
+            next.turn() + slack >= 300 * MS && next.turn() <= 300 * MS,
+            "{algorithm:?}: the place given back goes to the next, at {:?}",
+            next.turn()
+        );
+    }
+}
+
+/// A pause: reservations made during it take turns after it, and one in line before it
+/// learns it when it looks.
+async fn a_pause_holds_back_new_turns<S: Reserve>(store: &S, key: &Key, slack: Duration) {
+    for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
+        let key = Key::from(format!("{}-{algorithm:?}", key.as_str()));
+        let policy = policy("10/1s", algorithm);
+        let first = ticket(1, Duration::from_secs(5), Duration::ZERO);
+        let d = store.reserve(&key, &policy, first).await.unwrap();
+        assert_eq!(d.turn(), Duration::ZERO);
+        let paused = store
+            .pause(&key, &policy, Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert_eq!(paused.turn, None);
+        assert!(paused.paused + slack >= Duration::from_secs(2));
+        let stood = store.look(&key, &policy, first).await.unwrap();
+        assert!(
+            stood.turn.unwrap() < stood.paused,
+            "{algorithm:?}: {stood:?}"
+        );
+        let after = store
+            .reserve(
+                &key,
+                &policy,
+                ticket(1, Duration::from_secs(5), Duration::ZERO),
+            )
+            .await
+            .unwrap();
+        assert!(
+            after.turn() + slack >= Duration::from_secs(2),
+            "{algorithm:?}: a turn in the pause, {:?}",
+            after.turn()
+        );
+        // A pause past the most a reservation waits refuses it, recording nothing.
+        let short = store
+            .reserve(
+                &key,
+                &policy,
+                ticket(1, Duration::from_secs(1), Duration::ZERO),
+            )
+            .await
+            .unwrap();
+        assert!(!short.is_allowed(), "{algorithm:?}: {short:?}");
+        // A shorter pause leaves the longer one.
+        let kept = store.pause(&key, &policy, MS).await.unwrap();
+        assert!(kept.paused + slack >= Duration::from_secs(2) - 10 * MS);
+    }
+}
+
+#[tokio::test]
+async fn leaving_the_line_moves_those_behind_up_on_memory() {
+    let (store, _) = store();
+    leaving_moves_those_behind_up(&store, &Key::from("k"), Duration::ZERO).await;
+}
+
+#[tokio::test]
+async fn leaving_the_line_moves_those_behind_up_on_redis() {
+    let server = common::RedisServer::start();
+    let store = server.store().await;
+    leaving_moves_those_behind_up(&store, &Key::from("k"), 30 * MS).await;
+}
+
+#[tokio::test]
+async fn a_pause_holds_back_new_turns_on_memory() {
+    let (store, _) = store();
+    a_pause_holds_back_new_turns(&store, &Key::from("k"), Duration::ZERO).await;
+}
+
+#[tokio::test]
+async fn a_pause_holds_back_new_turns_on_redis() {
+    let server = common::RedisServer::start();
+    let store = server.store().await;
+    a_pause_holds_back_new_turns(&store, &Key::from("k"), 30 * MS).await;
 }

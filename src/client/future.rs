@@ -1,26 +1,34 @@
-//! The response future: reserve, wait for the turn, take the inner service's readiness, call.
+//! The response future: reserve, wait for the turn (looking again when woken, and at the
+//! turn), take the inner service's readiness, call, and pause the key where the upstream
+//! pushes back.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
-use http::Request;
+use http::{Request, Response};
 use pin_project_lite::pin_project;
-use tokio::time::Sleep;
+use tokio::sync::futures::OwnedNotified;
+use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
+use super::layer::Shared;
+use super::pushback::pushback;
 use super::OutboundError;
-use crate::{Decision, Key, Policy, Settlement, Store};
+use crate::store::{InLine, Reserve, Ticket};
+use crate::{Key, StoreError};
 
-/// A store a response future can give a reservation back to from `Drop`, on a task of its
-/// own: the bounds of [`Outbound`](super::Outbound)'s service, in one place.
+/// A store a response future can reserve with, and give a reservation back to from `Drop`, on
+/// a task of its own: the bounds of [`Outbound`](super::Outbound)'s service, in one place.
 pub trait Keeper:
-    Store<Future: Send + 'static, ResetFuture: Send + 'static> + Send + Sync + 'static
+    Reserve<Future: Send + 'static, LineFuture: Send + 'static> + Clone + Send + Sync + 'static
 {
 }
 
 impl<St> Keeper for St where
-    St: Store<Future: Send + 'static, ResetFuture: Send + 'static> + Send + Sync + 'static
+    St: Reserve<Future: Send + 'static, LineFuture: Send + 'static> + Clone + Send + Sync + 'static
 {
 }
 
@@ -37,6 +45,8 @@ pin_project! {
         request: Option<Request<B>>,
         inner: Option<S>,
         failed: Option<OutboundError<S::Error>>,
+        // Where the request reserves: kept to pause its key when the upstream pushes back.
+        seat: Option<Seat<St>>,
     }
 }
 
@@ -44,34 +54,38 @@ pin_project! {
 enum Step<St: Keeper> {
     /// Its reservation is on its way.
     Reserving(Pending<St>),
-    /// Its turn has not come yet.
-    Waiting(Pin<Box<Sleep>>, Held<St>),
+    /// Its turn has not come yet: it sleeps until its turn, or its next look, or until woken
+    /// by a reservation of its layer that left the line or a pause.
+    Waiting {
+        sleep: Pin<Box<Sleep>>,
+        woken: Pin<Box<OwnedNotified>>,
+        held: Held<St>,
+    },
+    /// It looks where it stands in line.
+    Looking {
+        look: Pin<Box<St::LineFuture>>,
+        held: Held<St>,
+    },
     /// Its turn has come; the inner service is not ready yet.
     Turn(Held<St>),
     /// Sent (or failed).
     Gone,
 }
 
-impl<S, St, B> ResponseFuture<S, St, B>
+impl<S, St, B, RB> ResponseFuture<S, St, B>
 where
-    S: Service<Request<B>>,
+    S: Service<Request<B>, Response = Response<RB>>,
     St: Keeper,
 {
-    pub(super) fn new(
-        reserve: St::Future,
-        giver: Giver<St>,
-        request: Request<B>,
-        inner: S,
-    ) -> Self {
+    pub(super) fn new(seat: Seat<St>, request: Request<B>, inner: S) -> Self {
+        let pending = Pending::new(seat.clone());
         ResponseFuture {
             call: None,
-            step: Step::Reserving(Pending {
-                future: Some(Box::pin(reserve)),
-                giver: Some(giver),
-            }),
+            step: Step::Reserving(pending),
             request: Some(request),
             inner: Some(inner),
             failed: None,
+            seat: Some(seat),
         }
     }
 
@@ -82,13 +96,14 @@ where
             request: None,
             inner: None,
             failed: Some(error),
+            seat: None,
         }
     }
 }
 
-impl<S, St, B> Future for ResponseFuture<S, St, B>
+impl<S, St, B, RB> Future for ResponseFuture<S, St, B>
 where
-    S: Service<Request<B>>,
+    S: Service<Request<B>, Response = Response<RB>>,
     St: Keeper,
 {
     type Output = Result<S::Response, OutboundError<S::Error>>;
@@ -96,49 +111,48 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         loop {
-            match std::mem::replace(this.step, Step::Gone) {
+            // Each step either moves on (`Ok`), or parks until woken (`Err`, the step kept).
+            let next = match std::mem::replace(this.step, Step::Gone) {
                 Step::Reserving(mut pending) => match pending.poll(cx) {
-                    Poll::Pending => {
-                        *this.step = Step::Reserving(pending);
-                        return Poll::Pending;
-                    }
-                    Poll::Ready(Err(error)) => {
-                        return Poll::Ready(Err(OutboundError::Store(error)))
-                    }
-                    Poll::Ready(Ok(held)) => {
-                        let Some(turn) = held.turn() else {
-                            let turn = held.refused_turn();
-                            return Poll::Ready(Err(OutboundError::TooLate { turn }));
-                        };
-                        let sleep = Box::pin(tokio::time::sleep(turn));
-                        *this.step = Step::Waiting(sleep, held);
-                    }
+                    Poll::Pending => Err(Step::Reserving(pending)),
+                    Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                    Poll::Ready(Ok(held)) => Ok(held.wait()),
                 },
-                Step::Waiting(mut sleep, held) => {
-                    if sleep.as_mut().poll(cx).is_pending() {
-                        *this.step = Step::Waiting(sleep, held);
-                        return Poll::Pending;
+                Step::Waiting {
+                    mut sleep,
+                    mut woken,
+                    held,
+                } => {
+                    let slept = sleep.as_mut().poll(cx).is_ready();
+                    match slept || woken.as_mut().poll(cx).is_ready() {
+                        true => Ok(held.look()),
+                        false => Err(Step::Waiting { sleep, woken, held }),
                     }
-                    *this.step = Step::Turn(held);
                 }
+                Step::Looking { mut look, held } => match look.as_mut().poll(cx) {
+                    Poll::Pending => Err(Step::Looking { look, held }),
+                    Poll::Ready(stood) => match held.after_look(stood) {
+                        Ok(step) => Ok(step),
+                        Err(error) => return Poll::Ready(Err(error)),
+                    },
+                },
                 Step::Turn(mut held) => {
                     let Some(inner) = this.inner.as_mut() else {
                         return Poll::Pending;
                     };
                     match inner.poll_ready(cx) {
-                        Poll::Pending => {
-                            *this.step = Step::Turn(held);
-                            return Poll::Pending;
-                        }
+                        Poll::Pending => Err(Step::Turn(held)),
                         Poll::Ready(Err(error)) => {
                             return Poll::Ready(Err(OutboundError::Inner(error)))
                         }
-                        Poll::Ready(Ok(())) => {}
-                    }
-                    // The request goes out: its units are used, not given back.
-                    held.keep();
-                    if let Some(request) = this.request.take() {
-                        this.call.set(Some(inner.call(request)));
+                        Poll::Ready(Ok(())) => {
+                            // The request goes out: its units are used, not given back.
+                            held.keep();
+                            if let Some(request) = this.request.take() {
+                                this.call.set(Some(inner.call(request)));
+                            }
+                            Ok(Step::Gone)
+                        }
                     }
                 }
                 Step::Gone => {
@@ -149,71 +163,155 @@ where
                         return Poll::Pending;
                     };
                     let response = ready!(call.poll(cx));
+                    if let (Ok(response), Some(seat)) = (&response, this.seat.take()) {
+                        if let Some(pause) = pushback(response) {
+                            seat.pause(pause);
+                        }
+                    }
                     return Poll::Ready(response.map_err(OutboundError::Inner));
+                }
+            };
+            match next {
+                Ok(step) => *this.step = step,
+                Err(step) => {
+                    *this.step = step;
+                    return Poll::Pending;
                 }
             }
         }
     }
 }
 
-/// How a reservation is given back: its store, key and policy.
-pub(super) struct Giver<St> {
-    store: St,
+/// Where a request reserves: its layer's store, policy and wake-up, its key, and the ticket of
+/// its latest reservation.
+pub(super) struct Seat<St: Keeper> {
+    shared: Arc<Shared<St>>,
     key: Key,
-    policy: Policy,
+    ticket: Ticket,
+    started: Instant,
 }
 
-impl<St: Keeper> Giver<St> {
-    pub(super) fn new(store: St, key: Key, policy: Policy) -> Self {
-        Giver { store, key, policy }
+impl<St: Keeper> Clone for Seat<St> {
+    fn clone(&self) -> Self {
+        Seat {
+            shared: Arc::clone(&self.shared),
+            key: self.key.clone(),
+            ticket: self.ticket,
+            started: self.started,
+        }
+    }
+}
+
+impl<St: Keeper> Seat<St> {
+    pub(super) fn new(shared: Arc<Shared<St>>, key: Key) -> Self {
+        let ticket = shared.ticket(shared.max_wait);
+        Seat {
+            shared,
+            key,
+            ticket,
+            started: Instant::now(),
+        }
     }
 
-    /// Gives `decision`'s unit back, on a task of its own (the caller is going away).
-    fn give_back(self, decision: Decision) {
-        let Some(refund) = Settlement::refund(&decision, 1) else {
-            return;
-        };
+    /// Takes the reservation out of the line, on a task of its own (the caller is going
+    /// away), and then wakes this layer's waiting requests: those behind it moved up.
+    fn leave(&self) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let settle = self.store.settle(&self.key, &self.policy, refund);
+        let shared = &self.shared;
+        // Those behind move up only where they learn it in time: a request of another instance
+        // learns at its next look, and may go `late` after its turn.
+        let notice = shared.recheck + shared.late;
+        let leave = shared
+            .store
+            .leave(&self.key, &shared.policy, self.ticket, notice);
+        let shared = Arc::clone(shared);
         runtime.spawn(async move {
-            if let Err(error) = settle.await {
+            if let Err(error) = leave.await {
                 tracing::warn!(
                     target: "tower_redis_ratelimit",
                     %error,
                     "failed to give back a reservation"
                 );
             }
+            shared.wake.notify_waiters();
         });
+    }
+
+    /// Pauses the key for every caller that shares the store, on a task of its own, and then
+    /// wakes this layer's waiting requests to learn it.
+    fn pause(&self, pause: Duration) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let shared = &self.shared;
+        let paused = shared.store.pause(&self.key, &shared.policy, pause);
+        let shared = Arc::clone(shared);
+        runtime.spawn(async move {
+            if let Err(error) = paused.await {
+                tracing::warn!(
+                    target: "tower_redis_ratelimit",
+                    %error,
+                    "failed to pause a key the upstream pushed back on"
+                );
+            }
+            shared.wake.notify_waiters();
+        });
+    }
+
+    /// The same request, reserving again with what is left of its wait; `None` when nothing
+    /// is left.
+    fn again(&self) -> Option<Seat<St>> {
+        let left = self.shared.max_wait.checked_sub(self.started.elapsed())?;
+        Some(Seat {
+            ticket: self.shared.ticket(left),
+            ..self.clone()
+        })
     }
 }
 
 /// A reservation on its way: if its caller goes away before the store answers, the answer is
-/// still awaited, on a task of its own, and a reservation it made is given back.
+/// still awaited, on a task of its own, and a reservation it made leaves the line.
 struct Pending<St: Keeper> {
     future: Option<Pin<Box<St::Future>>>,
-    giver: Option<Giver<St>>,
+    seat: Option<Seat<St>>,
 }
 
 impl<St: Keeper> Pending<St> {
-    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Held<St>, crate::StoreError>> {
+    fn new(seat: Seat<St>) -> Self {
+        let shared = &seat.shared;
+        let reserve = shared.store.reserve(&seat.key, &shared.policy, seat.ticket);
+        Pending {
+            future: Some(Box::pin(reserve)),
+            seat: Some(seat),
+        }
+    }
+
+    fn poll<E>(&mut self, cx: &mut Context<'_>) -> Poll<Result<Held<St>, OutboundError<E>>> {
         let Some(future) = self.future.as_mut() else {
             return Poll::Pending;
         };
         let decision = ready!(future.as_mut().poll(cx));
         self.future = None;
-        let giver = self.giver.take();
-        Poll::Ready(decision.map(|decision| Held {
-            decision: Some(decision),
-            giver,
+        let Some(seat) = self.seat.take() else {
+            return Poll::Pending;
+        };
+        let decision = decision.map_err(OutboundError::Store)?;
+        if !decision.is_allowed() {
+            let turn = decision.retry_after();
+            return Poll::Ready(Err(OutboundError::TooLate { turn }));
+        }
+        Poll::Ready(Ok(Held {
+            turn_at: Instant::now() + decision.turn(),
+            seat: Some(seat),
         }))
     }
 }
 
 impl<St: Keeper> Drop for Pending<St> {
     fn drop(&mut self) {
-        let (Some(future), Some(giver)) = (self.future.take(), self.giver.take()) else {
+        let (Some(future), Some(seat)) = (self.future.take(), self.seat.take()) else {
             return;
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -222,44 +320,97 @@ impl<St: Keeper> Drop for Pending<St> {
         runtime.spawn(async move {
             if let Ok(decision) = future.await {
                 if decision.is_allowed() {
-                    giver.give_back(decision);
+                    seat.leave();
                 }
             }
         });
     }
 }
 
-/// A reservation answered: given back when dropped before the request went out.
+/// A reservation in line: it leaves the line when dropped before its request went out.
 struct Held<St: Keeper> {
-    decision: Option<Decision>,
-    giver: Option<Giver<St>>,
+    /// When its turn comes, as it last learned.
+    turn_at: Instant,
+    seat: Option<Seat<St>>,
 }
 
 impl<St: Keeper> Held<St> {
-    /// The wait for its turn, when it was reserved.
-    fn turn(&self) -> Option<std::time::Duration> {
-        self.decision
-            .filter(Decision::is_allowed)
-            .map(|decision| decision.turn())
+    /// Sleeps until its turn, or its next look when that is sooner, or until woken.
+    fn wait(self) -> Step<St> {
+        let Some(seat) = self.seat.as_ref() else {
+            return Step::Turn(self);
+        };
+        let shared = &seat.shared;
+        let woken = Box::pin(Arc::clone(&shared.wake).notified_owned());
+        let next = (Instant::now() + shared.recheck).min(self.turn_at);
+        Step::Waiting {
+            sleep: Box::pin(tokio::time::sleep_until(next)),
+            woken,
+            held: self,
+        }
     }
 
-    /// When the refused reservation's turn would have come.
-    fn refused_turn(&self) -> Option<std::time::Duration> {
-        self.decision.and_then(|decision| decision.retry_after())
+    /// Looks where it stands in line.
+    fn look(self) -> Step<St> {
+        let Some(seat) = self.seat.as_ref() else {
+            return Step::Turn(self);
+        };
+        let shared = &seat.shared;
+        let look = shared.store.look(&seat.key, &shared.policy, seat.ticket);
+        Step::Looking {
+            look: Box::pin(look),
+            held: self,
+        }
+    }
+
+    /// What it does once it learned where it stands (`stood`): its turn, moved up or not,
+    /// or a pause that falls after it, which it waits out by reserving again.
+    fn after_look<E>(
+        mut self,
+        stood: Result<InLine, StoreError>,
+    ) -> Result<Step<St>, OutboundError<E>> {
+        let now = Instant::now();
+        let stood = match stood {
+            Ok(stood) => stood,
+            // The store could not say: the turn it had holds.
+            Err(_) => return Ok(self.at_turn(now)),
+        };
+        if !stood.paused.is_zero() && stood.turn.is_none_or(|turn| turn < stood.paused) {
+            let Some(seat) = self.seat.take() else {
+                return Ok(Step::Gone);
+            };
+            seat.leave();
+            let Some(again) = seat.again() else {
+                return Err(OutboundError::TooLate {
+                    turn: Some(stood.paused),
+                });
+            };
+            return Ok(Step::Reserving(Pending::new(again)));
+        }
+        if let Some(turn) = stood.turn {
+            self.turn_at = now + turn;
+        }
+        Ok(self.at_turn(now))
+    }
+
+    /// Goes when its turn has come, else waits on.
+    fn at_turn(self, now: Instant) -> Step<St> {
+        match now >= self.turn_at {
+            true => Step::Turn(self),
+            false => self.wait(),
+        }
     }
 
     /// The request went out: nothing to give back.
     fn keep(&mut self) {
-        self.decision = None;
+        self.seat = None;
     }
 }
 
 impl<St: Keeper> Drop for Held<St> {
     fn drop(&mut self) {
-        if let (Some(decision), Some(giver)) = (self.decision.take(), self.giver.take()) {
-            if decision.is_allowed() {
-                giver.give_back(decision);
-            }
+        if let Some(seat) = self.seat.take() {
+            seat.leave();
         }
     }
 }

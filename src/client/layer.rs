@@ -1,25 +1,30 @@
 //! The layer and its builder.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tower_layer::Layer;
 
 use super::service::Outbound;
 use crate::key::Global;
 use crate::store::reserve::reservable;
+use crate::store::Ticket;
 use crate::{BuildError, MemoryStore, Policy, Store};
 
 /// Makes every request of the wrapped service wait for its turn under one policy
 /// ([`client`](super) has an example).
 #[derive(Debug)]
 pub struct OutboundLayer<K, St> {
-    shared: Arc<Shared<K, St>>,
+    key: Arc<K>,
+    shared: Arc<Shared<St>>,
 }
 
 impl<K, St> Clone for OutboundLayer<K, St> {
     fn clone(&self) -> Self {
         OutboundLayer {
+            key: Arc::clone(&self.key),
             shared: Arc::clone(&self.shared),
         }
     }
@@ -27,12 +32,34 @@ impl<K, St> Clone for OutboundLayer<K, St> {
 
 /// What every service and future of one layer reads.
 #[derive(Debug)]
-pub(super) struct Shared<K, St> {
-    pub(super) key: K,
+pub(super) struct Shared<St> {
     pub(super) store: St,
     pub(super) policy: Policy,
     pub(super) max_wait: Duration,
     pub(super) late: Duration,
+    /// How often a request further than this from its turn looks where it stands.
+    pub(super) recheck: Duration,
+    /// Wakes the layer's waiting requests: a reservation of the layer left the line (those
+    /// behind it moved up), or the layer paused a key.
+    pub(super) wake: Arc<Notify>,
+    /// The id of the next reservation.
+    next: AtomicU64,
+}
+
+impl<St> Shared<St> {
+    /// A ticket for a new reservation of one unit that waits up to `max_wait`. Its id has 16
+    /// decimal digits, like every reservation's of this crate: the line on Redis orders turns
+    /// of the same instant by their members' text, which is then their ids' order, as on the
+    /// memory store.
+    pub(super) fn ticket(&self, max_wait: Duration) -> Ticket {
+        const FIRST: u64 = 1_000_000_000_000_000;
+        const SPAN: u64 = 3_000_000_000_000_000;
+        let id = FIRST + self.next.fetch_add(1, Ordering::Relaxed) % SPAN;
+        Ticket {
+            late: self.late,
+            ..Ticket::new(id, max_wait)
+        }
+    }
 }
 
 impl OutboundLayer<Global, MemoryStore> {
@@ -45,6 +72,7 @@ impl OutboundLayer<Global, MemoryStore> {
             policy: None,
             max_wait: Duration::from_secs(30),
             margin: Duration::from_millis(50),
+            recheck: Duration::from_millis(100),
         }
     }
 }
@@ -53,7 +81,7 @@ impl<K, St, S> Layer<S> for OutboundLayer<K, St> {
     type Service = Outbound<S, K, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Outbound::new(inner, Arc::clone(&self.shared))
+        Outbound::new(inner, Arc::clone(&self.key), Arc::clone(&self.shared))
     }
 }
 
@@ -65,6 +93,7 @@ pub struct OutboundLayerBuilder<K, St> {
     policy: Option<Policy>,
     max_wait: Duration,
     margin: Duration,
+    recheck: Duration,
 }
 
 impl<K, St> OutboundLayerBuilder<K, St> {
@@ -83,6 +112,7 @@ impl<K, St> OutboundLayerBuilder<K, St> {
             policy: self.policy,
             max_wait: self.max_wait,
             margin: self.margin,
+            recheck: self.recheck,
         }
     }
 
@@ -95,6 +125,7 @@ impl<K, St> OutboundLayerBuilder<K, St> {
             policy: self.policy,
             max_wait: self.max_wait,
             margin: self.margin,
+            recheck: self.recheck,
         }
     }
 
@@ -114,6 +145,15 @@ impl<K, St> OutboundLayerBuilder<K, St> {
         self
     }
 
+    /// How often a request further than this from its turn looks where it stands in line
+    /// (default 100 ms), to learn that it moved up (requests ahead of it on other instances
+    /// stopped waiting) or that its key was paused by another instance. Requests of this
+    /// layer learn what this layer's requests do at once. Each look is one call to the store.
+    pub fn recheck(mut self, recheck: Duration) -> Self {
+        self.recheck = recheck;
+        self
+    }
+
     /// The layer; fails without a policy, or with one that cannot keep turns (a counter, a
     /// penalty box, a concurrency limit) or that the store cannot decide.
     pub fn build(self) -> Result<OutboundLayer<K, St>, BuildError>
@@ -127,13 +167,22 @@ impl<K, St> OutboundLayerBuilder<K, St> {
         };
         reservable(&policy).map_err(unsupported)?;
         self.store.supports(&policy).map_err(unsupported)?;
+        if self.recheck.is_zero() {
+            return Err(BuildError::Unsupported {
+                policy: policy.name().to_owned(),
+                why: "an outbound layer's recheck must be longer than zero".to_owned(),
+            });
+        }
         Ok(OutboundLayer {
+            key: Arc::new(self.key),
             shared: Arc::new(Shared {
-                key: self.key,
                 store: self.store,
                 policy,
                 max_wait: self.max_wait,
                 late: self.margin,
+                recheck: self.recheck,
+                wake: Arc::new(Notify::new()),
+                next: AtomicU64::new(crate::concurrency::random_start()),
             }),
         })
     }

@@ -26,9 +26,10 @@
 mod error;
 mod future;
 mod layer;
+mod pushback;
 mod service;
 
 pub use error::OutboundError;
-pub use future::ResponseFuture;
+pub use future::{Keeper, ResponseFuture};
 pub use layer::{OutboundLayer, OutboundLayerBuilder};
 pub use service::Outbound;

@@ -3,12 +3,11 @@
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use http::Request;
+use http::{Request, Response};
 use tower_service::Service;
 
-use super::future::{Giver, Keeper, ResponseFuture};
+use super::future::{Keeper, ResponseFuture, Seat};
 use super::layer::Shared;
-use crate::store::Reserve;
 use crate::KeyExtractor;
 
 /// A service whose requests wait for their turn ([`OutboundLayer`](super::OutboundLayer)).
@@ -19,29 +18,31 @@ use crate::KeyExtractor;
 #[derive(Debug)]
 pub struct Outbound<S, K, St> {
     inner: S,
-    shared: Arc<Shared<K, St>>,
+    key: Arc<K>,
+    shared: Arc<Shared<St>>,
 }
 
 impl<S: Clone, K, St> Clone for Outbound<S, K, St> {
     fn clone(&self) -> Self {
         Outbound {
             inner: self.inner.clone(),
+            key: Arc::clone(&self.key),
             shared: Arc::clone(&self.shared),
         }
     }
 }
 
 impl<S, K, St> Outbound<S, K, St> {
-    pub(super) fn new(inner: S, shared: Arc<Shared<K, St>>) -> Self {
-        Outbound { inner, shared }
+    pub(super) fn new(inner: S, key: Arc<K>, shared: Arc<Shared<St>>) -> Self {
+        Outbound { inner, key, shared }
     }
 }
 
-impl<S, K, St, B> Service<Request<B>> for Outbound<S, K, St>
+impl<S, K, St, B, RB> Service<Request<B>> for Outbound<S, K, St>
 where
-    S: Service<Request<B>> + Clone,
+    S: Service<Request<B>, Response = Response<RB>> + Clone,
     K: KeyExtractor<B>,
-    St: Reserve + Keeper + Clone,
+    St: Keeper,
 {
     type Response = S::Response;
     type Error = super::OutboundError<S::Error>;
@@ -52,15 +53,11 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let shared = &self.shared;
-        let key = match shared.key.extract(&request) {
+        let key = match self.key.extract(&request) {
             Ok(key) => key,
             Err(error) => return ResponseFuture::failed(super::OutboundError::Key(error)),
         };
-        let reserve = shared
-            .store
-            .reserve(&key, &shared.policy, 1, shared.max_wait, shared.late);
-        let giver = Giver::new(shared.store.clone(), key, shared.policy.clone());
-        ResponseFuture::new(reserve, giver, request, self.inner.clone())
+        let seat = Seat::new(Arc::clone(&self.shared), key);
+        ResponseFuture::new(seat, request, self.inner.clone())
     }
 }

@@ -5,9 +5,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use super::line::Line;
 use super::override_table::Table;
 use super::overrides::{Applied, Overrides};
-use super::reserve::{reservable, Reserve};
+use super::reserve::{reservable, InLine, Reserve, Ticket};
 use super::{Store, StoreError};
 use crate::algorithm::{
     decide,
@@ -176,6 +177,8 @@ struct State {
     locked_until: u64,
     /// The key's concurrency slots, when its policy has a concurrency limit.
     slots: Slots,
+    /// The key's reservations waiting for their turns, and its pause ([`Reserve`]).
+    line: Line,
 }
 
 /// The state of one key under the algorithm of its policy.
@@ -202,9 +205,9 @@ struct Ask {
     waiter: Option<Waiter>,
     /// How much longer than its longest window the state must be kept ([`Stretch`]).
     stretch: Stretch,
-    /// A reservation ([`Reserve`]): the most it may wait for its turn, and how late its
-    /// units may be used after it (µs).
-    reserve: Option<(u64, u64)>,
+    /// A reservation ([`Reserve`]): its id, the most it may wait for its turn, and how late
+    /// its units may be used after it (µs).
+    reserve: Option<(u64, u64, u64)>,
 }
 
 /// How much longer a GCRA state decided under an override's counts must be kept than their
@@ -270,10 +273,12 @@ struct Answer {
     turn: Option<u64>,
 }
 
-/// The map keeps a key while it is locked out by its penalty box, or holds concurrency slots.
+/// The map keeps a key while it is locked out by its penalty box, holds concurrency slots, or
+/// has reservations waiting for their turns or a pause.
 impl Pinning for State {
     fn pinned_until(&self) -> u64 {
-        self.locked_until.max(self.slots.last_expiry())
+        let line = self.line.last().unwrap_or(0).max(self.line.paused_until());
+        self.locked_until.max(self.slots.last_expiry()).max(line)
     }
 }
 
@@ -292,6 +297,7 @@ impl State {
             held_until: 0,
             locked_until: 0,
             slots: Slots::default(),
+            line: Line::default(),
         }
     }
 
@@ -373,8 +379,8 @@ impl State {
     /// request it admits and the concurrency slot that takes, or the penalty box of a refusal.
     /// `kept` is until when the key's state is kept so far (0: new).
     fn answer(&mut self, policy: &Policy, ask: &Ask, kept: u64) -> Answer {
-        if let Some((max_wait, late)) = ask.reserve {
-            return self.reserve(policy, ask, max_wait, late);
+        if let Some((id, max_wait, late)) = ask.reserve {
+            return self.reserve(policy, ask, id, (max_wait, late));
         }
         let (now, t) = (ask.now, ask.t);
         let outcome = self.decide(now, t, policy, ask.cost, ask.record);
@@ -424,22 +430,40 @@ impl State {
         }
     }
 
-    /// Reserves `ask`'s cost for its turn, within `max_wait` (`algorithm::reserve`): the
-    /// answer of a request admitted at its turn, and the key kept a window past it.
-    fn reserve(&mut self, policy: &Policy, ask: &Ask, max_wait: u64, late: u64) -> Answer {
+    /// Reserves `ask`'s cost for its turn, after the key's pause and within `max_wait`
+    /// (`algorithm::reserve`), as reservation `id` of the key's line: the answer of a request
+    /// admitted at its turn, and the key kept a window past it.
+    fn reserve(
+        &mut self,
+        policy: &Policy,
+        ask: &Ask,
+        id: u64,
+        (max_wait, late): (u64, u64),
+    ) -> Answer {
         let (now, windows) = (ask.now, policy.windows());
-        let reserved = match &mut self.of {
-            Of::Log(log) => {
+        // Reserved as if asked at the pause's end, so that GCRA's bucket drains from there.
+        let from = self.line.floor(now);
+        let shift = from - now;
+        let reserved = match (&mut self.of, max_wait.checked_sub(shift)) {
+            (_, None) => Reserved::TooLate(Some(0)),
+            (Of::Log(log), Some(wait)) => {
                 trim(log, now.saturating_sub(late), policy);
                 let longer: Vec<Window> = windows
                     .iter()
                     .map(|w| Window::new(w.count, w.micros.saturating_add(late)))
                     .collect();
-                reserve(log, now, &longer, ask.cost, max_wait)
+                reserve(log, from, &longer, ask.cost, wait)
             }
-            Of::Gcra(bucket) => reserve(bucket, now, windows, ask.cost, max_wait),
+            (Of::Gcra(bucket), Some(wait)) => reserve(bucket, from, windows, ask.cost, wait),
             // `reservable` refuses them first.
-            Of::Sliding(_) | Of::Fixed(_) => Reserved::TooLate(None),
+            (Of::Sliding(_) | Of::Fixed(_), _) => Reserved::TooLate(None),
+        };
+        let reserved = match reserved {
+            Reserved::TooLate(wait) => Reserved::TooLate(wait.map(|w| w + shift)),
+            Reserved::At(turn) => {
+                self.line.join(now, turn, id, ask.cost);
+                Reserved::At(turn)
+            }
         };
         let (turn, outcome) = match reserved {
             Reserved::At(turn) => (Some(turn), self.decide(now, turn, policy, 0, false)),
@@ -685,22 +709,25 @@ impl MemoryStore {
         }
     }
 
+    /// The policy whose counts `key` is decided by under `policy`: an override's, or its own
+    /// (a blocked key's too).
+    fn in_force(&self, key: &Key, policy: &Policy) -> Policy {
+        match self.shared.overrides.apply(key, policy) {
+            Applied::Other(used) => used,
+            _ => policy.clone(),
+        }
+    }
+
     /// Records `settlement` for `key` under `policy`, now.
     fn settle_now(&self, key: &Key, policy: &Policy, settlement: Settlement) {
         let now = self.now();
         // Settled under the counts the key is decided by; a blocked key's under its own.
-        let (other, stretch);
-        let policy = match self.shared.overrides.apply(key, policy) {
-            Applied::Other(used) => {
-                stretch = Stretch::of(policy, &used);
-                other = used;
-                &other
-            }
-            _ => {
-                stretch = Stretch::NONE;
-                policy
-            }
+        let stretch = match self.shared.overrides.apply(key, policy) {
+            Applied::Other(used) => Stretch::of(policy, &used),
+            _ => Stretch::NONE,
         };
+        let in_force = self.in_force(key, policy);
+        let policy = &in_force;
         let algorithm = policy.algorithm();
         // The state a refund's units were recorded in, the only one it applies to.
         let recorded_in = match &settlement {
@@ -826,26 +853,102 @@ fn decision((answer, state): (Answer, u64), policy: &Policy, ask: &Ask) -> Decis
 }
 
 /// Reserves in the map, as decisions are made: under the override or plan in force for the
-/// key, blocked by a block; the key is kept until a window past its last turn.
+/// key, blocked by a block; the key is kept until a window past its last turn, and its line
+/// with it.
 impl Reserve for MemoryStore {
+    type LineFuture = Ready<Result<InLine, StoreError>>;
+
     /// `late` is kept by the sliding log (its windows read that much longer); GCRA's bucket
     /// on the memory store keeps no headroom yet, and takes it as 0.
-    fn reserve(
-        &self,
-        key: &Key,
-        policy: &Policy,
-        cost: u32,
-        max_wait: Duration,
-        late: Duration,
-    ) -> Self::Future {
+    fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::Future {
         if let Err(error) = super::in_range(policy).and_then(|()| reservable(policy)) {
             return ready(Err(error));
         }
         let ask = Ask {
-            reserve: Some((micros(max_wait), micros(late))),
-            ..self.ask(policy, cost, None, true)
+            reserve: Some((ticket.id, micros(ticket.max_wait), micros(ticket.late))),
+            ..self.ask(policy, ticket.cost, None, true)
         };
         ready(Ok(self.decide_overridden(key, policy, ask)))
+    }
+
+    fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
+        ready(Ok(self.in_line(key, policy, |state, now| {
+            state.line.look(now, ticket.id)
+        })))
+    }
+
+    /// The place left at the end is refunded under the counts in force for the key, only
+    /// where the key's state is the one the line was kept with (it is the same entry).
+    fn leave(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        ticket: Ticket,
+        notice: Duration,
+    ) -> Self::LineFuture {
+        let in_force = self.in_force(key, policy);
+        ready(Ok(self.in_line(key, policy, |state, now| {
+            let (at, (free, cost)) = state.line.leave(now, ticket.id, micros(notice))?;
+            let refund = Refund {
+                units: cost,
+                at: Some(free),
+                recorded: cost,
+            };
+            state.settle(now, &in_force, Settle::Refund(refund));
+            Some(at)
+        })))
+    }
+
+    fn pause(&self, key: &Key, policy: &Policy, pause: Duration) -> Self::LineFuture {
+        let now = self.now();
+        let until = now.saturating_add(micros(pause));
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        let paused = match shard.get(key, policy.state_id(), now) {
+            Some(entry) if entry.is_live(now) => {
+                entry.value.line.pause(until);
+                entry.expires = entry.expires.max(until);
+                entry.value.line.paused_until()
+            }
+            _ => {
+                let mut state = self.shared.fresh(policy.algorithm());
+                state.line.pause(until);
+                shard.insert(key, policy.state_id(), now, until, state);
+                until
+            }
+        };
+        ready(Ok(InLine {
+            turn: None,
+            paused: Duration::from_micros(paused.saturating_sub(now)),
+        }))
+    }
+}
+
+impl MemoryStore {
+    /// Runs `f` on the line of `key` under `policy`, with the time and the key's state, and
+    /// answers where the reservation it names stands (the turn `f` returns) and the pause.
+    fn in_line(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        f: impl FnOnce(&mut State, u64) -> Option<u64>,
+    ) -> InLine {
+        let now = self.now();
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        let Some(entry) = shard
+            .get(key, policy.state_id(), now)
+            .filter(|e| e.is_live(now))
+        else {
+            return InLine {
+                turn: None,
+                paused: Duration::ZERO,
+            };
+        };
+        let state = &mut entry.value;
+        let turn = f(state, now);
+        InLine {
+            turn: turn.map(|at| Duration::from_micros(at.saturating_sub(now))),
+            paused: Duration::from_micros(state.line.paused_until().saturating_sub(now)),
+        }
     }
 }
 

@@ -1,44 +1,108 @@
 //! Reservations: a request that waits for its turn instead of being refused, for calls a
 //! service makes to an API that limits it (`docs/outbound.md`).
 
+use std::future::Future;
 use std::time::Duration;
 
 use super::Store;
 use crate::{Algorithm, Key, Policy, StoreError};
 
 /// A store that reserves: it answers when a request's units may be used rather than only
-/// whether they may be used now.
+/// whether they may be used now, and keeps the reservations of each key in a line.
 ///
 /// A reservation is recorded at once, so the next caller queues behind it, in reservation
-/// order, on every instance that shares the store. Give one back, when its caller stops
-/// waiting, with [`Store::settle`] and [`Settlement::refund`](crate::Settlement::refund) of
-/// its cost: it never frees more than was reserved.
+/// order, on every instance that shares the store. A caller that stops waiting
+/// [`leave`](Reserve::leave)s the line: the reservations behind it move up, and the units of
+/// the place left at the end are given back, never more than were reserved. A caller asleep
+/// until its turn [`look`](Reserve::look)s to learn that it moved up, or that the key was
+/// [`pause`](Reserve::pause)d (an upstream answered "too many requests").
 pub trait Reserve: Store {
-    /// Reserves `cost` units of `key` under `policy` for the earliest time they fit every
-    /// limit after every reservation made before, if that is at most `max_wait` away: an
-    /// admitted decision whose [`turn`](crate::Decision::turn) says how long to wait before
-    /// using them. Past `max_wait` nothing is recorded, and the refusal's
-    /// [`retry_after`](crate::Decision::retry_after) says when the turn would have come
-    /// (`None`: never, a cost over a count).
+    /// What [`look`](Reserve::look), [`leave`](Reserve::leave) and
+    /// [`pause`](Reserve::pause) answer.
+    type LineFuture: Future<Output = Result<InLine, StoreError>> + Send + 'static;
+
+    /// Reserves `ticket.cost` units of `key` under `policy` for the earliest time they fit
+    /// every limit after every reservation made before, and after the key's pause, if that is
+    /// at most `ticket.max_wait` away: an admitted decision whose
+    /// [`turn`](crate::Decision::turn) says how long to wait before using them, and the
+    /// reservation joins the key's line as `ticket.id`. Past `max_wait` nothing is recorded,
+    /// and the refusal's [`retry_after`](crate::Decision::retry_after) says when the turn
+    /// would have come (`None`: never, a cost over a count).
     ///
-    /// `late`: how long after its turn the caller may use the units, as the limit that counts
-    /// them sees it (an upstream API counts requests as they arrive, a network's delay after
-    /// they left). Turns keep every window `late` longer within its count (the sliding log
-    /// reads it that much longer, GCRA keeps that much drain free on Redis), so that units
+    /// `ticket.late`: how long after its turn the caller may use the units, as the limit that
+    /// counts them sees it (an upstream API counts requests as they arrive, a network's delay
+    /// after they left). Turns keep every window `late` longer within its count (the sliding
+    /// log reads it that much longer, GCRA keeps that much drain free on Redis), so that units
     /// used up to `late` after their turns stay within the limit (`docs/leases.md` has the
     /// argument, for leases).
     ///
     /// GCRA and the sliding log reserve; the counters keep no place for a later turn, and a
     /// penalty box or a concurrency limit has no meaning for a turn:
     /// [`StoreError::Unsupported`].
-    fn reserve(
+    fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::Future;
+
+    /// Where reservation `ticket.id` stands: its turn, moved up where reservations ahead of
+    /// it left the line, and the key's pause. A reservation whose turn has come leaves the
+    /// line, used: its caller looks once at its turn, and goes.
+    fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture;
+
+    /// Takes reservation `ticket.id` out of the line: each later reservation of the same cost
+    /// moves up into the place the one before it left, and the units of the place left at the
+    /// end are given back. Nobody moves into a place less than `notice` from now, nor before
+    /// the key's pause: the callers that move learn it when they next look, and must still
+    /// be in time for their new turns (a caller that looks every `r`, and may use its units
+    /// `late` after its turn, needs a `notice` of `r + late`); such a place is given back
+    /// instead. Nothing where `ticket.id` is not in line (it was never made, or a reset or
+    /// restart lost it). Answers where it stood before.
+    fn leave(
         &self,
         key: &Key,
         policy: &Policy,
-        cost: u32,
-        max_wait: Duration,
-        late: Duration,
-    ) -> Self::Future;
+        ticket: Ticket,
+        notice: Duration,
+    ) -> Self::LineFuture;
+
+    /// Pauses `key` for `pause` from now (or keeps a longer pause it has): reservations made
+    /// meanwhile get turns after it, and those in line with turns before its end learn it
+    /// when they look, and reserve again. Answers the pause in force, with no turn.
+    fn pause(&self, key: &Key, policy: &Policy, pause: Duration) -> Self::LineFuture;
+}
+
+/// One reservation: its id in the key's line, chosen by the caller (unique among the callers
+/// that share the store, below 2^52), its cost, the most it may wait and how late after its
+/// turn its units may be used ([`Reserve::reserve`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    /// The reservation's id in its key's line.
+    pub id: u64,
+    /// Its units.
+    pub cost: u32,
+    /// The most it may wait for its turn.
+    pub max_wait: Duration,
+    /// How late after its turn its units may be used.
+    pub late: Duration,
+}
+
+impl Ticket {
+    /// A ticket of one unit, `id`, that waits up to `max_wait`, used at its turn.
+    pub fn new(id: u64, max_wait: Duration) -> Ticket {
+        Ticket {
+            id,
+            cost: 1,
+            max_wait,
+            late: Duration::ZERO,
+        }
+    }
+}
+
+/// Where a reservation stands in its key's line ([`Reserve::look`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InLine {
+    /// How long from now its turn comes (zero once it has come); `None` when it is not in
+    /// line (it left, was never made, or a reset or restart lost it).
+    pub turn: Option<Duration>,
+    /// How long from now the key's pause lasts (zero: none).
+    pub paused: Duration,
 }
 
 /// Whether `policy` can be reserved ([`Reserve::reserve`]).

@@ -120,14 +120,23 @@ for k = 1, REQUESTS do
     end
 
     -- A reservation (prelude.lua, RESERVE) takes the latest retry as its turn, within its
-    -- wait: it is recorded now, past the capacity (the backlog is the queue), and answered
-    -- admitted with the turn as its retry.
+    -- wait: it is recorded at `t` (now, or the end of the key's pause), past the capacity
+    -- (the backlog is the queue), and answered admitted with the turn as its retry.
     local turn = nil
     if record == RESERVE then
+      local shift = t - now
       if denied == nil then
-        turn = 0
-      elseif denied_retry >= 0 and denied_retry <= reserve_wait then
-        turn, denied = denied_retry, nil
+        if shift <= reserve_wait then
+          turn = shift
+        else
+          denied, denied_retry = 1, shift
+        end
+      elseif denied_retry >= 0 then
+        if shift + denied_retry <= reserve_wait then
+          turn, denied = shift + denied_retry, nil
+        else
+          denied_retry = shift + denied_retry
+        end
       end
     end
 
@@ -179,7 +188,7 @@ for k = 1, REQUESTS do
             backlogs[i] = math.min(backlogs[i] + cost * u, MAX_UNITS)
           end
           if record == SETTLE or record == RESERVE then
-            ttl = math.max(ttl, math.ceil(backlogs[i] / d))
+            ttl = math.max(ttl, math.ceil(backlogs[i] / d) + t - now)
           end
         end
         local value
@@ -211,6 +220,7 @@ for k = 1, REQUESTS do
     end
     if turn ~= nil then
       retry = turn
+      join_line(key, now + turn, cost)
     end
     local w, b = windows[reported], backlogs[reported]
     local u, d = weights[reported], drains[reported]

@@ -258,12 +258,12 @@ local function decide(key, n, cost, record, t, want)
 end
 
 -- A reservation (prelude.lua, RESERVE; src/algorithm/reserve.rs): the earliest `t` at or
--- after now and the newest event (so that reservations keep their order) at which every
--- window containing `t` has room, stepping by the latest retry; logged there within `wait`
--- and answered admitted with its turn (t - now) as the retry, else refused with that turn,
--- logging nothing.
-local function reserve(key, n, cost, wait)
-  local t = now
+-- after `from` (now, or the end of the key's pause) and the newest event (so that
+-- reservations keep their order) at which every window containing `t` has room, stepping by
+-- the latest retry; logged there within `wait`, put in the key's line, and answered admitted
+-- with its turn (t - now) as the retry, else refused with that turn, logging nothing.
+local function reserve(key, n, cost, wait, from)
+  local t = from
   local newest = call('ZRANGE', key, '-1', '-1')[1]
   if newest and is_event(newest) then
     t = max(t, (event(newest)))
@@ -277,6 +277,7 @@ local function reserve(key, n, cost, wait)
     if allowed >= 1 then
       local logged = decide(key, n, cost, ADMIT, t, cost)
       local a, index, remaining, reset, _, count = sunpack('<llllll', logged)
+      join_line(key, t, cost)
       return spack('<llllll', a, index, remaining, reset, t - now, count)
     end
     if retry < 0 then
@@ -307,7 +308,7 @@ for k = 1, REQUESTS do
       windows[i] = windows[i] + headroom
     end
     if record == RESERVE then
-      reply[k] = reserve(key, n, cost, reserve_wait)
+      reply[k] = reserve(key, n, cost, reserve_wait, t)
     else
       reply[k] = decide(key, n, cost, record, t, want)
     end
