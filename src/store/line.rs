@@ -74,10 +74,17 @@ impl Line {
 
     /// Takes reservation `id` out: from its place on, each later reservation of its cost moves
     /// up into the place the one before it left, where that place is at least `notice` from
-    /// `now` (its caller learns it in time) and not before the pause. Returns its turn and the
-    /// place left at the end, `(turn, cost)`, whose units the store gives back; `None` when
-    /// `id` is not in line.
-    pub(crate) fn leave(&mut self, now: u64, id: u64, notice: u64) -> Option<(u64, (u64, u64))> {
+    /// `now` (its caller learns it in time) and not before the pause. Returns its turn and,
+    /// where the place left at the end is the last in line, that place `(turn, cost)`, whose
+    /// units the store gives back; a place left with reservations after it stays recorded,
+    /// unused (giving it back would let GCRA place the next reservation at the time of one
+    /// already made after it). `None` when `id` is not in line.
+    pub(crate) fn leave(
+        &mut self,
+        now: u64,
+        id: u64,
+        notice: u64,
+    ) -> Option<(u64, Option<(u64, u64)>)> {
         let at = self.turn(id)?;
         let cost = self.turns.remove(&(at, id))?;
         let mut free = at;
@@ -94,7 +101,8 @@ impl Line {
                 free = turn;
             }
         }
-        Some((at, (free, cost)))
+        let last = self.turns.range((free, 0)..).next().is_none();
+        Some((at, last.then_some((free, cost))))
     }
 }
 
@@ -113,7 +121,7 @@ mod tests {
     #[test]
     fn those_behind_move_up_in_order_and_the_last_place_is_given_back() {
         let mut line = line(&[(100, 1), (200, 2), (300, 3), (400, 4)]);
-        assert_eq!(line.leave(50, 2, 0), Some((200, (400, 1))));
+        assert_eq!(line.leave(50, 2, 0), Some((200, Some((400, 1)))));
         assert_eq!(line.turn(1), Some(100));
         assert_eq!(line.turn(3), Some(200));
         assert_eq!(line.turn(4), Some(300));
@@ -125,15 +133,16 @@ mod tests {
     #[test]
     fn nobody_moves_into_a_place_too_soon_or_in_a_pause() {
         let mut passed = line(&[(100, 1), (200, 2)]);
-        assert_eq!(passed.leave(150, 1, 0), Some((100, (100, 1))));
+        // A place left with reservations after it stays recorded: nothing is given back.
+        assert_eq!(passed.leave(150, 1, 0), Some((100, None)));
         assert_eq!(passed.turn(2), Some(200));
         let mut soon = line(&[(100, 1), (200, 2)]);
-        assert_eq!(soon.leave(50, 1, 51), Some((100, (100, 1))));
+        assert_eq!(soon.leave(50, 1, 51), Some((100, None)));
         assert_eq!(soon.turn(2), Some(200));
-        assert_eq!(soon.leave(50, 2, 50), Some((200, (200, 1))));
+        assert_eq!(soon.leave(50, 2, 50), Some((200, Some((200, 1)))));
         let mut paused = line(&[(100, 1), (200, 2)]);
         paused.pause(150);
-        assert_eq!(paused.leave(50, 1, 0), Some((100, (100, 1))));
+        assert_eq!(paused.leave(50, 1, 0), Some((100, None)));
         assert_eq!(paused.turn(2), Some(200));
         assert_eq!(paused.floor(50), 150);
     }
@@ -143,7 +152,7 @@ mod tests {
         let mut line = line(&[(100, 1), (200, 2)]);
         line.join(0, 300, 3, 2);
         line.join(0, 400, 4, 1);
-        assert_eq!(line.leave(0, 1, 0), Some((100, (200, 1))));
+        assert_eq!(line.leave(0, 1, 0), Some((100, None)));
         assert_eq!(line.turn(2), Some(100));
         assert_eq!((line.turn(3), line.turn(4)), (Some(300), Some(400)));
     }
@@ -162,7 +171,7 @@ mod tests {
     #[test]
     fn turns_of_the_same_instant_keep_theirs() {
         let mut line = line(&[(100, 1), (100, 2), (200, 3)]);
-        assert_eq!(line.leave(0, 1, 0), Some((100, (200, 1))));
+        assert_eq!(line.leave(0, 1, 0), Some((100, Some((200, 1)))));
         assert_eq!((line.turn(2), line.turn(3)), (Some(100), Some(100)));
     }
 }

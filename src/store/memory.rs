@@ -888,13 +888,15 @@ impl Reserve for MemoryStore {
     ) -> Self::LineFuture {
         let in_force = self.in_force(key, policy);
         ready(Ok(self.in_line(key, policy, |state, now| {
-            let (at, (free, cost)) = state.line.leave(now, ticket.id, micros(notice))?;
-            let refund = Refund {
-                units: cost,
-                at: Some(free),
-                recorded: cost,
-            };
-            state.settle(now, &in_force, Settle::Refund(refund));
+            let (at, last) = state.line.leave(now, ticket.id, micros(notice))?;
+            if let Some((free, cost)) = last {
+                let refund = Refund {
+                    units: cost,
+                    at: Some(free),
+                    recorded: cost,
+                };
+                state.settle(now, &in_force, Settle::Refund(refund));
+            }
             Some(at)
         })))
     }

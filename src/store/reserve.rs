@@ -48,7 +48,9 @@ pub trait Reserve: Store {
 
     /// Takes reservation `ticket.id` out of the line: each later reservation of the same cost
     /// moves up into the place the one before it left, and the units of the place left at the
-    /// end are given back. Nobody moves into a place less than `notice` from now, nor before
+    /// end are given back where it is the last in line (one with reservations after it stays
+    /// recorded, unused: on GCRA, giving it back would let the next reservation take the time
+    /// of one made after it). Nobody moves into a place less than `notice` from now, nor before
     /// the key's pause: the callers that move learn it when they next look, and must still
     /// be in time for their new turns (a caller that looks every `r`, and may use its units
     /// `late` after its turn, needs a `notice` of `r + late`); such a place is given back

@@ -84,6 +84,10 @@ for k = 1, REQUESTS do
     -- helps, is the latest of all); `room`, the fewest whole units that fit in any limit.
     local state_byte = 1
     local denied, denied_retry, room = nil, nil, nil
+    -- The time the state is written at: `t`, or the state's own where that is later (made for
+    -- the end of a pause, prelude.lua RESERVE), whose backlog has not drained at all by `t`,
+    -- so that it drains from there and not from `t`.
+    local stamp = t
     for i = 1, n do
       local c, w, g, at, left = counts[i], windows[i], scales[i]
       local u, d = w / g, c / g
@@ -95,6 +99,7 @@ for k = 1, REQUESTS do
       if state then
         local from
         at, left, from, state_byte = sunpack('<lll', state, state_byte)
+        stamp = math.max(stamp, at)
         if from ~= u then
           left = reweigh(left, from, u)
         end
@@ -188,20 +193,22 @@ for k = 1, REQUESTS do
             backlogs[i] = math.min(backlogs[i] + cost * u, MAX_UNITS)
           end
           if record == SETTLE or record == RESERVE then
-            ttl = math.max(ttl, math.ceil(backlogs[i] / d) + t - now)
+            ttl = math.max(ttl, math.ceil(backlogs[i] / d))
           end
         end
         local value
         if n == 1 then
-          value = spack('<lllll', t, backlogs[1], weights[1], born, leased)
+          value = spack('<lllll', stamp, backlogs[1], weights[1], born, leased)
         else
           local parts = {}
           for i = 1, n do
-            parts[i] = spack('<lll', t, backlogs[i], weights[i])
+            parts[i] = spack('<lll', stamp, backlogs[i], weights[i])
           end
           parts[n + 1] = spack('<ll', born, leased)
           value = table.concat(parts)
         end
+        -- Stamped later than now: it starts draining only then.
+        ttl = ttl + math.max(stamp - now, 0)
         -- Decided under an override's counts: kept until the backlog drains under the
         -- policy's own too (prelude.lua, `stretch_num`), at most 2^50 us.
         if stretch_num > stretch_den then

@@ -18,7 +18,7 @@
 --        moves up into the place the one before it left, where that place is at least the
 --        notice from now and not before the pause's end; the place left at the end is
 --        answered, for the store to give its units back (a refund of the algorithm's script,
---        at that time).
+--        at that time), where no reservation in line is at or after it.
 -- pause: the key is paused until now + length, unless a longer pause holds; reservations
 --        made meanwhile take turns after it (RESERVE reads it), those in line learn it when
 --        they look.
@@ -26,7 +26,7 @@
 -- Reply: {turn, paused, free}: turn, us from now until the reservation's turn (0 once it has
 --        come; for leave, where it stood), -1 when it is not in line (and for pause); paused,
 --        us until the key's pause ends (0: none); free, the Redis time (us) of the place left
---        at the end (leave only; -1 otherwise).
+--        at the end to give back (leave only; -1 otherwise, and where it is not the last).
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -73,5 +73,10 @@ if free >= now + tonumber(ARGV[3]) and free >= pause then
     redis.call('ZADD', line, digits(free), member)
     free = turn
   end
+end
+-- A place left with reservations after it stays recorded, unused: giving it back would let
+-- GCRA place the next reservation at the time of one already made after it.
+if redis.call('ZCOUNT', line, digits(free), '+inf') > 0 then
+  free = -1
 end
 return {math.max(at - now, 0), paused, free}
