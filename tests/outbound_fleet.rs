@@ -239,3 +239,166 @@ async fn an_upstream_429_pauses_every_worker_for_its_retry_after_on_redis() {
     assert!(during.is_empty(), "sent during the pause: {during:?}");
     assert_eq!(arrivals.len(), 32);
 }
+
+/// An upstream in the test's process for the tests of Redis failures and instances set up
+/// apart: it records when each request arrives.
+type Recorded = Arc<Mutex<Vec<Instant>>>;
+type Upstream =
+    tower::util::BoxCloneService<http::Request<()>, http::Response<()>, std::convert::Infallible>;
+
+fn recorder(arrivals: Recorded) -> Upstream {
+    tower::util::BoxCloneService::new(tower::service_fn(move |_: http::Request<()>| {
+        let arrivals = arrivals.clone();
+        async move {
+            arrivals.lock().unwrap().push(Instant::now());
+            Ok(http::Response::new(()))
+        }
+    }))
+}
+
+/// An instance of the fleet: a store of its own, looking every `recheck`.
+async fn instance(
+    server: &common::RedisServer,
+    policy: &Policy,
+    upstream: Upstream,
+    recheck: Duration,
+) -> Outbound<Upstream, Global, RedisStore> {
+    let layer = OutboundLayer::builder()
+        .policy(policy.clone())
+        .store(server.store().await)
+        .max_wait(Duration::from_secs(60))
+        .recheck(recheck)
+        .build()
+        .unwrap();
+    ServiceBuilder::new().layer(layer).service(upstream)
+}
+
+/// The most arrivals in any window of `window` ending at an arrival.
+fn most_within(arrivals: &[Instant], window: Duration) -> usize {
+    let within = |t: Instant| {
+        arrivals
+            .iter()
+            .filter(|&&s| s <= t && s + window > t)
+            .count()
+    };
+    arrivals.iter().map(|&t| within(t)).max().unwrap_or(0)
+}
+
+/// Redis loses its data (`FLUSHALL`, as a restart without persistence) while calls wait:
+/// they learn at their next look that their reservations are gone, and reserve again, rather
+/// than going at turns nobody counts. The calls that went before the loss are forgotten with
+/// it (as for decisions); from the loss on, every second holds at most the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_whose_reservations_redis_lost_reserve_again() {
+    let server = common::RedisServer::start();
+    let arrivals: Recorded = Arc::default();
+    let policy = Policy::new("api", ["5/1s".parse().unwrap()])
+        .unwrap()
+        .with_algorithm(Algorithm::SlidingLog);
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        let upstream = recorder(arrivals.clone());
+        clients.push(instance(&server, &policy, upstream, Duration::from_millis(100)).await);
+    }
+    let call = |client: Outbound<Upstream, Global, RedisStore>| {
+        tokio::spawn(client.oneshot(http::Request::new(())))
+    };
+    let start = Instant::now();
+    let mut calls: Vec<_> = (0..15).map(|i| call(clients[i % 3].clone())).collect();
+    tokio::time::sleep_until(start + Duration::from_millis(1500)).await;
+    common::cluster::cli(server.port(), &["FLUSHALL"]);
+    let lost = Instant::now();
+    calls.extend((0..5).map(|i| call(clients[i % 3].clone())));
+    for call in calls {
+        call.await.unwrap().unwrap();
+    }
+    let after: Vec<Instant> = arrivals
+        .lock()
+        .unwrap()
+        .iter()
+        .copied()
+        .filter(|&t| t > lost)
+        .collect();
+    let most = most_within(&after, Duration::from_secs(1));
+    eprintln!(
+        "{} calls after the loss; at most {most} in any second",
+        after.len()
+    );
+    assert!(most <= 5, "{most} in one second after the loss");
+}
+
+/// Redis stalls (`DEBUG SLEEP 0.6`) while turns come: a call whose look at its turn is
+/// answered later than its margin reserves again rather than going late, and one that cannot
+/// reserve fails with the store's error; no second and no 50 ms holds more than the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_at_the_turn_sends_nothing_late() {
+    let server = common::RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let arrivals: Recorded = Arc::default();
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        let upstream = recorder(arrivals.clone());
+        clients.push(instance(&server, &policy(), upstream, Duration::from_millis(100)).await);
+    }
+    let start = Instant::now();
+    let calls: Vec<_> = (0..30)
+        .map(|i| tokio::spawn(clients[i % 3].clone().oneshot(http::Request::new(()))))
+        .collect();
+    tokio::time::sleep_until(start + Duration::from_millis(1200)).await;
+    let port = server.port();
+    tokio::task::spawn_blocking(move || common::cluster::cli(port, &["DEBUG", "SLEEP", "0.6"]))
+        .await
+        .unwrap();
+    let mut failed = 0;
+    for call in calls {
+        failed += usize::from(call.await.unwrap().is_err());
+    }
+    let arrivals = arrivals.lock().unwrap().clone();
+    let most = most_within(&arrivals, Duration::from_secs(1));
+    let close = most_within(&arrivals, Duration::from_millis(50));
+    eprintln!(
+        "{} sent, {failed} failed; at most {most} in a second, {close} in 50 ms",
+        arrivals.len()
+    );
+    assert!(most <= 10, "{most} in one second");
+    assert!(close <= 1, "{close} within 50 ms");
+}
+
+/// Instances set up apart: one looks only every 5 s. Calls of another leave the line: the
+/// slow instance's calls are moved up only into places at least their own notice away (5 s
+/// and the margin), so they never go at a place another call has taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_that_looks_seldom_is_not_moved_into_places_it_would_miss() {
+    let server = common::RedisServer::start();
+    let arrivals: Recorded = Arc::default();
+    let (fast, slow) = (Duration::from_millis(100), Duration::from_secs(5));
+    let mut clients = Vec::new();
+    for recheck in [fast, slow, fast] {
+        let upstream = recorder(arrivals.clone());
+        clients.push(instance(&server, &policy(), upstream, recheck).await);
+    }
+    let start = Instant::now();
+    let mut calls = Vec::new();
+    for i in 0..45 {
+        let call = clients[i % 3].clone().oneshot(http::Request::new(()));
+        calls.push((i, tokio::spawn(call)));
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    tokio::time::sleep_until(start + Duration::from_millis(600)).await;
+    let mut kept = Vec::new();
+    for (i, call) in calls {
+        // Instance 0 cancels every other call of its own still waiting.
+        match i % 3 == 0 && i % 2 == 0 && !call.is_finished() {
+            true => call.abort(),
+            false => kept.push(call),
+        }
+    }
+    for call in kept {
+        call.await.unwrap().unwrap();
+    }
+    let arrivals = arrivals.lock().unwrap().clone();
+    let close = most_within(&arrivals, Duration::from_millis(50));
+    let most = most_within(&arrivals, Duration::from_secs(1));
+    eprintln!("at most {most} in a second, {close} in 50 ms");
+    assert!(close <= 1, "{close} within 50 ms");
+    assert!(most <= 10, "{most} in one second");
+}

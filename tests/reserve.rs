@@ -204,6 +204,71 @@ async fn policies_that_cannot_reserve_say_so() {
     }
 }
 
+/// A reservation whose units may be used more than an hour late is refused, on both stores,
+/// and on GCRA one whose `late` is a whole window (its bucket would have no room); an hour on
+/// the log, and `Duration::MAX` waits, are fine.
+async fn a_late_past_an_hour_is_refused<S: Reserve>(store: &S) {
+    for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
+        let policy = policy("3/1s", algorithm);
+        let key = Key::from(format!("late-{algorithm:?}"));
+        let hour = tower_redis_ratelimit::store::MAX_LATE;
+        let refused = match algorithm {
+            // One unit drains in 333 ms: a bucket of 3 keeping more than 667 ms free has no
+            // room for one.
+            Algorithm::Gcra => vec![Duration::MAX, hour, 700 * MS],
+            _ => vec![Duration::MAX, hour + MS],
+        };
+        for late in refused {
+            let got = store
+                .reserve(&key, &policy, ticket(1, Duration::MAX, late))
+                .await;
+            assert!(
+                matches!(got, Err(StoreError::Unsupported(_))),
+                "{algorithm:?} late {late:?}: {got:?}"
+            );
+        }
+        let fine = match algorithm {
+            Algorithm::Gcra => 600 * MS,
+            _ => hour,
+        };
+        let d = store
+            .reserve(&key, &policy, ticket(1, Duration::MAX, fine))
+            .await;
+        assert!(d.unwrap().is_allowed(), "{algorithm:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_late_past_an_hour_is_refused_on_memory() {
+    let (store, _) = store();
+    a_late_past_an_hour_is_refused(&store).await;
+}
+
+#[tokio::test]
+async fn a_late_past_an_hour_is_refused_on_redis() {
+    let server = common::RedisServer::start();
+    a_late_past_an_hour_is_refused(&server.store().await).await;
+}
+
+/// GCRA keeps `late` of drain free in every bucket on the memory store as on Redis: units
+/// used up to `late` after their turns stay within the bucket. Under `10/1s` with 50 ms late,
+/// nine turns at once and the tenth 50 ms on, not ten at once.
+#[tokio::test]
+async fn gcra_keeps_the_late_margin_on_memory() {
+    let (store, _) = store();
+    let (key, policy) = (Key::from("k"), policy("10/1s", Algorithm::Gcra));
+    let mut got = Vec::new();
+    for _ in 0..11 {
+        let d = store
+            .reserve(&key, &policy, ticket(1, Duration::from_secs(5), 50 * MS))
+            .await
+            .unwrap();
+        got.push(d.turn());
+    }
+    assert!(got[..9].iter().all(|t| t.is_zero()), "{got:?}");
+    assert_eq!(got[9..], [50 * MS, 150 * MS], "{got:?}");
+}
+
 mod common;
 
 /// The same on Redis, two stores sharing it: turns follow reservation order whichever store
@@ -307,10 +372,7 @@ async fn leaving_moves_those_behind_up<S: Reserve>(store: &S, key: &Key, slack: 
                 d.turn()
             );
         }
-        let left = store
-            .leave(&key, &policy, tickets[1], 50 * MS)
-            .await
-            .unwrap();
+        let left = store.leave(&key, &policy, tickets[1]).await.unwrap();
         assert!(left.turn.is_some(), "{algorithm:?}: it was in line");
         for (i, expected) in [(2, 100 * MS), (3, 200 * MS)] {
             let stood = store.look(&key, &policy, tickets[i]).await.unwrap();
@@ -323,10 +385,7 @@ async fn leaving_moves_those_behind_up<S: Reserve>(store: &S, key: &Key, slack: 
         let gone = store.look(&key, &policy, tickets[1]).await.unwrap();
         assert_eq!(gone.turn, None, "{algorithm:?}");
         // Leaving twice frees nothing more.
-        let again = store
-            .leave(&key, &policy, tickets[1], 50 * MS)
-            .await
-            .unwrap();
+        let again = store.leave(&key, &policy, tickets[1]).await.unwrap();
         assert_eq!(again.turn, None, "{algorithm:?}");
         let next = store
             .reserve(

@@ -1,6 +1,7 @@
 //! The line of reservations as a property, on the memory store and a manual clock: callers
 //! that reserve, leave at random moments, and learn where they stand only when they look (every
-//! `recheck`, and at the turn they know of), with pauses in between. Whatever the schedule,
+//! `recheck`, one of a few rates as on instances set up alike or not, and at the turn they know
+//! of), with pauses in between. Whatever the schedule,
 //! the units used, at the times their callers went, keep every limit (each window of the
 //! sliding log; GCRA's bucket, checked by its virtual scheduling): callers that learn of a move
 //! late would go late, which the check sees (the leave's notice covers the time a caller takes
@@ -39,6 +40,8 @@ fn step() -> impl Strategy<Value = Step> {
 /// A caller waiting for its turn, as it knows it.
 struct Caller {
     ticket: Ticket,
+    /// How often it looks (callers of other instances may look at other rates).
+    recheck: u64,
     /// Its turn, as it last learned (µs on the store's clock).
     turn: u64,
     /// When it looks next.
@@ -52,7 +55,8 @@ struct Run {
     clock: ManualClock,
     key: Key,
     policy: Policy,
-    recheck: u64,
+    /// How often callers look: each caller takes the next of these in turn.
+    rechecks: Vec<u64>,
     now: u64,
     next_id: u64,
     waiting: Vec<Caller>,
@@ -60,22 +64,28 @@ struct Run {
 }
 
 impl Run {
-    fn ticket(&mut self) -> Ticket {
+    /// A caller's ticket, and how often it looks: it learns of a move at its next look, at
+    /// most that much later.
+    fn ticket(&mut self) -> (Ticket, u64) {
         self.next_id += 1;
-        Ticket::new(
-            1_000_000_000_000_000 + self.next_id,
-            Duration::from_secs(600),
-        )
+        let id = 1_000_000_000_000_000 + self.next_id;
+        let recheck = self.rechecks[self.next_id as usize % self.rechecks.len()];
+        let ticket = Ticket {
+            notice: Duration::from_micros(recheck),
+            ..Ticket::new(id, Duration::from_secs(600))
+        };
+        (ticket, recheck)
     }
 
     fn reserve(&mut self) {
-        let ticket = self.ticket();
+        let (ticket, recheck) = self.ticket();
         let d = block_on(self.store.reserve(&self.key, &self.policy, ticket)).unwrap();
         assert!(d.is_allowed(), "{d:?}");
         let turn = self.now + d.turn().as_micros() as u64;
-        let next_look = turn.min(self.now + self.recheck);
+        let next_look = turn.min(self.now + recheck);
         self.waiting.push(Caller {
             ticket,
+            recheck,
             turn,
             next_look,
         });
@@ -83,12 +93,7 @@ impl Run {
 
     fn leave(&mut self, i: usize) {
         let caller = self.waiting.remove(i);
-        let notice = Duration::from_micros(self.recheck);
-        block_on(
-            self.store
-                .leave(&self.key, &self.policy, caller.ticket, notice),
-        )
-        .unwrap();
+        block_on(self.store.leave(&self.key, &self.policy, caller.ticket)).unwrap();
     }
 
     /// Moves the clock to `to`, the callers looking (and going) at their times, in order.
@@ -134,7 +139,7 @@ impl Run {
             return;
         }
         caller.turn = self.now + turn;
-        caller.next_look = caller.turn.min(self.now + self.recheck);
+        caller.next_look = caller.turn.min(self.now + caller.recheck);
     }
 }
 
@@ -180,7 +185,7 @@ proptest! {
         count in 1u64..6,
         window_ms in 100u64..2000,
         spacing in proptest::option::of(10u64..200),
-        recheck_ms in 20u64..300,
+        rechecks_ms in proptest::collection::vec(20u64..300, 1..4),
         steps in proptest::collection::vec(step(), 1..50),
     ) {
         let algorithm = if log { Algorithm::SlidingLog } else { Algorithm::Gcra };
@@ -196,7 +201,7 @@ proptest! {
             clock,
             key: Key::from("k"),
             policy,
-            recheck: recheck_ms * MS,
+            rechecks: rechecks_ms.iter().map(|ms| ms * MS).collect(),
             now: 0,
             next_id: 0,
             waiting: Vec::new(),

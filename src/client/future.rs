@@ -103,7 +103,7 @@ where
 
 impl<S, St, B, RB> Future for ResponseFuture<S, St, B>
 where
-    S: Service<Request<B>, Response = Response<RB>>,
+    S: Service<Request<B>, Response = Response<RB>> + Clone,
     St: Keeper,
 {
     type Output = Result<S::Response, OutboundError<S::Error>>;
@@ -144,6 +144,15 @@ where
                         Poll::Pending => Err(Step::Turn(held)),
                         Poll::Ready(Err(error)) => {
                             return Poll::Ready(Err(OutboundError::Inner(error)))
+                        }
+                        // Ready later than its units may be used: it reserves again, and
+                        // gives the readiness back (a clone of the service is not ready).
+                        Poll::Ready(Ok(())) if held.too_late(Instant::now()) => {
+                            *inner = inner.clone();
+                            match held.again(None) {
+                                Ok(step) => Ok(step),
+                                Err(error) => return Poll::Ready(Err(error)),
+                            }
                         }
                         Poll::Ready(Ok(())) => {
                             // The request goes out: its units are used, not given back.
@@ -220,12 +229,7 @@ impl<St: Keeper> Seat<St> {
             return;
         };
         let shared = &self.shared;
-        // Those behind move up only where they learn it in time: a request of another instance
-        // learns at its next look, and may go `late` after its turn.
-        let notice = shared.recheck + shared.late;
-        let leave = shared
-            .store
-            .leave(&self.key, &shared.policy, self.ticket, notice);
+        let leave = shared.store.leave(&self.key, &shared.policy, self.ticket);
         let shared = Arc::clone(shared);
         runtime.spawn(async move {
             if let Err(error) = leave.await {
@@ -363,8 +367,10 @@ impl<St: Keeper> Held<St> {
         }
     }
 
-    /// What it does once it learned where it stands (`stood`): its turn, moved up or not,
-    /// or a pause that falls after it, which it waits out by reserving again.
+    /// What it does once it learned where it stands (`stood`): its turn, moved up or not;
+    /// or it reserves again, when the key is paused past its turn, when the store lost its
+    /// reservation (a restart, a reset, an eviction: its old turn no longer counts), or when
+    /// the answer came later than its units may be used (a stalled store).
     fn after_look<E>(
         mut self,
         stood: Result<InLine, StoreError>,
@@ -372,25 +378,42 @@ impl<St: Keeper> Held<St> {
         let now = Instant::now();
         let stood = match stood {
             Ok(stood) => stood,
-            // The store could not say: the turn it had holds.
+            // The store could not say: the turn it had holds, while its units may be used.
+            Err(_) if self.too_late(now) => return self.again(None),
             Err(_) => return Ok(self.at_turn(now)),
         };
-        if !stood.paused.is_zero() && stood.turn.is_none_or(|turn| turn < stood.paused) {
-            let Some(seat) = self.seat.take() else {
-                return Ok(Step::Gone);
-            };
-            seat.leave();
-            let Some(again) = seat.again() else {
-                return Err(OutboundError::TooLate {
-                    turn: Some(stood.paused),
-                });
-            };
-            return Ok(Step::Reserving(Pending::new(again)));
+        let paused = !stood.paused.is_zero() && stood.turn.is_none_or(|t| t < stood.paused);
+        if paused {
+            return self.again(Some(stood.paused));
         }
-        if let Some(turn) = stood.turn {
-            self.turn_at = now + turn;
+        match stood.turn {
+            None => self.again(None),
+            Some(turn) if turn.is_zero() && self.too_late(now) => self.again(None),
+            Some(turn) => {
+                self.turn_at = self.turn_at.min(now + turn);
+                Ok(self.at_turn(now))
+            }
         }
-        Ok(self.at_turn(now))
+    }
+
+    /// Whether its units, due at its turn, may no longer be used at `now`: later than its
+    /// turn by more than its `late`.
+    fn too_late(&self, now: Instant) -> bool {
+        let late = self.seat.as_ref().map_or(Duration::ZERO, |s| s.shared.late);
+        now > self.turn_at + late
+    }
+
+    /// Leaves the line and reserves again, with what is left of its wait; past it, too late
+    /// (`paused`: the key's pause, which its turn would have come after at the earliest).
+    fn again<E>(mut self, paused: Option<Duration>) -> Result<Step<St>, OutboundError<E>> {
+        let Some(seat) = self.seat.take() else {
+            return Ok(Step::Gone);
+        };
+        seat.leave();
+        match seat.again() {
+            Some(again) => Ok(Step::Reserving(Pending::new(again))),
+            None => Err(OutboundError::TooLate { turn: paused }),
+        }
     }
 
     /// Goes when its turn has come, else waits on.

@@ -9,7 +9,7 @@ use tower_layer::Layer;
 
 use super::service::Outbound;
 use crate::key::Global;
-use crate::store::reserve::reservable;
+use crate::store::reserve::{self, reservable, MAX_LATE};
 use crate::store::Ticket;
 use crate::{BuildError, MemoryStore, Policy, Store};
 
@@ -55,8 +55,10 @@ impl<St> Shared<St> {
         const FIRST: u64 = 1_000_000_000_000_000;
         const SPAN: u64 = 3_000_000_000_000_000;
         let id = FIRST + self.next.fetch_add(1, Ordering::Relaxed) % SPAN;
+        // Moved up in line, it learns of it at its next look, and may go `late` after that.
         Ticket {
             late: self.late,
+            notice: self.recheck + self.late,
             ..Ticket::new(id, max_wait)
         }
     }
@@ -167,12 +169,24 @@ impl<K, St> OutboundLayerBuilder<K, St> {
         };
         reservable(&policy).map_err(unsupported)?;
         self.store.supports(&policy).map_err(unsupported)?;
-        if self.recheck.is_zero() {
+        let why = match (self.recheck, self.margin) {
+            (recheck, _) if recheck.is_zero() => Some("its recheck must be longer than zero"),
+            (recheck, margin) if recheck.saturating_add(margin) > MAX_LATE => {
+                Some("its recheck and margin together are at most an hour")
+            }
+            _ => None,
+        };
+        if let Some(why) = why {
             return Err(BuildError::Unsupported {
                 policy: policy.name().to_owned(),
-                why: "an outbound layer's recheck must be longer than zero".to_owned(),
+                why: format!("an outbound layer: {why}"),
             });
         }
+        let ticket = Ticket {
+            late: self.margin,
+            ..Ticket::new(0, self.max_wait)
+        };
+        reserve::in_range(&policy, &ticket).map_err(unsupported)?;
         Ok(OutboundLayer {
             key: Arc::new(self.key),
             shared: Arc::new(Shared {

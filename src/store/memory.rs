@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use super::line::Line;
 use super::override_table::Table;
 use super::overrides::{Applied, Overrides};
-use super::reserve::{reservable, InLine, Reserve, Ticket};
+use super::reserve::{self, reservable, InLine, Reserve, Ticket};
 use super::{Store, StoreError};
 use crate::algorithm::{
     decide,
@@ -205,9 +205,17 @@ struct Ask {
     waiter: Option<Waiter>,
     /// How much longer than its longest window the state must be kept ([`Stretch`]).
     stretch: Stretch,
-    /// A reservation ([`Reserve`]): its id, the most it may wait for its turn, and how late
-    /// its units may be used after it (µs).
-    reserve: Option<(u64, u64, u64)>,
+    /// A reservation ([`Reserve`]).
+    reserve: Option<Booking>,
+}
+
+/// A reservation's [`Ticket`] in the store's units (µs).
+#[derive(Clone, Copy)]
+struct Booking {
+    id: u64,
+    max_wait: u64,
+    late: u64,
+    notice: u64,
 }
 
 /// How much longer a GCRA state decided under an override's counts must be kept than their
@@ -379,8 +387,8 @@ impl State {
     /// request it admits and the concurrency slot that takes, or the penalty box of a refusal.
     /// `kept` is until when the key's state is kept so far (0: new).
     fn answer(&mut self, policy: &Policy, ask: &Ask, kept: u64) -> Answer {
-        if let Some((id, max_wait, late)) = ask.reserve {
-            return self.reserve(policy, ask, id, (max_wait, late));
+        if let Some(booking) = ask.reserve {
+            return self.reserve(policy, ask, booking);
         }
         let (now, t) = (ask.now, ask.t);
         let outcome = self.decide(now, t, policy, ask.cost, ask.record);
@@ -430,16 +438,18 @@ impl State {
         }
     }
 
-    /// Reserves `ask`'s cost for its turn, after the key's pause and within `max_wait`
-    /// (`algorithm::reserve`), as reservation `id` of the key's line: the answer of a request
-    /// admitted at its turn, and the key kept a window past it.
-    fn reserve(
-        &mut self,
-        policy: &Policy,
-        ask: &Ask,
-        id: u64,
-        (max_wait, late): (u64, u64),
-    ) -> Answer {
+    /// Reserves `ask`'s cost for its turn, after the key's pause and within its most wait
+    /// (`algorithm::reserve`), and puts it in the key's line: the answer of a request admitted
+    /// at its turn, and the key kept a window past it. Its units may be used `late` after
+    /// their turn: the log reads its windows that much longer, GCRA keeps that much drain free
+    /// in every bucket (as Redis does, `gcra.lua`).
+    fn reserve(&mut self, policy: &Policy, ask: &Ask, booking: Booking) -> Answer {
+        let Booking {
+            id,
+            max_wait,
+            late,
+            notice,
+        } = booking;
         let (now, windows) = (ask.now, policy.windows());
         // Reserved as if asked at the pause's end, so that GCRA's bucket drains from there.
         let from = self.line.floor(now);
@@ -454,14 +464,23 @@ impl State {
                     .collect();
                 reserve(log, from, &longer, ask.cost, wait)
             }
-            (Of::Gcra(bucket), Some(wait)) => reserve(bucket, from, windows, ask.cost, wait),
+            (Of::Gcra(bucket), Some(wait)) => {
+                let tighter: Vec<Window> = windows
+                    .iter()
+                    .map(|w| Window {
+                        micros: w.micros.saturating_sub(late),
+                        ..*w
+                    })
+                    .collect();
+                reserve(bucket, from, &tighter, ask.cost, wait)
+            }
             // `reservable` refuses them first.
             (Of::Sliding(_) | Of::Fixed(_), _) => Reserved::TooLate(None),
         };
         let reserved = match reserved {
             Reserved::TooLate(wait) => Reserved::TooLate(wait.map(|w| w + shift)),
             Reserved::At(turn) => {
-                self.line.join(now, turn, id, ask.cost);
+                self.line.join(now, turn, id, (ask.cost, notice));
                 Reserved::At(turn)
             }
         };
@@ -858,14 +877,19 @@ fn decision((answer, state): (Answer, u64), policy: &Policy, ask: &Ask) -> Decis
 impl Reserve for MemoryStore {
     type LineFuture = Ready<Result<InLine, StoreError>>;
 
-    /// `late` is kept by the sliding log (its windows read that much longer); GCRA's bucket
-    /// on the memory store keeps no headroom yet, and takes it as 0.
     fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::Future {
-        if let Err(error) = super::in_range(policy).and_then(|()| reservable(policy)) {
+        let supported = super::in_range(policy).and_then(|()| reservable(policy));
+        if let Err(error) = supported.and_then(|()| reserve::in_range(policy, &ticket)) {
             return ready(Err(error));
         }
+        let booking = Booking {
+            id: ticket.id,
+            max_wait: micros(ticket.max_wait),
+            late: micros(ticket.late),
+            notice: micros(ticket.notice),
+        };
         let ask = Ask {
-            reserve: Some((ticket.id, micros(ticket.max_wait), micros(ticket.late))),
+            reserve: Some(booking),
             ..self.ask(policy, ticket.cost, None, true)
         };
         ready(Ok(self.decide_overridden(key, policy, ask)))
@@ -879,21 +903,15 @@ impl Reserve for MemoryStore {
 
     /// The place left at the end is refunded under the counts in force for the key, only
     /// where the key's state is the one the line was kept with (it is the same entry).
-    fn leave(
-        &self,
-        key: &Key,
-        policy: &Policy,
-        ticket: Ticket,
-        notice: Duration,
-    ) -> Self::LineFuture {
+    fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
         let in_force = self.in_force(key, policy);
         ready(Ok(self.in_line(key, policy, |state, now| {
-            let (at, last) = state.line.leave(now, ticket.id, micros(notice))?;
-            if let Some((free, cost)) = last {
+            let (at, left) = state.line.leave(now, ticket.id)?;
+            if left.last || in_force.algorithm() == Algorithm::SlidingLog {
                 let refund = Refund {
-                    units: cost,
-                    at: Some(free),
-                    recorded: cost,
+                    units: left.cost,
+                    at: Some(left.at),
+                    recorded: left.cost,
                 };
                 state.settle(now, &in_force, Settle::Refund(refund));
             }

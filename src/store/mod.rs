@@ -31,7 +31,7 @@ pub use overrides::{Override, OverrideError, OverridePages, Overrides, Scope};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::{Leases, RedisStore, RedisStoreBuilder};
-pub use reserve::{InLine, Reserve, Ticket};
+pub use reserve::{InLine, Reserve, Ticket, MAX_LATE};
 
 /// Decides whether a request fits a policy, and records it if it does, in one atomic step.
 ///

@@ -50,19 +50,12 @@ pub trait Reserve: Store {
     /// moves up into the place the one before it left, and the units of the place left at the
     /// end are given back where it is the last in line (one with reservations after it stays
     /// recorded, unused: on GCRA, giving it back would let the next reservation take the time
-    /// of one made after it). Nobody moves into a place less than `notice` from now, nor before
-    /// the key's pause: the callers that move learn it when they next look, and must still
-    /// be in time for their new turns (a caller that looks every `r`, and may use its units
-    /// `late` after its turn, needs a `notice` of `r + late`); such a place is given back
-    /// instead. Nothing where `ticket.id` is not in line (it was never made, or a reset or
-    /// restart lost it). Answers where it stood before.
-    fn leave(
-        &self,
-        key: &Key,
-        policy: &Policy,
-        ticket: Ticket,
-        notice: Duration,
-    ) -> Self::LineFuture;
+    /// of one made after it). A reservation moves only into a place at least its own
+    /// [`notice`](Ticket::notice) from now, and not before the key's pause: its caller learns
+    /// of the move when it next looks, and must still be in time for its new turn; the moving
+    /// up stops at one that cannot. Nothing where `ticket.id` is not in line (it was never
+    /// made, or a reset or restart lost it). Answers where it stood before.
+    fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture;
 
     /// Pauses `key` for `pause` from now (or keeps a longer pause it has): reservations made
     /// meanwhile get turns after it, and those in line with turns before its end learn it
@@ -71,8 +64,10 @@ pub trait Reserve: Store {
 }
 
 /// One reservation: its id in the key's line, chosen by the caller (unique among the callers
-/// that share the store, below 2^52), its cost, the most it may wait and how late after its
-/// turn its units may be used ([`Reserve::reserve`]).
+/// that share the store, below 2^52), its cost, the most it may wait, how late after its turn
+/// its units may be used ([`Reserve::reserve`]), and how soon its caller learns of a move.
+/// `late` and `notice` are at most an hour ([`MAX_LATE`]); past it the store refuses the
+/// reservation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ticket {
     /// The reservation's id in its key's line.
@@ -83,16 +78,26 @@ pub struct Ticket {
     pub max_wait: Duration,
     /// How late after its turn its units may be used.
     pub late: Duration,
+    /// How soon after the line moves it up its caller learns of it (when it next looks), and
+    /// may use its units `late` after that: it is moved only into places at least this far
+    /// from the time of the move ([`Reserve::leave`]). A caller that looks every `r` needs
+    /// `r + late`.
+    pub notice: Duration,
 }
 
+/// The most [`Ticket::late`] and [`Ticket::notice`] may be.
+pub const MAX_LATE: Duration = Duration::from_secs(3600);
+
 impl Ticket {
-    /// A ticket of one unit, `id`, that waits up to `max_wait`, used at its turn.
+    /// A ticket of one unit, `id`, that waits up to `max_wait`, used at its turn, whose
+    /// caller learns of a move at once.
     pub fn new(id: u64, max_wait: Duration) -> Ticket {
         Ticket {
             id,
             cost: 1,
             max_wait,
             late: Duration::ZERO,
+            notice: Duration::ZERO,
         }
     }
 }
@@ -105,6 +110,33 @@ pub struct InLine {
     pub turn: Option<Duration>,
     /// How long from now the key's pause lasts (zero: none).
     pub paused: Duration,
+}
+
+/// Whether `ticket` is in the stores' range for `policy`: its `late` and `notice` at most
+/// [`MAX_LATE`], and on GCRA its `late` short enough that every bucket, keeping that much
+/// drain free, still holds its cost (`(window − late) × count ≥ cost × window`) where it would
+/// without.
+pub(crate) fn in_range(policy: &Policy, ticket: &Ticket) -> Result<(), StoreError> {
+    if ticket.late.max(ticket.notice) > MAX_LATE {
+        return Err(StoreError::Unsupported(
+            "a reservation's late and notice are at most an hour",
+        ));
+    }
+    // Starved by `late` alone: a cost over a count is refused as for a decision (no wait
+    // helps).
+    let late = ticket.late.as_micros();
+    let starved = policy.limits().iter().any(|l| {
+        let (window, count, cost) = (l.window().as_micros(), l.count(), ticket.cost);
+        let room = window.saturating_sub(late) * u128::from(count);
+        cost <= u32::try_from(count).unwrap_or(u32::MAX) && room < u128::from(cost) * window
+    });
+    if policy.algorithm() == Algorithm::Gcra && starved {
+        return Err(StoreError::Unsupported(
+            "on GCRA a reservation's late leaves a bucket no room for its cost: every bucket \
+             keeps that much drain free",
+        ));
+    }
+    Ok(())
 }
 
 /// Whether `policy` can be reserved ([`Reserve::reserve`]).

@@ -224,7 +224,7 @@ pub(super) enum Mode {
     Take = 4,
     /// 5, `RESERVE`: decide the earliest turn at or after every reservation before within
     /// the most it may wait, and record it (`Reserve::reserve`); followed by that wait (µs),
-    /// headroom and the reservation's id in its key's line.
+    /// headroom, and the reservation's id and notice (µs) in its key's line.
     Reserve = 5,
 }
 
@@ -264,12 +264,13 @@ pub(super) enum Record {
     },
     /// Reserve the cost for the earliest turn within `max_wait` µs, after every reservation
     /// before; answered as admitted with the turn (µs from now) as its retry, or refused with
-    /// the turn it would have had. `headroom` as for a look; `id`, the reservation's in its
-    /// key's line (`scripts/line.lua`).
+    /// the turn it would have had. `headroom` as for a look; `id` and `notice`, the
+    /// reservation's in its key's line (`scripts/line.lua`).
     Reserve {
         max_wait: u64,
         headroom: u64,
         id: u64,
+        notice: u64,
     },
 }
 
@@ -323,9 +324,14 @@ impl Record {
                 max_wait,
                 headroom,
                 id,
+                notice,
             } => {
-                let args = [clamp(max_wait), clamp(headroom), clamp(id), 0, 0, 0, 0];
-                (Mode::Reserve, args, 3)
+                let args = [clamp(max_wait), clamp(headroom), clamp(id), clamp(notice)];
+                (
+                    Mode::Reserve,
+                    [args[0], args[1], args[2], args[3], 0, 0, 0],
+                    4,
+                )
             }
         }
     }

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use super::protocol::Record;
 use super::{lease, BoxFuture, Inner, RedisStore};
-use crate::store::reserve::{reservable, InLine, Reserve, Ticket};
-use crate::{Key, Policy, StoreError};
+use crate::store::reserve::{self, reservable, InLine, Reserve, Ticket};
+use crate::{Algorithm, Key, Policy, StoreError};
 
 /// How long a call of `line.lua` waits for its reply: a leave's give-back is worth sending
 /// however late Redis runs it, as a settlement's is.
@@ -22,7 +22,8 @@ impl Reserve for RedisStore {
     /// its decisions (the sliding log's longer window), so that leased units spent late and
     /// reservations never share a window past its count.
     fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::Future {
-        if let Err(error) = crate::store::in_range(policy).and_then(|()| reservable(policy)) {
+        let supported = crate::store::in_range(policy).and_then(|()| reservable(policy));
+        if let Err(error) = supported.and_then(|()| reserve::in_range(policy, &ticket)) {
             return Box::pin(std::future::ready(Err(error)));
         }
         let inner = Arc::clone(&self.inner);
@@ -32,6 +33,7 @@ impl Reserve for RedisStore {
             max_wait: micros(ticket.max_wait),
             headroom: lease::headroom(&inner, &policy).max(micros(ticket.late)),
             id: ticket.id,
+            notice: micros(ticket.notice),
         };
         let cost = u64::from(ticket.cost);
         Box::pin(async move {
@@ -60,21 +62,17 @@ impl Reserve for RedisStore {
     /// The place left at the end is given back by the policy's script (a refund at its
     /// time, of its cost), right after: a reservation made in between queues behind units
     /// that are about to be freed, and is none the worse.
-    fn leave(
-        &self,
-        key: &Key,
-        policy: &Policy,
-        ticket: Ticket,
-        notice: Duration,
-    ) -> Self::LineFuture {
-        let args = [member(ticket), micros(notice).to_string()];
+    fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
+        let args = [member(ticket), String::new()];
         let op = line(&self.inner, self.redis_key(key, policy), "leave", args);
         let inner = Arc::clone(&self.inner);
         let place = inner.place(key, policy);
         let policy = policy.clone();
         Box::pin(async move {
-            let (stood, free) = op.await?;
-            if let Some(free) = free {
+            let (stood, left) = op.await?;
+            let free =
+                left.filter(|&(_, last)| last || policy.algorithm() == Algorithm::SlidingLog);
+            if let Some((free, _)) = free {
                 let cost = u64::from(ticket.cost);
                 let refund = Record::Settle {
                     refund: true,
@@ -95,19 +93,20 @@ impl Reserve for RedisStore {
     }
 }
 
-/// A reservation's member in its key's line.
+/// A reservation's member in its key's line (`prelude.lua`, `join_line`).
 fn member(ticket: Ticket) -> String {
-    format!("{}:{}", ticket.id, ticket.cost)
+    format!("{}:{}:{}", ticket.id, ticket.cost, micros(ticket.notice))
 }
 
 /// One call of `line.lua` on the line of `redis_key`, behind the key's breaker: where the
-/// reservation stands, and the place a leave left at the end (Redis time, µs).
+/// reservation stands, and the place a leave left at the end (Redis time, µs) with whether it
+/// is the last in line.
 fn line(
     inner: &Arc<Inner>,
     redis_key: String,
     op: &'static str,
     [arg, more]: [String; 2],
-) -> BoxFuture<(InLine, Option<i64>)> {
+) -> BoxFuture<(InLine, Option<(i64, bool)>)> {
     let inner = Arc::clone(inner);
     Box::pin(async move {
         let lane = inner.lane_of(&redis_key);
@@ -115,12 +114,15 @@ fn line(
             .batcher
             .line(redis_key, [op.to_owned(), arg, more], PATIENCE);
         let reply = inner.guarded(lane, call).await?;
-        let [turn, paused, free] = reply[..] else {
+        let [turn, paused, free, last] = reply[..] else {
             return Err(StoreError::Unavailable);
         };
         let turn = u64::try_from(turn).ok().map(Duration::from_micros);
         let paused = Duration::from_micros(u64::try_from(paused).unwrap_or(0));
-        Ok((InLine { turn, paused }, (free >= 0).then_some(free)))
+        Ok((
+            InLine { turn, paused },
+            (free >= 0).then_some((free, last == 1)),
+        ))
     })
 }
 

@@ -52,8 +52,8 @@
 --             within the most it may wait (us), recorded, and the reservation put in its key's
 --             line (`join_line`); answered admitted with the turn (us from now) as
 --             retry_after, or refused with the turn it would have had (GCRA and the sliding
---             log only; src/algorithm/reserve.rs); the wait, headroom (as for a look) and the
---             reservation's id
+--             log only; src/algorithm/reserve.rs); the wait, headroom (as for a look), and the
+--             reservation's id and notice (us; line.lua)
 --
 -- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
 -- 2255), and every state saturates at MAX_UNITS (2^52) units, so that every number the
@@ -284,8 +284,9 @@ end
 -- waiter's id (0: none), wait (us) and whether it is in line.
 local slot_cap, slot_id, slot_ttl = 0, 0, 0
 local waiter_id, waiter_wait, waiter_queued = 0, 0, 0
--- The request at hand's most wait for its turn, when a reservation (RESERVE; us), and its id.
-local reserve_wait, reserve_id = 0, 0
+-- The request at hand's most wait for its turn, when a reservation (RESERVE; us), its id and
+-- its notice (us).
+local reserve_wait, reserve_id, reserve_notice = 0, 0, 0
 local LINE = 4000000000000000
 local HOLD_KEPT_MS = 3600000
 -- The members (live or not) of the request's key's set when it was looked at, for `take_slot`.
@@ -444,13 +445,13 @@ end
 -- `windows[i]` and `scales[i]` (entries past n are left over from an earlier request and
 -- never read; `scales` may be nil), and sets `overridden`.
 -- The line of reservations (line.lua; src/store/line.rs): a reservation joins its key's line,
--- the sorted set `<key>:turns`, at its turn `at` (Redis time, us), as `<id>:<cost>`; turns
--- LINE_KEPT past are dropped, and the set lives that long past its last turn.
+-- the sorted set `<key>:turns`, at its turn `at` (Redis time, us), as `<id>:<cost>:<notice>`;
+-- turns LINE_KEPT past are dropped, and the set lives that long past its last turn.
 local LINE_KEPT = 10000000
 local function join_line(key, at, cost)
   local line = key .. ':turns'
   redis.call('ZREMRANGEBYSCORE', line, '-inf', text(now - LINE_KEPT))
-  redis.call('ZADD', line, text(at), text(reserve_id) .. ':' .. text(cost))
+  redis.call('ZADD', line, text(at), text(reserve_id) .. ':' .. text(cost) .. ':' .. text(reserve_notice))
   local ms = math.ceil((at - now + LINE_KEPT) / 1000)
   if redis.call('PTTL', line) < ms then
     redis.call('PEXPIRE', line, text(ms))
@@ -475,7 +476,8 @@ local function next_request(counts, windows, scales, k)
     slot_cap, slot_id, slot_ttl, waiter_id, waiter_wait, waiter_queued, headroom, next_byte =
       sunpack('<lllllll', requests, next_byte)
   elseif record == RESERVE then
-    reserve_wait, headroom, reserve_id, next_byte = sunpack('<lll', requests, next_byte)
+    reserve_wait, headroom, reserve_id, reserve_notice, next_byte =
+      sunpack('<llll', requests, next_byte)
     -- Made as if asked at the end of the key's pause (line.lua), so that GCRA's bucket
     -- drains from there and the log places it after.
     local pause = redis.call('GET', KEYS[k] .. ':pause')
