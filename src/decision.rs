@@ -42,6 +42,10 @@ pub struct Decision {
     pub(crate) place: u64,
     /// Refused for a slot: the key's typical hold time the store keeps (ms; 0: none known).
     pub(crate) hold_ms: u32,
+    /// A reservation's wait for its turn ([`Reserve`](crate::store::Reserve)), in ms rounded
+    /// up (a `u32`, like `hold_ms`, so that it fits in the padding of the flags: 49 days at
+    /// most); 0 for a decision.
+    pub(crate) turn_ms: u32,
 }
 
 impl Decision {
@@ -104,6 +108,7 @@ impl Decision {
             concurrency: false,
             place: 0,
             hold_ms: 0,
+            turn_ms: 0,
         }
     }
 
@@ -138,6 +143,7 @@ impl Decision {
             concurrency: false,
             place: 0,
             hold_ms: 0,
+            turn_ms: 0,
         }
     }
 
@@ -197,7 +203,22 @@ impl Decision {
             concurrency: true,
             place: full.place,
             hold_ms: u32::try_from(full.hold.div_ceil(1_000)).unwrap_or(u32::MAX),
+            turn_ms: 0,
         }
+    }
+
+    /// How long a reservation waits for its turn ([`Reserve::reserve`](crate::store::Reserve)),
+    /// rounded up to a millisecond: its units may be used that long after the store answered,
+    /// not before. Zero for a decision, and for a reservation whose turn is now.
+    pub fn turn(&self) -> Duration {
+        Duration::from_millis(self.turn_ms.into())
+    }
+
+    /// This decision, a reservation whose turn comes after `turn` (rounded up to a ms).
+    pub(crate) fn with_turn(self, turn: Duration) -> Decision {
+        let ms = turn.as_micros().div_ceil(1_000);
+        let turn_ms = u32::try_from(ms).unwrap_or(u32::MAX);
+        Decision { turn_ms, ..self }
     }
 
     /// This decision, holding concurrency slot `slot` when it admits.
@@ -228,6 +249,7 @@ impl Decision {
             concurrency: false,
             place: 0,
             hold_ms: 0,
+            turn_ms: 0,
         }
     }
 

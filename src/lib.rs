@@ -9,6 +9,7 @@ mod algorithm;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod blocklist;
 pub mod body;
+pub mod client;
 mod concurrency;
 mod decision;
 mod deny_cache;
@@ -64,3 +65,8 @@ mod usage_guide {}
 #[cfg(doctest)]
 #[doc = include_str!("../docs/leases.md")]
 mod leases_guide {}
+
+/// The code blocks of the outbound guide, compiled as doctests.
+#[cfg(all(doctest, feature = "redis"))]
+#[doc = include_str!("../docs/outbound.md")]
+mod outbound_guide {}

@@ -91,7 +91,7 @@ impl Limiter for Gcra {
         self.states.resize(windows.len(), (0, 0, 0));
         for (i, w) in windows.iter().enumerate() {
             let new = self.backlog(now, i, w) + u128::from(cost) * units(w).0;
-            self.states[i] = (now, new.min(u128::from(MAX_UNITS)), w.gcra.0);
+            self.states[i] = (self.stamp(now, i), new.min(u128::from(MAX_UNITS)), w.gcra.0);
         }
     }
 
@@ -101,6 +101,12 @@ impl Limiter for Gcra {
         let backlog = self.backlog(now, i, w);
         let remaining = capacity.saturating_sub(backlog) / u;
         (remaining as u64, div_ceil(backlog, d))
+    }
+
+    /// Recorded now, past the capacity if need be: the backlog is the queue, and a unit
+    /// recorded now that goes when the backlog has drained to fit it goes at its turn.
+    fn reserve_at(&mut self, now: u64, _: u64, windows: &[Window], cost: u64) {
+        self.record(now, windows, cost);
     }
 
     /// The units leave the backlog as far as they still weigh in it: units taken at `at` have
@@ -117,12 +123,19 @@ impl Limiter for Gcra {
             let weight =
                 (u128::from(back.units) * u).saturating_sub(u128::from(now.saturating_sub(at)) * d);
             let left = self.backlog(now, i, w);
-            self.states[i] = (now, left.saturating_sub(weight), w.gcra.0);
+            self.states[i] = (self.stamp(now, i), left.saturating_sub(weight), w.gcra.0);
         }
     }
 }
 
 impl Gcra {
+    /// The time limit `i`'s backlog is written at, when it is written `now`: a backlog stamped
+    /// later (a reservation made for the end of a pause) has not drained at all by `now`, and
+    /// keeps its time, so that it drains from there and not from `now`.
+    fn stamp(&self, now: u64, i: usize) -> u64 {
+        self.states.get(i).map_or(now, |&(at, _, _)| at.max(now))
+    }
+
     /// Microseconds from `now` until every bucket is empty: how long the state matters, which
     /// a charge can make longer than the longest window.
     pub(crate) fn drained_in(&self, now: u64, windows: &[Window]) -> u64 {

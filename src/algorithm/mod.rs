@@ -13,6 +13,7 @@
 
 pub(crate) mod fixed_window;
 pub(crate) mod gcra;
+pub(crate) mod reserve;
 pub(crate) mod sliding_log;
 pub(crate) mod sliding_window;
 
@@ -168,6 +169,18 @@ pub(crate) trait Limiter {
     /// (`None`: not known), from every limit, as far as they still weigh: never below what
     /// the state would be without them.
     fn refund(&mut self, now: u64, windows: &[Window], back: Refund);
+    /// The earliest time a reservation at `now` may take ([`reserve`]): after every
+    /// reservation made before it. `now` where the state is a queue already (GCRA).
+    fn earliest(&self, now: u64) -> u64 {
+        now
+    }
+    /// Records a reservation of `cost` decided at `now` for time `at`: at `at` where the
+    /// state keeps times (the log), else as an admission at `now` that holds its place (GCRA's
+    /// backlog past its capacity).
+    fn reserve_at(&mut self, now: u64, at: u64, windows: &[Window], cost: u64) {
+        let _ = now;
+        self.record(at, windows, cost);
+    }
 }
 
 /// A [`Settlement`](crate::Settlement) in the algorithms' units.

@@ -172,6 +172,12 @@ impl Limiter for SlidingLog {
         (w.count.saturating_sub(fullest), reset)
     }
 
+    /// After the newest event the log holds: a reservation never goes before one made
+    /// earlier (nor before a request logged at a later event time).
+    fn earliest(&self, now: u64) -> u64 {
+        self.events.back().map_or(now, |e| e.time.max(now))
+    }
+
     /// Takes up to `units`, at most what the request recorded, off the events of its admission
     /// time `at`, the last added first: units of one microsecond weigh alike in every window,
     /// so which of its events gives them does not matter (on Redis a request admitted from a

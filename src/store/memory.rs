@@ -5,12 +5,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use super::line::Line;
 use super::override_table::Table;
 use super::overrides::{Applied, Overrides};
+use super::reserve::{self, reservable, InLine, Reserve, Ticket};
 use super::{Store, StoreError};
 use crate::algorithm::{
-    decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
-    sliding_window::SlidingWindow, Algorithm, Outcome, Refund, Settle,
+    decide,
+    fixed_window::FixedWindow,
+    gcra::Gcra,
+    reserve::{reserve, Reserved},
+    settle,
+    sliding_log::SlidingLog,
+    sliding_window::SlidingWindow,
+    Algorithm, Outcome, Refund, Settle, Window,
 };
 use crate::concurrency::{Slots, Waiter};
 use crate::shards::{Entry, Pinning, Shards};
@@ -169,6 +177,8 @@ struct State {
     locked_until: u64,
     /// The key's concurrency slots, when its policy has a concurrency limit.
     slots: Slots,
+    /// The key's reservations waiting for their turns, and its pause ([`Reserve`]).
+    line: Line,
 }
 
 /// The state of one key under the algorithm of its policy.
@@ -195,6 +205,17 @@ struct Ask {
     waiter: Option<Waiter>,
     /// How much longer than its longest window the state must be kept ([`Stretch`]).
     stretch: Stretch,
+    /// A reservation ([`Reserve`]).
+    reserve: Option<Booking>,
+}
+
+/// A reservation's [`Ticket`] in the store's units (µs).
+#[derive(Clone, Copy)]
+struct Booking {
+    id: u64,
+    max_wait: u64,
+    late: u64,
+    notice: u64,
 }
 
 /// How much longer a GCRA state decided under an override's counts must be kept than their
@@ -256,12 +277,16 @@ struct Answer {
     /// When the penalty box answers the refusal (it set the box, or the box holds): its
     /// retry (µs), the later of the box's end and the limits' own retry.
     boxed: Option<u64>,
+    /// A reservation's turn (µs, the store's time), when it was reserved.
+    turn: Option<u64>,
 }
 
-/// The map keeps a key while it is locked out by its penalty box, or holds concurrency slots.
+/// The map keeps a key while it is locked out by its penalty box, holds concurrency slots, or
+/// has reservations waiting for their turns or a pause.
 impl Pinning for State {
     fn pinned_until(&self) -> u64 {
-        self.locked_until.max(self.slots.last_expiry())
+        let line = self.line.last().unwrap_or(0).max(self.line.paused_until());
+        self.locked_until.max(self.slots.last_expiry()).max(line)
     }
 }
 
@@ -280,6 +305,7 @@ impl State {
             held_until: 0,
             locked_until: 0,
             slots: Slots::default(),
+            line: Line::default(),
         }
     }
 
@@ -361,6 +387,9 @@ impl State {
     /// request it admits and the concurrency slot that takes, or the penalty box of a refusal.
     /// `kept` is until when the key's state is kept so far (0: new).
     fn answer(&mut self, policy: &Policy, ask: &Ask, kept: u64) -> Answer {
+        if let Some(booking) = ask.reserve {
+            return self.reserve(policy, ask, booking);
+        }
         let (now, t) = (ask.now, ask.t);
         let outcome = self.decide(now, t, policy, ask.cost, ask.record);
         if ask.record && outcome.allowed {
@@ -375,6 +404,7 @@ impl State {
                 outcome,
                 keep_until: Some(until),
                 boxed: None,
+                turn: None,
             };
         }
         // Refused by a limit that a wait satisfies (not a request larger than the limit
@@ -385,6 +415,7 @@ impl State {
                 outcome,
                 keep_until: None,
                 boxed: None,
+                turn: None,
             };
         };
         if self.held_until > now && policy.block_micros() > 0 {
@@ -392,6 +423,7 @@ impl State {
                 outcome,
                 keep_until: None,
                 boxed: Some(retry),
+                turn: None,
             };
         }
         let until = match ask.record {
@@ -402,6 +434,73 @@ impl State {
             outcome,
             keep_until: until,
             boxed: until.map(|until| (until - now).max(retry)),
+            turn: None,
+        }
+    }
+
+    /// Reserves `ask`'s cost for its turn, after the key's pause and within its most wait
+    /// (`algorithm::reserve`), and puts it in the key's line: the answer of a request admitted
+    /// at its turn, and the key kept a window past it. Its units may be used `late` after
+    /// their turn: the log reads its windows that much longer, GCRA keeps that much drain free
+    /// in every bucket (as Redis does, `gcra.lua`).
+    fn reserve(&mut self, policy: &Policy, ask: &Ask, booking: Booking) -> Answer {
+        let Booking {
+            id,
+            max_wait,
+            late,
+            notice,
+        } = booking;
+        let (now, windows) = (ask.now, policy.windows());
+        // Reserved as if asked at the pause's end, so that GCRA's bucket drains from there.
+        let from = self.line.floor(now);
+        let shift = from - now;
+        let reserved = match (&mut self.of, max_wait.checked_sub(shift)) {
+            (_, None) => Reserved::TooLate(Some(0)),
+            (Of::Log(log), Some(wait)) => {
+                trim(log, now.saturating_sub(late), policy);
+                let longer: Vec<Window> = windows
+                    .iter()
+                    .map(|w| Window::new(w.count, w.micros.saturating_add(late)))
+                    .collect();
+                reserve(log, from, &longer, ask.cost, wait)
+            }
+            (Of::Gcra(bucket), Some(wait)) => {
+                let tighter: Vec<Window> = windows
+                    .iter()
+                    .map(|w| Window {
+                        micros: w.micros.saturating_sub(late),
+                        ..*w
+                    })
+                    .collect();
+                reserve(bucket, from, &tighter, ask.cost, wait)
+            }
+            // `reservable` refuses them first.
+            (Of::Sliding(_) | Of::Fixed(_), _) => Reserved::TooLate(None),
+        };
+        let reserved = match reserved {
+            Reserved::TooLate(wait) => Reserved::TooLate(wait.map(|w| w + shift)),
+            Reserved::At(turn) => {
+                self.line.join(now, turn, id, (ask.cost, notice));
+                Reserved::At(turn)
+            }
+        };
+        let (turn, outcome) = match reserved {
+            Reserved::At(turn) => (Some(turn), self.decide(now, turn, policy, 0, false)),
+            Reserved::TooLate(wait) => {
+                let looked = self.decide(now, now, policy, ask.cost, false);
+                let refused = Outcome {
+                    allowed: false,
+                    retry_after: wait,
+                    ..looked
+                };
+                (None, refused)
+            }
+        };
+        Answer {
+            outcome,
+            keep_until: turn.map(|turn| expiry(policy, now, turn, ask.stretch) + late),
+            boxed: None,
+            turn,
         }
     }
 
@@ -542,14 +641,19 @@ impl MemoryStore {
             waiter: waiter.copied(),
             ..self.ask(policy, cost, at, record)
         };
-        ready(Ok(match self.shared.overrides.apply(key, policy) {
+        ready(Ok(self.decide_overridden(key, policy, ask)))
+    }
+
+    /// Decides `ask` under the limits in force for `key` (an override's, or `policy`'s own).
+    fn decide_overridden(&self, key: &Key, policy: &Policy, ask: Ask) -> Decision {
+        match self.shared.overrides.apply(key, policy) {
             Applied::Own(policy) => self.decide_under(key, policy, &ask),
             Applied::Other(used) => {
                 let stretch = Stretch::of(policy, &used);
                 self.decide_under(key, &used, &Ask { stretch, ..ask })
             }
             Applied::Blocked => Decision::blocked(policy),
-        }))
+        }
     }
 
     /// What a decision of `cost` at event time `at` (`None`: now) asks; a recorded one under a
@@ -572,6 +676,7 @@ impl MemoryStore {
             take,
             waiter: None,
             stretch: Stretch::NONE,
+            reserve: None,
         }
     }
 
@@ -623,22 +728,25 @@ impl MemoryStore {
         }
     }
 
+    /// The policy whose counts `key` is decided by under `policy`: an override's, or its own
+    /// (a blocked key's too).
+    fn in_force(&self, key: &Key, policy: &Policy) -> Policy {
+        match self.shared.overrides.apply(key, policy) {
+            Applied::Other(used) => used,
+            _ => policy.clone(),
+        }
+    }
+
     /// Records `settlement` for `key` under `policy`, now.
     fn settle_now(&self, key: &Key, policy: &Policy, settlement: Settlement) {
         let now = self.now();
         // Settled under the counts the key is decided by; a blocked key's under its own.
-        let (other, stretch);
-        let policy = match self.shared.overrides.apply(key, policy) {
-            Applied::Other(used) => {
-                stretch = Stretch::of(policy, &used);
-                other = used;
-                &other
-            }
-            _ => {
-                stretch = Stretch::NONE;
-                policy
-            }
+        let stretch = match self.shared.overrides.apply(key, policy) {
+            Applied::Other(used) => Stretch::of(policy, &used),
+            _ => Stretch::NONE,
         };
+        let in_force = self.in_force(key, policy);
+        let policy = &in_force;
         let algorithm = policy.algorithm();
         // The state a refund's units were recorded in, the only one it applies to.
         let recorded_in = match &settlement {
@@ -750,11 +858,117 @@ fn decision((answer, state): (Answer, u64), policy: &Policy, ask: &Ask) -> Decis
     if let Some(take) = ask.take {
         decision = decision.with_slot(take.id);
     }
+    if let Some(turn) = answer.turn {
+        let wait = Duration::from_micros(turn - ask.now);
+        let recorded = decision.recorded_at(i64::try_from(turn).ok(), ask.cost);
+        return recorded.in_state(state).with_turn(wait);
+    }
     match ask.record {
         true => decision
             .recorded_at(i64::try_from(ask.t).ok(), ask.cost)
             .in_state(state),
         false => decision,
+    }
+}
+
+/// Reserves in the map, as decisions are made: under the override or plan in force for the
+/// key, blocked by a block; the key is kept until a window past its last turn, and its line
+/// with it.
+impl Reserve for MemoryStore {
+    type LineFuture = Ready<Result<InLine, StoreError>>;
+
+    fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::Future {
+        let supported = super::in_range(policy).and_then(|()| reservable(policy));
+        if let Err(error) = supported.and_then(|()| reserve::in_range(policy, &ticket)) {
+            return ready(Err(error));
+        }
+        let booking = Booking {
+            id: ticket.id,
+            max_wait: micros(ticket.max_wait),
+            late: micros(ticket.late),
+            notice: micros(ticket.notice),
+        };
+        let ask = Ask {
+            reserve: Some(booking),
+            ..self.ask(policy, ticket.cost, None, true)
+        };
+        ready(Ok(self.decide_overridden(key, policy, ask)))
+    }
+
+    fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
+        ready(Ok(self.in_line(key, policy, |state, now| {
+            state.line.look(now, ticket.id)
+        })))
+    }
+
+    /// The place left at the end is refunded under the counts in force for the key, only
+    /// where the key's state is the one the line was kept with (it is the same entry).
+    fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
+        let in_force = self.in_force(key, policy);
+        ready(Ok(self.in_line(key, policy, |state, now| {
+            let (at, left) = state.line.leave(now, ticket.id)?;
+            if left.last || in_force.algorithm() == Algorithm::SlidingLog {
+                let refund = Refund {
+                    units: left.cost,
+                    at: Some(left.at),
+                    recorded: left.cost,
+                };
+                state.settle(now, &in_force, Settle::Refund(refund));
+            }
+            Some(at)
+        })))
+    }
+
+    fn pause(&self, key: &Key, policy: &Policy, pause: Duration) -> Self::LineFuture {
+        let now = self.now();
+        let until = now.saturating_add(micros(pause));
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        let paused = match shard.get(key, policy.state_id(), now) {
+            Some(entry) if entry.is_live(now) => {
+                entry.value.line.pause(until);
+                entry.expires = entry.expires.max(until);
+                entry.value.line.paused_until()
+            }
+            _ => {
+                let mut state = self.shared.fresh(policy.algorithm());
+                state.line.pause(until);
+                shard.insert(key, policy.state_id(), now, until, state);
+                until
+            }
+        };
+        ready(Ok(InLine {
+            turn: None,
+            paused: Duration::from_micros(paused.saturating_sub(now)),
+        }))
+    }
+}
+
+impl MemoryStore {
+    /// Runs `f` on the line of `key` under `policy`, with the time and the key's state, and
+    /// answers where the reservation it names stands (the turn `f` returns) and the pause.
+    fn in_line(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        f: impl FnOnce(&mut State, u64) -> Option<u64>,
+    ) -> InLine {
+        let now = self.now();
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        let Some(entry) = shard
+            .get(key, policy.state_id(), now)
+            .filter(|e| e.is_live(now))
+        else {
+            return InLine {
+                turn: None,
+                paused: Duration::ZERO,
+            };
+        };
+        let state = &mut entry.value;
+        let turn = f(state, now);
+        InLine {
+            turn: turn.map(|at| Duration::from_micros(at.saturating_sub(now))),
+            paused: Duration::from_micros(state.line.paused_until().saturating_sub(now)),
+        }
     }
 }
 

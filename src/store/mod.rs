@@ -15,12 +15,14 @@ use crate::{Decision, Key, Policy, Settlement};
 /// What [`Store::limits_version`] answers while the store cannot vouch for its limits.
 pub(crate) const UNCONFIRMED_LIMITS: u64 = u64::MAX;
 
+pub(crate) mod line;
 pub(crate) mod memory;
 pub(crate) mod override_table;
 pub(crate) mod overrides;
 pub(crate) mod owner;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+pub(crate) mod reserve;
 
 pub use crate::concurrency::Waiter;
 pub use crate::decision::{SlotId, Units};
@@ -29,6 +31,7 @@ pub use overrides::{Override, OverrideError, OverridePages, Overrides, Scope};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::{Leases, RedisStore, RedisStoreBuilder};
+pub use reserve::{InLine, Reserve, Ticket, MAX_LATE};
 
 /// Decides whether a request fits a policy, and records it if it does, in one atomic step.
 ///

@@ -247,6 +247,24 @@ impl Batcher {
             .await
     }
 
+    /// Runs `scripts/line.lua` for the line of reservations of `key` (`args`: the operation
+    /// and its argument), waiting for the reply up to `patience`.
+    pub(super) async fn line(
+        &self,
+        key: String,
+        args: [String; 3],
+        patience: Duration,
+    ) -> Result<Vec<i64>, Error> {
+        let argv = args.into_iter().map(Value::from).collect();
+        self.evalsha_patiently(
+            &self.settings.scripts.line,
+            vec![Key::from(key)],
+            argv,
+            patience,
+        )
+        .await
+    }
+
     /// Decides one request at `place` in a call of its own, outside the batches, and waits
     /// for Redis's reply for up to `patience` instead of the time budget. For a lease: Redis
     /// counts its units when the script runs, so its reply is worth reading however late it

@@ -29,6 +29,7 @@ mod nodes;
 mod overrides;
 mod placement;
 mod protocol;
+mod reserve;
 mod slots;
 
 pub use builder::RedisStoreBuilder;
@@ -527,9 +528,15 @@ impl Store for RedisStore {
         let inner = Arc::clone(&self.inner);
         let redis_key = self.redis_key(key, policy);
         Box::pin(async move {
-            // The state, and the penalty box beside it (same hash slot).
+            // The state, and the penalty box, line of reservations and pause beside it (same
+            // hash slot).
             let del = |client: fred::clients::Client| {
-                let keys = vec![redis_key.clone(), format!("{redis_key}:box")];
+                let keys = vec![
+                    redis_key.clone(),
+                    format!("{redis_key}:box"),
+                    format!("{redis_key}:turns"),
+                    format!("{redis_key}:pause"),
+                ];
                 async move { client.del::<(), _>(keys).await }
             };
             inner.batcher.on(&redis_key, del).await?;

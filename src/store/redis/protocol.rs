@@ -71,6 +71,10 @@ const RELEASE: &str = concat!(
     include_str!("scripts/release.lua")
 );
 
+/// The text of `scripts/line.lua`, the line of reservations of a key (`src/store/line.rs`): it
+/// decides nothing, and stands alone.
+const LINE: &str = include_str!("scripts/line.lua");
+
 /// The store's scripts, hashed once (`EVALSHA` names a script by its SHA-1).
 pub(super) struct Scripts {
     sliding_log: Script,
@@ -79,6 +83,8 @@ pub(super) struct Scripts {
     gcra: Script,
     /// `scripts/release.lua`.
     pub(super) release: Script,
+    /// `scripts/line.lua`.
+    pub(super) line: Script,
 }
 
 impl Scripts {
@@ -90,6 +96,7 @@ impl Scripts {
             fixed_window: script(Algorithm::FixedWindow),
             gcra: script(Algorithm::Gcra),
             release: Script::from_lua(RELEASE),
+            line: Script::from_lua(LINE),
         }
     }
 
@@ -215,6 +222,10 @@ pub(super) enum Mode {
     /// followed by the key's cap of slots, the slot's id and its lifetime, then the waiter's
     /// id (0: the request does not wait), wait (µs) and whether it is in line (0 or 1).
     Take = 4,
+    /// 5, `RESERVE`: decide the earliest turn at or after every reservation before within
+    /// the most it may wait, and record it (`Reserve::reserve`); followed by that wait (µs),
+    /// headroom, and the reservation's id and notice (µs) in its key's line.
+    Reserve = 5,
 }
 
 /// What a request asks a script to do: its [`Mode`], with the arguments that mode takes.
@@ -250,6 +261,16 @@ pub(super) enum Record {
         ttl: u64,
         waiter: Option<Waiter>,
         headroom: u64,
+    },
+    /// Reserve the cost for the earliest turn within `max_wait` µs, after every reservation
+    /// before; answered as admitted with the turn (µs from now) as its retry, or refused with
+    /// the turn it would have had. `headroom` as for a look; `id` and `notice`, the
+    /// reservation's in its key's line (`scripts/line.lua`).
+    Reserve {
+        max_wait: u64,
+        headroom: u64,
+        id: u64,
+        notice: u64,
     },
 }
 
@@ -298,6 +319,19 @@ impl Record {
                 let (ttl, headroom) = (clamp(ttl), clamp(headroom));
                 let args = [cap.into(), clamp(id), ttl, waiter, wait, queued, headroom];
                 (Mode::Take, args, 7)
+            }
+            Record::Reserve {
+                max_wait,
+                headroom,
+                id,
+                notice,
+            } => {
+                let args = [clamp(max_wait), clamp(headroom), clamp(id), clamp(notice)];
+                (
+                    Mode::Reserve,
+                    [args[0], args[1], args[2], args[3], 0, 0, 0],
+                    4,
+                )
             }
         }
     }

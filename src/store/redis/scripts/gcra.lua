@@ -84,6 +84,10 @@ for k = 1, REQUESTS do
     -- helps, is the latest of all); `room`, the fewest whole units that fit in any limit.
     local state_byte = 1
     local denied, denied_retry, room = nil, nil, nil
+    -- The time the state is written at: `t`, or the state's own where that is later (made for
+    -- the end of a pause, prelude.lua RESERVE), whose backlog has not drained at all by `t`,
+    -- so that it drains from there and not from `t`.
+    local stamp = t
     for i = 1, n do
       local c, w, g, at, left = counts[i], windows[i], scales[i]
       local u, d = w / g, c / g
@@ -95,6 +99,7 @@ for k = 1, REQUESTS do
       if state then
         local from
         at, left, from, state_byte = sunpack('<lll', state, state_byte)
+        stamp = math.max(stamp, at)
         if from ~= u then
           left = reweigh(left, from, u)
         end
@@ -115,6 +120,27 @@ for k = 1, REQUESTS do
         local fit = math.floor((capacity - b) / u)
         if room == nil or fit < room then
           room = fit
+        end
+      end
+    end
+
+    -- A reservation (prelude.lua, RESERVE) takes the latest retry as its turn, within its
+    -- wait: it is recorded at `t` (now, or the end of the key's pause), past the capacity
+    -- (the backlog is the queue), and answered admitted with the turn as its retry.
+    local turn = nil
+    if record == RESERVE then
+      local shift = t - now
+      if denied == nil then
+        if shift <= reserve_wait then
+          turn = shift
+        else
+          denied, denied_retry = 1, shift
+        end
+      elseif denied_retry >= 0 then
+        if shift + denied_retry <= reserve_wait then
+          turn, denied = shift + denied_retry, nil
+        else
+          denied_retry = shift + denied_retry
         end
       end
     end
@@ -166,21 +192,23 @@ for k = 1, REQUESTS do
           else
             backlogs[i] = math.min(backlogs[i] + cost * u, MAX_UNITS)
           end
-          if record == SETTLE then
+          if record == SETTLE or record == RESERVE then
             ttl = math.max(ttl, math.ceil(backlogs[i] / d))
           end
         end
         local value
         if n == 1 then
-          value = spack('<lllll', t, backlogs[1], weights[1], born, leased)
+          value = spack('<lllll', stamp, backlogs[1], weights[1], born, leased)
         else
           local parts = {}
           for i = 1, n do
-            parts[i] = spack('<lll', t, backlogs[i], weights[i])
+            parts[i] = spack('<lll', stamp, backlogs[i], weights[i])
           end
           parts[n + 1] = spack('<ll', born, leased)
           value = table.concat(parts)
         end
+        -- Stamped later than now: it starts draining only then.
+        ttl = ttl + math.max(stamp - now, 0)
         -- Decided under an override's counts: kept until the backlog drains under the
         -- policy's own too (prelude.lua, `stretch_num`), at most 2^50 us.
         if stretch_num > stretch_den then
@@ -196,6 +224,10 @@ for k = 1, REQUESTS do
           least, reported = remaining, i
         end
       end
+    end
+    if turn ~= nil then
+      retry = turn
+      join_line(key, now + turn, cost)
     end
     local w, b = windows[reported], backlogs[reported]
     local u, d = weights[reported], drains[reported]

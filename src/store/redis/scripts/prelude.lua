@@ -48,6 +48,12 @@
 --             the key's cap of slots, the slot's id, its lifetime (us), the waiter's id (0:
 --             the request does not wait), its wait (us), whether it is in line (0 or 1), and
 --             headroom (the sliding log's; 0 otherwise)
+--   RESERVE 5 the earliest turn at or after every reservation before and the key's pause,
+--             within the most it may wait (us), recorded, and the reservation put in its key's
+--             line (`join_line`); answered admitted with the turn (us from now) as
+--             retry_after, or refused with the turn it would have had (GCRA and the sliding
+--             log only; src/algorithm/reserve.rs); the wait, headroom (as for a look), and the
+--             reservation's id and notice (us; line.lua)
 --
 -- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
 -- 2255), and every state saturates at MAX_UNITS (2^52) units, so that every number the
@@ -150,7 +156,7 @@ local spack, sunpack = struct.pack, struct.unpack
 local requests, next_byte = ARGV[1], 1
 local reply = {}
 -- The modes of a request (the header's "Modes"; protocol.rs, Mode).
-local LOOK, ADMIT, LEASE, SETTLE, TAKE = 0, 1, 2, 3, 4
+local LOOK, ADMIT, LEASE, SETTLE, TAKE, RESERVE = 0, 1, 2, 3, 4, 5
 -- The limit indexes of the refusals that no limit makes (the header's "Reply").
 local BOXED, SLOTS_FULL = -1, -2
 
@@ -278,6 +284,9 @@ end
 -- waiter's id (0: none), wait (us) and whether it is in line.
 local slot_cap, slot_id, slot_ttl = 0, 0, 0
 local waiter_id, waiter_wait, waiter_queued = 0, 0, 0
+-- The request at hand's most wait for its turn, when a reservation (RESERVE; us), its id and
+-- its notice (us).
+local reserve_wait, reserve_id, reserve_notice = 0, 0, 0
 local LINE = 4000000000000000
 local HOLD_KEPT_MS = 3600000
 -- The members (live or not) of the request's key's set when it was looked at, for `take_slot`.
@@ -435,6 +444,20 @@ end
 -- limit's count (an override's, if one applies), window and scale in `counts[i]`,
 -- `windows[i]` and `scales[i]` (entries past n are left over from an earlier request and
 -- never read; `scales` may be nil), and sets `overridden`.
+-- The line of reservations (line.lua; src/store/line.rs): a reservation joins its key's line,
+-- the sorted set `<key>:turns`, at its turn `at` (Redis time, us), as `<id>:<cost>:<notice>`;
+-- turns LINE_KEPT past are dropped, and the set lives that long past its last turn.
+local LINE_KEPT = 10000000
+local function join_line(key, at, cost)
+  local line = key .. ':turns'
+  redis.call('ZREMRANGEBYSCORE', line, '-inf', text(now - LINE_KEPT))
+  redis.call('ZADD', line, text(at), text(reserve_id) .. ':' .. text(cost) .. ':' .. text(reserve_notice))
+  local ms = math.ceil((at - now + LINE_KEPT) / 1000)
+  if redis.call('PTTL', line) < ms then
+    redis.call('PEXPIRE', line, text(ms))
+  end
+end
+
 local function next_request(counts, windows, scales, k)
   local n, cost, record, t, id, box, all, plan, known, kind
   local want, headroom, refund, admitted, weight
@@ -444,7 +467,7 @@ local function next_request(counts, windows, scales, k)
     t = now
   end
   want, headroom, refund, admitted, weight = cost, 0, 0, -1, 0
-  slot_cap, waiter_id, waiter_queued = 0, 0, 0
+  slot_cap, waiter_id, waiter_queued, reserve_wait = 0, 0, 0, 0
   if record == LEASE or record == LOOK then
     want, headroom, next_byte = sunpack('<ll', requests, next_byte)
   elseif record == SETTLE then
@@ -452,6 +475,15 @@ local function next_request(counts, windows, scales, k)
   elseif record == TAKE then
     slot_cap, slot_id, slot_ttl, waiter_id, waiter_wait, waiter_queued, headroom, next_byte =
       sunpack('<lllllll', requests, next_byte)
+  elseif record == RESERVE then
+    reserve_wait, headroom, reserve_id, reserve_notice, next_byte =
+      sunpack('<llll', requests, next_byte)
+    -- Made as if asked at the end of the key's pause (line.lua), so that GCRA's bucket
+    -- drains from there and the log places it after.
+    local pause = redis.call('GET', KEYS[k] .. ':pause')
+    if pause then
+      t = math.max(t, tonumber(pause))
+    end
   end
   local scale
   for i = 1, n do

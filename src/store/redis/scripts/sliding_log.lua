@@ -257,6 +257,39 @@ local function decide(key, n, cost, record, t, want)
     overridden and counts[reported] or -1)
 end
 
+-- A reservation (prelude.lua, RESERVE; src/algorithm/reserve.rs): the earliest `t` at or
+-- after `from` (now, or the end of the key's pause) and the newest event (so that
+-- reservations keep their order) at which every window containing `t` has room, stepping by
+-- the latest retry; logged there within `wait`, put in the key's line, and answered admitted
+-- with its turn (t - now) as the retry, else refused with that turn, logging nothing.
+local function reserve(key, n, cost, wait, from)
+  local t = from
+  local newest = call('ZRANGE', key, '-1', '-1')[1]
+  if newest and is_event(newest) then
+    t = max(t, (event(newest)))
+  end
+  for _ = 1, 1024 do
+    if t - now > wait then
+      break
+    end
+    local looked = decide(key, n, cost, LOOK, t, cost)
+    local allowed, _, _, _, retry = sunpack('<lllll', looked)
+    if allowed >= 1 then
+      local logged = decide(key, n, cost, ADMIT, t, cost)
+      local a, index, remaining, reset, _, count = sunpack('<llllll', logged)
+      join_line(key, t, cost)
+      return spack('<llllll', a, index, remaining, reset, t - now, count)
+    end
+    if retry < 0 then
+      return looked
+    end
+    t = t + max(retry, 1)
+  end
+  local looked = decide(key, n, cost, LOOK, now, cost)
+  local _, index, remaining, reset, _, count = sunpack('<llllll', looked)
+  return spack('<llllll', 0, index, remaining, reset, t - now, count)
+end
+
 for k = 1, REQUESTS do
   local key = KEYS[k]
   local n, cost, record, t, want, headroom, refund, admitted, recorded, blocked =
@@ -274,7 +307,11 @@ for k = 1, REQUESTS do
     for i = 1, n do
       windows[i] = windows[i] + headroom
     end
-    reply[k] = decide(key, n, cost, record, t, want)
+    if record == RESERVE then
+      reply[k] = reserve(key, n, cost, reserve_wait, t)
+    else
+      reply[k] = decide(key, n, cost, record, t, want)
+    end
     if box_ms > 0 or slot_cap > 0 then
       reply[k] = conclude(k, reply[k])
     end

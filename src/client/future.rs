@@ -1,0 +1,439 @@
+//! The response future: reserve, wait for the turn (looking again when woken, and at the
+//! turn), take the inner service's readiness, call, and pause the key where the upstream
+//! pushes back.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use http::{Request, Response};
+use pin_project_lite::pin_project;
+use tokio::sync::futures::OwnedNotified;
+use tokio::time::{Instant, Sleep};
+use tower_service::Service;
+
+use super::layer::Shared;
+use super::pushback::pushback;
+use super::OutboundError;
+use crate::store::{InLine, Reserve, Ticket};
+use crate::{Key, StoreError};
+
+/// A store a response future can reserve with, and give a reservation back to from `Drop`, on
+/// a task of its own: the bounds of [`Outbound`](super::Outbound)'s service, in one place.
+pub trait Keeper:
+    Reserve<Future: Send + 'static, LineFuture: Send + 'static> + Clone + Send + Sync + 'static
+{
+}
+
+impl<St> Keeper for St where
+    St: Reserve<Future: Send + 'static, LineFuture: Send + 'static> + Clone + Send + Sync + 'static
+{
+}
+
+pin_project! {
+    /// The response future of [`Outbound`](super::Outbound).
+    pub struct ResponseFuture<S, St, B>
+    where
+        S: Service<Request<B>>,
+        St: Keeper,
+    {
+        #[pin]
+        call: Option<S::Future>,
+        step: Step<St>,
+        request: Option<Request<B>>,
+        inner: Option<S>,
+        failed: Option<OutboundError<S::Error>>,
+        // Where the request reserves: kept to pause its key when the upstream pushes back.
+        seat: Option<Seat<St>>,
+    }
+}
+
+/// Where a request is on its way out.
+enum Step<St: Keeper> {
+    /// Its reservation is on its way.
+    Reserving(Pending<St>),
+    /// Its turn has not come yet: it sleeps until its turn, or its next look, or until woken
+    /// by a reservation of its layer that left the line or a pause.
+    Waiting {
+        sleep: Pin<Box<Sleep>>,
+        woken: Pin<Box<OwnedNotified>>,
+        held: Held<St>,
+    },
+    /// It looks where it stands in line.
+    Looking {
+        look: Pin<Box<St::LineFuture>>,
+        held: Held<St>,
+    },
+    /// Its turn has come; the inner service is not ready yet.
+    Turn(Held<St>),
+    /// Sent (or failed).
+    Gone,
+}
+
+impl<S, St, B, RB> ResponseFuture<S, St, B>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    St: Keeper,
+{
+    pub(super) fn new(seat: Seat<St>, request: Request<B>, inner: S) -> Self {
+        let pending = Pending::new(seat.clone());
+        ResponseFuture {
+            call: None,
+            step: Step::Reserving(pending),
+            request: Some(request),
+            inner: Some(inner),
+            failed: None,
+            seat: Some(seat),
+        }
+    }
+
+    pub(super) fn failed(error: OutboundError<S::Error>) -> Self {
+        ResponseFuture {
+            call: None,
+            step: Step::Gone,
+            request: None,
+            inner: None,
+            failed: Some(error),
+            seat: None,
+        }
+    }
+}
+
+impl<S, St, B, RB> Future for ResponseFuture<S, St, B>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone,
+    St: Keeper,
+{
+    type Output = Result<S::Response, OutboundError<S::Error>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            // Each step either moves on (`Ok`), or parks until woken (`Err`, the step kept).
+            let next = match std::mem::replace(this.step, Step::Gone) {
+                Step::Reserving(mut pending) => match pending.poll(cx) {
+                    Poll::Pending => Err(Step::Reserving(pending)),
+                    Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                    Poll::Ready(Ok(held)) => Ok(held.wait()),
+                },
+                Step::Waiting {
+                    mut sleep,
+                    mut woken,
+                    held,
+                } => {
+                    let slept = sleep.as_mut().poll(cx).is_ready();
+                    match slept || woken.as_mut().poll(cx).is_ready() {
+                        true => Ok(held.look()),
+                        false => Err(Step::Waiting { sleep, woken, held }),
+                    }
+                }
+                Step::Looking { mut look, held } => match look.as_mut().poll(cx) {
+                    Poll::Pending => Err(Step::Looking { look, held }),
+                    Poll::Ready(stood) => match held.after_look(stood) {
+                        Ok(step) => Ok(step),
+                        Err(error) => return Poll::Ready(Err(error)),
+                    },
+                },
+                Step::Turn(mut held) => {
+                    let Some(inner) = this.inner.as_mut() else {
+                        return Poll::Pending;
+                    };
+                    match inner.poll_ready(cx) {
+                        Poll::Pending => Err(Step::Turn(held)),
+                        Poll::Ready(Err(error)) => {
+                            return Poll::Ready(Err(OutboundError::Inner(error)))
+                        }
+                        // Ready later than its units may be used: it reserves again, and
+                        // gives the readiness back (a clone of the service is not ready).
+                        Poll::Ready(Ok(())) if held.too_late(Instant::now()) => {
+                            *inner = inner.clone();
+                            match held.again(None) {
+                                Ok(step) => Ok(step),
+                                Err(error) => return Poll::Ready(Err(error)),
+                            }
+                        }
+                        Poll::Ready(Ok(())) => {
+                            // The request goes out: its units are used, not given back.
+                            held.keep();
+                            if let Some(request) = this.request.take() {
+                                this.call.set(Some(inner.call(request)));
+                            }
+                            Ok(Step::Gone)
+                        }
+                    }
+                }
+                Step::Gone => {
+                    if let Some(error) = this.failed.take() {
+                        return Poll::Ready(Err(error));
+                    }
+                    let Some(call) = this.call.as_mut().as_pin_mut() else {
+                        return Poll::Pending;
+                    };
+                    let response = ready!(call.poll(cx));
+                    if let (Ok(response), Some(seat)) = (&response, this.seat.take()) {
+                        if let Some(pause) = pushback(response) {
+                            seat.pause(pause);
+                        }
+                    }
+                    return Poll::Ready(response.map_err(OutboundError::Inner));
+                }
+            };
+            match next {
+                Ok(step) => *this.step = step,
+                Err(step) => {
+                    *this.step = step;
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+}
+
+/// Where a request reserves: its layer's store, policy and wake-up, its key, and the ticket of
+/// its latest reservation.
+pub(super) struct Seat<St: Keeper> {
+    shared: Arc<Shared<St>>,
+    key: Key,
+    ticket: Ticket,
+    started: Instant,
+}
+
+impl<St: Keeper> Clone for Seat<St> {
+    fn clone(&self) -> Self {
+        Seat {
+            shared: Arc::clone(&self.shared),
+            key: self.key.clone(),
+            ticket: self.ticket,
+            started: self.started,
+        }
+    }
+}
+
+impl<St: Keeper> Seat<St> {
+    pub(super) fn new(shared: Arc<Shared<St>>, key: Key) -> Self {
+        let ticket = shared.ticket(shared.max_wait);
+        Seat {
+            shared,
+            key,
+            ticket,
+            started: Instant::now(),
+        }
+    }
+
+    /// Takes the reservation out of the line, on a task of its own (the caller is going
+    /// away), and then wakes this layer's waiting requests: those behind it moved up.
+    fn leave(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let shared = &self.shared;
+        let leave = shared.store.leave(&self.key, &shared.policy, self.ticket);
+        let shared = Arc::clone(shared);
+        runtime.spawn(async move {
+            if let Err(error) = leave.await {
+                tracing::warn!(
+                    target: "tower_redis_ratelimit",
+                    %error,
+                    "failed to give back a reservation"
+                );
+            }
+            shared.wake.notify_waiters();
+        });
+    }
+
+    /// Pauses the key for every caller that shares the store, on a task of its own, and then
+    /// wakes this layer's waiting requests to learn it.
+    fn pause(&self, pause: Duration) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let shared = &self.shared;
+        let paused = shared.store.pause(&self.key, &shared.policy, pause);
+        let shared = Arc::clone(shared);
+        runtime.spawn(async move {
+            if let Err(error) = paused.await {
+                tracing::warn!(
+                    target: "tower_redis_ratelimit",
+                    %error,
+                    "failed to pause a key the upstream pushed back on"
+                );
+            }
+            shared.wake.notify_waiters();
+        });
+    }
+
+    /// The same request, reserving again with what is left of its wait; `None` when nothing
+    /// is left.
+    fn again(&self) -> Option<Seat<St>> {
+        let left = self.shared.max_wait.checked_sub(self.started.elapsed())?;
+        Some(Seat {
+            ticket: self.shared.ticket(left),
+            ..self.clone()
+        })
+    }
+}
+
+/// A reservation on its way: if its caller goes away before the store answers, the answer is
+/// still awaited, on a task of its own, and a reservation it made leaves the line.
+struct Pending<St: Keeper> {
+    future: Option<Pin<Box<St::Future>>>,
+    seat: Option<Seat<St>>,
+}
+
+impl<St: Keeper> Pending<St> {
+    fn new(seat: Seat<St>) -> Self {
+        let shared = &seat.shared;
+        let reserve = shared.store.reserve(&seat.key, &shared.policy, seat.ticket);
+        Pending {
+            future: Some(Box::pin(reserve)),
+            seat: Some(seat),
+        }
+    }
+
+    fn poll<E>(&mut self, cx: &mut Context<'_>) -> Poll<Result<Held<St>, OutboundError<E>>> {
+        let Some(future) = self.future.as_mut() else {
+            return Poll::Pending;
+        };
+        let decision = ready!(future.as_mut().poll(cx));
+        self.future = None;
+        let Some(seat) = self.seat.take() else {
+            return Poll::Pending;
+        };
+        let decision = decision.map_err(OutboundError::Store)?;
+        if !decision.is_allowed() {
+            let turn = decision.retry_after();
+            return Poll::Ready(Err(OutboundError::TooLate { turn }));
+        }
+        Poll::Ready(Ok(Held {
+            turn_at: Instant::now() + decision.turn(),
+            seat: Some(seat),
+        }))
+    }
+}
+
+impl<St: Keeper> Drop for Pending<St> {
+    fn drop(&mut self) {
+        let (Some(future), Some(seat)) = (self.future.take(), self.seat.take()) else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            if let Ok(decision) = future.await {
+                if decision.is_allowed() {
+                    seat.leave();
+                }
+            }
+        });
+    }
+}
+
+/// A reservation in line: it leaves the line when dropped before its request went out.
+struct Held<St: Keeper> {
+    /// When its turn comes, as it last learned.
+    turn_at: Instant,
+    seat: Option<Seat<St>>,
+}
+
+impl<St: Keeper> Held<St> {
+    /// Sleeps until its turn, or its next look when that is sooner, or until woken.
+    fn wait(self) -> Step<St> {
+        let Some(seat) = self.seat.as_ref() else {
+            return Step::Turn(self);
+        };
+        let shared = &seat.shared;
+        let woken = Box::pin(Arc::clone(&shared.wake).notified_owned());
+        let next = (Instant::now() + shared.recheck).min(self.turn_at);
+        Step::Waiting {
+            sleep: Box::pin(tokio::time::sleep_until(next)),
+            woken,
+            held: self,
+        }
+    }
+
+    /// Looks where it stands in line.
+    fn look(self) -> Step<St> {
+        let Some(seat) = self.seat.as_ref() else {
+            return Step::Turn(self);
+        };
+        let shared = &seat.shared;
+        let look = shared.store.look(&seat.key, &shared.policy, seat.ticket);
+        Step::Looking {
+            look: Box::pin(look),
+            held: self,
+        }
+    }
+
+    /// What it does once it learned where it stands (`stood`): its turn, moved up or not;
+    /// or it reserves again, when the key is paused past its turn, when the store lost its
+    /// reservation (a restart, a reset, an eviction: its old turn no longer counts), or when
+    /// the answer came later than its units may be used (a stalled store).
+    fn after_look<E>(
+        mut self,
+        stood: Result<InLine, StoreError>,
+    ) -> Result<Step<St>, OutboundError<E>> {
+        let now = Instant::now();
+        let stood = match stood {
+            Ok(stood) => stood,
+            // The store could not say: the turn it had holds, while its units may be used.
+            Err(_) if self.too_late(now) => return self.again(None),
+            Err(_) => return Ok(self.at_turn(now)),
+        };
+        let paused = !stood.paused.is_zero() && stood.turn.is_none_or(|t| t < stood.paused);
+        if paused {
+            return self.again(Some(stood.paused));
+        }
+        match stood.turn {
+            None => self.again(None),
+            Some(turn) if turn.is_zero() && self.too_late(now) => self.again(None),
+            Some(turn) => {
+                self.turn_at = self.turn_at.min(now + turn);
+                Ok(self.at_turn(now))
+            }
+        }
+    }
+
+    /// Whether its units, due at its turn, may no longer be used at `now`: later than its
+    /// turn by more than its `late`.
+    fn too_late(&self, now: Instant) -> bool {
+        let late = self.seat.as_ref().map_or(Duration::ZERO, |s| s.shared.late);
+        now > self.turn_at + late
+    }
+
+    /// Leaves the line and reserves again, with what is left of its wait; past it, too late
+    /// (`paused`: the key's pause, which its turn would have come after at the earliest).
+    fn again<E>(mut self, paused: Option<Duration>) -> Result<Step<St>, OutboundError<E>> {
+        let Some(seat) = self.seat.take() else {
+            return Ok(Step::Gone);
+        };
+        seat.leave();
+        match seat.again() {
+            Some(again) => Ok(Step::Reserving(Pending::new(again))),
+            None => Err(OutboundError::TooLate { turn: paused }),
+        }
+    }
+
+    /// Goes when its turn has come, else waits on.
+    fn at_turn(self, now: Instant) -> Step<St> {
+        match now >= self.turn_at {
+            true => Step::Turn(self),
+            false => self.wait(),
+        }
+    }
+
+    /// The request went out: nothing to give back.
+    fn keep(&mut self) {
+        self.seat = None;
+    }
+}
+
+impl<St: Keeper> Drop for Held<St> {
+    fn drop(&mut self) {
+        if let Some(seat) = self.seat.take() {
+            seat.leave();
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! The layer and its builder.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tower_layer::Layer;
+
+use super::service::Outbound;
+use crate::key::Global;
+use crate::store::reserve::{self, reservable, MAX_LATE};
+use crate::store::Ticket;
+use crate::{BuildError, MemoryStore, Policy, Store};
+
+/// Makes every request of the wrapped service wait for its turn under one policy
+/// ([`client`](super) has an example).
+#[derive(Debug)]
+pub struct OutboundLayer<K, St> {
+    key: Arc<K>,
+    shared: Arc<Shared<St>>,
+}
+
+impl<K, St> Clone for OutboundLayer<K, St> {
+    fn clone(&self) -> Self {
+        OutboundLayer {
+            key: Arc::clone(&self.key),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+/// What every service and future of one layer reads.
+#[derive(Debug)]
+pub(super) struct Shared<St> {
+    pub(super) store: St,
+    pub(super) policy: Policy,
+    pub(super) max_wait: Duration,
+    pub(super) late: Duration,
+    /// How often a request further than this from its turn looks where it stands.
+    pub(super) recheck: Duration,
+    /// Wakes the layer's waiting requests: a reservation of the layer left the line (those
+    /// behind it moved up), or the layer paused a key.
+    pub(super) wake: Arc<Notify>,
+    /// The id of the next reservation.
+    next: AtomicU64,
+}
+
+impl<St> Shared<St> {
+    /// A ticket for a new reservation of one unit that waits up to `max_wait`. Its id has 16
+    /// decimal digits, like every reservation's of this crate: the line on Redis orders turns
+    /// of the same instant by their members' text, which is then their ids' order, as on the
+    /// memory store.
+    pub(super) fn ticket(&self, max_wait: Duration) -> Ticket {
+        const FIRST: u64 = 1_000_000_000_000_000;
+        const SPAN: u64 = 3_000_000_000_000_000;
+        let id = FIRST + self.next.fetch_add(1, Ordering::Relaxed) % SPAN;
+        // Moved up in line, it learns of it at its next look, and may go `late` after that.
+        Ticket {
+            late: self.late,
+            notice: self.recheck + self.late,
+            ..Ticket::new(id, max_wait)
+        }
+    }
+}
+
+impl OutboundLayer<Global, MemoryStore> {
+    /// A builder: one key for every request ([`Global`]), a [`MemoryStore`] of this process,
+    /// a `max_wait` of 30 s, a `margin` of 50 ms; set a policy.
+    pub fn builder() -> OutboundLayerBuilder<Global, MemoryStore> {
+        OutboundLayerBuilder {
+            key: Global,
+            store: MemoryStore::new(),
+            policy: None,
+            max_wait: Duration::from_secs(30),
+            margin: Duration::from_millis(50),
+            recheck: Duration::from_millis(100),
+        }
+    }
+}
+
+impl<K, St, S> Layer<S> for OutboundLayer<K, St> {
+    type Service = Outbound<S, K, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Outbound::new(inner, Arc::clone(&self.key), Arc::clone(&self.shared))
+    }
+}
+
+/// Configures an [`OutboundLayer`].
+#[derive(Debug)]
+pub struct OutboundLayerBuilder<K, St> {
+    key: K,
+    store: St,
+    policy: Option<Policy>,
+    max_wait: Duration,
+    margin: Duration,
+    recheck: Duration,
+}
+
+impl<K, St> OutboundLayerBuilder<K, St> {
+    /// The limit the upstream sets (GCRA or the sliding log: they keep turns in order).
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
+    /// What a request's turn is counted by: one key for every request by default (the
+    /// upstream's limit of this account), or any [`KeyExtractor`](crate::KeyExtractor).
+    pub fn key<K2>(self, key: K2) -> OutboundLayerBuilder<K2, St> {
+        OutboundLayerBuilder {
+            key,
+            store: self.store,
+            policy: self.policy,
+            max_wait: self.max_wait,
+            margin: self.margin,
+            recheck: self.recheck,
+        }
+    }
+
+    /// The store that keeps the turns: a [`RedisStore`](crate::RedisStore) shared by every
+    /// worker of a fleet, or the default memory store for one process.
+    pub fn store<St2>(self, store: St2) -> OutboundLayerBuilder<K, St2> {
+        OutboundLayerBuilder {
+            key: self.key,
+            store,
+            policy: self.policy,
+            max_wait: self.max_wait,
+            margin: self.margin,
+            recheck: self.recheck,
+        }
+    }
+
+    /// The longest a request waits for its turn; past it, it fails at once with
+    /// [`OutboundError::TooLate`](super::OutboundError::TooLate).
+    pub fn max_wait(mut self, max_wait: Duration) -> Self {
+        self.max_wait = max_wait;
+        self
+    }
+
+    /// How much later than its turn a request may reach the upstream, which counts requests
+    /// as they arrive (default 50 ms): turns keep every window that much longer within the
+    /// count, so that a request sent late, or one that took longer on the way than the one
+    /// before it, is not counted in the next window. The price is a window that much longer.
+    pub fn margin(mut self, margin: Duration) -> Self {
+        self.margin = margin;
+        self
+    }
+
+    /// How often a request further than this from its turn looks where it stands in line
+    /// (default 100 ms), to learn that it moved up (requests ahead of it on other instances
+    /// stopped waiting) or that its key was paused by another instance. Requests of this
+    /// layer learn what this layer's requests do at once. Each look is one call to the store.
+    pub fn recheck(mut self, recheck: Duration) -> Self {
+        self.recheck = recheck;
+        self
+    }
+
+    /// The layer; fails without a policy, or with one that cannot keep turns (a counter, a
+    /// penalty box, a concurrency limit) or that the store cannot decide.
+    pub fn build(self) -> Result<OutboundLayer<K, St>, BuildError>
+    where
+        St: Store,
+    {
+        let policy = self.policy.ok_or(BuildError::NoPolicy)?;
+        let unsupported = |error: crate::StoreError| BuildError::Unsupported {
+            policy: policy.name().to_owned(),
+            why: error.to_string(),
+        };
+        reservable(&policy).map_err(unsupported)?;
+        self.store.supports(&policy).map_err(unsupported)?;
+        let why = match (self.recheck, self.margin) {
+            (recheck, _) if recheck.is_zero() => Some("its recheck must be longer than zero"),
+            (recheck, margin) if recheck.saturating_add(margin) > MAX_LATE => {
+                Some("its recheck and margin together are at most an hour")
+            }
+            _ => None,
+        };
+        if let Some(why) = why {
+            return Err(BuildError::Unsupported {
+                policy: policy.name().to_owned(),
+                why: format!("an outbound layer: {why}"),
+            });
+        }
+        let ticket = Ticket {
+            late: self.margin,
+            ..Ticket::new(0, self.max_wait)
+        };
+        reserve::in_range(&policy, &ticket).map_err(unsupported)?;
+        Ok(OutboundLayer {
+            key: Arc::new(self.key),
+            shared: Arc::new(Shared {
+                store: self.store,
+                policy,
+                max_wait: self.max_wait,
+                late: self.margin,
+                recheck: self.recheck,
+                wake: Arc::new(Notify::new()),
+                next: AtomicU64::new(crate::concurrency::random_start()),
+            }),
+        })
+    }
+}

@@ -1,0 +1,35 @@
+//! Outbound: calls a service makes to an API that limits it wait for their turn instead of
+//! failing (`docs/outbound.md`).
+//!
+//! [`OutboundLayer`] wraps a client service (hyper-util's client, a tonic `Channel`, any
+//! `Service<http::Request<B>>`). Each request reserves its turn in the store
+//! ([`Reserve`](crate::store::Reserve)): in reservation order across every instance that
+//! shares it, then waits for it and goes out. A request whose turn would come later than
+//! `max_wait` fails at once with [`OutboundError::TooLate`]; one dropped before it went out
+//! gives its reservation back, so that the requests behind it move up.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_redis_ratelimit::client::OutboundLayer;
+//! use tower_redis_ratelimit::{Algorithm, Policy};
+//!
+//! // The provider allows 10 requests per second, counted over any second.
+//! let policy: Policy = "10/1s".parse().unwrap();
+//! let layer = OutboundLayer::builder()
+//!     .policy(policy.with_algorithm(Algorithm::SlidingLog))
+//!     .max_wait(Duration::from_secs(30))
+//!     .build()
+//!     .unwrap();
+//! # drop(layer);
+//! ```
+
+mod error;
+mod future;
+mod layer;
+mod pushback;
+mod service;
+
+pub use error::OutboundError;
+pub use future::{Keeper, ResponseFuture};
+pub use layer::{OutboundLayer, OutboundLayerBuilder};
+pub use service::Outbound;

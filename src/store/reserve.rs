@@ -1,0 +1,159 @@
+//! Reservations: a request that waits for its turn instead of being refused, for calls a
+//! service makes to an API that limits it (`docs/outbound.md`).
+
+use std::future::Future;
+use std::time::Duration;
+
+use super::Store;
+use crate::{Algorithm, Key, Policy, StoreError};
+
+/// A store that reserves: it answers when a request's units may be used rather than only
+/// whether they may be used now, and keeps the reservations of each key in a line.
+///
+/// A reservation is recorded at once, so the next caller queues behind it, in reservation
+/// order, on every instance that shares the store. A caller that stops waiting
+/// [`leave`](Reserve::leave)s the line: the reservations behind it move up, and the units of
+/// the place left at the end are given back, never more than were reserved. A caller asleep
+/// until its turn [`look`](Reserve::look)s to learn that it moved up, or that the key was
+/// [`pause`](Reserve::pause)d (an upstream answered "too many requests").
+pub trait Reserve: Store {
+    /// What [`look`](Reserve::look), [`leave`](Reserve::leave) and
+    /// [`pause`](Reserve::pause) answer.
+    type LineFuture: Future<Output = Result<InLine, StoreError>> + Send + 'static;
+
+    /// Reserves `ticket.cost` units of `key` under `policy` for the earliest time they fit
+    /// every limit after every reservation made before, and after the key's pause, if that is
+    /// at most `ticket.max_wait` away: an admitted decision whose
+    /// [`turn`](crate::Decision::turn) says how long to wait before using them, and the
+    /// reservation joins the key's line as `ticket.id`. Past `max_wait` nothing is recorded,
+    /// and the refusal's [`retry_after`](crate::Decision::retry_after) says when the turn
+    /// would have come (`None`: never, a cost over a count).
+    ///
+    /// `ticket.late`: how long after its turn the caller may use the units, as the limit that
+    /// counts them sees it (an upstream API counts requests as they arrive, a network's delay
+    /// after they left). Turns keep every window `late` longer within its count (the sliding
+    /// log reads it that much longer, GCRA keeps that much drain free on Redis), so that units
+    /// used up to `late` after their turns stay within the limit (`docs/leases.md` has the
+    /// argument, for leases).
+    ///
+    /// GCRA and the sliding log reserve; the counters keep no place for a later turn, and a
+    /// penalty box or a concurrency limit has no meaning for a turn:
+    /// [`StoreError::Unsupported`].
+    fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::Future;
+
+    /// Where reservation `ticket.id` stands: its turn, moved up where reservations ahead of
+    /// it left the line, and the key's pause. A reservation whose turn has come leaves the
+    /// line, used: its caller looks once at its turn, and goes.
+    fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture;
+
+    /// Takes reservation `ticket.id` out of the line: each later reservation of the same cost
+    /// moves up into the place the one before it left, and the units of the place left at the
+    /// end are given back where it is the last in line (one with reservations after it stays
+    /// recorded, unused: on GCRA, giving it back would let the next reservation take the time
+    /// of one made after it). A reservation moves only into a place at least its own
+    /// [`notice`](Ticket::notice) from now, and not before the key's pause: its caller learns
+    /// of the move when it next looks, and must still be in time for its new turn; the moving
+    /// up stops at one that cannot. Nothing where `ticket.id` is not in line (it was never
+    /// made, or a reset or restart lost it). Answers where it stood before.
+    fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture;
+
+    /// Pauses `key` for `pause` from now (or keeps a longer pause it has): reservations made
+    /// meanwhile get turns after it, and those in line with turns before its end learn it
+    /// when they look, and reserve again. Answers the pause in force, with no turn.
+    fn pause(&self, key: &Key, policy: &Policy, pause: Duration) -> Self::LineFuture;
+}
+
+/// One reservation: its id in the key's line, chosen by the caller (unique among the callers
+/// that share the store, below 2^52), its cost, the most it may wait, how late after its turn
+/// its units may be used ([`Reserve::reserve`]), and how soon its caller learns of a move.
+/// `late` and `notice` are at most an hour ([`MAX_LATE`]); past it the store refuses the
+/// reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    /// The reservation's id in its key's line.
+    pub id: u64,
+    /// Its units.
+    pub cost: u32,
+    /// The most it may wait for its turn.
+    pub max_wait: Duration,
+    /// How late after its turn its units may be used.
+    pub late: Duration,
+    /// How soon after the line moves it up its caller learns of it (when it next looks), and
+    /// may use its units `late` after that: it is moved only into places at least this far
+    /// from the time of the move ([`Reserve::leave`]). A caller that looks every `r` needs
+    /// `r + late`.
+    pub notice: Duration,
+}
+
+/// The most [`Ticket::late`] and [`Ticket::notice`] may be.
+pub const MAX_LATE: Duration = Duration::from_secs(3600);
+
+impl Ticket {
+    /// A ticket of one unit, `id`, that waits up to `max_wait`, used at its turn, whose
+    /// caller learns of a move at once.
+    pub fn new(id: u64, max_wait: Duration) -> Ticket {
+        Ticket {
+            id,
+            cost: 1,
+            max_wait,
+            late: Duration::ZERO,
+            notice: Duration::ZERO,
+        }
+    }
+}
+
+/// Where a reservation stands in its key's line ([`Reserve::look`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InLine {
+    /// How long from now its turn comes (zero once it has come); `None` when it is not in
+    /// line (it left, was never made, or a reset or restart lost it).
+    pub turn: Option<Duration>,
+    /// How long from now the key's pause lasts (zero: none).
+    pub paused: Duration,
+}
+
+/// Whether `ticket` is in the stores' range for `policy`: its `late` and `notice` at most
+/// [`MAX_LATE`], and on GCRA its `late` short enough that every bucket, keeping that much
+/// drain free, still holds its cost (`(window − late) × count ≥ cost × window`) where it would
+/// without.
+pub(crate) fn in_range(policy: &Policy, ticket: &Ticket) -> Result<(), StoreError> {
+    if ticket.late.max(ticket.notice) > MAX_LATE {
+        return Err(StoreError::Unsupported(
+            "a reservation's late and notice are at most an hour",
+        ));
+    }
+    // Starved by `late` alone: a cost over a count is refused as for a decision (no wait
+    // helps).
+    let late = ticket.late.as_micros();
+    let starved = policy.limits().iter().any(|l| {
+        let (window, count, cost) = (l.window().as_micros(), l.count(), ticket.cost);
+        let room = window.saturating_sub(late) * u128::from(count);
+        cost <= u32::try_from(count).unwrap_or(u32::MAX) && room < u128::from(cost) * window
+    });
+    if policy.algorithm() == Algorithm::Gcra && starved {
+        return Err(StoreError::Unsupported(
+            "on GCRA a reservation's late leaves a bucket no room for its cost: every bucket \
+             keeps that much drain free",
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `policy` can be reserved ([`Reserve::reserve`]).
+pub(crate) fn reservable(policy: &Policy) -> Result<(), StoreError> {
+    match policy.algorithm() {
+        Algorithm::Gcra | Algorithm::SlidingLog => {}
+        Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+            return Err(StoreError::Unsupported(
+                "reservations need GCRA or the sliding log: a counter keeps no place for a \
+                 later turn",
+            ))
+        }
+    }
+    if policy.block().is_some() || policy.concurrency_limit().is_some() {
+        return Err(StoreError::Unsupported(
+            "reservations take no penalty box and no concurrency limit",
+        ));
+    }
+    Ok(())
+}
