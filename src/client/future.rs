@@ -115,8 +115,7 @@ where
             let next = match std::mem::replace(this.step, Step::Gone) {
                 Step::Reserving(mut pending) => match pending.poll(cx) {
                     Poll::Pending => Err(Step::Reserving(pending)),
-                    Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
-                    Poll::Ready(Ok(held)) => Ok(held.wait()),
+                    Poll::Ready(held) => Ok(held?.wait()),
                 },
                 Step::Waiting {
                     mut sleep,
@@ -131,10 +130,7 @@ where
                 }
                 Step::Looking { mut look, held } => match look.as_mut().poll(cx) {
                     Poll::Pending => Err(Step::Looking { look, held }),
-                    Poll::Ready(stood) => match held.after_look(stood) {
-                        Ok(step) => Ok(step),
-                        Err(error) => return Poll::Ready(Err(error)),
-                    },
+                    Poll::Ready(stood) => Ok(held.after_look(stood)?),
                 },
                 Step::Turn(mut held) => {
                     let Some(inner) = this.inner.as_mut() else {
@@ -149,10 +145,7 @@ where
                         // gives the readiness back (a clone of the service is not ready).
                         Poll::Ready(Ok(())) if held.too_late(Instant::now()) => {
                             *inner = inner.clone();
-                            match held.again(None) {
-                                Ok(step) => Ok(step),
-                                Err(error) => return Poll::Ready(Err(error)),
-                            }
+                            Ok(held.again(None)?)
                         }
                         Poll::Ready(Ok(())) => {
                             // The request goes out: its units are used, not given back.
