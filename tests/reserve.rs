@@ -5,7 +5,9 @@
 use std::time::{Duration, UNIX_EPOCH};
 
 use tower_redis_ratelimit::store::{ManualClock, Override, Reserve, Scope, Ticket};
-use tower_redis_ratelimit::{Algorithm, Key, MemoryStore, Policy, Settlement, Store, StoreError};
+use tower_redis_ratelimit::{
+    Algorithm, Decision, Key, MemoryStore, Policy, Settlement, Store, StoreError,
+};
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -30,6 +32,18 @@ fn policy(limit: &str, algorithm: Algorithm) -> Policy {
     Policy::new("api", [limit.parse().unwrap()])
         .unwrap()
         .with_algorithm(algorithm)
+}
+
+/// A reservation of 1 that waits up to 5 s.
+async fn reserve_one<S: Reserve>(store: &S, key: &Key, policy: &Policy) -> Decision {
+    store
+        .reserve(
+            key,
+            policy,
+            ticket(1, Duration::from_secs(5), Duration::ZERO),
+        )
+        .await
+        .unwrap()
 }
 
 /// The turns of `n` reservations of 1, each allowed to wait `max_wait`; `None` for a refusal.
@@ -116,14 +130,7 @@ async fn a_reservation_given_back_before_its_turn_frees_its_place() {
         let (store, clock) = store();
         let (key, policy) = (Key::from("k"), policy("10/1s", algorithm));
         turns(&store, &key, &policy, 10, Duration::ZERO).await;
-        let waiting = store
-            .reserve(
-                &key,
-                &policy,
-                ticket(1, Duration::from_secs(5), Duration::ZERO),
-            )
-            .await
-            .unwrap();
+        let waiting = reserve_one(&store, &key, &policy).await;
         let turn = waiting.turn();
         clock.advance(10 * MS);
         store
@@ -131,28 +138,14 @@ async fn a_reservation_given_back_before_its_turn_frees_its_place() {
             .await
             .unwrap();
         // Given back whole: the next caller takes the same turn (10 ms later now).
-        let next = store
-            .reserve(
-                &key,
-                &policy,
-                ticket(1, Duration::from_secs(5), Duration::ZERO),
-            )
-            .await
-            .unwrap();
+        let next = reserve_one(&store, &key, &policy).await;
         assert_eq!(next.turn(), turn - 10 * MS, "{algorithm:?}");
         // And a give-back of more than was reserved frees no more.
         store
             .settle(&key, &policy, Settlement::refund(&next, 5).unwrap())
             .await
             .unwrap();
-        let after = store
-            .reserve(
-                &key,
-                &policy,
-                ticket(1, Duration::from_secs(5), Duration::ZERO),
-            )
-            .await
-            .unwrap();
+        let after = reserve_one(&store, &key, &policy).await;
         assert_eq!(after.turn(), turn - 10 * MS, "{algorithm:?}");
     }
 }
@@ -284,14 +277,7 @@ async fn turns_follow_reservation_order_across_stores_on_redis() {
         let mut at = Vec::new();
         for i in 0..12 {
             let store = &stores[i % 2];
-            let d = store
-                .reserve(
-                    &key,
-                    &policy,
-                    ticket(1, Duration::from_secs(5), Duration::ZERO),
-                )
-                .await
-                .unwrap();
+            let d = reserve_one(store, &key, &policy).await;
             assert!(d.is_allowed(), "{algorithm:?} {i}: {d:?}");
             let Some(Settlement::Charge(units)) = Settlement::charge(&d, 1) else {
                 unreachable!()
@@ -387,14 +373,7 @@ async fn leaving_moves_those_behind_up<S: Reserve>(store: &S, key: &Key, slack: 
         // Leaving twice frees nothing more.
         let again = store.leave(&key, &policy, tickets[1]).await.unwrap();
         assert_eq!(again.turn, None, "{algorithm:?}");
-        let next = store
-            .reserve(
-                &key,
-                &policy,
-                ticket(1, Duration::from_secs(5), Duration::ZERO),
-            )
-            .await
-            .unwrap();
+        let next = reserve_one(store, &key, &policy).await;
         assert!(
             next.turn() + slack >= 300 * MS && next.turn() <= 300 * MS,
             "{algorithm:?}: the place given back goes to the next, at {:?}",
@@ -423,14 +402,7 @@ async fn a_pause_holds_back_new_turns<S: Reserve>(store: &S, key: &Key, slack: D
             stood.turn.unwrap() < stood.paused,
             "{algorithm:?}: {stood:?}"
         );
-        let after = store
-            .reserve(
-                &key,
-                &policy,
-                ticket(1, Duration::from_secs(5), Duration::ZERO),
-            )
-            .await
-            .unwrap();
+        let after = reserve_one(store, &key, &policy).await;
         assert!(
             after.turn() + slack >= Duration::from_secs(2),
             "{algorithm:?}: a turn in the pause, {:?}",

@@ -218,40 +218,33 @@ impl<St: Keeper> Seat<St> {
     /// Takes the reservation out of the line, on a task of its own (the caller is going
     /// away), and then wakes this layer's waiting requests: those behind it moved up.
     fn leave(&self) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let shared = &self.shared;
-        let leave = shared.store.leave(&self.key, &shared.policy, self.ticket);
-        let shared = Arc::clone(shared);
-        runtime.spawn(async move {
-            if let Err(error) = leave.await {
-                tracing::warn!(
-                    target: "tower_redis_ratelimit",
-                    %error,
-                    "failed to give back a reservation"
-                );
-            }
-            shared.wake.notify_waiters();
-        });
+        let leave = self
+            .shared
+            .store
+            .leave(&self.key, &self.shared.policy, self.ticket);
+        self.then_wake(leave, "failed to give back a reservation");
     }
 
     /// Pauses the key for every caller that shares the store, on a task of its own, and then
     /// wakes this layer's waiting requests to learn it.
     fn pause(&self, pause: Duration) {
+        let paused = self
+            .shared
+            .store
+            .pause(&self.key, &self.shared.policy, pause);
+        self.then_wake(paused, "failed to pause a key the upstream pushed back on");
+    }
+
+    /// Runs `change` to the line on a task of its own, then wakes this layer's waiting
+    /// requests to look; a failure is logged as `failed`.
+    fn then_wake(&self, change: St::LineFuture, failed: &'static str) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let shared = &self.shared;
-        let paused = shared.store.pause(&self.key, &shared.policy, pause);
-        let shared = Arc::clone(shared);
+        let shared = Arc::clone(&self.shared);
         runtime.spawn(async move {
-            if let Err(error) = paused.await {
-                tracing::warn!(
-                    target: "tower_redis_ratelimit",
-                    %error,
-                    "failed to pause a key the upstream pushed back on"
-                );
+            if let Err(error) = change.await {
+                tracing::warn!(target: "tower_redis_ratelimit", %error, "{failed}");
             }
             shared.wake.notify_waiters();
         });
