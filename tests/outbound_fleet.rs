@@ -21,8 +21,9 @@ use tower_redis_ratelimit::client::{Outbound, OutboundLayer};
 use tower_redis_ratelimit::key::Global;
 use tower_redis_ratelimit::{Algorithm, Policy, RedisStore};
 
-/// What the stand-in saw: when each request arrived, and whether it was refused.
-type Arrivals = Arc<Mutex<Vec<(Instant, bool)>>>;
+/// What the stand-in saw: when each request arrived, whether it was refused, and the number
+/// its caller gave it (`?n=`; 0 without).
+type Arrivals = Arc<Mutex<Vec<(Instant, bool, u64)>>>;
 
 /// The stand-in: 10 per second over any second; beyond, 429 with `Retry-After: 1`. With
 /// `refuse`, the request that arrives `refuse`-th (from 1) is refused with `Retry-After: 2`,
@@ -32,22 +33,24 @@ async fn stand_in(refuse: Option<usize>) -> (SocketAddr, Arrivals) {
     let seen = arrivals.clone();
     let app = axum::Router::new().route(
         "/",
-        axum::routing::get(move || {
+        axum::routing::get(move |query: axum::extract::RawQuery| {
             let seen = seen.clone();
             async move {
                 let now = Instant::now();
+                let n = query.0.and_then(|q| q.strip_prefix("n=")?.parse().ok());
+                let n = n.unwrap_or(0);
                 let mut seen = seen.lock().unwrap();
-                let served = seen.iter().filter(|&&(_, refused)| !refused);
-                let last_second = served.filter(|&&(t, _)| t + Duration::from_secs(1) > now);
+                let served = seen.iter().filter(|&&(_, refused, _)| !refused);
+                let last_second = served.filter(|&&(t, _, _)| t + Duration::from_secs(1) > now);
                 if last_second.count() >= 10 {
-                    seen.push((now, true));
+                    seen.push((now, true, n));
                     return (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "1")]).into_response();
                 }
                 if refuse == Some(seen.len() + 1) {
-                    seen.push((now, true));
+                    seen.push((now, true, n));
                     return (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "2")]).into_response();
                 }
-                seen.push((now, false));
+                seen.push((now, false, n));
                 StatusCode::OK.into_response()
             }
         }),
@@ -83,8 +86,17 @@ async fn worker(server: &common::RedisServer) -> Outbound<Http, Global, RedisSto
 }
 
 /// One call to the stand-in: whether it was refused.
-async fn call(mut client: Outbound<Http, Global, RedisStore>, addr: SocketAddr) -> bool {
-    let request = http::Request::get(format!("http://{addr}/"))
+async fn call(client: Outbound<Http, Global, RedisStore>, addr: SocketAddr) -> bool {
+    numbered(client, addr, 0).await
+}
+
+/// One call to the stand-in, numbered `n`: whether it was refused.
+async fn numbered(
+    mut client: Outbound<Http, Global, RedisStore>,
+    addr: SocketAddr,
+    n: u64,
+) -> bool {
+    let request = http::Request::get(format!("http://{addr}/?n={n}"))
         .body(Empty::new())
         .unwrap();
     let response = client.ready().await.unwrap().call(request).await;
@@ -92,7 +104,7 @@ async fn call(mut client: Outbound<Http, Global, RedisStore>, addr: SocketAddr) 
 }
 
 /// The most requests the stand-in served in any second (checked at every arrival).
-fn fullest(arrivals: &[(Instant, bool)]) -> usize {
+fn fullest(arrivals: &[(Instant, bool, u64)]) -> usize {
     let served: Vec<Instant> = arrivals.iter().filter(|a| !a.1).map(|a| a.0).collect();
     let in_second = |t: Instant| {
         served
@@ -109,22 +121,25 @@ async fn four_workers_share_the_upstream_limit_through_redis() {
     let (addr, arrivals) = stand_in(None).await;
     let start = Instant::now();
     let mut workers = Vec::new();
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(1));
     for _ in 0..4 {
-        let client = worker(&server).await;
+        let (client, next) = (worker(&server).await, next.clone());
         workers.push(tokio::spawn(async move {
-            let mut refused = 0;
+            let (mut refused, mut sent) = (0, Vec::new());
             for _ in 0..30 {
-                refused += usize::from(call(client.clone(), addr).await);
+                let n = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                sent.push((n, Instant::now()));
+                refused += usize::from(numbered(client.clone(), addr, n).await);
             }
-            (Instant::now(), refused)
+            (Instant::now(), refused, sent)
         }));
     }
-    let mut finished = Vec::new();
-    let mut refused = 0;
+    let (mut finished, mut refused, mut sent) = (Vec::new(), 0, Vec::new());
     for worker in workers {
-        let (at, r) = worker.await.unwrap();
+        let (at, r, s) = worker.await.unwrap();
         finished.push(at);
         refused += r;
+        sent.extend(s);
     }
     let arrivals = arrivals.lock().unwrap().clone();
     let took = *finished.iter().max().unwrap() - start;
@@ -141,6 +156,23 @@ async fn four_workers_share_the_upstream_limit_through_redis() {
     // Ten at 0 s, 1 s, ..., 11 s: 12 s of the API's budget for 120 calls.
     assert!(took <= Duration::from_secs(12).mul_f64(1.15), "{took:?}");
     assert!(spread <= Duration::from_secs(1), "{spread:?}");
+    // Arrival order follows reservation order: a call handed to its layer 50 ms (far more than
+    // its reservation takes) before another has reserved first, and arrives first.
+    let arrived = |n: u64| arrivals.iter().find(|a| a.2 == n).map(|a| a.0).unwrap();
+    let ordered: Vec<_> = sent
+        .iter()
+        .flat_map(|a| sent.iter().map(move |b| (a, b)))
+        .filter(|(a, b)| a.1 + Duration::from_millis(50) < b.1)
+        .collect();
+    let overtaken = ordered
+        .iter()
+        .filter(|(a, b)| arrived(a.0) > arrived(b.0))
+        .count();
+    eprintln!("{overtaken} of {} ordered pairs overtaken", ordered.len());
+    assert_eq!(
+        overtaken, 0,
+        "calls that arrived before one reserved earlier"
+    );
 }
 
 /// Four workers send 15 calls each at once; half of those still waiting are cancelled. The
