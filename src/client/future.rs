@@ -14,8 +14,8 @@ use tokio::sync::futures::OwnedNotified;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
-use super::layer::Shared;
 use super::pushback::pushback;
+use super::shared::Shared;
 use super::OutboundError;
 use crate::store::{InLine, Reserve, Ticket};
 use crate::{Key, StoreError};

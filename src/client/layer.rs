@@ -1,13 +1,12 @@
 //! The layer and its builder.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tower_layer::Layer;
 
 use super::service::Outbound;
+use super::shared::Shared;
 use crate::key::Global;
 use crate::store::reserve::{self, reservable, MAX_LATE};
 use crate::store::Ticket;
@@ -26,40 +25,6 @@ impl<K, St> Clone for OutboundLayer<K, St> {
         OutboundLayer {
             key: Arc::clone(&self.key),
             shared: Arc::clone(&self.shared),
-        }
-    }
-}
-
-/// What every service and future of one layer reads.
-#[derive(Debug)]
-pub(super) struct Shared<St> {
-    pub(super) store: St,
-    pub(super) policy: Policy,
-    pub(super) max_wait: Duration,
-    pub(super) late: Duration,
-    /// How often a request further than this from its turn looks where it stands.
-    pub(super) recheck: Duration,
-    /// Wakes the layer's waiting requests: a reservation of the layer left the line (those
-    /// behind it moved up), or the layer paused a key.
-    pub(super) wake: Arc<Notify>,
-    /// The id of the next reservation.
-    next: AtomicU64,
-}
-
-impl<St> Shared<St> {
-    /// A ticket for a new reservation of one unit that waits up to `max_wait`. Its id has 16
-    /// decimal digits, like every reservation's of this crate: the line on Redis orders turns
-    /// of the same instant by their members' text, which is then their ids' order, as on the
-    /// memory store.
-    pub(super) fn ticket(&self, max_wait: Duration) -> Ticket {
-        const FIRST: u64 = 1_000_000_000_000_000;
-        const SPAN: u64 = 3_000_000_000_000_000;
-        let id = FIRST + self.next.fetch_add(1, Ordering::Relaxed) % SPAN;
-        // Moved up in line, it learns of it at its next look, and may go `late` after that.
-        Ticket {
-            late: self.late,
-            notice: self.recheck + self.late,
-            ..Ticket::new(id, max_wait)
         }
     }
 }
@@ -189,15 +154,12 @@ impl<K, St> OutboundLayerBuilder<K, St> {
         reserve::in_range(&policy, &ticket).map_err(unsupported)?;
         Ok(OutboundLayer {
             key: Arc::new(self.key),
-            shared: Arc::new(Shared {
-                store: self.store,
+            shared: Arc::new(Shared::new(
+                self.store,
                 policy,
-                max_wait: self.max_wait,
-                late: self.margin,
-                recheck: self.recheck,
-                wake: Arc::new(Notify::new()),
-                next: AtomicU64::new(crate::concurrency::random_start()),
-            }),
+                self.max_wait,
+                (self.margin, self.recheck),
+            )),
         })
     }
 }

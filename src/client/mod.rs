@@ -28,6 +28,7 @@ mod future;
 mod layer;
 mod pushback;
 mod service;
+mod shared;
 
 pub use error::OutboundError;
 pub use future::{Keeper, ResponseFuture};

@@ -7,7 +7,7 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use super::future::{Keeper, ResponseFuture, Seat};
-use super::layer::Shared;
+use super::shared::Shared;
 use crate::KeyExtractor;
 
 /// A service whose requests wait for their turn ([`OutboundLayer`](super::OutboundLayer)).
