@@ -225,13 +225,18 @@ async fn cancelling_half_of_the_waiting_calls_keeps_the_rest_at_the_full_rate_on
     assert_eq!(refused, 0);
     assert!(fullest <= 10, "{fullest} in one second");
     assert!(rate >= 9.0, "{rate:.2} per second after the cancellations");
-    // Nothing is left in the line: every reservation went out or left.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Nothing is left in the line: every reservation went out or left (a change to the line
+    // that fails is sent again every 100 ms).
+    tokio::time::sleep(Duration::from_secs(1)).await;
     let policy = policy();
     let key = tower_redis_ratelimit::Key::from("global");
-    let redis_key = server.store().await.redis_key(&key, &policy);
-    let left = common::cluster::cli(server.port(), &["ZCARD", &format!("{redis_key}:turns")]);
-    assert_eq!(left.trim(), "0", "reservations left in line");
+    let turns = format!("{}:turns", server.store().await.redis_key(&key, &policy));
+    let left = common::cluster::cli(server.port(), &["ZRANGE", &turns, "0", "-1", "WITHSCORES"]);
+    let time = common::cluster::cli(server.port(), &["TIME"]);
+    assert!(
+        left.trim().is_empty(),
+        "left in line: {left}; Redis TIME {time}"
+    );
 }
 
 /// The stand-in answers its 15th request `429` with `Retry-After: 2`: no worker sends
@@ -433,4 +438,39 @@ async fn an_instance_that_looks_seldom_is_not_moved_into_places_it_would_miss() 
     eprintln!("at most {most} in a second, {close} in 50 ms");
     assert!(close <= 1, "{close} within 50 ms");
     assert!(most <= 10, "{most} in one second");
+}
+
+/// A reservation whose answer is lost (Redis stalls past the time budget, then runs it): the
+/// call fails with the store's error, and the reservation the store may have made leaves the
+/// line once Redis answers, rather than holding its place and units for nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_whose_answer_is_lost_leaves_the_line() {
+    let server = common::RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let arrivals: Recorded = Arc::default();
+    let client = instance(
+        &server,
+        &policy(),
+        recorder(arrivals),
+        Duration::from_millis(100),
+    )
+    .await;
+    let port = server.port();
+    let stall = tokio::task::spawn_blocking(move || {
+        common::cluster::cli(port, &["DEBUG", "SLEEP", "0.6"]);
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let got = client.oneshot(http::Request::new(())).await;
+    assert!(
+        matches!(
+            got,
+            Err(tower_redis_ratelimit::client::OutboundError::Store(_))
+        ),
+        "{got:?}"
+    );
+    stall.await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let key = tower_redis_ratelimit::Key::from("global");
+    let turns = format!("{}:turns", server.store().await.redis_key(&key, &policy()));
+    let left = common::cluster::cli(port, &["ZCARD", &turns]);
+    assert_eq!(left.trim(), "0", "reservations left in line");
 }

@@ -18,7 +18,7 @@ use super::pushback::pushback;
 use super::shared::Shared;
 use super::OutboundError;
 use crate::store::{InLine, Reserve, Ticket};
-use crate::{Key, StoreError};
+use crate::{Key, Policy, StoreError};
 
 /// A store a response future can reserve with, and give a reservation back to from `Drop`, on
 /// a task of its own: the bounds of [`Outbound`](super::Outbound)'s service, in one place.
@@ -218,33 +218,51 @@ impl<St: Keeper> Seat<St> {
     /// Takes the reservation out of the line, on a task of its own (the caller is going
     /// away), and then wakes this layer's waiting requests: those behind it moved up.
     fn leave(&self) {
-        let leave = self
-            .shared
-            .store
-            .leave(&self.key, &self.shared.policy, self.ticket);
+        let leave =
+            |store: &St, key: &Key, policy: &Policy, ticket| store.leave(key, policy, ticket);
         self.then_wake(leave, "failed to give back a reservation");
+    }
+
+    /// Takes the reservation out of the line as used, on a task of its own: its request goes
+    /// though its look at its turn failed, which would have taken it out.
+    fn used(&self) {
+        let look = |store: &St, key: &Key, policy: &Policy, ticket| store.look(key, policy, ticket);
+        self.then_wake(look, "failed to take a used reservation out of the line");
     }
 
     /// Pauses the key for every caller that shares the store, on a task of its own, and then
     /// wakes this layer's waiting requests to learn it.
     fn pause(&self, pause: Duration) {
-        let paused = self
-            .shared
-            .store
-            .pause(&self.key, &self.shared.policy, pause);
+        let paused =
+            move |store: &St, key: &Key, policy: &Policy, _| store.pause(key, policy, pause);
         self.then_wake(paused, "failed to pause a key the upstream pushed back on");
     }
 
-    /// Runs `change` to the line on a task of its own, then wakes this layer's waiting
-    /// requests to look; a failure is logged as `failed`.
-    fn then_wake(&self, change: St::LineFuture, failed: &'static str) {
+    /// Makes a change to the line on a task of its own, then wakes this layer's waiting
+    /// requests to look. Each change may run twice without harm (a leave or a look finds
+    /// nothing the second time, a pause keeps the longer), so one that fails (the store too
+    /// slow, or out of reach, its breaker open) is sent again every 100 ms for as long as the
+    /// line keeps a reservation past its turn (`KEPT`, 10 s); then the failure is logged as
+    /// `failed`.
+    fn then_wake<F>(&self, change: F, failed: &'static str)
+    where
+        F: Fn(&St, &Key, &Policy, Ticket) -> St::LineFuture + Send + 'static,
+    {
+        /// How often a change to the line is sent: every 100 ms for 10 s.
+        const TRIES: u32 = 100;
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let shared = Arc::clone(&self.shared);
+        let (shared, key, ticket) = (Arc::clone(&self.shared), self.key.clone(), self.ticket);
         runtime.spawn(async move {
-            if let Err(error) = change.await {
-                tracing::warn!(target: "tower_redis_ratelimit", %error, "{failed}");
+            for tried in 1..=TRIES {
+                match change(&shared.store, &key, &shared.policy, ticket).await {
+                    Ok(_) => break,
+                    Err(error) if tried == TRIES => {
+                        tracing::warn!(target: "tower_redis_ratelimit", %error, "{failed}");
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
             }
             shared.wake.notify_waiters();
         });
@@ -262,7 +280,8 @@ impl<St: Keeper> Seat<St> {
 }
 
 /// A reservation on its way: if its caller goes away before the store answers, the answer is
-/// still awaited, on a task of its own, and a reservation it made leaves the line.
+/// still awaited, on a task of its own, and a reservation it made leaves the line; so does one
+/// the store may have made though its answer failed.
 struct Pending<St: Keeper> {
     future: Option<Pin<Box<St::Future>>>,
     seat: Option<Seat<St>>,
@@ -287,7 +306,15 @@ impl<St: Keeper> Pending<St> {
         let Some(seat) = self.seat.take() else {
             return Poll::Pending;
         };
-        let decision = decision.map_err(OutboundError::Store)?;
+        let decision = match decision {
+            Ok(decision) => decision,
+            Err(error) => {
+                // The store may have run it all the same (a reply later than the time budget):
+                // it leaves the line it may be in.
+                seat.leave();
+                return Poll::Ready(Err(OutboundError::Store(error)));
+            }
+        };
         if !decision.is_allowed() {
             let turn = decision.retry_after();
             return Poll::Ready(Err(OutboundError::TooLate { turn }));
@@ -308,11 +335,11 @@ impl<St: Keeper> Drop for Pending<St> {
             return;
         };
         runtime.spawn(async move {
-            if let Ok(decision) = future.await {
-                if decision.is_allowed() {
-                    seat.leave();
-                }
+            // Reserved, or perhaps reserved (no answer in time): it leaves the line.
+            if future.await.is_ok_and(|d| !d.is_allowed()) {
+                return;
             }
+            seat.leave();
         });
     }
 }
@@ -366,6 +393,14 @@ impl<St: Keeper> Held<St> {
             Ok(stood) => stood,
             // The store could not say: the turn it had holds, while its units may be used.
             Err(_) if self.too_late(now) => return self.again(None),
+            // It goes at its turn: the look that would have taken it out of the line is sent
+            // again, on a task of its own.
+            Err(_) if now >= self.turn_at => {
+                if let Some(seat) = self.seat.as_ref() {
+                    seat.used();
+                }
+                return Ok(Step::Turn(self));
+            }
             Err(_) => return Ok(self.at_turn(now)),
         };
         let paused = !stood.paused.is_zero() && stood.turn.is_none_or(|t| t < stood.paused);
@@ -375,8 +410,11 @@ impl<St: Keeper> Held<St> {
         match stood.turn {
             None => self.again(None),
             Some(turn) if turn.is_zero() && self.too_late(now) => self.again(None),
+            // The store's turn holds: earlier where the line moved it up, and a little later
+            // where this instance's clock runs ahead of the store's (it looks again then, and
+            // the look that finds its turn come takes it out of the line).
             Some(turn) => {
-                self.turn_at = self.turn_at.min(now + turn);
+                self.turn_at = now + turn;
                 Ok(self.at_turn(now))
             }
         }
