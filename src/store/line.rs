@@ -13,6 +13,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::Algorithm;
+
 /// How long past its turn a reservation stays in line (µs): its caller looks once more at its
 /// turn, before its request goes out.
 pub(crate) const KEPT: u64 = 10_000_000;
@@ -123,6 +125,19 @@ pub(crate) struct Left {
     pub(crate) at: u64,
     pub(crate) cost: u64,
     pub(crate) last: bool,
+}
+
+impl Left {
+    /// Whether the store gives this place's units back under `algorithm`.
+    pub(crate) fn given_back(&self, algorithm: Algorithm) -> bool {
+        gives_back(algorithm, self.last)
+    }
+}
+
+/// Whether a place left at the end of a line, `last` or not, has its units given back under
+/// `algorithm` ([`Left`]): always on the sliding log, on GCRA only the last.
+pub(crate) fn gives_back(algorithm: Algorithm, last: bool) -> bool {
+    last || algorithm == Algorithm::SlidingLog
 }
 
 #[cfg(test)]

@@ -728,12 +728,15 @@ impl MemoryStore {
         }
     }
 
-    /// The policy whose counts `key` is decided by under `policy`: an override's, or its own
-    /// (a blocked key's too).
-    fn in_force(&self, key: &Key, policy: &Policy) -> Policy {
+    /// The policy whose counts `key` is decided by under `policy` (an override's, or its
+    /// own, a blocked key's too), and how much longer its state is kept for it ([`Stretch`]).
+    fn in_force(&self, key: &Key, policy: &Policy) -> (Policy, Stretch) {
         match self.shared.overrides.apply(key, policy) {
-            Applied::Other(used) => used,
-            _ => policy.clone(),
+            Applied::Other(used) => {
+                let stretch = Stretch::of(policy, &used);
+                (used, stretch)
+            }
+            _ => (policy.clone(), Stretch::NONE),
         }
     }
 
@@ -741,11 +744,7 @@ impl MemoryStore {
     fn settle_now(&self, key: &Key, policy: &Policy, settlement: Settlement) {
         let now = self.now();
         // Settled under the counts the key is decided by; a blocked key's under its own.
-        let stretch = match self.shared.overrides.apply(key, policy) {
-            Applied::Other(used) => Stretch::of(policy, &used),
-            _ => Stretch::NONE,
-        };
-        let in_force = self.in_force(key, policy);
+        let (in_force, stretch) = self.in_force(key, policy);
         let policy = &in_force;
         let algorithm = policy.algorithm();
         // The state a refund's units were recorded in, the only one it applies to.
@@ -904,10 +903,10 @@ impl Reserve for MemoryStore {
     /// The place left at the end is refunded under the counts in force for the key, only
     /// where the key's state is the one the line was kept with (it is the same entry).
     fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
-        let in_force = self.in_force(key, policy);
+        let (in_force, _) = self.in_force(key, policy);
         ready(Ok(self.in_line(key, policy, |state, now| {
             let (at, left) = state.line.leave(now, ticket.id)?;
-            if left.last || in_force.algorithm() == Algorithm::SlidingLog {
+            if left.given_back(in_force.algorithm()) {
                 let refund = Refund {
                     units: left.cost,
                     at: Some(left.at),

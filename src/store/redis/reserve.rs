@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use super::protocol::Record;
 use super::{lease, BoxFuture, Inner, RedisStore};
+use crate::store::line::gives_back;
 use crate::store::reserve::{self, reservable, InLine, Reserve, Ticket};
-use crate::{Algorithm, Key, Policy, StoreError};
+use crate::{Key, Policy, StoreError};
 
 /// How long a call of `line.lua` waits for its reply: a leave's give-back is worth sending
 /// however late Redis runs it, as a settlement's is.
@@ -70,8 +71,7 @@ impl Reserve for RedisStore {
         let policy = policy.clone();
         Box::pin(async move {
             let (stood, left) = op.await?;
-            let free =
-                left.filter(|&(_, last)| last || policy.algorithm() == Algorithm::SlidingLog);
+            let free = left.filter(|&(_, last)| gives_back(policy.algorithm(), last));
             if let Some((free, _)) = free {
                 let cost = u64::from(ticket.cost);
                 let refund = Record::Settle {
