@@ -1,9 +1,6 @@
 //! What a store decided for one request.
 
-use std::sync::Arc;
 use std::time::Duration;
-
-use crate::algorithm::MAX_UNITS;
 
 /// The answer of a [`Store`](crate::Store) for one request.
 ///
@@ -37,7 +34,7 @@ pub struct Decision {
     /// Describes the policy's concurrency limit: refused because the key holds every slot,
     /// or every slot not kept for the waiters ahead of the request.
     pub(crate) concurrency: bool,
-    /// Refused for a slot while waiting for one: the request's place in its key's line (its
+    /// Refused for a slot while waiting for one: the request's place in its key's queue (its
     /// deadline there, µs on the store's clock); 0 when it is in none.
     pub(crate) place: u64,
     /// Refused for a slot: the key's typical hold time the store keeps (ms; 0: none known).
@@ -87,10 +84,7 @@ impl Decision {
         self.retry_after
     }
 
-    pub(crate) fn from_outcome(
-        outcome: crate::algorithm::Outcome,
-        policy: &crate::Policy,
-    ) -> Decision {
+    pub(crate) fn from_outcome(outcome: crate::model::Outcome, policy: &crate::Policy) -> Decision {
         let limit = policy.limits()[outcome.index.min(policy.limits().len() - 1)];
         Decision {
             allowed: outcome.allowed,
@@ -171,7 +165,7 @@ impl Decision {
     /// expires unrenewed after `left`.
     pub(crate) fn slots_full(policy: &crate::Policy, left: Duration) -> Decision {
         let left = u64::try_from(left.as_micros()).unwrap_or(u64::MAX);
-        let full = crate::concurrency::Full {
+        let full = crate::model::slots::Full {
             left,
             place: 0,
             hold: 0,
@@ -179,10 +173,13 @@ impl Decision {
         Decision::refused_slot(policy, full)
     }
 
-    /// The refusal of a request for a concurrency slot, as the store's line answers it: its
+    /// The refusal of a request for a concurrency slot, as the store's queue answers it: its
     /// retry is the key's typical hold time where the store knows one, else the time until
     /// the first slot expires.
-    pub(crate) fn refused_slot(policy: &crate::Policy, full: crate::concurrency::Full) -> Decision {
+    pub(crate) fn refused_slot(
+        policy: &crate::Policy,
+        full: crate::model::slots::Full,
+    ) -> Decision {
         let retry = Duration::from_micros(match full.hold {
             0 => full.left,
             hold => hold,
@@ -276,298 +273,5 @@ impl Decision {
     /// Marks a recorded decision as the memory store's state `state`'s (see `state`).
     pub(crate) fn in_state(self, state: u64) -> Decision {
         Decision { state, ..self }
-    }
-}
-
-/// What becomes of an admitted request once it is done, told to the store after the fact:
-/// units to add to what its decision recorded (a charge) or to take back (a refund), or its
-/// concurrency slot given back or renewed.
-///
-/// Made from the request's admitted [`Decision`], which carries the units it recorded, when
-/// the store recorded them and the slot it took, and given to
-/// [`Store::settle`](crate::Store::settle). A refund takes back at most the units the decision
-/// recorded (its cost), and only from the state those units were counted in; see
-/// [`Store::settle`](crate::Store::settle) for each algorithm.
-///
-/// ```
-/// use tower_redis_ratelimit::{Key, MemoryStore, Policy, Settlement, Store};
-///
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), tower_redis_ratelimit::StoreError> {
-/// let store = MemoryStore::new();
-/// let (key, policy) = (Key::from("client"), "1000/1m".parse::<Policy>().unwrap());
-/// // Reserve 10 tokens, then settle on the 250 the request used.
-/// let decision = store.check(&key, &policy, 10).await?;
-/// if let Some(settlement) = Settlement::charge(&decision, 240) {
-///     store.settle(&key, &policy, settlement).await?;
-/// }
-/// assert_eq!(store.peek(&key, &policy, 1).await?.remaining(), 750);
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Settlement {
-    /// Adds units to what the request recorded.
-    Charge(Units),
-    /// Takes back units of those the request recorded.
-    Refund(Units),
-    /// Gives the request's concurrency slot back, held for this long (zero: not known). The
-    /// store keeps the key's typical hold time, from which it says when a slot is likely to
-    /// be free to the requests it refuses one.
-    Release(SlotId, Duration),
-    /// Keeps the request's concurrency slot for another
-    /// [`slot_lifetime`](crate::Policy::slot_lifetime) from now.
-    Renew(SlotId),
-}
-
-/// The units of a [`Settlement::Charge`] or [`Settlement::Refund`], with the admission they
-/// belong to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Units {
-    count: u64,
-    admitted_at: Option<i64>,
-    recorded: u64,
-    state: u64,
-}
-
-impl Units {
-    /// The units added or taken back.
-    pub fn count(&self) -> u64 {
-        self.count
-    }
-
-    /// When the store recorded the request, in µs since the epoch on the store's own clock;
-    /// `None` when it is not known (a refund then changes nothing).
-    pub fn admitted_at(&self) -> Option<i64> {
-        self.admitted_at
-    }
-
-    /// The units the request recorded at admission: on the sliding log, a refund finds the
-    /// request's own event by its time and this weight.
-    pub fn recorded(&self) -> u64 {
-        self.recorded
-    }
-
-    /// The memory store's state that recorded the request (`Decision`'s `state`).
-    pub(crate) fn state(&self) -> u64 {
-        self.state
-    }
-}
-
-/// A concurrency slot's id in the store that gave it
-/// ([`Policy::concurrency`](crate::Policy::concurrency)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct SlotId(pub(crate) u64);
-
-impl SlotId {
-    /// The id as the store keeps it.
-    pub fn get(self) -> u64 {
-        self.0
-    }
-}
-
-impl Settlement {
-    /// Adds `units` for the request that got `decision`; `None` when it was refused.
-    ///
-    /// A charge over 2^52 units, more than any state holds, is recorded as 2^52 (and logged
-    /// as a warning): the key is then refused as long as its algorithm allows for that much,
-    /// at least three windows (see `docs/operations.md`, "Range").
-    pub fn charge(decision: &Decision, units: u64) -> Option<Settlement> {
-        if decision.allowed && units > MAX_UNITS {
-            tracing::warn!(
-                target: "tower_redis_ratelimit",
-                units,
-                recorded = MAX_UNITS,
-                "a charge past the largest usage a store holds is recorded as that much"
-            );
-        }
-        decision.allowed.then_some(Settlement::Charge(Units {
-            count: units.min(MAX_UNITS),
-            admitted_at: decision.admitted_at,
-            recorded: decision.recorded,
-            state: decision.state,
-        }))
-    }
-
-    /// A charge of `units` for a request counted by its outcome, which recorded nothing
-    /// before it was called, admitted or over a soft limit.
-    pub(crate) fn count(units: u64) -> Settlement {
-        Settlement::Charge(Units {
-            count: units.min(MAX_UNITS),
-            admitted_at: None,
-            recorded: 0,
-            state: 0,
-        })
-    }
-
-    /// Takes back `units` of those the request that got `decision` recorded, at most all of
-    /// them (its cost); `None` when it was refused.
-    pub fn refund(decision: &Decision, units: u64) -> Option<Settlement> {
-        decision.allowed.then_some(Settlement::Refund(Units {
-            count: units.min(decision.recorded),
-            admitted_at: decision.admitted_at,
-            recorded: decision.recorded,
-            state: decision.state,
-        }))
-    }
-
-    /// Gives back the concurrency slot the request that got `decision` took
-    /// ([`Policy::concurrency`](crate::Policy::concurrency)); `None` when it took none. The
-    /// layer does this when a response ends; a caller of [`Store::check`](crate::Store::check)
-    /// does it when its work is done.
-    pub fn release(decision: &Decision) -> Option<Settlement> {
-        Settlement::release_after(decision, Duration::ZERO)
-    }
-
-    /// Gives back the concurrency slot the request that got `decision` took, as
-    /// [`release`](Self::release) does, after it held it for `held`: the store counts that
-    /// towards the key's typical hold time.
-    pub fn release_after(decision: &Decision, held: Duration) -> Option<Settlement> {
-        decision
-            .slot
-            .map(|slot| Settlement::Release(SlotId(slot), held))
-    }
-
-    /// Renews the concurrency slot the request that got `decision` took, for another
-    /// [`slot_lifetime`](crate::Policy::slot_lifetime) from now; `None` when it took none. A
-    /// slot that is no longer held (it expired, or was given back) is not taken again: the
-    /// settle answers [`StoreError::SlotGone`](crate::StoreError::SlotGone). The layer renews
-    /// the slots of its requests in flight by itself.
-    pub fn renew(decision: &Decision) -> Option<Settlement> {
-        decision.slot.map(|slot| Settlement::Renew(SlotId(slot)))
-    }
-
-    /// Whether this settlement takes units back.
-    pub fn is_refund(&self) -> bool {
-        match self {
-            Settlement::Refund(_) => true,
-            Settlement::Charge(_) | Settlement::Release(..) | Settlement::Renew(_) => false,
-        }
-    }
-
-    /// The units added or taken back; 0 for a concurrency slot's give-back or renewal.
-    pub fn units(&self) -> u64 {
-        match self {
-            Settlement::Charge(units) | Settlement::Refund(units) => units.count,
-            Settlement::Release(..) | Settlement::Renew(_) => 0,
-        }
-    }
-}
-
-/// What the rate-limit layers decided about a request, found in its extensions by the
-/// handler (`Extension<Decisions>` in axum): one entry per layer the request passed, outermost
-/// first, each with the policy that applied. A handler can show the quota left, or, under a
-/// [soft](crate::Rule::soft) policy, see that the key is over its limit and ask for a captcha
-/// instead of refusing.
-///
-/// Every request a layer passes on carries `Decisions`, so that `Extension<Decisions>` never
-/// fails because of the limiter: a layer whose store decided adds its decision, the same that
-/// its `RateLimit` fields describe; a layer that passed the request on without a decision
-/// (the key is allow-listed, the request had no key and such requests are let through, or the
-/// store failed and the layer fails open) adds an entry saying why, read with
-/// [`undecided`](Decisions::undecided). [`get`](Decisions::get), [`iter`](Decisions::iter) and
-/// [`is_over`](Decisions::is_over) see decisions only. A request that no rule of a layer
-/// applies to gets no entry from it: where no layer may apply, take
-/// `Option<Extension<Decisions>>`. (Layers built with
-/// [`decisions(false)`](crate::RateLimitLayerBuilder::decisions) add nothing.)
-///
-/// **Name your policies apart** when several layers decide one request: `get` finds the
-/// outermost layer whose policy has the name, so two layers whose policies are both
-/// `"default"` hide the inner one from it. A layer that finds its policy's name already there
-/// logs a warning (once per layer and policy); [`iter`](Decisions::iter) still shows both.
-///
-/// ```
-/// use axum::{routing::get, Extension, Router};
-/// use tower_redis_ratelimit::{Decisions, RateLimitLayer};
-///
-/// async fn handler(Extension(decisions): Extension<Decisions>) -> String {
-///     match decisions.get("default") {
-///         Some(d) => format!("{} of {} left", d.remaining(), d.limit()),
-///         None => "not limited".into(),
-///     }
-/// }
-///
-/// let app: Router = Router::new()
-///     .route("/", get(handler))
-///     .layer(RateLimitLayer::builder().policy("100/1m").build()?);
-/// # Ok::<(), tower_redis_ratelimit::BuildError>(())
-/// ```
-#[derive(Debug, Clone, Default)]
-pub struct Decisions {
-    // The first entry inline: one layer, the common case, allocates no list.
-    first: Option<(Arc<str>, Entry)>,
-    rest: Vec<(Arc<str>, Entry)>,
-}
-
-/// Why a layer passed a request on without a decision of its store: the entry it puts in the
-/// request's [`Decisions`] instead of one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Undecided {
-    /// The key is on the layer's allow list
-    /// ([`allow_key`](crate::RateLimitLayerBuilder::allow_key),
-    /// [`allow_network`](crate::RateLimitLayerBuilder::allow_network)).
-    AllowListed,
-    /// The request had no key, and the layer lets such requests through
-    /// ([`MissingKey::Allow`](crate::response::MissingKey::Allow)).
-    MissingKey,
-    /// The store could not decide, and the layer fails open
-    /// ([`FailureMode::Open`](crate::FailureMode::Open)).
-    StoreUnavailable,
-}
-
-/// One layer's entry in a request's [`Decisions`].
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Entry {
-    Decided(Decision),
-    Undecided(Undecided),
-}
-
-impl Decisions {
-    /// Adds the entry of a layer inside the ones already there; whether an entry of the same
-    /// policy name was there already.
-    pub(crate) fn push(&mut self, policy: Arc<str>, entry: Entry) -> bool {
-        let repeated = self.entries().any(|(name, _)| **name == *policy);
-        match self.first {
-            None => self.first = Some((policy, entry)),
-            Some(_) => self.rest.push((policy, entry)),
-        }
-        repeated
-    }
-
-    fn entries(&self) -> impl Iterator<Item = &(Arc<str>, Entry)> {
-        self.first.iter().chain(&self.rest)
-    }
-
-    /// Each deciding layer's policy name and decision, outermost layer first.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &Decision)> {
-        self.entries().filter_map(|(policy, entry)| match entry {
-            Entry::Decided(decision) => Some((&**policy, decision)),
-            Entry::Undecided(_) => None,
-        })
-    }
-
-    /// The decision of the (outermost) layer whose policy is named `policy`.
-    pub fn get(&self, policy: &str) -> Option<&Decision> {
-        self.iter().find(|(p, _)| *p == policy).map(|(_, d)| d)
-    }
-
-    /// Whether any layer found the key over its limit: a request passed on by a soft policy
-    /// (or in shadow mode) that would otherwise have been refused.
-    pub fn is_over(&self) -> bool {
-        self.iter().any(|(_, d)| !d.is_allowed())
-    }
-
-    /// The layers that passed the request on without a decision, outermost first: each
-    /// one's policy name, and why.
-    pub fn undecided(&self) -> impl Iterator<Item = (&str, Undecided)> {
-        self.entries().filter_map(|(policy, entry)| match entry {
-            Entry::Decided(_) => None,
-            Entry::Undecided(why) => Some((&**policy, *why)),
-        })
-    }
-
-    /// Whether no layer decided the request.
-    pub fn is_empty(&self) -> bool {
-        self.iter().next().is_none()
     }
 }

@@ -203,7 +203,7 @@ fn micros(d: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::Outcome;
+    use crate::model::Outcome;
 
     fn refusal(policy: &Policy) -> Decision {
         let outcome = Outcome {

@@ -159,7 +159,7 @@ mod tests {
     use http::StatusCode;
 
     use super::*;
-    use crate::decision::Entry;
+    use crate::decisions::Mark;
     use crate::response::{Options, Responder};
     use crate::{Decisions, Key, MemoryStore, Policy, Store};
 
@@ -197,7 +197,7 @@ mod tests {
             .unwrap();
         let admitted = Admitted {
             fields: Some((decision, Arc::clone(&responder))),
-            entry: Some((Arc::clone(&responder), Entry::Decided(decision))),
+            entry: Some((Arc::clone(&responder), Mark::Decided(decision))),
             ..Admitted::default()
         };
         let future: ResponseFuture<Echo, (), std::future::Pending<_>> =

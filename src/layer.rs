@@ -505,18 +505,18 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
 
     /// How long a request refused only for a concurrency slot
     /// ([`Policy::concurrency`](crate::Policy::concurrency)) waits for one before it is refused
-    /// (default zero: refused at once). A key's waiters are served in one line across every
+    /// (default zero: refused at once). A key's waiters are served in one queue across every
     /// instance that shares the store, in the order of their deadlines (arrival order among
-    /// layers with the same `max_wait`): the store puts a refused waiter in the key's line and
+    /// layers with the same `max_wait`): the store puts a refused waiter in the key's queue and
     /// keeps a slot given back for the first in it
-    /// ([`Store::check_in_line`](crate::Store::check_in_line)). On each instance the first of a
+    /// ([`Store::check_queued`](crate::Store::check_queued)). On each instance the first of a
     /// key's waiters asks again when a slot of the key is given back here, and every 50 ms for
     /// slots that free on other instances or expire. A request refused by a rate limit never
     /// waits.
     /// Keep it short (it is capped at an hour): a waiting request holds its connection, and
     /// the readiness of the service the layer wraps (a `Buffer` or `ConcurrencyLimit` below
     /// the layer keeps a permit for it); a client's own timeout may end it first (it then
-    /// leaves the line). Not in soft or shadow mode, where nothing is refused, nor for
+    /// leaves the queue). Not in soft or shadow mode, where nothing is refused, nor for
     /// decisions of a fallback store.
     ///
     /// ```

@@ -4,40 +4,46 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod admission;
-mod algorithm;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod blocklist;
 pub mod body;
 pub mod client;
-mod concurrency;
 mod decision;
+mod decisions;
 mod deny_cache;
 mod future;
+mod ids;
 pub mod key;
 mod layer;
 mod ledger;
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub mod metrics;
+mod model;
 mod policy;
 pub mod response;
 mod rules;
 mod service;
+mod settlement;
 mod shards;
 pub mod store;
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub mod test_util;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod unique;
 pub mod usage;
 
-pub use algorithm::Algorithm;
-pub use decision::{Decision, Decisions, Settlement, Undecided};
+pub use decision::Decision;
+pub use decisions::{Decisions, Undecided};
 pub use future::ResponseFuture;
 pub use key::{
     BodyField, BodyFieldLayer, BodyKey, ClientIp, Global, Header, Key, KeyError, KeyExtractor,
     PeerIp,
 };
 pub use layer::{BuildError, RateLimitLayer, RateLimitLayerBuilder, DEFAULT_DENY_CACHE};
+pub use model::Algorithm;
 pub use policy::{Limit, LimitError, Policy, PolicyError};
 pub use response::{FailureMode, MissingKey};
 #[cfg(feature = "config")]
@@ -45,6 +51,7 @@ pub use response::{FailureMode, MissingKey};
 pub use rules::config;
 pub use rules::{RequestHead, ResponseHead, Rule, RuleTable, Rules};
 pub use service::RateLimit;
+pub use settlement::Settlement;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::RedisStore;

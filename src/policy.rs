@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::algorithm::{Algorithm, Window, MAX_GCRA_BUCKET};
+use crate::model::{Algorithm, Window, MAX_GCRA_BUCKET};
 use crate::store::owner::{stable_id, Owner};
 
 /// One rate limit: at most `count` units of cost in any window of `window`.

@@ -10,7 +10,7 @@ use pin_project_lite::pin_project;
 use super::check::Check;
 use super::verdict::Verdict;
 use super::wait::{Next, Waiting};
-use crate::concurrency::lines::Wait;
+use crate::ledger::queue::Wait;
 use crate::{Decision, StoreError};
 
 pin_project! {
@@ -91,7 +91,7 @@ where
         let pending = &mut **this.pending;
         let outcome = loop {
             // `unanswered`: the store's answer never came, though the request may stand in its
-            // line (an outage's refusal at this layer's cap replaces the error).
+            // queue (an outage's refusal at this layer's cap replaces the error).
             let (outcome, may_wait, unanswered) = match this.step.as_mut().project() {
                 StepProj::Waiting { wait } => {
                     ready!(wait.as_mut().poll(cx));

@@ -9,7 +9,7 @@ use http_body_util::Full;
 use super::check::Check;
 use super::decide::Later;
 use super::limiter::Limiter;
-use super::wait::{Line, Waiting};
+use super::wait::{SlotQueue, Waiting};
 use super::{Admission, Admitted};
 use crate::deny_cache::{DenyCache, Ticket};
 use crate::metrics::Started;
@@ -131,9 +131,9 @@ impl<K, St: Store> Limiter<K, St> {
         let options = &check.responder.options;
         let waits = !options.max_wait.is_zero() && !options.soft && !options.shadow;
         let (holds, _) = check.holds.as_ref().filter(|_| waits)?;
-        let waiter = holds.lines().waiter(options.max_wait);
-        let line: Arc<dyn Line<St::Future>> = Arc::new(self.store.clone());
-        Some(Waiting::new(line, waiter))
+        let waiter = holds.queues().waiter(options.max_wait);
+        let store: Arc<dyn SlotQueue<St::Future>> = Arc::new(self.store.clone());
+        Some(Waiting::new(store, waiter))
     }
 }
 
@@ -322,7 +322,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_request_refused_for_a_slot_waits_in_line_for_one() {
+    async fn a_request_refused_for_a_slot_waits_in_the_queue_for_one() {
         let policy = crate::Policy::new("streams", ["100/1m".parse().unwrap()])
             .unwrap()
             .concurrency(1)

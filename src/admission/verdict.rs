@@ -10,7 +10,7 @@ use http::{Request, Response};
 use http_body_util::Full;
 
 use super::check::Check;
-use crate::decision::Entry;
+use crate::decisions::Mark;
 use crate::ledger::post::{Ledger, StoreLedger};
 use crate::ledger::tab::Tab;
 use crate::ledger::Receipt;
@@ -34,14 +34,14 @@ pub(crate) struct Admitted {
     pub(crate) fields: Option<(Decision, Arc<Responder>)>,
     pub(crate) receipt: Receipt,
     /// The layer's entry for the request's decisions: its decision, or why there was none.
-    pub(crate) entry: Option<(Arc<Responder>, Entry)>,
+    pub(crate) entry: Option<(Arc<Responder>, Mark)>,
 }
 
 impl Admitted {
     /// A request passed on without a decision of the store, for the reason `why`.
     pub(crate) fn undecided(responder: Arc<Responder>, why: Undecided) -> Self {
         Admitted {
-            entry: Some((responder, Entry::Undecided(why))),
+            entry: Some((responder, Mark::Undecided(why))),
             ..Admitted::default()
         }
     }
@@ -261,7 +261,7 @@ impl Check {
             let refund = Settlement::refund(&d, d.recorded).filter(|r| r.units() > 0);
             for settlement in Settlement::release(&d).into_iter().chain(refund) {
                 let (key, responder) = (self.key.clone(), Arc::clone(&self.responder));
-                let entry = crate::ledger::post::Entry::new(key, responder, settlement, None);
+                let entry = crate::ledger::post::Posting::new(key, responder, settlement, None);
                 ledger.settle(entry, holds.in_flight());
             }
         }
@@ -309,8 +309,8 @@ impl Check {
     }
 
     /// The layer's entry for the request's decisions: the decision `d`.
-    fn entry(&self, d: Decision) -> Option<(Arc<Responder>, Entry)> {
-        Some((Arc::clone(&self.responder), Entry::Decided(d)))
+    fn entry(&self, d: Decision) -> Option<(Arc<Responder>, Mark)> {
+        Some((Arc::clone(&self.responder), Mark::Decided(d)))
     }
 }
 

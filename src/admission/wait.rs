@@ -1,7 +1,7 @@
 //! A request's wait for a concurrency slot
 //! ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)): until its deadline, as a waiter in
-//! the store's line for its key (`Store::check_in_line`), behind those of this instance that
-//! come before it there, asking the store again when it is first; leaving the store's line
+//! the store's queue for its key (`Engine::check_queued`), behind those of this instance that
+//! come before it there, asking the store again when it is first; leaving the store's queue
 //! when it stops waiting without a slot.
 
 use std::sync::Arc;
@@ -10,45 +10,46 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::check::Check;
-use crate::concurrency::lines::{InLine, Wait};
-use crate::concurrency::Waiter;
+use crate::ledger::queue::{InQueue, Wait};
+use crate::model::slots::Waiter;
 use crate::{Decision, Key, Policy, Store, StoreError};
 
-/// The store, as a waiting request asks it: again for a slot, or to take it out of line.
-pub(crate) trait Line<F>: Send + Sync {
-    /// Decides the request (`Store::check_in_line`).
+/// The store's queue of a key's waiters, as a waiting request asks it: again for a slot, or
+/// to take it out.
+pub(crate) trait SlotQueue<F>: Send + Sync {
+    /// Decides the request (`Engine::check_queued`).
     fn ask(&self, key: &Key, policy: &Policy, cost: u32, waiter: &Waiter) -> F;
-    /// Takes it out of the key's line (`Store::leave_line`).
+    /// Takes it out of the key's queue (`Engine::leave_queue`).
     fn leave(&self, key: &Key, policy: &Policy, waiter: &Waiter);
 }
 
-impl<St: Store> Line<St::Future> for St {
+impl<St: Store> SlotQueue<St::Future> for St {
     fn ask(&self, key: &Key, policy: &Policy, cost: u32, waiter: &Waiter) -> St::Future {
-        self.check_in_line(key, policy, cost, waiter)
+        self.check_queued(key, policy, cost, waiter)
     }
 
     fn leave(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
-        self.leave_line(key, policy, waiter);
+        self.leave_queue(key, policy, waiter);
     }
 }
 
-/// How often the first request in line asks the store again while it waits: a slot may free
+/// How often the first request in the queue asks the store again while it waits: a slot may free
 /// on another instance, or expire, with no give-back here to wake it.
 const RECHECK_EVERY: Duration = Duration::from_millis(50);
 
-/// A request's wait for a slot: its deadline and its place in line, once refused.
+/// A request's wait for a slot: its deadline and its place in the queue, once refused.
 pub(crate) struct Waiting<F> {
-    line: Arc<dyn Line<F>>,
+    store: Arc<dyn SlotQueue<F>>,
     waiter: Waiter,
     /// Set at the first refusal.
     deadline: Option<Instant>,
-    ticket: Option<InLine>,
+    place: Option<InQueue>,
     /// The latest refusal: the answer once the deadline has passed.
     refusal: Option<Decision>,
-    /// The key and policy of the store's line the request may be in: set when it asks, and
+    /// The key and policy of the store's queue the request may be in: set when it asks, and
     /// taken when it leaves (or the store took it out, admitting it).
-    line_of: Option<(Key, Policy)>,
-    /// Whether an ask is on its way, unanswered: the store may have put the request in line
+    queue_of: Option<(Key, Policy)>,
+    /// Whether an ask is on its way, unanswered: the store may have put the request in the queue
     /// without its answer ever coming back (a timeout, its client gone).
     asking: bool,
 }
@@ -64,17 +65,17 @@ pub(crate) enum Next<F> {
 }
 
 impl<F> Waiting<F> {
-    /// A request that may wait for a slot as `waiter` ([`Lines::waiter`]).
+    /// A request that may wait for a slot as `waiter` ([`Queues::waiter`]).
     ///
-    /// [`Lines::waiter`]: crate::concurrency::lines::Lines::waiter
-    pub(crate) fn new(line: Arc<dyn Line<F>>, waiter: Waiter) -> Self {
+    /// [`Queues::waiter`]: crate::ledger::queue::Queues::waiter
+    pub(crate) fn new(store: Arc<dyn SlotQueue<F>>, waiter: Waiter) -> Self {
         Waiting {
-            line,
+            store,
             waiter,
             deadline: None,
-            ticket: None,
+            place: None,
             refusal: None,
-            line_of: None,
+            queue_of: None,
             asking: false,
         }
     }
@@ -82,17 +83,17 @@ impl<F> Waiting<F> {
     /// Asks the store for a slot as this waiter (the first decision, and each after a wait).
     pub(crate) fn ask(&mut self, check: &Check) -> F {
         let (key, policy) = (&check.key, &check.responder.policy);
-        if self.line_of.is_none() {
-            self.line_of = Some((key.clone(), policy.clone()));
+        if self.queue_of.is_none() {
+            self.queue_of = Some((key.clone(), policy.clone()));
         }
         self.asking = true;
-        self.line.ask(key, policy, check.cost, &self.waiter)
+        self.store.ask(key, policy, check.cost, &self.waiter)
     }
 
     /// Starts or goes on waiting when `outcome` refused the request for a concurrency slot,
-    /// before its deadline; `None` otherwise (and the request leaves the line). `unanswered`:
+    /// before its deadline; `None` otherwise (and the request leaves the queue). `unanswered`:
     /// the store's answer never came (`outcome` then stands in for it, as a refusal at this
-    /// layer's cap under `FailureMode::Open` does), so the request may be in the store's line
+    /// layer's cap under `FailureMode::Open` does), so the request may be in the store's queue
     /// and leaves it when it stops.
     pub(crate) fn wait_for_slot(
         &mut self,
@@ -104,7 +105,7 @@ impl<F> Waiting<F> {
         let refusal = match outcome {
             Ok(d) if d.is_concurrency_limit() => *d,
             Ok(d) => {
-                // Admitted, the store took it out of its line; refused by a rate limit, it
+                // Admitted, the store took it out of its queue; refused by a rate limit, it
                 // leaves.
                 self.stop(d.is_allowed());
                 return None;
@@ -126,23 +127,23 @@ impl<F> Waiting<F> {
         self.refusal = Some(refusal);
         let (key, policy) = (&check.key, &check.responder.policy);
         let place = refusal.place;
-        // In the store's line where it has a place there; one that was and has none any more
-        // (a restart lost the line) asks next to join it again, at its end.
+        // In the store's queue where it has a place there; one that was and has none any more
+        // (a restart lost the queue) asks next to join it again, at its end.
         self.waiter.queued = place > 0;
-        if self.ticket.as_ref().is_some_and(|t| !t.is_at(place)) {
-            // Its place in the store's line changed (lost, or joined again): this layer's
-            // line follows, so that the first here is the store's first of those here.
-            self.ticket = None;
+        if self.place.as_ref().is_some_and(|t| !t.is_at(place)) {
+            // Its place in the store's queue changed (lost, or joined again): this layer's
+            // queue follows, so that the first here is the store's first of those here.
+            self.place = None;
         }
-        let (id, lines) = (self.waiter.id, holds.lines());
-        let ticket = self
-            .ticket
-            .get_or_insert_with(|| lines.join(key, policy, id, place));
-        let until = match ticket.is_first() {
+        let (id, queues) = (self.waiter.id, holds.queues());
+        let in_queue = self
+            .place
+            .get_or_insert_with(|| queues.join(key, policy, id, place));
+        let until = match in_queue.is_first() {
             true => deadline.min(now + RECHECK_EVERY),
             false => deadline,
         };
-        Some(ticket.wait(until))
+        Some(in_queue.wait(until))
     }
 
     /// What a waiting request does once woken.
@@ -153,19 +154,19 @@ impl<F> Waiting<F> {
             self.stop(false);
             return Next::GiveUp(refusal);
         }
-        match &self.ticket {
-            Some(ticket) if !ticket.is_first() => Next::Wait(ticket.wait(deadline)),
+        match &self.place {
+            Some(in_queue) if !in_queue.is_first() => Next::Wait(in_queue.wait(deadline)),
             _ => Next::Recheck(self.ask(check)),
         }
     }
 
-    /// The request waits no more: it leaves this layer's line, and the store's where it is or
+    /// The request waits no more: it leaves this layer's queue, and the store's where it is or
     /// may be in it (an answer that never came may have put it there), unless the store
     /// `admitted` it, which took it out.
     fn stop(&mut self, admitted: bool) {
-        self.ticket = None;
+        self.place = None;
         let may_be_in = self.waiter.queued || self.asking;
-        if let Some((key, policy)) = self.line_of.take().filter(|_| may_be_in && !admitted) {
+        if let Some((key, policy)) = self.queue_of.take().filter(|_| may_be_in && !admitted) {
             // Past its deadline the store counts it no more: what is left of its wait bounds
             // how long the leave is worth sending. An ask still unanswered may run later (a
             // stalled Redis runs it when it wakes) and start the store's deadline then: the
@@ -180,14 +181,14 @@ impl<F> Waiting<F> {
                 wait,
                 ..self.waiter
             };
-            self.line.leave(&key, &policy, &waiter);
+            self.store.leave(&key, &policy, &waiter);
         }
         self.waiter.queued = false;
         self.asking = false;
     }
 }
 
-/// A request dropped while it waits (its client went away) leaves the store's line.
+/// A request dropped while it waits (its client went away) leaves the store's queue.
 impl<F> Drop for Waiting<F> {
     fn drop(&mut self) {
         self.stop(false);

@@ -17,27 +17,15 @@ use tower_service::Service;
 use super::pushback::pushback;
 use super::shared::Shared;
 use super::OutboundError;
-use crate::store::{InLine, Reserve, Ticket};
-use crate::{Key, Policy, StoreError};
-
-/// A store a response future can reserve with, and give a reservation back to from `Drop`, on
-/// a task of its own: the bounds of [`Outbound`](super::Outbound)'s service, in one place.
-pub trait Keeper:
-    Reserve<Future: Send + 'static, LineFuture: Send + 'static> + Clone + Send + Sync + 'static
-{
-}
-
-impl<St> Keeper for St where
-    St: Reserve<Future: Send + 'static, LineFuture: Send + 'static> + Clone + Send + Sync + 'static
-{
-}
+use crate::store::reserve::{InLine, Ticket};
+use crate::{Key, Policy, Store, StoreError};
 
 pin_project! {
     /// The response future of [`Outbound`](super::Outbound).
     pub struct ResponseFuture<S, St, B>
     where
         S: Service<Request<B>>,
-        St: Keeper,
+        St: Store,
     {
         #[pin]
         call: Option<S::Future>,
@@ -51,7 +39,7 @@ pin_project! {
 }
 
 /// Where a request is on its way out.
-enum Step<St: Keeper> {
+enum Step<St: Store> {
     /// Its reservation is on its way.
     Reserving(Pending<St>),
     /// Its turn has not come yet: it sleeps until its turn, or its next look, or until woken
@@ -75,7 +63,7 @@ enum Step<St: Keeper> {
 impl<S, St, B, RB> ResponseFuture<S, St, B>
 where
     S: Service<Request<B>, Response = Response<RB>>,
-    St: Keeper,
+    St: Store,
 {
     pub(super) fn new(seat: Seat<St>, request: Request<B>, inner: S) -> Self {
         let pending = Pending::new(seat.clone());
@@ -104,7 +92,7 @@ where
 impl<S, St, B, RB> Future for ResponseFuture<S, St, B>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
-    St: Keeper,
+    St: Store,
 {
     type Output = Result<S::Response, OutboundError<S::Error>>;
 
@@ -186,14 +174,14 @@ where
 
 /// Where a request reserves: its layer's store, policy and wake-up, its key, and the ticket of
 /// its latest reservation.
-pub(super) struct Seat<St: Keeper> {
+pub(super) struct Seat<St: Store> {
     shared: Arc<Shared<St>>,
     key: Key,
     ticket: Ticket,
     started: Instant,
 }
 
-impl<St: Keeper> Clone for Seat<St> {
+impl<St: Store> Clone for Seat<St> {
     fn clone(&self) -> Self {
         Seat {
             shared: Arc::clone(&self.shared),
@@ -204,7 +192,7 @@ impl<St: Keeper> Clone for Seat<St> {
     }
 }
 
-impl<St: Keeper> Seat<St> {
+impl<St: Store> Seat<St> {
     pub(super) fn new(shared: Arc<Shared<St>>, key: Key) -> Self {
         let ticket = shared.ticket(shared.max_wait);
         Seat {
@@ -282,12 +270,12 @@ impl<St: Keeper> Seat<St> {
 /// A reservation on its way: if its caller goes away before the store answers, the answer is
 /// still awaited, on a task of its own, and a reservation it made leaves the line; so does one
 /// the store may have made though its answer failed.
-struct Pending<St: Keeper> {
+struct Pending<St: Store> {
     future: Option<Pin<Box<St::Future>>>,
     seat: Option<Seat<St>>,
 }
 
-impl<St: Keeper> Pending<St> {
+impl<St: Store> Pending<St> {
     fn new(seat: Seat<St>) -> Self {
         let shared = &seat.shared;
         let reserve = shared.store.reserve(&seat.key, &shared.policy, seat.ticket);
@@ -326,7 +314,7 @@ impl<St: Keeper> Pending<St> {
     }
 }
 
-impl<St: Keeper> Drop for Pending<St> {
+impl<St: Store> Drop for Pending<St> {
     fn drop(&mut self) {
         let (Some(future), Some(seat)) = (self.future.take(), self.seat.take()) else {
             return;
@@ -345,13 +333,13 @@ impl<St: Keeper> Drop for Pending<St> {
 }
 
 /// A reservation in line: it leaves the line when dropped before its request went out.
-struct Held<St: Keeper> {
+struct Held<St: Store> {
     /// When its turn comes, as it last learned.
     turn_at: Instant,
     seat: Option<Seat<St>>,
 }
 
-impl<St: Keeper> Held<St> {
+impl<St: Store> Held<St> {
     /// Sleeps until its turn, or its next look when that is sooner, or until woken.
     fn wait(self) -> Step<St> {
         let Some(seat) = self.seat.as_ref() else {
@@ -454,7 +442,7 @@ impl<St: Keeper> Held<St> {
     }
 }
 
-impl<St: Keeper> Drop for Held<St> {
+impl<St: Store> Drop for Held<St> {
     fn drop(&mut self) {
         if let Some(seat) = self.seat.take() {
             seat.leave();

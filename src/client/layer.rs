@@ -8,8 +8,8 @@ use tower_layer::Layer;
 use super::service::Outbound;
 use super::shared::Shared;
 use crate::key::Global;
+use crate::store::reserve::Ticket;
 use crate::store::reserve::{self, reservable, MAX_LATE};
-use crate::store::Ticket;
 use crate::{BuildError, MemoryStore, Policy, Store};
 
 /// Makes every request of the wrapped service wait for its turn under one policy

@@ -3,7 +3,7 @@
 //!
 //! [`OutboundLayer`] wraps a client service (hyper-util's client, a tonic `Channel`, any
 //! `Service<http::Request<B>>`). Each request reserves its turn in the store
-//! ([`Reserve`](crate::store::Reserve)): in reservation order across every instance that
+//! (the store reserves turns): in reservation order across every instance that
 //! shares it, then waits for it and goes out. A request whose turn would come later than
 //! `max_wait` fails at once with [`OutboundError::TooLate`]; one dropped before it went out
 //! gives its reservation back, so that the requests behind it move up.
@@ -31,6 +31,6 @@ mod service;
 mod shared;
 
 pub use error::OutboundError;
-pub use future::{Keeper, ResponseFuture};
+pub use future::ResponseFuture;
 pub use layer::{OutboundLayer, OutboundLayerBuilder};
 pub use service::Outbound;

@@ -6,9 +6,9 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower_service::Service;
 
-use super::future::{Keeper, ResponseFuture, Seat};
+use super::future::{ResponseFuture, Seat};
 use super::shared::Shared;
-use crate::KeyExtractor;
+use crate::{KeyExtractor, Store};
 
 /// A service whose requests wait for their turn ([`OutboundLayer`](super::OutboundLayer)).
 ///
@@ -42,7 +42,7 @@ impl<S, K, St, B, RB> Service<Request<B>> for Outbound<S, K, St>
 where
     S: Service<Request<B>, Response = Response<RB>> + Clone,
     K: KeyExtractor<B>,
-    St: Keeper,
+    St: Store,
 {
     type Response = S::Response;
     type Error = super::OutboundError<S::Error>;

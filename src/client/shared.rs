@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::store::Ticket;
+use crate::store::reserve::Ticket;
 use crate::Policy;
 
 /// What every service and future of one layer reads.
@@ -42,7 +42,7 @@ impl<St> Shared<St> {
             late,
             recheck,
             wake: Arc::new(Notify::new()),
-            next: AtomicU64::new(crate::concurrency::random_start()),
+            next: AtomicU64::new(crate::ids::random_start()),
         }
     }
 

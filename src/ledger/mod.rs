@@ -16,6 +16,7 @@
 use http::{HeaderMap, Response};
 
 pub(crate) mod post;
+pub(crate) mod queue;
 pub(crate) mod slots;
 pub(crate) mod tab;
 

@@ -1,5 +1,5 @@
 //! Posting to the store what a request owes once its response is done: a usage charge or
-//! refund, or a concurrency slot's give-back or renewal. Each is an [`Entry`], handed to the
+//! refund, or a concurrency slot's give-back or renewal. Each is an [`Posting`], handed to the
 //! layer's [`Ledger`] (its store, or the fallback store that admitted the request), which
 //! settles it in place when the store needs no waiting ([`Store::settle_now`]), and otherwise
 //! through [`Store::settle_then`] without holding up the response, counted in [`InFlight`]
@@ -15,31 +15,32 @@ use tokio::sync::Notify;
 use crate::deny_cache::DenyCache;
 use crate::metrics::Report;
 use crate::response::Responder;
+use crate::settlement::Kind;
 use crate::{Key, Settlement, Store, StoreError};
 
 /// Settles with a store of a type the layer's response body does not name.
 pub(crate) trait Ledger: Send + Sync {
-    /// Starts `entry`, counted in `in_flight` until it has finished; reports its failure.
-    fn settle(&self, entry: Entry, in_flight: &Arc<InFlight>);
+    /// Starts `posting`, counted in `in_flight` until it has finished; reports its failure.
+    fn settle(&self, posting: Posting, in_flight: &Arc<InFlight>);
 }
 
 /// A [`Ledger`] over a store.
 pub(crate) struct StoreLedger<St>(pub(crate) St);
 
 impl<St: Store> Ledger for StoreLedger<St> {
-    fn settle(&self, entry: Entry, in_flight: &Arc<InFlight>) {
+    fn settle(&self, posting: Posting, in_flight: &Arc<InFlight>) {
         // A store that settles without waiting (the memory store) does it here, with nothing
         // to keep or count.
-        let (key, policy) = (&entry.key, &entry.responder.policy);
-        if let Some(outcome) = self.0.settle_now(key, policy, entry.settlement) {
-            return entry.finish(outcome);
+        let (key, policy) = (&posting.key, &posting.responder.policy);
+        if let Some(outcome) = self.0.settle_now(key, policy, posting.settlement) {
+            return posting.finish(outcome);
         }
         let (key, responder, settlement) = (
-            entry.key.clone(),
-            Arc::clone(&entry.responder),
-            entry.settlement,
+            posting.key.clone(),
+            Arc::clone(&posting.responder),
+            posting.settlement,
         );
-        let pending = Pending::start(entry, Arc::clone(in_flight));
+        let pending = Pending::start(posting, Arc::clone(in_flight));
         let then = Box::new(move |outcome| pending.finish(outcome));
         self.0
             .settle_then(&key, &responder.policy, settlement, then);
@@ -51,7 +52,7 @@ impl<St: Store> Ledger for StoreLedger<St> {
 pub(crate) type OnGone = Box<dyn FnOnce() + Send>;
 
 /// One settle: what it is about, and the deny cache a refund makes stale.
-pub(crate) struct Entry {
+pub(crate) struct Posting {
     key: Key,
     responder: Arc<Responder>,
     settlement: Settlement,
@@ -65,7 +66,7 @@ pub(crate) struct Entry {
     then: Option<OnGone>,
 }
 
-impl Entry {
+impl Posting {
     /// A settle of `settlement` for `key` under the responder's policy; a refund's
     /// `deny_cache` forgets its refusals of the key when the refund is sent and again when it
     /// has landed.
@@ -74,11 +75,11 @@ impl Entry {
         responder: Arc<Responder>,
         settlement: Settlement,
         deny_cache: Option<DenyCache>,
-    ) -> Entry {
+    ) -> Posting {
         if let Some(cache) = &deny_cache {
             cache.forget(&key, &responder.policy);
         }
-        Entry {
+        Posting {
             key,
             responder,
             settlement,
@@ -91,8 +92,8 @@ impl Entry {
     /// The same settle, and `then` once the store has answered (at once where it settles in
     /// place): a slot's give-back wakes the first request waiting for one of the key then, so
     /// that its ask does not reach the store before the slot is free there.
-    pub(crate) fn then(self, then: OnGone) -> Entry {
-        Entry {
+    pub(crate) fn then(self, then: OnGone) -> Posting {
+        Posting {
             then: Some(then),
             ..self
         }
@@ -105,10 +106,10 @@ impl Entry {
         responder: Arc<Responder>,
         settlement: Settlement,
         on_gone: OnGone,
-    ) -> Entry {
-        Entry {
+    ) -> Posting {
+        Posting {
             on_gone: Some(on_gone),
-            ..Entry::new(key, responder, settlement, None)
+            ..Posting::new(key, responder, settlement, None)
         }
     }
 
@@ -128,10 +129,10 @@ impl Entry {
         }
         if let Err(error) = outcome {
             Report::settle_error(&self.responder.policy);
-            let what = match self.settlement {
-                Settlement::Release(..) => "give back a request's concurrency slot",
-                Settlement::Renew(_) => "renew a request's concurrency slot",
-                Settlement::Charge(_) | Settlement::Refund(_) => "settle a request's usage",
+            let what = match self.settlement.kind {
+                Kind::Release(..) => "give back a request's concurrency slot",
+                Kind::Renew(_) => "renew a request's concurrency slot",
+                Kind::Charge(_) | Kind::Refund(_) => "settle a request's usage",
             };
             tracing::warn!(
                 target: "tower_redis_ratelimit",
@@ -147,36 +148,36 @@ impl Entry {
 /// A settle under way in a task: counted in [`InFlight`] until it finishes, or until its task
 /// is dropped without finishing (the runtime shut down), which is reported as a failure.
 struct Pending {
-    entry: Option<Entry>,
+    posting: Option<Posting>,
     in_flight: Arc<InFlight>,
 }
 
 impl Pending {
-    fn start(entry: Entry, in_flight: Arc<InFlight>) -> Self {
+    fn start(posting: Posting, in_flight: Arc<InFlight>) -> Self {
         in_flight.count.fetch_add(1, Ordering::AcqRel);
         Pending {
-            entry: Some(entry),
+            posting: Some(posting),
             in_flight,
         }
     }
 
     fn finish(mut self, outcome: Result<(), StoreError>) {
-        if let Some(entry) = self.entry.take() {
-            entry.finish(outcome);
+        if let Some(posting) = self.posting.take() {
+            posting.finish(outcome);
         }
     }
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        if let Some(entry) = self.entry.take() {
+        if let Some(posting) = self.posting.take() {
             // The task was dropped before the store answered: the settle may or may not have
             // reached it, and nobody will know which. Counted, so that it is not lost silently.
-            Report::settle_error(&entry.responder.policy);
+            Report::settle_error(&posting.responder.policy);
             tracing::warn!(
                 target: "tower_redis_ratelimit",
-                policy = entry.responder.policy.name(),
-                key = %entry.key.loggable(),
+                policy = posting.responder.policy.name(),
+                key = %posting.key.loggable(),
                 "a settle of a request's usage was abandoned (its runtime shut down) before \
                  the store answered; it may or may not have been recorded"
             );

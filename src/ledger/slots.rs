@@ -17,8 +17,8 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::post::{Entry, InFlight, Ledger};
-use crate::concurrency::lines::Lines;
+use super::post::{InFlight, Ledger, Posting};
+use crate::ledger::queue::Queues;
 use crate::response::Responder;
 use crate::{Decision, Key, Policy, Settlement};
 
@@ -41,7 +41,7 @@ pub(crate) struct Holds {
     hold_times: Mutex<ByU64<HoldTimes>>,
     /// The requests waiting for a slot (`RateLimitLayerBuilder::max_wait`), woken by a
     /// give-back here.
-    lines: Arc<Lines>,
+    queues: Arc<Queues>,
     /// How many slots are held alone ([`hold_alone`](Self::hold_alone)).
     alone: AtomicU64,
 }
@@ -141,7 +141,7 @@ impl Holds {
             renewer: Mutex::new(None),
             wake: Arc::new(Notify::new()),
             hold_times: Mutex::default(),
-            lines: Arc::default(),
+            queues: Arc::default(),
             alone: AtomicU64::new(0),
         }
     }
@@ -152,8 +152,8 @@ impl Holds {
     }
 
     /// The requests waiting for a slot.
-    pub(crate) fn lines(&self) -> &Arc<Lines> {
-        &self.lines
+    pub(crate) fn queues(&self) -> &Arc<Queues> {
+        &self.queues
     }
 
     /// Holds the slot `decision` took for `key`, given back through `ledger` when the returned
@@ -346,10 +346,10 @@ impl Holds {
         // saves it the writes (two commands per give-back on Redis).
         let told = if tell { held } else { Duration::ZERO };
         if let Some(release) = Settlement::release_after(&slot.decision, told) {
-            let first = self.lines.first(&slot.key, policy);
-            let mut entry = Entry::new(slot.key, slot.responder, release, None);
+            let first = self.queues.first(&slot.key, policy);
+            let mut entry = Posting::new(slot.key, slot.responder, release, None);
             // Once the store has the slot back (at once, on the memory store), the first
-            // request in line for the key asks again; asked before, it would find the slot
+            // request queued for the key asks again; asked before, it would find the slot
             // still taken, and ask again only at its next look, 50 ms on. (Had the first left
             // meanwhile, its leaving woke the next.)
             if let Some(wake) = first {
@@ -397,7 +397,7 @@ impl Holds {
                     holds.gone(serial);
                 }
             });
-            let entry = Entry::renewal(key, responder, renew, on_gone);
+            let entry = Posting::renewal(key, responder, renew, on_gone);
             ledger.settle(entry, &self.in_flight);
         }
         tick

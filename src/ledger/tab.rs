@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use http::{HeaderMap, Response};
 
-use super::post::{Entry, InFlight, Ledger};
+use super::post::{InFlight, Ledger, Posting};
 use crate::deny_cache::DenyCache;
 use crate::response::{Refused, Responder};
 use crate::rules::ResponseHead;
@@ -139,7 +139,7 @@ impl Drop for Tab {
             false => None,
         };
         let (key, responder) = (self.key.clone(), Arc::clone(&self.responder));
-        let entry = Entry::new(key, responder, settlement, deny_cache);
+        let entry = Posting::new(key, responder, settlement, deny_cache);
         let ledger = self.fallback.as_ref().unwrap_or(&self.metering.ledger);
         ledger.settle(entry, &self.metering.in_flight);
     }

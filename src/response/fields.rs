@@ -126,7 +126,7 @@ mod tests {
     use http::header::{CONTENT_TYPE, RETRY_AFTER};
 
     use super::*;
-    use crate::algorithm::Outcome;
+    use crate::model::Outcome;
 
     #[test]
     fn renders_draft_10_fields() {

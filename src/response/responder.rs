@@ -9,7 +9,7 @@ use http::header::HeaderValue;
 use http::{Request, Response};
 
 use super::FailureMode;
-use crate::decision::Entry;
+use crate::decisions::Mark;
 use crate::{Decision, Decisions, Policy};
 
 /// Builds the response for a refused request; see
@@ -85,7 +85,7 @@ impl Responder {
     /// Adds this layer's `entry` to the request's [`Decisions`], inside those of outer
     /// layers (unless the layer turned them off); warns once when a layer outside used the
     /// same policy name, which [`Decisions::get`] then finds instead.
-    pub(crate) fn mark<B>(&self, request: &mut Request<B>, entry: Entry) {
+    pub(crate) fn mark<B>(&self, request: &mut Request<B>, entry: Mark) {
         if self.options.no_decisions {
             return;
         }

@@ -5,17 +5,14 @@
 //! service shares one limit.
 
 use std::future::Future;
-use std::task::{Context, Poll, Waker};
 use std::time::SystemTime;
-
-use tracing::Instrument;
 
 use crate::{Decision, Key, Policy, Settlement};
 
 /// What [`Store::limits_version`] answers while the store cannot vouch for its limits.
 pub(crate) const UNCONFIRMED_LIMITS: u64 = u64::MAX;
 
-pub(crate) mod line;
+pub(crate) mod engine;
 pub(crate) mod memory;
 pub(crate) mod override_table;
 pub(crate) mod overrides;
@@ -24,21 +21,25 @@ pub(crate) mod owner;
 pub(crate) mod redis;
 pub(crate) mod reserve;
 
-pub use crate::concurrency::Waiter;
-pub use crate::decision::{SlotId, Units};
 pub use memory::{Clock, ManualClock, MemoryStore, MemoryStoreBuilder, TokioClock};
 pub use overrides::{Override, OverrideError, OverridePages, Overrides, Scope};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::{Leases, RedisStore, RedisStoreBuilder};
-pub use reserve::{InLine, Reserve, Ticket, MAX_LATE};
 
 /// Decides whether a request fits a policy, and records it if it does, in one atomic step.
 ///
 /// Implementations take the time from their own clock, never from the caller, so that all
 /// instances sharing a store agree on it. The policy's [`Algorithm`](crate::Algorithm)
 /// chooses how the decision is made; every store implements every algorithm the same way.
-pub trait Store: Clone + Send + Sync + 'static {
+///
+/// **Sealed.** The two stores of this crate, [`MemoryStore`] and [`RedisStore`], are its only
+/// implementations: beside these methods, the layer asks a store things that are not part of
+/// the API (a decision without waiting, a line of waiters for concurrency slots, settlements
+/// that need no task, reservations for outbound calls, the version of its limits), and those
+/// change as the crate does. Tests that need a store that fails on demand, or that answers
+/// like a remote one, have `test_util::FaultyStore` (feature `test-util`).
+pub trait Store: Clone + Send + Sync + 'static + engine::Engine + reserve::Reserve {
     /// The future of one decision.
     type Future: Future<Output = Result<Decision, StoreError>> + Send + 'static;
     /// The future of a [`reset`](Store::reset) or a [`settle`](Store::settle).
@@ -97,147 +98,6 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// what a state holds saturates (`docs/operations.md`, "Range"). A settle that cannot
     /// reach the store fails as a decision would; it never panics.
     fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture;
-
-    /// Settles as [`settle`](Store::settle) does, for a caller that does not wait: `then` runs
-    /// with the outcome once the store has answered. The layer settles a usage charge or
-    /// refund, or gives back or renews a concurrency slot, this way after the response it
-    /// follows has gone, unless [`settle_now`](Store::settle_now) settled it in place.
-    ///
-    /// By default the settle runs at once when its future is ready on the first poll, and
-    /// otherwise in a task of its own on the current tokio runtime;
-    /// with no runtime, a store that is not [local](Store::is_local) answers
-    /// [`StoreError::Config`]. A store may do better: a [`RedisStore`] sends a slot's give-back
-    /// or renewal with its next batched call, with no task of its own. A store that drops
-    /// `then` without calling it (its task was dropped as its runtime shut down) leaves the
-    /// outcome unknown, and the layer reports the settle as abandoned.
-    fn settle_then(&self, key: &Key, policy: &Policy, settlement: Settlement, then: OnSettled) {
-        settle_in_task(self, key, policy, settlement, then);
-    }
-
-    /// The outcome of [`settle`](Store::settle), when the store can settle without waiting;
-    /// `None` (the default) when it must wait. The layer then settles right where the
-    /// response ends, with nothing to keep for later.
-    fn settle_now(
-        &self,
-        key: &Key,
-        policy: &Policy,
-        settlement: Settlement,
-    ) -> Option<Result<(), StoreError>> {
-        let _ = (key, policy, settlement);
-        None
-    }
-
-    /// Decides as [`check`](Store::check) does, for a request that waits for a concurrency
-    /// slot ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)) as `waiter`: the layer asks
-    /// this way first and each time the request asks again. A store that keeps a line of
-    /// waiters refuses the request while the key's live slots and the waiters ahead of it leave
-    /// no slot for it, and puts it in line at its deadline when it refuses it first, so that
-    /// slots go to the waiters of every instance in turn; the built-in stores do, in the
-    /// key's set of slots. By default the store keeps no line and decides as `check`: waiters
-    /// are then served in no set order across instances.
-    fn check_in_line(
-        &self,
-        key: &Key,
-        policy: &Policy,
-        cost: u32,
-        waiter: &Waiter,
-    ) -> Self::Future {
-        let _ = waiter;
-        self.check(key, policy, cost)
-    }
-
-    /// Takes `waiter` out of `key`'s line under `policy`: it stopped waiting without a slot
-    /// (its wait ran out, its client went away, or a rate limit refused it). A waiter left in
-    /// line would hold a slot free for itself until its deadline. Nothing by default.
-    fn leave_line(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
-        let _ = (key, policy, waiter);
-    }
-
-    /// The decision of [`check`](Store::check), when the store can make it without waiting;
-    /// `None` (the default) when it must wait, for I/O for example. The layer then calls the
-    /// inner service at once rather than from its response future.
-    fn check_now(
-        &self,
-        key: &Key,
-        policy: &Policy,
-        cost: u32,
-    ) -> Option<Result<Decision, StoreError>> {
-        let _ = (key, policy, cost);
-        None
-    }
-
-    /// Whether this store can decide `policy`; the layer's builder asks for each policy and
-    /// fails with [`BuildError::Unsupported`](crate::BuildError::Unsupported) if not. By
-    /// default every policy that is in range ([`Policy::out_of_range`]); a [`RedisStore`]
-    /// with leases also refuses a GCRA policy whose lease headroom would leave a bucket less
-    /// than one unit.
-    fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
-        in_range(policy)
-    }
-
-    /// A number that changes whenever the limits this store decides by may have changed: an
-    /// override set or removed ([`Overrides`]), here or, for a store shared by a fleet, by
-    /// another instance (which a [`RedisStore`] sees within a quarter of a second). The layer's
-    /// deny cache neither keeps nor repeats a refusal decided under another number. `0` by
-    /// default, for a store whose limits never change. `u64::MAX` says the store cannot vouch
-    /// for its limits now (a [`RedisStore`] that could not read its version for half a
-    /// second): the deny cache then neither keeps nor repeats any refusal.
-    fn limits_version(&self) -> u64 {
-        0
-    }
-
-    /// The store's overrides, if it keeps any ([`Overrides`]): a layer checks them against
-    /// its rules when it is built and each time they are replaced, and logs at `WARN` those
-    /// the rules leave without effect (counts set for other windows, see [`Scope`]). `None`
-    /// by default.
-    fn run_time_overrides(&self) -> Option<Overrides> {
-        None
-    }
-
-    /// Whether decisions are made in this process, without I/O. The layer's deny cache is off
-    /// by default for such a store, where it would only repeat what the store answers as
-    /// quickly.
-    fn is_local(&self) -> bool {
-        false
-    }
-}
-
-/// What runs with the outcome of a [`Store::settle_then`].
-pub type OnSettled = Box<dyn FnOnce(Result<(), StoreError>) + Send + 'static>;
-
-/// [`Store::settle_then`]'s default: the settle at once when its future is ready on the first
-/// poll, else in a task of its own, so that the response it follows is never held up.
-pub(crate) fn settle_in_task<St: Store>(
-    store: &St,
-    key: &Key,
-    policy: &Policy,
-    settlement: Settlement,
-    then: OnSettled,
-) {
-    // A store that does I/O needs a runtime even for its first poll (timers, sockets).
-    let runtime = tokio::runtime::Handle::try_current().ok();
-    if runtime.is_none() && !store.is_local() {
-        return then(Err(no_runtime()));
-    }
-    // Boxed, so that the future stays where it is when it moves into a task after this poll.
-    let mut future = Box::pin(store.settle(key, policy, settlement));
-    if let Poll::Ready(outcome) = future
-        .as_mut()
-        .poll(&mut Context::from_waker(Waker::noop()))
-    {
-        return then(outcome);
-    }
-    match runtime {
-        Some(runtime) => {
-            let settle = async move { then(future.await) };
-            runtime.spawn(settle.in_current_span());
-        }
-        None => then(Err(no_runtime())),
-    }
-}
-
-fn no_runtime() -> StoreError {
-    StoreError::Config("no tokio runtime to settle in".into())
 }
 
 /// [`StoreError::Unsupported`] for a policy out of range ([`Policy::out_of_range`]).

@@ -1,5 +1,11 @@
 //! Reservations: a request that waits for its turn instead of being refused, for calls a
 //! service makes to an API that limits it (`docs/outbound.md`).
+//!
+//! A reservation is recorded at once, so the next caller queues behind it, in reservation
+//! order, on every instance that shares the store. A caller that stops waiting leaves the
+//! line: the reservations behind it move up, and the units of the place left at the end are
+//! given back, never more than were reserved. A caller asleep until its turn looks to learn
+//! that it moved up, or that the key was paused (an upstream answered "too many requests").
 
 use std::future::Future;
 use std::time::Duration;
@@ -8,17 +14,11 @@ use super::Store;
 use crate::{Algorithm, Key, Policy, StoreError};
 
 /// A store that reserves: it answers when a request's units may be used rather than only
-/// whether they may be used now, and keeps the reservations of each key in a line.
-///
-/// A reservation is recorded at once, so the next caller queues behind it, in reservation
-/// order, on every instance that shares the store. A caller that stops waiting
-/// [`leave`](Reserve::leave)s the line: the reservations behind it move up, and the units of
-/// the place left at the end are given back, never more than were reserved. A caller asleep
-/// until its turn [`look`](Reserve::look)s to learn that it moved up, or that the key was
-/// [`pause`](Reserve::pause)d (an upstream answered "too many requests").
-pub trait Reserve: Store {
-    /// What [`look`](Reserve::look), [`leave`](Reserve::leave) and
-    /// [`pause`](Reserve::pause) answer.
+/// whether they may be used now, and keeps the reservations of each key in a line. Like
+/// [`Engine`](super::engine::Engine), a supertrait of [`Store`] that only this crate names.
+pub trait Reserve {
+    /// What [`look`](Reserve::look), [`leave`](Reserve::leave) and [`pause`](Reserve::pause)
+    /// answer.
     type LineFuture: Future<Output = Result<InLine, StoreError>> + Send + 'static;
 
     /// Reserves `ticket.cost` units of `key` under `policy` for the earliest time they fit
@@ -39,7 +39,9 @@ pub trait Reserve: Store {
     /// GCRA and the sliding log reserve; the counters keep no place for a later turn, and a
     /// penalty box or a concurrency limit has no meaning for a turn:
     /// [`StoreError::Unsupported`].
-    fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::Future;
+    fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> <Self as Store>::Future
+    where
+        Self: Store;
 
     /// Where reservation `ticket.id` stands: its turn, moved up where reservations ahead of
     /// it left the line, and the key's pause. A reservation whose turn has come leaves the

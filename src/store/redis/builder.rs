@@ -10,13 +10,14 @@ use fred::prelude::{ClientLike, Config, ReconnectPolicy};
 use fred::types::config::ReconnectError;
 use fred::types::Builder;
 
-use super::batch::{self, Batcher};
-use super::health::Breaker;
-use super::nodes::Nodes;
 use super::placement::Placement;
-use super::protocol::Scripts;
+use super::scripts::Scripts;
+use super::transport::batch::Batcher;
+use super::transport::call::{Redis, Settings};
+use super::transport::health::Breaker;
+use super::transport::nodes::Nodes;
 use super::{layout, lease, overrides, Inner, Leases, RedisStore};
-use crate::concurrency::random_start;
+use crate::ids::random_start;
 use crate::StoreError;
 
 /// Scheduler passes a cluster lane waits for more requests before it sends a batch (see
@@ -314,15 +315,15 @@ impl RedisStoreBuilder {
         let lanes = placement.lanes();
         let batcher = Batcher::spawn(
             lanes,
-            batch::Settings {
+            Settings {
                 overrides: (0..lanes)
                     .map(|lane| {
                         fred::types::Value::from(placement.overrides_key(&self.prefix, lane))
                     })
                     .collect(),
                 redis: match nodes {
-                    Some(nodes) => batch::Redis::Cluster(nodes),
-                    None => batch::Redis::Single(pool.clone()),
+                    Some(nodes) => Redis::Cluster(nodes),
+                    None => Redis::Single(pool.clone()),
                 },
                 scripts,
                 known: overrides::Known::new(lanes),

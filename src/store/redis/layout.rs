@@ -11,7 +11,7 @@ use std::time::Duration;
 use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::SetOptions;
 
-use super::nodes::Nodes;
+use super::transport::nodes::Nodes;
 use crate::StoreError;
 
 /// Where the instances using `prefix` record their number of tags (a hash slot of its own).

@@ -1,10 +1,10 @@
 //! The Redis store, over the `fred` client.
 //!
 //! Data flows one way through its files: [`RedisStore`] (here) places a request
-//! (`placement.rs`), encodes it (`protocol.rs`, the contract with `scripts/prelude.lua`) and
+//! (`placement.rs`), encodes it (`wire/`, the contract with `scripts/prelude.lua`) and
 //! hands it to a lane of the batcher (`batch.rs`), which sends it in a call through fred's pool
 //! or, in a Redis Cluster, the store's own routing (`nodes.rs`, `ask.rs`); the reply comes back
-//! the same way and is read by `protocol.rs`. Beside that path: the breakers (`health.rs`),
+//! the same way and is read by `wire/`. Beside that path: the breakers (`health.rs`),
 //! concurrency slots' give-backs and renewals that wait for Redis (`slots.rs`),
 //! leases (`lease/`), overrides (`overrides.rs`), the cluster's key layout check (`layout.rs`),
 //! and the settings that start it all (`builder.rs`).
@@ -17,32 +17,32 @@ use std::time::{Duration, SystemTime};
 
 use fred::prelude::KeysInterface;
 
-mod ask;
-mod batch;
 mod builder;
-#[cfg(test)]
-mod differential;
-mod health;
 mod layout;
 mod lease;
-mod nodes;
 mod overrides;
 mod placement;
-mod protocol;
 mod reserve;
+mod scripts;
 mod slots;
+#[cfg(test)]
+mod tests;
+mod transport;
+mod wire;
 
 pub use builder::RedisStoreBuilder;
 pub use lease::Leases;
 
-use batch::Batcher;
-use health::{is_outage, Breaker};
 use placement::{Place, Placement};
-use protocol::{Answer, Answered, Record, SlotOp};
+use transport::batch::Batcher;
+use transport::health::{is_outage, Breaker};
+use wire::{Answer, Answered, Record, SlotOp};
 
-use super::{OnSettled, Store, StoreError};
-use crate::algorithm::Algorithm;
-use crate::concurrency::Waiter;
+use super::engine::{Engine, OnSettled, Sealed};
+use super::{Store, StoreError};
+use crate::model::slots::Waiter;
+use crate::model::Algorithm;
+use crate::settlement::Kind;
 use crate::{Decision, Key, Policy, Settlement};
 
 /// Rate-limit state in Redis, shared by every instance of a service.
@@ -134,7 +134,7 @@ impl Inner {
         record: Record,
     ) -> Result<Answer, StoreError> {
         super::in_range(policy)?;
-        let args = protocol::encode_for(policy, &place, cost, record, at, self.batcher.known());
+        let args = wire::encode_for(policy, &place, cost, record, at, self.batcher.known());
         // The budget covers the whole decision: the queue, the call and a script reload.
         let lane = place.lane;
         let decision = self.batcher.decide(place, policy.algorithm(), args);
@@ -431,6 +431,7 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 
 
 impl Store for RedisStore {
     type Future = BoxFuture<Decision>;
+
     type ResetFuture = BoxFuture<()>;
 
     fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
@@ -443,52 +444,6 @@ impl Store for RedisStore {
         }
         let record = lease::record_alone(&self.inner, policy, cost);
         self.run(key, policy, cost, -1, record)
-    }
-
-    fn check_now(
-        &self,
-        key: &Key,
-        policy: &Policy,
-        cost: u32,
-    ) -> Option<Result<Decision, StoreError>> {
-        lease::check_now(&self.inner, key, policy, cost)
-    }
-
-    fn check_in_line(
-        &self,
-        key: &Key,
-        policy: &Policy,
-        cost: u32,
-        waiter: &Waiter,
-    ) -> Self::Future {
-        match policy.concurrency_limit() {
-            Some(_) => self.take(key, policy, cost, Some(*waiter)),
-            None => self.check(key, policy, cost),
-        }
-    }
-
-    /// Sent as a decision's own give-back is (`slots.rs`): it waits while Redis is out of
-    /// reach, and while it finds the waiter gone it is sent again, until what was left of the
-    /// waiter's wait has passed, so that an ask that was still on its way when the waiter left
-    /// (its answer lost) is undone once it lands.
-    fn leave_line(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
-        let op = SlotOp::Leave { id: waiter.id() };
-        let until = u64::try_from(waiter.wait().as_micros()).unwrap_or(u64::MAX);
-        let work = slots::SlotWork::new(key.clone(), policy.clone(), op, until, Box::new(drop));
-        self.inner.send_slot_op(work.until_found(), false);
-    }
-
-    fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
-        super::in_range(policy)?;
-        lease::supports(&self.inner, policy)
-    }
-
-    fn limits_version(&self) -> u64 {
-        self.inner.limits.token()
-    }
-
-    fn run_time_overrides(&self) -> Option<crate::store::Overrides> {
-        Some(self.overrides())
     }
 
     fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
@@ -574,11 +529,11 @@ impl Store for RedisStore {
         let place = inner.place(key, policy);
         let algorithm = policy.algorithm();
         let (key, policy) = (key.clone(), policy.clone());
-        let (units, refund) = match settlement {
-            Settlement::Charge(units) => (units, false),
-            Settlement::Refund(units) => (units, true),
+        let (units, refund) = match settlement.kind {
+            Kind::Charge(units) => (units, false),
+            Kind::Refund(units) => (units, true),
             // Sent through `keep_slot` above.
-            Settlement::Release(..) | Settlement::Renew(_) => return Box::pin(async { Ok(()) }),
+            Kind::Release(..) | Kind::Renew(_) => return Box::pin(async { Ok(()) }),
         };
         let record = Record::Settle {
             refund,
@@ -598,12 +553,12 @@ impl Store for RedisStore {
             }
             let started = inner.breaker(lane).now();
             let known = inner.batcher.known();
-            let args = protocol::encode_for(&policy, &place, units, record, -1, known);
+            let args = wire::encode_for(&policy, &place, units, record, -1, known);
             let call = inner
                 .batcher
                 .decide_patiently(place.clone(), algorithm, args, PATIENCE);
             let answer = match call.await {
-                Err(error) if lease::refused(&error) || ask::is_redirection(&error) => {
+                Err(error) if lease::refused(&error) || transport::ask::is_redirection(&error) => {
                     inner.decide(place, &policy, units, -1, record).await?
                 }
                 reply => inner.judge(lane, started, Some(reply))?,
@@ -612,6 +567,56 @@ impl Store for RedisStore {
             Ok(())
         })
     }
+}
+
+impl Sealed for RedisStore {}
+
+impl Engine for RedisStore {
+    fn check_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        lease::check_now(&self.inner, key, policy, cost)
+    }
+
+    fn check_queued(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        waiter: &Waiter,
+    ) -> <Self as Store>::Future {
+        match policy.concurrency_limit() {
+            Some(_) => self.take(key, policy, cost, Some(*waiter)),
+            None => self.check(key, policy, cost),
+        }
+    }
+
+    /// Sent as a decision's own give-back is (`slots.rs`): it waits while Redis is out of
+    /// reach, and while it finds the waiter gone it is sent again, until what was left of the
+    /// waiter's wait has passed, so that an ask that was still on its way when the waiter left
+    /// (its answer lost) is undone once it lands.
+    fn leave_queue(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
+        let op = SlotOp::Leave { id: waiter.id() };
+        let until = u64::try_from(waiter.wait().as_micros()).unwrap_or(u64::MAX);
+        let work = slots::SlotWork::new(key.clone(), policy.clone(), op, until, Box::new(drop));
+        self.inner.send_slot_op(work.until_found(), false);
+    }
+
+    fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
+        super::in_range(policy)?;
+        lease::supports(&self.inner, policy)
+    }
+
+    fn limits_version(&self) -> u64 {
+        self.inner.limits.token()
+    }
+
+    fn run_time_overrides(&self) -> Option<crate::store::Overrides> {
+        Some(self.overrides())
+    }
 
     /// A concurrency slot's give-back or renewal joins the next batched call of its key's lane,
     /// and `then` runs in the batching task that sent it (at once while the breaker is open):
@@ -619,7 +624,7 @@ impl Store for RedisStore {
     fn settle_then(&self, key: &Key, policy: &Policy, settlement: Settlement, then: OnSettled) {
         match slot_op(policy, &settlement, self.inner.timeout) {
             Some(op) => self.keep_slot(key, policy, op, then),
-            None => super::settle_in_task(self, key, policy, settlement, then),
+            None => super::engine::settle_in_task(self, key, policy, settlement, then),
         }
     }
 }
@@ -639,15 +644,15 @@ impl RedisStore {
 /// renewal for the slot's stored lifetime (`slots.rs`, within a time budget of `budget`);
 /// `None` for a charge or a refund.
 fn slot_op(policy: &Policy, settlement: &Settlement, budget: Duration) -> Option<SlotOp> {
-    match settlement {
-        Settlement::Release(id, held) => Some(SlotOp::GiveBack {
+    match settlement.kind {
+        Kind::Release(id, held) => Some(SlotOp::GiveBack {
             id: id.get(),
             held: u64::try_from(held.as_micros()).unwrap_or(u64::MAX),
         }),
-        Settlement::Renew(id) => Some(SlotOp::Renew {
+        Kind::Renew(id) => Some(SlotOp::Renew {
             id: id.get(),
             lifetime: slots::stored_micros(policy, budget),
         }),
-        Settlement::Charge(_) | Settlement::Refund(_) => None,
+        Kind::Charge(_) | Kind::Refund(_) => None,
     }
 }

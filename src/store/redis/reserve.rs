@@ -6,10 +6,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::protocol::Record;
 use super::{lease, BoxFuture, Inner, RedisStore};
-use crate::store::line::gives_back;
+use crate::model::line::gives_back;
+use crate::store::redis::wire::Record;
 use crate::store::reserve::{self, reservable, InLine, Reserve, Ticket};
+use crate::store::Store;
 use crate::{Key, Policy, StoreError};
 
 /// How long a call of `line.lua` waits for its reply: a leave's give-back is worth sending
@@ -22,7 +23,7 @@ impl Reserve for RedisStore {
     /// Decided in Redis, never from a lease; on a leasing store against the same headroom as
     /// its decisions (the sliding log's longer window), so that leased units spent late and
     /// reservations never share a window past its count.
-    fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::Future {
+    fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> <Self as Store>::Future {
         let supported = crate::store::in_range(policy).and_then(|()| reservable(policy));
         if let Err(error) = supported.and_then(|()| reserve::in_range(policy, &ticket)) {
             return Box::pin(std::future::ready(Err(error)));

@@ -24,10 +24,11 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::health::is_outage;
-use super::protocol::{Answered, SlotOp};
+use super::transport::health::is_outage;
 use super::Inner;
-use crate::store::{OnSettled, StoreError};
+use crate::store::engine::OnSettled;
+use crate::store::redis::wire::{Answered, SlotOp};
+use crate::store::StoreError;
 use crate::{Key, Policy};
 
 /// How often the operations that wait are sent again.

@@ -6,7 +6,7 @@
 
 use std::collections::VecDeque;
 
-use crate::algorithm::Outcome;
+use crate::model::Outcome;
 
 /// Units taken from Redis in one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

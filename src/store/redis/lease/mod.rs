@@ -37,349 +37,35 @@
 //! every decision goes to Redis as without leases (a sliding-log one reading the longer
 //! window all the same, since a leased policy of its name may share its log).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::oneshot;
 
 use super::placement;
-use super::protocol::{self, Answer, Answered, Record};
 use super::{Inner, RedisStore};
-use crate::algorithm::{window_start, Algorithm, Outcome};
-use crate::shards::{lock, Pinning, Shards};
+use crate::model::{micros, Algorithm, Outcome};
+use crate::shards::lock;
+use crate::store::redis::wire::{self, Answer, Answered, Record};
 use crate::{Decision, Key, Policy, StoreError};
 
-mod book;
-#[cfg(test)]
-mod model;
+pub(crate) mod book;
+mod plan;
+mod state;
 
 use book::{Entry, Grant, Return};
-
-/// Lease settings of a [`RedisStore`]: how long a lease lasts and how large it may grow.
-///
-/// ```
-/// use std::time::Duration;
-/// use tower_redis_ratelimit::store::Leases;
-///
-/// let leases = Leases::new().period(Duration::from_millis(500)).max_share(0.05);
-/// # drop(leases);
-/// ```
-///
-/// Pass them to [`RedisStoreBuilder::leases`](super::RedisStoreBuilder::leases). Every
-/// instance sharing a Redis should use the same settings: the headroom for units spent late
-/// (GCRA's drain kept free, the sliding log's longer window) is only kept by leasing stores,
-/// at their own settings.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Leases {
-    period: Duration,
-    max_share: f64,
-    max_keys: u64,
-}
-
-impl Default for Leases {
-    fn default() -> Self {
-        Leases::new()
-    }
-}
-
-impl Leases {
-    /// The default lease period.
-    pub const DEFAULT_PERIOD: Duration = Duration::from_secs(1);
-    /// The default largest share of a limit one lease takes.
-    pub const DEFAULT_MAX_SHARE: f64 = 0.1;
-
-    /// Leases of the default [`period`](Self::period) (1 s) and
-    /// [`max_share`](Self::max_share) (0.1), for at most 100 000 keys at once.
-    pub fn new() -> Self {
-        Leases {
-            period: Self::DEFAULT_PERIOD,
-            max_share: Self::DEFAULT_MAX_SHARE,
-            max_keys: 100_000,
-        }
-    }
-
-    /// How long a lease lasts: it holds what the key used in the last period, and its units
-    /// may be spent for that long at most (less at the end of a counter's window, and for GCRA
-    /// and the sliding log at most `max_share` of the shortest window; see the module docs).
-    /// For GCRA and the sliding log it is also the headroom every decision keeps: a smaller
-    /// burst, or a window read that much longer. Longer periods mean fewer Redis calls and
-    /// larger shares held by one instance.
-    pub fn period(mut self, period: Duration) -> Self {
-        self.period = period;
-        self
-    }
-
-    /// The largest lease, as a share of the policy's smallest count (default 0.1), so that
-    /// instances cannot starve each other. A policy whose share is under 2 units is not
-    /// leased: each of its requests goes to Redis, exactly as without leases.
-    pub fn max_share(mut self, share: f64) -> Self {
-        self.max_share = share;
-        self
-    }
-
-    /// The most keys holding leases at once (default 100 000); past it, the least recently
-    /// used key's lease is dropped unspent (counted as used, never admitted twice).
-    pub fn max_keys(mut self, keys: u64) -> Self {
-        self.max_keys = keys;
-        self
-    }
-
-    pub(super) fn period_length(&self) -> Duration {
-        self.period
-    }
-
-    pub(super) fn validate(&self) -> Result<(), StoreError> {
-        if self.period < Duration::from_millis(10) {
-            return Err(StoreError::Config(
-                "the lease period must be at least 10 ms".into(),
-            ));
-        }
-        if !(self.max_share > 0.0 && self.max_share <= 1.0) {
-            return Err(StoreError::Config(format!(
-                "the lease share {} must be above 0 and at most 1",
-                self.max_share
-            )));
-        }
-        if self.max_keys == 0 {
-            return Err(StoreError::Config("leases need room for one key".into()));
-        }
-        Ok(())
-    }
-
-    /// How `policy` is leased; `None` when it is not (a share under two units, or a policy
-    /// with a penalty box or a concurrency limit, which every decision must read in Redis).
-    fn plan(&self, policy: &Policy) -> Option<Plan> {
-        if never_leased(policy) {
-            return None;
-        }
-        let smallest = policy.windows().iter().map(|w| w.count).min()?;
-        let cap = (smallest as f64 * self.max_share) as u64;
-        let (period, headroom, life) = match policy.algorithm() {
-            Algorithm::Gcra | Algorithm::SlidingLog => {
-                let h = self.late(policy);
-                (h, h, Life::Period)
-            }
-            Algorithm::FixedWindow | Algorithm::SlidingWindow => {
-                (micros(self.period), 0, Life::Window)
-            }
-        };
-        (cap >= 2 && period > 0).then_some(Plan {
-            cap,
-            period,
-            headroom,
-            life,
-        })
-    }
-
-    /// How late (µs) a unit of a lease of `policy` may be spent after Redis recorded it, where
-    /// its lease lasts a time rather than a window: the period, at most `max_share` of the
-    /// shortest window.
-    fn late(&self, policy: &Policy) -> u64 {
-        let shortest = policy.windows()[0].micros;
-        micros(self.period).min((shortest as f64 * self.max_share) as u64)
-    }
-
-    /// The headroom (µs) every decision of `policy` allows for ([`Plan`]): a leased GCRA
-    /// policy's; for the sliding log, whether this policy is leased or not, since a policy of
-    /// its name and windows shares its log and may be leased (other counts, no penalty box),
-    /// and the units it spends late are in every window this one reads. 0 otherwise.
-    fn headroom(&self, policy: &Policy) -> u64 {
-        match policy.algorithm() {
-            Algorithm::SlidingLog => self.late(policy),
-            Algorithm::Gcra => self.plan(policy).map_or(0, |plan| plan.headroom),
-            Algorithm::FixedWindow | Algorithm::SlidingWindow => 0,
-        }
-    }
-
-    /// Why these settings cannot lease `policy`, if they cannot: GCRA's headroom would leave
-    /// a bucket room for less than one unit, so that the key would never admit anything.
-    fn refuses(&self, policy: &Policy) -> Option<StoreError> {
-        if policy.algorithm() != Algorithm::Gcra {
-            return None;
-        }
-        let plan = self.plan(policy)?;
-        let starved = policy.windows().iter().position(|w| {
-            let room = u128::from(w.micros.saturating_sub(plan.headroom)) * u128::from(w.count);
-            room < u128::from(w.micros)
-        })?;
-        let limit = policy.limits()[starved];
-        Some(StoreError::Config(format!(
-            "leases with max_share {} and period {:?} keep {} ms of GCRA headroom, which leaves \
-             the {limit} limit of policy {:?} a burst under one unit: lower max_share or the \
-             lease period, or use a store without leases for this policy",
-            self.max_share,
-            self.period,
-            plan.headroom / 1_000,
-            policy.name(),
-        )))
-    }
-}
-
-/// How one policy is leased.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Plan {
-    /// The most units one lease takes.
-    cap: u64,
-    /// The longest a lease lasts (µs), and the span whose use sets its size.
-    period: u64,
-    /// How late a leased unit may be spent after Redis recorded it (µs), which every decision
-    /// of the policy allows for: GCRA keeps that much drain free, the sliding log reads every
-    /// window that much longer; 0 for the counters, whose leases end with their window.
-    headroom: u64,
-    life: Life,
-}
-
-/// How long a lease's units may be spent (see the module's docs, "Never over the limit").
-#[derive(Debug, Clone, Copy)]
-enum Life {
-    /// For the plan's period after the sending, less [`DRIFT`] (GCRA and the sliding log: the
-    /// headroom covers that much delay).
-    Period,
-    /// Until the current window of the shortest limit ends, or for the period if sooner (the
-    /// counters: every unit is spent in the window that counted it).
-    Window,
-}
-
-impl Plan {
-    /// What a request of `cost` records that takes up to `want` units, keeping the policy's
-    /// headroom ([`recording`]).
-    fn record(&self, cost: u64, want: u64) -> Record {
-        recording(cost, want, self.headroom)
-    }
-
-    /// Whether a settlement's reply that `remaining` units are left (in the limit with the
-    /// fewest) may mean that the key is full: Redis counts the units this instance holds as
-    /// used, and with none left it may count more than the limit without them, which spending
-    /// them would admit past. For the counters and the sliding log (whose settlements read
-    /// the same longer windows as its decisions, [`settling_headroom`]), when none is left.
-    /// A settlement's reply counts GCRA's `remaining` without the headroom
-    /// (`scripts/gcra.lua`), against `w·c` rather than `(w − h)·c`: the key may be full when
-    /// fewer than `1 + h·c/w` units are left, in any limit, since the limit with the fewest
-    /// units left without the headroom need not be the one with the fewest with it.
-    fn full(&self, policy: &Policy, remaining: u64) -> bool {
-        if policy.algorithm() != Algorithm::Gcra {
-            return remaining == 0;
-        }
-        let room = |count: u64, micros: u64| {
-            u128::from(remaining) * u128::from(micros)
-                < u128::from(micros) + u128::from(self.headroom) * u128::from(count)
-        };
-        policy.windows().iter().any(|w| room(w.count, w.micros))
-    }
-
-    /// Local time until which units granted at Redis time `granted`, for a request sent at
-    /// local time `sent`, may be spent. Measured from the sending, which is before Redis ran
-    /// the script.
-    fn expiry(&self, policy: &Policy, sent: u64, granted: i64) -> u64 {
-        let t = u64::try_from(granted).unwrap_or(0);
-        let life = match self.life {
-            Life::Period => self.period - self.period / DRIFT,
-            Life::Window => policy
-                .windows()
-                .iter()
-                .map(|w| window_start(t, w.micros) + w.micros - t)
-                .fold(self.period, u64::min),
-        };
-        sent + life
-    }
-}
-
-/// A lease's units are spent up to `h` after they were sent for, as this instance's clock
-/// measures it, and Redis's headroom allows `h` as Redis's clock measures it: a lease that
-/// allows for the headroom ends a hundredth of `h` sooner, far more than two clocks' rates
-/// differ (100 ppm is a poor quartz; NTP slews at most 500 ppm).
-const DRIFT: u64 = 100;
+pub use plan::Leases;
+pub(crate) use plan::Plan;
+use plan::recording;
+use state::Due;
+pub(crate) use state::State;
 
 /// How long a lease's reply is waited for, however long after its caller gave up: Redis
 /// counted its units when the script ran, so they are booked (spent or given back) when the
 /// reply comes. A reply later than this is not read, and its units count as used until Redis
 /// forgets them (the window ends, the bucket drains).
 const PATIENCE: Duration = Duration::from_secs(10);
-
-/// What a leasing store keeps.
-pub(super) struct State {
-    settings: Leases,
-    book: Shards<Held>,
-    origin: tokio::time::Instant,
-    /// Set by [`RedisStore::drain`]: no new leases, and nothing spent from leases.
-    drained: AtomicBool,
-    /// Set once `drain` stopped waiting for the lease calls under way: a lease that lands
-    /// later is given back by the call that took it (earlier ones, by `drain`).
-    drain_waited: AtomicBool,
-    /// Lease calls whose reply has not been booked yet; `landed` is notified as each is.
-    taking: AtomicUsize,
-    landed: Notify,
-    /// Give-backs that were not run (the breaker was open, Redis refused the script), sent
-    /// again with the next ones.
-    pending: Mutex<Vec<Due>>,
-}
-
-/// A give-back to send: where, its arguments for `scripts/release.lua`, its units, and the
-/// local time after which it no longer matters (every window that counted it has ended).
-struct Due {
-    key: String,
-    args: Vec<u8>,
-    units: u64,
-    until: u64,
-}
-
-/// One key's leases, with the policy they are for.
-struct Held {
-    policy: Policy,
-    entry: Entry,
-}
-
-/// A lease is never pinned: one evicted gives its units back when it ends, as any.
-impl Pinning for Held {}
-
-impl std::fmt::Debug for State {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Leases")
-            .field("settings", &self.settings)
-            .finish_non_exhaustive()
-    }
-}
-
-impl State {
-    pub(super) fn new(settings: Leases) -> State {
-        State {
-            settings,
-            book: Shards::new(settings.max_keys),
-            origin: tokio::time::Instant::now(),
-            drained: AtomicBool::new(false),
-            drain_waited: AtomicBool::new(false),
-            taking: AtomicUsize::new(0),
-            landed: Notify::new(),
-            pending: Mutex::new(Vec::new()),
-        }
-    }
-
-    fn is_drained(&self) -> bool {
-        self.drained.load(Ordering::Acquire)
-    }
-
-    /// Local µs since the store was made.
-    fn now(&self) -> u64 {
-        micros(self.origin.elapsed())
-    }
-
-    /// Runs `f` on the entry of `key` under `policy`, made if missing.
-    fn with<T>(&self, key: &Key, policy: &Policy, f: impl FnOnce(&mut Entry) -> T) -> T {
-        let now = self.now();
-        let mut locked = self.book.lock(key, policy.terms_id());
-        if let Some(found) = locked.get(key, policy.terms_id(), now) {
-            return f(&mut found.value.entry);
-        }
-        let mut held = Held {
-            policy: policy.clone(),
-            entry: Entry::default(),
-        };
-        let out = f(&mut held.entry);
-        locked.insert(key, policy.terms_id(), now, u64::MAX, held);
-        out
-    }
-}
 
 /// The decision of [`Store::check_now`](crate::Store::check_now): from this instance's lease,
 /// when it holds the units; the next lease is fetched in the background when few are left.
@@ -505,19 +191,6 @@ pub(super) fn headroom(inner: &Inner, policy: &Policy) -> u64 {
 /// events logged at other times than now and by policies not leased as well.
 pub(super) fn record_alone(inner: &Inner, policy: &Policy, cost: u32) -> Record {
     recording(cost.into(), cost.into(), headroom(inner, policy))
-}
-
-/// What a request of `cost` that takes up to `want` units records, allowing for `headroom`:
-/// an admission of its cost when it takes no more and there is no headroom, else a lease
-/// (of its cost alone when `want` is no more), which carries the headroom to the script.
-fn recording(cost: u64, want: u64, headroom: u64) -> Record {
-    match headroom {
-        0 if want <= cost => Record::Admit,
-        headroom => Record::Lease {
-            want: want.max(cost),
-            headroom,
-        },
-    }
 }
 
 /// The headroom a settlement of `policy` reads: the sliding log's, so that the reply says
@@ -692,7 +365,7 @@ fn take(
         let place = inner.place(&key, &policy);
         let record = plan.record(cost.into(), want);
         let known = inner.batcher.known();
-        let args = protocol::encode_for(&policy, &place, cost.into(), record, -1, known);
+        let args = wire::encode_for(&policy, &place, cost.into(), record, -1, known);
         let answered = inner
             .batcher
             .decide_patiently(place, policy.algorithm(), args, PATIENCE)
@@ -805,7 +478,7 @@ fn returns(store: &RedisStore, state: &State, now: u64, all: bool) -> Vec<Due> {
         for Return { units, granted } in held.entry.returns(now, idle, all) {
             let policy = &held.policy;
             let windows = policy.windows();
-            let args = protocol::encode_release(policy.algorithm(), units, granted, windows);
+            let args = wire::encode_release(policy.algorithm(), units, granted, windows);
             due.push(Due {
                 key: store.inner.place(key, policy).key,
                 args,
@@ -919,46 +592,5 @@ pub(super) fn supports(inner: &Inner, policy: &Policy) -> Result<(), StoreError>
     match state.settings.refuses(policy) {
         Some(error) => Err(error),
         None => Ok(()),
-    }
-}
-
-/// Whether `policy` is never leased, whatever the settings: a penalty box or a concurrency
-/// limit, which every decision must read in Redis.
-fn never_leased(policy: &Policy) -> bool {
-    policy.block().is_some() || policy.concurrency_limit().is_some()
-}
-
-fn micros(d: Duration) -> u64 {
-    d.as_micros().min(u64::MAX as u128) as u64
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn policy(limit: &str, algorithm: Algorithm) -> Policy {
-        let policy: Policy = limit.parse().unwrap();
-        policy.with_algorithm(algorithm)
-    }
-
-    #[test]
-    fn a_counter_is_full_when_nothing_is_left() {
-        let fixed = policy("1000/1m", Algorithm::FixedWindow);
-        let plan = Leases::new().plan(&fixed).unwrap();
-        assert!(plan.full(&fixed, 0));
-        assert!(!plan.full(&fixed, 1));
-    }
-
-    #[test]
-    fn gcra_is_full_when_what_is_left_may_all_be_headroom() {
-        // h = 1 s of a 1 min bucket of 1000: 16.7 units of headroom, which a settlement's
-        // reply counts as remaining. With 17 left, the bucket may hold less than one unit of
-        // room under the headroom; with 18, it holds at least 1.3.
-        let bucket = policy("1000/1m", Algorithm::Gcra);
-        let plan = Leases::new().plan(&bucket).unwrap();
-        assert_eq!(plan.headroom, 1_000_000);
-        assert!(plan.full(&bucket, 0));
-        assert!(plan.full(&bucket, 17));
-        assert!(!plan.full(&bucket, 18));
     }
 }

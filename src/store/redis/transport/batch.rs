@@ -15,78 +15,31 @@
 //! are not split by the other tags' requests. A lane's share of the requests is small, so
 //! before it sends, its task lets the requests already on their way join ([`gather`]).
 //!
-//! What a call's keys, arguments and reply hold is `protocol.rs`'s; this file decides which
-//! requests go in which call, and when.
+//! What a call's keys, arguments and reply hold is `wire/`'s; how one call is sent and
+//! answered, `call.rs`'s; this file decides which requests go in which call, and when.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::clients::{Client, Pool};
+use fred::clients::Client;
 use fred::error::{Error, ErrorKind};
 use fred::types::config::Options;
 use fred::types::scripts::Script;
 use fred::types::{Key, Value};
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use super::ask;
-use super::nodes::{self, Nodes};
-use super::overrides::Known;
-use super::placement::Place;
-use super::protocol::{self, answer, check_length, Answered, Heads, Scripts, SlotOp, HEAD};
-use crate::algorithm::Algorithm;
-
-/// One request waiting for its answer.
-struct Job {
-    algorithm: Algorithm,
-    key: Key,
-    work: Work,
-    reply: Requester,
-}
-
-/// Who hears a request's answer.
-enum Requester {
-    /// A request awaiting it.
-    Waiting(oneshot::Sender<Answered>),
-    /// A slot operation nobody awaits: run with the answer in the task that sent the call, so
-    /// that a give-back needs no task of its own.
-    Then(Then),
-}
-
-/// What runs with the answer of a slot operation nobody awaits (see [`Batcher::keep_then`]).
-pub(super) type Then = Box<dyn FnOnce(Answered) + Send>;
-
-impl Requester {
-    fn answer(self, reply: Answered) {
-        match self {
-            // The requester may have given up (its own timeout); nothing to do then.
-            Requester::Waiting(sender) => drop(sender.send(reply)),
-            Requester::Then(then) => then(reply),
-        }
-    }
-}
-
-/// What a request asks of a call.
-#[derive(Debug, Clone)]
-enum Work {
-    /// A decision or a settlement: its override fields and arguments (see
-    /// [`protocol::encode_for`]); shared, so that a cluster call keeps them for a `TRYAGAIN`
-    /// split without a copy.
-    Decide(Bytes),
-    /// A concurrency slot's give-back or renewal.
-    Slot(SlotOp),
-}
-
-impl Work {
-    fn is_slot(&self) -> bool {
-        matches!(self, Work::Slot(_))
-    }
-}
+use super::call::{call, send, Job, Laid, Redis, Requester, Settings, Then, Work};
+use super::nodes::{self};
+use crate::model::Algorithm;
+use crate::store::redis::overrides::Known;
+use crate::store::redis::placement::Place;
+use crate::store::redis::wire::{self, answer, check_length, Answered, Heads, SlotOp, HEAD};
 
 /// Sends decisions: at once while a call permit of the request's lane is free, else through
 /// the lane's queue, which a task drains into batches as permits free up.
 #[derive(Debug)]
-pub(super) struct Batcher {
+pub(crate) struct Batcher {
     lanes: Vec<Lane>,
     settings: Arc<Settings>,
 }
@@ -99,62 +52,10 @@ struct Lane {
     permits: Arc<Semaphore>,
 }
 
-/// Where the calls go.
-pub(super) enum Redis {
-    /// A single Redis, or the primary that Sentinel names: fred's pool.
-    Single(Pool),
-    /// A Redis Cluster: the store's own routing, a pool per primary (see `nodes.rs`).
-    Cluster(Arc<Nodes>),
-}
-
-/// What the calls need.
-pub(super) struct Settings {
-    pub(super) redis: Redis,
-    /// The name of each lane's hash of overrides (`overrides.rs`), its calls' second
-    /// argument.
-    pub(super) overrides: Vec<Value>,
-    pub(super) scripts: Scripts,
-    /// The override fields the calls read, which later decisions resolve by
-    /// (`overrides/known.rs`).
-    pub(super) known: Known,
-    pub(super) max_batch: usize,
-    /// The call permits of each lane: how many of its calls may be under way at once.
-    pub(super) in_flight: usize,
-    /// How many times a lane's task lets the runtime run other ready tasks before it sends a
-    /// batch, while each pass brings more requests (see [`gather`]); 0 sends at once.
-    pub(super) gather: usize,
-    /// How long one call may take before its requests are answered with a timeout.
-    pub(super) timeout: Duration,
-}
-
-impl Settings {
-    /// The name of lane `lane`'s hash of overrides, as its calls pass it.
-    fn overrides_of(&self, lane: usize) -> Value {
-        self.overrides[lane % self.overrides.len()].clone()
-    }
-
-    /// Keeps what a whole reply `values` of a call to lane `lane` read of the lane's hash of
-    /// overrides.
-    fn learn(&self, lane: usize, values: &[u8], decisions: usize, slot_ops: usize) {
-        let (generation, fields) = protocol::read(values, decisions, slot_ops);
-        self.known.learn(lane, generation, fields.flatten());
-    }
-}
-
-impl std::fmt::Debug for Settings {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Settings")
-            .field("max_batch", &self.max_batch)
-            .field("in_flight", &self.in_flight)
-            .field("gather", &self.gather)
-            .finish_non_exhaustive()
-    }
-}
-
 impl Batcher {
     /// Starts the task of each of `lanes` queues on the current tokio runtime; they end when
     /// the `Batcher` is dropped.
-    pub(super) fn spawn(lanes: usize, settings: Settings) -> Batcher {
+    pub(crate) fn spawn(lanes: usize, settings: Settings) -> Batcher {
         let settings = Arc::new(settings);
         let lanes = (0..lanes.max(1))
             .map(|lane| {
@@ -172,8 +73,8 @@ impl Batcher {
         Batcher { lanes, settings }
     }
 
-    /// Decides one request at `place`: `args` encoded by [`protocol::encode_for`].
-    pub(super) async fn decide(
+    /// Decides one request at `place`: `args` encoded by [`wire::encode_for`].
+    pub(crate) async fn decide(
         &self,
         place: Place,
         algorithm: Algorithm,
@@ -215,7 +116,7 @@ impl Batcher {
     /// policy's `algorithm` (any script takes slot operations), without a future to await:
     /// the operation joins the next call of its lane, and `then` runs with its answer in the
     /// task that sent the call (at once, with an error, if the lane's task has stopped).
-    pub(super) fn keep_then(&self, place: Place, algorithm: Algorithm, op: SlotOp, then: Then) {
+    pub(crate) fn keep_then(&self, place: Place, algorithm: Algorithm, op: SlotOp, then: Then) {
         let lane = &self.lanes[place.lane % self.lanes.len()];
         let job = Job {
             algorithm,
@@ -232,10 +133,10 @@ impl Batcher {
 
 impl Batcher {
     /// Runs `scripts/release.lua` once for `keys` (`args`: theirs, encoded one after the other by
-    /// [`protocol::encode_release`]), waiting for the reply up to `patience`; in a cluster the keys
+    /// [`wire::encode_release`]), waiting for the reply up to `patience`; in a cluster the keys
     /// must share a hash slot. A give-back whose reply is not read cannot be sent again safely (it
     /// may have run), so it is waited for as long as a lease is.
-    pub(super) async fn release(
+    pub(crate) async fn release(
         &self,
         keys: Vec<String>,
         args: Vec<u8>,
@@ -249,7 +150,7 @@ impl Batcher {
 
     /// Runs `scripts/line.lua` for the line of reservations of `key` (`args`: the operation
     /// and its argument), waiting for the reply up to `patience`.
-    pub(super) async fn line(
+    pub(crate) async fn line(
         &self,
         key: String,
         args: [String; 3],
@@ -271,7 +172,7 @@ impl Batcher {
     /// comes (see `lease/`). In a cluster, redirections are followed as a few at most; a
     /// hash slot that keeps moving, or keys split by a migration (`TRYAGAIN`), fail the call
     /// (nothing ran).
-    pub(super) async fn decide_patiently(
+    pub(crate) async fn decide_patiently(
         &self,
         place: Place,
         algorithm: Algorithm,
@@ -285,7 +186,7 @@ impl Batcher {
         let mut heads = Heads::with_capacity(1);
         heads.push(head, args);
         let args = Bytes::copy_from_slice(args);
-        let argv = protocol::argv(args, overrides, heads.bytes(), Vec::new());
+        let argv = wire::argv(args, overrides, heads.bytes(), Vec::new());
         let values: Bytes = self.evalsha_patiently(script, keys, argv, patience).await?;
         check_length(&values, 1, 0)?;
         self.settings.learn(place.lane, &values, 1, 0);
@@ -293,7 +194,7 @@ impl Batcher {
     }
 
     /// The override fields this store's calls have read (`overrides/known.rs`).
-    pub(super) fn known(&self) -> &Known {
+    pub(crate) fn known(&self) -> &Known {
         &self.settings.known
     }
 
@@ -323,7 +224,7 @@ impl Batcher {
 
     /// Runs `command`, one command on `key` (or keys of its hash slot), on the Redis that
     /// holds it: in a cluster the primary of its hash slot, following `MOVED`.
-    pub(super) async fn on<R, F, Fut>(&self, key: &str, command: F) -> Result<R, Error>
+    pub(crate) async fn on<R, F, Fut>(&self, key: &str, command: F) -> Result<R, Error>
     where
         F: Fn(Client) -> Fut,
         Fut: std::future::Future<Output = Result<R, Error>>,
@@ -338,7 +239,7 @@ impl Batcher {
     }
 
     /// Whether the calls go to a Redis Cluster.
-    pub(super) fn is_clustered(&self) -> bool {
+    pub(crate) fn is_clustered(&self) -> bool {
         matches!(self.settings.redis, Redis::Cluster(_))
     }
 }
@@ -432,240 +333,10 @@ fn groups(batch: Vec<Job>, clustered: bool) -> Vec<Vec<Job>> {
     groups.into_iter().map(|(_, _, group)| group).collect()
 }
 
-/// A call's requests laid out for a script (`protocol.rs`, KEYS and ARGV): the keys of its
-/// decisions, then those of its slot operations; the decisions' arguments one after the
-/// other, and apart from them what finds their override fields ([`Heads`]); each slot
-/// operation's two.
-struct Laid {
-    keys: Vec<Key>,
-    args: Vec<u8>,
-    heads: Heads,
-    ops: Vec<Value>,
-    decisions: usize,
-}
-
-impl Laid {
-    /// One request's call.
-    fn of(key: Key, work: Work) -> Laid {
-        let mut laid = Laid::with_capacity(1, 0);
-        laid.push(key, work);
-        laid
-    }
-
-    fn with_capacity(requests: usize, bytes: usize) -> Laid {
-        Laid {
-            keys: Vec::with_capacity(requests),
-            args: Vec::with_capacity(bytes),
-            heads: Heads::with_capacity(requests),
-            ops: Vec::new(),
-            decisions: 0,
-        }
-    }
-
-    /// Adds a request; every decision must come before the first slot operation.
-    fn push(&mut self, key: Key, work: Work) {
-        self.keys.push(key);
-        match work {
-            Work::Decide(args) => {
-                debug_assert!(self.ops.is_empty(), "a decision after a slot operation");
-                let (head, args) = args.split_at(HEAD.min(args.len()));
-                self.heads.push(head, args);
-                self.args.extend_from_slice(args);
-                self.decisions += 1;
-            }
-            Work::Slot(op) => self.ops.extend(op.args()),
-        }
-    }
-
-    /// Lays out `jobs`, decisions first (each kind in its order); returns the requesters in
-    /// the order of the reply.
-    fn jobs(mut jobs: Vec<Job>) -> (Laid, Vec<Requester>) {
-        // Stable: requests of one key keep their order among their kind.
-        jobs.sort_by_key(|job| job.work.is_slot());
-        let bytes = jobs
-            .iter()
-            .map(|job| match &job.work {
-                Work::Decide(args) => args.len().saturating_sub(HEAD),
-                Work::Slot(_) => 0,
-            })
-            .sum();
-        let mut laid = Laid::with_capacity(jobs.len(), bytes);
-        let mut replies = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            laid.push(job.key, job.work);
-            replies.push(job.reply);
-        }
-        (laid, replies)
-    }
-}
-
-/// Answers each requester, in the order of the reply, from a call's `reply`.
-fn deliver(reply: Result<Bytes, Error>, decisions: usize, replies: Vec<Requester>) {
-    for (i, requester) in replies.into_iter().enumerate() {
-        let result = match &reply {
-            Ok(values) => Ok(answer(values, decisions, i)),
-            Err(error) => Err(error.clone()),
-        };
-        requester.answer(result);
-    }
-}
-
-/// Sends one call and answers each of its requests.
-async fn send(
-    lane: usize,
-    mut group: Vec<Job>,
-    settings: Arc<Settings>,
-    _permit: Arc<OwnedSemaphorePermit>,
-) {
-    let Some(algorithm) = group.first().map(|job| job.algorithm) else {
-        return;
-    };
-    // In the reply's order (`Laid::jobs`), so that the requests kept below line up with it.
-    group.sort_by_key(|job| job.work.is_slot());
-    // Only a cluster answers `TRYAGAIN`, which needs the requests again.
-    let kept: Option<Vec<(Key, Work)>> = match settings.redis {
-        Redis::Cluster(_) => Some(
-            group
-                .iter()
-                .map(|job| (job.key.clone(), job.work.clone()))
-                .collect(),
-        ),
-        Redis::Single(_) => None,
-    };
-    let (laid, replies) = Laid::jobs(group);
-    let decisions = laid.decisions;
-    let reply = call(&settings, lane, algorithm, laid).await;
-    if let Some(kept) = kept {
-        let first = &kept[0].0;
-        if reply.as_ref().is_err_and(is_split) && kept.iter().any(|(key, _)| key != first) {
-            let jobs = kept
-                .into_iter()
-                .zip(replies)
-                .map(|((key, work), reply)| Job {
-                    algorithm,
-                    key,
-                    work,
-                    reply,
-                })
-                .collect();
-            send_by_key(&settings, lane, algorithm, jobs).await;
-            return;
-        }
-    }
-    deliver(reply, decisions, replies);
-}
-
-/// Decides a call's requests again with one call per key, all under way at once, after the
-/// call was refused because its keys are split between the two nodes of a hash slot's migration
-/// (`TRYAGAIN`): each key is then on one node or the other, and a call of one key is never
-/// refused so. Requests of different keys do not affect one another, and each key's requests
-/// keep their order, so the decisions are those the whole call would have made.
-async fn send_by_key(settings: &Arc<Settings>, lane: usize, algorithm: Algorithm, jobs: Vec<Job>) {
-    let mut parts: Vec<Vec<Job>> = Vec::new();
-    for job in jobs {
-        match parts.iter_mut().find(|part| part[0].key == job.key) {
-            Some(part) => part.push(job),
-            None => parts.push(vec![job]),
-        }
-    }
-    let calls: Vec<_> = parts
-        .into_iter()
-        .map(|part| {
-            let settings = Arc::clone(settings);
-            tokio::spawn(async move {
-                let (laid, replies) = Laid::jobs(part);
-                let decisions = laid.decisions;
-                let reply = call(&settings, lane, algorithm, laid).await;
-                deliver(reply, decisions, replies);
-            })
-        })
-        .collect();
-    // The batch's call permit stays taken until every call has returned.
-    for call in calls {
-        let _ = call.await;
-    }
-}
-
-/// Runs the algorithm's script for the requests `laid` out for lane `lane`, within the time
-/// budget; the reply has six integers per decision, the time, then a byte per slot
-/// operation.
-async fn call(
-    settings: &Settings,
-    lane: usize,
-    algorithm: Algorithm,
-    laid: Laid,
-) -> Result<Bytes, Error> {
-    let script = settings.scripts.of(algorithm);
-    let Laid {
-        keys,
-        args,
-        heads,
-        ops,
-        decisions,
-    } = laid;
-    let slot_ops = ops.len() / 2;
-    // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
-    let one_key = keys.iter().all(|key| *key == keys[0]);
-    let (args, heads) = (Bytes::from(args), heads.bytes());
-    let argv = protocol::argv(args, settings.overrides_of(lane), heads, ops);
-    let call = async {
-        let nodes = match &settings.redis {
-            // No redirections outside a cluster: nothing to keep for a second try.
-            Redis::Single(pool) => {
-                return script
-                    .evalsha_with_reload(pool.next_connected(), keys, argv)
-                    .await
-            }
-            Redis::Cluster(nodes) => nodes,
-        };
-        loop {
-            let reply = nodes
-                .evalsha(script, keys.clone(), argv.clone(), None)
-                .await;
-            match reply {
-                // The keys are split between the two nodes of a hash slot's migration, or the hash
-                // slot moved on more often than one call follows: try again shortly, within the
-                // time budget.
-                Err(error) if is_transient(&error) && (one_key || !is_split(&error)) => {
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-                reply => return reply,
-            }
-        }
-    };
-    let values: Bytes = match tokio::time::timeout(settings.timeout, call).await {
-        Ok(reply) => reply?,
-        Err(_) => {
-            // The hash slot's node may be gone, its hash slots failing over to a replica.
-            if let Redis::Cluster(nodes) = &settings.redis {
-                nodes.refresh_soon();
-            }
-            let error = Error::new(ErrorKind::Timeout, "no reply within the time budget");
-            return Err(error);
-        }
-    };
-    check_length(&values, decisions, slot_ops)?;
-    settings.learn(lane, &values, decisions, slot_ops);
-    Ok(values)
-}
-
-/// Whether a call that failed with `error` may succeed if sent again shortly, while a Redis
-/// Cluster moves a hash slot: `TRYAGAIN` (a call's keys are split between the two nodes), or a
-/// redirection left when the hash slot moved on more often than one call follows.
-fn is_transient(error: &Error) -> bool {
-    is_split(error) || ask::is_redirection(error)
-}
-
-/// Whether a call was refused because its keys are split between the two nodes of a hash
-/// slot's migration.
-fn is_split(error: &Error) -> bool {
-    error.details().starts_with("TRYAGAIN")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::redis::protocol::INT;
+    use crate::store::redis::wire::INT;
 
     fn job(algorithm: Algorithm, key: &str) -> Job {
         Job {
@@ -743,7 +414,7 @@ mod tests {
         read.extend([tail.concat(), int(3), b"123".to_vec(), int(-1)].concat());
         assert!(check_length(&read, 2, 2).is_ok());
         assert!(check_length(&read[..read.len() - 1], 2, 2).is_err());
-        let (generation, fields) = protocol::read(&read, 2, 2);
+        let (generation, fields) = wire::read(&read, 2, 2);
         let fields: Vec<_> = fields.collect();
         let expected = [
             Some((&b"k"[..], Some(&b"v1"[..]))),

@@ -17,7 +17,7 @@ use fred::types::{ClusterHash, CustomCommand, Value};
 
 /// A redirection from a Redis Cluster node.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Redirection {
+pub(crate) enum Redirection {
     /// `MOVED`: the hash slot (the number) is served by this node now.
     Moved(u16, Server),
     /// `ASK`: the hash slot is moving to this node, which holds the call's keys.
@@ -25,7 +25,7 @@ pub(super) enum Redirection {
 }
 
 /// The redirection that `error` reports, if it is one.
-pub(super) fn redirection(error: &Error) -> Option<Redirection> {
+pub(crate) fn redirection(error: &Error) -> Option<Redirection> {
     let mut words = error.details().split_whitespace();
     let kind = words.next()?;
     let hash_slot: u16 = words.next()?.parse().ok()?;
@@ -39,7 +39,7 @@ pub(super) fn redirection(error: &Error) -> Option<Redirection> {
 
 /// Whether `error` is a redirection (which a call follows, or reports when it has followed
 /// enough: the hash slot is moving, the call may be sent again).
-pub(super) fn is_redirection(error: &Error) -> bool {
+pub(crate) fn is_redirection(error: &Error) -> bool {
     redirection(error).is_some()
 }
 
@@ -55,7 +55,7 @@ fn server(address: &str) -> Option<Server> {
 /// a client of the importing node: fred's router writes the commands of a pipeline one after
 /// the other, before it takes up any other command, so nothing comes between them on the
 /// connection. Returns `EVALSHA`'s reply.
-pub(super) async fn asking(
+pub(crate) async fn asking(
     node: &WithOptions<Client>,
     evalsha: Vec<Value>,
 ) -> Result<Value, Error> {

@@ -1,9 +1,9 @@
 //! The requests of one layer waiting for a concurrency slot
-//! ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)): a line per policy and key, in the
-//! order of their places in the store's line (their deadlines there), then of arrival. Only
-//! the first in line asks the store again, so that this layer asks for a key's slot once at a
+//! ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)): a queue per policy and key, in the
+//! order of their places in the store's queue (their deadlines there), then of arrival. Only
+//! the first in the queue asks the store again, so that this layer asks for a key's slot once at a
 //! time, for the request the store serves first among its own; a slot given back here, or the
-//! first leaving the line, wakes the next.
+//! first leaving the queue, wakes the next.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -18,13 +18,13 @@ use tokio::sync::futures::OwnedNotified;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::Waiter;
+use crate::model::slots::Waiter;
 use crate::{Key, Policy};
 
-/// The lines of a layer's requests waiting for a slot.
+/// The queues of a layer's requests waiting for a slot.
 #[derive(Debug)]
-pub(crate) struct Lines {
-    lines: Mutex<ByQueue>,
+pub(crate) struct Queues {
+    queues: Mutex<ByName>,
     /// Set once any request has waited, so that a layer that never waits does not look here
     /// at each give-back.
     used: AtomicBool,
@@ -32,46 +32,46 @@ pub(crate) struct Lines {
     next: AtomicU64,
 }
 
-impl Default for Lines {
+impl Default for Queues {
     fn default() -> Self {
-        Lines {
-            lines: Mutex::default(),
+        Queues {
+            queues: Mutex::default(),
             used: AtomicBool::new(false),
-            next: AtomicU64::new(super::random_start()),
+            next: AtomicU64::new(crate::ids::random_start()),
         }
     }
 }
 
-/// A line's name: the policy's identity and the key.
-type Queue = (Arc<str>, Key);
+/// A queue's name: the policy's identity and the key.
+type QueueName = (Arc<str>, Key);
 
-/// The requests in a line, first in line first: each one's place in the store's line (0: not
+/// The requests in a queue, first first: each one's place in the store's queue (0: not
 /// known, then last), its waiter id, and what wakes it.
-type Line = VecDeque<(u64, u64, Arc<Notify>)>;
+type Queue = VecDeque<(u64, u64, Arc<Notify>)>;
 
 /// Keyed by what clients send, so hashed with a seed of its own.
-type ByQueue = hashbrown::HashMap<Queue, Line, foldhash::fast::RandomState>;
+type ByName = hashbrown::HashMap<QueueName, Queue, foldhash::fast::RandomState>;
 
 /// A [`Queue`] by reference, to look one up without cloning its key: hashed and compared as
 /// the tuple is.
 #[derive(Hash)]
-struct QueueOf<'a>(&'a str, &'a Key);
+struct NameOf<'a>(&'a str, &'a Key);
 
-impl hashbrown::Equivalent<Queue> for QueueOf<'_> {
-    fn equivalent(&self, queue: &Queue) -> bool {
-        *self.0 == *queue.0 && *self.1 == queue.1
+impl hashbrown::Equivalent<QueueName> for NameOf<'_> {
+    fn equivalent(&self, name: &QueueName) -> bool {
+        *self.0 == *name.0 && *self.1 == name.1
     }
 }
 
-/// What wakes the first request in line `queue`, if any.
-fn first_in(lines: &ByQueue, queue: &QueueOf<'_>) -> Option<Arc<Notify>> {
-    let (_, _, wake) = lines.get(queue).and_then(VecDeque::front)?;
+/// What wakes the first request in queue `name`, if any.
+fn first_in(queues: &ByName, name: &NameOf<'_>) -> Option<Arc<Notify>> {
+    let (_, _, wake) = queues.get(name).and_then(VecDeque::front)?;
     Some(Arc::clone(wake))
 }
 
-impl Lines {
+impl Queues {
     /// A new waiter, for a request of this layer that may wait `wait` for a slot. Its id has
-    /// 16 decimal digits, like every waiter's: the line on Redis orders waiters of the same
+    /// 16 decimal digits, like every waiter's: the queue on Redis orders waiters of the same
     /// deadline by their members' text, which is then their ids' order, as here and on the
     /// memory store.
     pub(crate) fn waiter(&self, wait: Duration) -> Waiter {
@@ -85,7 +85,7 @@ impl Lines {
         }
     }
 
-    /// Puts waiter `id`, refused a slot of `key` under `policy`, in this layer's line at its
+    /// Puts waiter `id`, refused a slot of `key` under `policy`, in this layer's queue at its
     /// `place` in the store's (0: not known, after every known one), in the store's order:
     /// by place, then by id (requests decided in one call to the store share a place).
     pub(crate) fn join(
@@ -94,22 +94,22 @@ impl Lines {
         policy: &Policy,
         id: u64,
         place: u64,
-    ) -> InLine {
+    ) -> InQueue {
         self.used.store(true, Ordering::Release);
-        let queue = (Arc::clone(policy.state_id().text), key.clone());
+        let name = (Arc::clone(policy.state_id().text), key.clone());
         let place = match place {
             0 => u64::MAX,
             place => place,
         };
         let wake = Arc::new(Notify::new());
-        let mut lines = crate::shards::lock(&self.lines);
-        let line = lines.entry(queue.clone()).or_default();
-        let at = line.partition_point(|&(other, waiter, _)| (other, waiter) < (place, id));
-        line.insert(at, (place, id, Arc::clone(&wake)));
-        drop(lines);
-        InLine {
-            lines: Arc::clone(self),
-            queue,
+        let mut queues = crate::shards::lock(&self.queues);
+        let queue = queues.entry(name.clone()).or_default();
+        let at = queue.partition_point(|&(other, waiter, _)| (other, waiter) < (place, id));
+        queue.insert(at, (place, id, Arc::clone(&wake)));
+        drop(queues);
+        InQueue {
+            queues: Arc::clone(self),
+            name,
             id,
             place,
             wake,
@@ -121,38 +121,38 @@ impl Lines {
         if !self.used.load(Ordering::Acquire) {
             return None;
         }
-        let lines = crate::shards::lock(&self.lines);
-        first_in(&lines, &QueueOf(policy.identity(), key))
+        let queues = crate::shards::lock(&self.queues);
+        first_in(&queues, &NameOf(policy.identity(), key))
     }
 }
 
-/// A request's place in line for a slot of its key on this instance: only the first in line
+/// A request's place in the queue for a slot of its key on this instance: only the first
 /// asks the store again. Dropping it (the request got a
-/// slot, gave up, or its client went away) leaves the line and wakes the next.
-pub(crate) struct InLine {
-    lines: Arc<Lines>,
-    queue: Queue,
+/// slot, gave up, or its client went away) leaves the queue and wakes the next.
+pub(crate) struct InQueue {
+    queues: Arc<Queues>,
+    name: QueueName,
     /// The waiter's id.
     id: u64,
-    /// Its place, as in the line (`u64::MAX`: not known).
+    /// Its place, as in the queue (`u64::MAX`: not known).
     place: u64,
     wake: Arc<Notify>,
 }
 
-impl InLine {
-    /// Whether it stands at `place` in the store's line (0: not known).
+impl InQueue {
+    /// Whether it stands at `place` in the store's queue (0: not known).
     pub(crate) fn is_at(&self, place: u64) -> bool {
         self.place == if place == 0 { u64::MAX } else { place }
     }
 
-    /// Whether it is first in this layer's line for the key.
+    /// Whether it is first in this layer's queue for the key.
     pub(crate) fn is_first(&self) -> bool {
-        let lines = crate::shards::lock(&self.lines.lines);
-        let first = lines.get(&self.queue).and_then(VecDeque::front);
+        let queues = crate::shards::lock(&self.queues.queues);
+        let first = queues.get(&self.name).and_then(VecDeque::front);
         first.is_some_and(|&(_, id, _)| id == self.id)
     }
 
-    /// Waits until woken (a slot of the key given back here, or the first in line left) or
+    /// Waits until woken (a slot of the key given back here, or the first in the queue left) or
     /// until `until`, whichever comes first.
     pub(crate) fn wait(&self, until: Instant) -> Wait {
         Wait {
@@ -162,35 +162,35 @@ impl InLine {
     }
 }
 
-impl Drop for InLine {
+impl Drop for InQueue {
     fn drop(&mut self) {
-        let mut lines = crate::shards::lock(&self.lines.lines);
-        let Some(line) = lines.get_mut(&self.queue) else {
+        let mut queues = crate::shards::lock(&self.queues.queues);
+        let Some(queue) = queues.get_mut(&self.name) else {
             return;
         };
-        let first = line.front().is_some_and(|&(_, id, _)| id == self.id);
-        line.retain(|&(_, id, _)| id != self.id);
-        if line.is_empty() {
-            lines.remove(&self.queue);
+        let first = queue.front().is_some_and(|&(_, id, _)| id == self.id);
+        queue.retain(|&(_, id, _)| id != self.id);
+        if queue.is_empty() {
+            queues.remove(&self.name);
         } else if first {
-            // The next in line asks the store now: the slot this one got, or did not wait
+            // The next in the queue asks the store now: the slot this one got, or did not wait
             // for, may leave room for it too.
-            let (identity, key) = &self.queue;
-            if let Some(wake) = first_in(&lines, &QueueOf(identity, key)) {
+            let (identity, key) = &self.name;
+            if let Some(wake) = first_in(&queues, &NameOf(identity, key)) {
                 wake.notify_one();
             }
         }
     }
 }
 
-impl std::fmt::Debug for InLine {
+impl std::fmt::Debug for InQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InLine").field("id", &self.id).finish()
+        f.debug_struct("InQueue").field("id", &self.id).finish()
     }
 }
 
 pin_project! {
-    /// Waits for an [`InLine`]'s wake-up or its deadline.
+    /// Waits for an [`InQueue`]'s wake-up or its deadline.
     pub(crate) struct Wait {
         #[pin]
         woken: OwnedNotified,

@@ -61,9 +61,9 @@ pub(crate) fn reserve<L: Limiter>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::gcra::Gcra;
-    use crate::algorithm::sliding_log::SlidingLog;
-    use crate::algorithm::{decide, settle, Refund, Settle};
+    use crate::model::gcra::Gcra;
+    use crate::model::sliding_log::SlidingLog;
+    use crate::model::{decide, settle, Refund, Settle};
 
     const MS: u64 = 1_000;
     const S: u64 = 1_000_000;

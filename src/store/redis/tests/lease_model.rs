@@ -5,9 +5,9 @@
 
 use proptest::prelude::*;
 
-use super::book::{Entry, Grant};
-use super::{Leases, Plan};
-use crate::algorithm::{window_start, Algorithm, Outcome};
+use super::super::lease::book::{Entry, Grant};
+use super::super::lease::{Leases, Plan};
+use crate::model::{window_start, Algorithm, Outcome};
 use crate::Policy;
 
 /// One key's state in the model of Redis, one limit of `c` per `w` µs.

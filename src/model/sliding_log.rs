@@ -209,7 +209,7 @@ impl Limiter for SlidingLog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::decide;
+    use crate::model::decide;
 
     const S: u64 = 1_000_000;
 
@@ -219,7 +219,7 @@ mod tests {
             .collect()
     }
 
-    fn check(log: &mut SlidingLog, now: u64, w: &[Window], cost: u64) -> crate::algorithm::Outcome {
+    fn check(log: &mut SlidingLog, now: u64, w: &[Window], cost: u64) -> crate::model::Outcome {
         decide(log, now, w, cost, true)
     }
 
@@ -299,7 +299,7 @@ mod tests {
 
     #[test]
     fn settles_the_events_of_the_requests_time() {
-        use crate::algorithm::{settle, Refund, Settle};
+        use crate::model::{settle, Refund, Settle};
         let w = windows(&[(1000, 60)]);
         let mut log = SlidingLog::default();
         assert!(check(&mut log, 0, &w, 1).allowed);
@@ -344,7 +344,7 @@ mod tests {
 
     #[test]
     fn requests_of_one_microsecond_refund_what_they_recorded() {
-        use crate::algorithm::{settle, Refund, Settle};
+        use crate::model::{settle, Refund, Settle};
         let w = windows(&[(1000, 60)]);
         let mut log = SlidingLog::default();
         assert!(check(&mut log, S, &w, 100).allowed);
@@ -371,7 +371,7 @@ mod tests {
 
     #[test]
     fn a_charge_of_any_size_weighs_as_a_full_window() {
-        use crate::algorithm::{settle, Settle, MAX_UNITS};
+        use crate::model::{settle, Settle, MAX_UNITS};
         let w = windows(&[(10, 1), (1000, 60)]);
         let mut log = SlidingLog::default();
         assert!(check(&mut log, 0, &w, 5).allowed);

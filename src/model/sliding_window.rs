@@ -109,7 +109,7 @@ impl Limiter for SlidingWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::decide;
+    use crate::model::decide;
 
     const S: u64 = 1_000_000;
 
@@ -147,7 +147,7 @@ mod tests {
 
     #[test]
     fn settles_in_the_current_or_previous_window() {
-        use crate::algorithm::{settle, Refund, Settle};
+        use crate::model::{settle, Refund, Settle};
         let w = [Window::new(1000, 60 * S)];
         let mut s = SlidingWindow::default();
         assert!(decide(&mut s, 0, &w, 1, true).allowed);

@@ -42,7 +42,7 @@ const MAX_REDIRECTIONS: usize = 3;
 const REFRESH_PACE: Duration = Duration::from_millis(200);
 
 /// Connections to the primaries of a Redis Cluster, and which one serves each hash slot.
-pub(super) struct Nodes {
+pub(crate) struct Nodes {
     /// How to build a node's pool: the store's settings, its server replaced.
     builder: Builder,
     pool_size: usize,
@@ -83,7 +83,7 @@ impl Table {
 impl Nodes {
     /// Routing over the cluster whose nodes `builder`'s configuration lists, with `pool_size`
     /// connections per primary; nothing connects yet (see [`refresh`](Self::refresh)).
-    pub(super) fn new(builder: Builder, pool_size: usize, patience: Duration) -> Arc<Nodes> {
+    pub(crate) fn new(builder: Builder, pool_size: usize, patience: Duration) -> Arc<Nodes> {
         let seeds = match builder.get_config().map(|config| &config.server) {
             Some(ServerConfig::Clustered { hosts, .. }) => hosts.clone(),
             _ => Vec::new(),
@@ -116,7 +116,7 @@ impl Nodes {
     }
 
     /// A client of the primary that serves `hash_slot`.
-    pub(super) fn client(&self, hash_slot: u16) -> Result<Client, Error> {
+    pub(crate) fn client(&self, hash_slot: u16) -> Result<Client, Error> {
         let table = self.read();
         if table.owners.is_empty() {
             // Worded as Redis words a refusal, so that callers know nothing ran.
@@ -161,7 +161,7 @@ impl Nodes {
 
     /// Starts a refresh of the hash slot map unless one is under way or started less than
     /// [`REFRESH_PACE`] ago.
-    pub(super) fn refresh_soon(self: &Arc<Self>) {
+    pub(crate) fn refresh_soon(self: &Arc<Self>) {
         let now = self.origin.elapsed().as_millis() as u64;
         let last = self.refreshed.load(Ordering::Relaxed);
         if now < last.saturating_add(REFRESH_PACE.as_millis() as u64) && last != 0 {
@@ -183,7 +183,7 @@ impl Nodes {
     /// Reads the hash slot map from the first node to answer `CLUSTER SLOTS`, asking every known
     /// node and every seed at once, and routes by it from now on: new primaries get a pool,
     /// nodes that no longer serve a hash slot lose theirs. Fails if none answers.
-    pub(super) async fn refresh(&self) -> Result<(), Error> {
+    pub(crate) async fn refresh(&self) -> Result<(), Error> {
         let mut asked: Vec<(Server, Option<Client>)> = {
             let table = self.read();
             let known = table.nodes.iter();
@@ -261,7 +261,7 @@ impl Nodes {
 
     /// Refreshes the map until a node answers, waiting `retry` between attempts; ends early
     /// when the store is dropped. For a store that connects in the background.
-    pub(super) async fn refresh_until_known(nodes: Weak<Nodes>, retry: Duration) {
+    pub(crate) async fn refresh_until_known(nodes: Weak<Nodes>, retry: Duration) {
         loop {
             let Some(strong) = nodes.upgrade() else {
                 return;
@@ -277,7 +277,7 @@ impl Nodes {
     /// Runs `script` over `keys` (all of one hash slot) with `argv` where the hash slot's keys are,
     /// following `MOVED` and `ASK`, waiting for each reply up to `patience` (`None`: the
     /// store's timeout). A call that finds a node unreachable asks for a fresh hash slot map.
-    pub(super) async fn evalsha<R: FromValue>(
+    pub(crate) async fn evalsha<R: FromValue>(
         self: &Arc<Self>,
         script: &Script,
         keys: Vec<Key>,
@@ -313,7 +313,7 @@ impl Nodes {
 
     /// Runs `command` (one command on one key of `hash_slot`) on the primary that holds the hash
     /// slot, following `MOVED`.
-    pub(super) async fn on_owner<R, F, Fut>(
+    pub(crate) async fn on_owner<R, F, Fut>(
         self: &Arc<Self>,
         hash_slot: u16,
         command: F,
@@ -407,7 +407,7 @@ impl Drop for Dedicated {
 
 /// Sends `EVALSHA` (`evalsha`: its arguments) through `client` with `options`, after
 /// `ASKING` if `asking`; loads the script and sends it again if the node lacks it.
-pub(super) async fn evalsha_on<R: FromValue>(
+pub(crate) async fn evalsha_on<R: FromValue>(
     client: &Client,
     options: &Options,
     script: &Script,
@@ -434,7 +434,7 @@ pub(super) async fn evalsha_on<R: FromValue>(
 
 /// The arguments of `EVALSHA` for `script` over `keys` with `argv`, for a call sent as a
 /// command of its own.
-pub(super) fn evalsha_args(script: &Script, keys: Vec<Key>, argv: Vec<Value>) -> Vec<Value> {
+pub(crate) fn evalsha_args(script: &Script, keys: Vec<Key>, argv: Vec<Value>) -> Vec<Value> {
     let mut evalsha = Vec::with_capacity(2 + keys.len() + argv.len());
     evalsha.push(Value::from(script.sha1().clone()));
     evalsha.push(Value::from(keys.len() as i64));

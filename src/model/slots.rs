@@ -7,44 +7,24 @@
 //! (`ledger/slots.rs`); an instance that dies stops renewing, and its slots count no more once
 //! they expire. This file is the bookkeeping of one key's slots, free of I/O and clocks: the
 //! memory store runs it, and `scripts/prelude.lua` (`slots_full`, `take_slot`, its slot
-//! operations) is the same over a Redis sorted set scored by expiry. [`lines`] keeps the
-//! requests waiting for a slot.
-
-pub(crate) mod lines;
+//! operations) is the same over a Redis sorted set scored by expiry. `ledger/queue.rs` keeps a
+//! layer's requests waiting for a slot.
 
 use std::time::Duration;
 
-/// A start for ids of concurrency slots or waiters that another process, or another store or
-/// layer of this one, is unlikely to share: a hash of the process, the time and a fresh
-/// allocation's address, in 52 bits (ids stay exact in the scripts' numbers).
-pub(crate) fn random_start() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
-    let here = Box::new(0u8);
-    let mut hasher = blake3::Hasher::new();
-    hasher.update(&std::process::id().to_le_bytes());
-    hasher.update(&nanos.to_le_bytes());
-    hasher.update(&(std::ptr::addr_of!(*here) as usize).to_le_bytes());
-    let mut first = [0; 8];
-    first.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
-    u64::from_le_bytes(first) & ((1 << 52) - 1)
-}
-
 /// A request waiting for a concurrency slot of its key
 /// ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)), as a store sees it: its id, unique
-/// among the waiters of the stores it shares, and how long it waits. A store that keeps a line
-/// of waiters ([`Store::check_in_line`](crate::Store::check_in_line)) puts a waiter it refuses
-/// in line at its deadline, and admits a request only where a slot is free for it after every
+/// among the waiters of the stores it shares, and how long it waits. A store that keeps a queue
+/// of waiters ([`Store::check_queued`](crate::Store::check_queued)) puts a waiter it refuses
+/// in its queue at its deadline, and admits a request only where a slot is free for it after every
 /// waiter ahead of it: so slots go to waiters across every instance in the order of their
 /// deadlines, which is their order of arrival among layers with the same `max_wait`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Waiter {
     pub(crate) id: u64,
     pub(crate) wait: Duration,
-    /// Whether a store has put it in line (it was refused for a slot before): once admitted,
-    /// it leaves the line.
+    /// Whether a store has put it in its queue (it was refused for a slot before): once admitted,
+    /// it leaves the queue.
     pub(crate) queued: bool,
 }
 
@@ -54,13 +34,13 @@ impl Waiter {
         self.id
     }
 
-    /// How long it waits from its first refusal: its deadline in the store's line is the
+    /// How long it waits from its first refusal: its deadline in the store's queue is the
     /// store's time then plus this.
     pub fn wait(&self) -> Duration {
         self.wait
     }
 
-    /// Whether a store has put it in line already.
+    /// Whether a store has put it in its queue already.
     pub fn is_queued(&self) -> bool {
         self.queued
     }
@@ -71,8 +51,8 @@ impl Waiter {
 }
 
 /// Why a key refuses a request a slot: how long (µs) until its first slot expires, the
-/// request's place in the key's line (its deadline, µs on the store's clock; 0 when it is not
-/// in line), and the key's typical hold time (µs; 0 while none is known).
+/// request's place in the key's queue (its deadline, µs on the store's clock; 0 when it is not
+/// queued), and the key's typical hold time (µs; 0 while none is known).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Full {
     pub(crate) left: u64,
@@ -80,13 +60,13 @@ pub(crate) struct Full {
     pub(crate) hold: u64,
 }
 
-/// The slots one key holds: each slot's id and expiry (µs on the store's clock); the line of
+/// The slots one key holds: each slot's id and expiry (µs on the store's clock); the queue of
 /// requests waiting for one; and how long its slots are held, typically.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Slots {
     held: Vec<(u64, u64)>,
-    /// The waiters in line, first first: each one's deadline and id.
-    line: Vec<(u64, u64)>,
+    /// The waiters queued, first first: each one's deadline and id.
+    queue: Vec<(u64, u64)>,
     /// The typical time a slot is held (µs; 0: none known), [`hold_average`].
     hold: u64,
 }
@@ -106,28 +86,28 @@ impl Slots {
     /// Drops the slots expired at `now`, and the waiters whose deadline has passed.
     fn prune(&mut self, now: u64) {
         self.held.retain(|&(_, until)| until > now);
-        self.line.retain(|&(deadline, _)| deadline > now);
+        self.queue.retain(|&(deadline, _)| deadline > now);
     }
 
     /// Whether the key refuses a slot at `now` to a request under a limit of `cap` (the
     /// request `waiter`, if it waits): it does while its live slots and the waiters ahead of
-    /// the request (every one, for a request not in line) leave no slot for it. A waiter it
-    /// refuses joins the line, at its deadline, unless there already.
+    /// the request (every one, for a request not queued) leave no slot for it. A waiter it
+    /// refuses joins the queue, at its deadline, unless there already.
     pub(crate) fn full(&mut self, now: u64, cap: u32, waiter: Option<&Waiter>) -> Option<Full> {
         self.prune(now);
-        let own = waiter.and_then(|w| self.line.iter().position(|&(_, id)| id == w.id));
-        let ahead = own.unwrap_or(self.line.len());
+        let own = waiter.and_then(|w| self.queue.iter().position(|&(_, id)| id == w.id));
+        let ahead = own.unwrap_or(self.queue.len());
         if self.held.len() + ahead < cap as usize {
             return None;
         }
         let place = match (waiter, own) {
-            (Some(_), Some(at)) => self.line[at].0,
+            (Some(_), Some(at)) => self.queue[at].0,
             (Some(w), None) => {
                 let deadline = now.saturating_add(w.wait_micros()).max(now + 1);
                 let at = self
-                    .line
+                    .queue
                     .partition_point(|&(d, id)| (d, id) < (deadline, w.id));
-                self.line.insert(at, (deadline, w.id));
+                self.queue.insert(at, (deadline, w.id));
                 deadline
             }
             (None, _) => 0,
@@ -140,7 +120,7 @@ impl Slots {
         })
     }
 
-    /// Takes slot `id` until `until`, for `waiter` if it waited: it leaves the line.
+    /// Takes slot `id` until `until`, for `waiter` if it waited: it leaves the queue.
     pub(crate) fn take(&mut self, id: u64, until: u64, waiter: Option<&Waiter>) {
         self.held.push((id, until));
         if let Some(waiter) = waiter.filter(|w| w.queued) {
@@ -148,11 +128,11 @@ impl Slots {
         }
     }
 
-    /// Takes waiter `id` out of the line; whether it was in it.
+    /// Takes waiter `id` out of the queue; whether it was in it.
     pub(crate) fn leave(&mut self, id: u64) -> bool {
-        let before = self.line.len();
-        self.line.retain(|&(_, waiter)| waiter != id);
-        self.line.len() < before
+        let before = self.queue.len();
+        self.queue.retain(|&(_, waiter)| waiter != id);
+        self.queue.len() < before
     }
 
     /// Gives slot `id` back, held for `held` µs (0: not known); whether it was held.
@@ -179,12 +159,12 @@ impl Slots {
         }
     }
 
-    /// Until when the key's slots and line matter: the last slot's expiry or waiter's
+    /// Until when the key's slots and queue matter: the last slot's expiry or waiter's
     /// deadline (0: none).
     pub(crate) fn last_expiry(&self) -> u64 {
         let slots = self.held.iter().map(|&(_, until)| until);
-        let line = self.line.iter().map(|&(deadline, _)| deadline);
-        slots.chain(line).max().unwrap_or(0)
+        let queue = self.queue.iter().map(|&(deadline, _)| deadline);
+        slots.chain(queue).max().unwrap_or(0)
     }
 
     /// The slots held, expired ones included until the next look.
@@ -246,19 +226,19 @@ mod tests {
     fn a_freed_slot_goes_to_the_first_waiter_in_line_not_to_a_newcomer() {
         let mut slots = Slots::default();
         slots.take(1, 10_000, None);
-        // Two waiters are refused in turn and join the line at their deadlines.
+        // Two waiters are refused in turn and join the queue at their deadlines.
         let (a, b) = (waiter(7, false), waiter(3, false));
         assert_eq!(slots.full(10, 1, Some(&a)).unwrap().place, 1_010);
         assert_eq!(slots.full(20, 1, Some(&b)).unwrap().place, 1_020);
         assert!(slots.give_back(1, 500));
-        // The slot is free, but held for the first in line: the second waiter and a
+        // The slot is free, but held for the first in the queue: the second waiter and a
         // newcomer are refused.
         let (a, b) = (waiter(7, true), waiter(3, true));
         assert_eq!(slots.full(30, 1, Some(&b)).unwrap().place, 1_020);
         assert!(slots.full(30, 1, None).is_some());
         assert_eq!(slots.full(30, 1, Some(&a)), None);
         slots.take(2, 10_000, Some(&a));
-        assert_eq!(slots.line.len(), 1);
+        assert_eq!(slots.queue.len(), 1);
         // The first waiter's slot goes back: the second is first now.
         assert!(slots.give_back(2, 1_500));
         assert_eq!(slots.full(40, 1, Some(&b)), None);

@@ -13,9 +13,12 @@
 
 pub(crate) mod fixed_window;
 pub(crate) mod gcra;
-pub(crate) mod reserve;
+pub(crate) mod key_state;
+pub(crate) mod line;
 pub(crate) mod sliding_log;
 pub(crate) mod sliding_window;
+pub(crate) mod slots;
+pub(crate) mod turn;
 
 /// How a [`Policy`](crate::Policy) is decided.
 ///
@@ -109,8 +112,7 @@ pub(crate) struct Window {
 impl Window {
     pub(crate) fn of(limit: &crate::Limit) -> Window {
         let count = limit.count();
-        let micros = limit.window().as_micros().min(u64::MAX as u128) as u64;
-        Window::new(count, micros)
+        Window::new(count, micros(limit.window()))
     }
 
     pub(crate) fn new(count: u64, micros: u64) -> Window {
@@ -127,6 +129,11 @@ impl Window {
     pub(crate) fn gcra_bucket(&self) -> u128 {
         u128::from(self.count) * u128::from(self.micros) / u128::from(self.scale)
     }
+}
+
+/// `d` in whole microseconds, saturating at `u64::MAX`: the algorithms' unit of time.
+pub(crate) fn micros(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// The greatest common divisor (`gcd(0, b) = b`).

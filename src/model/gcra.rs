@@ -151,7 +151,7 @@ impl Gcra {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::decide;
+    use crate::model::decide;
 
     #[test]
     fn burst_then_steady_rate() {
@@ -174,7 +174,7 @@ mod tests {
 
     #[test]
     fn settles_by_moving_the_theoretical_arrival_time() {
-        use crate::algorithm::{settle, Refund, Settle};
+        use crate::model::{settle, Refund, Settle};
         // 1000 per minute: T = 60 ms.
         let w = [Window::new(1000, 60_000_000)];
         let mut s = Gcra::default();
@@ -218,7 +218,7 @@ mod tests {
 
     #[test]
     fn a_late_refund_frees_only_what_still_weighs() {
-        use crate::algorithm::{settle, Refund, Settle};
+        use crate::model::{settle, Refund, Settle};
         const S: u64 = 1_000_000;
         let w = [Window::new(100, 10 * S)];
         let mut s = Gcra::default();
@@ -257,7 +257,7 @@ mod tests {
 
     #[test]
     fn a_monthly_budget_neither_wraps_nor_leaks() {
-        use crate::algorithm::{settle, Settle, MAX_GCRA_BUCKET};
+        use crate::model::{settle, Settle, MAX_GCRA_BUCKET};
         // 5 000 000 per 30 days, spent 1 000 000 at a time: five pass.
         let month = 30 * 86_400 * 1_000_000;
         let w = [Window::new(5_000_000, month)];

@@ -24,12 +24,12 @@ use fred::types::{ClusterHash, CustomCommand, Value};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as Cases, TestCaseError, TestRunner};
 
-use super::protocol::{self, Record};
-use crate::algorithm::{
+use crate::model::{
     decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
     sliding_window::SlidingWindow, window_start, Algorithm, Limiter, Outcome, Refund, Settle,
     Window,
 };
+use crate::store::redis::wire::{self, Record};
 use crate::{Limit, Policy};
 
 /// A `redis-server` of this test's own on a free port, killed when dropped.
@@ -145,8 +145,8 @@ impl Scripts {
         t: i64,
         windows: &[Window],
     ) -> Result<Bytes, fred::error::Error> {
-        let script = protocol::source(algorithm);
-        let args = protocol::encode(cost, record, t, [0; 4], windows);
+        let script = crate::store::redis::scripts::source(algorithm);
+        let args = wire::encode(cost, record, t, [0; 4], windows);
         let eval = CustomCommand::new_static("EVAL", ClusterHash::FirstKey, false);
         // No override is ever set: the hash of overrides does not exist.
         let values = vec![

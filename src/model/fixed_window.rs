@@ -66,7 +66,7 @@ impl Limiter for FixedWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::decide;
+    use crate::model::decide;
 
     #[test]
     fn counts_per_aligned_window() {
@@ -85,7 +85,7 @@ mod tests {
 
     #[test]
     fn settles_in_the_admission_window_only() {
-        use crate::algorithm::{settle, Refund, Settle};
+        use crate::model::{settle, Refund, Settle};
         const M: u64 = 60_000_000;
         let w = [Window::new(1000, M)];
         let mut s = FixedWindow::default();

@@ -1,0 +1,114 @@
+//! The memory store's reservations ([`Reserve`]): made in the map as decisions are, the line
+//! kept in the key's state.
+
+use std::future::{ready, Ready};
+use std::time::Duration;
+
+use super::MemoryStore;
+use crate::model::key_state::{Ask, Booking, State};
+use crate::model::{micros, Refund, Settle};
+use crate::store::reserve::{self, reservable, InLine, Reserve, Ticket};
+use crate::store::Store;
+use crate::store::StoreError;
+use crate::{Key, Policy};
+
+/// Reserves in the map, as decisions are made: under the override or plan in force for the
+/// key, blocked by a block; the key is kept until a window past its last turn, and its line
+/// with it.
+impl Reserve for MemoryStore {
+    type LineFuture = Ready<Result<InLine, StoreError>>;
+
+    fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> <Self as Store>::Future {
+        let supported = crate::store::in_range(policy).and_then(|()| reservable(policy));
+        if let Err(error) = supported.and_then(|()| reserve::in_range(policy, &ticket)) {
+            return ready(Err(error));
+        }
+        let booking = Booking {
+            id: ticket.id,
+            max_wait: micros(ticket.max_wait),
+            late: micros(ticket.late),
+            notice: micros(ticket.notice),
+        };
+        let ask = Ask {
+            reserve: Some(booking),
+            ..self.ask(policy, ticket.cost, None, true)
+        };
+        ready(Ok(self.decide_overridden(key, policy, ask)))
+    }
+
+    fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
+        ready(Ok(self.in_line(key, policy, |state, now| {
+            state.line.look(now, ticket.id)
+        })))
+    }
+
+    /// The place left at the end is refunded under the counts in force for the key, only
+    /// where the key's state is the one the line was kept with (it is the same entry).
+    fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
+        let (in_force, _) = self.in_force(key, policy);
+        ready(Ok(self.in_line(key, policy, |state, now| {
+            let (at, left) = state.line.leave(now, ticket.id)?;
+            if left.given_back(in_force.algorithm()) {
+                let refund = Refund {
+                    units: left.cost,
+                    at: Some(left.at),
+                    recorded: left.cost,
+                };
+                state.settle(now, &in_force, Settle::Refund(refund));
+            }
+            Some(at)
+        })))
+    }
+
+    fn pause(&self, key: &Key, policy: &Policy, pause: Duration) -> Self::LineFuture {
+        let now = self.now();
+        let until = now.saturating_add(micros(pause));
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        let paused = match shard.get(key, policy.state_id(), now) {
+            Some(entry) if entry.is_live(now) => {
+                entry.value.line.pause(until);
+                entry.expires = entry.expires.max(until);
+                entry.value.line.paused_until()
+            }
+            _ => {
+                let mut state = self.shared.fresh(policy.algorithm());
+                state.line.pause(until);
+                shard.insert(key, policy.state_id(), now, until, state);
+                until
+            }
+        };
+        ready(Ok(InLine {
+            turn: None,
+            paused: Duration::from_micros(paused.saturating_sub(now)),
+        }))
+    }
+}
+
+impl MemoryStore {
+    /// Runs `f` on the line of `key` under `policy`, with the time and the key's state, and
+    /// answers where the reservation it names stands (the turn `f` returns) and the pause.
+    fn in_line(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        f: impl FnOnce(&mut State, u64) -> Option<u64>,
+    ) -> InLine {
+        let now = self.now();
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        let Some(entry) = shard
+            .get(key, policy.state_id(), now)
+            .filter(|e| e.is_live(now))
+        else {
+            return InLine {
+                turn: None,
+                paused: Duration::ZERO,
+            };
+        };
+        let state = &mut entry.value;
+        let turn = f(state, now);
+        InLine {
+            turn: turn.map(|at| Duration::from_micros(at.saturating_sub(now))),
+            paused: Duration::from_micros(state.line.paused_until().saturating_sub(now)),
+        }
+    }
+}

@@ -1,0 +1,353 @@
+//! One call to Redis: the requests it carries laid out for a script (`wire/`, KEYS and
+//! ARGV), sent within the time budget (again key by key when a hash slot's migration splits
+//! its keys), and each request answered from the reply in its order.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use fred::clients::Pool;
+use fred::error::{Error, ErrorKind};
+use fred::types::{Key, Value};
+use tokio::sync::{oneshot, OwnedSemaphorePermit};
+
+use super::ask;
+use super::nodes::Nodes;
+use crate::model::Algorithm;
+use crate::store::redis::overrides::Known;
+use crate::store::redis::scripts::Scripts;
+use crate::store::redis::wire::{self, answer, check_length, Answered, Heads, SlotOp, HEAD};
+
+/// One request waiting for its answer.
+pub(crate) struct Job {
+    pub(crate) algorithm: Algorithm,
+    pub(crate) key: Key,
+    pub(crate) work: Work,
+    pub(crate) reply: Requester,
+}
+
+/// Who hears a request's answer.
+pub(crate) enum Requester {
+    /// A request awaiting it.
+    Waiting(oneshot::Sender<Answered>),
+    /// A slot operation nobody awaits: run with the answer in the task that sent the call, so
+    /// that a give-back needs no task of its own.
+    Then(Then),
+}
+
+/// What runs with the answer of a slot operation nobody awaits (see [`Batcher::keep_then`]).
+pub(crate) type Then = Box<dyn FnOnce(Answered) + Send>;
+
+impl Requester {
+    pub(crate) fn answer(self, reply: Answered) {
+        match self {
+            // The requester may have given up (its own timeout); nothing to do then.
+            Requester::Waiting(sender) => drop(sender.send(reply)),
+            Requester::Then(then) => then(reply),
+        }
+    }
+}
+
+/// What a request asks of a call.
+#[derive(Debug, Clone)]
+pub(crate) enum Work {
+    /// A decision or a settlement: its override fields and arguments (see
+    /// [`wire::encode_for`]); shared, so that a cluster call keeps them for a `TRYAGAIN`
+    /// split without a copy.
+    Decide(Bytes),
+    /// A concurrency slot's give-back or renewal.
+    Slot(SlotOp),
+}
+
+impl Work {
+    pub(crate) fn is_slot(&self) -> bool {
+        matches!(self, Work::Slot(_))
+    }
+}
+
+/// Where the calls go.
+pub(crate) enum Redis {
+    /// A single Redis, or the primary that Sentinel names: fred's pool.
+    Single(Pool),
+    /// A Redis Cluster: the store's own routing, a pool per primary (see `nodes.rs`).
+    Cluster(Arc<Nodes>),
+}
+
+/// What the calls need.
+pub(crate) struct Settings {
+    pub(crate) redis: Redis,
+    /// The name of each lane's hash of overrides (`overrides.rs`), its calls' second
+    /// argument.
+    pub(crate) overrides: Vec<Value>,
+    pub(crate) scripts: Scripts,
+    /// The override fields the calls read, which later decisions resolve by
+    /// (`overrides/known.rs`).
+    pub(crate) known: Known,
+    pub(crate) max_batch: usize,
+    /// The call permits of each lane: how many of its calls may be under way at once.
+    pub(crate) in_flight: usize,
+    /// How many times a lane's task lets the runtime run other ready tasks before it sends a
+    /// batch, while each pass brings more requests (see [`gather`]); 0 sends at once.
+    pub(crate) gather: usize,
+    /// How long one call may take before its requests are answered with a timeout.
+    pub(crate) timeout: Duration,
+}
+
+impl Settings {
+    /// The name of lane `lane`'s hash of overrides, as its calls pass it.
+    pub(crate) fn overrides_of(&self, lane: usize) -> Value {
+        self.overrides[lane % self.overrides.len()].clone()
+    }
+
+    /// Keeps what a whole reply `values` of a call to lane `lane` read of the lane's hash of
+    /// overrides.
+    pub(crate) fn learn(&self, lane: usize, values: &[u8], decisions: usize, slot_ops: usize) {
+        let (generation, fields) = wire::read(values, decisions, slot_ops);
+        self.known.learn(lane, generation, fields.flatten());
+    }
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("max_batch", &self.max_batch)
+            .field("in_flight", &self.in_flight)
+            .field("gather", &self.gather)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A call's requests laid out for a script (`wire/`, KEYS and ARGV): the keys of its
+/// decisions, then those of its slot operations; the decisions' arguments one after the
+/// other, and apart from them what finds their override fields ([`Heads`]); each slot
+/// operation's two.
+pub(crate) struct Laid {
+    pub(crate) keys: Vec<Key>,
+    pub(crate) args: Vec<u8>,
+    pub(crate) heads: Heads,
+    pub(crate) ops: Vec<Value>,
+    pub(crate) decisions: usize,
+}
+
+impl Laid {
+    /// One request's call.
+    pub(crate) fn of(key: Key, work: Work) -> Laid {
+        let mut laid = Laid::with_capacity(1, 0);
+        laid.push(key, work);
+        laid
+    }
+
+    pub(crate) fn with_capacity(requests: usize, bytes: usize) -> Laid {
+        Laid {
+            keys: Vec::with_capacity(requests),
+            args: Vec::with_capacity(bytes),
+            heads: Heads::with_capacity(requests),
+            ops: Vec::new(),
+            decisions: 0,
+        }
+    }
+
+    /// Adds a request; every decision must come before the first slot operation.
+    pub(crate) fn push(&mut self, key: Key, work: Work) {
+        self.keys.push(key);
+        match work {
+            Work::Decide(args) => {
+                debug_assert!(self.ops.is_empty(), "a decision after a slot operation");
+                let (head, args) = args.split_at(HEAD.min(args.len()));
+                self.heads.push(head, args);
+                self.args.extend_from_slice(args);
+                self.decisions += 1;
+            }
+            Work::Slot(op) => self.ops.extend(op.args()),
+        }
+    }
+
+    /// Lays out `jobs`, decisions first (each kind in its order); returns the requesters in
+    /// the order of the reply.
+    pub(crate) fn jobs(mut jobs: Vec<Job>) -> (Laid, Vec<Requester>) {
+        // Stable: requests of one key keep their order among their kind.
+        jobs.sort_by_key(|job| job.work.is_slot());
+        let bytes = jobs
+            .iter()
+            .map(|job| match &job.work {
+                Work::Decide(args) => args.len().saturating_sub(HEAD),
+                Work::Slot(_) => 0,
+            })
+            .sum();
+        let mut laid = Laid::with_capacity(jobs.len(), bytes);
+        let mut replies = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            laid.push(job.key, job.work);
+            replies.push(job.reply);
+        }
+        (laid, replies)
+    }
+}
+
+/// Answers each requester, in the order of the reply, from a call's `reply`.
+pub(crate) fn deliver(reply: Result<Bytes, Error>, decisions: usize, replies: Vec<Requester>) {
+    for (i, requester) in replies.into_iter().enumerate() {
+        let result = match &reply {
+            Ok(values) => Ok(answer(values, decisions, i)),
+            Err(error) => Err(error.clone()),
+        };
+        requester.answer(result);
+    }
+}
+
+/// Sends one call and answers each of its requests.
+pub(crate) async fn send(
+    lane: usize,
+    mut group: Vec<Job>,
+    settings: Arc<Settings>,
+    _permit: Arc<OwnedSemaphorePermit>,
+) {
+    let Some(algorithm) = group.first().map(|job| job.algorithm) else {
+        return;
+    };
+    // In the reply's order (`Laid::jobs`), so that the requests kept below line up with it.
+    group.sort_by_key(|job| job.work.is_slot());
+    // Only a cluster answers `TRYAGAIN`, which needs the requests again.
+    let kept: Option<Vec<(Key, Work)>> = match settings.redis {
+        Redis::Cluster(_) => Some(
+            group
+                .iter()
+                .map(|job| (job.key.clone(), job.work.clone()))
+                .collect(),
+        ),
+        Redis::Single(_) => None,
+    };
+    let (laid, replies) = Laid::jobs(group);
+    let decisions = laid.decisions;
+    let reply = call(&settings, lane, algorithm, laid).await;
+    if let Some(kept) = kept {
+        let first = &kept[0].0;
+        if reply.as_ref().is_err_and(is_split) && kept.iter().any(|(key, _)| key != first) {
+            let jobs = kept
+                .into_iter()
+                .zip(replies)
+                .map(|((key, work), reply)| Job {
+                    algorithm,
+                    key,
+                    work,
+                    reply,
+                })
+                .collect();
+            send_by_key(&settings, lane, algorithm, jobs).await;
+            return;
+        }
+    }
+    deliver(reply, decisions, replies);
+}
+
+/// Decides a call's requests again with one call per key, all under way at once, after the
+/// call was refused because its keys are split between the two nodes of a hash slot's migration
+/// (`TRYAGAIN`): each key is then on one node or the other, and a call of one key is never
+/// refused so. Requests of different keys do not affect one another, and each key's requests
+/// keep their order, so the decisions are those the whole call would have made.
+pub(crate) async fn send_by_key(
+    settings: &Arc<Settings>,
+    lane: usize,
+    algorithm: Algorithm,
+    jobs: Vec<Job>,
+) {
+    let mut parts: Vec<Vec<Job>> = Vec::new();
+    for job in jobs {
+        match parts.iter_mut().find(|part| part[0].key == job.key) {
+            Some(part) => part.push(job),
+            None => parts.push(vec![job]),
+        }
+    }
+    let calls: Vec<_> = parts
+        .into_iter()
+        .map(|part| {
+            let settings = Arc::clone(settings);
+            tokio::spawn(async move {
+                let (laid, replies) = Laid::jobs(part);
+                let decisions = laid.decisions;
+                let reply = call(&settings, lane, algorithm, laid).await;
+                deliver(reply, decisions, replies);
+            })
+        })
+        .collect();
+    // The batch's call permit stays taken until every call has returned.
+    for call in calls {
+        let _ = call.await;
+    }
+}
+
+/// Runs the algorithm's script for the requests `laid` out for lane `lane`, within the time
+/// budget; the reply has six integers per decision, the time, then a byte per slot
+/// operation.
+pub(crate) async fn call(
+    settings: &Settings,
+    lane: usize,
+    algorithm: Algorithm,
+    laid: Laid,
+) -> Result<Bytes, Error> {
+    let script = settings.scripts.of(algorithm);
+    let Laid {
+        keys,
+        args,
+        heads,
+        ops,
+        decisions,
+    } = laid;
+    let slot_ops = ops.len() / 2;
+    // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
+    let one_key = keys.iter().all(|key| *key == keys[0]);
+    let (args, heads) = (Bytes::from(args), heads.bytes());
+    let argv = wire::argv(args, settings.overrides_of(lane), heads, ops);
+    let call = async {
+        let nodes = match &settings.redis {
+            // No redirections outside a cluster: nothing to keep for a second try.
+            Redis::Single(pool) => {
+                return script
+                    .evalsha_with_reload(pool.next_connected(), keys, argv)
+                    .await
+            }
+            Redis::Cluster(nodes) => nodes,
+        };
+        loop {
+            let reply = nodes
+                .evalsha(script, keys.clone(), argv.clone(), None)
+                .await;
+            match reply {
+                // The keys are split between the two nodes of a hash slot's migration, or the hash
+                // slot moved on more often than one call follows: try again shortly, within the
+                // time budget.
+                Err(error) if is_transient(&error) && (one_key || !is_split(&error)) => {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                reply => return reply,
+            }
+        }
+    };
+    let values: Bytes = match tokio::time::timeout(settings.timeout, call).await {
+        Ok(reply) => reply?,
+        Err(_) => {
+            // The hash slot's node may be gone, its hash slots failing over to a replica.
+            if let Redis::Cluster(nodes) = &settings.redis {
+                nodes.refresh_soon();
+            }
+            let error = Error::new(ErrorKind::Timeout, "no reply within the time budget");
+            return Err(error);
+        }
+    };
+    check_length(&values, decisions, slot_ops)?;
+    settings.learn(lane, &values, decisions, slot_ops);
+    Ok(values)
+}
+
+/// Whether a call that failed with `error` may succeed if sent again shortly, while a Redis
+/// Cluster moves a hash slot: `TRYAGAIN` (a call's keys are split between the two nodes), or a
+/// redirection left when the hash slot moved on more often than one call follows.
+pub(crate) fn is_transient(error: &Error) -> bool {
+    is_split(error) || ask::is_redirection(error)
+}
+
+/// Whether a call was refused because its keys are split between the two nodes of a hash
+/// slot's migration.
+pub(crate) fn is_split(error: &Error) -> bool {
+    error.details().starts_with("TRYAGAIN")
+}

@@ -1,0 +1,266 @@
+//! A call's reply (`prelude.lua`, "Reply"): how the answer of each request is read.
+
+use fred::error::{Error, ErrorKind};
+
+use super::request::INT;
+use crate::model::slots::Full;
+use crate::model::Outcome;
+use crate::{Decision, Policy, StoreError};
+
+// The reply (`prelude.lua`, "Reply"): six integers per decision, Redis `TIME`, the generation of
+// the hash of overrides, a byte per slot operation, then the override fields the call read
+// ([`Read`]).
+
+/// The limit index of a request refused because its key is in the policy's penalty box
+/// (`BOXED` in `prelude.lua`); its retry is the time until the same request would be
+/// admitted: the later of the box's end and the limits' own retry.
+pub(crate) const BOXED: i64 = -1;
+
+/// The limit index of a request refused because its key holds every concurrency slot
+/// or every slot not kept for the waiters ahead of it (`SLOTS_FULL` in `prelude.lua`). Its
+/// answer carries the request's place in line where it waits (in place of `remaining`), the
+/// time until the first slot expires (as `reset_after`) and the key's typical hold time (as
+/// `retry_after`; -1 while none is known).
+pub(crate) const SLOTS_FULL: i64 = -2;
+
+/// The retry of an admitted request (`-1` in `prelude.lua`'s reply).
+const RETRY_ADMITTED: i64 = -1;
+
+/// The retry of a refusal that no wait helps (`-2` in `prelude.lua`'s reply).
+const RETRY_NEVER: i64 = -2;
+
+/// The count of a request decided by its own limits, no override's (`-1` in `prelude.lua`'s
+/// reply).
+const COUNT_OWN: i64 = -1;
+
+/// What a script answered for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Answer {
+    /// Allowed (0, or 1 + units leased beyond the cost), limit index, remaining, reset after,
+    /// retry after, and the count of the reported limit when an override set it (-1: none).
+    pub(crate) ints: [i64; 6],
+    /// Redis `TIME` during the call, µs since the epoch.
+    pub(crate) time: i64,
+}
+
+/// One request's answer, or the error that failed its call.
+pub(crate) type Answered = Result<Answer, Error>;
+
+/// Whether `values` is a reply to `decisions` decisions and `slot_ops` slot operations: six
+/// integers each, the time, the generation, a byte each, then the fields read ([`read`]).
+pub(crate) fn check_length(values: &[u8], decisions: usize, slot_ops: usize) -> Result<(), Error> {
+    let fixed = (6 * decisions + 2) * INT + slot_ops;
+    let fields = values
+        .get(fixed..)
+        .and_then(|tail| Fields::new(tail).count());
+    if fields.is_none() {
+        let message = format!(
+            "{} bytes for {decisions} decisions and {slot_ops} slot operations",
+            values.len()
+        );
+        return Err(Error::new(ErrorKind::Parse, message));
+    }
+    Ok(())
+}
+
+/// What a call read of its lane's hash of overrides: the hash's generation (`-1`: Redis
+/// refused the read; `0`: the hash holds none), and each field the call read with its value
+/// (`None`: absent), from a reply that [`check_length`] found whole.
+pub(crate) fn read(values: &[u8], decisions: usize, slot_ops: usize) -> (i64, Fields<'_>) {
+    let at = (6 * decisions + 1) * INT;
+    let generation = values
+        .get(at..at + INT)
+        .and_then(|int| int.try_into().ok())
+        .map_or(-1, i64::from_le_bytes);
+    let tail = values.get(at + INT + slot_ops..).unwrap_or_default();
+    (generation, Fields::new(tail))
+}
+
+/// The fields a call read (`prelude.lua`, "Reply"): nothing, or their number, then for each
+/// the length of its name, the name, the length of its value (`-1`: absent) and the value.
+pub(crate) struct Fields<'a> {
+    tail: &'a [u8],
+    left: Option<usize>,
+}
+
+impl<'a> Fields<'a> {
+    fn new(tail: &'a [u8]) -> Fields<'a> {
+        let mut fields = Fields {
+            tail,
+            left: Some(0),
+        };
+        if !tail.is_empty() {
+            fields.left = fields.int().and_then(|n| usize::try_from(n).ok());
+        }
+        fields
+    }
+
+    fn int(&mut self) -> Option<i64> {
+        let (int, rest) = self.tail.split_at_checked(INT)?;
+        self.tail = rest;
+        Some(i64::from_le_bytes(int.try_into().ok()?))
+    }
+
+    fn bytes(&mut self, len: i64) -> Option<&'a [u8]> {
+        let (bytes, rest) = self.tail.split_at_checked(usize::try_from(len).ok()?)?;
+        self.tail = rest;
+        Some(bytes)
+    }
+
+    /// How many fields there are, where the tail is whole and holds nothing more.
+    fn count(mut self) -> Option<usize> {
+        let mut n = 0;
+        for field in self.by_ref() {
+            field?;
+            n += 1;
+        }
+        (self.left == Some(0) && self.tail.is_empty()).then_some(n)
+    }
+}
+
+impl<'a> Iterator for Fields<'a> {
+    /// A field and its value, or `None` where the tail is cut short.
+    type Item = Option<(&'a [u8], Option<&'a [u8]>)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let left = self.left?;
+        if left == 0 {
+            return None;
+        }
+        let mut field = || {
+            let len = self.int()?;
+            let name = self.bytes(len)?;
+            let value = match self.int()? {
+                -1 => None,
+                len => Some(self.bytes(len)?),
+            };
+            Some((name, value))
+        };
+        let field = field();
+        self.left = field.map(|_| left - 1);
+        Some(field)
+    }
+}
+
+/// The answer to request `i` (in the reply's order) in a reply of the right length to
+/// `decisions` decisions and any slot operations after them.
+pub(crate) fn answer(values: &[u8], decisions: usize, i: usize) -> Answer {
+    let int = |at: usize| {
+        let mut le = [0; INT];
+        le.copy_from_slice(&values[at..at + INT]);
+        i64::from_le_bytes(le)
+    };
+    let time_at = 6 * decisions * INT;
+    let time = int(time_at);
+    if i >= decisions {
+        let kept = values[time_at + 2 * INT + (i - decisions)] == b'1';
+        return Answer {
+            ints: [i64::from(kept), 0, 0, 0, RETRY_ADMITTED, COUNT_OWN],
+            time,
+        };
+    }
+    let mut ints = [0; 6];
+    for (j, value) in ints.iter_mut().enumerate() {
+        *value = int((6 * i + j) * INT);
+    }
+    Answer { ints, time }
+}
+
+/// A script's answer to one request, read under its policy.
+pub(crate) struct Verdict {
+    pub(crate) outcome: Outcome,
+    /// The units leased beyond the request's cost.
+    pub(crate) extra: u64,
+    /// The count of the reported limit when an override set it.
+    pub(crate) count: Option<u64>,
+    /// When the key is in the policy's penalty box: how long (µs) until the request would be
+    /// admitted.
+    boxed: Option<u64>,
+    /// When the key has no concurrency slot free for the request: why.
+    slots_full: Option<Full>,
+}
+
+impl Verdict {
+    /// The verdict for a key in its policy's penalty box, admitted in `left` µs.
+    fn boxed(left: u64) -> Verdict {
+        Verdict {
+            outcome: Outcome {
+                allowed: false,
+                index: 0,
+                remaining: 0,
+                reset_after: left,
+                retry_after: Some(left),
+            },
+            extra: 0,
+            count: None,
+            boxed: Some(left),
+            slots_full: None,
+        }
+    }
+
+    /// The decision it tells, under `policy` or the override's count.
+    pub(crate) fn decision(&self, policy: &Policy) -> Decision {
+        if let Some(full) = self.slots_full {
+            return Decision::refused_slot(policy, full);
+        }
+        if let Some(left) = self.boxed {
+            let left = std::time::Duration::from_micros(left);
+            return Decision::boxed(policy, left).with_limit(self.count);
+        }
+        Decision::from_outcome(self.outcome, policy).with_limit(self.count)
+    }
+}
+
+impl Answer {
+    /// Reads `{allowed, index, remaining, reset_after, retry_after, count}` under `policy`.
+    pub(crate) fn verdict(&self, policy: &Policy) -> Result<Verdict, StoreError> {
+        let bad = || StoreError::Reply(format!("{:?}", self.ints));
+        let [allowed, index, remaining, reset_after, retry_after, count] = self.ints;
+        let non_negative = |v: i64| u64::try_from(v).map_err(|_| bad());
+        let count = match count {
+            COUNT_OWN => None,
+            v => Some(non_negative(v)?),
+        };
+        match index {
+            BOXED => {
+                return Ok(Verdict {
+                    count,
+                    ..Verdict::boxed(non_negative(retry_after)?)
+                })
+            }
+            SLOTS_FULL => {
+                let full = Full {
+                    left: non_negative(reset_after)?,
+                    place: non_negative(remaining)?,
+                    hold: u64::try_from(retry_after).unwrap_or(0),
+                };
+                return Ok(Verdict {
+                    slots_full: Some(full),
+                    ..Verdict::boxed(full.left)
+                });
+            }
+            _ => {}
+        }
+        let index = usize::try_from(index)
+            .ok()
+            .filter(|&i| i < policy.limits().len())
+            .ok_or_else(bad)?;
+        let outcome = Outcome {
+            allowed: allowed >= 1,
+            index,
+            remaining: non_negative(remaining)?,
+            reset_after: non_negative(reset_after)?,
+            retry_after: match retry_after {
+                RETRY_ADMITTED | RETRY_NEVER => None,
+                v => Some(non_negative(v)?),
+            },
+        };
+        Ok(Verdict {
+            outcome,
+            extra: non_negative(allowed.max(1) - 1)?,
+            count,
+            boxed: None,
+            slots_full: None,
+        })
+    }
+}

@@ -1,0 +1,210 @@
+//! Support for testing code that uses this crate, and for the crate's own tests, benchmarks
+//! and load tools (feature `test-util`). Not part of the stable API: what is here follows the
+//! engine, and may change in any release.
+//!
+//! - [`FaultyStore`] wraps a store so that its decisions fail on demand, or so that it answers
+//!   as a store in another process would (the layer then keeps its deny cache on and decides
+//!   from its response future, as with Redis).
+//! - [`Engine`] and [`Reserve`] name the hooks that the layer, its ledger and the outbound
+//!   client use ([`Store`] is sealed: they are its supertraits), so that a test can look at
+//!   them: whether a decision needs no waiting ([`Engine::check_now`], a leased one on
+//!   Redis), the version of the limits in force, a reservation's turn.
+//!
+//! ```
+//! use tower_redis_ratelimit::test_util::FaultyStore;
+//! use tower_redis_ratelimit::{Key, MemoryStore, Policy, Store, StoreError};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let store = FaultyStore::new(MemoryStore::new());
+//! let (key, policy) = (Key::from("ann"), "5/1m".parse::<Policy>().unwrap());
+//! assert!(store.check(&key, &policy, 1).await.unwrap().is_allowed());
+//! store.fail(true);
+//! let failed = store.check(&key, &policy, 1).await;
+//! assert!(matches!(failed, Err(StoreError::Unavailable)));
+//! # }
+//! ```
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use crate::model::slots::Waiter;
+use crate::store::engine::Sealed;
+pub use crate::store::engine::{Engine, OnSettled};
+pub use crate::store::reserve::{InLine, Reserve, Ticket, MAX_LATE};
+use crate::store::Overrides;
+use crate::{Decision, Key, Policy, Settlement, Store, StoreError};
+
+/// A store that fails while told to, or that answers as a store in another process would.
+///
+/// While [`fail`](Self::fail)ed, every decision (a check, a check at an event time, a peek,
+/// a waiter's ask, a reservation) fails with [`StoreError::Unavailable`]; settlements, resets
+/// and a line's looks, leaves and pauses still reach the store, as they would once a real
+/// store is back (the layer sends them again until it is). Clones share the switch.
+#[derive(Debug, Clone)]
+pub struct FaultyStore<St> {
+    store: St,
+    down: Arc<AtomicBool>,
+    remote: bool,
+}
+
+/// The future of a [`FaultyStore`]'s decision or settlement.
+pub type FaultyFuture<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send>>;
+
+impl<St: Store> FaultyStore<St> {
+    /// `store`, answering as it does until told to fail.
+    pub fn new(store: St) -> Self {
+        FaultyStore {
+            store,
+            down: Arc::default(),
+            remote: false,
+        }
+    }
+
+    /// The same store, answering as a store in another process would: never without waiting
+    /// (no decision or settlement in place), and not local, so that a layer keeps its deny
+    /// cache on by default. Its futures are ready when first polled.
+    pub fn remote(self) -> Self {
+        FaultyStore {
+            remote: true,
+            ..self
+        }
+    }
+
+    /// Makes every decision fail (`true`) or reach the store again (`false`).
+    pub fn fail(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+
+    /// The store it wraps.
+    pub fn inner(&self) -> &St {
+        &self.store
+    }
+
+    fn decide(&self, decision: St::Future) -> FaultyFuture<Decision> {
+        match self.down.load(Ordering::SeqCst) {
+            true => Box::pin(std::future::ready(Err(StoreError::Unavailable))),
+            false => Box::pin(decision),
+        }
+    }
+}
+
+impl<St: Store> Store for FaultyStore<St> {
+    type Future = FaultyFuture<Decision>;
+    type ResetFuture = FaultyFuture<()>;
+
+    fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        self.decide(self.store.check(key, policy, cost))
+    }
+
+    fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
+        self.decide(self.store.check_at(key, policy, cost, at))
+    }
+
+    fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
+        self.decide(self.store.peek(key, policy, cost))
+    }
+
+    fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
+        Box::pin(self.store.reset(key, policy))
+    }
+
+    fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture {
+        Box::pin(self.store.settle(key, policy, settlement))
+    }
+}
+
+impl<St: Store> Sealed for FaultyStore<St> {}
+
+impl<St: Store> Engine for FaultyStore<St> {
+    fn check_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        if self.remote {
+            return None;
+        }
+        match self.down.load(Ordering::SeqCst) {
+            true => self
+                .store
+                .is_local()
+                .then_some(Err(StoreError::Unavailable)),
+            false => self.store.check_now(key, policy, cost),
+        }
+    }
+
+    fn settle_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        settlement: Settlement,
+    ) -> Option<Result<(), StoreError>> {
+        match self.remote {
+            true => None,
+            false => self.store.settle_now(key, policy, settlement),
+        }
+    }
+
+    fn check_queued(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        cost: u32,
+        waiter: &Waiter,
+    ) -> <Self as Store>::Future {
+        self.decide(self.store.check_queued(key, policy, cost, waiter))
+    }
+
+    fn leave_queue(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
+        self.store.leave_queue(key, policy, waiter);
+    }
+
+    fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
+        self.store.supports(policy)
+    }
+
+    fn limits_version(&self) -> u64 {
+        self.store.limits_version()
+    }
+
+    fn run_time_overrides(&self) -> Option<Overrides> {
+        self.store.run_time_overrides()
+    }
+
+    fn is_local(&self) -> bool {
+        !self.remote && self.store.is_local()
+    }
+}
+
+impl<St: Store> Reserve for FaultyStore<St> {
+    type LineFuture = FaultyFuture<InLine>;
+
+    fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> <Self as Store>::Future {
+        self.decide(self.store.reserve(key, policy, ticket))
+    }
+
+    fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
+        Box::pin(self.store.look(key, policy, ticket))
+    }
+
+    fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
+        Box::pin(self.store.leave(key, policy, ticket))
+    }
+
+    fn pause(&self, key: &Key, policy: &Policy, pause: Duration) -> Self::LineFuture {
+        Box::pin(self.store.pause(key, policy, pause))
+    }
+}
+
+/// When the store recorded the request that got `decision`, on its own clock (the memory
+/// store's [`Clock`](crate::store::Clock), Redis `TIME`); `None` when it recorded nothing, or
+/// the time is not known. A reservation is recorded at its turn.
+pub fn recorded_at(decision: &Decision) -> Option<SystemTime> {
+    let micros = u64::try_from(decision.admitted_at?).ok()?;
+    SystemTime::UNIX_EPOCH.checked_add(Duration::from_micros(micros))
+}
