@@ -75,3 +75,8 @@ mod outbound_guide {}
 #[cfg(all(doctest, feature = "redis", feature = "axum"))]
 #[doc = include_str!("../docs/integration.md")]
 mod integration_guide {}
+
+/// The code blocks of the promises, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/promises.md")]
+mod promises_guide {}
