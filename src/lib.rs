@@ -77,3 +77,13 @@ mod leases_guide {}
 #[cfg(all(doctest, feature = "redis"))]
 #[doc = include_str!("../docs/outbound.md")]
 mod outbound_guide {}
+
+/// The code blocks of the integration guide, compiled as doctests.
+#[cfg(all(doctest, feature = "redis", feature = "axum"))]
+#[doc = include_str!("../docs/integration.md")]
+mod integration_guide {}
+
+/// The code blocks of the promises, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/promises.md")]
+mod promises_guide {}

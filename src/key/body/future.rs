@@ -19,6 +19,7 @@ use tower_service::Service;
 use super::bodies::RequestBody;
 use super::field::{BodyField, Settings};
 use super::parse::{Format, Problem};
+use super::service::InnerError;
 use crate::body::ResponseBody;
 
 pub(super) type BoxError = Box<dyn StdError + Send + Sync>;
@@ -179,7 +180,7 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
+    type Output = Result<Response<ResponseBody<ResBody>>, InnerError<S::Error>>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
@@ -194,7 +195,7 @@ where
                     this.state.set(next);
                 }
                 StateProj::Calling { future } => {
-                    let response = ready!(future.poll(cx))?;
+                    let response = ready!(future.poll(cx)).map_err(InnerError)?;
                     return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }
                 StateProj::Answer { response } => {

@@ -133,7 +133,7 @@ pub use bodies::RequestBody;
 use field::Settings;
 pub use field::{BodyField, BodyKey, Normalize, OtherContent};
 pub use future::ResponseFuture;
-pub use service::BodyFieldService;
+pub use service::{BodyFieldService, InnerError};
 
 /// Reads one field of a form or JSON request body into the request's extensions, for
 /// [`BodyKey`]; see the [module documentation](self) for what it answers and why.

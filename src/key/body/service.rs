@@ -1,6 +1,8 @@
 //! [`BodyFieldService`]: hands the inner service a request whose field the layer read, or
-//! answers itself.
+//! answers itself; [`InnerError`]: the inner service's error, passed on.
 
+use std::convert::Infallible;
+use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -39,11 +41,11 @@ where
     B::Error: Into<BoxError>,
 {
     type Response = Response<ResponseBody<ResBody>>;
-    type Error = S::Error;
+    type Error = InnerError<S::Error>;
     type Future = ResponseFuture<S, B>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+        self.inner.poll_ready(cx).map_err(InnerError)
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
@@ -64,6 +66,67 @@ where
         let inner = std::mem::replace(&mut self.inner, ready);
         let (parts, body) = request.into_parts();
         ResponseFuture::reading(parts, body, inner, format, Arc::clone(settings))
+    }
+}
+
+/// The error of a [`BodyFieldService`]: its inner service's error, passed on unchanged.
+///
+/// The layer answers every problem of its own (a body too large, a field missing) with a
+/// response, so its only errors are the inner service's. They come wrapped for axum's sake.
+/// `MethodRouter::layer` asks of a layer's service only that its error converts into the
+/// route's next error type, `NewError`, which rustc infers. In
+/// `post(login).layer(limit).layer(read)` the type between the two layers is known by two
+/// conversions alone: `limit`'s error (`Infallible`) converts into it, and `read`'s error
+/// converts into `Infallible`, which `Router::route` asks for. Were `read`'s error that type
+/// itself, every type with a `From<Infallible>` would do, and rustc stops with E0283, "cannot
+/// infer type of the type parameter `NewError`". `InnerError<E>` converts into `Infallible`
+/// only where `E` is `Infallible` (and then no `InnerError` can exist), so the type in between
+/// is `Infallible` and the line compiles.
+///
+/// Everywhere else it is an error as any other: it displays as the inner error does, is a
+/// [`std::error::Error`], and so converts into a `Box<dyn Error + Send + Sync>` (hyper, tower's
+/// `BoxError`); [`into_inner`](Self::into_inner) gives the inner error back.
+///
+/// ```
+/// use axum::{routing::post, Router};
+/// use tower_redis_ratelimit::{BodyFieldLayer, RateLimitLayer};
+///
+/// async fn login() -> &'static str {
+///     "welcome"
+/// }
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let read = BodyFieldLayer::new("username")?;
+/// let limit = RateLimitLayer::builder()
+///     .policy("3/1m")
+///     .key(read.key())
+///     .build()?;
+/// let app: Router = Router::new().route("/login", post(login).layer(limit).layer(read));
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InnerError<E>(pub(super) E);
+
+impl<E> InnerError<E> {
+    /// The inner service's error.
+    pub fn into_inner(self) -> E {
+        self.0
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for InnerError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl<E: fmt::Debug + fmt::Display> std::error::Error for InnerError<E> {}
+
+/// An infallible inner service fails with nothing: what axum's routes and `Router::layer`
+/// ask of a layer's error.
+impl From<InnerError<Infallible>> for Infallible {
+    fn from(error: InnerError<Infallible>) -> Self {
+        match error.0 {}
     }
 }
 
