@@ -10,10 +10,10 @@
 //! A refund of usage (see [`usage`](crate::usage)) may make room before a refusal's
 //! retry-after, so it forgets the key's refusal when it is sent and again when it lands. A
 //! refusal the store decided while a refund was on its way would still be cached after both,
-//! when its reply comes last: so each decision takes a [`Ticket`] before it asks the store,
+//! when its reply comes last: so each decision takes a [`Stamp`] before it asks the store,
 //! and its refusal is cached only if no refund of its (policy, key) was sent or landed since.
 //! Refunds are counted per stripe of (policy, key)s in atomics, not per key, so that taking a
-//! ticket costs a hash and a load; a refund of another key of the stripe only makes a refusal
+//! stamp costs a hash and a load; a refund of another key of the stripe only makes a refusal
 //! go uncached, which costs one more store call, never a wrong answer.
 //!
 //! Limits that change at run time (the store's overrides, `store/overrides.rs`) may make room
@@ -56,7 +56,7 @@ impl Pinning for Denial {}
 
 /// The refunds of a stripe counted when a decision started; see [`DenyCache::remember`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Ticket {
+pub(crate) struct Stamp {
     stripe: usize,
     refunds: u64,
     version: u64,
@@ -104,11 +104,11 @@ impl DenyCache {
 
     /// Taken before the store is asked about `key` under `policy`, and given back with its
     /// refusal to [`remember`](Self::remember).
-    pub(crate) fn ticket(&self, key: &Key, policy: &Policy) -> Ticket {
+    pub(crate) fn stamp(&self, key: &Key, policy: &Policy) -> Stamp {
         let stripe = self.stripe(key, policy);
         let refunds = self.refunds[stripe].load(Ordering::Acquire);
         let version = (self.version)();
-        Ticket {
+        Stamp {
             stripe,
             refunds,
             version,
@@ -116,7 +116,7 @@ impl DenyCache {
     }
 
     /// Remembers a refusal that says when to retry, unless a refund of the key was sent or
-    /// landed since `ticket` was taken, or the limits changed: the store may have decided
+    /// landed since `stamp` was taken, or the limits changed: the store may have decided
     /// before the refund or the change made room.
     pub(crate) fn remember(
         &self,
@@ -124,7 +124,7 @@ impl DenyCache {
         policy: &Policy,
         cost: u32,
         decision: Decision,
-        ticket: Ticket,
+        stamp: Stamp,
     ) {
         let Some(retry) = decision.retry_after() else {
             return;
@@ -142,14 +142,14 @@ impl DenyCache {
             decision,
             until: now.saturating_add(micros(retry)),
             cost,
-            version: ticket.version,
+            version: stamp.version,
         };
         let mut shard = self.entries.lock(key, policy.terms_id());
         // Read under the lock that `forget` takes after counting its refund: either this
         // sees the count, or `forget` comes after the insert and removes it.
-        if self.refunds[ticket.stripe].load(Ordering::Acquire) != ticket.refunds
-            || (self.version)() != ticket.version
-            || ticket.version == UNCONFIRMED_LIMITS
+        if self.refunds[stamp.stripe].load(Ordering::Acquire) != stamp.refunds
+            || (self.version)() != stamp.version
+            || stamp.version == UNCONFIRMED_LIMITS
         {
             return;
         }
@@ -223,13 +223,13 @@ mod tests {
         let (key, other) = (Key::from("k"), Key::from("other"));
 
         // Decided, then a refund was sent before the refusal came in: not cached.
-        let before = cache.ticket(&key, &policy);
+        let before = cache.stamp(&key, &policy);
         cache.forget(&key, &policy);
         cache.remember(&key, &policy, 100, refusal(&policy), before);
         assert!(cache.refusal(&key, &policy, 100).is_none());
 
         // Decided after the refund: cached, for requests that cost as much or more.
-        let after = cache.ticket(&key, &policy);
+        let after = cache.stamp(&key, &policy);
         cache.remember(&key, &policy, 100, refusal(&policy), after);
         assert!(cache.refusal(&key, &policy, 100).is_some());
         assert!(cache.refusal(&key, &policy, 99).is_none());
@@ -251,14 +251,14 @@ mod tests {
         let policy: Policy = "150/1m".parse().unwrap();
         let key = Key::from("k");
 
-        let ticket = cache.ticket(&key, &policy);
-        cache.remember(&key, &policy, 1, refusal(&policy), ticket);
+        let stamp = cache.stamp(&key, &policy);
+        cache.remember(&key, &policy, 1, refusal(&policy), stamp);
         assert!(cache.refusal(&key, &policy, 1).is_some());
         // Unconfirmed: the refusal is not repeated, and none decided meanwhile is kept.
         version.store(UNCONFIRMED_LIMITS, Ordering::Release);
         assert!(cache.refusal(&key, &policy, 1).is_none());
-        let ticket = cache.ticket(&key, &policy);
-        cache.remember(&key, &policy, 1, refusal(&policy), ticket);
+        let stamp = cache.stamp(&key, &policy);
+        cache.remember(&key, &policy, 1, refusal(&policy), stamp);
         assert!(cache.refusal(&key, &policy, 1).is_none());
         // Confirmed again, and unchanged: the refusal from before holds again.
         version.store(7, Ordering::Release);

@@ -32,12 +32,12 @@ use crate::Decision;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Settlement {
-    pub(crate) kind: Kind,
+    pub(crate) owed: Owed,
 }
 
 /// What a [`Settlement`] tells the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
+pub(crate) enum Owed {
     /// Adds units to what the request recorded.
     Charge(Units),
     /// Takes back units of those the request recorded.
@@ -97,8 +97,8 @@ impl SlotId {
 }
 
 impl Settlement {
-    fn of(kind: Kind) -> Settlement {
-        Settlement { kind }
+    fn of(owed: Owed) -> Settlement {
+        Settlement { owed }
     }
 
     /// Adds `units` for the request that got `decision`; `None` when it was refused.
@@ -117,7 +117,7 @@ impl Settlement {
         }
         decision
             .allowed
-            .then_some(Settlement::of(Kind::Charge(Units {
+            .then_some(Settlement::of(Owed::Charge(Units {
                 count: units.min(MAX_UNITS),
                 admitted_at: decision.admitted_at,
                 recorded: decision.recorded,
@@ -128,7 +128,7 @@ impl Settlement {
     /// A charge of `units` for a request counted by its outcome, which recorded nothing
     /// before it was called, admitted or over a soft limit.
     pub(crate) fn count(units: u64) -> Settlement {
-        Settlement::of(Kind::Charge(Units {
+        Settlement::of(Owed::Charge(Units {
             count: units.min(MAX_UNITS),
             admitted_at: None,
             recorded: 0,
@@ -141,7 +141,7 @@ impl Settlement {
     pub fn refund(decision: &Decision, units: u64) -> Option<Settlement> {
         decision
             .allowed
-            .then_some(Settlement::of(Kind::Refund(Units {
+            .then_some(Settlement::of(Owed::Refund(Units {
                 count: units.min(decision.recorded),
                 admitted_at: decision.admitted_at,
                 recorded: decision.recorded,
@@ -163,7 +163,7 @@ impl Settlement {
     pub(crate) fn release_after(decision: &Decision, held: Duration) -> Option<Settlement> {
         decision
             .slot
-            .map(|slot| Settlement::of(Kind::Release(SlotId(slot), held)))
+            .map(|slot| Settlement::of(Owed::Release(SlotId(slot), held)))
     }
 
     /// Renews the concurrency slot the request that got `decision` took, for another
@@ -174,22 +174,22 @@ impl Settlement {
     pub(crate) fn renew(decision: &Decision) -> Option<Settlement> {
         decision
             .slot
-            .map(|slot| Settlement::of(Kind::Renew(SlotId(slot))))
+            .map(|slot| Settlement::of(Owed::Renew(SlotId(slot))))
     }
 
     /// Whether this settlement takes units back.
     pub fn is_refund(&self) -> bool {
-        match self.kind {
-            Kind::Refund(_) => true,
-            Kind::Charge(_) | Kind::Release(..) | Kind::Renew(_) => false,
+        match self.owed {
+            Owed::Refund(_) => true,
+            Owed::Charge(_) | Owed::Release(..) | Owed::Renew(_) => false,
         }
     }
 
     /// The units added or taken back; 0 for a concurrency slot's give-back or renewal.
     pub fn units(&self) -> u64 {
-        match self.kind {
-            Kind::Charge(units) | Kind::Refund(units) => units.count,
-            Kind::Release(..) | Kind::Renew(_) => 0,
+        match self.owed {
+            Owed::Charge(units) | Owed::Refund(units) => units.count,
+            Owed::Release(..) | Owed::Renew(_) => 0,
         }
     }
 }

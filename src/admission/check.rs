@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::deny_cache::{DenyCache, Ticket};
+use crate::deny_cache::{DenyCache, Stamp};
 use crate::ledger::post::Ledger;
 use crate::ledger::slots::Holds;
 use crate::ledger::tab::Metering;
@@ -19,8 +19,8 @@ pub(crate) struct Check {
     pub(crate) cost: u32,
     /// The request's gRPC content type, for a gRPC request.
     pub(crate) grpc: Option<http::HeaderValue>,
-    /// The layer's deny cache, with the ticket taken before the store was asked.
-    pub(crate) deny_cache: Option<(DenyCache, Ticket)>,
+    /// The layer's deny cache, with the stamp taken before the store was asked.
+    pub(crate) deny_cache: Option<(DenyCache, Stamp)>,
     /// When the store was asked.
     pub(crate) started: Started,
     /// How usage is settled, and the request's meter, when the layer limits by usage.

@@ -16,8 +16,8 @@ use crate::{Decision, StoreError};
 pin_project! {
     /// Where a decision stands: asked of the store, or (refused for a concurrency slot, with
     /// `max_wait`) waiting to ask again.
-    #[project = StepProj]
-    pub(crate) enum Step<F> {
+    #[project = StateProj]
+    pub(crate) enum State<F> {
         Asking {
             #[pin]
             decision: F,
@@ -32,7 +32,7 @@ pin_project! {
 /// What admission hands on when the decision is not in yet: the step it is at, what it is
 /// about, and how the request may wait for a slot.
 pub(crate) struct Later<F> {
-    pub(crate) step: Step<F>,
+    pub(crate) step: State<F>,
     pub(crate) check: Check,
     pub(crate) waiting: Option<Waiting<F>>,
 }
@@ -41,7 +41,7 @@ impl<F> Later<F> {
     /// The store is asked: `decision` answers.
     pub(crate) fn asking(decision: F, check: Check, waiting: Option<Waiting<F>>) -> Self {
         Later {
-            step: Step::Asking { decision },
+            step: State::Asking { decision },
             check,
             waiting,
         }
@@ -52,14 +52,14 @@ pin_project! {
     /// A decision under way, carrying `call` (what to do once admitted) until its verdict.
     pub(crate) struct Deciding<F, T> {
         #[pin]
-        step: Step<F>,
+        step: State<F>,
         // Boxed: a request is large, and only a store that waits (or a request waiting for a
         // slot) gets here; the futures of requests decided at once stay small to move.
-        pending: Box<Pending<F, T>>,
+        carried: Box<Carried<F, T>>,
     }
 }
 
-struct Pending<F, T> {
+struct Carried<F, T> {
     check: Check,
     waiting: Option<Waiting<F>>,
     call: Option<T>,
@@ -69,7 +69,7 @@ impl<F, T> Deciding<F, T> {
     pub(crate) fn new(later: Later<F>, call: T) -> Self {
         Deciding {
             step: later.step,
-            pending: Box::new(Pending {
+            carried: Box::new(Carried {
                 check: later.check,
                 waiting: later.waiting,
                 call: Some(call),
@@ -88,45 +88,45 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<(Verdict, T)>> {
         let mut this = self.project();
-        let pending = &mut **this.pending;
+        let carried = &mut **this.carried;
         let outcome = loop {
             // `unanswered`: the store's answer never came, though the request may stand in its
             // queue (an outage's refusal at this layer's cap replaces the error).
             let (outcome, may_wait, unanswered) = match this.step.as_mut().project() {
-                StepProj::Waiting { wait } => {
+                StateProj::Waiting { wait } => {
                     ready!(wait.as_mut().poll(cx));
                     // Only a request that may wait waits; were it not so, it is decided as a
                     // store that failed to answer.
-                    let Some(waiting) = pending.waiting.as_mut() else {
+                    let Some(waiting) = carried.waiting.as_mut() else {
                         break Err(StoreError::Unavailable);
                     };
-                    match waiting.after_wait(&pending.check) {
+                    match waiting.after_wait(&carried.check) {
                         Next::Wait(next) => {
                             wait.set(next);
                             continue;
                         }
                         Next::Recheck(decision) => {
-                            this.step.set(Step::Asking { decision });
+                            this.step.set(State::Asking { decision });
                             continue;
                         }
                         Next::GiveUp(refusal) => (Ok(refusal), false, false),
                     }
                 }
-                StepProj::Asking { decision } => {
+                StateProj::Asking { decision } => {
                     let outcome = ready!(decision.poll(cx));
                     let unanswered = outcome.is_err();
-                    (pending.check.at_cap_alone(outcome), true, unanswered)
+                    (carried.check.at_cap_alone(outcome), true, unanswered)
                 }
             };
-            let waiting = pending.waiting.as_mut().filter(|_| may_wait);
-            match waiting.and_then(|w| w.wait_for_slot(&pending.check, &outcome, unanswered)) {
-                Some(wait) => this.step.set(Step::Waiting {
+            let waiting = carried.waiting.as_mut().filter(|_| may_wait);
+            match waiting.and_then(|w| w.wait_for_slot(&carried.check, &outcome, unanswered)) {
+                Some(wait) => this.step.set(State::Waiting {
                     wait: Box::pin(wait),
                 }),
                 None => break outcome,
             }
         };
-        let verdict = pending.check.verdict(outcome);
-        Poll::Ready(pending.call.take().map(|call| (verdict, call)))
+        let verdict = carried.check.verdict(outcome);
+        Poll::Ready(carried.call.take().map(|call| (verdict, call)))
     }
 }

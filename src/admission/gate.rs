@@ -11,7 +11,7 @@ use super::decide::Later;
 use super::limiter::Limiter;
 use super::wait::{SlotQueue, Waiting};
 use super::{Admission, Admitted};
-use crate::deny_cache::{DenyCache, Ticket};
+use crate::deny_cache::{DenyCache, Stamp};
 use crate::metrics::Started;
 use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
 use crate::rules::RequestHead;
@@ -65,7 +65,7 @@ impl<K, St: Store> Limiter<K, St> {
     }
 
     /// The deny cache's refusal of `key`, if it holds one; otherwise the cache with the
-    /// ticket taken before the store is asked, so that a refund sent meanwhile keeps its
+    /// stamp taken before the store is asked, so that a refund sent meanwhile keeps its
     /// refusal out of the cache (none in shadow mode or under a soft limit, which refuse
     /// nothing).
     fn cached(
@@ -88,7 +88,7 @@ impl<K, St: Store> Limiter<K, St> {
             options.tally(policy, key, Tally::DeniedCached);
             return Cached::Hit(responder.rejection(&refusal, grpc));
         }
-        Cached::Miss(Some((cache.clone(), cache.ticket(key, policy))))
+        Cached::Miss(Some((cache.clone(), cache.stamp(key, policy))))
     }
 
     /// The request's usage meter, when the layer limits by usage: every request gets one, so
@@ -141,8 +141,8 @@ impl<K, St: Store> Limiter<K, St> {
 enum Cached {
     /// A refusal it repeats.
     Hit(Response<Full<Bytes>>),
-    /// Nothing: the store decides, with the cache and its ticket, if the layer has one.
-    Miss(Option<(DenyCache, Ticket)>),
+    /// Nothing: the store decides, with the cache and its stamp, if the layer has one.
+    Miss(Option<(DenyCache, Stamp)>),
 }
 
 /// A request passed on without a decision of the store, for the reason `why`.

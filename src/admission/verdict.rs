@@ -200,8 +200,8 @@ impl Check {
             retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
             "rate limit exceeded; refused"
         );
-        if let Some((cache, ticket)) = &self.deny_cache {
-            cache.remember(&self.key, policy, self.cost, d, *ticket);
+        if let Some((cache, stamp)) = &self.deny_cache {
+            cache.remember(&self.key, policy, self.cost, d, *stamp);
         }
         self.responder.rejection(&d, self.grpc.as_ref())
     }
@@ -340,11 +340,11 @@ mod tests {
         }
     }
 
-    /// `check` with a deny cache of its own, its ticket taken as the gate takes it.
+    /// `check` with a deny cache of its own, its stamp taken as the gate takes it.
     fn cached(mut check: Check) -> (Check, DenyCache) {
         let cache = DenyCache::new(100, Arc::new(|| 0));
-        let ticket = cache.ticket(&check.key, &check.responder.policy);
-        check.deny_cache = Some((cache.clone(), ticket));
+        let stamp = cache.stamp(&check.key, &check.responder.policy);
+        check.deny_cache = Some((cache.clone(), stamp));
         (check, cache)
     }
 

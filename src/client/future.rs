@@ -29,7 +29,7 @@ pin_project! {
     {
         #[pin]
         call: Option<S::Future>,
-        step: Step<St>,
+        state: State<St>,
         request: Option<Request<B>>,
         inner: Option<S>,
         failed: Option<OutboundError<S::Error>>,
@@ -39,23 +39,23 @@ pin_project! {
 }
 
 /// Where a request is on its way out.
-enum Step<St: Store> {
+enum State<St: Store> {
     /// Its reservation is on its way.
-    Reserving(Pending<St>),
+    Reserving(Asked<St>),
     /// Its turn has not come yet: it sleeps until its turn, or its next look, or until woken
     /// by a reservation of its layer that left the line or a pause.
     Waiting {
         sleep: Pin<Box<Sleep>>,
         woken: Pin<Box<OwnedNotified>>,
-        held: Held<St>,
+        placed: Placed<St>,
     },
     /// It looks where it stands in line.
     Looking {
         look: Pin<Box<St::LineFuture>>,
-        held: Held<St>,
+        placed: Placed<St>,
     },
     /// Its turn has come; the inner service is not ready yet.
-    Turn(Held<St>),
+    Turn(Placed<St>),
     /// Sent (or failed).
     Gone,
 }
@@ -66,10 +66,10 @@ where
     St: Store,
 {
     pub(super) fn new(seat: Seat<St>, request: Request<B>, inner: S) -> Self {
-        let pending = Pending::new(seat.clone());
+        let asked = Asked::new(seat.clone());
         ResponseFuture {
             call: None,
-            step: Step::Reserving(pending),
+            state: State::Reserving(asked),
             request: Some(request),
             inner: Some(inner),
             failed: None,
@@ -80,7 +80,7 @@ where
     pub(super) fn failed(error: OutboundError<S::Error>) -> Self {
         ResponseFuture {
             call: None,
-            step: Step::Gone,
+            state: State::Gone,
             request: None,
             inner: None,
             failed: Some(error),
@@ -99,53 +99,57 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         loop {
-            // Each step either moves on (`Ok`), or parks until woken (`Err`, the step kept).
-            let next = match std::mem::replace(this.step, Step::Gone) {
-                Step::Reserving(mut pending) => match pending.poll(cx) {
-                    Poll::Pending => Err(Step::Reserving(pending)),
-                    Poll::Ready(held) => Ok(held?.wait()),
+            // Each state either moves on (`Ok`), or parks until woken (`Err`, the state kept).
+            let next = match std::mem::replace(this.state, State::Gone) {
+                State::Reserving(mut asked) => match asked.poll(cx) {
+                    Poll::Pending => Err(State::Reserving(asked)),
+                    Poll::Ready(placed) => Ok(placed?.wait()),
                 },
-                Step::Waiting {
+                State::Waiting {
                     mut sleep,
                     mut woken,
-                    held,
+                    placed,
                 } => {
                     let slept = sleep.as_mut().poll(cx).is_ready();
                     match slept || woken.as_mut().poll(cx).is_ready() {
-                        true => Ok(held.look()),
-                        false => Err(Step::Waiting { sleep, woken, held }),
+                        true => Ok(placed.look()),
+                        false => Err(State::Waiting {
+                            sleep,
+                            woken,
+                            placed,
+                        }),
                     }
                 }
-                Step::Looking { mut look, held } => match look.as_mut().poll(cx) {
-                    Poll::Pending => Err(Step::Looking { look, held }),
-                    Poll::Ready(stood) => Ok(held.after_look(stood)?),
+                State::Looking { mut look, placed } => match look.as_mut().poll(cx) {
+                    Poll::Pending => Err(State::Looking { look, placed }),
+                    Poll::Ready(stood) => Ok(placed.after_look(stood)?),
                 },
-                Step::Turn(mut held) => {
+                State::Turn(mut placed) => {
                     let Some(inner) = this.inner.as_mut() else {
                         return Poll::Pending;
                     };
                     match inner.poll_ready(cx) {
-                        Poll::Pending => Err(Step::Turn(held)),
+                        Poll::Pending => Err(State::Turn(placed)),
                         Poll::Ready(Err(error)) => {
                             return Poll::Ready(Err(OutboundError::Inner(error)))
                         }
                         // Ready later than its units may be used: it reserves again, and
                         // gives the readiness back (a clone of the service is not ready).
-                        Poll::Ready(Ok(())) if held.too_late(Instant::now()) => {
+                        Poll::Ready(Ok(())) if placed.too_late(Instant::now()) => {
                             *inner = inner.clone();
-                            Ok(held.again(None)?)
+                            Ok(placed.again(None)?)
                         }
                         Poll::Ready(Ok(())) => {
                             // The request goes out: its units are used, not given back.
-                            held.keep();
+                            placed.keep();
                             if let Some(request) = this.request.take() {
                                 this.call.set(Some(inner.call(request)));
                             }
-                            Ok(Step::Gone)
+                            Ok(State::Gone)
                         }
                     }
                 }
-                Step::Gone => {
+                State::Gone => {
                     if let Some(error) = this.failed.take() {
                         return Poll::Ready(Err(error));
                     }
@@ -162,9 +166,9 @@ where
                 }
             };
             match next {
-                Ok(step) => *this.step = step,
-                Err(step) => {
-                    *this.step = step;
+                Ok(state) => *this.state = state,
+                Err(state) => {
+                    *this.state = state;
                     return Poll::Pending;
                 }
             }
@@ -270,22 +274,22 @@ impl<St: Store> Seat<St> {
 /// A reservation on its way: if its caller goes away before the store answers, the answer is
 /// still awaited, on a task of its own, and a reservation it made leaves the line; so does one
 /// the store may have made though its answer failed.
-struct Pending<St: Store> {
+struct Asked<St: Store> {
     future: Option<Pin<Box<St::Future>>>,
     seat: Option<Seat<St>>,
 }
 
-impl<St: Store> Pending<St> {
+impl<St: Store> Asked<St> {
     fn new(seat: Seat<St>) -> Self {
         let shared = &seat.shared;
         let reserve = shared.store.reserve(&seat.key, &shared.policy, seat.ticket);
-        Pending {
+        Asked {
             future: Some(Box::pin(reserve)),
             seat: Some(seat),
         }
     }
 
-    fn poll<E>(&mut self, cx: &mut Context<'_>) -> Poll<Result<Held<St>, OutboundError<E>>> {
+    fn poll<E>(&mut self, cx: &mut Context<'_>) -> Poll<Result<Placed<St>, OutboundError<E>>> {
         let Some(future) = self.future.as_mut() else {
             return Poll::Pending;
         };
@@ -307,14 +311,14 @@ impl<St: Store> Pending<St> {
             let turn = decision.retry_after();
             return Poll::Ready(Err(OutboundError::TooLate { turn }));
         }
-        Poll::Ready(Ok(Held {
+        Poll::Ready(Ok(Placed {
             turn_at: Instant::now() + decision.turn(),
             seat: Some(seat),
         }))
     }
 }
 
-impl<St: Store> Drop for Pending<St> {
+impl<St: Store> Drop for Asked<St> {
     fn drop(&mut self) {
         let (Some(future), Some(seat)) = (self.future.take(), self.seat.take()) else {
             return;
@@ -333,38 +337,38 @@ impl<St: Store> Drop for Pending<St> {
 }
 
 /// A reservation in line: it leaves the line when dropped before its request went out.
-struct Held<St: Store> {
+struct Placed<St: Store> {
     /// When its turn comes, as it last learned.
     turn_at: Instant,
     seat: Option<Seat<St>>,
 }
 
-impl<St: Store> Held<St> {
+impl<St: Store> Placed<St> {
     /// Sleeps until its turn, or its next look when that is sooner, or until woken.
-    fn wait(self) -> Step<St> {
+    fn wait(self) -> State<St> {
         let Some(seat) = self.seat.as_ref() else {
-            return Step::Turn(self);
+            return State::Turn(self);
         };
         let shared = &seat.shared;
         let woken = Box::pin(Arc::clone(&shared.wake).notified_owned());
         let next = (Instant::now() + shared.recheck).min(self.turn_at);
-        Step::Waiting {
+        State::Waiting {
             sleep: Box::pin(tokio::time::sleep_until(next)),
             woken,
-            held: self,
+            placed: self,
         }
     }
 
     /// Looks where it stands in line.
-    fn look(self) -> Step<St> {
+    fn look(self) -> State<St> {
         let Some(seat) = self.seat.as_ref() else {
-            return Step::Turn(self);
+            return State::Turn(self);
         };
         let shared = &seat.shared;
         let look = shared.store.look(&seat.key, &shared.policy, seat.ticket);
-        Step::Looking {
+        State::Looking {
             look: Box::pin(look),
-            held: self,
+            placed: self,
         }
     }
 
@@ -375,7 +379,7 @@ impl<St: Store> Held<St> {
     fn after_look<E>(
         mut self,
         stood: Result<InLine, StoreError>,
-    ) -> Result<Step<St>, OutboundError<E>> {
+    ) -> Result<State<St>, OutboundError<E>> {
         let now = Instant::now();
         let stood = match stood {
             Ok(stood) => stood,
@@ -387,7 +391,7 @@ impl<St: Store> Held<St> {
                 if let Some(seat) = self.seat.as_ref() {
                     seat.used();
                 }
-                return Ok(Step::Turn(self));
+                return Ok(State::Turn(self));
             }
             Err(_) => return Ok(self.at_turn(now)),
         };
@@ -417,21 +421,21 @@ impl<St: Store> Held<St> {
 
     /// Leaves the line and reserves again, with what is left of its wait; past it, too late
     /// (`paused`: the key's pause, which its turn would have come after at the earliest).
-    fn again<E>(mut self, paused: Option<Duration>) -> Result<Step<St>, OutboundError<E>> {
+    fn again<E>(mut self, paused: Option<Duration>) -> Result<State<St>, OutboundError<E>> {
         let Some(seat) = self.seat.take() else {
-            return Ok(Step::Gone);
+            return Ok(State::Gone);
         };
         seat.leave();
         match seat.again() {
-            Some(again) => Ok(Step::Reserving(Pending::new(again))),
+            Some(again) => Ok(State::Reserving(Asked::new(again))),
             None => Err(OutboundError::TooLate { turn: paused }),
         }
     }
 
     /// Goes when its turn has come, else waits on.
-    fn at_turn(self, now: Instant) -> Step<St> {
+    fn at_turn(self, now: Instant) -> State<St> {
         match now >= self.turn_at {
-            true => Step::Turn(self),
+            true => State::Turn(self),
             false => self.wait(),
         }
     }
@@ -442,7 +446,7 @@ impl<St: Store> Held<St> {
     }
 }
 
-impl<St: Store> Drop for Held<St> {
+impl<St: Store> Drop for Placed<St> {
     fn drop(&mut self) {
         if let Some(seat) = self.seat.take() {
             seat.leave();

@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use crate::deny_cache::DenyCache;
 use crate::metrics::Report;
 use crate::response::Responder;
-use crate::settlement::Kind;
+use crate::settlement::Owed;
 use crate::{Key, Settlement, Store, StoreError};
 
 /// Settles with a store of a type the layer's response body does not name.
@@ -40,8 +40,8 @@ impl<St: Store> Ledger for StoreLedger<St> {
             Arc::clone(&posting.responder),
             posting.settlement,
         );
-        let pending = Pending::start(posting, Arc::clone(in_flight));
-        let then = Box::new(move |outcome| pending.finish(outcome));
+        let settling = Settling::start(posting, Arc::clone(in_flight));
+        let then = Box::new(move |outcome| settling.finish(outcome));
         self.0
             .settle_then(&key, &responder.policy, settlement, then);
     }
@@ -129,10 +129,10 @@ impl Posting {
         }
         if let Err(error) = outcome {
             Report::settle_error(&self.responder.policy);
-            let what = match self.settlement.kind {
-                Kind::Release(..) => "give back a request's concurrency slot",
-                Kind::Renew(_) => "renew a request's concurrency slot",
-                Kind::Charge(_) | Kind::Refund(_) => "settle a request's usage",
+            let what = match self.settlement.owed {
+                Owed::Release(..) => "give back a request's concurrency slot",
+                Owed::Renew(_) => "renew a request's concurrency slot",
+                Owed::Charge(_) | Owed::Refund(_) => "settle a request's usage",
             };
             tracing::warn!(
                 target: "tower_redis_ratelimit",
@@ -147,15 +147,15 @@ impl Posting {
 
 /// A settle under way in a task: counted in [`InFlight`] until it finishes, or until its task
 /// is dropped without finishing (the runtime shut down), which is reported as a failure.
-struct Pending {
+struct Settling {
     posting: Option<Posting>,
     in_flight: Arc<InFlight>,
 }
 
-impl Pending {
+impl Settling {
     fn start(posting: Posting, in_flight: Arc<InFlight>) -> Self {
         in_flight.count.fetch_add(1, Ordering::AcqRel);
-        Pending {
+        Settling {
             posting: Some(posting),
             in_flight,
         }
@@ -168,7 +168,7 @@ impl Pending {
     }
 }
 
-impl Drop for Pending {
+impl Drop for Settling {
     fn drop(&mut self) {
         if let Some(posting) = self.posting.take() {
             // The task was dropped before the store answered: the settle may or may not have

@@ -7,7 +7,7 @@
 //! `reset_after` is the time until the current window ends. `scripts/fixed_window.lua` is the
 //! same procedure over a hash.
 
-use super::{window_start, Fit, Limiter, Refund, Window, MAX_UNITS};
+use super::{window_start, AlgorithmState, Fit, Refund, Window, MAX_UNITS};
 
 /// Per limit: (start of the window counted, units counted in it).
 #[derive(Debug, Default, Clone)]
@@ -24,7 +24,7 @@ impl FixedWindow {
     }
 }
 
-impl Limiter for FixedWindow {
+impl AlgorithmState for FixedWindow {
     fn fits(&self, now: u64, i: usize, w: &Window, cost: u64) -> Fit {
         if self.used(now, i, w).saturating_add(cost) <= w.count {
             Fit::Yes

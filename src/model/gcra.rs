@@ -35,7 +35,7 @@
 //! [`MAX_GCRA_BUCKET`]: super::MAX_GCRA_BUCKET
 //! [`MAX_UNITS`]: super::MAX_UNITS
 
-use super::{div_ceil, Fit, Limiter, Refund, Window, MAX_UNITS};
+use super::{div_ceil, AlgorithmState, Fit, Refund, Window, MAX_UNITS};
 
 /// Per limit: time of the last write, backlog in GCRA units, and the weight of one unit of
 /// cost (`u`) of the counts it was written under.
@@ -73,7 +73,7 @@ fn reweigh(b: u128, from: u64, to: u128) -> u128 {
         .min(u128::from(MAX_UNITS))
 }
 
-impl Limiter for Gcra {
+impl AlgorithmState for Gcra {
     fn fits(&self, now: u64, i: usize, w: &Window, cost: u64) -> Fit {
         let (u, d) = units(w);
         let capacity = u128::from(w.micros) * d;

@@ -15,7 +15,7 @@ use super::{
 use crate::Policy;
 
 /// One key's state: which one it is, and its algorithm's state.
-pub(crate) struct State {
+pub(crate) struct KeyState {
     /// This state's number, from the store's count of the states it has made (from 1). A
     /// refund applies only to the state that recorded its request (`Decision`'s `state`):
     /// one made afresh since (a reset, an expiry, an eviction) never held its units, even
@@ -119,7 +119,7 @@ pub(crate) struct Take {
     pub(crate) until: u64,
 }
 
-/// A refusal met before the limits decide a request ([`State::refusal`]).
+/// A refusal met before the limits decide a request ([`KeyState::refusal`]).
 pub(crate) enum Refusal {
     /// The limits refuse it, and no wait helps (it is larger than a limit itself).
     Limits(Outcome),
@@ -131,7 +131,7 @@ pub(crate) enum Refusal {
 }
 
 /// What a key's state answered, under its shard's lock.
-pub(crate) struct Answer {
+pub(crate) struct StateAnswer {
     pub(crate) outcome: Outcome,
     /// Until when (µs) the key's state must be kept, when the decision recorded something:
     /// the request it admitted, or the penalty box its refusal earned.
@@ -143,15 +143,15 @@ pub(crate) struct Answer {
     pub(crate) turn: Option<u64>,
 }
 
-impl State {
-    pub(crate) fn new(algorithm: Algorithm, number: u64) -> State {
+impl KeyState {
+    pub(crate) fn new(algorithm: Algorithm, number: u64) -> KeyState {
         let of = match algorithm {
             Algorithm::SlidingLog => Of::Log(SlidingLog::default()),
             Algorithm::SlidingWindow => Of::Sliding(SlidingWindow::default()),
             Algorithm::FixedWindow => Of::Fixed(FixedWindow::default()),
             Algorithm::Gcra => Of::Gcra(Gcra::default()),
         };
-        State {
+        KeyState {
             number,
             of,
             boxed_until: 0,
@@ -252,7 +252,7 @@ impl State {
     /// Decides `ask` against the limits, and keeps what a recorded decision leaves: the
     /// request it admits and the concurrency slot that takes, or the penalty box of a refusal.
     /// `kept` is until when the key's state is kept so far (0: new).
-    pub(crate) fn answer(&mut self, policy: &Policy, ask: &Ask, kept: u64) -> Answer {
+    pub(crate) fn answer(&mut self, policy: &Policy, ask: &Ask, kept: u64) -> StateAnswer {
         if let Some(booking) = ask.reserve {
             return self.reserve(policy, ask, booking);
         }
@@ -266,7 +266,7 @@ impl State {
                 self.slots.take(take.id, take.until, ask.waiter.as_ref());
                 until = until.max(take.until);
             }
-            return Answer {
+            return StateAnswer {
                 outcome,
                 keep_until: Some(until),
                 boxed: None,
@@ -277,7 +277,7 @@ impl State {
         // itself, which no wait helps and the key did not earn): the box answers, the one
         // that still holds, or a new one a recorded refusal sets.
         let Some(retry) = outcome.retry_after else {
-            return Answer {
+            return StateAnswer {
                 outcome,
                 keep_until: None,
                 boxed: None,
@@ -285,7 +285,7 @@ impl State {
             };
         };
         if self.held_until > now && policy.block_micros() > 0 {
-            return Answer {
+            return StateAnswer {
                 outcome,
                 keep_until: None,
                 boxed: Some(retry),
@@ -296,7 +296,7 @@ impl State {
             true => self.penalize(now, policy, kept, retry),
             false => None,
         };
-        Answer {
+        StateAnswer {
             outcome,
             keep_until: until,
             boxed: until.map(|until| (until - now).max(retry)),
@@ -309,7 +309,7 @@ impl State {
     /// at its turn, and the key kept a window past it. Its units may be used `late` after
     /// their turn: the log reads its windows that much longer, GCRA keeps that much drain free
     /// in every bucket (as Redis does, `gcra.lua`).
-    pub(crate) fn reserve(&mut self, policy: &Policy, ask: &Ask, booking: Booking) -> Answer {
+    pub(crate) fn reserve(&mut self, policy: &Policy, ask: &Ask, booking: Booking) -> StateAnswer {
         let Booking {
             id,
             max_wait,
@@ -362,7 +362,7 @@ impl State {
                 (None, refused)
             }
         };
-        Answer {
+        StateAnswer {
             outcome,
             keep_until: turn.map(|turn| expiry(policy, now, turn, ask.stretch) + late),
             boxed: None,

@@ -165,7 +165,7 @@ pub(crate) enum Fit {
 }
 
 /// The per-limit state of one key under one algorithm.
-pub(crate) trait Limiter {
+pub(crate) trait AlgorithmState {
     /// Does a request of `cost` at `now` fit limit `i`?
     fn fits(&self, now: u64, i: usize, w: &Window, cost: u64) -> Fit;
     /// Records an admitted request of `cost` at `now` against every limit.
@@ -220,8 +220,13 @@ impl Refund {
 
 /// Records a settlement at `now` against every limit, deciding nothing: a charge is recorded
 /// as an admitted request of that cost would be, even past the limits; a refund is the
-/// algorithm's own [`Limiter::refund`]. The scripts' record mode 3 is the same.
-pub(crate) fn settle<L: Limiter>(state: &mut L, now: u64, windows: &[Window], settle: Settle) {
+/// algorithm's own [`AlgorithmState::refund`]. The scripts' record mode 3 is the same.
+pub(crate) fn settle<L: AlgorithmState>(
+    state: &mut L,
+    now: u64,
+    windows: &[Window],
+    settle: Settle,
+) {
     match settle {
         Settle::Charge(0) | Settle::Refund(Refund { units: 0, .. }) => {}
         Settle::Charge(units) => state.record(now, windows, units),
@@ -235,7 +240,7 @@ pub(crate) fn settle<L: Limiter>(state: &mut L, now: u64, windows: &[Window], se
 /// helps counts as latest); when admitted, the one with the fewest units left. Ties go to the
 /// shorter window. `scripts/common.lua` (and, written out, `gcra.lua` and
 /// `sliding_log.lua`) is the same procedure.
-pub(crate) fn decide<L: Limiter>(
+pub(crate) fn decide<L: AlgorithmState>(
     state: &mut L,
     now: u64,
     windows: &[Window],

@@ -34,7 +34,7 @@
 
 use std::collections::VecDeque;
 
-use super::{Fit, Limiter, Refund, Window, MAX_UNITS};
+use super::{AlgorithmState, Fit, Refund, Window, MAX_UNITS};
 
 /// One admitted request.
 #[derive(Debug, Clone, Copy)]
@@ -115,7 +115,7 @@ impl SlidingLog {
     }
 }
 
-impl Limiter for SlidingLog {
+impl AlgorithmState for SlidingLog {
     fn fits(&self, t: u64, _: usize, w: &Window, cost: u64) -> Fit {
         let (past, fullest) = self.used(t, w.micros);
         if fullest.saturating_add(cost) <= w.count {

@@ -23,7 +23,7 @@
 //! have passed, i.e. until the full quota is back. `scripts/sliding_window.lua` is the same
 //! procedure over a hash.
 
-use super::{window_start, Fit, Limiter, Refund, Window, MAX_UNITS};
+use super::{window_start, AlgorithmState, Fit, Refund, Window, MAX_UNITS};
 
 /// Per limit: (start of current window, curr, prev).
 #[derive(Debug, Default, Clone)]
@@ -44,7 +44,7 @@ impl SlidingWindow {
     }
 }
 
-impl Limiter for SlidingWindow {
+impl AlgorithmState for SlidingWindow {
     fn fits(&self, now: u64, i: usize, w: &Window, cost: u64) -> Fit {
         let (e, curr, prev) = self.counts(now, i, w);
         let (c, wu) = (w.count as u128, w.micros as u128);

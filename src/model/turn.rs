@@ -5,11 +5,11 @@
 //! A reservation is a decision that waits instead of refusing: the request is decided at the
 //! first `t ≥ earliest` at which each limit admits it, found by stepping to the latest retry of
 //! the limits that refuse (each step passes at least one unit that leaves a window, or the drain
-//! a bucket needs), and recorded there. [`Limiter::earliest`] keeps reservations in order: the
+//! a bucket needs), and recorded there. [`AlgorithmState::earliest`] keeps reservations in order: the
 //! log never places one before the newest event it holds, so that a small request does not
 //! overtake a large one waiting for room; GCRA's backlog is already a queue.
 
-use super::{Fit, Limiter, Window};
+use super::{AlgorithmState, Fit, Window};
 
 /// What [`reserve`] answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,7 +29,7 @@ const STEPS: usize = 1024;
 /// Reserves `cost` units of `state` for the earliest time at or after `now` (and after every
 /// reservation before it) at which every limit of `windows` admits them, if that is at most
 /// `max_wait` µs away; records nothing otherwise.
-pub(crate) fn reserve<L: Limiter>(
+pub(crate) fn reserve<L: AlgorithmState>(
     state: &mut L,
     now: u64,
     windows: &[Window],

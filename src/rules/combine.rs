@@ -26,7 +26,7 @@ impl Capabilities {
     /// Checks one policy of a table, with its plans and whether its rule is soft, against the
     /// layer and against the policies of the table checked before it (`names`). The policy
     /// and plans are those the layer decides by, its algorithm applied.
-    pub(crate) fn check(
+    pub(crate) fn validate(
         &self,
         names: &mut Names,
         policy: &Policy,

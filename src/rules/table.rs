@@ -233,7 +233,7 @@ impl Compiler {
             soft,
         } = rule;
         let (policy, plans) = self.with_algorithm(policy, plans);
-        self.capabilities.check(names, &policy, &plans, soft)?;
+        self.capabilities.validate(names, &policy, &plans, soft)?;
         let mut options = self.options.clone();
         options.soft |= soft;
         let responder = |policy| Arc::new(Responder::new(policy, options.clone()));
@@ -317,13 +317,13 @@ impl RuleTable {
                 runtime: Handle::try_current().ok(),
             }),
         };
-        table.check(checks);
+        table.validate(checks);
         Ok(table)
     }
 
     /// Logs at `WARN` the store's overrides that a table just put in force leaves without
     /// effect (see `orphans.rs`).
-    fn check(&self, checks: Checks) {
+    fn validate(&self, checks: Checks) {
         if let Some(overrides) = &self.shared.compiler.overrides {
             checks.run(overrides, self.shared.runtime.as_ref());
         }
@@ -346,7 +346,7 @@ impl RuleTable {
         let table = self.shared.compiler.compile(rules)?;
         let now = table.policies().cloned().collect();
         let before = self.shared.current.swap(Arc::new(table));
-        self.check(Checks::between(
+        self.validate(Checks::between(
             Some(before.policies().cloned().collect()),
             now,
         ));

@@ -13,7 +13,7 @@ use crate::{Key, Policy, StoreError};
 
 /// The overrides of a memory store.
 #[derive(Default)]
-pub(crate) struct Table {
+pub(crate) struct OverrideTable {
     by_owner: RwLock<HashMap<Box<str>, OwnerOverrides>>,
     /// Whether any override is set, so that a store without any skips the lock.
     any: AtomicBool,
@@ -72,7 +72,7 @@ impl OwnerOverrides {
     }
 }
 
-impl Table {
+impl OverrideTable {
     /// What a decision of `key` under `policy` goes by.
     pub(crate) fn apply<'a>(&self, key: &Key, policy: &'a Policy) -> Applied<'a> {
         if !self.any.load(Ordering::Acquire) {
@@ -154,7 +154,7 @@ impl Table {
 
 /// The memory store's side of [`Overrides`](super::Overrides): in this process, every future
 /// ready at once.
-impl Backend for Table {
+impl Backend for OverrideTable {
     fn kind(&self) -> &'static str {
         "memory"
     }
@@ -169,7 +169,7 @@ impl Backend for Table {
         scope: &'a Scope,
         entry: Entry,
     ) -> BoxFuture<'a, Result<(), OverrideError>> {
-        Table::set(self, policy, scope, entry);
+        OverrideTable::set(self, policy, scope, entry);
         Box::pin(std::future::ready(Ok(())))
     }
 
@@ -178,7 +178,9 @@ impl Backend for Table {
         policy: &'a Policy,
         scope: &'a Scope,
     ) -> BoxFuture<'a, Result<Option<Stored>, OverrideError>> {
-        Box::pin(std::future::ready(Ok(Table::get(self, policy, scope))))
+        Box::pin(std::future::ready(Ok(OverrideTable::get(
+            self, policy, scope,
+        ))))
     }
 
     fn remove<'a>(
@@ -186,7 +188,9 @@ impl Backend for Table {
         policy: &'a Policy,
         scope: &'a Scope,
     ) -> BoxFuture<'a, Result<bool, OverrideError>> {
-        Box::pin(std::future::ready(Ok(Table::remove(self, policy, scope))))
+        Box::pin(std::future::ready(Ok(OverrideTable::remove(
+            self, policy, scope,
+        ))))
     }
 
     /// All of them as one page: listing takes no round trip.
@@ -206,6 +210,6 @@ impl Pages for OnePage {
 }
 
 /// A handle on `table` as the store's overrides.
-pub(crate) fn overrides(table: &Arc<Table>) -> super::Overrides {
+pub(crate) fn overrides(table: &Arc<OverrideTable>) -> super::Overrides {
     super::Overrides::new(Arc::clone(table) as Arc<dyn Backend>)
 }

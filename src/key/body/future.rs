@@ -51,7 +51,7 @@ pin_project! {
         Reading {
             #[pin]
             collect: Collect<Limited<B>>,
-            waiting: Option<Waiting<S>>,
+            reading: Option<Reading<S>>,
         },
         Calling {
             #[pin]
@@ -65,7 +65,7 @@ pin_project! {
 
 /// What a request being read waits with: its head, the service made ready for it, and what
 /// to read.
-struct Waiting<S> {
+struct Reading<S> {
     parts: Parts,
     inner: S,
     format: Format,
@@ -104,7 +104,7 @@ where
         ResponseFuture {
             state: State::Reading {
                 collect: Limited::new(body, settings.limit).collect(),
-                waiting: Some(Waiting {
+                reading: Some(Reading {
                     parts,
                     inner,
                     format,
@@ -128,13 +128,13 @@ where
     }
 
     /// With the body read: the inner service called with the field, or the layer's answer.
-    fn read(waiting: Waiting<S>, read: Result<Collected<Bytes>, BoxError>) -> Self {
-        let Waiting {
+    fn read(reading: Reading<S>, read: Result<Collected<Bytes>, BoxError>) -> Self {
+        let Reading {
             parts,
             mut inner,
             format,
             settings,
-        } = waiting;
+        } = reading;
         let collected = match read {
             Ok(collected) => collected,
             Err(error) if over_limit(&*error) => {
@@ -186,12 +186,12 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Reading { collect, waiting } => {
+                StateProj::Reading { collect, reading } => {
                     let read = ready!(collect.poll(cx));
-                    let waiting = waiting
+                    let reading = reading
                         .take()
                         .expect("ResponseFuture polled after completion");
-                    let next = State::read(waiting, read);
+                    let next = State::read(reading, read);
                     this.state.set(next);
                 }
                 StateProj::Calling { future } => {

@@ -7,10 +7,10 @@ use std::time::{Duration, SystemTime};
 
 use super::clock::since_epoch;
 use super::{MemoryStore, Shared};
-use crate::model::key_state::{expiry, Answer, Ask, Refusal, State, Stretch, Take};
+use crate::model::key_state::{expiry, Ask, KeyState, Refusal, StateAnswer, Stretch, Take};
 use crate::model::slots::Waiter;
 use crate::model::{micros, Refund, Settle};
-use crate::settlement::Kind;
+use crate::settlement::Owed;
 use crate::shards::Entry;
 use crate::store::overrides::Applied;
 use crate::store::StoreError;
@@ -159,19 +159,19 @@ impl MemoryStore {
         let policy = &in_force;
         let algorithm = policy.algorithm();
         // The state a refund's units were recorded in, the only one it applies to.
-        let recorded_in = match &settlement.kind {
-            Kind::Refund(units) => Some(units.state()),
+        let recorded_in = match &settlement.owed {
+            Owed::Refund(units) => Some(units.state()),
             _ => None,
         };
-        let change = match settlement.kind {
-            Kind::Charge(units) => Settle::Charge(units.count()),
-            Kind::Refund(units) => Settle::Refund(Refund {
+        let change = match settlement.owed {
+            Owed::Charge(units) => Settle::Charge(units.count()),
+            Owed::Refund(units) => Settle::Refund(Refund {
                 units: units.count(),
                 at: units.admitted_at().and_then(|at| u64::try_from(at).ok()),
                 recorded: units.recorded(),
             }),
             // Slots are kept by `keep_slot`; they record no units.
-            Kind::Release(..) | Kind::Renew(_) => Settle::Charge(0),
+            Owed::Release(..) | Owed::Renew(_) => Settle::Charge(0),
         };
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
@@ -232,11 +232,11 @@ fn decidable(policy: &Policy, at: Option<SystemTime>) -> Result<(), StoreError> 
 /// kept under another algorithm; `Err` with the refusal it meets before the limits are asked
 /// (boxed: a penalty box or a full key is the rare answer, and a decision is large).
 fn answer_held(
-    entry: &mut Entry<State>,
+    entry: &mut Entry<KeyState>,
     policy: &Policy,
     ask: &Ask,
     shared: &Shared,
-) -> Result<Answer, Box<Decision>> {
+) -> Result<StateAnswer, Box<Decision>> {
     let algorithm = policy.algorithm();
     if !entry.is_live(ask.now) || entry.value.algorithm() != algorithm {
         entry.value = shared.fresh(algorithm);
@@ -270,7 +270,7 @@ fn refused(refusal: Refusal, policy: &Policy) -> Decision {
 
 /// The decision `answer` makes: the penalty box's refusal, or the limits' outcome, with the
 /// concurrency slot an admitted request took and what a recorded one recorded.
-fn decision((answer, state): (Answer, u64), policy: &Policy, ask: &Ask) -> Decision {
+fn decision((answer, state): (StateAnswer, u64), policy: &Policy, ask: &Ask) -> Decision {
     if let Some(left) = answer.boxed {
         return Decision::boxed(policy, Duration::from_micros(left));
     }

@@ -20,13 +20,13 @@ pub use clock::{Clock, ManualClock, TokioClock};
 
 use self::decide::SlotOp;
 use super::engine::{Engine, Sealed};
-use super::override_table::Table;
+use super::override_table::OverrideTable;
 use super::overrides::Overrides;
 use super::{Store, StoreError};
-use crate::model::key_state::{trim, Of, State};
+use crate::model::key_state::{trim, KeyState, Of};
 use crate::model::slots::Waiter;
 use crate::model::Algorithm;
-use crate::settlement::Kind;
+use crate::settlement::Owed;
 use crate::shards::{Pinning, Shards};
 use crate::{Decision, Key, Policy, Settlement};
 
@@ -62,25 +62,25 @@ pub struct MemoryStore {
 }
 
 pub(crate) struct Shared {
-    pub(crate) entries: Shards<State>,
+    pub(crate) entries: Shards<KeyState>,
     /// The id of the next concurrency slot taken.
     pub(crate) next_slot: AtomicU64,
-    /// The number of the next key state made (`State::number`).
+    /// The number of the next key state made (`KeyState::number`).
     pub(crate) next_state: AtomicU64,
     pub(crate) clock: Arc<dyn Clock>,
-    pub(crate) overrides: Arc<Table>,
+    pub(crate) overrides: Arc<OverrideTable>,
 }
 
 impl Shared {
     /// A new, empty state for `algorithm`, numbered.
-    pub(crate) fn fresh(&self, algorithm: Algorithm) -> State {
-        State::new(algorithm, self.next_state.fetch_add(1, Ordering::Relaxed))
+    pub(crate) fn fresh(&self, algorithm: Algorithm) -> KeyState {
+        KeyState::new(algorithm, self.next_state.fetch_add(1, Ordering::Relaxed))
     }
 }
 
 /// The map keeps a key while it is locked out by its penalty box, holds concurrency slots, or
 /// has reservations waiting for their turns or a pause.
-impl Pinning for State {
+impl Pinning for KeyState {
     fn pinned_until(&self) -> u64 {
         let line = self.line.last().unwrap_or(0).max(self.line.paused_until());
         self.locked_until.max(self.slots.last_expiry()).max(line)
@@ -181,7 +181,7 @@ impl Store for MemoryStore {
             // The requests in flight still are: their slots stay.
             Some(entry) if entry.value.slots.last_expiry() > now => {
                 let slots = std::mem::take(&mut entry.value.slots);
-                entry.value = State {
+                entry.value = KeyState {
                     slots,
                     ..self.shared.fresh(policy.algorithm())
                 };
@@ -195,16 +195,16 @@ impl Store for MemoryStore {
         if let Err(error) = super::in_range(policy) {
             return ready(Err(error));
         }
-        match settlement.kind {
-            Kind::Release(id, held) => {
+        match settlement.owed {
+            Owed::Release(id, held) => {
                 let give_back = SlotOp::GiveBack { id: id.get(), held };
                 self.keep_slot(key, policy, give_back);
             }
-            Kind::Renew(id) if !self.keep_slot(key, policy, SlotOp::Renew(id.get())) => {
+            Owed::Renew(id) if !self.keep_slot(key, policy, SlotOp::Renew(id.get())) => {
                 return ready(Err(StoreError::SlotGone))
             }
-            Kind::Renew(_) => {}
-            Kind::Charge(_) | Kind::Refund(_) => self.settle_units(key, policy, settlement),
+            Owed::Renew(_) => {}
+            Owed::Charge(_) | Owed::Refund(_) => self.settle_units(key, policy, settlement),
         }
         ready(Ok(()))
     }

@@ -5,7 +5,7 @@ use std::future::{ready, Ready};
 use std::time::Duration;
 
 use super::MemoryStore;
-use crate::model::key_state::{Ask, Booking, State};
+use crate::model::key_state::{Ask, Booking, KeyState};
 use crate::model::{micros, Refund, Settle};
 use crate::store::reserve::{self, reservable, InLine, Reserve, Ticket};
 use crate::store::Store;
@@ -91,7 +91,7 @@ impl MemoryStore {
         &self,
         key: &Key,
         policy: &Policy,
-        f: impl FnOnce(&mut State, u64) -> Option<u64>,
+        f: impl FnOnce(&mut KeyState, u64) -> Option<u64>,
     ) -> InLine {
         let now = self.now();
         let mut shard = self.shared.entries.lock(key, policy.state_id());

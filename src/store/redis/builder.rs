@@ -182,11 +182,11 @@ impl RedisStoreBuilder {
         // fred's own cluster client (`RedisStore::pool`) connects to every primary at once,
         // and one that is gone would hold it up: it connects in the background.
         drop(pool.connect_pool());
-        match layout::check(&nodes, &self.prefix, self.cluster_tags).await {
+        match layout::verify(&nodes, &self.prefix, self.cluster_tags).await {
             Err(error @ StoreError::Config(_)) => return Err(error),
             Err(error) => {
                 tracing::warn!(target: "tower_redis_ratelimit", %error, "cluster_tags not checked yet");
-                layout::check_later(Arc::downgrade(&nodes), &self.prefix, self.cluster_tags);
+                layout::verify_later(Arc::downgrade(&nodes), &self.prefix, self.cluster_tags);
             }
             Ok(()) => {}
         }
@@ -232,7 +232,7 @@ impl RedisStoreBuilder {
         let (prefix, tags) = (self.prefix.clone(), self.cluster_tags);
         tokio::spawn(async move {
             Nodes::refresh_until_known(weak.clone(), retry).await;
-            layout::check_later(weak, &prefix, tags);
+            layout::verify_later(weak, &prefix, tags);
         });
         Ok(self.store(pool, Some(nodes), scripts))
     }
@@ -354,7 +354,7 @@ impl RedisStoreBuilder {
             breakers: (0..lanes)
                 .map(|_| Breaker::new(self.retry_interval))
                 .collect(),
-            leases: self.leases.map(lease::State::new),
+            leases: self.leases.map(lease::Leasing::new),
             limits: overrides::Limits::new(),
             waiting: Default::default(),
             next_slot: AtomicU64::new(random_start()),

@@ -21,7 +21,7 @@ fn key(prefix: &str) -> String {
 
 /// Records `tags` for `prefix` unless a number is recorded already, then fails with
 /// [`StoreError::Config`] if that number is another.
-pub(super) async fn check(nodes: &Nodes, prefix: &str, tags: usize) -> Result<(), StoreError> {
+pub(super) async fn verify(nodes: &Nodes, prefix: &str, tags: usize) -> Result<(), StoreError> {
     let key = key(prefix);
     let client = nodes.client(fred::util::redis_keyslot(key.as_bytes()))?;
     client.wait_for_connect().await?;
@@ -38,19 +38,19 @@ pub(super) async fn check(nodes: &Nodes, prefix: &str, tags: usize) -> Result<()
     }
 }
 
-/// [`check`] in the background, tried again every second while the cluster does not answer
+/// [`verify`] in the background, tried again every second while the cluster does not answer
 /// (up to a minute), logging a mismatch as an ERROR: for a store that connects in the
 /// background, or whose layout key's primary was gone at connect.
-pub(super) fn check_later(nodes: Weak<Nodes>, prefix: &str, tags: usize) {
+pub(super) fn verify_later(nodes: Weak<Nodes>, prefix: &str, tags: usize) {
     let prefix = prefix.to_owned();
     tokio::spawn(async move {
         for _ in 0..60 {
             let Some(strong) = nodes.upgrade() else {
                 return;
             };
-            let checked =
-                tokio::time::timeout(Duration::from_secs(1), check(&strong, &prefix, tags));
-            match checked.await {
+            let verified =
+                tokio::time::timeout(Duration::from_secs(1), verify(&strong, &prefix, tags));
+            match verified.await {
                 Ok(Ok(())) => return,
                 Ok(Err(error @ StoreError::Config(_))) => {
                     tracing::error!(target: "tower_redis_ratelimit", %error, "rate-limit store misconfigured");

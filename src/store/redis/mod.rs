@@ -42,7 +42,7 @@ use super::engine::{Engine, OnSettled, Sealed};
 use super::{Store, StoreError};
 use crate::model::slots::Waiter;
 use crate::model::Algorithm;
-use crate::settlement::Kind;
+use crate::settlement::Owed;
 use crate::{Decision, Key, Policy, Settlement};
 
 /// Rate-limit state in Redis, shared by every instance of a service.
@@ -86,14 +86,14 @@ struct Inner {
     /// has connections of its own, see `nodes.rs`).
     breakers: Vec<Breaker>,
     /// Set when the store leases ([`RedisStoreBuilder::leases`]).
-    leases: Option<lease::State>,
+    leases: Option<lease::Leasing>,
     /// What this store knows of the limits version in Redis (`overrides/version.rs`).
     limits: overrides::Limits,
     /// The id of the next concurrency slot taken: from a random start per store, so that
     /// instances sharing Redis take different ids, below 2^52 (exact in Lua's doubles).
     next_slot: AtomicU64,
     /// Slot give-backs and renewals waiting for Redis (`slots.rs`).
-    waiting: slots::Waiting,
+    waiting: slots::Unsent,
 }
 
 impl Inner {
@@ -529,11 +529,11 @@ impl Store for RedisStore {
         let place = inner.place(key, policy);
         let algorithm = policy.algorithm();
         let (key, policy) = (key.clone(), policy.clone());
-        let (units, refund) = match settlement.kind {
-            Kind::Charge(units) => (units, false),
-            Kind::Refund(units) => (units, true),
+        let (units, refund) = match settlement.owed {
+            Owed::Charge(units) => (units, false),
+            Owed::Refund(units) => (units, true),
             // Sent through `keep_slot` above.
-            Kind::Release(..) | Kind::Renew(_) => return Box::pin(async { Ok(()) }),
+            Owed::Release(..) | Owed::Renew(_) => return Box::pin(async { Ok(()) }),
         };
         let record = Record::Settle {
             refund,
@@ -644,15 +644,15 @@ impl RedisStore {
 /// renewal for the slot's stored lifetime (`slots.rs`, within a time budget of `budget`);
 /// `None` for a charge or a refund.
 fn slot_op(policy: &Policy, settlement: &Settlement, budget: Duration) -> Option<SlotOp> {
-    match settlement.kind {
-        Kind::Release(id, held) => Some(SlotOp::GiveBack {
+    match settlement.owed {
+        Owed::Release(id, held) => Some(SlotOp::GiveBack {
             id: id.get(),
             held: u64::try_from(held.as_micros()).unwrap_or(u64::MAX),
         }),
-        Kind::Renew(id) => Some(SlotOp::Renew {
+        Owed::Renew(id) => Some(SlotOp::Renew {
             id: id.get(),
             lifetime: slots::stored_micros(policy, budget),
         }),
-        Kind::Charge(_) | Kind::Refund(_) => None,
+        Owed::Charge(_) | Owed::Refund(_) => None,
     }
 }

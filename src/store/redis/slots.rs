@@ -114,12 +114,12 @@ impl SlotWork {
 
 /// The operations waiting for Redis, and the task that sends them again.
 #[derive(Default)]
-pub(super) struct Waiting {
+pub(super) struct Unsent {
     work: Mutex<Vec<SlotWork>>,
     task: Mutex<Option<JoinHandle<()>>>,
 }
 
-impl Waiting {
+impl Unsent {
     fn push(&self, work: SlotWork, inner: &Arc<Inner>) {
         crate::shards::lock(&self.work).push(work);
         let mut task = crate::shards::lock(&self.task);

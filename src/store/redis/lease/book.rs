@@ -29,13 +29,13 @@ pub(crate) struct Return {
 /// Units used in the last `period`, estimated as the sliding window counter does: the
 /// current period's count plus the previous one's, weighted by the share of it still inside.
 #[derive(Debug, Clone, Copy, Default)]
-struct Usage {
+struct RecentUse {
     start: u64,
     current: u64,
     previous: u64,
 }
 
-impl Usage {
+impl RecentUse {
     fn roll(&mut self, now: u64, period: u64) {
         let start = now - now % period;
         if start == self.start {
@@ -66,10 +66,10 @@ impl Usage {
 
 /// What one instance holds for one key under one policy.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Entry {
+pub(crate) struct KeyBook {
     /// Oldest first; a second one arrives when the next lease is fetched ahead of need.
     grants: VecDeque<Grant>,
-    usage: Usage,
+    usage: RecentUse,
     /// Whether a lease is being fetched for this key.
     pub(crate) fetching: bool,
     /// Local time of the last request.
@@ -86,7 +86,7 @@ pub(crate) struct Entry {
     filled: Option<i64>,
 }
 
-impl Entry {
+impl KeyBook {
     /// Counts a request of `cost` at `now` towards the rate leases follow.
     pub(crate) fn used(&mut self, now: u64, period: u64, cost: u64) {
         self.usage.add(now, period, cost);
@@ -261,7 +261,7 @@ mod tests {
 
     #[test]
     fn a_cold_key_asks_for_its_cost_alone() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         e.used(0, PERIOD, 1);
         assert_eq!(e.want(0, PERIOD, 1, 100), 1);
         assert_eq!(e.take(0, 1), None, "nothing leased yet");
@@ -270,7 +270,7 @@ mod tests {
 
     #[test]
     fn lease_size_follows_the_rate_up_to_the_cap() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         // 50 requests in the last period, evenly spread.
         for i in 0..50 {
             e.used(i * 20 * MS, PERIOD, 1);
@@ -285,7 +285,7 @@ mod tests {
 
     #[test]
     fn spends_oldest_grants_first_and_never_expired_ones() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         let first = Grant {
             units: 3,
             expires: 100 * MS,
@@ -318,7 +318,7 @@ mod tests {
 
     #[test]
     fn gives_back_expired_grants_and_everything_when_idle() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         e.used(0, PERIOD, 1);
         for (units, expires, granted) in [(3, 100 * MS, 1), (5, 900 * MS, 2)] {
             let grant = Grant {
@@ -351,7 +351,7 @@ mod tests {
 
     #[test]
     fn prefetches_when_a_quarter_period_of_units_is_left() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         for i in 0..40 {
             e.used(i * 25 * MS, PERIOD, 1);
         }
@@ -379,7 +379,7 @@ mod tests {
 
     #[test]
     fn a_grant_is_not_spendable_at_its_expiry() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         e.granted(grant(2, 100 * MS, 1), outcome(0));
         e.granted(grant(5, 200 * MS, 2), outcome(0));
         assert_eq!(e.units(100 * MS - 1), 7);
@@ -397,7 +397,7 @@ mod tests {
 
     #[test]
     fn spent_and_empty_grants_give_nothing_back() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         e.granted(grant(0, 100 * MS, 1), outcome(0));
         assert!(e.is_empty(), "a grant of no units is not kept");
         e.granted(grant(3, 100 * MS, 2), outcome(0));
@@ -408,7 +408,7 @@ mod tests {
 
     #[test]
     fn empty_only_without_grants_or_a_fetch() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         assert!(e.is_empty());
         e.granted(grant(1, 100 * MS, 1), outcome(0));
         assert!(!e.is_empty(), "holds a grant");
@@ -422,7 +422,7 @@ mod tests {
 
     #[test]
     fn the_latest_answer_by_redis_time_is_reported() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         e.granted(grant(4, PERIOD, 10), outcome(20));
         assert_eq!(e.take(0, 1).expect("held").0.remaining, 20 + 3);
         // An older answer, landing late, counts fewer grants: it is ignored.
@@ -438,7 +438,7 @@ mod tests {
 
     #[test]
     fn only_an_allowed_answer_sets_what_a_lease_admission_reports() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         e.granted(grant(2, PERIOD, 1), outcome(9));
         let allowed = Outcome {
             index: 1,
@@ -462,7 +462,7 @@ mod tests {
     #[test]
     fn a_lease_admission_is_allowed_with_no_wait() {
         // The units are held: whatever Redis said with them, spending one admits.
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         let refused = refused();
         e.granted(grant(2, PERIOD, 1), refused);
         let (d, _) = e.take(0, 1).expect("held");
@@ -473,7 +473,7 @@ mod tests {
 
     #[test]
     fn prefetches_only_below_a_quarter() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         for i in 0..40 {
             e.used(i * 25 * MS, PERIOD, 1);
         }
@@ -487,7 +487,7 @@ mod tests {
 
     #[test]
     fn a_fill_ends_the_grants_made_until_then_and_gives_them_back() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         e.used(0, PERIOD, 1);
         e.granted(grant(4, PERIOD, 10), outcome(0));
         e.granted(grant(6, PERIOD, 20), outcome(0));
@@ -520,7 +520,7 @@ mod tests {
 
     #[test]
     fn a_grant_landing_after_a_fill_it_ran_before_is_never_spent() {
-        let mut e = Entry::default();
+        let mut e = KeyBook::default();
         e.used(0, PERIOD, 1);
         e.fetching = true;
         // The settlement's reply (Redis time 50) is read before the fetch's (Redis time 40).

@@ -54,12 +54,12 @@ pub(crate) mod book;
 mod plan;
 mod state;
 
-use book::{Entry, Grant, Return};
+use book::{Grant, KeyBook, Return};
+use plan::recording;
 pub use plan::Leases;
 pub(crate) use plan::Plan;
-use plan::recording;
 use state::Due;
-pub(crate) use state::State;
+pub(crate) use state::Leasing;
 
 /// How long a lease's reply is waited for, however long after its caller gave up: Redis
 /// counted its units when the script ran, so they are booked (spent or given back) when the
@@ -143,12 +143,12 @@ pub(super) fn limits_changed(inner: &Inner) {
 /// version is older than the stated bound (`overrides/version.rs`, `STALE`): an instance cut
 /// off from Redis cannot know whether a change (a block, a cut) was made meanwhile, so it
 /// decides in Redis, and its failure mode applies there, until it reads the version again.
-fn spending(inner: &Inner, state: &State) -> bool {
+fn spending(inner: &Inner, state: &Leasing) -> bool {
     !state.is_drained() && inner.limits.is_current()
 }
 
 /// What [`check`] does with a request once it has looked at the key's lease.
-enum Step {
+enum Source {
     /// Spent from the lease: the outcome, and the Redis time its last unit was counted.
     Spent(Outcome, Option<i64>),
     /// Goes to Redis taking a lease of up to this many units.
@@ -204,7 +204,7 @@ pub(super) fn settling_headroom(inner: &Inner, policy: &Policy) -> u64 {
 }
 
 /// The lease state of a store that was given a plan, so has leases.
-fn state(inner: &Inner) -> Result<&State, StoreError> {
+fn state(inner: &Inner) -> Result<&Leasing, StoreError> {
     (inner.leases.as_ref()).ok_or_else(|| StoreError::Config("leases are off".into()))
 }
 
@@ -232,25 +232,25 @@ pub(super) async fn check(
     let step = state.with(&key, &policy, |entry| {
         entry.used(now, plan.period, cost.into());
         if drained {
-            return Step::Redis { behind: false };
+            return Source::Redis { behind: false };
         }
         if let Some((outcome, granted)) = entry.take(now, cost.into()) {
-            return Step::Spent(outcome, granted);
+            return Source::Spent(outcome, granted);
         }
         let want = entry.want(now, plan.period, cost.into(), plan.cap);
         if want > u64::from(cost) && !entry.fetching {
             entry.fetching = true;
-            return Step::Lease(want);
+            return Source::Lease(want);
         }
-        Step::Redis {
+        Source::Redis {
             behind: entry.fetching,
         }
     });
     match step {
-        Step::Spent(outcome, granted) => Ok(spent(outcome, granted, &policy, cost)),
-        Step::Lease(want) => lease(&inner, plan, &key, &policy, cost, want).await,
-        Step::Redis { behind: false } => decide(&inner, plan, &key, &policy, cost).await,
-        Step::Redis { behind: true } => {
+        Source::Spent(outcome, granted) => Ok(spent(outcome, granted, &policy, cost)),
+        Source::Lease(want) => lease(&inner, plan, &key, &policy, cost, want).await,
+        Source::Redis { behind: false } => decide(&inner, plan, &key, &policy, cost).await,
+        Source::Redis { behind: true } => {
             // This instance's own lease is on its way: Redis may refuse because of the units
             // it is taking. Then the request waits for it (within the budget) rather than be
             // refused while this instance holds room.
@@ -268,13 +268,13 @@ pub(super) async fn check(
 }
 
 /// Waits up to `budget` for the lease being fetched for `key` to be booked; whether it was.
-async fn landed(state: &State, key: &Key, policy: &Policy, budget: Duration) -> bool {
+async fn landed(state: &Leasing, key: &Key, policy: &Policy, budget: Duration) -> bool {
     let fetching = || state.with(key, policy, |entry| entry.fetching);
     until_landed(state, budget, || !fetching()).await
 }
 
 /// Waits up to `budget`, waking as each lease call is booked, until `done`; whether it came.
-async fn until_landed(state: &State, budget: Duration, done: impl Fn() -> bool) -> bool {
+async fn until_landed(state: &Leasing, budget: Duration, done: impl Fn() -> bool) -> bool {
     let deadline = tokio::time::Instant::now() + budget;
     loop {
         let landed = state.landed.notified();
@@ -415,7 +415,7 @@ struct Lease {
 /// does the cost itself when the caller no longer waited for the reply (`taken_by_caller`
 /// false: it gave up at its time budget).
 fn book(
-    entry: &mut Entry,
+    entry: &mut KeyBook,
     lease: Lease,
     policy: &Policy,
     (outcome, extra, time): (Outcome, u64, i64),
@@ -470,7 +470,7 @@ pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, Stor
 
 /// Takes out of the book, at `now`, the units of expired leases, and all of those of idle keys
 /// (or of every key when `all`), as give-backs to send; forgets the keys left idle and empty.
-fn returns(store: &RedisStore, state: &State, now: u64, all: bool) -> Vec<Due> {
+fn returns(store: &RedisStore, state: &Leasing, now: u64, all: bool) -> Vec<Due> {
     let mut due = Vec::new();
     state.book.retain(|key, held| {
         let plan = state.settings.plan(&held.policy);

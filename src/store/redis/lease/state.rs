@@ -6,16 +6,16 @@ use std::sync::Mutex;
 
 use tokio::sync::Notify;
 
-use super::book::Entry;
+use super::book::KeyBook;
 use super::plan::Leases;
 use crate::model::micros;
 use crate::shards::{Pinning, Shards};
 use crate::{Key, Policy};
 
 /// What a leasing store keeps.
-pub(crate) struct State {
+pub(crate) struct Leasing {
     pub(crate) settings: Leases,
-    pub(crate) book: Shards<Held>,
+    pub(crate) book: Shards<KeyLeases>,
     pub(crate) origin: tokio::time::Instant,
     /// Set by [`RedisStore::drain`]: no new leases, and nothing spent from leases.
     pub(crate) drained: AtomicBool,
@@ -40,15 +40,15 @@ pub(crate) struct Due {
 }
 
 /// One key's leases, with the policy they are for.
-pub(crate) struct Held {
+pub(crate) struct KeyLeases {
     pub(crate) policy: Policy,
-    pub(crate) entry: Entry,
+    pub(crate) entry: KeyBook,
 }
 
 /// A lease is never pinned: one evicted gives its units back when it ends, as any.
-impl Pinning for Held {}
+impl Pinning for KeyLeases {}
 
-impl std::fmt::Debug for State {
+impl std::fmt::Debug for Leasing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Leases")
             .field("settings", &self.settings)
@@ -56,9 +56,9 @@ impl std::fmt::Debug for State {
     }
 }
 
-impl State {
-    pub(crate) fn new(settings: Leases) -> State {
-        State {
+impl Leasing {
+    pub(crate) fn new(settings: Leases) -> Leasing {
+        Leasing {
             settings,
             book: Shards::new(settings.max_keys),
             origin: tokio::time::Instant::now(),
@@ -80,15 +80,20 @@ impl State {
     }
 
     /// Runs `f` on the entry of `key` under `policy`, made if missing.
-    pub(crate) fn with<T>(&self, key: &Key, policy: &Policy, f: impl FnOnce(&mut Entry) -> T) -> T {
+    pub(crate) fn with<T>(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        f: impl FnOnce(&mut KeyBook) -> T,
+    ) -> T {
         let now = self.now();
         let mut locked = self.book.lock(key, policy.terms_id());
         if let Some(found) = locked.get(key, policy.terms_id(), now) {
             return f(&mut found.value.entry);
         }
-        let mut held = Held {
+        let mut held = KeyLeases {
             policy: policy.clone(),
-            entry: Entry::default(),
+            entry: KeyBook::default(),
         };
         let out = f(&mut held.entry);
         locked.insert(key, policy.terms_id(), now, u64::MAX, held);

@@ -26,8 +26,8 @@ use proptest::test_runner::{Config as Cases, TestCaseError, TestRunner};
 
 use crate::model::{
     decide, fixed_window::FixedWindow, gcra::Gcra, settle, sliding_log::SlidingLog,
-    sliding_window::SlidingWindow, window_start, Algorithm, Limiter, Outcome, Refund, Settle,
-    Window,
+    sliding_window::SlidingWindow, window_start, Algorithm, AlgorithmState, Outcome, Refund,
+    Settle, Window,
 };
 use crate::store::redis::wire::{self, Record};
 use crate::{Limit, Policy};
@@ -79,36 +79,36 @@ enum Op {
 }
 
 /// The state of one key on the Rust side, as the memory store keeps it.
-enum State {
+enum Model {
     Log(SlidingLog),
     Sliding(SlidingWindow),
     Fixed(FixedWindow),
     Gcra(Gcra),
 }
 
-impl State {
-    fn new(algorithm: Algorithm) -> State {
+impl Model {
+    fn new(algorithm: Algorithm) -> Model {
         match algorithm {
-            Algorithm::SlidingLog => State::Log(SlidingLog::default()),
-            Algorithm::SlidingWindow => State::Sliding(SlidingWindow::default()),
-            Algorithm::FixedWindow => State::Fixed(FixedWindow::default()),
-            Algorithm::Gcra => State::Gcra(Gcra::default()),
+            Algorithm::SlidingLog => Model::Log(SlidingLog::default()),
+            Algorithm::SlidingWindow => Model::Sliding(SlidingWindow::default()),
+            Algorithm::FixedWindow => Model::Fixed(FixedWindow::default()),
+            Algorithm::Gcra => Model::Gcra(Gcra::default()),
         }
     }
 
     /// `f` over the algorithm's state; the log first trimmed as the memory store trims it.
     fn with<R>(&mut self, t: u64, windows: &[Window], f: impl FnOnce(&mut dyn Lim) -> R) -> R {
         match self {
-            State::Log(log) => {
+            Model::Log(log) => {
                 let longest = windows.last().map_or(0, |w| w.micros);
                 if let Some(cutoff) = t.checked_sub(longest) {
                     log.trim(cutoff);
                 }
                 f(log)
             }
-            State::Sliding(s) => f(s),
-            State::Fixed(s) => f(s),
-            State::Gcra(s) => f(s),
+            Model::Sliding(s) => f(s),
+            Model::Fixed(s) => f(s),
+            Model::Gcra(s) => f(s),
         }
     }
 }
@@ -119,7 +119,7 @@ trait Lim {
     fn settle(&mut self, t: u64, windows: &[Window], change: Settle);
 }
 
-impl<L: Limiter> Lim for L {
+impl<L: AlgorithmState> Lim for L {
     fn decide(&mut self, t: u64, windows: &[Window], cost: u64, record: bool) -> Outcome {
         decide(self, t, windows, cost, record)
     }
@@ -302,7 +302,7 @@ async fn run_counted(
         (None, Algorithm::SlidingLog) => now - 6 * 365 * 86_400_000_000,
         (None, _) => now + 3_600_000_000,
     };
-    let (mut state, mut history) = (State::new(case.algorithm), History::default());
+    let (mut state, mut history) = (Model::new(case.algorithm), History::default());
     // Admissions that may still be refunded: (time, cost, index in history).
     let mut admitted: Vec<Option<(u64, u64, usize)>> = vec![];
     for (step, (gap, op)) in case.steps.iter().enumerate() {

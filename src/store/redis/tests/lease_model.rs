@@ -5,7 +5,7 @@
 
 use proptest::prelude::*;
 
-use super::super::lease::book::{Entry, Grant};
+use super::super::lease::book::{Grant, KeyBook};
 use super::super::lease::{Leases, Plan};
 use crate::model::{window_start, Algorithm, Outcome};
 use crate::Policy;
@@ -129,7 +129,7 @@ fn simulate(
         // The counters (the cases run the fixed window).
         Algorithm::FixedWindow | Algorithm::SlidingWindow => Model::Fixed(0, 0),
     };
-    let mut entries = vec![Entry::default(); instances];
+    let mut entries = vec![KeyBook::default(); instances];
     let mut fetches: Vec<Fetch> = Vec::new();
     let mut admitted = Vec::new();
     let mut now = 0;

@@ -48,7 +48,7 @@ pub(crate) struct Nodes {
     pool_size: usize,
     /// The nodes of the store's URL, asked for the hash slot map when no known node answers.
     seeds: Vec<Server>,
-    table: RwLock<Table>,
+    table: RwLock<HashSlots>,
     /// How long to wait for a node's `CLUSTER SLOTS`.
     patience: Duration,
     /// Set while a refresh is under way.
@@ -60,7 +60,7 @@ pub(crate) struct Nodes {
 
 /// The hash slot map and a pool per node.
 #[derive(Default)]
-struct Table {
+struct HashSlots {
     /// Index in `nodes` of each hash slot's primary, [`NONE`] where none serves it; empty until
     /// the map is first read.
     owners: Vec<u16>,
@@ -68,7 +68,7 @@ struct Table {
     nodes: Vec<(Server, Pool)>,
 }
 
-impl Table {
+impl HashSlots {
     /// The index of `server`'s pool, built (and connecting) if it has none.
     fn node(&mut self, server: &Server, nodes: &Nodes) -> Result<usize, Error> {
         if let Some(i) = self.nodes.iter().position(|(s, _)| s == server) {
@@ -92,7 +92,7 @@ impl Nodes {
             builder,
             pool_size,
             seeds,
-            table: RwLock::new(Table::default()),
+            table: RwLock::new(HashSlots::default()),
             patience,
             refreshing: AtomicBool::new(false),
             origin: Instant::now(),
@@ -107,11 +107,11 @@ impl Nodes {
         Ok(pool)
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, Table> {
+    fn read(&self) -> RwLockReadGuard<'_, HashSlots> {
         self.table.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn write(&self) -> RwLockWriteGuard<'_, Table> {
+    fn write(&self) -> RwLockWriteGuard<'_, HashSlots> {
         self.table.write().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -255,7 +255,7 @@ impl Nodes {
         for owner in owners.iter_mut().filter(|owner| **owner != NONE) {
             *owner = renumber[usize::from(*owner)];
         }
-        *table = Table { owners, nodes };
+        *table = HashSlots { owners, nodes };
         Ok(())
     }
 

@@ -167,7 +167,7 @@ pub(crate) fn answer(values: &[u8], decisions: usize, i: usize) -> Answer {
 }
 
 /// A script's answer to one request, read under its policy.
-pub(crate) struct Verdict {
+pub(crate) struct Reading {
     pub(crate) outcome: Outcome,
     /// The units leased beyond the request's cost.
     pub(crate) extra: u64,
@@ -180,10 +180,10 @@ pub(crate) struct Verdict {
     slots_full: Option<Full>,
 }
 
-impl Verdict {
+impl Reading {
     /// The verdict for a key in its policy's penalty box, admitted in `left` µs.
-    fn boxed(left: u64) -> Verdict {
-        Verdict {
+    fn boxed(left: u64) -> Reading {
+        Reading {
             outcome: Outcome {
                 allowed: false,
                 index: 0,
@@ -213,7 +213,7 @@ impl Verdict {
 
 impl Answer {
     /// Reads `{allowed, index, remaining, reset_after, retry_after, count}` under `policy`.
-    pub(crate) fn verdict(&self, policy: &Policy) -> Result<Verdict, StoreError> {
+    pub(crate) fn verdict(&self, policy: &Policy) -> Result<Reading, StoreError> {
         let bad = || StoreError::Reply(format!("{:?}", self.ints));
         let [allowed, index, remaining, reset_after, retry_after, count] = self.ints;
         let non_negative = |v: i64| u64::try_from(v).map_err(|_| bad());
@@ -223,9 +223,9 @@ impl Answer {
         };
         match index {
             BOXED => {
-                return Ok(Verdict {
+                return Ok(Reading {
                     count,
-                    ..Verdict::boxed(non_negative(retry_after)?)
+                    ..Reading::boxed(non_negative(retry_after)?)
                 })
             }
             SLOTS_FULL => {
@@ -234,9 +234,9 @@ impl Answer {
                     place: non_negative(remaining)?,
                     hold: u64::try_from(retry_after).unwrap_or(0),
                 };
-                return Ok(Verdict {
+                return Ok(Reading {
                     slots_full: Some(full),
-                    ..Verdict::boxed(full.left)
+                    ..Reading::boxed(full.left)
                 });
             }
             _ => {}
@@ -255,7 +255,7 @@ impl Answer {
                 v => Some(non_negative(v)?),
             },
         };
-        Ok(Verdict {
+        Ok(Reading {
             outcome,
             extra: non_negative(allowed.max(1) - 1)?,
             count,
