@@ -326,7 +326,7 @@ impl Holds {
     }
 
     /// Gives back slot `serial`, held for `held`.
-    fn give_back(&self, serial: u64, held: Duration) {
+    fn release(&self, serial: u64, held: Duration) {
         let Some(slot) = crate::shards::lock(&self.held).slots.remove(&serial) else {
             return;
         };
@@ -433,7 +433,7 @@ pub(crate) struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.holds.give_back(self.serial, self.since.elapsed());
+        self.holds.release(self.serial, self.since.elapsed());
     }
 }
 

@@ -111,7 +111,7 @@ impl AlgorithmState for Gcra {
 
     /// The units leave the backlog as far as they still weigh in it: units taken at `at` have
     /// drained for `now - at` since, so at most `units * u - (now - at) * d` of the backlog is
-    /// theirs (the lease give-back, `scripts/release.lua`, takes the same). Without `at`,
+    /// theirs (the lease give-back, `scripts/return.lua`, takes the same). Without `at`,
     /// nothing changes: what still weighs cannot be known.
     fn refund(&mut self, now: u64, windows: &[Window], back: Refund) {
         let Some(at) = back.at else { return };

@@ -136,7 +136,7 @@ impl Slots {
     }
 
     /// Gives slot `id` back, held for `held` µs (0: not known); whether it was held.
-    pub(crate) fn give_back(&mut self, id: u64, held: u64) -> bool {
+    pub(crate) fn release(&mut self, id: u64, held: u64) -> bool {
         let before = self.held.len();
         self.held.retain(|&(slot, _)| slot != id);
         if held > 0 {
@@ -200,8 +200,8 @@ mod tests {
         assert_eq!(slots.full(10, 2, None), None);
         slots.take(2, 150, None);
         assert_eq!(left(slots.full(20, 2, None)), Some(80));
-        assert!(slots.give_back(1, 0));
-        assert!(!slots.give_back(1, 0));
+        assert!(slots.release(1, 0));
+        assert!(!slots.release(1, 0));
         assert_eq!(slots.full(20, 2, None), None);
         slots.take(3, 200, None);
         // Slot 2 expires at 150: from then on one is free.
@@ -230,7 +230,7 @@ mod tests {
         let (a, b) = (waiter(7, false), waiter(3, false));
         assert_eq!(slots.full(10, 1, Some(&a)).unwrap().place, 1_010);
         assert_eq!(slots.full(20, 1, Some(&b)).unwrap().place, 1_020);
-        assert!(slots.give_back(1, 500));
+        assert!(slots.release(1, 500));
         // The slot is free, but held for the first in the queue: the second waiter and a
         // newcomer are refused.
         let (a, b) = (waiter(7, true), waiter(3, true));
@@ -240,7 +240,7 @@ mod tests {
         slots.take(2, 10_000, Some(&a));
         assert_eq!(slots.queue.len(), 1);
         // The first waiter's slot goes back: the second is first now.
-        assert!(slots.give_back(2, 1_500));
+        assert!(slots.release(2, 1_500));
         assert_eq!(slots.full(40, 1, Some(&b)), None);
         // The average of the hold times: 500, then 500 + (1 500 - 500) / 8.
         assert_eq!(slots.hold, 625);
@@ -252,7 +252,7 @@ mod tests {
         slots.take(1, 10_000, None);
         assert!(slots.full(0, 1, Some(&waiter(1, false))).is_some());
         assert!(slots.full(500, 1, Some(&waiter(2, false))).is_some());
-        assert!(slots.give_back(1, 0));
+        assert!(slots.release(1, 0));
         // The first leaves; the second is first.
         assert!(slots.leave(1));
         assert!(!slots.leave(1));

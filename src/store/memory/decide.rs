@@ -18,7 +18,7 @@ use crate::{Decision, Key, Policy, Settlement};
 
 /// What a settle or a waiter leaving does to a key's concurrency slots.
 pub(crate) enum SlotOp {
-    GiveBack { id: u64, held: Duration },
+    Release { id: u64, held: Duration },
     Renew(u64),
     Leave(u64),
 }
@@ -129,7 +129,7 @@ impl MemoryStore {
         }
         let slots = &mut entry.value.slots;
         match op {
-            SlotOp::GiveBack { id, held } => slots.give_back(id, micros(held)),
+            SlotOp::Release { id, held } => slots.release(id, micros(held)),
             SlotOp::Leave(id) => slots.leave(id),
             SlotOp::Renew(id) => {
                 let kept = slots.renew(now, id, until);

@@ -197,8 +197,8 @@ impl Store for MemoryStore {
         }
         match settlement.owed {
             Owed::Release(id, held) => {
-                let give_back = SlotOp::GiveBack { id: id.get(), held };
-                self.keep_slot(key, policy, give_back);
+                let release = SlotOp::Release { id: id.get(), held };
+                self.keep_slot(key, policy, release);
             }
             Owed::Renew(id) if !self.keep_slot(key, policy, SlotOp::Renew(id.get())) => {
                 return ready(Err(StoreError::SlotGone))

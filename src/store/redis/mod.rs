@@ -389,7 +389,7 @@ impl RedisStore {
     /// ```
     pub async fn drain(&self) -> Result<u64, StoreError> {
         lease::stop(&self.inner).await;
-        lease::give_back(self, true).await
+        lease::return_unused(self, true).await
     }
 
     /// Runs `call` on `redis_key` behind the store's breaker for that key and within its
@@ -645,7 +645,7 @@ impl RedisStore {
 /// `None` for a charge or a refund.
 fn slot_op(policy: &Policy, settlement: &Settlement, budget: Duration) -> Option<SlotOp> {
     match settlement.owed {
-        Owed::Release(id, held) => Some(SlotOp::GiveBack {
+        Owed::Release(id, held) => Some(SlotOp::Release {
             id: id.get(),
             held: u64::try_from(held.as_micros()).unwrap_or(u64::MAX),
         }),

@@ -232,7 +232,7 @@ impl Drop for Unheld {
         if !self.armed {
             return;
         }
-        let op = SlotOp::GiveBack {
+        let op = SlotOp::Release {
             id: self.id,
             held: 0,
         };

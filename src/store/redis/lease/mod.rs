@@ -6,7 +6,7 @@
 //! backlog by `k` units. The instance then admits requests from those units on its own
 //! ([`Store::check_now`](crate::Store::check_now)), fetches the next lease in the background
 //! when a quarter of a period's worth is left, and gives back what it did not spend
-//! (`scripts/release.lua`) when the key goes idle, when the lease expires, and on
+//! (`scripts/return.lua`) when the key goes idle, when the lease expires, and on
 //! [`RedisStore::drain`](super::RedisStore::drain).
 //!
 //! **Never over the limit.** Units are taken before they are spent, so Redis always counts at
@@ -397,7 +397,7 @@ fn take(
             let store = RedisStore {
                 inner: Arc::clone(&inner),
             };
-            let _ = give_back(&store, true).await;
+            let _ = return_unused(&store, true).await;
         }
     });
     true
@@ -446,7 +446,7 @@ fn book(
 /// matter. Returns the units handed back. A give-back is sent again only when it certainly
 /// did not run (the breaker was open, or Redis refused the script); one whose reply was
 /// lost may have run, and is not sent twice.
-pub(super) async fn give_back(store: &RedisStore, all: bool) -> Result<u64, StoreError> {
+pub(super) async fn return_unused(store: &RedisStore, all: bool) -> Result<u64, StoreError> {
     let Some(state) = store.inner.leases.as_ref() else {
         return Ok(0);
     };
@@ -478,7 +478,7 @@ fn returns(store: &RedisStore, state: &Leasing, now: u64, all: bool) -> Vec<Due>
         for Return { units, granted } in held.entry.returns(now, idle, all) {
             let policy = &held.policy;
             let windows = policy.windows();
-            let args = wire::encode_release(policy.algorithm(), units, granted, windows);
+            let args = wire::encode_return(policy.algorithm(), units, granted, windows);
             due.push(Due {
                 key: store.inner.place(key, policy).key,
                 args,
@@ -511,7 +511,10 @@ async fn send(store: &RedisStore, due: &[Due]) -> (Result<u64, StoreError>, Vec<
             }
             let keys = chunk.iter().map(|&i| keys[i].clone()).collect();
             let args = chunk.iter().flat_map(|&i| due[i].args.iter().copied());
-            let call = store.inner.batcher.release(keys, args.collect(), PATIENCE);
+            let call = store
+                .inner
+                .batcher
+                .return_units(keys, args.collect(), PATIENCE);
             match call.await {
                 Ok(_) => {
                     if let Ok(sum) = &mut result {
@@ -558,7 +561,7 @@ pub(super) fn spawn_sweeper(store: Weak<Inner>, period: Duration) {
             tick.tick().await;
             let Some(inner) = store.upgrade() else { return };
             let store = RedisStore { inner };
-            if let Err(error) = give_back(&store, false).await {
+            if let Err(error) = return_unused(&store, false).await {
                 tracing::debug!(
                     target: "tower_redis_ratelimit",
                     %error,

@@ -30,7 +30,7 @@ pub(crate) struct Leasing {
     pub(crate) pending: Mutex<Vec<Due>>,
 }
 
-/// A give-back to send: where, its arguments for `scripts/release.lua`, its units, and the
+/// A give-back to send: where, its arguments for `scripts/return.lua`, its units, and the
 /// local time after which it no longer matters (every window that counted it has ended).
 pub(crate) struct Due {
     pub(crate) key: String,

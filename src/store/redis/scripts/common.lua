@@ -88,7 +88,7 @@ end
 
 -- The state of every limit, kept as one string of 64-bit little-endian integers: the m values
 -- of limit 1, then those of limit 2, and so on, then the state's header: the Redis time (us)
--- it was created at, and the last time a lease was taken from it (0: never). release.lua gives
+-- it was created at, and the last time a lease was taken from it (0: never). return.lua gives
 -- a lease back only to state created no later than the lease and holding it (see there).
 -- Returns the values as one flat list (value j of limit i at (i - 1) * m + j) and sets `born`
 -- and `leased`; the list is empty (and `born` nil) when there is no state, or state of

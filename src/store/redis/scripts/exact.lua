@@ -1,7 +1,7 @@
 -- Integers in Lua: exact arithmetic past 2^53, where Lua's doubles stop being exact, and the
 -- decimal text of an integer handed to Redis. Prepended to every script (before prelude.lua,
--- and to release.lua), for the products of counts and times (sliding_window.lua) and GCRA's
--- change of units (gcra.lua, release.lua). The Rust does the same in 128-bit integers.
+-- and to return.lua), for the products of counts and times (sliding_window.lua) and GCRA's
+-- change of units (gcra.lua, return.lua). The Rust does the same in 128-bit integers.
 
 -- The decimal text of the integer x, made once per call: Redis prints every Lua number it
 -- receives with "%.17g", which costs more than the command itself (prelude.lua, "Cost").

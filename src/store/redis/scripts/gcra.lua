@@ -9,7 +9,7 @@
 --           scale/count us (gcra.rs: one unit of cost weighs u = window/scale of them, and
 --           count/scale drain per us), and the u of the counts it was written under; then a
 --           header of two: the Redis time (us) the state was created at and the last time a
---           lease was taken from it (0: never), which refunds and release.lua check. State of
+--           lease was taken from it (0: never), which refunds and return.lua check. State of
 --           another length counts as none.
 -- ARGV[1]   as prelude.lua: 64-bit little-endian signed integers, for each request in turn n,
 --           cost, record (LOOK, ADMIT, LEASE, SETTLE or TAKE), event time (-1: now; GCRA

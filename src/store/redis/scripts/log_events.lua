@@ -1,5 +1,5 @@
 -- The sliding log's events: how a member of its sorted set spells one, and how events are made
--- lighter. Shared by sliding_log.lua (after prelude.lua) and release.lua (which gives leased
+-- lighter. Shared by sliding_log.lua (after prelude.lua) and return.lua (which gives leased
 -- units back), so that both read and rewrite the set alike; decides nothing.
 --
 -- A key  a sorted set; one member per admitted request (or lease), score = event time in us,

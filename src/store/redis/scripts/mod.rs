@@ -46,13 +46,13 @@ pub(crate) const fn source(algorithm: Algorithm) -> &'static str {
     }
 }
 
-/// The text of `scripts/release.lua`, which gives leased units back: it decides nothing, so
+/// The text of `scripts/return.lua`, which gives leased units back: it decides nothing, so
 /// it goes without the prelude; it makes the sliding log's events lighter as the log's own
 /// script does (`scripts/log_events.lua`).
-const RELEASE: &str = concat!(
+const RETURN: &str = concat!(
     include_str!("exact.lua"),
     include_str!("log_events.lua"),
-    include_str!("release.lua")
+    include_str!("return.lua")
 );
 
 /// The text of `scripts/line.lua`, the line of reservations of a key (`src/store/line.rs`): it
@@ -65,8 +65,8 @@ pub(crate) struct Scripts {
     sliding_window: Script,
     fixed_window: Script,
     gcra: Script,
-    /// `scripts/release.lua`.
-    pub(crate) release: Script,
+    /// `scripts/return.lua`.
+    pub(crate) returns: Script,
     /// `scripts/line.lua`.
     pub(crate) line: Script,
 }
@@ -79,7 +79,7 @@ impl Scripts {
             sliding_window: script(Algorithm::SlidingWindow),
             fixed_window: script(Algorithm::FixedWindow),
             gcra: script(Algorithm::Gcra),
-            release: Script::from_lua(RELEASE),
+            returns: Script::from_lua(RETURN),
             line: Script::from_lua(LINE),
         }
     }

@@ -24,7 +24,7 @@
 --           and the override fields read (prelude.lua)
 --
 -- Leases (src/store/redis/lease/, docs/leases.md): a lease is one event of the units it takes
--- (as many as fit in every limit, up to want), at now; release.lua makes it lighter by what
+-- (as many as fit in every limit, up to want), at now; return.lua makes it lighter by what
 -- was not spent. A leasing store spends a unit up to `headroom` after Redis logged it, so
 -- every request of a log policy on a leasing store, leased or not (LOOK, ADMIT sent as a
 -- LEASE of its cost, LEASE, SETTLE, TAKE), reads each window `headroom` longer:

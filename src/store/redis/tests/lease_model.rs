@@ -1,6 +1,6 @@
 //! A property test of the lease bookkeeping on a virtual clock: several instances lease from
 //! one model of the scripts (`gcra.lua`, `fixed_window.lua`, `sliding_log.lua` and
-//! `release.lua`, one limit), and the units they admit, at the times they admit them, never
+//! `return.lua`, one limit), and the units they admit, at the times they admit them, never
 //! exceed the limit.
 
 use proptest::prelude::*;
@@ -60,8 +60,8 @@ impl Model {
         }
     }
 
-    /// `release.lua` for `units` granted at `granted`.
-    fn release(&mut self, now: u64, c: u64, w: u64, units: u64, granted: u64) {
+    /// `return.lua` for `units` granted at `granted`.
+    fn return_units(&mut self, now: u64, c: u64, w: u64, units: u64, granted: u64) {
         match self {
             Model::Log(events) => {
                 let mut left = units;
@@ -171,7 +171,7 @@ fn simulate(
         if sweep {
             for entry in entries.iter_mut() {
                 for r in entry.returns(now, plan.period / 4, false) {
-                    redis.release(now, c, w, r.units, r.granted as u64);
+                    redis.return_units(now, c, w, r.units, r.granted as u64);
                 }
             }
         }

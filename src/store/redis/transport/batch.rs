@@ -132,11 +132,11 @@ impl Batcher {
 }
 
 impl Batcher {
-    /// Runs `scripts/release.lua` once for `keys` (`args`: theirs, encoded one after the other by
-    /// [`wire::encode_release`]), waiting for the reply up to `patience`; in a cluster the keys
+    /// Runs `scripts/return.lua` once for `keys` (`args`: theirs, encoded one after the other by
+    /// [`wire::encode_return`]), waiting for the reply up to `patience`; in a cluster the keys
     /// must share a hash slot. A give-back whose reply is not read cannot be sent again safely (it
     /// may have run), so it is waited for as long as a lease is.
-    pub(crate) async fn release(
+    pub(crate) async fn return_units(
         &self,
         keys: Vec<String>,
         args: Vec<u8>,
@@ -144,7 +144,7 @@ impl Batcher {
     ) -> Result<i64, Error> {
         let keys = keys.into_iter().map(Key::from).collect();
         let argv = vec![Value::Bytes(Bytes::from(args))];
-        self.evalsha_patiently(&self.settings.scripts.release, keys, argv, patience)
+        self.evalsha_patiently(&self.settings.scripts.returns, keys, argv, patience)
             .await
     }
 
@@ -371,7 +371,7 @@ mod tests {
             job(key, Work::Decide(Bytes::from(args)))
         };
         let batch = vec![
-            op("a", SlotOp::GiveBack { id: 7, held: 40 }),
+            op("a", SlotOp::Release { id: 7, held: 40 }),
             decision("b", 1),
             op(
                 "c",

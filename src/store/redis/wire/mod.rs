@@ -5,8 +5,8 @@
 //! This is the Rust side of the contract that the header of `scripts/prelude.lua` states for
 //! the scripts; the two follow the same order (keys, arguments, reply), and name the modes of
 //! a request ([`Mode`]) and the answers that no limit gives ([`BOXED`], [`SLOTS_FULL`]) alike.
-//! A change to one is a change to the other. `scripts/release.lua`'s header states the
-//! arguments of a give-back of leased units ([`encode_release`]).
+//! A change to one is a change to the other. `scripts/return.lua`'s header states the
+//! arguments of a give-back of leased units ([`encode_return`]).
 //!
 //! Arguments and reply are 64-bit little-endian integers rather than Redis's text, so that
 //! Redis neither parses nor prints a number per field (`prelude.lua`, "Cost").

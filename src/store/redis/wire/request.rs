@@ -312,9 +312,9 @@ pub(crate) fn encode_for(
     args
 }
 
-/// The code `scripts/release.lua` knows `algorithm`'s state by (`FIXED_WINDOW`,
+/// The code `scripts/return.lua` knows `algorithm`'s state by (`FIXED_WINDOW`,
 /// `SLIDING_WINDOW`, `GCRA`, `SLIDING_LOG` there).
-const fn release_code(algorithm: Algorithm) -> i64 {
+const fn return_code(algorithm: Algorithm) -> i64 {
     match algorithm {
         Algorithm::FixedWindow => 1,
         Algorithm::SlidingWindow => 2,
@@ -323,16 +323,16 @@ const fn release_code(algorithm: Algorithm) -> i64 {
     }
 }
 
-/// One give-back's arguments as `scripts/release.lua` reads them: algorithm
-/// ([`release_code`]), number of limits, units, the Redis time of the grant (µs), then
+/// One give-back's arguments as `scripts/return.lua` reads them: algorithm
+/// ([`return_code`]), number of limits, units, the Redis time of the grant (µs), then
 /// count, window and scale of each limit.
-pub(crate) fn encode_release(
+pub(crate) fn encode_return(
     algorithm: Algorithm,
     units: u64,
     granted: i64,
     windows: &[Window],
 ) -> Vec<u8> {
-    let code = release_code(algorithm);
+    let code = return_code(algorithm);
     let head = [code, windows.len() as i64, clamp(units), granted];
     let ints = head.into_iter().chain(limits(windows));
     ints.flat_map(i64::to_le_bytes).collect()
@@ -360,7 +360,7 @@ fn clamp(v: u64) -> i64 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum SlotOp {
     /// Gives slot `id` back, held `held` µs (0: not known).
-    GiveBack { id: u64, held: u64 },
+    Release { id: u64, held: u64 },
     /// Renews slot `id` for `lifetime` µs.
     Renew { id: u64, lifetime: u64 },
     /// Takes waiter `id` out of the line.
@@ -373,7 +373,7 @@ impl SlotOp {
     /// minus one more than the µs it was held.
     pub(crate) fn args(self) -> [Value; 2] {
         let (id, what) = match self {
-            SlotOp::GiveBack { id, held } => (id, -clamp(held).min(i64::MAX - 1) - 1),
+            SlotOp::Release { id, held } => (id, -clamp(held).min(i64::MAX - 1) - 1),
             SlotOp::Renew { id, lifetime } => (id, clamp(lifetime.max(1))),
             SlotOp::Leave { id } => (id, 0),
         };

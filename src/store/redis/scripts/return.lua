@@ -7,7 +7,7 @@
 --           fixed_window.lua, sliding_window.lua)
 -- ARGV[1]   64-bit little-endian signed integers, for each give-back k in turn: algorithm
 --           (FIXED_WINDOW 1, SLIDING_WINDOW 2, GCRA 3, SLIDING_LOG 4; protocol.rs,
---           encode_release), n (number of limits), units, the Redis time (us) the lease was
+--           encode_return), n (number of limits), units, the Redis time (us) the lease was
 --           granted at, then count, window (us) and scale (their gcd) of limits 1..n
 --
 -- Reply     the number of keys whose state changed
