@@ -52,7 +52,7 @@ impl Decision {
     }
 
     /// The index, in [`Policy::limits`](crate::Policy::limits), of the limit described.
-    pub fn limit_index(&self) -> usize {
+    pub(crate) fn limit_index(&self) -> usize {
         self.limit_index as usize
     }
 
@@ -157,7 +157,7 @@ impl Decision {
     /// Whether the request took a concurrency slot, which the layer gives back when its
     /// response ends. A caller of [`Store::check`](crate::Store::check) gives it back with
     /// [`Settlement::release`].
-    pub fn holds_slot(&self) -> bool {
+    pub(crate) fn holds_slot(&self) -> bool {
         self.slot.is_some()
     }
 
@@ -207,7 +207,7 @@ impl Decision {
     /// How long a reservation waits for its turn ([`Reserve::reserve`](crate::store::Reserve)),
     /// rounded up to a millisecond: its units may be used that long after the store answered,
     /// not before. Zero for a decision, and for a reservation whose turn is now.
-    pub fn turn(&self) -> Duration {
+    pub(crate) fn turn(&self) -> Duration {
         Duration::from_millis(self.turn_ms.into())
     }
 

@@ -125,6 +125,7 @@ impl<V> Shards<V> {
     }
 
     /// The number of live entries at `now`, once expired ones are dropped.
+    #[cfg(any(test, feature = "test-util"))]
     pub(crate) fn len(&self, now: u64) -> u64 {
         self.shards
             .iter()

@@ -5,6 +5,8 @@
 //! - [`FaultyStore`] wraps a store so that its decisions fail on demand, or so that it answers
 //!   as a store in another process would (the layer then keeps its deny cache on and decides
 //!   from its response future, as with Redis).
+//! - Functions that read what the API does not show: a decision's limit index, slot and turn,
+//!   when it was recorded; a memory store's events, slots and keys; a Redis key.
 //! - [`Engine`] and [`Reserve`] name the hooks that the layer, its ledger and the outbound
 //!   client use ([`Store`] is sealed: they are its supertraits), so that a test can look at
 //!   them: whether a decision needs no waiting ([`Engine::check_now`], a leased one on
@@ -36,7 +38,7 @@ use crate::store::engine::Sealed;
 pub use crate::store::engine::{Engine, OnSettled};
 pub use crate::store::reserve::{InLine, Reserve, Ticket, MAX_LATE};
 use crate::store::Overrides;
-use crate::{Decision, Key, Policy, Settlement, Store, StoreError};
+use crate::{Decision, Key, MemoryStore, Policy, Settlement, Store, StoreError};
 
 /// A store that fails while told to, or that answers as a store in another process would.
 ///
@@ -207,4 +209,44 @@ impl<St: Store> Reserve for FaultyStore<St> {
 pub fn recorded_at(decision: &Decision) -> Option<SystemTime> {
     let micros = u64::try_from(decision.admitted_at?).ok()?;
     SystemTime::UNIX_EPOCH.checked_add(Duration::from_micros(micros))
+}
+
+/// The index, in [`Policy::limits`], of the limit `decision` describes (one past the last for
+/// a concurrency refusal).
+pub fn limit_index(decision: &Decision) -> usize {
+    decision.limit_index()
+}
+
+/// Whether the request that got `decision` took a concurrency slot.
+pub fn holds_slot(decision: &Decision) -> bool {
+    decision.holds_slot()
+}
+
+/// How long a reservation ([`Reserve::reserve`]) waits for its turn, rounded up to a
+/// millisecond; zero for a decision.
+pub fn turn(decision: &Decision) -> Duration {
+    decision.turn()
+}
+
+/// The events (admitted requests, one each whatever its cost) a memory store's sliding log
+/// holds for `key` under `policy` that are younger than its longest window; 0 for other
+/// algorithms and expired keys.
+pub fn events(store: &MemoryStore, key: &Key, policy: &Policy) -> usize {
+    store.events(key, policy)
+}
+
+/// The concurrency slots that `key` holds under `policy` in a memory store now.
+pub fn slots_in_use(store: &MemoryStore, key: &Key, policy: &Policy) -> usize {
+    store.slots_in_use(key, policy)
+}
+
+/// The keys a memory store holds, once expired ones are dropped.
+pub fn key_count(store: &MemoryStore) -> u64 {
+    store.key_count()
+}
+
+/// The Redis key holding the state of `key` under `policy`.
+#[cfg(feature = "redis")]
+pub fn redis_key(store: &crate::RedisStore, key: &Key, policy: &Policy) -> String {
+    store.redis_key(key, policy)
 }

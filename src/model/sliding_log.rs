@@ -76,6 +76,7 @@ impl SlidingLog {
     }
 
     /// The number of events the log holds.
+    #[cfg(any(test, feature = "test-util"))]
     pub(crate) fn events(&self) -> usize {
         self.events.len()
     }

@@ -174,6 +174,7 @@ impl Slots {
     }
 
     /// The slots live at `now`.
+    #[cfg(any(test, feature = "test-util"))]
     pub(crate) fn live(&self, now: u64) -> usize {
         self.held.iter().filter(|&&(_, until)| until > now).count()
     }

@@ -23,7 +23,9 @@ use super::engine::{Engine, Sealed};
 use super::override_table::OverrideTable;
 use super::overrides::Overrides;
 use super::{Store, StoreError};
-use crate::model::key_state::{trim, KeyState, Of};
+use crate::model::key_state::KeyState;
+#[cfg(any(test, feature = "test-util"))]
+use crate::model::key_state::{trim, Of};
 use crate::model::slots::Waiter;
 use crate::model::Algorithm;
 use crate::settlement::Owed;
@@ -117,7 +119,8 @@ impl MemoryStore {
     /// holds for `key` under `policy` that are younger than its longest window.
     ///
     /// Meant for tests and diagnostics; 0 for other algorithms and expired keys.
-    pub fn events(&self, key: &Key, policy: &Policy) -> usize {
+    #[cfg(any(test, feature = "test-util"))]
+    pub(crate) fn events(&self, key: &Key, policy: &Policy) -> usize {
         let now = self.now();
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
@@ -136,7 +139,8 @@ impl MemoryStore {
     /// its requests in flight, counted on every instance that shares this store.
     ///
     /// Meant for tests and diagnostics.
-    pub fn slots_in_use(&self, key: &Key, policy: &Policy) -> usize {
+    #[cfg(any(test, feature = "test-util"))]
+    pub(crate) fn slots_in_use(&self, key: &Key, policy: &Policy) -> usize {
         let now = self.now();
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
@@ -152,7 +156,8 @@ impl MemoryStore {
     }
 
     /// The number of keys held, once expired ones are dropped.
-    pub fn key_count(&self) -> u64 {
+    #[cfg(any(test, feature = "test-util"))]
+    pub(crate) fn key_count(&self) -> u64 {
         self.shared.entries.len(self.now())
     }
 }

@@ -299,7 +299,7 @@ impl RedisStore {
     /// The Redis key holding the state of `key` under `policy`.
     ///
     /// Useful to inspect or clear state by hand.
-    pub fn redis_key(&self, key: &Key, policy: &Policy) -> String {
+    pub(crate) fn redis_key(&self, key: &Key, policy: &Policy) -> String {
         self.inner.place(key, policy).key
     }
 
@@ -405,14 +405,14 @@ impl RedisStore {
     }
 
     /// The prefix of every key this store writes.
-    pub fn prefix(&self) -> &str {
+    pub(crate) fn prefix(&self) -> &str {
         &self.inner.prefix
     }
 
     /// The fred connection pool, e.g. to inspect keys in tests. On a Redis Cluster this is
     /// fred's cluster client, which the scripts do not use (they run on the store's own
     /// connections to each primary): it holds every command while any primary is gone.
-    pub fn pool(&self) -> &fred::clients::Pool {
+    pub(crate) fn pool(&self) -> &fred::clients::Pool {
         &self.inner.pool
     }
 
