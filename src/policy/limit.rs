@@ -133,6 +133,20 @@ impl Limit {
     }
 }
 
+/// `COUNT/WINDOW`, the window in the largest unit that divides it exactly (`d`, `h`, `m`, `s`,
+/// else `ms`): `5/1h`, `3/90s`, `20/500ms`. It is the text [`Limit::from_str`] parses back to
+/// the same limit, so a limit shown in an admin listing or a log can be pasted into a
+/// configuration file.
+///
+/// ```
+/// use tower_redis_ratelimit::Limit;
+///
+/// let limit: Limit = "60/3600s".parse()?;
+/// assert_eq!(limit.to_string(), "60/1h");
+/// assert_eq!(limit.to_string().parse::<Limit>()?, limit);
+/// assert_eq!("7/1500ms".parse::<Limit>()?.to_string(), "7/1500ms");
+/// # Ok::<(), tower_redis_ratelimit::LimitError>(())
+/// ```
 impl fmt::Display for Limit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.count, self.window_label())
@@ -235,5 +249,39 @@ mod tests {
         );
         let msg = "5/1fortnight".parse::<Limit>().unwrap_err().to_string();
         assert!(msg.contains("1fortnight"), "{msg}");
+    }
+
+    #[test]
+    fn displays_in_the_largest_unit_that_divides_the_window() {
+        let cases = [
+            ("5/3600s", "5/1h"),
+            ("1/60000ms", "1/1m"),
+            ("7/1440m", "7/1d"),
+            ("3/90s", "3/90s"),
+            ("3/120m", "3/2h"),
+            ("20/500ms", "20/500ms"),
+            ("1/1500ms", "1/1500ms"),
+            ("2/36h", "2/36h"),
+            ("100/minute", "100/1m"),
+        ];
+        for (text, shown) in cases {
+            let limit: Limit = text.parse().unwrap();
+            assert_eq!(limit.to_string(), shown, "{text}");
+            assert_eq!(limit.to_string().parse::<Limit>(), Ok(limit), "{text}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Every limit, in every unit, reads back as itself.
+        #[test]
+        fn display_parses_back(
+            count in 1..=Limit::MAX_COUNT,
+            unit in proptest::sample::select(vec![1u64, 1_000, 60_000, 3_600_000, 86_400_000]),
+            times in 1u64..=3650 * 86_400_000,
+        ) {
+            let window = ms(times.saturating_mul(unit).min(Limit::MAX_WINDOW.as_millis() as u64));
+            let limit = Limit::new(count, window).unwrap();
+            proptest::prop_assert_eq!(limit.to_string().parse::<Limit>(), Ok(limit));
+        }
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! One role per file: a [`Limit`] and its text (`limit`), a [`Policy`] and what it derives
 //! from its limits (here), and the crate's text for a list of limits, `1/1m + 5/1h`, which
-//! policies are parsed from (`syntax`).
+//! policies are parsed from and displayed as (`syntax`).
 
 mod limit;
 mod syntax;
@@ -32,6 +32,9 @@ pub use limit::{Limit, LimitError};
 ///
 /// let api = Policy::new("api", ["100/1m".parse::<Limit>()?])?;
 /// assert_eq!(api.name(), "api");
+///
+/// // Shown in the same syntax: its limits, shortest window first.
+/// assert_eq!(policy.to_string(), "1/1m + 5/1h + 10/1d");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
