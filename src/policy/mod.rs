@@ -2,7 +2,7 @@
 //!
 //! One role per file: a [`Limit`] and its text (`limit`), a [`Policy`] and what it derives
 //! from its limits (here), and the crate's text for a list of limits, `1/1m + 5/1h`, which
-//! policies are parsed from and displayed as (`syntax`).
+//! policies and overrides are parsed from and displayed as (`syntax`).
 
 mod limit;
 mod syntax;
@@ -15,6 +15,7 @@ use crate::store::owner::{stable_id, Owner};
 
 pub(crate) use limit::parse_window;
 pub use limit::{Limit, LimitError};
+pub(crate) use syntax::{parse_limits, write_limits};
 
 /// A named set of limits that all apply to the same key, decided together.
 ///

@@ -1,5 +1,6 @@
 //! The crate's text for a list of limits, `1/1m + 5/1h + 10/1d`: what a [`Policy`] is parsed
-//! from and shown as, so that what is shown can be pasted back.
+//! from and shown as, and an override ([`Override`](crate::store::Override)) too, so that an
+//! admin tool reads back what it lists.
 
 use std::fmt;
 use std::str::FromStr;

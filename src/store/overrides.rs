@@ -13,8 +13,11 @@
 //! no round trip of its own, batching unchanged. The memory store keeps them in this process
 //! (`override_table.rs`).
 
+use std::fmt;
+use std::str::FromStr;
 use std::sync::Arc;
 
+use crate::policy::{parse_limits, write_limits};
 use crate::{Key, Limit, Policy, PolicyError, StoreError};
 
 /// Whose limits an override changes.
@@ -67,13 +70,58 @@ impl std::fmt::Display for Scope {
     }
 }
 
-/// What an override sets.
+/// What an override sets: other counts for a policy's windows, or a block.
+///
+/// An override is written and shown in the crate's syntax, as a policy's limits are
+/// (`"1/1m + 50/1h + 100/1d"`), or `"block"`, so that an admin endpoint can take what an
+/// operator typed and list what is set in the same text.
+///
+/// ```
+/// use tower_redis_ratelimit::store::Override;
+///
+/// let vip: Override = "100/1d + 1/1m, 50/1h".parse()?;
+/// assert_eq!(vip.to_string(), "1/1m + 50/1h + 100/1d");
+/// assert_eq!("block".parse::<Override>()?, Override::Block);
+/// assert_eq!(Override::Block.to_string(), "block");
+/// assert!("0/1h".parse::<Override>().is_err()); // a block is written `block`
+/// # Ok::<(), tower_redis_ratelimit::PolicyError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Override {
     /// These counts, for the policy's windows (one limit per window, in any order).
     Limits(Vec<Limit>),
     /// No request passes: a limit of zero.
     Block,
+}
+
+/// Parses `"block"` (in any case), or limits as a [`Policy`] parses them
+/// (`"8/1h"`, `"1/1m + 50/1h + 100/1d"`, separated by `+` or `,`, in any order) into
+/// [`Override::Limits`], shortest window first: the order [`Overrides::get`] returns them in,
+/// so that an override read back equals the one parsed. A malformed limit, or two limits for
+/// one window, is an error; whether the windows are the policy's is checked by
+/// [`Overrides::set`], which knows the policy.
+impl FromStr for Override {
+    type Err = PolicyError;
+
+    fn from_str(input: &str) -> Result<Self, Self::Err> {
+        if input.trim().eq_ignore_ascii_case("block") {
+            return Ok(Override::Block);
+        }
+        parse_limits(input).map(Override::Limits)
+    }
+}
+
+/// `block`, or the limits in the order held, as a [`Policy`] displays its own
+/// (`1/1m + 50/1h + 100/1d`): the text [`Override::from_str`] reads back, to the same override
+/// for every override it or [`Overrides::get`] makes (shortest window first, no window twice).
+/// Empty limits, which no store takes, show as nothing.
+impl fmt::Display for Override {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Override::Limits(limits) => write_limits(f, limits),
+            Override::Block => f.write_str("block"),
+        }
+    }
 }
 
 /// Why an override could not be set, read or listed.
@@ -229,6 +277,31 @@ impl Overrides {
     /// the plans' by name, then the keys' by key. All of [`pages`](Self::pages) collected: one
     /// call per page of the policy's overrides, each within its own budget, so listing never
     /// slows a decision by more than a page.
+    ///
+    /// A listing for operators shows each in the crate's syntax: a [`Scope`] displays as
+    /// `all`, `plan:<plan>` or `key:<key>`, the key as stored, and an [`Override`] as its
+    /// limits or `block`, which [`set`](Self::set) takes back.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_redis_ratelimit::store::{Override, Scope};
+    /// use tower_redis_ratelimit::{Key, MemoryStore, Policy};
+    ///
+    /// let store = MemoryStore::new();
+    /// let api = Policy::new("api", ["1/1s".parse()?, "100/1h".parse()?])?;
+    /// let overrides = store.overrides();
+    /// overrides.set(&api, &Scope::All, &"1/1s + 500/1h".parse()?).await?;
+    /// overrides.set(&api, &Scope::Key(Key::from("customer-42")), &Override::Block).await?;
+    /// let lines: Vec<String> = overrides
+    ///     .list(&api)
+    ///     .await?
+    ///     .iter()
+    ///     .map(|(scope, to)| format!("{scope}\t{to}"))
+    ///     .collect();
+    /// assert_eq!(lines, ["all\t1/1s + 500/1h", "key:customer-42\tblock"]);
+    /// # Ok(()) }
+    /// ```
     pub async fn list(&self, policy: &Policy) -> Result<Vec<(Scope, Override)>, OverrideError> {
         let mut pages = self.pages(policy);
         let mut listed = Vec::new();
@@ -443,4 +516,62 @@ pub(crate) enum Applied<'a> {
     Other(Policy),
     /// A block.
     Blocked,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn limit(count: u64, secs: u64) -> Limit {
+        Limit::new(count, Duration::from_secs(secs)).unwrap()
+    }
+
+    #[test]
+    fn the_text_of_an_override() {
+        let cases = [
+            ("block", Override::Block, "block"),
+            (" BLOCK\n", Override::Block, "block"),
+            ("8/1h", Override::Limits(vec![limit(8, 3_600)]), "8/1h"),
+            (
+                "100/1d + 1/60s, 50/1h",
+                Override::Limits(vec![limit(1, 60), limit(50, 3_600), limit(100, 86_400)]),
+                "1/1m + 50/1h + 100/1d",
+            ),
+        ];
+        for (text, parsed, shown) in cases {
+            assert_eq!(text.parse::<Override>(), Ok(parsed.clone()), "{text:?}");
+            assert_eq!(parsed.to_string(), shown, "{text:?}");
+        }
+        for bad in [
+            "",
+            "blocked",
+            "0/1h",
+            "5/1h + 6/60m",
+            "5/1fortnight",
+            "block + 5/1h",
+        ] {
+            assert!(bad.parse::<Override>().is_err(), "{bad:?}");
+        }
+    }
+
+    proptest::proptest! {
+        /// What `parse` or `get` makes (shortest window first, no window twice) reads back as
+        /// itself.
+        #[test]
+        fn display_parses_back(
+            counts in proptest::collection::vec(1..=Limit::MAX_COUNT, 1..5),
+            block: bool,
+        ) {
+            let windows = [1, 90, 3_600, 86_400 * 7];
+            let held: Vec<Limit> = counts
+                .iter()
+                .zip(windows)
+                .map(|(&count, secs)| Limit::new(count, Duration::from_secs(secs)).unwrap())
+                .collect();
+            let to = if block { Override::Block } else { Override::Limits(held) };
+            proptest::prop_assert_eq!(to.to_string().parse::<Override>(), Ok(to));
+        }
+    }
 }
