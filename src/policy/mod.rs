@@ -93,7 +93,8 @@ pub enum PolicyError {
         window: String,
     },
     /// Other limits for a policy ([`Policy::with_limits`]) must keep its windows: the
-    /// state is kept per window.
+    /// state is kept per window. An override ([`Override`](crate::store::Override)) may
+    /// leave some of them out, which keep the policy's counts, but names no other window.
     #[error("the limits must have the policy's windows, {expected}")]
     OtherWindows {
         /// The policy's windows, e.g. `1m+1h+1d`.

@@ -1,12 +1,13 @@
 //! Limits changed at run time, for one client key, for the customers of one plan, or for every
 //! key of a policy, kept in the store so that every instance that shares it decides by them.
 //!
-//! An override replaces a policy's counts, never its windows or algorithm, and keeps its
-//! state: the usage recorded so far still counts (see [`Policy::identity`] for what that
-//! means for each algorithm). So raising `5/1h` to `8/1h` after five requests admits three
-//! more, lowering it refuses until enough usage has aged out, and removing the override
-//! restores the policy's own counts. A block refuses every request of the key (or of the plan,
-//! or of the policy) until it is removed. Which override decides: [`Scope`].
+//! An override replaces a policy's counts (all of them, or those of the windows it names),
+//! never its windows or algorithm, and keeps its state: the usage recorded so far still
+//! counts (see [`Policy::identity`] for what that means for each algorithm). So raising
+//! `5/1h` to `8/1h` after five requests admits three more, lowering it refuses until enough
+//! usage has aged out, and removing the override restores the policy's own counts. A block
+//! refuses every request of the key (or of the plan, or of the policy) until it is removed.
+//! Which override decides: [`Scope`].
 //!
 //! On Redis an override lives in a hash per hash tag, in the hash slot of the keys it governs
 //! (`src/store/redis/overrides/`), and the decision's own script reads it in the same call:
@@ -76,6 +77,13 @@ impl std::fmt::Display for Scope {
 /// (`"1/1m + 50/1h + 100/1d"`), or `"block"`, so that an admin endpoint can take what an
 /// operator typed and list what is set in the same text.
 ///
+/// **An override may name some of the policy's windows only**, e.g. `8/1h` for a policy of
+/// `1/1m + 5/1h + 10/1d`: [`Overrides::set`] keeps the policy's own counts for the windows it
+/// does not name, taken from the policy given to `set` when it is set, and stores the whole,
+/// so [`Overrides::get`] and [`Overrides::list`] return every window's count
+/// (`1/1m + 8/1h + 10/1d`). A window the policy does not have is refused
+/// ([`PolicyError::OtherWindows`]), and so are two limits for one window.
+///
 /// ```
 /// use tower_redis_ratelimit::store::Override;
 ///
@@ -88,7 +96,8 @@ impl std::fmt::Display for Scope {
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Override {
-    /// These counts, for the policy's windows (one limit per window, in any order).
+    /// These counts, for some or all of the policy's windows (one limit per window, in any
+    /// order); the windows left out keep the policy's counts.
     Limits(Vec<Limit>),
     /// No request passes: a limit of zero.
     Block,
@@ -240,6 +249,32 @@ impl Overrides {
 
     /// Sets the override of `policy` for `scope`, replacing any before it, counts or block
     /// alike (for a plan, `policy` may be the policy or its plan's: they share a name).
+    ///
+    /// Counts for some of the policy's windows only keep `policy`'s own counts for the others,
+    /// as they are at this call: the whole is stored, and [`get`](Self::get) returns it. A
+    /// later change of the policy's counts in code (a deploy with the same windows) leaves
+    /// them as they were set; set the override again to follow it. For a plan, the counts
+    /// kept are those of the policy given: pass the plan's own policy to keep its counts. A
+    /// window the policy does not have is refused ([`PolicyError::OtherWindows`]), nothing
+    /// written.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_redis_ratelimit::store::{Override, Scope};
+    /// use tower_redis_ratelimit::{Key, MemoryStore, Policy, Store};
+    ///
+    /// let store = MemoryStore::new();
+    /// let sms = Policy::new("sms", ["1/1m".parse()?, "5/1h".parse()?, "10/1d".parse()?])?;
+    /// let phone = Scope::Key(Key::from("+44 7700 900123"));
+    /// let overrides = store.overrides();
+    /// // What an operator typed: the hour raised, the minute and the day kept.
+    /// overrides.set(&sms, &phone, &"8/1h".parse()?).await?;
+    /// let set = overrides.get(&sms, &phone).await?.expect("set");
+    /// assert_eq!(set.to_string(), "1/1m + 8/1h + 10/1d");
+    /// assert!(overrides.set(&sms, &phone, &"8/2h".parse()?).await.is_err());
+    /// # Ok(()) }
+    /// ```
     ///
     /// Writers at once: each override is written whole, never half, and the last write wins.
     /// On Redis a policy-wide or plan override is one write per hash tag; of two at once,
@@ -450,11 +485,13 @@ pub(crate) enum Entry {
 }
 
 impl Entry {
-    /// `to` for `policy`, checked: limits must keep the policy's windows, and be in range.
+    /// `to` for `policy`, checked: limits must be for the policy's windows, and be in range.
+    /// The windows they leave out keep the policy's counts (see [`Override`]), so that both
+    /// stores keep, and decide by, a count for every window.
     pub(crate) fn new(policy: &Policy, to: &Override) -> Result<Entry, OverrideError> {
         Ok(match to {
             Override::Limits(limits) => {
-                let other = policy.with_limits(limits.iter().copied())?;
+                let other = policy.with_limits(completed(policy, limits))?;
                 if let Some(why) = other.out_of_range() {
                     return Err(OverrideError::OutOfRange(why));
                 }
@@ -471,6 +508,22 @@ impl Entry {
             Entry::Block => Vec::new(),
         }
     }
+}
+
+/// `limits` and, where every window they name is one of `policy`'s, `policy`'s own limit for
+/// each window they leave out; otherwise (none, or another window) `limits` as they are, for
+/// [`Policy::with_limits`] to refuse.
+fn completed(policy: &Policy, limits: &[Limit]) -> Vec<Limit> {
+    let named = |window| limits.iter().any(|l| l.window() == window);
+    let own = policy.limits();
+    let known = limits
+        .iter()
+        .all(|l| own.iter().any(|o| o.window() == l.window()));
+    if limits.is_empty() || !known {
+        return limits.to_vec();
+    }
+    let kept = own.iter().filter(|o| !named(o.window())).copied();
+    limits.iter().copied().chain(kept).collect()
 }
 
 /// An override as a store keeps it: its counts (empty: a block) and, for counts, the identity
@@ -523,9 +576,85 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::{MemoryStore, Store};
+
+    fn limits(text: &str) -> Override {
+        text.parse().unwrap()
+    }
 
     fn limit(count: u64, secs: u64) -> Limit {
         Limit::new(count, Duration::from_secs(secs)).unwrap()
+    }
+
+    async fn admitted(store: &MemoryStore, key: &Key, policy: &Policy, tries: usize) -> usize {
+        let mut admitted = 0;
+        for _ in 0..tries {
+            admitted += usize::from(store.check(key, policy, 1).await.unwrap().is_allowed());
+        }
+        admitted
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_partial_override_keeps_the_policys_other_counts() {
+        let store = MemoryStore::new();
+        let sms = Policy::new("sms", ["2/1m".parse().unwrap(), "5/1h".parse().unwrap()]).unwrap();
+        let phone = Key::from("+447700900123");
+        let scope = Scope::Key(phone.clone());
+        let overrides = store.overrides();
+        overrides.set(&sms, &scope, &limits("3/1m")).await.unwrap();
+        let set = overrides.get(&sms, &scope).await.unwrap();
+        assert_eq!(set, Some(limits("3/1m + 5/1h")), "get returns every window");
+        assert_eq!(
+            admitted(&store, &phone, &sms, 10).await,
+            3,
+            "the minute raised"
+        );
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert_eq!(
+            admitted(&store, &phone, &sms, 10).await,
+            2,
+            "the hour kept at 5"
+        );
+        // Listed whole, in the text it was set in.
+        let listed = overrides.list(&sms).await.unwrap();
+        assert_eq!(listed[0].1.to_string(), "3/1m + 5/1h");
+    }
+
+    #[tokio::test]
+    async fn other_windows_none_or_one_twice_are_refused() {
+        let store = MemoryStore::new();
+        let sms = Policy::new("sms", ["2/1m".parse().unwrap(), "5/1h".parse().unwrap()]).unwrap();
+        let overrides = store.overrides();
+        let twice = Override::Limits(vec!["3/1m".parse().unwrap(), "4/60s".parse().unwrap()]);
+        let refused = [
+            (limits("8/2h"), "the policy's windows, 1m+1h"),
+            (limits("3/1m + 8/2h"), "the policy's windows, 1m+1h"),
+            (twice, "two limits share the window 1m"),
+            (Override::Limits(vec![]), "at least one limit"),
+        ];
+        for (to, why) in refused {
+            let error = overrides.set(&sms, &Scope::All, &to).await.unwrap_err();
+            assert!(matches!(error, OverrideError::Policy(_)), "{to:?}: {error}");
+            assert!(error.to_string().contains(why), "{to:?}: {error}");
+        }
+        assert_eq!(
+            overrides.list(&sms).await.unwrap(),
+            vec![],
+            "nothing written"
+        );
+    }
+
+    #[test]
+    fn a_partial_override_is_completed_from_the_policy_given() {
+        let sms: Policy = "1/1m + 5/1h + 10/1d".parse().unwrap();
+        let counts = |to: &str| Entry::new(&sms, &limits(to)).unwrap().counts();
+        assert_eq!(counts("8/1h"), [1, 8, 10]);
+        assert_eq!(counts("20/1d, 2/1m"), [2, 5, 20]);
+        assert_eq!(counts("3/1m + 4/1h + 5/1d"), [3, 4, 5]);
+        assert!(Entry::new(&sms, &Override::Block)
+            .unwrap()
+            .counts()
+            .is_empty());
     }
 
     #[test]
