@@ -60,7 +60,19 @@ pub enum Scope {
 }
 
 /// `all`, `plan:<plan>` or `key:<key>`: one text per scope, so that a key named like a plan,
-/// or `all`, is not taken for one.
+/// or `all`, is not taken for one. The key is shown as stored ([`Key`]'s `Display`, its
+/// [`as_str`](Key::as_str)): as given where it is short visible ASCII, so that an admin
+/// listing names the client, and its hash otherwise. An API key is such a key: show this text
+/// to operators only; `Debug` shows the key as logs may ([`Key::loggable`]).
+///
+/// ```
+/// use tower_redis_ratelimit::store::Scope;
+/// use tower_redis_ratelimit::Key;
+///
+/// let scope = Scope::Key(Key::from("customer-42"));
+/// assert_eq!(scope.to_string(), "key:customer-42");
+/// assert!(!format!("{scope:?}").contains("customer-42"));
+/// ```
 impl std::fmt::Display for Scope {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
