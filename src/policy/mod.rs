@@ -13,6 +13,7 @@ use std::time::Duration;
 use crate::model::{Algorithm, Window, MAX_GCRA_BUCKET};
 use crate::store::owner::{stable_id, Owner};
 
+#[cfg(feature = "config")]
 pub(crate) use limit::parse_window;
 pub use limit::{Limit, LimitError};
 pub(crate) use syntax::{parse_limits, write_limits};
