@@ -33,6 +33,12 @@ pub use peer::PeerIp;
 /// replaced by `#` and 32 hex digits of its BLAKE3 hash: fixed length, the same on every
 /// instance, and distinct for distinct inputs in practice.
 ///
+/// A key has two texts. Its `Display` (and [`as_str`](Key::as_str)) is the key as stored,
+/// what an operator types to name the client in an admin tool
+/// ([`Scope::Key`](crate::store::Scope::Key)); its `Debug` is [`loggable`](Key::loggable),
+/// which hashes anything but an address, so that an API key printed with `{:?}` in a log
+/// line or a panic message stays out of it.
+///
 /// ```
 /// use tower_redis_ratelimit::Key;
 ///
@@ -148,6 +154,28 @@ impl Key {
     }
 }
 
+/// The key as stored, [`as_str`](Key::as_str): as given for a key of at most
+/// [`Key::MAX_LEN`] bytes of visible ASCII, otherwise the `#` and 32 hex digits that stand
+/// for it (never the raw bytes of a long or binary value). It is the text an admin listing
+/// shows and an operator sends back to name the client
+/// ([`Scope`](crate::store::Scope) displays a key's scope as `key:` and this), so it is
+/// readable where the key was not hashed. A hashed key's text names its client in a listing,
+/// but [`Key::from`] takes it for a new value and hashes it again: to name such a client, pass
+/// the original value. The text is secret where the key is (an API key): logs take
+/// [`Key::loggable`] or `Debug`, which show the same thing, never this.
+///
+/// ```
+/// use tower_redis_ratelimit::Key;
+///
+/// let customer = Key::from("customer-42");
+/// assert_eq!(customer.to_string(), "customer-42");
+/// assert_eq!(Key::from(customer.to_string()), customer); // not hashed: it reads back
+/// assert_eq!(format!("{customer:?}"), format!("Key({:?})", customer.loggable()));
+///
+/// let long = Key::from("x".repeat(200));
+/// assert_eq!(long.to_string(), long.as_str());
+/// assert!(long.to_string().starts_with('#') && long.to_string().len() == 33);
+/// ```
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
@@ -265,5 +293,37 @@ pub struct Global;
 impl<B> KeyExtractor<B> for Global {
     fn extract(&self, _: &Request<B>) -> Result<Key, KeyError> {
         Ok(Key::from("global"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Scope;
+
+    /// An admin listing shows the key as stored; what logs and panics show never has it.
+    #[test]
+    fn listings_show_the_stored_key_and_logs_never_do() {
+        for text in ["sk_live_123", "customer-42", &"y".repeat(Key::MAX_LEN)] {
+            let key = Key::from(text);
+            let scope = Scope::Key(key.clone());
+            assert_eq!(key.to_string(), text);
+            assert_eq!(scope.to_string(), format!("key:{text}"));
+            for logged in [
+                format!("{key:?}"),
+                format!("{scope:?}"),
+                key.loggable().into(),
+            ] {
+                assert!(!logged.contains(text), "{logged}");
+            }
+        }
+        let hashed = Key::from_bytes(b"\xffsecret");
+        assert_eq!(hashed.to_string(), hashed.as_str());
+        assert!(!hashed.to_string().contains("secret"));
+        let ip = Key::from(IpAddr::from([203, 0, 113, 7]));
+        assert_eq!(
+            (ip.to_string(), ip.loggable()),
+            ("203.0.113.7".into(), "203.0.113.7".into())
+        );
     }
 }

@@ -29,7 +29,8 @@
 //!
 //! The module holds one role per file: the layer's choices and the state its responses share
 //! (`responder`), the rate-limit header fields (`fields`), and the layer's own answers, HTTP
-//! and gRPC, with the [`Refused`] marker (`refusal`). Each file uses only those before it in
+//! and gRPC, with the [`Refused`] marker and [`answer`], which gives a handler that decides
+//! with a store itself the same answer (`refusal`). Each file uses only those before it in
 //! that order.
 
 mod fields;
@@ -37,7 +38,7 @@ mod refusal;
 mod responder;
 
 pub use fields::{RATELIMIT, RATELIMIT_POLICY};
-pub use refusal::Refused;
+pub use refusal::{answer, Refused};
 
 pub(crate) use refusal::grpc_content_type;
 pub(crate) use responder::{Options, Responder, Tally};

@@ -1,5 +1,6 @@
 //! The layer's own answers, HTTP and gRPC: a refusal, a blocked client's, a missing key's and
-//! a failed store's, each marked [`Refused`].
+//! a failed store's, each marked [`Refused`]; and [`answer`], the layer's answer to a decision
+//! that code made with a store itself.
 
 use std::time::Duration;
 
@@ -9,8 +10,8 @@ use http::{HeaderMap, Response, StatusCode};
 use http_body_util::Full;
 
 use super::fields::{ceil_secs, value, RATELIMIT};
-use super::responder::Responder;
-use crate::{Decision, KeyError};
+use super::responder::{Options, Responder};
+use crate::{Decision, KeyError, Policy};
 
 /// Marks a response that a layer of this crate answered itself, without calling the service
 /// it wraps: a refusal (`429`, gRPC `RESOURCE_EXHAUSTED`), a blocked client's `403`, or the
@@ -30,6 +31,97 @@ use crate::{Decision, KeyError};
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Refused;
+
+/// What the layer answers for `decision`, for code that decides with a store itself: a
+/// handler that calls [`Store::check`](crate::Store::check) (a limit on one action of a route,
+/// a key known only in the handler) and should answer a client as the layer would.
+///
+/// - **Refused**: `Err` with the layer's refusal, built by the layer's own code: `429 Too
+///   Many Requests`, `Retry-After` in whole seconds rounded up (never `0`; absent only where
+///   no wait helps: a block, or a request larger than the limit itself), the
+///   [`RATELIMIT_POLICY`](super::RATELIMIT_POLICY) and [`RATELIMIT`] fields and a plain-text
+///   body; for a gRPC request (`content-type: application/grpc*` in `request`), HTTP 200
+///   with `grpc-status: 8` (`RESOURCE_EXHAUSTED`) and `grpc-retry-pushback-ms`. It is marked
+///   [`Refused`].
+/// - **Admitted**: `Ok` with the fields the layer adds to an admitted answer,
+///   `RateLimit-Policy` and `RateLimit`, for the handler to send with its own answer (or to
+///   drop).
+///
+/// `policy` is the one `decision` was made under; the fields name its limits, as the layer's
+/// do. With another policy the answer is still well formed, never a panic, but the fields may
+/// name other limits. The layer's own choices ([`on_rejection`], [`headers_on_allowed`]) are
+/// not known here: the answer is the layer's default one.
+///
+/// [`on_rejection`]: crate::RateLimitLayerBuilder::on_rejection
+/// [`headers_on_allowed`]: crate::RateLimitLayerBuilder::headers_on_allowed
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use axum::extract::State;
+/// use axum::response::{IntoResponse, Response};
+/// use axum::{http::HeaderMap, http::StatusCode, routing::post, Router};
+/// use tower::ServiceExt;
+/// use tower_redis_ratelimit::{response, Key, MemoryStore, Policy, Store};
+///
+/// #[derive(Clone)]
+/// struct App {
+///     store: MemoryStore,
+///     sms: Policy,
+/// }
+///
+/// // One text message a minute per phone number, which only the handler knows.
+/// async fn send(State(app): State<App>, headers: HeaderMap) -> Response {
+///     let Some(phone) = headers.get("x-phone").map(|v| Key::from_bytes(v.as_bytes())) else {
+///         return (StatusCode::BAD_REQUEST, "x-phone is missing\n").into_response();
+///     };
+///     let decision = match app.store.check(&phone, &app.sms, 1).await {
+///         Ok(decision) => decision,
+///         Err(error) => {
+///             return (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response()
+///         }
+///     };
+///     match response::answer(&decision, &app.sms, &headers) {
+///         Ok(fields) => (fields, "sent\n").into_response(),
+///         Err(refusal) => refusal.into_response(),
+///     }
+/// }
+///
+/// let app = App { store: MemoryStore::new(), sms: Policy::new("sms", ["1/1m".parse()?])? };
+/// let router = Router::new().route("/send", post(send)).with_state(app);
+/// let request = || {
+///     http::Request::post("/send")
+///         .header("x-phone", "+44 7700 900123")
+///         .body(axum::body::Body::empty())
+/// };
+///
+/// let sent = router.clone().oneshot(request()?).await?;
+/// assert_eq!(sent.status(), StatusCode::OK);
+/// assert_eq!(sent.headers()["ratelimit"], "\"sms\";r=0;t=60");
+///
+/// let refused = router.oneshot(request()?).await?;
+/// assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+/// assert_eq!(refused.headers()["retry-after"], "60");
+/// assert_eq!(refused.headers()["ratelimit-policy"], "\"sms\";q=1;w=60");
+/// # Ok(()) }
+/// ```
+// The refusal is returned once and sent as it is (`Result<_, Response>`, as axum handlers
+// return): boxing it would cost an allocation and an unboxing for nothing.
+#[allow(clippy::result_large_err)]
+pub fn answer(
+    decision: &Decision,
+    policy: &Policy,
+    request: &HeaderMap,
+) -> Result<HeaderMap, Response<Full<Bytes>>> {
+    let responder = Responder::new(policy.clone(), Options::default());
+    if decision.is_allowed() {
+        let mut fields = HeaderMap::new();
+        responder.add_headers(&mut fields, decision);
+        return Ok(fields);
+    }
+    let grpc = grpc_content_type(request);
+    Err(responder.rejection(decision, grpc.as_ref()))
+}
 
 /// Marks `response` as the layer's own answer (see [`Refused`]).
 fn refused<B>(mut response: Response<B>) -> Response<B> {
@@ -187,4 +279,104 @@ fn plain(status: StatusCode, text: String, retry_after: Option<u64>) -> Response
         headers.insert(RETRY_AFTER, HeaderValue::from(secs));
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use http::header::HeaderName;
+
+    use super::*;
+    use crate::model::Outcome;
+    use crate::response::RATELIMIT_POLICY;
+
+    fn refused(policy: &Policy, index: usize, retry_after: Option<u64>) -> Decision {
+        let outcome = Outcome {
+            allowed: false,
+            index,
+            remaining: 0,
+            reset_after: retry_after.unwrap_or(0),
+            retry_after,
+        };
+        Decision::from_outcome(outcome, policy)
+    }
+
+    fn field<'a>(response: &'a Response<Full<Bytes>>, name: &HeaderName) -> Option<&'a str> {
+        response.headers().get(name).and_then(|v| v.to_str().ok())
+    }
+
+    #[test]
+    fn a_refusal_is_the_layers_429() {
+        let policy: Policy = "2/2s + 3/10s".parse().unwrap();
+        let decision = refused(&policy, 1, Some(7_800_000));
+        let got = answer(&decision, &policy, &HeaderMap::new()).unwrap_err();
+        let layers = Responder::new(policy.clone(), Options::default()).rejection(&decision, None);
+        assert_eq!(got.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(got.headers(), layers.headers());
+        assert_eq!(field(&got, &RETRY_AFTER), Some("8"));
+        assert_eq!(field(&got, &RATELIMIT), Some("\"default-10s\";r=0;t=8"));
+        assert_eq!(
+            field(&got, &RATELIMIT_POLICY),
+            Some("\"default-2s\";q=2;w=2, \"default-10s\";q=3;w=10")
+        );
+        assert!(got.extensions().get::<Refused>().is_some());
+    }
+
+    #[test]
+    fn never_retry_after_zero() {
+        let policy: Policy = "5/1s".parse().unwrap();
+        for micros in [0, 1, 999_999, 1_000_000] {
+            let decision = refused(&policy, 0, Some(micros));
+            let got = answer(&decision, &policy, &HeaderMap::new()).unwrap_err();
+            assert_eq!(field(&got, &RETRY_AFTER), Some("1"), "{micros} µs");
+        }
+        // A block, and a request larger than the limit: no wait helps, so no Retry-After.
+        let blocked = Decision::blocked(&policy);
+        let got = answer(&blocked, &policy, &HeaderMap::new()).unwrap_err();
+        assert_eq!(got.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(field(&got, &RETRY_AFTER), None);
+        let too_large = refused(&policy, 0, None);
+        let got = answer(&too_large, &policy, &HeaderMap::new()).unwrap_err();
+        assert_eq!(field(&got, &RETRY_AFTER), None);
+    }
+
+    #[test]
+    fn an_admitted_decision_gives_the_fields_of_an_admitted_answer() {
+        let policy: Policy = "5/10s".parse().unwrap();
+        let outcome = Outcome {
+            allowed: true,
+            index: 0,
+            remaining: 4,
+            reset_after: 10_000_000,
+            retry_after: None,
+        };
+        let decision = Decision::from_outcome(outcome, &policy);
+        let fields = answer(&decision, &policy, &HeaderMap::new()).unwrap();
+        assert_eq!(fields.len(), 2);
+        assert_eq!(fields[RATELIMIT_POLICY], "\"default\";q=5;w=10");
+        assert_eq!(fields[RATELIMIT], "\"default\";r=4;t=10");
+    }
+
+    #[test]
+    fn a_grpc_request_gets_the_grpc_refusal() {
+        let policy: Policy = "5/1s".parse().unwrap();
+        let mut request = HeaderMap::new();
+        request.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        let decision = refused(&policy, 0, Some(1_500_000));
+        let got = answer(&decision, &policy, &request).unwrap_err();
+        assert_eq!(got.status(), StatusCode::OK);
+        assert_eq!(field(&got, &CONTENT_TYPE), Some("application/grpc"));
+        assert_eq!(got.headers()["grpc-status"], "8");
+        assert_eq!(got.headers()["grpc-retry-pushback-ms"], "1500");
+        assert_eq!(field(&got, &RETRY_AFTER), Some("2"));
+    }
+
+    #[test]
+    fn another_policy_never_panics() {
+        let three: Policy = "1/1s + 2/1m + 3/1h".parse().unwrap();
+        let one: Policy = "1/1s".parse().unwrap();
+        let decision = refused(&three, 2, Some(10_000_000));
+        let got = answer(&decision, &one, &HeaderMap::new()).unwrap_err();
+        assert_eq!(got.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(field(&got, &RETRY_AFTER), Some("10"));
+    }
 }

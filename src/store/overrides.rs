@@ -1,20 +1,24 @@
 //! Limits changed at run time, for one client key, for the customers of one plan, or for every
 //! key of a policy, kept in the store so that every instance that shares it decides by them.
 //!
-//! An override replaces a policy's counts, never its windows or algorithm, and keeps its
-//! state: the usage recorded so far still counts (see [`Policy::identity`] for what that
-//! means for each algorithm). So raising `5/1h` to `8/1h` after five requests admits three
-//! more, lowering it refuses until enough usage has aged out, and removing the override
-//! restores the policy's own counts. A block refuses every request of the key (or of the plan,
-//! or of the policy) until it is removed. Which override decides: [`Scope`].
+//! An override replaces a policy's counts (all of them, or those of the windows it names),
+//! never its windows or algorithm, and keeps its state: the usage recorded so far still
+//! counts (see [`Policy::identity`] for what that means for each algorithm). So raising
+//! `5/1h` to `8/1h` after five requests admits three more, lowering it refuses until enough
+//! usage has aged out, and removing the override restores the policy's own counts. A block
+//! refuses every request of the key (or of the plan, or of the policy) until it is removed.
+//! Which override decides: [`Scope`].
 //!
 //! On Redis an override lives in a hash per hash tag, in the hash slot of the keys it governs
 //! (`src/store/redis/overrides/`), and the decision's own script reads it in the same call:
 //! no round trip of its own, batching unchanged. The memory store keeps them in this process
 //! (`override_table.rs`).
 
+use std::fmt;
+use std::str::FromStr;
 use std::sync::Arc;
 
+use crate::policy::{parse_limits, write_limits};
 use crate::{Key, Limit, Policy, PolicyError, StoreError};
 
 /// Whose limits an override changes.
@@ -56,7 +60,19 @@ pub enum Scope {
 }
 
 /// `all`, `plan:<plan>` or `key:<key>`: one text per scope, so that a key named like a plan,
-/// or `all`, is not taken for one.
+/// or `all`, is not taken for one. The key is shown as stored ([`Key`]'s `Display`, its
+/// [`as_str`](Key::as_str)): as given where it is short visible ASCII, so that an admin
+/// listing names the client, and its hash otherwise. An API key is such a key: show this text
+/// to operators only; `Debug` shows the key as logs may ([`Key::loggable`]).
+///
+/// ```
+/// use tower_redis_ratelimit::store::Scope;
+/// use tower_redis_ratelimit::Key;
+///
+/// let scope = Scope::Key(Key::from("customer-42"));
+/// assert_eq!(scope.to_string(), "key:customer-42");
+/// assert!(!format!("{scope:?}").contains("customer-42"));
+/// ```
 impl std::fmt::Display for Scope {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -67,13 +83,66 @@ impl std::fmt::Display for Scope {
     }
 }
 
-/// What an override sets.
+/// What an override sets: other counts for a policy's windows, or a block.
+///
+/// An override is written and shown in the crate's syntax, as a policy's limits are
+/// (`"1/1m + 50/1h + 100/1d"`), or `"block"`, so that an admin endpoint can take what an
+/// operator typed and list what is set in the same text.
+///
+/// **An override may name some of the policy's windows only**, e.g. `8/1h` for a policy of
+/// `1/1m + 5/1h + 10/1d`: [`Overrides::set`] keeps the policy's own counts for the windows it
+/// does not name, taken from the policy given to `set` when it is set, and stores the whole,
+/// so [`Overrides::get`] and [`Overrides::list`] return every window's count
+/// (`1/1m + 8/1h + 10/1d`). A window the policy does not have is refused
+/// ([`PolicyError::OtherWindows`]), and so are two limits for one window.
+///
+/// ```
+/// use tower_redis_ratelimit::store::Override;
+///
+/// let vip: Override = "100/1d + 1/1m, 50/1h".parse()?;
+/// assert_eq!(vip.to_string(), "1/1m + 50/1h + 100/1d");
+/// assert_eq!("block".parse::<Override>()?, Override::Block);
+/// assert_eq!(Override::Block.to_string(), "block");
+/// assert!("0/1h".parse::<Override>().is_err()); // a block is written `block`
+/// # Ok::<(), tower_redis_ratelimit::PolicyError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Override {
-    /// These counts, for the policy's windows (one limit per window, in any order).
+    /// These counts, for some or all of the policy's windows (one limit per window, in any
+    /// order); the windows left out keep the policy's counts.
     Limits(Vec<Limit>),
     /// No request passes: a limit of zero.
     Block,
+}
+
+/// Parses `"block"` (in any case), or limits as a [`Policy`] parses them
+/// (`"8/1h"`, `"1/1m + 50/1h + 100/1d"`, separated by `+` or `,`, in any order) into
+/// [`Override::Limits`], shortest window first: the order [`Overrides::get`] returns them in,
+/// so that an override read back equals the one parsed. A malformed limit, or two limits for
+/// one window, is an error; whether the windows are the policy's is checked by
+/// [`Overrides::set`], which knows the policy.
+impl FromStr for Override {
+    type Err = PolicyError;
+
+    fn from_str(input: &str) -> Result<Self, Self::Err> {
+        if input.trim().eq_ignore_ascii_case("block") {
+            return Ok(Override::Block);
+        }
+        parse_limits(input).map(Override::Limits)
+    }
+}
+
+/// `block`, or the limits in the order held, as a [`Policy`] displays its own
+/// (`1/1m + 50/1h + 100/1d`): the text [`Override::from_str`] reads back, to the same override
+/// for every override it or [`Overrides::get`] makes (shortest window first, no window twice).
+/// Empty limits, which no store takes, show as nothing.
+impl fmt::Display for Override {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Override::Limits(limits) => write_limits(f, limits),
+            Override::Block => f.write_str("block"),
+        }
+    }
 }
 
 /// Why an override could not be set, read or listed.
@@ -193,6 +262,32 @@ impl Overrides {
     /// Sets the override of `policy` for `scope`, replacing any before it, counts or block
     /// alike (for a plan, `policy` may be the policy or its plan's: they share a name).
     ///
+    /// Counts for some of the policy's windows only keep `policy`'s own counts for the others,
+    /// as they are at this call: the whole is stored, and [`get`](Self::get) returns it. A
+    /// later change of the policy's counts in code (a deploy with the same windows) leaves
+    /// them as they were set; set the override again to follow it. For a plan, the counts
+    /// kept are those of the policy given: pass the plan's own policy to keep its counts. A
+    /// window the policy does not have is refused ([`PolicyError::OtherWindows`]), nothing
+    /// written.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_redis_ratelimit::store::{Override, Scope};
+    /// use tower_redis_ratelimit::{Key, MemoryStore, Policy, Store};
+    ///
+    /// let store = MemoryStore::new();
+    /// let sms = Policy::new("sms", ["1/1m".parse()?, "5/1h".parse()?, "10/1d".parse()?])?;
+    /// let phone = Scope::Key(Key::from("+44 7700 900123"));
+    /// let overrides = store.overrides();
+    /// // What an operator typed: the hour raised, the minute and the day kept.
+    /// overrides.set(&sms, &phone, &"8/1h".parse()?).await?;
+    /// let set = overrides.get(&sms, &phone).await?.expect("set");
+    /// assert_eq!(set.to_string(), "1/1m + 8/1h + 10/1d");
+    /// assert!(overrides.set(&sms, &phone, &"8/2h".parse()?).await.is_err());
+    /// # Ok(()) }
+    /// ```
+    ///
     /// Writers at once: each override is written whole, never half, and the last write wins.
     /// On Redis a policy-wide or plan override is one write per hash tag; of two at once,
     /// every tag ends with the one stamped later by Redis' clock, even where the other
@@ -229,6 +324,31 @@ impl Overrides {
     /// the plans' by name, then the keys' by key. All of [`pages`](Self::pages) collected: one
     /// call per page of the policy's overrides, each within its own budget, so listing never
     /// slows a decision by more than a page.
+    ///
+    /// A listing for operators shows each in the crate's syntax: a [`Scope`] displays as
+    /// `all`, `plan:<plan>` or `key:<key>`, the key as stored, and an [`Override`] as its
+    /// limits or `block`, which [`set`](Self::set) takes back.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_redis_ratelimit::store::{Override, Scope};
+    /// use tower_redis_ratelimit::{Key, MemoryStore, Policy};
+    ///
+    /// let store = MemoryStore::new();
+    /// let api = Policy::new("api", ["1/1s".parse()?, "100/1h".parse()?])?;
+    /// let overrides = store.overrides();
+    /// overrides.set(&api, &Scope::All, &"1/1s + 500/1h".parse()?).await?;
+    /// overrides.set(&api, &Scope::Key(Key::from("customer-42")), &Override::Block).await?;
+    /// let lines: Vec<String> = overrides
+    ///     .list(&api)
+    ///     .await?
+    ///     .iter()
+    ///     .map(|(scope, to)| format!("{scope}\t{to}"))
+    ///     .collect();
+    /// assert_eq!(lines, ["all\t1/1s + 500/1h", "key:customer-42\tblock"]);
+    /// # Ok(()) }
+    /// ```
     pub async fn list(&self, policy: &Policy) -> Result<Vec<(Scope, Override)>, OverrideError> {
         let mut pages = self.pages(policy);
         let mut listed = Vec::new();
@@ -377,11 +497,13 @@ pub(crate) enum Entry {
 }
 
 impl Entry {
-    /// `to` for `policy`, checked: limits must keep the policy's windows, and be in range.
+    /// `to` for `policy`, checked: limits must be for the policy's windows, and be in range.
+    /// The windows they leave out keep the policy's counts (see [`Override`]), so that both
+    /// stores keep, and decide by, a count for every window.
     pub(crate) fn new(policy: &Policy, to: &Override) -> Result<Entry, OverrideError> {
         Ok(match to {
             Override::Limits(limits) => {
-                let other = policy.with_limits(limits.iter().copied())?;
+                let other = policy.with_limits(completed(policy, limits))?;
                 if let Some(why) = other.out_of_range() {
                     return Err(OverrideError::OutOfRange(why));
                 }
@@ -398,6 +520,22 @@ impl Entry {
             Entry::Block => Vec::new(),
         }
     }
+}
+
+/// `limits` and, where every window they name is one of `policy`'s, `policy`'s own limit for
+/// each window they leave out; otherwise (none, or another window) `limits` as they are, for
+/// [`Policy::with_limits`] to refuse.
+fn completed(policy: &Policy, limits: &[Limit]) -> Vec<Limit> {
+    let named = |window| limits.iter().any(|l| l.window() == window);
+    let own = policy.limits();
+    let known = limits
+        .iter()
+        .all(|l| own.iter().any(|o| o.window() == l.window()));
+    if limits.is_empty() || !known {
+        return limits.to_vec();
+    }
+    let kept = own.iter().filter(|o| !named(o.window())).copied();
+    limits.iter().copied().chain(kept).collect()
 }
 
 /// An override as a store keeps it: its counts (empty: a block) and, for counts, the identity
@@ -443,4 +581,138 @@ pub(crate) enum Applied<'a> {
     Other(Policy),
     /// A block.
     Blocked,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{MemoryStore, Store};
+
+    fn limits(text: &str) -> Override {
+        text.parse().unwrap()
+    }
+
+    fn limit(count: u64, secs: u64) -> Limit {
+        Limit::new(count, Duration::from_secs(secs)).unwrap()
+    }
+
+    async fn admitted(store: &MemoryStore, key: &Key, policy: &Policy, tries: usize) -> usize {
+        let mut admitted = 0;
+        for _ in 0..tries {
+            admitted += usize::from(store.check(key, policy, 1).await.unwrap().is_allowed());
+        }
+        admitted
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_partial_override_keeps_the_policys_other_counts() {
+        let store = MemoryStore::new();
+        let sms = Policy::new("sms", ["2/1m".parse().unwrap(), "5/1h".parse().unwrap()]).unwrap();
+        let phone = Key::from("+447700900123");
+        let scope = Scope::Key(phone.clone());
+        let overrides = store.overrides();
+        overrides.set(&sms, &scope, &limits("3/1m")).await.unwrap();
+        let set = overrides.get(&sms, &scope).await.unwrap();
+        assert_eq!(set, Some(limits("3/1m + 5/1h")), "get returns every window");
+        assert_eq!(
+            admitted(&store, &phone, &sms, 10).await,
+            3,
+            "the minute raised"
+        );
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert_eq!(
+            admitted(&store, &phone, &sms, 10).await,
+            2,
+            "the hour kept at 5"
+        );
+        // Listed whole, in the text it was set in.
+        let listed = overrides.list(&sms).await.unwrap();
+        assert_eq!(listed[0].1.to_string(), "3/1m + 5/1h");
+    }
+
+    #[tokio::test]
+    async fn other_windows_none_or_one_twice_are_refused() {
+        let store = MemoryStore::new();
+        let sms = Policy::new("sms", ["2/1m".parse().unwrap(), "5/1h".parse().unwrap()]).unwrap();
+        let overrides = store.overrides();
+        let twice = Override::Limits(vec!["3/1m".parse().unwrap(), "4/60s".parse().unwrap()]);
+        let refused = [
+            (limits("8/2h"), "the policy's windows, 1m+1h"),
+            (limits("3/1m + 8/2h"), "the policy's windows, 1m+1h"),
+            (twice, "two limits share the window 1m"),
+            (Override::Limits(vec![]), "at least one limit"),
+        ];
+        for (to, why) in refused {
+            let error = overrides.set(&sms, &Scope::All, &to).await.unwrap_err();
+            assert!(matches!(error, OverrideError::Policy(_)), "{to:?}: {error}");
+            assert!(error.to_string().contains(why), "{to:?}: {error}");
+        }
+        assert_eq!(
+            overrides.list(&sms).await.unwrap(),
+            vec![],
+            "nothing written"
+        );
+    }
+
+    #[test]
+    fn a_partial_override_is_completed_from_the_policy_given() {
+        let sms: Policy = "1/1m + 5/1h + 10/1d".parse().unwrap();
+        let counts = |to: &str| Entry::new(&sms, &limits(to)).unwrap().counts();
+        assert_eq!(counts("8/1h"), [1, 8, 10]);
+        assert_eq!(counts("20/1d, 2/1m"), [2, 5, 20]);
+        assert_eq!(counts("3/1m + 4/1h + 5/1d"), [3, 4, 5]);
+        assert!(Entry::new(&sms, &Override::Block)
+            .unwrap()
+            .counts()
+            .is_empty());
+    }
+
+    #[test]
+    fn the_text_of_an_override() {
+        let cases = [
+            ("block", Override::Block, "block"),
+            (" BLOCK\n", Override::Block, "block"),
+            ("8/1h", Override::Limits(vec![limit(8, 3_600)]), "8/1h"),
+            (
+                "100/1d + 1/60s, 50/1h",
+                Override::Limits(vec![limit(1, 60), limit(50, 3_600), limit(100, 86_400)]),
+                "1/1m + 50/1h + 100/1d",
+            ),
+        ];
+        for (text, parsed, shown) in cases {
+            assert_eq!(text.parse::<Override>(), Ok(parsed.clone()), "{text:?}");
+            assert_eq!(parsed.to_string(), shown, "{text:?}");
+        }
+        for bad in [
+            "",
+            "blocked",
+            "0/1h",
+            "5/1h + 6/60m",
+            "5/1fortnight",
+            "block + 5/1h",
+        ] {
+            assert!(bad.parse::<Override>().is_err(), "{bad:?}");
+        }
+    }
+
+    proptest::proptest! {
+        /// What `parse` or `get` makes (shortest window first, no window twice) reads back as
+        /// itself.
+        #[test]
+        fn display_parses_back(
+            counts in proptest::collection::vec(1..=Limit::MAX_COUNT, 1..5),
+            block: bool,
+        ) {
+            let windows = [1, 90, 3_600, 86_400 * 7];
+            let held: Vec<Limit> = counts
+                .iter()
+                .zip(windows)
+                .map(|(&count, secs)| Limit::new(count, Duration::from_secs(secs)).unwrap())
+                .collect();
+            let to = if block { Override::Block } else { Override::Limits(held) };
+            proptest::prop_assert_eq!(to.to_string().parse::<Override>(), Ok(to));
+        }
+    }
 }

@@ -1,187 +1,22 @@
 //! Limits (`"100/1m"`) and policies (one or more limits under one name).
+//!
+//! One role per file: a [`Limit`] and its text (`limit`), a [`Policy`] and what it derives
+//! from its limits (here), and the crate's text for a list of limits, `1/1m + 5/1h`, which
+//! policies and overrides are parsed from and displayed as (`syntax`).
 
-use std::fmt;
-use std::str::FromStr;
+mod limit;
+mod syntax;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::model::{Algorithm, Window, MAX_GCRA_BUCKET};
 use crate::store::owner::{stable_id, Owner};
 
-/// One rate limit: at most `count` units of cost in any window of `window`.
-///
-/// Parsed from the strings people already write in configuration files:
-///
-/// ```
-/// use std::time::Duration;
-/// use tower_redis_ratelimit::Limit;
-///
-/// let limit: Limit = "100/1m".parse()?;
-/// assert_eq!(limit.count(), 100);
-/// assert_eq!(limit.window(), Duration::from_secs(60));
-///
-/// // Unit words work too, and a missing number means one unit.
-/// assert_eq!("5/minute".parse::<Limit>()?, "5/1m".parse()?);
-/// assert_eq!("10/1d".parse::<Limit>()?.window(), Duration::from_secs(86_400));
-/// assert!("0/1m".parse::<Limit>().is_err());
-/// # Ok::<(), tower_redis_ratelimit::LimitError>(())
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Limit {
-    count: u64,
-    window: Duration,
-}
-
-/// Why a [`Limit`] could not be built; the message names the offending part.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum LimitError {
-    /// The text is not of the form `COUNT/WINDOW`.
-    #[error("limit {input:?} is not of the form COUNT/WINDOW, e.g. \"100/1m\"")]
-    Syntax {
-        /// The whole text that was parsed.
-        input: String,
-    },
-    /// The count is not a whole number.
-    #[error("limit count {part:?} is not a whole number")]
-    Count {
-        /// The count part of the text.
-        part: String,
-    },
-    /// The count is zero: a limit that admits nothing is a block, not a rate limit.
-    #[error("limit count must be at least 1")]
-    ZeroCount,
-    /// The window is not a number followed by a known unit.
-    #[error("limit window {part:?} is not a duration such as 10s, 1m, 1h, 1d or minute")]
-    Window {
-        /// The window part of the text.
-        part: String,
-    },
-    /// The window is shorter than one millisecond.
-    #[error("limit window must be at least 1ms")]
-    ZeroWindow,
-    /// The count is above [`Limit::MAX_COUNT`].
-    #[error(
-        "limit count {count} is above the largest supported, 2^50 = {}",
-        Limit::MAX_COUNT
-    )]
-    CountTooLarge {
-        /// The count given.
-        count: u64,
-    },
-    /// The window is longer than [`Limit::MAX_WINDOW`].
-    #[error("limit window {window:?} is longer than the longest supported, 3650 days")]
-    WindowTooLong {
-        /// The window given.
-        window: Duration,
-    },
-}
-
-impl Limit {
-    /// The largest count, 2^50 (about 1.1 * 10^15): every store keeps counts, sums and
-    /// products of them exact within it, Redis' Lua (whose numbers are doubles) included.
-    /// See `docs/operations.md`, "Range".
-    pub const MAX_COUNT: u64 = 1 << 50;
-
-    /// The longest window, 3650 days.
-    pub const MAX_WINDOW: Duration = Duration::from_secs(3650 * 86_400);
-
-    /// A limit of `count` units per `window`.
-    ///
-    /// Windows are kept with millisecond precision: anything below a millisecond is dropped.
-    /// The count is at most [`MAX_COUNT`](Limit::MAX_COUNT), the window at most
-    /// [`MAX_WINDOW`](Limit::MAX_WINDOW).
-    pub fn new(count: u64, window: Duration) -> Result<Self, LimitError> {
-        if count == 0 {
-            return Err(LimitError::ZeroCount);
-        }
-        if count > Limit::MAX_COUNT {
-            return Err(LimitError::CountTooLarge { count });
-        }
-        let window = Duration::from_millis(window.as_millis().min(u64::MAX as u128) as u64);
-        if window.is_zero() {
-            return Err(LimitError::ZeroWindow);
-        }
-        if window > Limit::MAX_WINDOW {
-            return Err(LimitError::WindowTooLong { window });
-        }
-        Ok(Limit { count, window })
-    }
-
-    /// The number of units admitted per window.
-    pub fn count(&self) -> u64 {
-        self.count
-    }
-
-    /// The length of the window.
-    pub fn window(&self) -> Duration {
-        self.window
-    }
-
-    /// A short label for the window: `10s`, `1m`, `1h`, `1d` or `500ms`.
-    pub(crate) fn window_label(&self) -> String {
-        let ms = self.window.as_millis();
-        const UNITS: [(u128, &str); 4] = [
-            (86_400_000, "d"),
-            (3_600_000, "h"),
-            (60_000, "m"),
-            (1_000, "s"),
-        ];
-        for (size, unit) in UNITS {
-            if ms.is_multiple_of(size) {
-                return format!("{}{unit}", ms / size);
-            }
-        }
-        format!("{ms}ms")
-    }
-}
-
-impl fmt::Display for Limit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.count, self.window_label())
-    }
-}
-
-impl FromStr for Limit {
-    type Err = LimitError;
-
-    fn from_str(input: &str) -> Result<Self, Self::Err> {
-        let (count, window) = input.split_once('/').ok_or_else(|| LimitError::Syntax {
-            input: input.to_owned(),
-        })?;
-        let count = count.trim();
-        let count: u64 = count.parse().map_err(|_| LimitError::Count {
-            part: count.to_owned(),
-        })?;
-        Limit::new(count, parse_window(window.trim())?)
-    }
-}
-
-/// A duration such as `10s`, `1m`, `15m`, `1h`, `1d` or `500ms`.
-pub(crate) fn parse_window(part: &str) -> Result<Duration, LimitError> {
-    let bad = || LimitError::Window {
-        part: part.to_owned(),
-    };
-    let split = part.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
-    let (number, unit) = part.split_at(split);
-    let number: u64 = match number {
-        "" => 1,
-        n => n.parse().map_err(|_| bad())?,
-    };
-    let unit_ms: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "ms" | "millisecond" | "milliseconds" => 1,
-        "s" | "sec" | "secs" | "second" | "seconds" => 1_000,
-        "m" | "min" | "mins" | "minute" | "minutes" => 60_000,
-        "h" | "hr" | "hrs" | "hour" | "hours" => 3_600_000,
-        "d" | "day" | "days" => 86_400_000,
-        _ => return Err(bad()),
-    };
-    let ms = number.checked_mul(unit_ms).ok_or_else(bad)?;
-    if ms == 0 {
-        return Err(LimitError::ZeroWindow);
-    }
-    Ok(Duration::from_millis(ms))
-}
+#[cfg(feature = "config")]
+pub(crate) use limit::parse_window;
+pub use limit::{Limit, LimitError};
+pub(crate) use syntax::{parse_limits, write_limits};
 
 /// A named set of limits that all apply to the same key, decided together.
 ///
@@ -199,6 +34,9 @@ pub(crate) fn parse_window(part: &str) -> Result<Duration, LimitError> {
 ///
 /// let api = Policy::new("api", ["100/1m".parse::<Limit>()?])?;
 /// assert_eq!(api.name(), "api");
+///
+/// // Shown in the same syntax: its limits, shortest window first.
+/// assert_eq!(policy.to_string(), "1/1m + 5/1h + 10/1d");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -256,7 +94,8 @@ pub enum PolicyError {
         window: String,
     },
     /// Other limits for a policy ([`Policy::with_limits`]) must keep its windows: the
-    /// state is kept per window.
+    /// state is kept per window. An override ([`Override`](crate::store::Override)) may
+    /// leave some of them out, which keep the policy's counts, but names no other window.
     #[error("the limits must have the policy's windows, {expected}")]
     OtherWindows {
         /// The policy's windows, e.g. `1m+1h+1d`.
@@ -290,7 +129,7 @@ pub enum PolicyError {
 }
 
 impl Policy {
-    /// The name [`Policy::from_str`] gives a policy.
+    /// The name a policy parsed from text (`"1/1m + 5/1h".parse::<Policy>()`) gets.
     pub const DEFAULT_NAME: &'static str = "default";
 
     /// A policy named `name` made of `limits` (in any order), using the sliding-window log.
@@ -306,16 +145,7 @@ impl Policy {
         if !name_ok {
             return Err(PolicyError::Name { name });
         }
-        let mut limits: Vec<Limit> = limits.into_iter().collect();
-        if limits.is_empty() {
-            return Err(PolicyError::NoLimits);
-        }
-        limits.sort_by_key(|l| (l.window, l.count));
-        if let Some(pair) = limits.windows(2).find(|p| p[0].window == p[1].window) {
-            return Err(PolicyError::DuplicateWindow {
-                window: pair[0].window_label(),
-            });
-        }
+        let limits = sorted(limits)?;
         let windows = limits.iter().map(Window::of).collect();
         let identity = identity(&name, Algorithm::SlidingLog, &limits);
         let terms = terms(&name, Algorithm::SlidingLog, &limits, None);
@@ -555,7 +385,7 @@ impl Policy {
                 .limits
                 .iter()
                 .zip(self.limits.iter())
-                .all(|(a, b)| a.window == b.window);
+                .all(|(a, b)| a.window() == b.window());
         if !same_windows {
             return Err(PolicyError::OtherWindows {
                 expected: window_labels(&self.limits).join("+"),
@@ -674,7 +504,7 @@ impl Policy {
 
     /// The longest window: how long a key's state must be kept after its last event.
     pub fn longest_window(&self) -> Duration {
-        self.limits.last().map(|l| l.window).unwrap_or_default()
+        self.limits.last().map(Limit::window).unwrap_or_default()
     }
 
     /// The name of limit `index` in rate-limit headers: the policy name for a one-limit
@@ -703,28 +533,6 @@ impl Id<'_> {
     }
 }
 
-/// Parses `"5/10s"` or `"1/1m + 5/1h + 10/1d"` (limits separated by `+` or `,`) into a policy
-/// named [`Policy::DEFAULT_NAME`].
-impl FromStr for Policy {
-    type Err = PolicyError;
-
-    fn from_str(input: &str) -> Result<Self, Self::Err> {
-        let limits = input
-            .split(['+', ','])
-            .map(str::parse)
-            .collect::<Result<Vec<Limit>, _>>()?;
-        Policy::new(Self::DEFAULT_NAME, limits)
-    }
-}
-
-impl TryFrom<&str> for Policy {
-    type Error = PolicyError;
-
-    fn try_from(input: &str) -> Result<Self, Self::Error> {
-        input.parse()
-    }
-}
-
 impl From<Limit> for Policy {
     fn from(limit: Limit) -> Self {
         let identity = identity(Self::DEFAULT_NAME, Algorithm::SlidingLog, &[limit]);
@@ -745,6 +553,21 @@ impl From<Limit> for Policy {
             slot_micros: Policy::DEFAULT_SLOT_EXPIRY.as_micros() as u64,
         }
     }
+}
+
+/// `limits` shortest window first, checked: at least one, and no two with one window.
+fn sorted(limits: impl IntoIterator<Item = Limit>) -> Result<Vec<Limit>, PolicyError> {
+    let mut limits: Vec<Limit> = limits.into_iter().collect();
+    if limits.is_empty() {
+        return Err(PolicyError::NoLimits);
+    }
+    limits.sort_by_key(|l| (l.window(), l.count()));
+    if let Some(pair) = limits.windows(2).find(|p| p[0].window() == p[1].window()) {
+        return Err(PolicyError::DuplicateWindow {
+            window: pair[0].window_label(),
+        });
+    }
+    Ok(limits)
 }
 
 /// What the state of a policy is kept under (see [`Policy::identity`]):
@@ -797,55 +620,6 @@ mod tests {
 
     fn ms(ms: u64) -> Duration {
         Duration::from_millis(ms)
-    }
-
-    #[test]
-    fn parses_common_forms() {
-        let cases = [
-            ("5/10s", 5, ms(10_000)),
-            ("100/1m", 100, ms(60_000)),
-            ("1000/1h", 1000, ms(3_600_000)),
-            ("10/1d", 10, ms(86_400_000)),
-            ("100/minute", 100, ms(60_000)),
-            ("100/second", 100, ms(1_000)),
-            ("3/day", 3, ms(86_400_000)),
-            (" 7 / 250ms ", 7, ms(250)),
-            ("2/2 hours", 2, ms(7_200_000)),
-        ];
-        for (text, count, window) in cases {
-            let limit: Limit = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
-            assert_eq!((limit.count(), limit.window()), (count, window), "{text}");
-        }
-    }
-
-    #[test]
-    fn errors_name_the_bad_part() {
-        assert_eq!("0/1m".parse::<Limit>(), Err(LimitError::ZeroCount));
-        assert_eq!("5/0s".parse::<Limit>(), Err(LimitError::ZeroWindow));
-        assert_eq!(
-            "five/1m".parse::<Limit>(),
-            Err(LimitError::Count {
-                part: "five".into()
-            })
-        );
-        assert_eq!(
-            "5/1fortnight".parse::<Limit>(),
-            Err(LimitError::Window {
-                part: "1fortnight".into()
-            })
-        );
-        assert_eq!(
-            "5/10".parse::<Limit>(),
-            Err(LimitError::Window { part: "10".into() })
-        );
-        assert_eq!(
-            "garbage".parse::<Limit>(),
-            Err(LimitError::Syntax {
-                input: "garbage".into()
-            })
-        );
-        let msg = "5/1fortnight".parse::<Limit>().unwrap_err().to_string();
-        assert!(msg.contains("1fortnight"), "{msg}");
     }
 
     #[test]
