@@ -119,7 +119,8 @@ impl Decisions {
     }
 
     /// Whether no layer decided the request.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.iter().next().is_none()
     }
 }

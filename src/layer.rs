@@ -18,8 +18,8 @@ use crate::response::Options;
 use crate::rules::{Capabilities, Compiler, PlanFn, RequestHead, RuleTable, Rules};
 use crate::usage::UsageReport;
 use crate::{
-    Algorithm, Decision, FailureMode, Key, MemoryStore, MissingKey, PeerIp, Policy, PolicyError,
-    RateLimit, Rule, Store,
+    Decision, FailureMode, Key, MemoryStore, MissingKey, PeerIp, Policy, PolicyError, RateLimit,
+    Rule, Store,
 };
 
 /// Applies rate-limit policies to the requests of the wrapped service.
@@ -79,7 +79,8 @@ impl<K, St> RateLimitLayer<K, St> {
     }
 
     /// The default policy in force: the one for requests that no rule matches.
-    pub fn policy(&self) -> Option<Policy> {
+    #[cfg(test)]
+    pub(crate) fn policy(&self) -> Option<Policy> {
         self.limiter.table.load().default_policy().cloned()
     }
 
@@ -196,7 +197,6 @@ impl From<Infallible> for BuildError {
 struct Settings {
     rules: Rules,
     plan: Option<Arc<PlanFn>>,
-    algorithm: Option<Algorithm>,
     allow_keys: Vec<Key>,
     allow_networks: Vec<String>,
     cost: Option<Arc<CostFn>>,
@@ -221,7 +221,6 @@ impl Settings {
             supports: Box::new(move |policy| store.supports(policy)),
         };
         Compiler {
-            algorithm: self.algorithm,
             options: self.options.clone(),
             capabilities,
             overrides,
@@ -283,25 +282,6 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         F: for<'a> Fn(&RequestHead<'a>) -> Option<&'a str> + Send + Sync + 'static,
     {
         self.settings.plan = Some(Arc::new(plan));
-        self
-    }
-
-    /// The algorithm that decides every policy of the layer, overriding the policies' own
-    /// (whose default is [`Algorithm::SlidingLog`]).
-    ///
-    /// ```
-    /// use tower_redis_ratelimit::{Algorithm, RateLimitLayer};
-    ///
-    /// // A million per minute is out of the log's reach; GCRA keeps one timestamp per key.
-    /// let layer = RateLimitLayer::builder()
-    ///     .policy("1000000/1m")
-    ///     .algorithm(Algorithm::Gcra)
-    ///     .build()?;
-    /// assert_eq!(layer.policy().unwrap().algorithm(), Algorithm::Gcra);
-    /// # Ok::<(), tower_redis_ratelimit::BuildError>(())
-    /// ```
-    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
-        self.settings.algorithm = Some(algorithm);
         self
     }
 
@@ -419,13 +399,6 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     /// `tracing` event (target `tower_redis_ratelimit`, level INFO) reports it.
     pub fn shadow(mut self, enabled: bool) -> Self {
         self.settings.options.shadow = enabled;
-        self
-    }
-
-    /// Makes every policy of the layer soft (see [`Rule::soft`]): a request over the limit is
-    /// passed on, marked over in its [`Decisions`](crate::Decisions), instead of refused.
-    pub fn soft(mut self, enabled: bool) -> Self {
-        self.settings.options.soft = enabled;
         self
     }
 
@@ -557,7 +530,6 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             missing_key,
             deny_cache,
             // Read by the compiler above.
-            algorithm: _,
             options: _,
         } = self.settings;
         let table = RuleTable::new(compiler, rules)?;

@@ -27,21 +27,6 @@ impl<S, K, St> RateLimit<S, K, St> {
     pub(crate) fn new(inner: S, limiter: Arc<Limiter<K, St>>) -> Self {
         RateLimit { inner, limiter }
     }
-
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
 }
 
 impl<S: Clone, K, St> Clone for RateLimit<S, K, St> {

@@ -178,7 +178,7 @@ impl Settlement {
     }
 
     /// Whether this settlement takes units back.
-    pub fn is_refund(&self) -> bool {
+    pub(crate) fn is_refund(&self) -> bool {
         match self.owed {
             Owed::Refund(_) => true,
             Owed::Charge(_) | Owed::Release(..) | Owed::Renew(_) => false,
@@ -186,7 +186,7 @@ impl Settlement {
     }
 
     /// The units added or taken back; 0 for a concurrency slot's give-back or renewal.
-    pub fn units(&self) -> u64 {
+    pub(crate) fn units(&self) -> u64 {
         match self.owed {
             Owed::Charge(units) | Owed::Refund(units) => units.count,
             Owed::Release(..) | Owed::Renew(_) => 0,

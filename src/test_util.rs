@@ -228,6 +228,19 @@ pub fn turn(decision: &Decision) -> Duration {
     decision.turn()
 }
 
+/// The memory store's default clock ([`TokioClock`](crate::store::TokioClock)), reading
+/// `start` now: with tokio's clock paused, a test decides event times and windows from a
+/// chosen wall-clock time.
+pub fn tokio_clock_at(start: SystemTime) -> crate::store::TokioClock {
+    crate::store::TokioClock::starting_at(start)
+}
+
+/// A body field as a [`BodyFieldLayer`](crate::BodyFieldLayer) would have put it in a
+/// request's extensions, to test a handler that reads one.
+pub fn body_field(name: &str, value: impl Into<String>) -> crate::BodyField {
+    crate::BodyField::new(name, value)
+}
+
 /// The events (admitted requests, one each whatever its cost) a memory store's sliding log
 /// holds for `key` under `policy` that are younger than its longest window; 0 for other
 /// algorithms and expired keys.
@@ -243,6 +256,13 @@ pub fn slots_in_use(store: &MemoryStore, key: &Key, policy: &Policy) -> usize {
 /// The keys a memory store holds, once expired ones are dropped.
 pub fn key_count(store: &MemoryStore) -> u64 {
     store.key_count()
+}
+
+/// How many requests a [`UniqueClients`](crate::unique::UniqueClients) recorder left
+/// uncounted because its queue was full (Redis unreachable or too slow).
+#[cfg(feature = "redis")]
+pub fn dropped(unique: &crate::unique::UniqueClients) -> u64 {
+    unique.dropped()
 }
 
 /// The Redis key holding the state of `key` under `policy`.

@@ -144,7 +144,8 @@ impl UniqueClients {
 
     /// How many requests went uncounted because the queue was full (Redis unreachable or too
     /// slow).
-    pub fn dropped(&self) -> u64 {
+    #[cfg(feature = "test-util")]
+    pub(crate) fn dropped(&self) -> u64 {
         self.shared
             .dropped
             .load(std::sync::atomic::Ordering::Relaxed)

@@ -90,7 +90,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use http::{HeaderMap, HeaderName};
+use http::HeaderMap;
 
 use crate::rules::ResponseHead;
 
@@ -142,7 +142,7 @@ const NOT_REPORTED: u64 = u64::MAX;
 
 impl UsageMeter {
     /// A meter with nothing reported.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         UsageMeter(Arc::new(AtomicU64::new(NOT_REPORTED)))
     }
 
@@ -162,7 +162,7 @@ impl UsageMeter {
     }
 
     /// The usage reported so far; `None` before anything was.
-    pub fn get(&self) -> Option<u64> {
+    pub(crate) fn get(&self) -> Option<u64> {
         match self.0.load(Ordering::Acquire) {
             NOT_REPORTED => None,
             units => Some(units),
@@ -261,7 +261,7 @@ impl UsageReport {
     ///
     /// [`RateLimitLayerBuilder::count_when`](crate::RateLimitLayerBuilder::count_when) is the
     /// short way to set it.
-    pub fn count_when<F>(outcome: F) -> Self
+    pub(crate) fn count_when<F>(outcome: F) -> Self
     where
         F: Fn(&ResponseHead<'_>) -> bool + Send + Sync + 'static,
     {
@@ -278,20 +278,6 @@ impl UsageReport {
     pub fn reserve(mut self, units: u32) -> Self {
         self.reserve = units;
         self
-    }
-
-    /// Usage from the response field `name`, a decimal number, in the head or in the trailers
-    /// (gRPC: initial or trailing metadata).
-    pub fn header(self, name: HeaderName) -> Self {
-        let read = move |fields: &HeaderMap| -> Option<u64> {
-            fields.get(&name)?.to_str().ok()?.trim().parse().ok()
-        };
-        let read: Arc<FieldsFn> = Arc::new(read);
-        UsageReport {
-            head: Some(Arc::clone(&read)),
-            trailers: Some(read),
-            ..self
-        }
     }
 
     /// Usage from the response head's fields, as `read` finds it (`None`: not reported).
@@ -328,17 +314,5 @@ mod tests {
         assert_eq!(meter.get(), Some(u64::MAX - 1));
         clone.set(7);
         assert_eq!(meter.get(), Some(7));
-    }
-
-    #[test]
-    fn header_reads_a_decimal_field() {
-        let report = UsageReport::new().header(HeaderName::from_static("x-usage"));
-        let mut fields = HeaderMap::new();
-        let read = report.head.unwrap();
-        assert_eq!(read(&fields), None);
-        fields.insert("x-usage", " 42 ".parse().unwrap());
-        assert_eq!(read(&fields), Some(42));
-        fields.insert("x-usage", "lots".parse().unwrap());
-        assert_eq!(read(&fields), None);
     }
 }

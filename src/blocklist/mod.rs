@@ -122,7 +122,7 @@ impl Blocklist {
     }
 
     /// Blocks many keys: per 500 keys, one `SADD` and one `BITFIELD` that sets all their bits.
-    pub async fn add_all(&self, keys: &[Key]) -> Result<(), StoreError> {
+    pub(crate) async fn add_all(&self, keys: &[Key]) -> Result<(), StoreError> {
         let shared = &self.shared;
         for chunk in keys.chunks(500) {
             let positions: Vec<u64> = chunk
@@ -173,12 +173,6 @@ impl Blocklist {
             Screen::Clear => Ok(false),
             Screen::Maybe => self.confirm(key.as_str().to_owned()).await,
         }
-    }
-
-    /// Reads the filter from Redis into the local copy now (it is also read every refresh
-    /// interval).
-    pub async fn refresh(&self) -> Result<(), StoreError> {
-        self.shared.refresh().await
     }
 
     /// What this instance's blocklist has answered so far.

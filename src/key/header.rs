@@ -35,7 +35,7 @@ impl<B> KeyExtractor<B> for Header {
         if bytes.is_empty() {
             return Err(KeyError::InvalidHeader(self.name.clone()));
         }
-        Ok(Key::from_bytes(bytes))
+        Ok(Key::from(bytes))
     }
 }
 

@@ -46,7 +46,8 @@ pub use peer::PeerIp;
 /// let long = Key::from("x".repeat(8192));
 /// assert_eq!(long.as_str().len(), 33);
 /// assert!(long.as_str().starts_with('#'));
-/// assert_eq!(Key::from_bytes(b"\xff\xfe"), Key::from_bytes(b"\xff\xfe"));
+/// let raw: &[u8] = b"\xff\xfe";
+/// assert_eq!(Key::from(raw), Key::from(raw));
 /// ```
 #[derive(Clone)]
 pub struct Key(String, Option<IpNet>);
@@ -79,7 +80,7 @@ impl Key {
     pub const MAX_LEN: usize = 128;
 
     /// A key from raw bytes, such as a header value that is not UTF-8.
-    pub fn from_bytes(bytes: &[u8]) -> Key {
+    fn from_bytes(bytes: &[u8]) -> Key {
         let plain = bytes.len() <= Self::MAX_LEN
             && bytes
                 .iter()
@@ -114,7 +115,7 @@ impl Key {
 
     /// The client address or network, when an IP extractor ([`PeerIp`], [`ClientIp`]) made the
     /// key. Allow-listed networks match only these, never text that merely looks like one.
-    pub fn network(&self) -> Option<IpNet> {
+    pub(crate) fn network(&self) -> Option<IpNet> {
         self.1
     }
 
@@ -135,7 +136,7 @@ impl Key {
     /// // Debug output shows the same.
     /// assert_eq!(format!("{secret:?}"), format!("Key({:?})", secret.loggable()));
     /// ```
-    pub fn loggable(&self) -> std::borrow::Cow<'_, str> {
+    pub(crate) fn loggable(&self) -> std::borrow::Cow<'_, str> {
         if self.1.is_some() {
             return std::borrow::Cow::Borrowed(&self.0);
         }
@@ -144,13 +145,8 @@ impl Key {
     }
 
     /// The key as text.
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         &self.0
-    }
-
-    /// Whether the key is empty (no extractor produces one; see [`KeyError::NotFound`]).
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
     }
 }
 
@@ -179,6 +175,13 @@ impl Key {
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
+    }
+}
+
+/// A key from raw bytes, such as a header value that is not UTF-8.
+impl From<&[u8]> for Key {
+    fn from(bytes: &[u8]) -> Self {
+        Key::from_bytes(bytes)
     }
 }
 

@@ -198,7 +198,7 @@ impl Policy {
     /// assert_eq!(free.identity(), api.identity());
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn on_plan(mut self, plan: &str) -> Policy {
+    pub(crate) fn on_plan(mut self, plan: &str) -> Policy {
         self.owner = self.owner.on_plan(plan);
         self.terms = terms(&self.name, self.algorithm, &self.limits, Some(plan));
         self.terms_hash = hash(&self.terms);
@@ -206,7 +206,7 @@ impl Policy {
     }
 
     /// The plan the policy decides for, if any (see [`Policy::on_plan`]).
-    pub fn plan(&self) -> Option<&str> {
+    pub(crate) fn plan(&self) -> Option<&str> {
         self.owner.plan()
     }
 
@@ -283,7 +283,7 @@ impl Policy {
     }
 
     /// The penalty box's duration, if the policy has one (see [`Policy::block_for`]).
-    pub fn block(&self) -> Option<Duration> {
+    pub(crate) fn block(&self) -> Option<Duration> {
         (self.block_micros > 0).then(|| Duration::from_micros(self.block_micros))
     }
 
@@ -341,12 +341,12 @@ impl Policy {
     }
 
     /// The concurrency limit, if the policy has one (see [`Policy::concurrency`]).
-    pub fn concurrency_limit(&self) -> Option<u32> {
+    pub(crate) fn concurrency_limit(&self) -> Option<u32> {
         (self.slots > 0).then_some(self.slots)
     }
 
     /// How long a concurrency slot lives without a renewal (see [`Policy::slot_expiry`]).
-    pub fn slot_lifetime(&self) -> Duration {
+    pub(crate) fn slot_lifetime(&self) -> Duration {
         Duration::from_micros(self.slot_micros)
     }
 
@@ -375,7 +375,7 @@ impl Policy {
     /// assert_eq!(vip.limits()[1].count(), 50);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn with_limits(
+    pub(crate) fn with_limits(
         &self,
         limits: impl IntoIterator<Item = Limit>,
     ) -> Result<Policy, PolicyError> {
@@ -405,7 +405,7 @@ impl Policy {
     /// layer's builder fails with [`BuildError::Unsupported`](crate::BuildError::Unsupported)
     /// for it and stores answer [`StoreError::Unsupported`](crate::StoreError::Unsupported);
     /// a count with more factors in common with the window, or another algorithm, fits.
-    pub fn out_of_range(&self) -> Option<&'static str> {
+    pub(crate) fn out_of_range(&self) -> Option<&'static str> {
         (!self.in_range).then_some(
             "a GCRA limit's count * window (us) / gcd(count, window) is over 2^50; \
              choose a count that divides the window more evenly, or another algorithm",
@@ -448,7 +448,7 @@ impl Policy {
     /// write: the same number of units, which drain at the new rate from that write on
     /// (rounded up to GCRA's finer units, never down), so that `5/1h` raised to `8/1h` after
     /// five requests at once admits three more.
-    pub fn identity(&self) -> &str {
+    pub(crate) fn identity(&self) -> &str {
         &self.identity
     }
 
@@ -503,13 +503,13 @@ impl Policy {
     }
 
     /// The longest window: how long a key's state must be kept after its last event.
-    pub fn longest_window(&self) -> Duration {
+    pub(crate) fn longest_window(&self) -> Duration {
         self.limits.last().map(Limit::window).unwrap_or_default()
     }
 
     /// The name of limit `index` in rate-limit headers: the policy name for a one-limit
     /// policy, otherwise the policy name and the window, e.g. `default-1h`.
-    pub fn limit_name(&self, index: usize) -> String {
+    pub(crate) fn limit_name(&self, index: usize) -> String {
         match (&self.limits[..], self.limits.get(index)) {
             ([_], _) | (_, None) => self.name.to_string(),
             (_, Some(limit)) => format!("{}-{}", self.name, limit.window_label()),

@@ -72,7 +72,7 @@ pub struct Refused;
 ///
 /// // One text message a minute per phone number, which only the handler knows.
 /// async fn send(State(app): State<App>, headers: HeaderMap) -> Response {
-///     let Some(phone) = headers.get("x-phone").map(|v| Key::from_bytes(v.as_bytes())) else {
+///     let Some(phone) = headers.get("x-phone").map(|v| Key::from(v.as_bytes())) else {
 ///         return (StatusCode::BAD_REQUEST, "x-phone is missing\n").into_response();
 ///     };
 ///     let decision = match app.store.check(&phone, &app.sms, 1).await {

@@ -24,8 +24,7 @@ pub(crate) struct Capabilities {
 
 impl Capabilities {
     /// Checks one policy of a table, with its plans and whether its rule is soft, against the
-    /// layer and against the policies of the table checked before it (`names`). The policy
-    /// and plans are those the layer decides by, its algorithm applied.
+    /// layer and against the policies of the table checked before it (`names`).
     pub(crate) fn validate(
         &self,
         names: &mut Names,

@@ -15,10 +15,10 @@ use tokio::runtime::Handle;
 
 use super::combine::{self, Capabilities, Names};
 use super::orphans::Checks;
-use super::rule::{Built, Matcher, PlanFn, Plans, RequestHead};
+use super::rule::{Built, Matcher, PlanFn, RequestHead};
 use crate::response::{Options, Responder};
 use crate::store::Overrides;
-use crate::{Algorithm, BuildError, Policy, Rule};
+use crate::{BuildError, Policy, Rule};
 
 /// A layer's rules and default policy, as a value: what [`RuleTable::replace`] puts in force,
 /// and what [`RateLimitLayerBuilder::rules`](crate::RateLimitLayerBuilder::rules) starts from.
@@ -72,8 +72,10 @@ impl Rules {
         self
     }
 
-    /// The default policy's limits for requests on plan `plan`, as [`Rule::plan`].
-    pub fn plan<P>(mut self, plan: impl Into<String>, limits: P) -> Self
+    /// The default policy's limits for requests on plan `plan`, as [`Rule::plan`] (a rules
+    /// file's default plans).
+    #[cfg(feature = "config")]
+    pub(crate) fn plan<P>(mut self, plan: impl Into<String>, limits: P) -> Self
     where
         P: TryInto<Policy>,
         P::Error: Into<BuildError>,
@@ -147,6 +149,7 @@ impl Table {
     }
 
     /// The default policy.
+    #[cfg(test)]
     pub(crate) fn default_policy(&self) -> Option<&Policy> {
         self.default.as_ref().map(|choice| &choice.own.policy)
     }
@@ -195,10 +198,9 @@ impl Table {
     }
 }
 
-/// What checks a table against the layer and makes it: the layer's algorithm, its response
-/// options, and what its policies must fit.
+/// What checks a table against the layer and makes it: the layer's response options, and what
+/// its policies must fit.
 pub(crate) struct Compiler {
-    pub(crate) algorithm: Option<Algorithm>,
     pub(crate) options: Options,
     pub(crate) capabilities: Capabilities,
     /// The store's overrides, which each table put in force is checked against (`orphans`).
@@ -232,7 +234,6 @@ impl Compiler {
             plans,
             soft,
         } = rule;
-        let (policy, plans) = self.with_algorithm(policy, plans);
         self.capabilities.validate(names, &policy, &plans, soft)?;
         let mut options = self.options.clone();
         options.soft |= soft;
@@ -243,18 +244,6 @@ impl Compiler {
             .collect();
         let own = responder(policy);
         Ok((matcher, Choice { own, plans }))
-    }
-
-    /// The policy and plans with the layer's algorithm, if it has one, in place of their own.
-    fn with_algorithm(&self, policy: Policy, plans: Plans) -> (Policy, Plans) {
-        let Some(algorithm) = self.algorithm else {
-            return (policy, plans);
-        };
-        let plans = plans
-            .into_iter()
-            .map(|(name, plan)| (name, plan.with_algorithm(algorithm)))
-            .collect();
-        (policy.with_algorithm(algorithm), plans)
     }
 }
 
@@ -354,7 +343,7 @@ impl RuleTable {
     }
 
     /// The policies in force: each rule's, in order, then the default policy.
-    pub fn policies(&self) -> Vec<Policy> {
+    pub(crate) fn policies(&self) -> Vec<Policy> {
         self.load().policies().cloned().collect()
     }
 }

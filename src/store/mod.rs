@@ -22,7 +22,7 @@ pub(crate) mod redis;
 pub(crate) mod reserve;
 
 pub use memory::{Clock, ManualClock, MemoryStore, MemoryStoreBuilder, TokioClock};
-pub use overrides::{Override, OverrideError, OverridePages, Overrides, Scope};
+pub use overrides::{Override, OverrideError, Overrides, Scope};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::{Leases, RedisStore, RedisStoreBuilder};

@@ -400,7 +400,7 @@ impl Overrides {
     /// assert_eq!(count, 1);
     /// # Ok(()) }
     /// ```
-    pub fn pages(&self, policy: &Policy) -> OverridePages {
+    pub(crate) fn pages(&self, policy: &Policy) -> OverridePages {
         OverridePages {
             policy: policy.clone(),
             pages: self.backend.pages(policy),
@@ -429,7 +429,7 @@ fn rank(scope: &Scope) -> (u8, &str) {
 /// decisions fail (or pass unchecked). An override set or removed during the listing may or
 /// may not be listed; every other is listed exactly once. On the memory store, all the
 /// overrides come as one page (it holds them in this process; listing takes no round trip).
-pub struct OverridePages {
+pub(crate) struct OverridePages {
     policy: Policy,
     pages: Box<dyn Pages>,
 }
@@ -448,7 +448,7 @@ impl OverridePages {
     /// [`Overrides::list`]), never an empty page; `None` when all are listed. After an error,
     /// the next call asks for the same page again, so an admin tool can retry a page that
     /// timed out without starting over.
-    pub async fn next(&mut self) -> Option<Result<Vec<(Scope, Override)>, OverrideError>> {
+    pub(crate) async fn next(&mut self) -> Option<Result<Vec<(Scope, Override)>, OverrideError>> {
         loop {
             let page = match self.next_stored().await? {
                 Ok(page) => page,

@@ -31,11 +31,6 @@ pin_project! {
 }
 
 impl<B> RequestBody<B> {
-    /// A body of `bytes`, as the layer hands on one it read.
-    pub fn new(bytes: Bytes) -> Self {
-        Self::buffered(bytes, None)
-    }
-
     pub(super) fn buffered(bytes: Bytes, trailers: Option<HeaderMap>) -> Self {
         let data = (!bytes.is_empty()).then_some(bytes);
         RequestBody {
@@ -109,7 +104,7 @@ mod tests {
         let collected = body.collect().await.unwrap();
         assert_eq!(collected.trailers().unwrap()["x-check"], "1");
         assert_eq!(collected.to_bytes(), "a=1");
-        let empty = RequestBody::<Empty<Bytes>>::new(Bytes::new());
+        let empty = RequestBody::<Empty<Bytes>>::buffered(Bytes::new(), None);
         assert!(empty.is_end_stream());
     }
 }

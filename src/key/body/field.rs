@@ -48,7 +48,7 @@ impl Normalize {
     /// assert_eq!(Normalize::Trim.apply(" Ann "), "Ann");
     /// assert_eq!(Normalize::Exact.apply(" Ann "), " Ann ");
     /// ```
-    pub fn apply(self, value: &str) -> String {
+    pub(crate) fn apply(self, value: &str) -> String {
         match self {
             Normalize::Exact => value.to_owned(),
             Normalize::Trim => value.trim().to_owned(),
@@ -129,7 +129,8 @@ pub struct BodyField {
 
 impl BodyField {
     /// A field as the layer would have put it, e.g. to test a handler.
-    pub fn new(name: &str, value: impl Into<String>) -> Self {
+    #[cfg(any(test, feature = "test-util"))]
+    pub(crate) fn new(name: &str, value: impl Into<String>) -> Self {
         BodyField {
             name: Arc::from(name),
             value: value.into(),
@@ -183,15 +184,6 @@ pub struct BodyKey {
 }
 
 impl BodyKey {
-    /// Keys requests by body field `field` (see also [`BodyFieldLayer::key`]).
-    ///
-    /// [`BodyFieldLayer::key`]: super::BodyFieldLayer::key
-    pub fn new(field: &str) -> Self {
-        BodyKey {
-            field: Arc::from(field),
-        }
-    }
-
     /// Keys requests by the field a layer reads, named with the layer's own name.
     pub(super) fn shared(field: Arc<str>) -> Self {
         BodyKey { field }
@@ -238,7 +230,7 @@ mod tests {
 
     #[test]
     fn the_key_is_the_field_of_its_name_and_bounded() {
-        let key = BodyKey::new("username");
+        let key = BodyKey::shared("username".into());
         let with = |field: BodyField| {
             let mut request = Request::new(());
             request.extensions_mut().insert(field);

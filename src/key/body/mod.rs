@@ -160,12 +160,6 @@ impl BodyFieldLayer {
     /// login form.
     pub const DEFAULT_LIMIT: usize = 16 * 1024;
 
-    /// Reads field `field` with the defaults: [`DEFAULT_LIMIT`](Self::DEFAULT_LIMIT),
-    /// [`Normalize::Fold`], [`OtherContent::Reject`].
-    pub fn new(field: &str) -> Result<Self, BodyFieldError> {
-        Self::builder(field).build()
-    }
-
     /// A builder for a layer that reads field `field`.
     pub fn builder(field: &str) -> BodyFieldBuilder {
         BodyFieldBuilder {
@@ -179,16 +173,6 @@ impl BodyFieldLayer {
     /// The key extractor for the field this layer reads.
     pub fn key(&self) -> BodyKey {
         BodyKey::shared(Arc::clone(&self.settings.field))
-    }
-
-    /// The name of the field read.
-    pub fn field(&self) -> &str {
-        &self.settings.field
-    }
-
-    /// The most bytes of a body read.
-    pub fn limit(&self) -> usize {
-        self.settings.limit
     }
 }
 
@@ -268,7 +252,7 @@ mod tests {
     #[test]
     fn the_builder_refuses_what_cannot_work() {
         assert_eq!(
-            BodyFieldLayer::new("").unwrap_err(),
+            BodyFieldLayer::builder("").build().unwrap_err(),
             BodyFieldError::EmptyName
         );
         assert_eq!(

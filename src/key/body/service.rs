@@ -96,7 +96,7 @@ where
 /// }
 ///
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let read = BodyFieldLayer::new("username")?;
+/// let read = BodyFieldLayer::builder("username").build()?;
 /// let limit = RateLimitLayer::builder()
 ///     .policy("3/1m")
 ///     .key(read.key())
@@ -107,12 +107,7 @@ where
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InnerError<E>(pub(super) E);
 
-impl<E> InnerError<E> {
-    /// The inner service's error.
-    pub fn into_inner(self) -> E {
-        self.0
-    }
-}
+impl<E> InnerError<E> {}
 
 impl<E: fmt::Display> fmt::Display for InnerError<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -265,7 +260,7 @@ mod tests {
                 .unwrap()
         };
         let read = Arc::new(AtomicUsize::new(0));
-        let layer = BodyFieldLayer::new("username").unwrap();
+        let layer = BodyFieldLayer::builder("username").build().unwrap();
         let (status, _) = answer(&layer, plain(&read)).await;
         assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
         assert_eq!(read.load(Ordering::SeqCst), 0);
@@ -283,7 +278,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_field_missing_empty_or_twice_is_a_400() {
-        let layer = BodyFieldLayer::new("username").unwrap();
+        let layer = BodyFieldLayer::builder("username").build().unwrap();
         for body in [&b"user=ann"[..], b"username=+", b"username=a&username=b"] {
             let request = form().body(once(body)).unwrap();
             let (status, text) = answer(&layer, request).await;

@@ -34,7 +34,7 @@ impl Default for TokioClock {
 
 impl TokioClock {
     /// A clock that reads `start` now and advances with tokio's clock.
-    pub fn starting_at(start: SystemTime) -> Self {
+    pub(crate) fn starting_at(start: SystemTime) -> Self {
         TokioClock {
             start: since_epoch(start),
             origin: tokio::time::Instant::now(),
