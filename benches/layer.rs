@@ -26,10 +26,8 @@ use tower::ServiceExt;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::KeyExtractor;
 use tower_governor::{GovernorError, GovernorLayer};
-use tower_redis_ratelimit::{
-    Algorithm, Decision, Header, Key, MemoryStore, Policy, RateLimitLayer, Settlement, Store,
-    StoreError,
-};
+use tower_redis_ratelimit::test_util::FaultyStore;
+use tower_redis_ratelimit::{Algorithm, Header, MemoryStore, Policy, RateLimitLayer};
 
 const KEYS: usize = 1000;
 const CLIENT: &str = "x-client";
@@ -41,48 +39,16 @@ fn route() -> Router {
 fn ours(algorithm: Algorithm, headers: bool) -> Router {
     let layer = RateLimitLayer::builder()
         .key(Header::new(HeaderName::from_static(CLIENT)))
-        .policy("1000000/1s")
-        .algorithm(algorithm)
+        .policy(
+            "1000000/1s"
+                .parse::<Policy>()
+                .unwrap()
+                .with_algorithm(algorithm),
+        )
         .headers_on_allowed(headers)
         .build()
         .unwrap();
     route().layer(layer)
-}
-
-/// The memory store presented as a remote one, so that the layer keeps its deny cache on, as
-/// it does for Redis: the refusals a flood gets then come from the cache.
-#[derive(Debug, Clone)]
-struct Remote(MemoryStore);
-
-impl Store for Remote {
-    type Future = std::future::Ready<Result<Decision, StoreError>>;
-    type ResetFuture = std::future::Ready<Result<(), StoreError>>;
-
-    fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        self.0.check(key, policy, cost)
-    }
-
-    fn check_at(
-        &self,
-        key: &Key,
-        policy: &Policy,
-        cost: u32,
-        at: std::time::SystemTime,
-    ) -> Self::Future {
-        self.0.check_at(key, policy, cost, at)
-    }
-
-    fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        self.0.peek(key, policy, cost)
-    }
-
-    fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
-        self.0.reset(key, policy)
-    }
-
-    fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture {
-        self.0.settle(key, policy, settlement)
-    }
 }
 
 /// A flood on one key already over `1/1h`, refused by the deny cache.
@@ -90,7 +56,9 @@ fn flood() -> Router {
     let layer = RateLimitLayer::builder()
         .key(Header::new(HeaderName::from_static(CLIENT)))
         .policy("1/1h")
-        .store(Remote(MemoryStore::new()))
+        // The memory store answering as a remote one, so that the layer keeps its deny cache
+        // on, as it does for Redis: the refusals a flood gets then come from the cache.
+        .store(FaultyStore::new(MemoryStore::new()).remote())
         .build()
         .unwrap();
     route().layer(layer)

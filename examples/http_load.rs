@@ -70,13 +70,11 @@
 mod support;
 
 use std::fmt::Write as _;
-use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::str::FromStr;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::IntoResponse;
@@ -98,7 +96,7 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use support::redis::{Admin, Scratch};
 use support::{process_cpu_seconds, redis_cpu_seconds, CountingAllocator};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower_governor::governor::GovernorConfigBuilder;
@@ -107,9 +105,9 @@ use tower_governor::{GovernorError, GovernorLayer};
 use tower_rate_limit_fred::KeyResolver;
 use tower_redis_ratelimit::store::Leases;
 use tower_redis_ratelimit::store::{Override, Scope};
+use tower_redis_ratelimit::test_util::FaultyStore;
 use tower_redis_ratelimit::{
-    Algorithm, Decision, Header, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Settlement,
-    Store, StoreError,
+    Algorithm, Header, Key, MemoryStore, Policy, RateLimitLayer, RedisStore,
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -386,27 +384,24 @@ impl Scenario {
             Scenario::Bare => route,
             Scenario::Memory => route.layer(ours().policy(HIGH_LIMIT).build()?),
             Scenario::MemoryGcra => {
-                let ours = ours().algorithm(Algorithm::Gcra).headers_on_allowed(false);
-                route.layer(ours.policy(HIGH_LIMIT).build()?)
+                let ours = ours().headers_on_allowed(false);
+                route.layer(ours.policy(policy(HIGH_LIMIT, Algorithm::Gcra)?).build()?)
             }
             Scenario::TowerGovernor => route.layer(governor_layer()?),
             Scenario::RedisLog | Scenario::RedisLogLean => {
-                let ours = ours_on_redis()?
-                    .algorithm(Algorithm::SlidingLog)
-                    .headers_on_allowed(self == Scenario::RedisLog);
-                route.layer(ours.policy(LOG_LIMIT).build()?)
+                let ours = ours_on_redis()?.headers_on_allowed(self == Scenario::RedisLog);
+                route.layer(
+                    ours.policy(policy(LOG_LIMIT, Algorithm::SlidingLog)?)
+                        .build()?,
+                )
             }
             Scenario::RedisGcra | Scenario::RedisGcraLean | Scenario::RedisGcraOverrides => {
-                let ours = ours_on_redis()?
-                    .algorithm(Algorithm::Gcra)
-                    .headers_on_allowed(self == Scenario::RedisGcra);
-                route.layer(ours.policy(HIGH_LIMIT).build()?)
+                let ours = ours_on_redis()?.headers_on_allowed(self == Scenario::RedisGcra);
+                route.layer(ours.policy(policy(HIGH_LIMIT, Algorithm::Gcra)?).build()?)
             }
             Scenario::RedisGcraConcurrency => {
-                let ours = ours_on_redis()?
-                    .algorithm(Algorithm::Gcra)
-                    .headers_on_allowed(false);
-                let policy = HIGH_LIMIT.parse::<Policy>()?.concurrency(1000)?;
+                let ours = ours_on_redis()?.headers_on_allowed(false);
+                let policy = policy(HIGH_LIMIT, Algorithm::Gcra)?.concurrency(1000)?;
                 route.layer(ours.policy(policy).build()?)
             }
             Scenario::RedisGcraLease | Scenario::RedisFwLease | Scenario::RedisLogLease => {
@@ -422,11 +417,11 @@ impl Scenario {
                     Scenario::RedisLogLease => Algorithm::SlidingLog,
                     _ => Algorithm::FixedWindow,
                 };
-                let ours = ours().store(store).algorithm(algorithm);
+                let ours = ours().store(store);
                 let headers = self == Scenario::RedisLogLease;
                 route.layer(
                     ours.headers_on_allowed(headers)
-                        .policy(LEASE_LIMIT)
+                        .policy(policy(LEASE_LIMIT, algorithm)?)
                         .build()?,
                 )
             }
@@ -437,10 +432,12 @@ impl Scenario {
             }
             Scenario::FloodCache => route.layer(ours_on_redis()?.policy(FLOOD_LIMIT).build()?),
             Scenario::InstantStore => {
-                let ours = ours()
-                    .store(InstantStore::spawn())
-                    .algorithm(Algorithm::Gcra);
-                route.layer(ours.policy(HIGH_LIMIT).build()?)
+                // The memory store answering from a task of its own: what any store that
+                // answers from elsewhere costs the service (the request waits, a message goes
+                // each way), without the store's own work. The ceiling of every Redis
+                // configuration.
+                let ours = ours().store(FaultyStore::new(MemoryStore::new()).remote());
+                route.layer(ours.policy(policy(HIGH_LIMIT, Algorithm::Gcra)?).build()?)
             }
         })
     }
@@ -457,65 +454,9 @@ impl FromStr for Scenario {
     }
 }
 
-/// A store that decides in a task of its own, at once, from memory: what any store that answers
-/// from elsewhere costs the service (the request waits, a message goes each way), without the
-/// store's own work. The ceiling of every Redis configuration.
-#[derive(Clone)]
-struct InstantStore {
-    queue: mpsc::UnboundedSender<Question>,
-}
-
-/// One decision asked of [`InstantStore`]'s task.
-type Question = (
-    Key,
-    Policy,
-    u32,
-    oneshot::Sender<Result<Decision, StoreError>>,
-);
-
-type Answer<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send>>;
-
-impl InstantStore {
-    fn spawn() -> InstantStore {
-        let (queue, mut questions) = mpsc::unbounded_channel::<Question>();
-        tokio::spawn(async move {
-            let store = MemoryStore::new();
-            while let Some((key, policy, cost, answer)) = questions.recv().await {
-                let _ = answer.send(store.check(&key, &policy, cost).await);
-            }
-        });
-        InstantStore { queue }
-    }
-}
-
-impl Store for InstantStore {
-    type Future = Answer<Decision>;
-    type ResetFuture = Answer<()>;
-
-    fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        let (answer, decision) = oneshot::channel();
-        let asked = self.queue.send((key.clone(), policy.clone(), cost, answer));
-        Box::pin(async move {
-            asked.map_err(|_| StoreError::Unavailable)?;
-            decision.await.unwrap_or(Err(StoreError::Unavailable))
-        })
-    }
-
-    fn check_at(&self, key: &Key, policy: &Policy, cost: u32, _at: SystemTime) -> Self::Future {
-        self.check(key, policy, cost)
-    }
-
-    fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        self.check(key, policy, cost)
-    }
-
-    fn reset(&self, _key: &Key, _policy: &Policy) -> Self::ResetFuture {
-        Box::pin(async { Ok(()) })
-    }
-
-    fn settle(&self, _key: &Key, _policy: &Policy, _settlement: Settlement) -> Self::ResetFuture {
-        Box::pin(async { Ok(()) })
-    }
+/// `limits` decided by `algorithm`.
+fn policy(limits: &str, algorithm: Algorithm) -> Result<Policy, Error> {
+    Ok(limits.parse::<Policy>()?.with_algorithm(algorithm))
 }
 
 fn client_key() -> Header {

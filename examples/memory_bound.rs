@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use futures::executor::block_on;
 use tower_redis_ratelimit::store::ManualClock;
+use tower_redis_ratelimit::test_util::key_count;
 use tower_redis_ratelimit::{Algorithm, Key, MemoryStore, Policy, Store};
 
 const RUNS: [(&str, u64); 3] = [
@@ -70,7 +71,7 @@ fn measure(name: &str, max_keys: u64) {
             sent += 1;
             clock.advance(Duration::from_micros(10));
         }
-        let held = store.key_count();
+        let held = key_count(&store);
         let grown = rss_mib() - base;
         println!(
             "| {name} | {max_keys} | {sent} | {held} | +{grown:.0} MiB | {:.0} bytes |",

@@ -43,10 +43,10 @@ async fn serve<St: Store>(
     store: &str,
 ) -> Result<(), Error> {
     let limits: Vec<String> = layer
-        .policy()
-        .into_iter()
-        .flat_map(|p| p.limits().to_vec())
-        .map(|l| l.to_string())
+        .rule_table()
+        .policies()
+        .iter()
+        .map(|p| p.to_string())
         .collect();
     let app = Router::new()
         .route("/", get(|| async { "hello\n" }))
@@ -55,7 +55,7 @@ async fn serve<St: Store>(
     println!(
         "listening on http://{} with limit {} per client IP, store: {store}",
         listener.local_addr()?,
-        limits.join(" + ")
+        limits.join(", ")
     );
     // `ConnectInfo<SocketAddr>` gives the layer each client's address.
     let app = app.into_make_service_with_connect_info::<SocketAddr>();

@@ -18,6 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use fred::prelude::*;
+use tower_redis_ratelimit::test_util::redis_key;
 use tower_redis_ratelimit::{Algorithm, Key, Limit, Policy, RedisStore, Store};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -48,7 +49,8 @@ async fn main() -> Result<(), Error> {
 
 async fn measure(url: &str) -> Result<(), Error> {
     let store = RedisStore::connect(url).await?;
-    let redis = store.pool().next();
+    let redis = Builder::from_config(Config::from_url(url)?).build()?;
+    redis.init().await?;
     let version: String = redis
         .info::<String>(Some(fred::types::InfoKind::Server))
         .await?
@@ -79,13 +81,13 @@ async fn measure(url: &str) -> Result<(), Error> {
             let decision = store.peek(&key, &policy, 0).await?;
             assert_eq!(decision.remaining(), 0);
             let bytes: u64 = redis
-                .memory_usage(store.redis_key(&key, &policy), Some(0))
+                .memory_usage(redis_key(&store, &key, &policy), Some(0))
                 .await?;
             row.push_str(&format!(" {bytes} |"));
         }
         println!("{row}");
     }
-    weighted_log(&store, redis).await
+    weighted_log(&store, &redis).await
 }
 
 /// A sliding log under `100000/1m` holding 100 requests of cost 1 000, as events and as units.
@@ -97,7 +99,7 @@ async fn weighted_log(store: &RedisStore, redis: &Client) -> Result<(), Error> {
         let decision = store.check(&key, &policy, 1_000).await?;
         assert!(decision.is_allowed() && decision.remaining() == 100_000 - i * 1_000);
     }
-    let events_key = store.redis_key(&key, &policy);
+    let events_key = redis_key(&store, &key, &policy);
     let members: u64 = redis.zcard(&events_key).await?;
     let events: u64 = redis.memory_usage(&events_key, Some(0)).await?;
 

@@ -130,11 +130,13 @@ async fn burst(addr: SocketAddr, n: usize, when: &str) -> Result<Vec<u16>, Error
     Ok(statuses)
 }
 
-/// Waits until the layer's default policy has `count`, as the watcher applies the file.
+/// Waits until the layer's default policy (the last of the policies in force) has `count`,
+/// as the watcher applies the file.
 async fn applied(layer: &RateLimitLayer, count: u64) {
     for _ in 0..100 {
-        if layer
-            .policy()
+        let policies = layer.rule_table().policies();
+        if policies
+            .last()
             .is_some_and(|p| p.limits()[0].count() == count)
         {
             return;

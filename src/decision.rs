@@ -144,8 +144,7 @@ impl Decision {
     /// Whether the decision describes the policy's concurrency limit
     /// ([`Policy::concurrency`](crate::Policy::concurrency)) rather than a rate limit: the
     /// request was refused because [`limit`](Self::limit) requests of its key are in flight.
-    /// [`limit_index`](Self::limit_index) is then the number of rate limits (one past the
-    /// last), [`window`](Self::window) zero, and [`retry_after`](Self::retry_after) when a slot
+    /// [`window`](Self::window) is then zero, and [`retry_after`](Self::retry_after) when a slot
     /// is likely to be free: from the store, the key's typical hold time across every
     /// instance that shares it, or, while the store knows none, when the first slot held would
     /// expire unrenewed; from the layer, the same hold time capped at the slot lifetime and

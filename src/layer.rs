@@ -150,7 +150,7 @@ pub enum BuildError {
     #[error("invalid policy: {0}")]
     Policy(#[from] PolicyError),
     /// Two different policies of one layer share a name: their state is kept apart (see
-    /// [`Policy::identity`]), but the `RateLimit` fields and metrics could not tell them apart.
+    /// [identity](Policy#identity)), but the `RateLimit` fields and metrics could not tell them apart.
     #[error("two different policies are named {0:?}; give each its own name")]
     PolicyConflict(String),
     /// A rule's [plan](Rule::plan) is invalid: its limits, its name given twice, or the layer
@@ -459,8 +459,8 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     /// that key and policy are refused locally, with no store call, until the retry-after has
     /// passed. `0` turns it off. It never admits anything the store would refuse, and shadow
     /// mode does not use it. Default: [`DEFAULT_DENY_CACHE`] entries for a remote store such
-    /// as [`RedisStore`](crate::RedisStore), off for a local one
-    /// ([`Store::is_local`](crate::Store::is_local)).
+    /// as [`RedisStore`](crate::RedisStore), off for the [`MemoryStore`], which answers as
+    /// quickly.
     pub fn deny_cache(mut self, capacity: u64) -> Self {
         self.settings.deny_cache = Some(capacity);
         self
@@ -481,8 +481,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     /// (default zero: refused at once). A key's waiters are served in one queue across every
     /// instance that shares the store, in the order of their deadlines (arrival order among
     /// layers with the same `max_wait`): the store puts a refused waiter in the key's queue and
-    /// keeps a slot given back for the first in it
-    /// ([`Store::check_queued`](crate::Store::check_queued)). On each instance the first of a
+    /// keeps a slot given back for the first in it. On each instance the first of a
     /// key's waiters asks again when a slot of the key is given back here, and every 50 ms for
     /// slots that free on other instances or expire. A request refused by a rate limit never
     /// waits.

@@ -30,8 +30,10 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
+
+use tokio::sync::{mpsc, oneshot};
 
 use crate::model::slots::Waiter;
 use crate::store::engine::Sealed;
@@ -46,11 +48,28 @@ use crate::{Decision, Key, MemoryStore, Policy, Settlement, Store, StoreError};
 /// a waiter's ask, a reservation) fails with [`StoreError::Unavailable`]; settlements, resets
 /// and a line's looks, leaves and pauses still reach the store, as they would once a real
 /// store is back (the layer sends them again until it is). Clones share the switch.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct FaultyStore<St> {
     store: St,
     down: Arc<AtomicBool>,
-    remote: bool,
+    /// The task that decides for a [`remote`](Self::remote) store, started at its first
+    /// decision; `None` for a store that answers in place.
+    remote: Option<Arc<OnceLock<Option<Worker<St>>>>>,
+}
+
+/// A question for a remote store's task, which asks the store and sends the answer back.
+type Job<St> = Box<dyn FnOnce(&St) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
+
+/// Where a remote store's questions go.
+type Worker<St> = mpsc::UnboundedSender<Job<St>>;
+
+impl<St> std::fmt::Debug for FaultyStore<St> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultyStore")
+            .field("down", &self.down.load(Ordering::SeqCst))
+            .field("remote", &self.remote.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 /// The future of a [`FaultyStore`]'s decision or settlement.
@@ -62,16 +81,18 @@ impl<St: Store> FaultyStore<St> {
         FaultyStore {
             store,
             down: Arc::default(),
-            remote: false,
+            remote: None,
         }
     }
 
-    /// The same store, answering as a store in another process would: never without waiting
-    /// (no decision or settlement in place), and not local, so that a layer keeps its deny
-    /// cache on by default. Its futures are ready when first polled.
+    /// The same store, answering as a store in another process would: its decisions are made
+    /// in a task of its own (a message goes each way, and the request waits for the answer),
+    /// never in place, and it is not local, so that a layer keeps its deny cache on by
+    /// default. The task starts with the first decision made in a tokio runtime; outside one,
+    /// decisions are made in place.
     pub fn remote(self) -> Self {
         FaultyStore {
-            remote: true,
+            remote: Some(Arc::default()),
             ..self
         }
     }
@@ -86,11 +107,50 @@ impl<St: Store> FaultyStore<St> {
         &self.store
     }
 
-    fn decide(&self, decision: St::Future) -> FaultyFuture<Decision> {
-        match self.down.load(Ordering::SeqCst) {
-            true => Box::pin(std::future::ready(Err(StoreError::Unavailable))),
-            false => Box::pin(decision),
+    /// The decision `ask` makes of the store: a failure while told to fail, else asked in
+    /// place or of the remote store's task.
+    fn decide<F>(&self, ask: F) -> FaultyFuture<Decision>
+    where
+        F: FnOnce(&St) -> St::Future + Send + 'static,
+    {
+        if self.down.load(Ordering::SeqCst) {
+            return Box::pin(std::future::ready(Err(StoreError::Unavailable)));
         }
+        let Some(worker) = self.worker() else {
+            return Box::pin(ask(&self.store));
+        };
+        let (answer, answered) = oneshot::channel();
+        let job: Job<St> = Box::new(move |store| {
+            let decision = ask(store);
+            Box::pin(async move {
+                let _ = answer.send(decision.await);
+            })
+        });
+        let asked = worker.send(job).is_ok();
+        Box::pin(async move {
+            match asked {
+                true => answered.await.unwrap_or(Err(StoreError::Unavailable)),
+                false => Err(StoreError::Unavailable),
+            }
+        })
+    }
+
+    /// A remote store's task, started now if it is not yet; `None` for a store that answers
+    /// in place, or outside a tokio runtime.
+    fn worker(&self) -> Option<&Worker<St>> {
+        let cell = self.remote.as_ref()?;
+        let store = self.store.clone();
+        let started = cell.get_or_init(move || {
+            let runtime = tokio::runtime::Handle::try_current().ok()?;
+            let (queue, mut jobs) = mpsc::unbounded_channel::<Job<St>>();
+            runtime.spawn(async move {
+                while let Some(job) = jobs.recv().await {
+                    job(&store).await;
+                }
+            });
+            Some(queue)
+        });
+        started.as_ref()
     }
 }
 
@@ -99,15 +159,18 @@ impl<St: Store> Store for FaultyStore<St> {
     type ResetFuture = FaultyFuture<()>;
 
     fn check(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        self.decide(self.store.check(key, policy, cost))
+        let (key, policy) = (key.clone(), policy.clone());
+        self.decide(move |store| store.check(&key, &policy, cost))
     }
 
     fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future {
-        self.decide(self.store.check_at(key, policy, cost, at))
+        let (key, policy) = (key.clone(), policy.clone());
+        self.decide(move |store| store.check_at(&key, &policy, cost, at))
     }
 
     fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
-        self.decide(self.store.peek(key, policy, cost))
+        let (key, policy) = (key.clone(), policy.clone());
+        self.decide(move |store| store.peek(&key, &policy, cost))
     }
 
     fn reset(&self, key: &Key, policy: &Policy) -> Self::ResetFuture {
@@ -128,7 +191,7 @@ impl<St: Store> Engine for FaultyStore<St> {
         policy: &Policy,
         cost: u32,
     ) -> Option<Result<Decision, StoreError>> {
-        if self.remote {
+        if self.remote.is_some() {
             return None;
         }
         match self.down.load(Ordering::SeqCst) {
@@ -147,8 +210,8 @@ impl<St: Store> Engine for FaultyStore<St> {
         settlement: Settlement,
     ) -> Option<Result<(), StoreError>> {
         match self.remote {
-            true => None,
-            false => self.store.settle_now(key, policy, settlement),
+            Some(_) => None,
+            None => self.store.settle_now(key, policy, settlement),
         }
     }
 
@@ -159,7 +222,8 @@ impl<St: Store> Engine for FaultyStore<St> {
         cost: u32,
         waiter: &Waiter,
     ) -> <Self as Store>::Future {
-        self.decide(self.store.check_queued(key, policy, cost, waiter))
+        let (key, policy, waiter) = (key.clone(), policy.clone(), *waiter);
+        self.decide(move |store| store.check_queued(&key, &policy, cost, &waiter))
     }
 
     fn leave_queue(&self, key: &Key, policy: &Policy, waiter: &Waiter) {
@@ -179,7 +243,7 @@ impl<St: Store> Engine for FaultyStore<St> {
     }
 
     fn is_local(&self) -> bool {
-        !self.remote && self.store.is_local()
+        self.remote.is_none() && self.store.is_local()
     }
 }
 
@@ -187,7 +251,8 @@ impl<St: Store> Reserve for FaultyStore<St> {
     type LineFuture = FaultyFuture<InLine>;
 
     fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> <Self as Store>::Future {
-        self.decide(self.store.reserve(key, policy, ticket))
+        let (key, policy) = (key.clone(), policy.clone());
+        self.decide(move |store| store.reserve(&key, &policy, ticket))
     }
 
     fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
@@ -263,6 +328,22 @@ pub fn key_count(store: &MemoryStore) -> u64 {
 #[cfg(feature = "redis")]
 pub fn dropped(unique: &crate::unique::UniqueClients) -> u64 {
     unique.dropped()
+}
+
+/// What this instance's `blocklist` has answered so far: the keys screened, those its local
+/// filter could not clear (each one a `SISMEMBER`), and those found blocked.
+#[cfg(feature = "redis")]
+pub fn blocklist_stats(
+    blocklist: &crate::blocklist::Blocklist,
+) -> crate::blocklist::BlocklistStats {
+    blocklist.stats()
+}
+
+/// Waits until every request `unique` queued before the call has been sent to Redis; `true` if
+/// every write since the previous flush succeeded.
+#[cfg(feature = "redis")]
+pub async fn flush(unique: &crate::unique::UniqueClients) -> bool {
+    unique.flush().await
 }
 
 /// The Redis key holding the state of `key` under `policy`.

@@ -153,7 +153,7 @@ impl UniqueClients {
 
     /// Waits until every request queued before this call has been sent to Redis; `true` if
     /// every write since the previous flush succeeded.
-    pub async fn flush(&self) -> bool {
+    pub(crate) async fn flush(&self) -> bool {
         let (done, written) = oneshot::channel();
         if self.shared.queue.send(Message::Flush(done)).await.is_err() {
             return false;
@@ -162,13 +162,16 @@ impl UniqueClients {
     }
 
     /// The number of unique keys `policy` decided for over `span` (an estimate within about
-    /// 1 %).
+    /// 1 %), on every instance that shares the Redis: this instance's requests queued before
+    /// the call are written first, so that it counts them.
     pub async fn count(
         &self,
         policy: &str,
         span: Span,
         clients: Clients,
     ) -> Result<u64, StoreError> {
+        // A failed write leaves its requests out of the count, as for any instance's.
+        let _written = self.flush().await;
         let keys = span_keys(&self.shared.prefix, policy, clients, span, now_secs())?;
         let count: u64 = self.shared.pool.next().pfcount(keys).await?;
         Ok(count)

@@ -21,7 +21,7 @@
 //! settle the store cannot make is logged (WARN) and counted
 //! (`ratelimit_settle_errors_total`, see [`metrics`](crate::metrics)).
 //!
-//! **Counting by outcome** ([`UsageReport::count_when`]) is the same machinery with the
+//! **Counting by outcome** ([`RateLimitLayerBuilder::count_when`](crate::RateLimitLayerBuilder::count_when)) is the same machinery with the
 //! outcome as the usage: each attempt reserves its cost when it is admitted, and once its
 //! response head is in, an outcome that does not count (a successful login) gives the
 //! reservation back, at once rather than when the body ends.
@@ -90,7 +90,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 
 use crate::rules::ResponseHead;
 
@@ -121,7 +121,7 @@ pub struct Usage(pub u64);
 ///     rows.join("\n")
 /// }
 ///
-/// let meter = UsageMeter::new();
+/// let meter = UsageMeter::default();
 /// assert_eq!(meter.get(), None);
 /// meter.add(120);
 /// meter.add(30);
@@ -162,7 +162,7 @@ impl UsageMeter {
     }
 
     /// The usage reported so far; `None` before anything was.
-    pub(crate) fn get(&self) -> Option<u64> {
+    pub fn get(&self) -> Option<u64> {
         match self.0.load(Ordering::Acquire) {
             NOT_REPORTED => None,
             units => Some(units),
@@ -280,6 +280,20 @@ impl UsageReport {
         self
     }
 
+    /// Usage from the response field `name`, a decimal number, in the head or in the trailers
+    /// (gRPC: initial or trailing metadata).
+    pub fn header(self, name: HeaderName) -> Self {
+        let read = move |fields: &HeaderMap| -> Option<u64> {
+            fields.get(&name)?.to_str().ok()?.trim().parse().ok()
+        };
+        let read: Arc<FieldsFn> = Arc::new(read);
+        UsageReport {
+            head: Some(Arc::clone(&read)),
+            trailers: Some(read),
+            ..self
+        }
+    }
+
     /// Usage from the response head's fields, as `read` finds it (`None`: not reported).
     pub fn from_head<F>(mut self, read: F) -> Self
     where
@@ -314,5 +328,17 @@ mod tests {
         assert_eq!(meter.get(), Some(u64::MAX - 1));
         clone.set(7);
         assert_eq!(meter.get(), Some(7));
+    }
+
+    #[test]
+    fn header_reads_a_decimal_field() {
+        let report = UsageReport::new().header(HeaderName::from_static("x-usage"));
+        let mut fields = HeaderMap::new();
+        let read = report.head.unwrap();
+        assert_eq!(read(&fields), None);
+        fields.insert("x-usage", " 42 ".parse().unwrap());
+        assert_eq!(read(&fields), Some(42));
+        fields.insert("x-usage", "lots".parse().unwrap());
+        assert_eq!(read(&fields), None);
     }
 }

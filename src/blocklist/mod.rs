@@ -74,7 +74,9 @@ struct Counters {
     blocked: AtomicU64,
 }
 
-/// What the blocklist has answered so far, on this instance.
+/// What the blocklist has answered so far, on this instance (read with
+/// `test_util::blocklist_stats`, feature `test-util`).
+#[cfg(feature = "test-util")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlocklistStats {
     /// Keys screened.
@@ -176,7 +178,8 @@ impl Blocklist {
     }
 
     /// What this instance's blocklist has answered so far.
-    pub fn stats(&self) -> BlocklistStats {
+    #[cfg(feature = "test-util")]
+    pub(crate) fn stats(&self) -> BlocklistStats {
         let stats = &self.shared.stats;
         BlocklistStats {
             screened: stats.screened.load(Ordering::Relaxed),

@@ -33,21 +33,27 @@ pub use peer::PeerIp;
 /// replaced by `#` and 32 hex digits of its BLAKE3 hash: fixed length, the same on every
 /// instance, and distinct for distinct inputs in practice.
 ///
-/// A key has two texts. Its `Display` (and [`as_str`](Key::as_str)) is the key as stored,
-/// what an operator types to name the client in an admin tool
-/// ([`Scope::Key`](crate::store::Scope::Key)); its `Debug` is [`loggable`](Key::loggable),
-/// which hashes anything but an address, so that an API key printed with `{:?}` in a log
-/// line or a panic message stays out of it.
+/// A key has two texts. Its `Display` is the key as stored, what an operator types to name
+/// the client in an admin tool ([`Scope::Key`](crate::store::Scope::Key)). Its `Debug` is
+/// for logs: a client address or network (from [`PeerIp`] or [`ClientIp`]) as is, anything
+/// else, such as an API key or a user id, as `#` and 16 hex digits of its BLAKE3 hash, so that
+/// an API key printed with `{:?}` in a log line or a panic message stays out of it, and one
+/// client's lines can still be matched up, on every instance. The hash is not keyed: someone
+/// with the logs can confirm a guess, so a user id or an e-mail address from a small set is
+/// recoverable.
 ///
 /// ```
 /// use tower_redis_ratelimit::Key;
 ///
-/// assert_eq!(Key::from("api-key-123").as_str(), "api-key-123");
+/// assert_eq!(Key::from("api-key-123").to_string(), "api-key-123");
 /// let long = Key::from("x".repeat(8192));
-/// assert_eq!(long.as_str().len(), 33);
-/// assert!(long.as_str().starts_with('#'));
+/// assert_eq!(long.to_string().len(), 33);
+/// assert!(long.to_string().starts_with('#'));
 /// let raw: &[u8] = b"\xff\xfe";
 /// assert_eq!(Key::from(raw), Key::from(raw));
+///
+/// let secret = format!("{:?}", Key::from("sk_live_123"));
+/// assert!(secret.starts_with("Key(\"#") && !secret.contains("sk_live"));
 /// ```
 #[derive(Clone)]
 pub struct Key(String, Option<IpNet>);
@@ -119,23 +125,7 @@ impl Key {
         self.1
     }
 
-    /// The key as it may appear in logs: a client address or network (from [`PeerIp`] or
-    /// [`ClientIp`]) as is; anything else, such as an API key or a user id, as `#` and 16 hex
-    /// digits of its BLAKE3 hash. Random secrets such as API keys stay out of the logs, and one
-    /// client's lines can still be matched up, on every instance. The hash is not keyed:
-    /// someone with the logs can confirm a guess, so a user id or an e-mail address from a
-    /// small set is recoverable.
-    ///
-    /// ```
-    /// use tower_redis_ratelimit::Key;
-    ///
-    /// let secret = Key::from("sk_live_123");
-    /// assert!(secret.loggable().starts_with('#'));
-    /// assert_eq!(secret.loggable().len(), 17);
-    /// assert!(!secret.loggable().contains("sk_live"));
-    /// // Debug output shows the same.
-    /// assert_eq!(format!("{secret:?}"), format!("Key({:?})", secret.loggable()));
-    /// ```
+    /// The key as it appears in logs (its `Debug`; see [`Key`]).
     pub(crate) fn loggable(&self) -> std::borrow::Cow<'_, str> {
         if self.1.is_some() {
             return std::borrow::Cow::Borrowed(&self.0);
@@ -150,15 +140,15 @@ impl Key {
     }
 }
 
-/// The key as stored, [`as_str`](Key::as_str): as given for a key of at most
+/// The key as stored: as given for a key of at most
 /// [`Key::MAX_LEN`] bytes of visible ASCII, otherwise the `#` and 32 hex digits that stand
 /// for it (never the raw bytes of a long or binary value). It is the text an admin listing
 /// shows and an operator sends back to name the client
 /// ([`Scope`](crate::store::Scope) displays a key's scope as `key:` and this), so it is
 /// readable where the key was not hashed. A hashed key's text names its client in a listing,
 /// but [`Key::from`] takes it for a new value and hashes it again: to name such a client, pass
-/// the original value. The text is secret where the key is (an API key): logs take
-/// [`Key::loggable`] or `Debug`, which show the same thing, never this.
+/// the original value. The text is secret where the key is (an API key): logs take `Debug`,
+/// never this.
 ///
 /// ```
 /// use tower_redis_ratelimit::Key;
@@ -166,10 +156,9 @@ impl Key {
 /// let customer = Key::from("customer-42");
 /// assert_eq!(customer.to_string(), "customer-42");
 /// assert_eq!(Key::from(customer.to_string()), customer); // not hashed: it reads back
-/// assert_eq!(format!("{customer:?}"), format!("Key({:?})", customer.loggable()));
+/// assert_ne!(format!("{customer:?}"), "Key(\"customer-42\")"); // logs get its hash
 ///
 /// let long = Key::from("x".repeat(200));
-/// assert_eq!(long.to_string(), long.as_str());
 /// assert!(long.to_string().starts_with('#') && long.to_string().len() == 33);
 /// ```
 impl fmt::Display for Key {

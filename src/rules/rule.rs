@@ -200,9 +200,8 @@ impl Rule {
     /// (a refused request never does; counted by outcome, it is charged when it matches), and
     /// the deny cache does not answer for it. With a penalty box
     /// ([`Policy::block_for`](crate::Policy::block_for)), a soft policy marks the key's
-    /// requests over for the box's length, and its limits' as long as they would refuse.
-    /// [`RateLimitLayerBuilder::soft`](crate::RateLimitLayerBuilder::soft) makes every policy
-    /// of a layer soft.
+    /// requests over for the box's length, and its limits' as long as they would refuse. A rule
+    /// with no method, path or predicate is soft for every request it meets.
     ///
     /// ```
     /// use axum::{routing::post, Extension, Router};

@@ -27,12 +27,12 @@ pub trait Engine: Sealed {
     /// Settles as [`settle`](crate::Store::settle) does, for a caller that does not wait: `then` runs
     /// with the outcome once the store has answered. The layer settles a usage charge or
     /// refund, or gives back or renews a concurrency slot, this way after the response it
-    /// follows has gone, unless [`settle_now`](crate::Store::settle_now) settled it in place.
+    /// follows has gone, unless [`settle_now`](Engine::settle_now) settled it in place.
     ///
     /// By default the settle runs at once when its future is ready on the first poll, and
     /// otherwise in a task of its own on the current tokio runtime;
-    /// with no runtime, a store that is not [local](crate::Store::is_local) answers
-    /// [`StoreError::Config`]. A store may do better: a [`RedisStore`] sends a slot's give-back
+    /// with no runtime, a store that is not [local](Engine::is_local) answers
+    /// [`StoreError::Config`]. A store may do better: a [`RedisStore`](crate::RedisStore) sends a slot's give-back
     /// or renewal with its next batched call, with no task of its own. A store that drops
     /// `then` without calling it (its task was dropped as its runtime shut down) leaves the
     /// outcome unknown, and the layer reports the settle as abandoned.
@@ -100,7 +100,7 @@ pub trait Engine: Sealed {
 
     /// Whether this store can decide `policy`; the layer's builder asks for each policy and
     /// fails with [`BuildError::Unsupported`](crate::BuildError::Unsupported) if not. By
-    /// default every policy that is in range ([`Policy::out_of_range`]); a [`RedisStore`]
+    /// default every policy that is in range (`Policy::out_of_range`); a [`RedisStore`](crate::RedisStore)
     /// with leases also refuses a GCRA policy whose lease headroom would leave a bucket less
     /// than one unit.
     fn supports(&self, policy: &Policy) -> Result<(), StoreError> {
@@ -109,10 +109,10 @@ pub trait Engine: Sealed {
 
     /// A number that changes whenever the limits this store decides by may have changed: an
     /// override set or removed ([`Overrides`]), here or, for a store shared by a fleet, by
-    /// another instance (which a [`RedisStore`] sees within a quarter of a second). The layer's
+    /// another instance (which a [`RedisStore`](crate::RedisStore) sees within a quarter of a second). The layer's
     /// deny cache neither keeps nor repeats a refusal decided under another number. `0` by
     /// default, for a store whose limits never change. `u64::MAX` says the store cannot vouch
-    /// for its limits now (a [`RedisStore`] that could not read its version for half a
+    /// for its limits now (a [`RedisStore`](crate::RedisStore) that could not read its version for half a
     /// second): the deny cache then neither keeps nor repeats any refusal.
     fn limits_version(&self) -> u64 {
         0
@@ -120,7 +120,7 @@ pub trait Engine: Sealed {
 
     /// The store's overrides, if it keeps any ([`Overrides`]): a layer checks them against
     /// its rules when it is built and each time they are replaced, and logs at `WARN` those
-    /// the rules leave without effect (counts set for other windows, see [`Scope`]). `None`
+    /// the rules leave without effect (counts set for other windows, see [`Scope`](crate::store::Scope)). `None`
     /// by default.
     fn run_time_overrides(&self) -> Option<Overrides> {
         None

@@ -135,7 +135,7 @@ pub enum StoreError {
     /// The operation does not apply to the policy's algorithm.
     #[error("unsupported: {0}")]
     Unsupported(&'static str),
-    /// A concurrency slot to renew ([`Settlement::renew`]) is no longer held: it expired
+    /// A concurrency slot to renew is no longer held: it expired
     /// unrenewed, was given back, or the store lost it. Its request runs on uncounted.
     #[error("the concurrency slot is no longer held")]
     SlotGone,

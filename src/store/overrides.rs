@@ -3,7 +3,7 @@
 //!
 //! An override replaces a policy's counts (all of them, or those of the windows it names),
 //! never its windows or algorithm, and keeps its state: the usage recorded so far still
-//! counts (see [`Policy::identity`] for what that means for each algorithm). So raising
+//! counts (see [identity](crate::Policy#identity) for what that means for each algorithm). So raising
 //! `5/1h` to `8/1h` after five requests admits three more, lowering it refuses until enough
 //! usage has aged out, and removing the override restores the policy's own counts. A block
 //! refuses every request of the key (or of the plan, or of the policy) until it is removed.
@@ -30,8 +30,7 @@ use crate::{Key, Limit, Policy, PolicyError, StoreError};
 ///
 /// 1. the key's own override ([`Scope::Key`]);
 /// 2. the override of the request's plan ([`Scope::Plan`]), for a request on a plan its rule
-///    names ([`Rule::plan`](crate::Rule::plan); a store decision under
-///    [`Policy::on_plan`](crate::Policy::on_plan));
+///    names ([`Rule::plan`](crate::Rule::plan));
 /// 3. the policy-wide override ([`Scope::All`]);
 /// 4. the limits of the request's plan ([`Rule::plan`](crate::Rule::plan));
 /// 5. the policy's own limits.
@@ -45,7 +44,7 @@ use crate::{Key, Limit, Policy, PolicyError, StoreError};
 /// its identity), not to its windows: a block survives a change of the policy's windows or
 /// algorithm (a rules edit, a deploy). Counts are set for the windows and algorithm of the
 /// policy they were set with, and govern only decisions under those
-/// ([`Policy::identity`]); after such a change they decide nothing, as if absent (the next
+/// ([identity](crate::Policy#identity)); after such a change they decide nothing, as if absent (the next
 /// scope down decides), until they are set again or removed. [`Overrides::unfit`] lists them,
 /// and a layer logs them at `WARN` when it is built or its rules are replaced.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -60,10 +59,9 @@ pub enum Scope {
 }
 
 /// `all`, `plan:<plan>` or `key:<key>`: one text per scope, so that a key named like a plan,
-/// or `all`, is not taken for one. The key is shown as stored ([`Key`]'s `Display`, its
-/// [`as_str`](Key::as_str)): as given where it is short visible ASCII, so that an admin
+/// or `all`, is not taken for one. The key is shown as stored ([`Key`]'s `Display`): as given where it is short visible ASCII, so that an admin
 /// listing names the client, and its hash otherwise. An API key is such a key: show this text
-/// to operators only; `Debug` shows the key as logs may ([`Key::loggable`]).
+/// to operators only; `Debug` shows the key as logs may.
 ///
 /// ```
 /// use tower_redis_ratelimit::store::Scope;
@@ -152,7 +150,7 @@ pub enum OverrideError {
     /// The limits do not fit the policy: another set of windows, or an invalid limit.
     #[error("override: {0}")]
     Policy(#[from] PolicyError),
-    /// The counts are out of the algorithm's range (see [`Policy::out_of_range`]).
+    /// The counts are out of the algorithm's range (`docs/operations.md`, "Range").
     #[error("override: {0}")]
     OutOfRange(&'static str),
     /// The store could not be reached, or answered with an error, before any write was sent:
@@ -321,7 +319,7 @@ impl Overrides {
     }
 
     /// Every override that governs decisions of `policy`: the policy-wide one first, then
-    /// the plans' by name, then the keys' by key. All of [`pages`](Self::pages) collected: one
+    /// the plans' by name, then the keys' by key. Read a page at a time: one
     /// call per page of the policy's overrides, each within its own budget, so listing never
     /// slows a decision by more than a page.
     ///
@@ -361,7 +359,7 @@ impl Overrides {
 
     /// The count overrides stored under `policy`'s name that decide nothing, because they
     /// were set for other windows or another algorithm (see [`Scope`]), each with the
-    /// identity it was set for ([`Policy::identity`]), e.g. `api:gcra:1m`. Set them again
+    /// identity it was set for ([identity](crate::Policy#identity)), e.g. `api:gcra:1m`. Set them again
     /// for the policy's windows, or remove them. Read a page at a time, as
     /// [`list`](Self::list).
     pub async fn unfit(&self, policy: &Policy) -> Result<Vec<(Scope, String)>, OverrideError> {
@@ -378,28 +376,8 @@ impl Overrides {
         Ok(unfit)
     }
 
-    /// The overrides of `policy` a page at a time, for an admin tool that shows them as they
-    /// come rather than waiting for all of them (see [`OverridePages`]). Reads nothing until
-    /// the first [`next`](OverridePages::next).
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use tower_redis_ratelimit::store::{Override, Scope};
-    /// use tower_redis_ratelimit::{Key, MemoryStore, Policy};
-    ///
-    /// let store = MemoryStore::new();
-    /// let sms = Policy::new("sms", ["5/1h".parse()?])?;
-    /// let overrides = store.overrides();
-    /// overrides.set(&sms, &Scope::Key(Key::from("+44 7700 900123")), &Override::Block).await?;
-    /// let mut pages = overrides.pages(&sms);
-    /// let mut count = 0;
-    /// while let Some(page) = pages.next().await {
-    ///     count += page?.len();
-    /// }
-    /// assert_eq!(count, 1);
-    /// # Ok(()) }
-    /// ```
+    /// The overrides of `policy` a page at a time (see [`OverridePages`]). Reads nothing
+    /// until the first [`next`](OverridePages::next).
     pub(crate) fn pages(&self, policy: &Policy) -> OverridePages {
         OverridePages {
             policy: policy.clone(),

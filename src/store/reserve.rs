@@ -24,7 +24,7 @@ pub trait Reserve {
     /// Reserves `ticket.cost` units of `key` under `policy` for the earliest time they fit
     /// every limit after every reservation made before, and after the key's pause, if that is
     /// at most `ticket.max_wait` away: an admitted decision whose
-    /// [`turn`](crate::Decision::turn) says how long to wait before using them, and the
+    /// turn (`Decision::turn`) says how long to wait before using them, and the
     /// reservation joins the key's line as `ticket.id`. Past `max_wait` nothing is recorded,
     /// and the refusal's [`retry_after`](crate::Decision::retry_after) says when the turn
     /// would have come (`None`: never, a cost over a count).

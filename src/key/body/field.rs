@@ -37,17 +37,6 @@ pub enum Normalize {
 
 impl Normalize {
     /// `value`, normalised.
-    ///
-    /// ```
-    /// use tower_redis_ratelimit::key::body::Normalize;
-    ///
-    /// assert_eq!(Normalize::Fold.apply(" ANN "), "ann");
-    /// assert_eq!(Normalize::Fold.apply("ＡＮＮ"), "ann");
-    /// assert_eq!(Normalize::Fold.apply("ÉLODIE"), "elodie");
-    /// assert_eq!(Normalize::Fold.apply("an\u{AD}n\0"), "ann");
-    /// assert_eq!(Normalize::Trim.apply(" Ann "), "Ann");
-    /// assert_eq!(Normalize::Exact.apply(" Ann "), " Ann ");
-    /// ```
     pub(crate) fn apply(self, value: &str) -> String {
         match self {
             Normalize::Exact => value.to_owned(),
@@ -118,7 +107,7 @@ pub enum OtherContent {
 /// normalised value, never empty.
 ///
 /// Handlers can read it too (axum: `Extension<BodyField>`). Its `Debug` output shows the
-/// value as [`Key::loggable`] does, so that a user name stays out of the logs.
+/// value as [`Key`]'s `Debug` does, so that a user name stays out of the logs.
 ///
 /// [`BodyFieldLayer`]: super::BodyFieldLayer
 #[derive(Clone, PartialEq, Eq)]
@@ -167,14 +156,14 @@ impl fmt::Debug for BodyField {
 /// request has no key ([`KeyError::MissingBodyField`]).
 ///
 /// ```
-/// use http::Request;
-/// use tower_redis_ratelimit::key::body::{BodyField, BodyKey};
-/// use tower_redis_ratelimit::{Key, KeyExtractor};
+/// use tower_redis_ratelimit::key::body::{BodyFieldLayer, BodyKey};
+/// use tower_redis_ratelimit::RateLimitLayer;
 ///
-/// let mut request = Request::new(());
-/// request.extensions_mut().insert(BodyField::new("username", "ann"));
-/// assert_eq!(BodyKey::new("username").extract(&request), Ok(Key::from("ann")));
-/// assert!(BodyKey::new("email").extract(&request).is_err());
+/// let read = BodyFieldLayer::builder("username").build()?;
+/// let key: BodyKey = read.key();
+/// let limit = RateLimitLayer::builder().key(key).policy("5/1m").build()?;
+/// # drop((read, limit));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 ///
 /// [`BodyFieldLayer`]: super::BodyFieldLayer
@@ -223,6 +212,12 @@ mod tests {
         ] {
             assert_eq!(Normalize::Fold.apply(&format!("a{invisible}nn")), "ann");
         }
+        assert_eq!(Normalize::Fold.apply(" ANN "), "ann");
+        assert_eq!(Normalize::Fold.apply("ＡＮＮ"), "ann");
+        assert_eq!(Normalize::Fold.apply("ÉLODIE"), "elodie");
+        assert_eq!(Normalize::Fold.apply("an\u{AD}n\0"), "ann");
+        assert_eq!(Normalize::Trim.apply(" Ann "), "Ann");
+        assert_eq!(Normalize::Exact.apply(" Ann "), " Ann ");
         // Other scripts keep their letters: a Cyrillic а is not a Latin a.
         assert_eq!(Normalize::Fold.apply("\u{430}nn"), "\u{430}nn");
         assert_eq!(Normalize::Trim.apply("\u{3000}Ann "), "Ann");

@@ -85,7 +85,7 @@ where
 ///
 /// Everywhere else it is an error as any other: it displays as the inner error does, is a
 /// [`std::error::Error`], and so converts into a `Box<dyn Error + Send + Sync>` (hyper, tower's
-/// `BoxError`); [`into_inner`](Self::into_inner) gives the inner error back.
+/// `BoxError`).
 ///
 /// ```
 /// use axum::{routing::post, Router};

@@ -7,9 +7,9 @@ use std::time::{Duration, SystemTime};
 
 use crate::model::micros;
 
-/// The time for [`MemoryStore`]: elapsed since the UNIX epoch.
+/// The time for [`MemoryStore`](super::MemoryStore): elapsed since the UNIX epoch.
 ///
-/// Wall-clock based, so that event times ([`Store::check_at`]) and fixed windows (aligned to
+/// Wall-clock based, so that event times ([`Store::check_at`](crate::Store::check_at)) and fixed windows (aligned to
 /// the epoch) mean the same as in Redis. Must not go backwards. Inject one to test with virtual
 /// time; see [`ManualClock`] and [`TokioClock`].
 pub trait Clock: Send + Sync + 'static {
@@ -48,29 +48,35 @@ impl Clock for TokioClock {
     }
 }
 
-/// A clock that moves only when told to; clones share one time. Starts at the UNIX epoch.
+/// A clock that moves only when told to; clones share one time. Starts at the UNIX epoch
+/// (`ManualClock::default()`), or at a given time (`ManualClock::from(start)`).
 ///
 /// ```
-/// use std::time::Duration;
+/// use std::time::{Duration, SystemTime};
 /// use tower_redis_ratelimit::store::{Clock, ManualClock};
 ///
 /// let clock = ManualClock::default();
 /// clock.advance(Duration::from_millis(1500));
 /// assert_eq!(clock.now(), Duration::from_millis(1500));
+///
+/// let later = ManualClock::from(SystemTime::UNIX_EPOCH + Duration::from_secs(60));
+/// assert_eq!(later.now(), Duration::from_secs(60));
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct ManualClock {
     micros: Arc<AtomicU64>,
 }
 
-impl ManualClock {
-    /// A clock that reads `start`.
-    pub fn starting_at(start: SystemTime) -> Self {
+/// A clock that reads `start`.
+impl From<SystemTime> for ManualClock {
+    fn from(start: SystemTime) -> Self {
         let clock = ManualClock::default();
         clock.advance(since_epoch(start));
         clock
     }
+}
 
+impl ManualClock {
     /// Moves the clock forward by `by`.
     pub fn advance(&self, by: Duration) {
         self.micros.fetch_add(micros(by), Ordering::SeqCst);

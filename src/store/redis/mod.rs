@@ -54,7 +54,7 @@ use crate::{Decision, Key, Policy, Settlement};
 /// a restart, a failover) it is loaded again and the call retried once.
 ///
 /// Keys are `<prefix>:{<policy>:<key>}:<algorithm>:<limits>` (algorithm `log`, `sw`, `fw`, `gcra`;
-/// limits as in [`Policy::identity`]) on a single Redis. On a Redis Cluster (a `redis-cluster://`
+/// limits as in [identity](crate::Policy#identity)) on a single Redis. On a Redis Cluster (a `redis-cluster://`
 /// URL) they are `<prefix>:{<tag>}:<policy>:<key>:<algorithm>:<limits>`, where the hash tag is one
 /// of a fixed set ([`RedisStoreBuilder::cluster_tags`]) spread evenly over the hash slots: requests
 /// for many clients then share a hash slot, and so a script call. Either way, all the state of one
@@ -469,7 +469,7 @@ impl Store for RedisStore {
     }
 
     /// What a decision would answer now: from this instance's lease when it holds the units,
-    /// as [`check_now`](Store::check_now) would, else from Redis, against the same GCRA
+    /// as `Engine::check_now` would, else from Redis, against the same GCRA
     /// headroom a leasing store's decisions keep.
     fn peek(&self, key: &Key, policy: &Policy, cost: u32) -> Self::Future {
         if let Some(decision) = lease::peek_now(&self.inner, key, policy, cost) {

@@ -8,7 +8,7 @@ use crate::model::{micros, window_start, Algorithm};
 use crate::store::redis::wire::Record;
 use crate::{Policy, StoreError};
 
-/// Lease settings of a [`RedisStore`]: how long a lease lasts and how large it may grow.
+/// Lease settings of a [`RedisStore`](crate::RedisStore): how long a lease lasts and how large it may grow.
 ///
 /// ```
 /// use std::time::Duration;
@@ -18,7 +18,7 @@ use crate::{Policy, StoreError};
 /// # drop(leases);
 /// ```
 ///
-/// Pass them to [`RedisStoreBuilder::leases`](super::RedisStoreBuilder::leases). Every
+/// Pass them to [`RedisStoreBuilder::leases`](crate::store::RedisStoreBuilder::leases). Every
 /// instance sharing a Redis should use the same settings: the headroom for units spent late
 /// (GCRA's drain kept free, the sliding log's longer window) is only kept by leasing stores,
 /// at their own settings.
