@@ -12,31 +12,33 @@ use tower_service::Service;
 
 use crate::admission::{Admitted, Deciding, Later, Verdict};
 use crate::body::ResponseBody;
-use crate::{Decision, StoreError};
+use crate::Store;
 
 pin_project! {
     /// Response future of [`RateLimit`](crate::RateLimit): `Deciding` (the store decides, or
     /// the request waits for a concurrency slot) → `Calling` (the inner service answers), or
-    /// an answer of the layer's own.
-    pub struct ResponseFuture<S, B, F>
+    /// an answer of the layer's own. `St` is the layer's store, whose future it waits for.
+    pub struct ResponseFuture<S, B, St>
     where
         S: Service<Request<B>>,
+        St: Store,
     {
         #[pin]
-        state: State<S, B, F>,
+        state: State<S, B, St>,
     }
 }
 
 pin_project! {
     #[project = StateProj]
-    enum State<S, B, F>
+    enum State<S, B, St>
     where
         S: Service<Request<B>>,
+        St: Store,
     {
         Deciding {
             // The service made ready, and the request, for the call once admitted.
             #[pin]
-            deciding: Deciding<F, (S, Request<B>)>,
+            deciding: Deciding<St::Future, (S, Request<B>)>,
         },
         Calling {
             #[pin]
@@ -49,9 +51,10 @@ pin_project! {
     }
 }
 
-impl<S, B, F> State<S, B, F>
+impl<S, B, St> State<S, B, St>
 where
     S: Service<Request<B>>,
+    St: Store,
 {
     /// Calls `service` with the admitted request, its decision added to the request's
     /// [`Decisions`](crate::Decisions).
@@ -64,9 +67,10 @@ where
     }
 }
 
-impl<S, B, F> ResponseFuture<S, B, F>
+impl<S, B, St> ResponseFuture<S, B, St>
 where
     S: Service<Request<B>>,
+    St: Store,
 {
     /// Calls `service` (made ready) at once: the request is admitted, or not limited.
     pub(crate) fn calling(service: &mut S, request: Request<B>, admitted: Admitted) -> Self {
@@ -76,7 +80,7 @@ where
     }
 
     /// Waits for the decision, then calls `service` (made ready) if it admits.
-    pub(crate) fn deciding(later: Later<F>, service: S, request: Request<B>) -> Self {
+    pub(crate) fn deciding(later: Later<St::Future>, service: S, request: Request<B>) -> Self {
         ResponseFuture {
             state: State::Deciding {
                 deciding: Deciding::new(later, (service, request)),
@@ -94,10 +98,10 @@ where
     }
 }
 
-impl<S, B, F, ResB> Future for ResponseFuture<S, B, F>
+impl<S, B, St, ResB> Future for ResponseFuture<S, B, St>
 where
     S: Service<Request<B>, Response = Response<ResB>>,
-    F: Future<Output = Result<Decision, StoreError>>,
+    St: Store,
 {
     type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
 
@@ -141,9 +145,10 @@ where
     }
 }
 
-impl<S, B, F> std::fmt::Debug for ResponseFuture<S, B, F>
+impl<S, B, St> std::fmt::Debug for ResponseFuture<S, B, St>
 where
     S: Service<Request<B>>,
+    St: Store,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
@@ -200,7 +205,7 @@ mod tests {
             entry: Some((Arc::clone(&responder), Mark::Decided(decision))),
             ..Admitted::default()
         };
-        let future: ResponseFuture<Echo, (), std::future::Pending<_>> =
+        let future: ResponseFuture<Echo, (), MemoryStore> =
             ResponseFuture::calling(&mut Echo, Request::new(()), admitted);
         let response = future.await.unwrap();
         assert_eq!(response.headers()["ratelimit"], "\"default\";r=4;t=60");
@@ -216,8 +221,7 @@ mod tests {
             .status(StatusCode::TOO_MANY_REQUESTS)
             .body(Full::new(Bytes::new()))
             .unwrap();
-        let future: ResponseFuture<Echo, (), std::future::Pending<_>> =
-            ResponseFuture::answer(answer);
+        let future: ResponseFuture<Echo, (), MemoryStore> = ResponseFuture::answer(answer);
         assert_eq!(
             future.await.unwrap().status(),
             StatusCode::TOO_MANY_REQUESTS

@@ -55,7 +55,7 @@ where
 {
     type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, ReqB, St::Future>;
+    type Future = ResponseFuture<S, ReqB, St>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)

@@ -15,7 +15,7 @@ use crate::{BuildError, MemoryStore, Policy, Store};
 /// Makes every request of the wrapped service wait for its turn under one policy
 /// ([`client`](super) has an example).
 #[derive(Debug)]
-pub struct OutboundLayer<K, St> {
+pub struct OutboundLayer<K = Global, St = MemoryStore> {
     key: Arc<K>,
     shared: Arc<Shared<St>>,
 }
@@ -29,10 +29,10 @@ impl<K, St> Clone for OutboundLayer<K, St> {
     }
 }
 
-impl OutboundLayer<Global, MemoryStore> {
+impl OutboundLayer {
     /// A builder: one key for every request ([`Global`]), a [`MemoryStore`] of this process,
     /// a `max_wait` of 30 s, a `margin` of 50 ms; set a policy.
-    pub fn builder() -> OutboundLayerBuilder<Global, MemoryStore> {
+    pub fn builder() -> OutboundLayerBuilder {
         OutboundLayerBuilder {
             key: Global,
             store: MemoryStore::new(),
@@ -54,7 +54,7 @@ impl<K, St, S> Layer<S> for OutboundLayer<K, St> {
 
 /// Configures an [`OutboundLayer`].
 #[derive(Debug)]
-pub struct OutboundLayerBuilder<K, St> {
+pub struct OutboundLayerBuilder<K = Global, St = MemoryStore> {
     key: K,
     store: St,
     policy: Option<Policy>,

@@ -8,7 +8,8 @@ use tower_service::Service;
 
 use super::future::{ResponseFuture, Seat};
 use super::shared::Shared;
-use crate::{KeyExtractor, Store};
+use crate::key::Global;
+use crate::{KeyExtractor, MemoryStore, Store};
 
 /// A service whose requests wait for their turn ([`OutboundLayer`](super::OutboundLayer)).
 ///
@@ -16,7 +17,7 @@ use crate::{KeyExtractor, Store};
 /// in its response future, and takes the inner service's readiness only when its turn has
 /// come (each call works on a clone of the inner service).
 #[derive(Debug)]
-pub struct Outbound<S, K, St> {
+pub struct Outbound<S, K = Global, St = MemoryStore> {
     inner: S,
     key: Arc<K>,
     shared: Arc<Shared<St>>,
