@@ -17,9 +17,9 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::bodies::RequestBody;
+use super::error::InnerError;
 use super::field::{BodyField, Settings};
 use super::parse::{Format, Problem};
-use super::service::InnerError;
 use crate::body::ResponseBody;
 
 pub(super) type BoxError = Box<dyn StdError + Send + Sync>;

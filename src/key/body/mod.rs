@@ -119,6 +119,7 @@
 //! [`Key::MAX_LEN`]: crate::Key::MAX_LEN
 
 mod bodies;
+mod error;
 mod field;
 mod future;
 mod parse;
@@ -129,10 +130,11 @@ use std::sync::Arc;
 use tower_layer::Layer;
 
 pub use bodies::RequestBody;
+pub use error::InnerError;
 use field::Settings;
 pub use field::{BodyField, BodyKey, Normalize, OtherContent};
 pub use future::ResponseFuture;
-pub use service::{BodyFieldService, InnerError};
+pub use service::BodyFieldService;
 
 /// Reads one field of a form or JSON request body into the request's extensions, for
 /// [`BodyKey`]; see the [module documentation](self) for what it answers and why.
