@@ -18,7 +18,7 @@ use std::task::{Context, Waker};
 
 use tokio::runtime::Handle;
 
-use crate::store::Overrides;
+use crate::store::{Overrides, Scope};
 use crate::Policy;
 
 /// What to check of a table just put in force.
@@ -87,7 +87,7 @@ impl Checks {
                     for (scope, set_for) in unfit {
                         tracing::warn!(
                             policy = policy.name(),
-                            %scope,
+                            scope = %loggable(&scope),
                             set_for,
                             now = policy.identity(),
                             "a count override no longer fits its policy (other windows or \
@@ -104,8 +104,8 @@ impl Checks {
                     for (scope, to) in listed {
                         tracing::warn!(
                             policy = policy.identity(),
-                            %scope,
-                            to = ?to,
+                            scope = %loggable(&scope),
+                            %to,
                             "the rules in force no longer have this override's policy: \
                              it decides nothing"
                         );
@@ -114,6 +114,15 @@ impl Checks {
                 Err(error) => unchecked(policy, &error),
             }
         }
+    }
+}
+
+/// `scope` as logs show it: a key as its `Debug` shows it (hashed, unless it is an address), so
+/// that an override set for an API key does not put the key in the logs.
+fn loggable(scope: &Scope) -> String {
+    match scope {
+        Scope::Key(key) => format!("key:{}", key.loggable()),
+        Scope::All | Scope::Plan(_) => scope.to_string(),
     }
 }
 
