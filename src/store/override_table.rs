@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use super::overrides::{
-    Applied, Backend, BoxFuture, Entry, OverrideError, Pages, Scope, Stored, StoredPage,
+    Applied, Backend, BoxFuture, OverrideError, Pages, Ruling, Scope, Stored, StoredPage,
 };
 use crate::{Key, Policy, StoreError};
 
@@ -24,13 +24,13 @@ pub(crate) struct OverrideTable {
 /// The overrides of one owner, one per scope.
 #[derive(Default)]
 struct OwnerOverrides {
-    all: Option<Entry>,
-    plans: HashMap<Box<str>, Entry>,
-    keys: HashMap<Key, Entry>,
+    all: Option<Ruling>,
+    plans: HashMap<Box<str>, Ruling>,
+    keys: HashMap<Key, Ruling>,
 }
 
 impl OwnerOverrides {
-    fn get(&self, scope: &Scope) -> Option<&Entry> {
+    fn get(&self, scope: &Scope) -> Option<&Ruling> {
         match scope {
             Scope::All => self.all.as_ref(),
             Scope::Plan(plan) => self.plans.get(plan.as_str()),
@@ -39,12 +39,12 @@ impl OwnerOverrides {
     }
 
     /// Sets (`Some`) or removes (`None`) the override of `scope`; whether there was one.
-    fn put(&mut self, scope: &Scope, entry: Option<Entry>) -> bool {
-        let before = match (scope, entry) {
-            (Scope::All, entry) => std::mem::replace(&mut self.all, entry),
-            (Scope::Plan(plan), Some(entry)) => self.plans.insert(plan.as_str().into(), entry),
+    fn put(&mut self, scope: &Scope, ruling: Option<Ruling>) -> bool {
+        let before = match (scope, ruling) {
+            (Scope::All, ruling) => std::mem::replace(&mut self.all, ruling),
+            (Scope::Plan(plan), Some(ruling)) => self.plans.insert(plan.as_str().into(), ruling),
             (Scope::Plan(plan), None) => self.plans.remove(plan.as_str()),
-            (Scope::Key(key), Some(entry)) => self.keys.insert(key.clone(), entry),
+            (Scope::Key(key), Some(ruling)) => self.keys.insert(key.clone(), ruling),
             (Scope::Key(key), None) => self.keys.remove(key),
         };
         before.is_some()
@@ -57,11 +57,11 @@ impl OwnerOverrides {
     /// What governs a decision of `key` under `policy` (see [`Scope`]): the first of the
     /// key's, the plan's and the policy-wide override that is a block or counts set for the
     /// policy's identity.
-    fn governing(&self, key: &Key, policy: &Policy) -> Option<&Entry> {
+    fn governing(&self, key: &Key, policy: &Policy) -> Option<&Ruling> {
         let plan = policy.plan().and_then(|plan| self.plans.get(plan));
-        let fits = |entry: &&Entry| match entry {
-            Entry::Block => true,
-            Entry::Limits(other) => {
+        let fits = |ruling: &&Ruling| match ruling {
+            Ruling::Block => true,
+            Ruling::Limits(other) => {
                 other.override_id() == policy.override_id() && other.identity() == policy.identity()
             }
         };
@@ -85,8 +85,8 @@ impl OverrideTable {
         match overrides.governing(key, policy) {
             // The override's counts, set for the request's identity (name, algorithm and
             // windows).
-            Some(Entry::Limits(other)) => Applied::Other(other.clone()),
-            Some(Entry::Block) => Applied::Blocked,
+            Some(Ruling::Limits(other)) => Applied::Other(other.clone()),
+            Some(Ruling::Block) => Applied::Blocked,
             None => Applied::Own(policy),
         }
     }
@@ -96,14 +96,14 @@ impl OverrideTable {
         self.version.load(Ordering::Acquire)
     }
 
-    pub(crate) fn set(&self, policy: &Policy, scope: &Scope, entry: Entry) {
+    pub(crate) fn set(&self, policy: &Policy, scope: &Scope, ruling: Ruling) {
         let mut by_owner = self.by_owner.write().unwrap_or_else(|e| e.into_inner());
         let owner = policy.owner().name();
         if !by_owner.contains_key(owner) {
             by_owner.insert(owner.into(), OwnerOverrides::default());
         }
         if let Some(overrides) = by_owner.get_mut(owner) {
-            overrides.put(scope, Some(entry));
+            overrides.put(scope, Some(ruling));
         }
         self.any.store(true, Ordering::Release);
         self.version.fetch_add(1, Ordering::AcqRel);
@@ -112,7 +112,7 @@ impl OverrideTable {
     pub(crate) fn get(&self, policy: &Policy, scope: &Scope) -> Option<Stored> {
         let by_owner = self.by_owner.read().unwrap_or_else(|e| e.into_inner());
         let overrides = by_owner.get(policy.owner().name())?;
-        overrides.get(scope).map(Entry::stored)
+        overrides.get(scope).map(Ruling::stored)
     }
 
     pub(crate) fn remove(&self, policy: &Policy, scope: &Scope) -> bool {
@@ -139,15 +139,15 @@ impl OverrideTable {
         let all = overrides
             .all
             .iter()
-            .map(|entry| (Scope::All, entry.stored()));
+            .map(|ruling| (Scope::All, ruling.stored()));
         let plans = overrides
             .plans
             .iter()
-            .map(|(plan, entry)| (Scope::Plan(plan.to_string()), entry.stored()));
+            .map(|(plan, ruling)| (Scope::Plan(plan.to_string()), ruling.stored()));
         let keys = overrides
             .keys
             .iter()
-            .map(|(key, entry)| (Scope::Key(key.clone()), entry.stored()));
+            .map(|(key, ruling)| (Scope::Key(key.clone()), ruling.stored()));
         all.chain(plans).chain(keys).collect()
     }
 }
@@ -167,9 +167,9 @@ impl Backend for OverrideTable {
         &'a self,
         policy: &'a Policy,
         scope: &'a Scope,
-        entry: Entry,
+        ruling: Ruling,
     ) -> BoxFuture<'a, Result<(), OverrideError>> {
-        OverrideTable::set(self, policy, scope, entry);
+        OverrideTable::set(self, policy, scope, ruling);
         Box::pin(std::future::ready(Ok(())))
     }
 

@@ -213,7 +213,7 @@ pub(crate) trait Backend: Send + Sync + 'static {
         &'a self,
         policy: &'a Policy,
         scope: &'a Scope,
-        entry: Entry,
+        ruling: Ruling,
     ) -> BoxFuture<'a, Result<(), OverrideError>>;
     fn get<'a>(
         &'a self,
@@ -296,8 +296,8 @@ impl Overrides {
         scope: &Scope,
         to: &Override,
     ) -> Result<(), OverrideError> {
-        let entry = Entry::new(policy, to)?;
-        self.backend.set(policy, scope, entry).await
+        let ruling = Ruling::new(policy, to)?;
+        self.backend.set(policy, scope, ruling).await
     }
 
     /// The override of `policy` for `scope` (not the policy's, for a key that has none), if
@@ -469,33 +469,33 @@ impl Override {
 
 /// An override as a store applies it: the policy under its counts, or a block.
 #[derive(Debug, Clone)]
-pub(crate) enum Entry {
+pub(crate) enum Ruling {
     Limits(Policy),
     Block,
 }
 
-impl Entry {
+impl Ruling {
     /// `to` for `policy`, checked: limits must be for the policy's windows, and be in range.
     /// The windows they leave out keep the policy's counts (see [`Override`]), so that both
     /// stores keep, and decide by, a count for every window.
-    pub(crate) fn new(policy: &Policy, to: &Override) -> Result<Entry, OverrideError> {
+    pub(crate) fn new(policy: &Policy, to: &Override) -> Result<Ruling, OverrideError> {
         Ok(match to {
             Override::Limits(limits) => {
                 let other = policy.with_limits(completed(policy, limits))?;
                 if let Some(why) = other.out_of_range() {
                     return Err(OverrideError::OutOfRange(why));
                 }
-                Entry::Limits(other)
+                Ruling::Limits(other)
             }
-            Override::Block => Entry::Block,
+            Override::Block => Ruling::Block,
         })
     }
 
     /// The counts, one per limit in the policy's order; all 0 for a block.
     pub(crate) fn counts(&self) -> Vec<u64> {
         match self {
-            Entry::Limits(policy) => policy.limits().iter().map(Limit::count).collect(),
-            Entry::Block => Vec::new(),
+            Ruling::Limits(policy) => policy.limits().iter().map(Limit::count).collect(),
+            Ruling::Block => Vec::new(),
         }
     }
 }
@@ -538,14 +538,14 @@ impl Stored {
     }
 }
 
-impl Entry {
+impl Ruling {
     /// How a store keeps it.
     pub(crate) fn stored(&self) -> Stored {
         Stored {
             counts: self.counts(),
             identity: match self {
-                Entry::Limits(policy) => Some(policy.identity().into()),
-                Entry::Block => None,
+                Ruling::Limits(policy) => Some(policy.identity().into()),
+                Ruling::Block => None,
             },
         }
     }
@@ -637,11 +637,11 @@ mod tests {
     #[test]
     fn a_partial_override_is_completed_from_the_policy_given() {
         let sms: Policy = "1/1m + 5/1h + 10/1d".parse().unwrap();
-        let counts = |to: &str| Entry::new(&sms, &limits(to)).unwrap().counts();
+        let counts = |to: &str| Ruling::new(&sms, &limits(to)).unwrap().counts();
         assert_eq!(counts("8/1h"), [1, 8, 10]);
         assert_eq!(counts("20/1d, 2/1m"), [2, 5, 20]);
         assert_eq!(counts("3/1m + 4/1h + 5/1d"), [3, 4, 5]);
-        assert!(Entry::new(&sms, &Override::Block)
+        assert!(Ruling::new(&sms, &Override::Block)
             .unwrap()
             .counts()
             .is_empty());

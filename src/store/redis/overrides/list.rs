@@ -159,7 +159,7 @@ fn read_page(reply: Value) -> Result<(String, Vec<Value>), StoreError> {
 mod tests {
     use super::super::value::encode;
     use super::*;
-    use crate::store::overrides::{Entry, Override};
+    use crate::store::overrides::{Override, Ruling};
     use crate::Key;
 
     #[test]
@@ -178,7 +178,7 @@ mod tests {
     fn each_override_is_kept_once() {
         let sms = Policy::new("sms", ["5/1h".parse().unwrap()]).unwrap();
         let mail = Policy::new("mail", ["5/1h".parse().unwrap()]).unwrap();
-        let block = Entry::new(&sms, &Override::Block).unwrap();
+        let block = Ruling::new(&sms, &Override::Block).unwrap();
         let value =
             |policy: &Policy, scope: &Scope| Value::Bytes(encode(policy, scope, &block).into());
         let phone = Scope::Key(Key::from("+44 7700 900123"));

@@ -28,7 +28,7 @@ pub(super) use version::{spawn_watch, Change, Limits, Reading};
 
 use super::RedisStore;
 use crate::store::overrides::{
-    Backend, BoxFuture, Entry, OverrideError, Overrides, Pages, Scope, Stored,
+    Backend, BoxFuture, OverrideError, Overrides, Pages, Ruling, Scope, Stored,
 };
 use crate::{Policy, StoreError};
 
@@ -73,9 +73,9 @@ impl Backend for RedisStore {
         &'a self,
         policy: &'a Policy,
         scope: &'a Scope,
-        entry: Entry,
+        ruling: Ruling,
     ) -> BoxFuture<'a, Result<(), OverrideError>> {
-        Box::pin(async move { self.set_override(policy, scope, &entry).await })
+        Box::pin(async move { self.set_override(policy, scope, &ruling).await })
     }
 
     fn get<'a>(

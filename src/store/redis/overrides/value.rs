@@ -8,7 +8,7 @@
 //! Values written by versions before blocks went by name begin with `m >= 0`: the scripts and
 //! listing skip them.
 
-use crate::store::overrides::{Entry, Scope, Stored};
+use crate::store::overrides::{Ruling, Scope, Stored};
 use crate::{Key, Policy};
 
 /// The kind of a block's value (`BLOCK` in `prelude.lua`).
@@ -18,14 +18,14 @@ const BLOCK: i64 = -1;
 const COUNTS: i64 = -2;
 
 /// An override's value (see the module's documentation).
-pub(super) fn encode(policy: &Policy, scope: &Scope, entry: &Entry) -> Vec<u8> {
-    let (kind, identity, limits): (i64, &str, Vec<(u64, u64)>) = match entry {
-        Entry::Limits(other) => (
+pub(super) fn encode(policy: &Policy, scope: &Scope, ruling: &Ruling) -> Vec<u8> {
+    let (kind, identity, limits): (i64, &str, Vec<(u64, u64)>) = match ruling {
+        Ruling::Limits(other) => (
             COUNTS,
             policy.identity(),
             other.windows().iter().map(|w| (w.count, w.scale)).collect(),
         ),
-        Entry::Block => (BLOCK, "", Vec::new()),
+        Ruling::Block => (BLOCK, "", Vec::new()),
     };
     let id = if kind == COUNTS {
         policy.override_id() as i64
@@ -90,9 +90,9 @@ mod tests {
     #[test]
     fn values_read_back() {
         let to = Override::Limits(vec!["2/1m".parse().unwrap(), "50/1h".parse().unwrap()]);
-        let entry = Entry::new(&sms(), &to).unwrap();
+        let ruling = Ruling::new(&sms(), &to).unwrap();
         let key = Scope::Key(Key::from("+447700900123"));
-        let value = encode(&sms(), &key, &entry);
+        let value = encode(&sms(), &key, &ruling);
         let counts = Stored {
             counts: vec![2, 50],
             identity: Some("sms:log:1m+1h".into()),
@@ -102,13 +102,13 @@ mod tests {
         // parts of the text split unambiguously; a plan's name comes last.
         assert!(!Key::from("+44\n7700").as_str().contains('\n'));
         let plan = Scope::Plan("free\ntier".into());
-        let value = encode(&sms(), &plan, &Entry::Block);
+        let value = encode(&sms(), &plan, &Ruling::Block);
         let block = Stored {
             counts: vec![],
             identity: None,
         };
         assert_eq!(decode(&value), Some(("sms", plan, block.clone())));
-        let value = encode(&sms(), &Scope::All, &Entry::Block);
+        let value = encode(&sms(), &Scope::All, &Ruling::Block);
         assert_eq!(decode(&value), Some(("sms", Scope::All, block)));
         assert_eq!(decode(&value[..12]), None);
         assert_eq!(decode(b""), None);

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use super::super::{Inner, RedisStore};
 use super::value::encode;
 use super::version::{limits_key, Reading, WATCH};
-use crate::store::overrides::{Entry, OverrideError, Scope};
+use crate::store::overrides::{OverrideError, Ruling, Scope};
 use crate::{Policy, StoreError};
 
 /// The scripts' shared text on the limits version.
@@ -48,9 +48,9 @@ impl RedisStore {
         &self,
         policy: &Policy,
         scope: &Scope,
-        entry: &Entry,
+        ruling: &Ruling,
     ) -> Result<(), OverrideError> {
-        let value = encode(policy, scope, entry);
+        let value = encode(policy, scope, ruling);
         self.write(self.write_of(policy, scope, value))
             .await
             .map(drop)
