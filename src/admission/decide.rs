@@ -7,7 +7,7 @@ use std::task::{ready, Context, Poll};
 
 use pin_project_lite::pin_project;
 
-use super::check::Check;
+use super::query::Query;
 use super::verdict::Verdict;
 use super::wait::{Next, Waiting};
 use crate::ledger::queue::Wait;
@@ -33,16 +33,16 @@ pin_project! {
 /// about, and how the request may wait for a slot.
 pub(crate) struct Later<F> {
     pub(crate) step: State<F>,
-    pub(crate) check: Check,
+    pub(crate) query: Query,
     pub(crate) waiting: Option<Waiting<F>>,
 }
 
 impl<F> Later<F> {
     /// The store is asked: `decision` answers.
-    pub(crate) fn asking(decision: F, check: Check, waiting: Option<Waiting<F>>) -> Self {
+    pub(crate) fn asking(decision: F, query: Query, waiting: Option<Waiting<F>>) -> Self {
         Later {
             step: State::Asking { decision },
-            check,
+            query,
             waiting,
         }
     }
@@ -60,7 +60,7 @@ pin_project! {
 }
 
 struct Carried<F, T> {
-    check: Check,
+    query: Query,
     waiting: Option<Waiting<F>>,
     call: Option<T>,
 }
@@ -70,7 +70,7 @@ impl<F, T> Deciding<F, T> {
         Deciding {
             step: later.step,
             carried: Box::new(Carried {
-                check: later.check,
+                query: later.query,
                 waiting: later.waiting,
                 call: Some(call),
             }),
@@ -100,7 +100,7 @@ where
                     let Some(waiting) = carried.waiting.as_mut() else {
                         break Err(StoreError::Unavailable);
                     };
-                    match waiting.after_wait(&carried.check) {
+                    match waiting.after_wait(&carried.query) {
                         Next::Wait(next) => {
                             wait.set(next);
                             continue;
@@ -115,18 +115,18 @@ where
                 StateProj::Asking { decision } => {
                     let outcome = ready!(decision.poll(cx));
                     let unanswered = outcome.is_err();
-                    (carried.check.at_cap_alone(outcome), true, unanswered)
+                    (carried.query.at_cap_alone(outcome), true, unanswered)
                 }
             };
             let waiting = carried.waiting.as_mut().filter(|_| may_wait);
-            match waiting.and_then(|w| w.wait_for_slot(&carried.check, &outcome, unanswered)) {
+            match waiting.and_then(|w| w.wait_for_slot(&carried.query, &outcome, unanswered)) {
                 Some(wait) => this.step.set(State::Waiting {
                     wait: Box::pin(wait),
                 }),
                 None => break outcome,
             }
         };
-        let verdict = carried.check.verdict(outcome);
+        let verdict = carried.query.verdict(outcome);
         Poll::Ready(carried.call.take().map(|call| (verdict, call)))
     }
 }

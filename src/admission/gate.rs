@@ -6,9 +6,9 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::Full;
 
-use super::check::Check;
 use super::decide::Later;
 use super::limiter::Limiter;
+use super::query::Query;
 use super::wait::{SlotQueue, Waiting};
 use super::{Admission, Admitted};
 use crate::deny_cache::{DenyCache, Stamp};
@@ -48,7 +48,7 @@ impl<K, St: Store> Limiter<K, St> {
             Cached::Miss(deny_cache) => deny_cache,
             Cached::Hit(refusal) => return Admission::Answer(refusal),
         };
-        let check = Check {
+        let query = Query {
             usage: self.usage.clone().zip(meter),
             holds: responder
                 .policy
@@ -61,7 +61,7 @@ impl<K, St: Store> Limiter<K, St> {
             grpc,
             deny_cache,
         };
-        self.ask(check)
+        self.ask(query)
     }
 
     /// The deny cache's refusal of `key`, if it holds one; otherwise the cache with the
@@ -110,27 +110,27 @@ impl<K, St: Store> Limiter<K, St> {
     /// The store's decision: at once when the store decides without waiting, later
     /// otherwise. A request that may wait for a concurrency slot asks as a waiter, so that
     /// the store serves the key's waiters, here and on other instances, before it.
-    fn ask(&self, check: Check) -> Admission<St::Future> {
-        let (key, policy, cost) = (&check.key, &check.responder.policy, check.cost);
-        if let Some(mut waiting) = self.waiting(&check) {
-            let decision = waiting.ask(&check);
-            return Admission::Later(Later::asking(decision, check, Some(waiting)));
+    fn ask(&self, query: Query) -> Admission<St::Future> {
+        let (key, policy, cost) = (&query.key, &query.responder.policy, query.cost);
+        if let Some(mut waiting) = self.waiting(&query) {
+            let decision = waiting.ask(&query);
+            return Admission::Later(Later::asking(decision, query, Some(waiting)));
         }
         match self.store.check_now(key, policy, cost) {
-            Some(outcome) => decided(check, outcome),
+            Some(outcome) => decided(query, outcome),
             None => {
                 let decision = self.store.check(key, policy, cost);
-                Admission::Later(Later::asking(decision, check, None))
+                Admission::Later(Later::asking(decision, query, None))
             }
         }
     }
 
     /// How the request may wait for a concurrency slot when refused for one
     /// ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)); `None` when it may not.
-    fn waiting(&self, check: &Check) -> Option<Waiting<St::Future>> {
-        let options = &check.responder.options;
+    fn waiting(&self, query: &Query) -> Option<Waiting<St::Future>> {
+        let options = &query.responder.options;
         let waits = !options.max_wait.is_zero() && !options.soft && !options.shadow;
-        let (holds, _) = check.holds.as_ref().filter(|_| waits)?;
+        let (holds, _) = query.holds.as_ref().filter(|_| waits)?;
         let waiter = holds.queues().waiter(options.max_wait);
         let store: Arc<dyn SlotQueue<St::Future>> = Arc::new(self.store.clone());
         Some(Waiting::new(store, waiter))
@@ -151,9 +151,9 @@ fn undecided<F>(responder: Arc<Responder>, why: Undecided) -> Admission<F> {
 }
 
 /// The verdict on a request the store decided at once.
-fn decided<F>(check: Check, outcome: Result<Decision, StoreError>) -> Admission<F> {
-    let outcome = check.at_cap_alone(outcome);
-    check.verdict(outcome).into()
+fn decided<F>(query: Query, outcome: Result<Decision, StoreError>) -> Admission<F> {
+    let outcome = query.at_cap_alone(outcome);
+    query.verdict(outcome).into()
 }
 
 #[cfg(test)]

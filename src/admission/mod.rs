@@ -16,10 +16,10 @@ use bytes::Bytes;
 use http::Response;
 use http_body_util::Full;
 
-mod check;
 mod decide;
 mod gate;
 mod limiter;
+mod query;
 mod verdict;
 mod wait;
 

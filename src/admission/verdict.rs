@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::Full;
 
-use super::check::Check;
+use super::query::Query;
 use crate::decisions::Mark;
 use crate::ledger::post::{Ledger, StoreLedger};
 use crate::ledger::tab::Tab;
@@ -58,7 +58,7 @@ impl Admitted {
 /// or a slot must be settled with it.
 type Fallback = Option<Arc<dyn Ledger>>;
 
-impl Check {
+impl Query {
     /// Applies the layer's options to the store's answer; logs what an operator should see.
     pub(crate) fn verdict(&self, outcome: Result<Decision, StoreError>) -> Verdict {
         let options = &self.responder.options;
@@ -326,9 +326,9 @@ mod tests {
     use crate::response::Options;
     use crate::{Key, MemoryStore, Policy};
 
-    fn check(options: Options) -> Check {
+    fn check(options: Options) -> Query {
         let policy: Policy = "1/1m".parse().unwrap();
-        Check {
+        Query {
             responder: Arc::new(Responder::new(policy, options)),
             key: Key::from("ann"),
             cost: 1,
@@ -340,20 +340,20 @@ mod tests {
         }
     }
 
-    /// `check` with a deny cache of its own, its stamp taken as the gate takes it.
-    fn cached(mut check: Check) -> (Check, DenyCache) {
+    /// `query` with a deny cache of its own, its stamp taken as the gate takes it.
+    fn cached(mut query: Query) -> (Query, DenyCache) {
         let cache = DenyCache::new(100, Arc::new(|| 0));
-        let stamp = cache.stamp(&check.key, &check.responder.policy);
-        check.deny_cache = Some((cache.clone(), stamp));
-        (check, cache)
+        let stamp = cache.stamp(&query.key, &query.responder.policy);
+        query.deny_cache = Some((cache.clone(), stamp));
+        (query, cache)
     }
 
-    /// The store's decisions for `check`'s key: one admitted, then one refused.
-    fn decisions(check: &Check) -> (Decision, Decision) {
+    /// The store's decisions for `query`'s key: one admitted, then one refused.
+    fn decisions(query: &Query) -> (Decision, Decision) {
         let store = MemoryStore::new();
         let decide = || {
-            let policy = &check.responder.policy;
-            store.check(&check.key, policy, 1).into_inner().unwrap()
+            let policy = &query.responder.policy;
+            store.check(&query.key, policy, 1).into_inner().unwrap()
         };
         (decide(), decide())
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::check::Check;
+use super::query::Query;
 use crate::ledger::queue::{InQueue, Wait};
 use crate::model::slots::Waiter;
 use crate::{Decision, Key, Policy, Store, StoreError};
@@ -81,13 +81,13 @@ impl<F> Waiting<F> {
     }
 
     /// Asks the store for a slot as this waiter (the first decision, and each after a wait).
-    pub(crate) fn ask(&mut self, check: &Check) -> F {
-        let (key, policy) = (&check.key, &check.responder.policy);
+    pub(crate) fn ask(&mut self, query: &Query) -> F {
+        let (key, policy) = (&query.key, &query.responder.policy);
         if self.queue_of.is_none() {
             self.queue_of = Some((key.clone(), policy.clone()));
         }
         self.asking = true;
-        self.store.ask(key, policy, check.cost, &self.waiter)
+        self.store.ask(key, policy, query.cost, &self.waiter)
     }
 
     /// Starts or goes on waiting when `outcome` refused the request for a concurrency slot,
@@ -97,7 +97,7 @@ impl<F> Waiting<F> {
     /// and leaves it when it stops.
     pub(crate) fn wait_for_slot(
         &mut self,
-        check: &Check,
+        query: &Query,
         outcome: &Result<Decision, StoreError>,
         unanswered: bool,
     ) -> Option<Wait> {
@@ -120,12 +120,12 @@ impl<F> Waiting<F> {
         let deadline = *self.deadline.get_or_insert(later);
         // A wait needs tokio's timer: called outside a runtime, the request is not kept.
         let timer = tokio::runtime::Handle::try_current().is_ok();
-        let (Some(holds), true) = (check.holds(), now < deadline && timer) else {
+        let (Some(holds), true) = (query.holds(), now < deadline && timer) else {
             self.stop(false);
             return None;
         };
         self.refusal = Some(refusal);
-        let (key, policy) = (&check.key, &check.responder.policy);
+        let (key, policy) = (&query.key, &query.responder.policy);
         let place = refusal.place;
         // In the store's queue where it has a place there; one that was and has none any more
         // (a restart lost the queue) asks next to join it again, at its end.
@@ -147,7 +147,7 @@ impl<F> Waiting<F> {
     }
 
     /// What a waiting request does once woken.
-    pub(crate) fn after_wait(&mut self, check: &Check) -> Next<F> {
+    pub(crate) fn after_wait(&mut self, query: &Query) -> Next<F> {
         let now = Instant::now();
         let deadline = self.deadline.unwrap_or(now);
         if let (true, Some(refusal)) = (now >= deadline, self.refusal) {
@@ -156,7 +156,7 @@ impl<F> Waiting<F> {
         }
         match &self.place {
             Some(in_queue) if !in_queue.is_first() => Next::Wait(in_queue.wait(deadline)),
-            _ => Next::Recheck(self.ask(check)),
+            _ => Next::Recheck(self.ask(query)),
         }
     }
 

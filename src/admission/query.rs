@@ -1,4 +1,4 @@
-//! [`Check`]: what one decision is about, from the gate to its verdict.
+//! [`Query`]: what one decision is about, from the gate to its verdict.
 
 use std::sync::Arc;
 
@@ -13,7 +13,7 @@ use crate::Key;
 
 /// What a decision is about: the policy that applies, the key, the cost, and what the layer
 /// does with the answer.
-pub(crate) struct Check {
+pub(crate) struct Query {
     pub(crate) responder: Arc<Responder>,
     pub(crate) key: Key,
     pub(crate) cost: u32,
@@ -30,7 +30,7 @@ pub(crate) struct Check {
     pub(crate) holds: Option<(Arc<Holds>, Arc<dyn Ledger>)>,
 }
 
-impl Check {
+impl Query {
     /// Whether requests count only by their outcome ([`UsageReport::count_when`]).
     ///
     /// [`UsageReport::count_when`]: crate::usage::UsageReport::count_when
