@@ -326,7 +326,7 @@ mod tests {
     use crate::response::Options;
     use crate::{Key, MemoryStore, Policy};
 
-    fn check(options: Options) -> Query {
+    fn query(options: Options) -> Query {
         let policy: Policy = "1/1m".parse().unwrap();
         Query {
             responder: Arc::new(Responder::new(policy, options)),
@@ -381,7 +381,7 @@ mod tests {
 
     #[test]
     fn an_admitted_request_gets_its_fields_and_its_decision_unless_turned_off() {
-        let shown = check(Options::default());
+        let shown = query(Options::default());
         let (allowed, _) = decisions(&shown);
         let Verdict::Call(mut admitted) = shown.verdict(Ok(allowed)) else {
             panic!("admitted");
@@ -390,7 +390,7 @@ mod tests {
         assert_eq!(admitted.fields.map(|(d, _)| d), Some(allowed));
         assert_eq!(decisions.get("default"), Some(&allowed));
 
-        let hidden = check(Options {
+        let hidden = query(Options {
             hide_allowed_headers: true,
             no_decisions: true,
             ..Options::default()
@@ -403,7 +403,7 @@ mod tests {
 
     #[test]
     fn a_refusal_answers_429_with_retry_after_and_is_cached() {
-        let (refusing, cache) = cached(check(Options::default()));
+        let (refusing, cache) = cached(query(Options::default()));
         let (_, refused) = decisions(&refusing);
         let verdict = refusing.verdict(Ok(refused));
         assert_eq!(status(&verdict), Some(StatusCode::TOO_MANY_REQUESTS));
@@ -424,7 +424,7 @@ mod tests {
                 ..Options::default()
             },
         ] {
-            let over = check(options);
+            let over = query(options);
             let (_, refused) = decisions(&over);
             let Verdict::Call(mut admitted) = over.verdict(Ok(refused)) else {
                 panic!("passed on");
@@ -436,7 +436,7 @@ mod tests {
 
     #[test]
     fn a_slot_refusal_says_when_a_slot_usually_frees_and_is_never_cached() {
-        let (mut full, cache) = cached(check(Options::default()));
+        let (mut full, cache) = cached(query(Options::default()));
         let holds = Arc::new(Holds::new(Arc::new(InFlight::default())));
         let ledger: Arc<dyn Ledger> = Arc::new(StoreLedger(MemoryStore::new()));
         full.holds = Some((holds, ledger));
@@ -452,14 +452,14 @@ mod tests {
     #[test]
     fn a_store_failure_follows_the_failure_mode() {
         let failed = || Err(StoreError::Unavailable);
-        let closed = check(Options {
+        let closed = query(Options {
             failure_mode: FailureMode::Closed,
             ..Options::default()
         });
         let answer = closed.verdict(failed());
         assert_eq!(status(&answer), Some(StatusCode::SERVICE_UNAVAILABLE));
 
-        let open = check(Options::default());
+        let open = query(Options::default());
         let Verdict::Call(mut admitted) = open.verdict(failed()) else {
             panic!("failing open calls the service");
         };
@@ -470,7 +470,7 @@ mod tests {
         assert_eq!(why, [("default", Undecided::StoreUnavailable)]);
 
         let local = MemoryStore::new();
-        let fallback = check(Options {
+        let fallback = query(Options {
             failure_mode: FailureMode::Fallback(local.clone()),
             ..Options::default()
         });
