@@ -2,8 +2,8 @@
 //! state, its penalty box, its concurrency slots and its line of reservations, and how a
 //! decision, a reservation or a settlement changes them. The Redis scripts keep the same
 //! state in Redis and change it the same way: `scripts/prelude.lua` (the box, the slots and
-//! their line of waiters, the modes), `scripts/line.lua` (the reservations) and each
-//! algorithm's script.
+//! their queue of waiters, the modes), `scripts/line.lua` (the line of reservations) and each
+//! algorithm's script (its `RESERVE` mode for a reservation's turn).
 
 use super::line::Line;
 use super::slots::{Full, Slots, Waiter};
@@ -35,7 +35,7 @@ pub(crate) struct KeyState {
     pub(crate) locked_until: u64,
     /// The key's concurrency slots, when its policy has a concurrency limit.
     pub(crate) slots: Slots,
-    /// The key's reservations waiting for their turns, and its pause ([`Reserve`]).
+    /// The key's reservations waiting for their turns, and its pause (`store::Reserve`).
     pub(crate) line: Line,
 }
 
@@ -59,15 +59,15 @@ pub(crate) struct Ask {
     /// The concurrency slot an admitted request takes: only a recorded decision under a
     /// concurrency limit takes one.
     pub(crate) take: Option<Take>,
-    /// The request's place in its key's line for a slot, when it waits for one.
+    /// The request's place in its key's queue for a slot, when it waits for one.
     pub(crate) waiter: Option<Waiter>,
     /// How much longer than its longest window the state must be kept ([`Stretch`]).
     pub(crate) stretch: Stretch,
-    /// A reservation ([`Reserve`]).
+    /// A reservation (`store::Reserve`).
     pub(crate) reserve: Option<Booking>,
 }
 
-/// A reservation's [`Ticket`] in the store's units (µs).
+/// A reservation's ticket (`store::reserve::Ticket`) in the store's units (µs).
 #[derive(Clone, Copy)]
 pub(crate) struct Booking {
     pub(crate) id: u64,
@@ -78,7 +78,7 @@ pub(crate) struct Booking {
 
 /// How much longer a GCRA state decided under an override's counts must be kept than their
 /// longest window: its backlog holds units of cost, which weigh `count / count'` times more
-/// under the policy's own counts than under the override's (`src/algorithm/gcra.rs`), so once
+/// under the policy's own counts than under the override's (`gcra.rs`), so once
 /// the override is removed it drains that much slower. The largest such ratio of the limits, as
 /// a fraction; 1 for the other algorithms, whose state is kept by time alone.
 #[derive(Clone, Copy)]
@@ -305,7 +305,7 @@ impl KeyState {
     }
 
     /// Reserves `ask`'s cost for its turn, after the key's pause and within its most wait
-    /// (`algorithm::reserve`), and puts it in the key's line: the answer of a request admitted
+    /// ([`reserve`]), and puts it in the key's line: the answer of a request admitted
     /// at its turn, and the key kept a window past it. Its units may be used `late` after
     /// their turn: the log reads its windows that much longer, GCRA keeps that much drain free
     /// in every bucket (as Redis does, `gcra.lua`).
@@ -418,4 +418,199 @@ pub(crate) fn trim(log: &mut SlidingLog, t: u64, policy: &Policy) {
 pub(crate) fn expiry(policy: &Policy, now: u64, t: u64, stretch: Stretch) -> u64 {
     let retention = micros(policy.algorithm().retention(policy.longest_window()));
     now.max(t).saturating_add(stretch.apply(retention))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::model::Settle;
+
+    const S: u64 = 1_000_000;
+
+    fn policy(text: &str, algorithm: Algorithm) -> Policy {
+        text.parse::<Policy>().unwrap().with_algorithm(algorithm)
+    }
+
+    fn boxed(text: &str, algorithm: Algorithm, seconds: u64) -> Policy {
+        let block = Duration::from_secs(seconds);
+        policy(text, algorithm).block_for(block).unwrap()
+    }
+
+    /// A recorded request of `cost` at `now`.
+    fn ask(now: u64, cost: u64) -> Ask {
+        Ask {
+            now,
+            t: now,
+            cost,
+            record: true,
+            take: None,
+            waiter: None,
+            stretch: Stretch::NONE,
+            reserve: None,
+        }
+    }
+
+    #[test]
+    fn an_admission_is_kept_a_window_and_a_refusal_records_nothing() {
+        for algorithm in [Algorithm::SlidingLog, Algorithm::Gcra] {
+            let p = policy("2/1m", algorithm);
+            let mut state = KeyState::new(algorithm, 1);
+            let first = state.answer(&p, &ask(0, 1), 0);
+            assert!(first.outcome.allowed);
+            assert_eq!(first.keep_until, Some(60 * S));
+            assert!(state.answer(&p, &ask(S, 1), 0).outcome.allowed);
+            let refused = state.answer(&p, &ask(2 * S, 1), 0);
+            assert!(!refused.outcome.allowed && refused.keep_until.is_none());
+            assert_eq!(
+                refused.boxed, None,
+                "{algorithm:?}: no box without block_for"
+            );
+            // The refusals recorded nothing: the key admits again at its retry.
+            let retry = refused.outcome.retry_after.unwrap();
+            assert!(state.answer(&p, &ask(2 * S + retry, 1), 0).outcome.allowed);
+        }
+    }
+
+    #[test]
+    fn a_recorded_refusal_boxes_the_key_for_the_later_of_the_box_and_the_limits() {
+        let p = boxed("1/1m", Algorithm::SlidingLog, 300);
+        let mut state = KeyState::new(Algorithm::SlidingLog, 1);
+        assert!(state.answer(&p, &ask(0, 1), 0).outcome.allowed);
+        let refused = state.answer(&p, &ask(S, 1), 60 * S);
+        assert_eq!(refused.boxed, Some(300 * S));
+        assert_eq!(refused.keep_until, Some(301 * S));
+        // In the box, a request meets the box's refusal, with the time left of it; the limits
+        // (which admit again at 60 s) decide nothing.
+        match state.refusal(&p, &ask(100 * S, 1)) {
+            Some(Refusal::Boxed(left)) => assert_eq!(left, 201 * S),
+            _ => panic!("the box refuses"),
+        }
+        // After its end the limits decide, and an admission ends the box.
+        assert!(state.refusal(&p, &ask(302 * S, 1)).is_none());
+        assert!(state.answer(&p, &ask(302 * S, 1), 0).outcome.allowed);
+        assert_eq!((state.held_until, state.locked_until), (0, 0));
+    }
+
+    #[test]
+    fn a_box_shorter_than_the_limits_answers_with_the_limits_retry() {
+        let p = boxed("1/1h", Algorithm::Gcra, 60);
+        let mut state = KeyState::new(Algorithm::Gcra, 1);
+        assert!(state.answer(&p, &ask(0, 1), 0).outcome.allowed);
+        let refused = state.answer(&p, &ask(S, 1), 3600 * S);
+        assert_eq!(
+            refused.boxed,
+            Some(3599 * S),
+            "the limits' retry, not the box's 60 s"
+        );
+        match state.refusal(&p, &ask(30 * S, 1)) {
+            Some(Refusal::Boxed(left)) => assert_eq!(left, 3570 * S),
+            _ => panic!("the box refuses"),
+        }
+    }
+
+    #[test]
+    fn a_peek_or_a_cost_over_the_limit_earns_no_box() {
+        let p = boxed("2/1m", Algorithm::SlidingLog, 300);
+        let mut state = KeyState::new(Algorithm::SlidingLog, 1);
+        let too_large = state.answer(&p, &ask(0, 3), 0);
+        assert!(!too_large.outcome.allowed && too_large.outcome.retry_after.is_none());
+        assert_eq!((too_large.boxed, state.boxed_until), (None, 0));
+        state.answer(&p, &ask(0, 2), 0);
+        let peek = Ask {
+            record: false,
+            ..ask(S, 1)
+        };
+        let looked = state.answer(&p, &peek, 60 * S);
+        assert!(!looked.outcome.allowed);
+        assert_eq!((looked.boxed, state.boxed_until), (None, 0));
+    }
+
+    #[test]
+    fn a_full_key_refuses_a_slot_before_the_limits_and_an_admission_takes_one() {
+        let p = policy("100/1m", Algorithm::Gcra).concurrency(1).unwrap();
+        let mut state = KeyState::new(Algorithm::Gcra, 1);
+        let take = |id| Take {
+            cap: 1,
+            id,
+            until: 10 * S,
+        };
+        let first = Ask {
+            take: Some(take(1)),
+            ..ask(0, 1)
+        };
+        assert!(state.refusal(&p, &first).is_none());
+        let admitted = state.answer(&p, &first, 0);
+        assert_eq!(admitted.keep_until, Some(60 * S));
+        let second = Ask {
+            take: Some(take(2)),
+            ..ask(S, 1)
+        };
+        match state.refusal(&p, &second) {
+            Some(Refusal::SlotsFull(full)) => assert_eq!(full.left, 9 * S),
+            _ => panic!("the only slot is held"),
+        }
+        // The slot released, the next request takes it.
+        assert!(state.slots.release(1, S));
+        assert!(state.refusal(&p, &second).is_none());
+    }
+
+    #[test]
+    fn a_charge_that_fills_the_key_boxes_it() {
+        let p = boxed("10/1m", Algorithm::FixedWindow, 600);
+        let mut state = KeyState::new(Algorithm::FixedWindow, 1);
+        state.settle(0, &p, Settle::Charge(9));
+        assert_eq!(
+            state.penalize_if_full(0, &p, 60 * S),
+            None,
+            "one unit is left"
+        );
+        state.settle(0, &p, Settle::Charge(1));
+        assert_eq!(state.penalize_if_full(0, &p, 60 * S), Some(600 * S));
+        // A second charge does not extend the box.
+        state.settle(S, &p, Settle::Charge(5));
+        assert_eq!(state.penalize_if_full(S, &p, 60 * S), None);
+        assert_eq!(state.boxed_until, 600 * S);
+    }
+
+    #[test]
+    fn reservations_take_turns_in_order_and_refuse_past_their_wait() {
+        let p = policy("1/1s", Algorithm::Gcra);
+        let mut state = KeyState::new(Algorithm::Gcra, 1);
+        let reserve = |id, max_wait| Ask {
+            reserve: Some(Booking {
+                id,
+                max_wait,
+                late: 0,
+                notice: 0,
+            }),
+            ..ask(0, 1)
+        };
+        let turns: Vec<_> = (1..=3)
+            .map(|id| state.answer(&p, &reserve(id, 10 * S), 0).turn)
+            .collect();
+        assert_eq!(turns, [Some(0), Some(S), Some(2 * S)]);
+        assert_eq!(state.line.last(), Some(2 * S));
+        // The fourth would go at 3 s: past a wait of 2 s, it is refused with that turn and
+        // nothing is recorded.
+        let late = state.answer(&p, &reserve(4, 2 * S), 0);
+        assert_eq!((late.turn, late.outcome.retry_after), (None, Some(3 * S)));
+        assert_eq!(state.line.last(), Some(2 * S));
+    }
+
+    #[test]
+    fn gcra_state_under_raised_counts_is_kept_longer_by_their_ratio() {
+        let own = policy("5/1h", Algorithm::Gcra);
+        let raised = own.with_limits(["8/1h".parse().unwrap()]).unwrap();
+        let stretch = Stretch::of(&own, &raised);
+        assert_eq!(stretch.apply(3600 * S), 5760 * S);
+        assert_eq!(expiry(&raised, 0, 0, stretch), 5760 * S);
+        // Lowered counts, and the other algorithms, keep the state a window.
+        let lowered = own.with_limits(["2/1h".parse().unwrap()]).unwrap();
+        assert_eq!(Stretch::of(&own, &lowered).apply(3600 * S), 3600 * S);
+        let log = policy("5/1h", Algorithm::SlidingLog);
+        let log_raised = log.with_limits(["8/1h".parse().unwrap()]).unwrap();
+        assert_eq!(Stretch::of(&log, &log_raised).apply(3600 * S), 3600 * S);
+    }
 }

@@ -297,3 +297,44 @@ pub(crate) fn div_ceil(a: u128, b: u128) -> u64 {
 pub(crate) fn window_start(now: u64, w: u64) -> u64 {
     now - now % w
 }
+
+#[cfg(test)]
+mod tests {
+    use super::fixed_window::FixedWindow;
+    use super::*;
+
+    const S: u64 = 1_000_000;
+
+    #[test]
+    fn every_limit_admits_and_records_or_none_does_and_the_tightest_is_reported() {
+        // 2 a second and 3 a minute.
+        let windows = [Window::new(2, S), Window::new(3, 60 * S)];
+        let mut state = FixedWindow::default();
+        let first = decide(&mut state, 0, &windows, 1, true);
+        assert!(first.allowed);
+        assert_eq!(
+            (first.index, first.remaining),
+            (0, 1),
+            "the second leaves 1, the minute 2"
+        );
+        assert!(decide(&mut state, 0, &windows, 1, true).allowed);
+        // The second refuses (retry 1 s); the minute would admit, and records nothing either.
+        let refused = decide(&mut state, 0, &windows, 1, true);
+        assert!(!refused.allowed);
+        assert_eq!((refused.index, refused.retry_after), (0, Some(S)));
+        let next = decide(&mut state, S, &windows, 1, true);
+        assert!(next.allowed);
+        assert_eq!(
+            (next.index, next.remaining),
+            (1, 0),
+            "the minute now has the fewest"
+        );
+        // Both refuse: the later retry is reported (the minute's).
+        let both = decide(&mut state, S, &windows, 2, true);
+        assert_eq!((both.index, both.retry_after), (1, Some(59 * S)));
+        // A cost over a limit, which no wait helps, is reported over any retry: 3 is over the
+        // second's count, and the minute (3 used) would admit it after 58 s.
+        let never = decide(&mut state, 2 * S, &windows, 3, true);
+        assert_eq!((never.index, never.retry_after), (0, None));
+    }
+}

@@ -1,6 +1,7 @@
 //! Reservations: the earliest time a request of `cost` fits every limit, after every
 //! reservation made before it, recorded at once so that the next caller queues behind it
-//! (`docs/outbound.md`).
+//! (`docs/outbound.md`). The scripts find the same turn in their `RESERVE` mode
+//! (`scripts/gcra.lua`, `scripts/sliding_log.lua`).
 //!
 //! A reservation is a decision that waits instead of refusing: the request is decided at the
 //! first `t ≥ earliest` at which each limit admits it, found by stepping to the latest retry of
