@@ -291,7 +291,7 @@ impl RedisStoreBuilder {
                 // none allowed it answers `Too many redirections.` instead: fred's cluster
                 // client (`RedisStore::pool`) fails a command on a moving hash slot rather than
                 // stopping. The scripts follow redirections themselves, on the store's own
-                // connections to each primary (`nodes.rs`).
+                // connections to each primary (`transport/nodes.rs`).
                 c.max_redirections = 0;
                 // A primary that was demoted (`READONLY`), or that refuses writes because its
                 // replicas are gone (`NOREPLICAS`, with `min-replicas-to-write`), is no longer

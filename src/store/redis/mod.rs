@@ -2,11 +2,12 @@
 //!
 //! Data flows one way through its files: [`RedisStore`] (here) places a request
 //! (`placement.rs`), encodes it (`wire/`, the contract with `scripts/prelude.lua`) and
-//! hands it to a lane of the batcher (`batch.rs`), which sends it in a call through fred's pool
-//! or, in a Redis Cluster, the store's own routing (`nodes.rs`, `ask.rs`); the reply comes back
-//! the same way and is read by `wire/`. Beside that path: the breakers (`health.rs`),
+//! hands it to a lane of the batcher (`transport/batch.rs`), which sends it in a call through
+//! fred's pool or, in a Redis Cluster, the store's own routing (`transport/nodes.rs`,
+//! `transport/ask.rs`); the reply comes back the same way and is read by `wire/`. The scripts
+//! are in `scripts/`. Beside that path: the breakers (`transport/health.rs`),
 //! concurrency slots' give-backs and renewals that wait for Redis (`slots.rs`),
-//! leases (`lease/`), overrides (`overrides.rs`), the cluster's key layout check (`layout.rs`),
+//! leases (`lease/`), overrides (`overrides/`), the cluster's key layout check (`layout.rs`),
 //! and the settings that start it all (`builder.rs`).
 
 use std::future::Future;
@@ -83,7 +84,7 @@ struct Inner {
     timeout: Duration,
     /// A breaker per batching lane: one on a single Redis; in a Redis Cluster one per hash
     /// tag, so that a primary that is gone cuts off only the tags it serves (each primary
-    /// has connections of its own, see `nodes.rs`).
+    /// has connections of its own, see `transport/nodes.rs`).
     breakers: Vec<Breaker>,
     /// Set when the store leases ([`RedisStoreBuilder::leases`]).
     leases: Option<lease::Leasing>,

@@ -80,7 +80,7 @@ impl Placement {
         }
     }
 
-    /// The hash of overrides that the calls of lane `lane` read (`overrides.rs`): on a
+    /// The hash of overrides that the calls of lane `lane` read (`overrides/`): on a
     /// single Redis one for every key, in a cluster one per tag, in the tag's hash slot.
     pub(super) fn overrides_key(&self, prefix: &str, lane: usize) -> String {
         match self {

@@ -15,7 +15,7 @@ local function text(x)
   return s
 end
 
--- The most units a state holds (2^52; MAX_UNITS in src/algorithm/mod.rs): counts, totals and
+-- The most units a state holds (2^52; MAX_UNITS in src/model/mod.rs): counts, totals and
 -- backlogs saturate there, so that a sum of two stays below 2^53.
 local MAX_UNITS = 4503599627370496
 

@@ -1,4 +1,4 @@
--- Fixed window (appended to prelude.lua and common.lua); src/algorithm/fixed_window.rs is the same procedure.
+-- Fixed window (appended to prelude.lua and common.lua); src/model/fixed_window.rs is the same procedure.
 --
 -- KEYS[k]   integers s1 c1 s2 c2 ... (as common.lua's load_fields): for limit i, the start of
 --           the window counted (us, a multiple of the window since the epoch) and the units

@@ -1,4 +1,4 @@
--- GCRA, the leaky bucket; src/algorithm/gcra.rs is the same procedure and explains the math.
+-- GCRA, the leaky bucket; src/model/gcra.rs is the same procedure and explains the math.
 --
 -- Appended to prelude.lua without common.lua's driver: GCRA is the algorithm for the busiest
 -- paths, and the driver (closures, a table per request for its state) costs about a third of a
@@ -59,7 +59,7 @@
 -- A refusal extends the key's expiry to when its backlog drains under the counts at hand,
 -- where that is later (counts lower than those it was written under).
 
--- The largest bucket, in GCRA units (2^50; MAX_GCRA_BUCKET in src/algorithm/mod.rs): past it
+-- The largest bucket, in GCRA units (2^50; MAX_GCRA_BUCKET in src/model/mod.rs): past it
 -- the arithmetic would not be exact, so such a request is an error (the policy refuses it).
 local MAX_BUCKET = 1125899906842624
 

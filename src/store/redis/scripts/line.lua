@@ -1,4 +1,4 @@
--- The line of reservations of one key (src/store/reserve.rs, Reserve; src/store/line.rs is
+-- The line of reservations of one key (src/store/reserve.rs, Reserve; src/model/line.rs is
 -- the same in Rust, for the memory store, and says why the line exists). It decides nothing:
 -- the algorithm's script records a reservation's units at its turn (RESERVE, prelude.lua,
 -- where `join_line` puts it in line); this one looks it up, takes it out, and pauses the key.
@@ -29,7 +29,7 @@
 --        paused, us until the key's pause ends (0: none); free, the Redis time (us) of the
 --        place left at the end (leave only; -1 otherwise); last, 1 where no reservation in line
 --        comes after that place (the store gives its units back on the sliding log, and on
---        GCRA only where it is the last: src/store/line.rs, Left).
+--        GCRA only where it is the last: src/model/line.rs, Left).
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -78,7 +78,7 @@ if free >= pause then
     free = turn
   end
 end
--- Whether a reservation in line comes after the place left (src/store/line.rs, Left: GCRA
+-- Whether a reservation in line comes after the place left (src/model/line.rs, Left: GCRA
 -- gives back only the last place).
 local last = 1
 if redis.call('ZCOUNT', line, '(' .. digits(free), '+inf') > 0 then

@@ -55,7 +55,7 @@ const RETURN: &str = concat!(
     include_str!("return.lua")
 );
 
-/// The text of `scripts/line.lua`, the line of reservations of a key (`src/store/line.rs`): it
+/// The text of `scripts/line.lua`, the line of reservations of a key (`src/model/line.rs`): it
 /// decides nothing, and stands alone.
 const LINE: &str = include_str!("line.lua");
 

@@ -4,7 +4,7 @@
 -- exactly as if each were its own call, after its slot operations (give-backs and renewals of
 -- concurrency slots, "Slot operations" below).
 --
--- This header is the scripts' side of the wire format; src/store/redis/protocol.rs is the
+-- This header is the scripts' side of the wire format; src/store/redis/wire/ is the
 -- store's, in the same order and with the same names (the modes, BOXED, SLOTS_FULL).
 --
 -- KEYS[k]   the state of request k (the algorithm's file says its format), then the state
@@ -23,16 +23,16 @@
 --           1..n
 -- ARGV[2]   the name of the hash of overrides of the call's hash slot
 --           (src/store/redis/overrides/)
--- ARGV[3]   64-bit little-endian signed integers (protocol.rs, Heads): for each request k in
+-- ARGV[3]   64-bit little-endian signed integers (wire/request.rs, Heads): for each request k in
 --           turn, the length of its key's override field (the first bytes of KEYS[k]); then
 --           the number of policy-wide and plan fields the requests name, and each of those once
 --           (written in decimal in the hash: src/store/redis/overrides/place.rs)
 -- ARGV[4..] two per slot operation j (state key KEYS[#KEYS - OPS + j]), in decimal: the
---           slot's id (a waiter's, to leave the line), then its lifetime (us, > 0) to renew
---           it, 0 for the waiter to leave the line, or -(held + 1) to give it back after it
+--           slot's id (a waiter's, to leave the queue), then its lifetime (us, > 0) to renew
+--           it, 0 for the waiter to leave the queue, or -(held + 1) to give it back after it
 --           was held `held` us (0: not known)
 --
--- Modes (record; protocol.rs, Mode), with the arguments that follow the first ten:
+-- Modes (record; wire/request.rs, Mode), with the arguments that follow the first ten:
 --   LOOK   0  decide only, recording nothing; want (the cost) and headroom (us: how late a
 --             leasing store may spend a unit after Redis recorded it; GCRA keeps that much
 --             drain free in every bucket, the sliding log reads every window that much longer,
@@ -46,18 +46,18 @@
 --             that its reply reads the windows a leasing store decides by; 0 otherwise)
 --   TAKE   4  decide as ADMIT, and take a concurrency slot when admitted (see Concurrency);
 --             the key's cap of slots, the slot's id, its lifetime (us), the waiter's id (0:
---             the request does not wait), its wait (us), whether it is in line (0 or 1), and
+--             the request does not wait), its wait (us), whether it is queued (0 or 1), and
 --             headroom (the sliding log's; 0 otherwise)
 --   RESERVE 5 the earliest turn at or after every reservation before and the key's pause,
 --             within the most it may wait (us), recorded, and the reservation put in its key's
 --             line (`join_line`); answered admitted with the turn (us from now) as
 --             retry_after, or refused with the turn it would have had (GCRA and the sliding
---             log only; src/algorithm/reserve.rs); the wait, headroom (as for a look), and the
+--             log only; src/model/turn.rs); the wait, headroom (as for a look), and the
 --             reservation's id and notice (us; line.lua)
 --
 -- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
 -- 2255), and every state saturates at MAX_UNITS (2^52) units, so that every number the
--- scripts compute stays below 2^53, where Lua's doubles are exact (src/policy.rs checks the
+-- scripts compute stays below 2^53, where Lua's doubles are exact (src/policy/ checks the
 -- limits; docs/operations.md, "Range").
 --
 -- Reply: one string of 64-bit little-endian signed integers, six per request in turn:
@@ -71,7 +71,7 @@
 --        0 BOXED 0 left left count (left: us until the same request would be admitted, see
 --        "Penalty box"; count: the first limit's when an override set it, else -1);
 --        SLOTS_FULL (-2), a request refused for its concurrency slots, answers
---        0 SLOTS_FULL place left hold cap (place: the waiter's deadline in line, Redis
+--        0 SLOTS_FULL place left hold cap (place: the waiter's deadline in the queue, Redis
 --        time in us, 0 for a request that does not wait; left: us until the first slot
 --        expires; hold: the key's typical hold time in us, -1 while none is known). A
 --        settlement's six are those of an admitted request: remaining and reset_after after
@@ -127,7 +127,7 @@
 -- operator migrates the key's hash slot, a box Redis refuses to read or write here is taken
 -- as none.
 --
--- Settlements (Store::settle, `settle` in src/algorithm/mod.rs) decide nothing: a charge
+-- Settlements (Store::settle, `settle` in src/model/mod.rs) decide nothing: a charge
 -- records `cost` units now as an admitted request would, past the limits if need be; a refund
 -- takes up to `cost` units back from the state the settled request was counted in (each
 -- algorithm's file says how).
@@ -136,7 +136,7 @@
 -- limit now, up to `want`, instead of `cost`, so that an instance can admit the extra units
 -- itself later; the reply's remaining counts after them.
 --
--- Limits combine as `decide` in src/algorithm/mod.rs: a refused request reports the limit that
+-- Limits combine as `decide` in src/model/mod.rs: a refused request reports the limit that
 -- refuses with the latest retry (`later`), an admitted one the limit with the fewest units left
 -- (the first of equals; limits come shortest first).
 --
@@ -155,7 +155,7 @@ local spack, sunpack = struct.pack, struct.unpack
 -- The arguments, read from next_byte on, and the answers so far (one string per request).
 local requests, next_byte = ARGV[1], 1
 local reply = {}
--- The modes of a request (the header's "Modes"; protocol.rs, Mode).
+-- The modes of a request (the header's "Modes"; wire/request.rs, Mode).
 local LOOK, ADMIT, LEASE, SETTLE, TAKE, RESERVE = 0, 1, 2, 3, 4, 5
 -- The limit indexes of the refusals that no limit makes (the header's "Reply").
 local BOXED, SLOTS_FULL = -1, -2
@@ -192,7 +192,7 @@ local overridden = false
 -- How much longer than its longest window a GCRA state decided under an override's counts is
 -- kept (gcra.lua): the largest ratio of an override's count to the policy's own, num / den, at
 -- least 1. A backlog holds units of cost, which weigh that much more once the override is
--- removed (src/store/memory.rs, Stretch).
+-- removed (src/model/key_state.rs, Stretch).
 local stretch_num, stretch_den = 1, 1
 -- The call's override fields and their values (false: none), read with one HMGET when the
 -- first request needs them: request k's key's at k, then the policy-wide and plan fields,
@@ -267,27 +267,27 @@ local function override_of(k, id, n, all, plan)
   return false
 end
 
--- Concurrency (Policy::concurrency, src/concurrency/): the slots of request k's key are the
+-- Concurrency (Policy::concurrency, src/model/slots.rs): the slots of request k's key are the
 -- members of the sorted set `<KEYS[k]>:slots` (same hash slot), each scored by its expiry
 -- (Redis time, us); an expired one counts no more and goes at the next look. The same set
--- holds the key's line of waiters (requests that wait for a slot, `max_wait`): member 'w' and
--- the waiter's id, scored LINE plus its deadline, above every slot's score, so that the line
+-- holds the key's queue of waiters (requests that wait for a slot, `max_wait`): member 'w' and
+-- the waiter's id, scored QUEUE plus its deadline, above every slot's score, so that the queue
 -- sorts by deadline after the slots. A request is admitted only where the live slots and the
--- waiters ahead of it (all of them, for one not in line) leave a slot free, so that a slot
+-- waiters ahead of it (all of them, for one not queued) leave a slot free, so that a slot
 -- given back goes to the first waiter on any instance rather than to whoever asks first; a
--- waiter refused joins the line, unless it asks as one in it (see slots_full), and leaves it
+-- waiter refused joins the queue, unless it asks as one in it (see slots_full), and leaves it
 -- when admitted, or by a slot operation when it stops waiting; one past its deadline counts
 -- no more. The key's typical hold time is the
 -- string `<KEYS[k]>:held` (us): each give-back that says how long its slot was held moves it
--- an eighth of the way there (src/concurrency/mod.rs, hold_average), kept an hour.
+-- an eighth of the way there (src/model/slots.rs, hold_average), kept an hour.
 -- The request at hand's cap (0: it takes no slot), slot id and slot lifetime (us), and its
--- waiter's id (0: none), wait (us) and whether it is in line.
+-- waiter's id (0: none), wait (us) and whether it is queued.
 local slot_cap, slot_id, slot_ttl = 0, 0, 0
 local waiter_id, waiter_wait, waiter_queued = 0, 0, 0
 -- The request at hand's most wait for its turn, when a reservation (RESERVE; us), its id and
 -- its notice (us).
 local reserve_wait, reserve_id, reserve_notice = 0, 0, 0
-local LINE = 4000000000000000
+local QUEUE = 4000000000000000
 local HOLD_KEPT_MS = 3600000
 -- The members (live or not) of the request's key's set when it was looked at, for `take_slot`.
 local slot_held = 0
@@ -312,7 +312,7 @@ local function refused_slot(k, skey, live, place)
   return spack('<llllll', 0, SLOTS_FULL, place, left, hold, slot_cap)
 end
 -- The answer to request k when the key has no slot free for it (see above), else false. A
--- waiter refused joins the line.
+-- waiter refused joins the queue.
 local function slots_full(k)
   local skey = KEYS[k] .. ':slots'
   -- With pcall, as the box: while the key's hash slot migrates, a set Redis refuses to read
@@ -321,19 +321,19 @@ local function slots_full(k)
   if type(held) ~= 'number' then
     return spack('<llllll', 0, SLOTS_FULL, 0, 1000000, -1, slot_cap)
   end
-  -- Fewer members than the cap: a slot is free whatever the line. Expired slots and waiters
+  -- Fewer members than the cap: a slot is free whatever the queue. Expired slots and waiters
   -- past their deadline still count in `held`: they are dropped only when they could matter.
   slot_held = held
   if held < slot_cap then
     return false
   end
   held = held - redis.call('ZREMRANGEBYSCORE', skey, '-inf', text(now))
-  held = held - redis.call('ZREMRANGEBYSCORE', skey, text(LINE), text(LINE + now))
+  held = held - redis.call('ZREMRANGEBYSCORE', skey, text(QUEUE), text(QUEUE + now))
   slot_held = held
   if held < slot_cap then
     return false
   end
-  local live = redis.call('ZCOUNT', skey, '-inf', '(' .. text(LINE))
+  local live = redis.call('ZCOUNT', skey, '-inf', '(' .. text(QUEUE))
   local ahead, member = held - live, nil
   if waiter_id > 0 then
     member = 'w' .. text(waiter_id)
@@ -345,7 +345,7 @@ local function slots_full(k)
   if live + ahead < slot_cap then
     return false
   end
-  -- A waiter that asks as one in line and is not in it has left it (its client went away
+  -- A waiter that asks as one queued and is not in the queue has left it (its client went away
   -- while this ask was on its way, and its leave ran first) or lost it (a restart): it is not
   -- put back, and its place of 0 tells its instance, which asks again as a newcomer if it
   -- still waits (src/admission/wait.rs).
@@ -353,10 +353,10 @@ local function slots_full(k)
   if member then
     local score = redis.call('ZSCORE', skey, member)
     if score then
-      place = tonumber(score) - LINE
+      place = tonumber(score) - QUEUE
     elseif waiter_queued == 0 then
       place = now + math.max(waiter_wait, 1)
-      redis.call('ZADD', skey, text(LINE + place), member)
+      redis.call('ZADD', skey, text(QUEUE + place), member)
       keep_set(skey, false, math.max(slot_ttl, place - now))
     end
   end
@@ -364,7 +364,7 @@ local function slots_full(k)
 end
 -- Takes the slot of admitted request k: until now + its lifetime, the set living as long (a
 -- set that held nothing is new: the last give-back deleted it, so it has no expiry to read).
--- A waiter in line leaves it.
+-- A waiter queued leaves the queue.
 local function take_slot(k)
   local skey = KEYS[k] .. ':slots'
   redis.pcall('ZADD', skey, text(now + slot_ttl), text(slot_id))
@@ -373,7 +373,7 @@ local function take_slot(k)
   end
   keep_set(skey, slot_held == 0, slot_ttl)
 end
--- Slot operations (give-backs, renewals, waiters leaving the line): they decide nothing, so
+-- Slot operations (give-backs, renewals, waiters leaving the queue): they decide nothing, so
 -- they are not requests with a record and an answer of six, only two arguments each, used as
 -- they come, and a byte of answer. They run before the requests: a slot given back in a call
 -- is free for a request of the same call. A give-back removes the slot and counts how long it
@@ -444,7 +444,7 @@ end
 -- limit's count (an override's, if one applies), window and scale in `counts[i]`,
 -- `windows[i]` and `scales[i]` (entries past n are left over from an earlier request and
 -- never read; `scales` may be nil), and sets `overridden`.
--- The line of reservations (line.lua; src/store/line.rs): a reservation joins its key's line,
+-- The line of reservations (line.lua; src/model/line.rs): a reservation joins its key's line,
 -- the sorted set `<key>:turns`, at its turn `at` (Redis time, us), as `<id>:<cost>:<notice>`;
 -- turns LINE_KEPT past are dropped, and the set lives that long past its last turn.
 local LINE_KEPT = 10000000

@@ -6,7 +6,7 @@
 -- KEYS[k]   the state of give-back k, as the algorithm's own script keeps it (gcra.lua,
 --           fixed_window.lua, sliding_window.lua)
 -- ARGV[1]   64-bit little-endian signed integers, for each give-back k in turn: algorithm
---           (FIXED_WINDOW 1, SLIDING_WINDOW 2, GCRA 3, SLIDING_LOG 4; protocol.rs,
+--           (FIXED_WINDOW 1, SLIDING_WINDOW 2, GCRA 3, SLIDING_LOG 4; wire/request.rs,
 --           encode_return), n (number of limits), units, the Redis time (us) the lease was
 --           granted at, then count, window (us) and scale (their gcd) of limits 1..n
 --

@@ -1,4 +1,4 @@
--- Sliding-window log; src/algorithm/sliding_log.rs is the same procedure and explains the math.
+-- Sliding-window log; src/model/sliding_log.rs is the same procedure and explains the math.
 --
 -- Like gcra.lua, appended to prelude.lua without common.lua's driver: a log decision runs five
 -- sorted-set commands, and the driver (closures called per limit, tables per request) cost
@@ -257,7 +257,7 @@ local function decide(key, n, cost, record, t, want)
     overridden and counts[reported] or -1)
 end
 
--- A reservation (prelude.lua, RESERVE; src/algorithm/reserve.rs): the earliest `t` at or
+-- A reservation (prelude.lua, RESERVE; src/model/turn.rs): the earliest `t` at or
 -- after `from` (now, or the end of the key's pause) and the newest event (so that
 -- reservations keep their order) at which every window containing `t` has room, stepping by
 -- the latest retry; logged there within `wait`, put in the key's line, and answered admitted

@@ -1,4 +1,4 @@
--- Sliding window counter (appended to prelude.lua and common.lua); src/algorithm/sliding_window.rs is the same
+-- Sliding window counter (appended to prelude.lua and common.lua); src/model/sliding_window.rs is the same
 -- procedure and explains the math and its bounds.
 --
 -- KEYS[k]   integers s1 c1 p1 s2 c2 p2 ... (as common.lua's load_fields): for limit i, the

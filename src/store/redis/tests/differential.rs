@@ -1,4 +1,4 @@
-//! A differential property test: the algorithms the memory store runs (`src/algorithm/`) and
+//! A differential property test: the algorithms the memory store runs (`src/model/`) and
 //! the scripts a real Redis runs, fed the same random sequences of decisions, charges and
 //! refunds at the same instants, decide alike to the microsecond; and neither admits more
 //! than a brute-force model of the algorithm's definition allows.

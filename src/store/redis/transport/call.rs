@@ -76,7 +76,7 @@ pub(crate) enum Redis {
 /// What the calls need.
 pub(crate) struct Settings {
     pub(crate) redis: Redis,
-    /// The name of each lane's hash of overrides (`overrides.rs`), its calls' second
+    /// The name of each lane's hash of overrides (`overrides/`), its calls' second
     /// argument.
     pub(crate) overrides: Vec<Value>,
     pub(crate) scripts: Scripts,
