@@ -1,18 +1,27 @@
 //! [`Limiter`]: what a layer decides its requests with, shared by the layer, its clones, the
-//! services they made and their futures.
+//! services they made and their futures; and its gate, for one request: rule → key → allow
+//! list → deny cache → store.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
-use ipnet::IpNet;
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
 
-use crate::deny_cache::DenyCache;
+use super::allow::AllowList;
+use super::decide::Later;
+use super::query::Query;
+use super::wait::{SlotQueue, Waiting};
+use super::{Admission, Admitted};
+use crate::deny_cache::{DenyCache, Stamp};
 use crate::ledger::post::Ledger;
 use crate::ledger::slots::Holds;
 use crate::ledger::tab::Metering;
-use crate::response::{MissingKey, Responder};
+use crate::metrics::Started;
+use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
 use crate::rules::{PlanFn, RequestHead, RuleTable};
-use crate::Key;
+use crate::usage::UsageMeter;
+use crate::{Decision, Key, KeyExtractor, Store, StoreError, Undecided};
 
 /// A request's cost, computed from its head.
 pub(crate) type CostFn = dyn Fn(&RequestHead<'_>) -> u32 + Send + Sync;
@@ -53,54 +62,346 @@ impl<K, St> Limiter<K, St> {
     }
 }
 
-/// Keys and networks that are never limited.
-#[derive(Debug, Default)]
-pub(crate) struct AllowList {
-    keys: HashSet<Key>,
-    networks: Vec<IpNet>,
+impl<K, St: Store> Limiter<K, St> {
+    /// Admits `request`, or answers it, or says what it waits for.
+    pub(crate) fn admit<B>(&self, request: &mut Request<B>) -> Admission<St::Future>
+    where
+        K: KeyExtractor<B>,
+    {
+        let meter = self.meter(request);
+        let head = RequestHead::of(request);
+        let grpc = grpc_content_type(head.headers);
+        let Some(responder) = self.responder(&head) else {
+            return Admission::Pass;
+        };
+        let key = match self.key.extract(request) {
+            Ok(key) => key,
+            Err(error) => match &self.missing_key {
+                MissingKey::Use(key) => key.clone(),
+                MissingKey::Allow => return undecided(responder, Undecided::MissingKey),
+                MissingKey::Reject => {
+                    return Admission::Answer(Responder::missing_key(&error, grpc.as_ref()))
+                }
+            },
+        };
+        if self.allow.contains(&key) {
+            return undecided(responder, Undecided::AllowListed);
+        }
+        let cost = self.cost(&head);
+        let deny_cache = match self.cached(&responder, &key, cost, grpc.as_ref()) {
+            Cached::Miss(deny_cache) => deny_cache,
+            Cached::Hit(refusal) => return Admission::Answer(refusal),
+        };
+        let query = Query {
+            usage: self.usage.clone().zip(meter),
+            holds: responder
+                .policy
+                .concurrency_limit()
+                .map(|_| (Arc::clone(&self.holds), Arc::clone(&self.ledger))),
+            started: Started::now(),
+            responder,
+            key,
+            cost,
+            grpc,
+            deny_cache,
+        };
+        self.ask(query)
+    }
+
+    /// The deny cache's refusal of `key`, if it holds one; otherwise the cache with the
+    /// stamp taken before the store is asked, so that a refund sent meanwhile keeps its
+    /// refusal out of the cache (none in shadow mode or under a soft limit, which refuse
+    /// nothing).
+    fn cached(
+        &self,
+        responder: &Responder,
+        key: &Key,
+        cost: u32,
+        grpc: Option<&http::HeaderValue>,
+    ) -> Cached {
+        let options = &responder.options;
+        let Some(cache) = self
+            .deny_cache
+            .as_ref()
+            .filter(|_| !options.shadow && !options.soft)
+        else {
+            return Cached::Miss(None);
+        };
+        let policy = &responder.policy;
+        if let Some(refusal) = cache.refusal(key, policy, cost) {
+            options.tally(policy, key, Tally::DeniedCached);
+            return Cached::Hit(responder.rejection(&refusal, grpc));
+        }
+        Cached::Miss(Some((cache.clone(), cache.stamp(key, policy))))
+    }
+
+    /// The request's usage meter, when the layer limits by usage: every request gets one, so
+    /// that a handler can always take it from the extensions; under several usage layers (per
+    /// API key and per IP, say), all read the same one.
+    fn meter<B>(&self, request: &mut Request<B>) -> Option<UsageMeter> {
+        self.usage.as_ref()?;
+        let extensions = request.extensions_mut();
+        Some(match extensions.get::<UsageMeter>() {
+            Some(meter) => meter.clone(),
+            None => {
+                let meter = UsageMeter::new();
+                extensions.insert(meter.clone());
+                meter
+            }
+        })
+    }
+
+    /// The store's decision: at once when the store decides without waiting, later
+    /// otherwise. A request that may wait for a concurrency slot asks as a waiter, so that
+    /// the store serves the key's waiters, here and on other instances, before it.
+    fn ask(&self, query: Query) -> Admission<St::Future> {
+        let (key, policy, cost) = (&query.key, &query.responder.policy, query.cost);
+        if let Some(mut waiting) = self.waiting(&query) {
+            let decision = waiting.ask(&query);
+            return Admission::Later(Later::asking(decision, query, Some(waiting)));
+        }
+        match self.store.check_now(key, policy, cost) {
+            Some(outcome) => decided(query, outcome),
+            None => {
+                let decision = self.store.check(key, policy, cost);
+                Admission::Later(Later::asking(decision, query, None))
+            }
+        }
+    }
+
+    /// How the request may wait for a concurrency slot when refused for one
+    /// ([`max_wait`](crate::RateLimitLayerBuilder::max_wait)); `None` when it may not.
+    fn waiting(&self, query: &Query) -> Option<Waiting<St::Future>> {
+        let options = &query.responder.options;
+        let waits = !options.max_wait.is_zero() && !options.soft && !options.shadow;
+        let (holds, _) = query.holds.as_ref().filter(|_| waits)?;
+        let waiter = holds.queues().waiter(options.max_wait);
+        let store: Arc<dyn SlotQueue<St::Future>> = Arc::new(self.store.clone());
+        Some(Waiting::new(store, waiter))
+    }
 }
 
-impl AllowList {
-    /// Lists `keys` and `networks`.
-    pub(crate) fn new(keys: HashSet<Key>, networks: Vec<IpNet>) -> Self {
-        AllowList { keys, networks }
-    }
+/// What the deny cache answered.
+enum Cached {
+    /// A refusal it repeats.
+    Hit(Response<Full<Bytes>>),
+    /// Nothing: the store decides, with the cache and its stamp, if the layer has one.
+    Miss(Option<(DenyCache, Stamp)>),
+}
 
-    /// Whether `key` is listed, or is an address or IPv6 prefix that an IP extractor
-    /// ([`PeerIp`](crate::PeerIp), [`ClientIp`](crate::ClientIp)) made, inside a listed
-    /// network.
-    pub(crate) fn contains(&self, key: &Key) -> bool {
-        self.keys.contains(key)
-            || key
-                .network()
-                .is_some_and(|net| self.networks.iter().any(|allowed| allowed.contains(&net)))
-    }
+/// A request passed on without a decision of the store, for the reason `why`.
+fn undecided<F>(responder: Arc<Responder>, why: Undecided) -> Admission<F> {
+    Admission::Call(Admitted::undecided(responder, why))
+}
+
+/// The verdict on a request the store decided at once.
+fn decided<F>(query: Query, outcome: Result<Decision, StoreError>) -> Admission<F> {
+    let outcome = query.at_cap_alone(outcome);
+    query.verdict(outcome).into()
 }
 
 #[cfg(test)]
 mod tests {
-    use std::net::IpAddr;
+    use std::task::Context;
+    use std::time::Duration;
+
+    use http::{HeaderName, StatusCode};
 
     use super::*;
+    use crate::admission::{Deciding, Verdict};
+    use crate::key::Header;
+    use crate::{Decisions, MemoryStore, RateLimitLayer, RateLimitLayerBuilder, Rule};
+
+    fn user(name: &str) -> Request<()> {
+        let request = Request::builder().uri("/login");
+        let request = match name {
+            "" => request,
+            name => request.header("x-user", name),
+        };
+        request.body(()).unwrap()
+    }
+
+    fn builder() -> RateLimitLayerBuilder<Header, MemoryStore> {
+        let header = Header::new(HeaderName::from_static("x-user"));
+        RateLimitLayer::builder().key(header)
+    }
+
+    /// The status of an answer, or `None` for a call of the inner service.
+    fn answered(admission: Admission<impl Sized>) -> Option<StatusCode> {
+        match admission {
+            Admission::Answer(response) => Some(response.status()),
+            Admission::Pass | Admission::Call(_) | Admission::Later(_) => None,
+        }
+    }
+
+    /// What an admission passed on without a decision tells the handler: each layer's
+    /// policy and why it did not decide.
+    fn undecided_because(admission: Admission<impl Sized>) -> Vec<(String, Undecided)> {
+        let Admission::Call(mut admitted) = admission else {
+            panic!("passed on");
+        };
+        assert!(admitted.receipt.is_empty() && admitted.fields.is_none());
+        let mut request = user("");
+        admitted.mark(&mut request);
+        let decisions = request.extensions().get::<Decisions>().unwrap();
+        assert!(decisions.is_empty() && !decisions.is_over());
+        let why = decisions.undecided();
+        why.map(|(policy, why)| (policy.to_owned(), why)).collect()
+    }
 
     #[test]
-    fn allow_list_matches_keys_addresses_and_prefixes() {
-        let allow = AllowList::new(
-            [Key::from("internal")].into_iter().collect(),
-            vec![
-                "10.0.0.0/8".parse().unwrap(),
-                "2001:db8::/32".parse().unwrap(),
-            ],
-        );
-        let ip = |s: &str| Key::from(s.parse::<IpAddr>().unwrap());
-        let net = |s: &str| Key::from_network(s.parse().unwrap());
-        assert!(allow.contains(&Key::from("internal")));
-        assert!(allow.contains(&ip("10.1.2.3")));
-        assert!(allow.contains(&net("2001:db8:1:2::/64")));
-        assert!(!allow.contains(&ip("11.1.2.3")));
-        assert!(!allow.contains(&net("2001:db9::/64")));
-        assert!(!allow.contains(&Key::from("someone")));
-        // Text that looks like an address, e.g. an API key header, is not an address.
-        assert!(!allow.contains(&Key::from("10.1.2.3")));
+    fn a_request_no_rule_matches_passes_without_a_decision() {
+        let layer = builder()
+            .rule(Rule::new("1/1m").path("/api/*"))
+            .build()
+            .unwrap();
+        let mut request = user("ann");
+        let admission = layer.limiter().admit(&mut request);
+        assert!(matches!(admission, Admission::Pass));
+        assert!(request.extensions().get::<Decisions>().is_none());
+    }
+
+    #[test]
+    fn the_store_admits_then_refuses_with_fields_and_a_decision() {
+        let layer = builder().policy("1/1m").build().unwrap();
+        let Admission::Call(mut admitted) = layer.limiter().admit(&mut user("ann")) else {
+            panic!("the first request is admitted at once by the memory store");
+        };
+        let mut request = user("ann");
+        admitted.mark(&mut request);
+        let decisions = request.extensions().get::<Decisions>().unwrap();
+        assert_eq!(decisions.get("default").unwrap().remaining(), 0);
+        assert!(admitted.fields.is_some());
+        let refused = layer.limiter().admit(&mut user("ann"));
+        assert_eq!(answered(refused), Some(StatusCode::TOO_MANY_REQUESTS));
+        // Another key has its own count.
+        assert!(matches!(
+            layer.limiter().admit(&mut user("bob")),
+            Admission::Call(_)
+        ));
+    }
+
+    #[test]
+    fn a_missing_key_is_refused_let_through_or_counted_as_told() {
+        let reject = builder().policy("1/1m").build().unwrap();
+        let answer = reject.limiter().admit(&mut user(""));
+        assert_eq!(answered(answer), Some(StatusCode::BAD_REQUEST));
+
+        let allow = builder()
+            .policy("1/1m")
+            .on_missing_key(MissingKey::Allow)
+            .build()
+            .unwrap();
+        for _ in 0..3 {
+            let why = undecided_because(allow.limiter().admit(&mut user("")));
+            assert_eq!(why, [("default".to_owned(), Undecided::MissingKey)]);
+        }
+
+        let shared = builder()
+            .policy("1/1m")
+            .on_missing_key(MissingKey::Use(Key::from("anonymous")))
+            .build()
+            .unwrap();
+        assert!(matches!(
+            shared.limiter().admit(&mut user("")),
+            Admission::Call(_)
+        ));
+        let second = shared.limiter().admit(&mut user(""));
+        assert_eq!(answered(second), Some(StatusCode::TOO_MANY_REQUESTS));
+    }
+
+    #[test]
+    fn an_allow_listed_key_is_never_counted() {
+        let layer = builder().policy("1/1m").allow_key("ops").build().unwrap();
+        for _ in 0..3 {
+            let why = undecided_because(layer.limiter().admit(&mut user("ops")));
+            assert_eq!(why, [("default".to_owned(), Undecided::AllowListed)]);
+        }
+        assert!(matches!(
+            layer.limiter().admit(&mut user("ann")),
+            Admission::Call(_)
+        ));
+    }
+
+    #[test]
+    fn the_deny_cache_answers_a_refused_key_without_the_store() {
+        let store = MemoryStore::new();
+        let layer = builder()
+            .store(store.clone())
+            .policy("1/1m")
+            .deny_cache(100)
+            .build()
+            .unwrap();
+        let limiter = layer.limiter();
+        assert!(matches!(
+            limiter.admit(&mut user("ann")),
+            Admission::Call(_)
+        ));
+        let refused = limiter.admit(&mut user("ann"));
+        assert_eq!(answered(refused), Some(StatusCode::TOO_MANY_REQUESTS));
+        // The store forgets the key; the cache, asked first, still refuses it.
+        let policy = layer.policy().unwrap();
+        store
+            .reset(&Key::from("ann"), &policy)
+            .into_inner()
+            .unwrap();
+        let cached = limiter.admit(&mut user("ann"));
+        assert_eq!(answered(cached), Some(StatusCode::TOO_MANY_REQUESTS));
+    }
+
+    #[test]
+    fn counted_by_outcome_an_attempt_holds_a_unit_from_its_admission() {
+        let layer = builder()
+            .policy("1/1m")
+            .count_when(|head| head.status == StatusCode::UNAUTHORIZED)
+            .build()
+            .unwrap();
+        let Admission::Call(attempt) = layer.limiter().admit(&mut user("ann")) else {
+            panic!("the first attempt is admitted");
+        };
+        assert!(attempt.receipt.tab.is_some());
+        // Its outcome is not in: a second attempt finds no unit left.
+        let second = layer.limiter().admit(&mut user("ann"));
+        assert_eq!(answered(second), Some(StatusCode::TOO_MANY_REQUESTS));
+    }
+
+    #[tokio::test]
+    async fn a_request_refused_for_a_slot_waits_in_the_queue_for_one() {
+        let policy = crate::Policy::new("streams", ["100/1m".parse().unwrap()])
+            .unwrap()
+            .concurrency(1)
+            .unwrap();
+        let layer = builder()
+            .policy(policy)
+            .max_wait(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let limiter = layer.limiter();
+        // A request that may wait asks the store as a waiter, so its decision comes later.
+        let Admission::Later(first) = limiter.admit(&mut user("ann")) else {
+            panic!("a request that may wait is decided later");
+        };
+        let mut first = std::pin::pin!(Deciding::new(first, ()));
+        let verdict = std::future::poll_fn(|cx| first.as_mut().poll_verdict(cx)).await;
+        let Some((Verdict::Call(first), ())) = verdict else {
+            panic!("the first request takes the slot");
+        };
+        assert!(first.receipt.slot.is_some());
+        let Admission::Later(second) = limiter.admit(&mut user("ann")) else {
+            panic!("the second waits for the slot");
+        };
+        let mut second = Box::pin(Deciding::new(second, ()));
+        let waker = std::task::Waker::noop();
+        assert!(second
+            .as_mut()
+            .poll_verdict(&mut Context::from_waker(waker))
+            .is_pending());
+        // The first response ends: its slot goes back, and the second takes it.
+        drop(first);
+        let verdict = std::future::poll_fn(|cx| second.as_mut().poll_verdict(cx)).await;
+        let Some((Verdict::Call(admitted), ())) = verdict else {
+            panic!("the second request gets the slot given back");
+        };
+        assert!(admitted.receipt.slot.is_some());
     }
 }

@@ -16,15 +16,16 @@ use bytes::Bytes;
 use http::Response;
 use http_body_util::Full;
 
+mod allow;
 mod decide;
-mod gate;
 mod limiter;
 mod query;
 mod verdict;
 mod wait;
 
+pub(crate) use allow::AllowList;
 pub(crate) use decide::{Deciding, Later};
-pub(crate) use limiter::{AllowList, CostFn, Limiter};
+pub(crate) use limiter::{CostFn, Limiter};
 pub(crate) use verdict::{Admitted, Verdict};
 
 /// What admission answered for a request.

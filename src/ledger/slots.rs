@@ -199,6 +199,23 @@ impl Holds {
         })
     }
 
+    /// Gives back what the store gave `decision` though the layer refuses its request (this
+    /// instance holds the key's cap alone): its slot, and the units it recorded, since a
+    /// refused request counts for nothing.
+    pub(crate) fn release_unused(
+        &self,
+        key: &Key,
+        responder: &Arc<Responder>,
+        ledger: &Arc<dyn Ledger>,
+        decision: &Decision,
+    ) {
+        let refund = Settlement::refund(decision, decision.recorded).filter(|r| r.units() > 0);
+        for settlement in Settlement::release(decision).into_iter().chain(refund) {
+            let posting = Posting::new(key.clone(), Arc::clone(responder), settlement, None);
+            ledger.settle(posting, &self.in_flight);
+        }
+    }
+
     /// Whether this layer holds `key`'s cap of slots under `responder`'s policy, counting one
     /// the store just gave it, while it holds any slot alone: the store does not count
     /// those, so after an outage it may admit past the cap. Cheap while none is held alone.
