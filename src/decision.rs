@@ -85,7 +85,21 @@ impl Decision {
     }
 
     pub(crate) fn from_outcome(outcome: crate::model::Outcome, policy: &crate::Policy) -> Decision {
-        let limit = policy.limits()[outcome.index.min(policy.limits().len() - 1)];
+        let limits = policy.limits();
+        let Some(&limit) = limits.get(outcome.index).or(limits.last()) else {
+            // No rate limit: the decision describes the concurrency limit.
+            return Decision {
+                allowed: outcome.allowed,
+                limit_index: 0,
+                limit: policy.concurrency_limit().map_or(0, u64::from),
+                window: Duration::ZERO,
+                remaining: 0,
+                reset_after: Duration::ZERO,
+                retry_after: outcome.retry_after.map(Duration::from_micros),
+                concurrency: true,
+                ..Decision::blocked(policy)
+            };
+        };
         Decision {
             allowed: outcome.allowed,
             limit_index: u32::try_from(outcome.index).unwrap_or(u32::MAX),
@@ -120,12 +134,16 @@ impl Decision {
     /// later of the box's end and the limits' own retry. It describes the policy's first
     /// limit.
     pub(crate) fn boxed(policy: &crate::Policy, left: Duration) -> Decision {
-        let limit = policy.limits()[0];
+        // A policy without rate limits takes no box (`Policy::out_of_range`).
+        let (limit, window) = policy
+            .limits()
+            .first()
+            .map_or((0, Duration::ZERO), |l| (l.count(), l.window()));
         Decision {
             allowed: false,
             limit_index: 0,
-            limit: limit.count(),
-            window: limit.window(),
+            limit,
+            window,
             remaining: 0,
             reset_after: left,
             retry_after: Some(left),
@@ -143,8 +161,9 @@ impl Decision {
 
     /// Whether the decision describes the policy's concurrency limit
     /// ([`Policy::concurrency`](crate::Policy::concurrency)) rather than a rate limit: the
-    /// request was refused because [`limit`](Self::limit) requests of its key are in flight.
-    /// [`window`](Self::window) is then zero, and [`retry_after`](Self::retry_after) when a slot
+    /// request was refused because [`limit`](Self::limit) requests of its key are in flight, or
+    /// its policy has no rate limit and the decision admits it (with nothing counted in
+    /// [`remaining`](Self::remaining)). [`window`](Self::window) is then zero, and [`retry_after`](Self::retry_after) when a slot
     /// is likely to be free: from the store, the key's typical hold time across every
     /// instance that shares it, or, while the store knows none, when the first slot held would
     /// expire unrenewed; from the layer, the same hold time capped at the slot lifetime and
@@ -228,12 +247,15 @@ impl Decision {
     /// The refusal of a key blocked by an override: a limit of 0, nothing left, and no
     /// wait that helps.
     pub(crate) fn blocked(policy: &crate::Policy) -> Decision {
-        let limit = policy.limits()[0];
+        let window = policy
+            .limits()
+            .first()
+            .map_or(Duration::ZERO, |l| l.window());
         Decision {
             allowed: false,
             limit_index: 0,
             limit: 0,
-            window: limit.window(),
+            window,
             remaining: 0,
             reset_after: Duration::ZERO,
             retry_after: None,

@@ -365,43 +365,107 @@ mod tests {
         assert_eq!(answered(second), Some(StatusCode::TOO_MANY_REQUESTS));
     }
 
+    #[test]
+    fn a_policy_without_rate_limits_is_decided_by_its_slots_alone() {
+        let policy = crate::Policy::new("streams", [])
+            .unwrap()
+            .concurrency(2)
+            .unwrap();
+        let layer = builder().policy(policy).build().unwrap();
+        let limiter = layer.limiter();
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let Admission::Call(mut admitted) = limiter.admit(&mut user("ann")) else {
+                panic!("a slot is free");
+            };
+            assert!(admitted.receipt.slot.is_some());
+            let mut request = user("ann");
+            admitted.mark(&mut request);
+            let decisions = request.extensions().get::<Decisions>().unwrap();
+            let decision = decisions.get("streams").unwrap();
+            assert!(decision.is_allowed() && decision.is_concurrency_limit());
+            assert_eq!((decision.limit(), decision.window()), (2, Duration::ZERO));
+            // The fields name the concurrency quota, and count no rate.
+            let (d, responder) = admitted.fields.take().unwrap();
+            let mut headers = http::HeaderMap::new();
+            responder.add_headers(&mut headers, &d);
+            assert!(headers["ratelimit-policy"]
+                .to_str()
+                .unwrap()
+                .contains("concurrent-requests"));
+            assert!(headers.get("ratelimit").is_none());
+            held.push(admitted);
+        }
+        // Both slots held: refused for a slot, whatever the rate.
+        let refused = limiter.admit(&mut user("ann"));
+        assert_eq!(answered(refused), Some(StatusCode::TOO_MANY_REQUESTS));
+        // Another key has its own slots; a slot released admits again.
+        assert!(matches!(
+            limiter.admit(&mut user("bob")),
+            Admission::Call(_)
+        ));
+        drop(held.pop());
+        assert!(matches!(
+            limiter.admit(&mut user("ann")),
+            Admission::Call(_)
+        ));
+    }
+
+    #[test]
+    fn a_policy_without_rate_limits_needs_a_concurrency_limit_and_takes_no_box() {
+        let bare = crate::Policy::new("nothing", []).unwrap();
+        let built = builder().policy(bare.clone()).build();
+        assert!(matches!(built, Err(crate::BuildError::Unsupported { .. })));
+        let boxed = bare
+            .concurrency(1)
+            .unwrap()
+            .block_for(Duration::from_secs(60))
+            .unwrap();
+        let built = builder().policy(boxed).build();
+        assert!(matches!(built, Err(crate::BuildError::Unsupported { .. })));
+    }
+
     #[tokio::test]
     async fn a_request_refused_for_a_slot_waits_in_the_queue_for_one() {
-        let policy = crate::Policy::new("streams", ["100/1m".parse().unwrap()])
-            .unwrap()
-            .concurrency(1)
-            .unwrap();
-        let layer = builder()
-            .policy(policy)
-            .max_wait(Duration::from_secs(1))
-            .build()
-            .unwrap();
-        let limiter = layer.limiter();
-        // A request that may wait asks the store as a waiter, so its decision comes later.
-        let Admission::Later(first) = limiter.admit(&mut user("ann")) else {
-            panic!("a request that may wait is decided later");
-        };
-        let mut first = std::pin::pin!(Deciding::new(first, ()));
-        let verdict = std::future::poll_fn(|cx| first.as_mut().poll_verdict(cx)).await;
-        let Some((Verdict::Call(first), ())) = verdict else {
-            panic!("the first request takes the slot");
-        };
-        assert!(first.receipt.slot.is_some());
-        let Admission::Later(second) = limiter.admit(&mut user("ann")) else {
-            panic!("the second waits for the slot");
-        };
-        let mut second = Box::pin(Deciding::new(second, ()));
-        let waker = std::task::Waker::noop();
-        assert!(second
-            .as_mut()
-            .poll_verdict(&mut Context::from_waker(waker))
-            .is_pending());
-        // The first response ends: its slot goes back, and the second takes it.
-        drop(first);
-        let verdict = std::future::poll_fn(|cx| second.as_mut().poll_verdict(cx)).await;
-        let Some((Verdict::Call(admitted), ())) = verdict else {
-            panic!("the second request gets the slot given back");
-        };
-        assert!(admitted.receipt.slot.is_some());
+        // With a rate limit, and with none: an admission is never taken for a refusal.
+        let limits: [Vec<crate::Limit>; 2] = [vec!["100/1m".parse().unwrap()], vec![]];
+        for limits in limits {
+            let policy = crate::Policy::new("streams", limits)
+                .unwrap()
+                .concurrency(1)
+                .unwrap();
+            let layer = builder()
+                .policy(policy)
+                .max_wait(Duration::from_secs(1))
+                .build()
+                .unwrap();
+            let limiter = layer.limiter();
+            // A request that may wait asks the store as a waiter, so its decision comes later.
+            let Admission::Later(first) = limiter.admit(&mut user("ann")) else {
+                panic!("a request that may wait is decided later");
+            };
+            let mut first = std::pin::pin!(Deciding::new(first, ()));
+            let verdict = std::future::poll_fn(|cx| first.as_mut().poll_verdict(cx)).await;
+            let Some((Verdict::Call(first), ())) = verdict else {
+                panic!("the first request takes the slot");
+            };
+            assert!(first.receipt.slot.is_some());
+            let Admission::Later(second) = limiter.admit(&mut user("ann")) else {
+                panic!("the second waits for the slot");
+            };
+            let mut second = Box::pin(Deciding::new(second, ()));
+            let waker = std::task::Waker::noop();
+            assert!(second
+                .as_mut()
+                .poll_verdict(&mut Context::from_waker(waker))
+                .is_pending());
+            // The first response ends: its slot goes back, and the second takes it.
+            drop(first);
+            let verdict = std::future::poll_fn(|cx| second.as_mut().poll_verdict(cx)).await;
+            let Some((Verdict::Call(admitted), ())) = verdict else {
+                panic!("the second request gets the slot given back");
+            };
+            assert!(admitted.receipt.slot.is_some());
+        }
     }
 }

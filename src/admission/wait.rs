@@ -103,7 +103,7 @@ impl<F> Waiting<F> {
     ) -> Option<Wait> {
         self.asking = unanswered || outcome.is_err();
         let refusal = match outcome {
-            Ok(d) if d.is_concurrency_limit() => *d,
+            Ok(d) if !d.is_allowed() && d.is_concurrency_limit() => *d,
             Ok(d) => {
                 // Admitted, the store took it out of its queue; refused by a rate limit, it
                 // leaves.

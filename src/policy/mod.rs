@@ -113,7 +113,9 @@ pub enum PolicyError {
     /// One of the limits is invalid.
     #[error(transparent)]
     Limit(#[from] LimitError),
-    /// The policy has no limit.
+    /// No limit where one is needed: text that names none, or an override of no counts. (A
+    /// policy made without limits is one a concurrency limit alone decides; see
+    /// [`Policy::new`].)
     #[error("a policy needs at least one limit")]
     NoLimits,
     /// Two limits have the same window; only the smaller count could ever matter.
@@ -162,6 +164,10 @@ impl Policy {
     pub const DEFAULT_NAME: &'static str = "default";
 
     /// A policy named `name` made of `limits` (in any order), using the sliding-window log.
+    ///
+    /// No limits at all make a policy that a concurrency limit alone decides
+    /// (`Policy::new("streams", [])?.concurrency(100)?`, see [`Policy::concurrency`]); without
+    /// one, the layer's builder and every store refuse it.
     pub fn new(
         name: impl Into<String>,
         limits: impl IntoIterator<Item = Limit>,
@@ -321,12 +327,22 @@ impl Policy {
     /// tells it apart from a rate refusal. The limit is from 1 to
     /// [`MAX_CONCURRENCY`](Policy::MAX_CONCURRENCY).
     ///
+    /// A policy made without rate limits (`Policy::new(name, [])`) is decided by its
+    /// concurrency limit alone: its requests record nothing but their slot, an admitted
+    /// decision describes the concurrency limit
+    /// ([`is_concurrency_limit`](crate::Decision::is_concurrency_limit), nothing counted in
+    /// [`remaining`](crate::Decision::remaining)), and its responses carry `RateLimit-Policy`
+    /// (the concurrency quota) but no `RateLimit` field while admitted. It takes no penalty
+    /// box (nothing refuses for one to follow) and no event times.
+    ///
     /// ```
     /// use tower_redis_ratelimit::Policy;
     ///
     /// // 60 requests a minute, and 2 streams at once.
     /// let streams = Policy::new("streams", ["60/1m".parse()?])?.concurrency(2)?;
-    /// # drop(streams);
+    /// // 100 requests in flight at once, at any rate: no rate limit at all.
+    /// let uploads = Policy::new("uploads", [])?.concurrency(100)?;
+    /// # drop((streams, uploads));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn concurrency(mut self, slots: u32) -> Result<Policy, PolicyError> {
@@ -414,6 +430,12 @@ impl Policy {
     /// for it and stores answer [`StoreError::Unsupported`](crate::StoreError::Unsupported);
     /// a count with more factors in common with the window, or another algorithm, fits.
     pub(crate) fn out_of_range(&self) -> Option<&'static str> {
+        if self.limits.is_empty() && self.slots == 0 {
+            return Some("a policy needs a rate limit or a concurrency limit");
+        }
+        if self.limits.is_empty() && self.block_micros > 0 {
+            return Some("a penalty box needs a rate limit to follow: nothing else refuses");
+        }
         (!self.in_range).then_some(
             "a GCRA limit's count * window (us) / gcd(count, window) is over 2^50; \
              choose a count that divides the window more evenly, or another algorithm",
@@ -538,12 +560,10 @@ impl From<Limit> for Policy {
     }
 }
 
-/// `limits` shortest window first, checked: at least one, and no two with one window.
+/// `limits` shortest window first, checked: no two with one window. None at all makes a policy
+/// that a concurrency limit alone decides ([`Policy::out_of_range`] says so of one without).
 fn sorted(limits: impl IntoIterator<Item = Limit>) -> Result<Vec<Limit>, PolicyError> {
     let mut limits: Vec<Limit> = limits.into_iter().collect();
-    if limits.is_empty() {
-        return Err(PolicyError::NoLimits);
-    }
     limits.sort_by_key(|l| (l.window(), l.count()));
     if let Some(pair) = limits.windows(2).find(|p| p[0].window() == p[1].window()) {
         return Err(PolicyError::DuplicateWindow {
@@ -636,10 +656,10 @@ mod tests {
             Policy::new("has space", [p.limits()[0]]),
             Err(PolicyError::Name { .. })
         ));
-        assert_eq!(
-            Policy::new("x", std::iter::empty()),
-            Err(PolicyError::NoLimits)
-        );
+        // No limits at all: a policy that only a concurrency limit can decide.
+        let none = Policy::new("x", std::iter::empty()).unwrap();
+        assert!(none.out_of_range().is_some());
+        assert!(none.concurrency(1).unwrap().out_of_range().is_none());
         let single: Policy = "5/10s".parse().unwrap();
         assert_eq!(single.limit_name(0), "default");
     }

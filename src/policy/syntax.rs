@@ -52,9 +52,11 @@ impl TryFrom<&str> for Policy {
 ///
 /// Only the limits, which is all the string syntax holds: the name, the algorithm, the plan,
 /// the penalty box ([`Policy::block_for`]) and the concurrency limit ([`Policy::concurrency`])
-/// are not printed ([`Policy::name`] and [`Policy::algorithm`] read the first two). So `policy.to_string().parse::<Policy>()` always gives a policy with the
-/// same limits, and gives back the policy itself for one parsed from text (named
-/// [`Policy::DEFAULT_NAME`], the sliding log, no box, no concurrency limit, no plan).
+/// are not printed ([`Policy::name`] and [`Policy::algorithm`] read the first two). So
+/// `policy.to_string().parse::<Policy>()` gives a policy with the same limits, and gives back
+/// the policy itself for one parsed from text (named [`Policy::DEFAULT_NAME`], the sliding log,
+/// no box, no concurrency limit, no plan). A policy without rate limits, which a concurrency
+/// limit alone decides, prints as nothing, which does not parse.
 ///
 /// ```
 /// use std::time::Duration;

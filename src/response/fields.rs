@@ -45,8 +45,13 @@ impl Responder {
         }
     }
 
-    /// Adds `RateLimit-Policy` and `RateLimit` for `decision`.
+    /// Adds `RateLimit-Policy` and `RateLimit` for `decision`; only `RateLimit-Policy` for an
+    /// admitted request of a policy without rate limits, whose slots left are not counted.
     pub(crate) fn add_headers(&self, headers: &mut HeaderMap, decision: &Decision) {
+        if decision.is_allowed() && self.policy.limits().is_empty() {
+            add_member(headers, RATELIMIT_POLICY, self.policy_header.clone());
+            return;
+        }
         let name = self
             .limit_names
             .get(decision.limit_index())

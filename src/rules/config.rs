@@ -37,8 +37,9 @@
 //! slot_expiry = "30s"         # a dead instance's slots come back within 30 s
 //! ```
 //!
-//! Every field but `limits` is optional; `name` defaults to `default`, which only one policy of
-//! a table can have. A rule without `method` or `path` matches every request. Plans need the
+//! Every field is optional but `limits`, which only a policy with a `concurrency` may leave out
+//! (it is then decided by its concurrency limit alone); `name` defaults to `default`, which only
+//! one policy of a table can have. A rule without `method` or `path` matches every request. Plans need the
 //! layer's [plan function](crate::RateLimitLayerBuilder::plan). Predicates and costs are code,
 //! not configuration: give them to the builder.
 //!
@@ -96,7 +97,8 @@ struct File {
 #[serde(deny_unknown_fields)]
 struct Entry {
     name: Option<Spanned<String>>,
-    limits: Spanned<String>,
+    /// Left out only with `concurrency`, for a policy without rate limits.
+    limits: Option<Spanned<String>>,
     algorithm: Option<Spanned<String>>,
     method: Option<Spanned<String>>,
     path: Option<Spanned<String>>,
@@ -163,7 +165,7 @@ impl Rules {
             Ok(built)
         };
         for entry in &file.rule {
-            let rule = read_rule(&lines, entry.get_ref())?;
+            let rule = read_rule(&lines, entry)?;
             check(entry, &rule)?;
             rules = rules.rule(rule);
         }
@@ -172,7 +174,7 @@ impl Rules {
             if let Some(field) = fields.method.as_ref().or(fields.path.as_ref()) {
                 return Err(lines.at(field, "the default policy takes no method or path"));
             }
-            let built = check(entry, &read_rule(&lines, fields)?)?;
+            let built = check(entry, &read_rule(&lines, entry)?)?;
             rules = rules.policy(built.policy);
             rules.default_soft = built.soft;
             for (plan, limits) in built.plans {
@@ -189,8 +191,9 @@ impl Rules {
 }
 
 /// Reads one entry, reporting a problem at the line of the field that has it.
-fn read_rule(lines: &Lines<'_>, entry: &Entry) -> Result<Rule, ConfigError> {
-    let mut rule = Rule::new(read_policy(lines, entry)?);
+fn read_rule(lines: &Lines<'_>, spanned: &Spanned<Entry>) -> Result<Rule, ConfigError> {
+    let entry = spanned.get_ref();
+    let mut rule = Rule::new(read_policy(lines, spanned)?);
     if entry.soft {
         rule = rule.soft();
     }
@@ -215,12 +218,21 @@ fn read_rule(lines: &Lines<'_>, entry: &Entry) -> Result<Rule, ConfigError> {
 }
 
 /// Reads an entry's policy: its limits, name, algorithm, penalty box and concurrency.
-fn read_policy(lines: &Lines<'_>, entry: &Entry) -> Result<Policy, ConfigError> {
-    let limits: Policy = entry
-        .limits
-        .get_ref()
-        .parse()
-        .map_err(|e: PolicyError| lines.at(&entry.limits, e))?;
+fn read_policy(lines: &Lines<'_>, spanned: &Spanned<Entry>) -> Result<Policy, ConfigError> {
+    let entry = spanned.get_ref();
+    let limits: Policy = match &entry.limits {
+        Some(limits) => limits
+            .get_ref()
+            .parse()
+            .map_err(|e: PolicyError| lines.at(limits, e))?,
+        None if entry.concurrency.is_some() => {
+            Policy::new(Policy::DEFAULT_NAME, []).map_err(|e| lines.at(spanned, e))?
+        }
+        None => {
+            let why = "a policy needs `limits`, or a `concurrency` limit alone";
+            return Err(lines.at(spanned, why));
+        }
+    };
     let mut policy = match &entry.name {
         Some(name) => limits
             .named(name.get_ref().as_str())

@@ -480,6 +480,10 @@ impl Ruling {
     /// stores keep, and decide by, a count for every window.
     pub(crate) fn new(policy: &Policy, to: &Override) -> Result<Ruling, OverrideError> {
         Ok(match to {
+            // Counts for no window change nothing: refused, as a policy of no limits is.
+            Override::Limits(limits) if limits.is_empty() => {
+                return Err(OverrideError::Policy(PolicyError::NoLimits))
+            }
             Override::Limits(limits) => {
                 let other = policy.with_limits(completed(policy, limits))?;
                 if let Some(why) = other.out_of_range() {

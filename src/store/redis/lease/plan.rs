@@ -128,7 +128,9 @@ impl Leases {
     /// its lease lasts a time rather than a window: the period, at most `max_share` of the
     /// shortest window.
     pub(crate) fn late(&self, policy: &Policy) -> u64 {
-        let shortest = policy.windows()[0].micros;
+        let Some(shortest) = policy.windows().first().map(|w| w.micros) else {
+            return 0;
+        };
         micros(self.period).min((shortest as f64 * self.max_share) as u64)
     }
 

@@ -144,6 +144,8 @@ local function each_stored_request(fields, fits, apply, report, give_back)
     load_request(k)
     if blocked then
       reply[k] = blocked
+    elseif n == 0 then
+      reply[k] = conclude(k, NO_LIMITS)
     else
       state = load_fields(fields)
       local allowed, index, remaining, reset, retry = decide(fits, apply, report, refund_units)

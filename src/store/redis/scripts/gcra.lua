@@ -74,6 +74,8 @@ for k = 1, REQUESTS do
     next_request(counts, windows, scales, k)
   if blocked then
     reply[k] = blocked
+  elseif n == 0 then
+    reply[k] = conclude(k, NO_LIMITS)
   else
     local state = redis.call('GET', key)
     if state and #state ~= 24 * n + 16 then

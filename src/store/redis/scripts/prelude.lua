@@ -20,7 +20,9 @@
 --           that override (0: none, BLOCK, COUNTS), the mode's own arguments, count, window
 --           (microseconds) and scale (gcd of the two, GCRA's divisor) of limits 1..n,
 --           shortest first, then, where the known kind is COUNTS, count and scale of limits
---           1..n
+--           1..n. n is 0 for a policy without rate limits (a concurrency limit alone): its
+--           limits admit every request and record nothing (NO_LIMITS), and each algorithm's
+--           file answers so before it reads any state
 -- ARGV[2]   the name of the hash of overrides of the call's hash slot
 --           (src/store/redis/overrides/)
 -- ARGV[3]   64-bit little-endian signed integers (wire/request.rs, Heads): for each request k in
@@ -565,6 +567,10 @@ local function next_request(counts, windows, scales, k)
   end
   return n, cost, record, t, want, headroom, refund, admitted, weight, blocked
 end
+
+-- The answer to a request of a policy without rate limits (a concurrency limit alone): admitted
+-- by its limits, having recorded nothing (the slot, if it takes one, is `conclude`'s).
+local NO_LIMITS = spack('<llllll', 1, 0, 0, 0, -1, -1)
 
 -- The answer to a request refused by its penalty box, `left` us before it would be admitted.
 local function boxed(left)

@@ -296,6 +296,8 @@ for k = 1, REQUESTS do
     next_request(counts, windows, nil, k)
   if blocked then
     reply[k] = blocked
+  elseif n == 0 then
+    reply[k] = conclude(k, NO_LIMITS)
   elseif record == SETTLE and refund == 1 then
     if admitted >= 0 then
       lighten(key, admitted, min(cost, recorded))
