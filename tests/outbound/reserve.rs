@@ -239,7 +239,7 @@ async fn a_late_past_an_hour_is_refused_on_memory() {
 
 #[tokio::test]
 async fn a_late_past_an_hour_is_refused_on_redis() {
-    let server = common::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     a_late_past_an_hour_is_refused(&server.store().await).await;
 }
 
@@ -262,14 +262,12 @@ async fn gcra_keeps_the_late_margin_on_memory() {
     assert_eq!(got[9..], [50 * MS, 150 * MS], "{got:?}");
 }
 
-mod common;
-
 /// The same on Redis, two stores sharing it: turns follow reservation order whichever store
 /// reserves, and a reservation given back frees its turn. Real time passes between the calls,
 /// so turns are compared where they were recorded (Redis time).
 #[tokio::test]
 async fn turns_follow_reservation_order_across_stores_on_redis() {
-    let server = common::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     let stores = [server.store().await, server.store().await];
     for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
         let key = Key::from(format!("{algorithm:?}"));
@@ -432,7 +430,7 @@ async fn leaving_the_line_moves_those_behind_up_on_memory() {
 
 #[tokio::test]
 async fn leaving_the_line_moves_those_behind_up_on_redis() {
-    let server = common::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     let store = server.store().await;
     leaving_moves_those_behind_up(&store, &Key::from("k"), 30 * MS).await;
 }
@@ -445,7 +443,7 @@ async fn a_pause_holds_back_new_turns_on_memory() {
 
 #[tokio::test]
 async fn a_pause_holds_back_new_turns_on_redis() {
-    let server = common::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     let store = server.store().await;
     a_pause_holds_back_new_turns(&store, &Key::from("k"), 30 * MS).await;
 }

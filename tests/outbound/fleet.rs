@@ -2,8 +2,6 @@
 //! allows 10 requests per second (any second) and answers 429 beyond: workers, each with a
 //! store of its own, share the API's limit through Redis.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -74,7 +72,7 @@ fn policy() -> Policy {
 type Http = Client<HttpConnector, Empty<Bytes>>;
 
 /// A worker's client: a hyper client behind an outbound layer with a store of its own.
-async fn worker(server: &common::RedisServer) -> Outbound<Http, Global, RedisStore> {
+async fn worker(server: &crate::support::RedisServer) -> Outbound<Http, Global, RedisStore> {
     let layer = OutboundLayer::builder()
         .policy(policy())
         .store(server.store().await)
@@ -117,7 +115,7 @@ fn fullest(arrivals: &[(Instant, bool, u64)]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_workers_share_the_upstream_limit_through_redis() {
-    let server = common::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     let (addr, arrivals) = stand_in(None).await;
     let start = Instant::now();
     let mut workers = Vec::new();
@@ -180,7 +178,7 @@ async fn four_workers_share_the_upstream_limit_through_redis() {
 /// the line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_half_of_the_waiting_calls_keeps_the_rest_at_the_full_rate_on_redis() {
-    let server = common::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     let (addr, arrivals) = stand_in(None).await;
     let mut calls = Vec::new();
     let mut stores = Vec::new();
@@ -231,8 +229,9 @@ async fn cancelling_half_of_the_waiting_calls_keeps_the_rest_at_the_full_rate_on
     let policy = policy();
     let key = tower_redis_ratelimit::Key::from("global");
     let turns = format!("{}:turns", server.store().await.redis_key(&key, &policy));
-    let left = common::cluster::cli(server.port(), &["ZRANGE", &turns, "0", "-1", "WITHSCORES"]);
-    let time = common::cluster::cli(server.port(), &["TIME"]);
+    let left =
+        crate::support::cluster::cli(server.port(), &["ZRANGE", &turns, "0", "-1", "WITHSCORES"]);
+    let time = crate::support::cluster::cli(server.port(), &["TIME"]);
     assert!(
         left.trim().is_empty(),
         "left in line: {left}; Redis TIME {time}"
@@ -243,7 +242,7 @@ async fn cancelling_half_of_the_waiting_calls_keeps_the_rest_at_the_full_rate_on
 /// anything for 2 s after it, then all resume and every call is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_429_pauses_every_worker_for_its_retry_after_on_redis() {
-    let server = common::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     let (addr, arrivals) = stand_in(Some(15)).await;
     let mut workers = Vec::new();
     for _ in 0..4 {
@@ -295,7 +294,7 @@ fn recorder(arrivals: Recorded) -> Upstream {
 
 /// An instance of the fleet: a store of its own, looking every `recheck`.
 async fn instance(
-    server: &common::RedisServer,
+    server: &crate::support::RedisServer,
     policy: &Policy,
     upstream: Upstream,
     recheck: Duration,
@@ -327,7 +326,7 @@ fn most_within(arrivals: &[Instant], window: Duration) -> usize {
 /// it (as for decisions); from the loss on, every second holds at most the limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_whose_reservations_redis_lost_reserve_again() {
-    let server = common::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     let arrivals: Recorded = Arc::default();
     let policy = Policy::new("api", ["5/1s".parse().unwrap()])
         .unwrap()
@@ -343,7 +342,7 @@ async fn calls_whose_reservations_redis_lost_reserve_again() {
     let start = Instant::now();
     let mut calls: Vec<_> = (0..15).map(|i| call(clients[i % 3].clone())).collect();
     tokio::time::sleep_until(start + Duration::from_millis(1500)).await;
-    common::cluster::cli(server.port(), &["FLUSHALL"]);
+    crate::support::cluster::cli(server.port(), &["FLUSHALL"]);
     let lost = Instant::now();
     calls.extend((0..5).map(|i| call(clients[i % 3].clone())));
     for call in calls {
@@ -369,7 +368,7 @@ async fn calls_whose_reservations_redis_lost_reserve_again() {
 /// reserve fails with the store's error; no second and no 50 ms holds more than the limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stall_at_the_turn_sends_nothing_late() {
-    let server = common::RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let server = crate::support::RedisServer::start_with(&["--enable-debug-command", "local"]);
     let arrivals: Recorded = Arc::default();
     let mut clients = Vec::new();
     for _ in 0..3 {
@@ -382,9 +381,11 @@ async fn a_stall_at_the_turn_sends_nothing_late() {
         .collect();
     tokio::time::sleep_until(start + Duration::from_millis(1200)).await;
     let port = server.port();
-    tokio::task::spawn_blocking(move || common::cluster::cli(port, &["DEBUG", "SLEEP", "0.6"]))
-        .await
-        .unwrap();
+    tokio::task::spawn_blocking(move || {
+        crate::support::cluster::cli(port, &["DEBUG", "SLEEP", "0.6"])
+    })
+    .await
+    .unwrap();
     let mut failed = 0;
     for call in calls {
         failed += usize::from(call.await.unwrap().is_err());
@@ -405,7 +406,7 @@ async fn a_stall_at_the_turn_sends_nothing_late() {
 /// and the margin), so they never go at a place another call has taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_that_looks_seldom_is_not_moved_into_places_it_would_miss() {
-    let server = common::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     let arrivals: Recorded = Arc::default();
     let (fast, slow) = (Duration::from_millis(100), Duration::from_secs(5));
     let mut clients = Vec::new();
@@ -445,7 +446,7 @@ async fn an_instance_that_looks_seldom_is_not_moved_into_places_it_would_miss() 
 /// line once Redis answers, rather than holding its place and units for nobody.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reservation_whose_answer_is_lost_leaves_the_line() {
-    let server = common::RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let server = crate::support::RedisServer::start_with(&["--enable-debug-command", "local"]);
     let arrivals: Recorded = Arc::default();
     let client = instance(
         &server,
@@ -456,7 +457,7 @@ async fn a_reservation_whose_answer_is_lost_leaves_the_line() {
     .await;
     let port = server.port();
     let stall = tokio::task::spawn_blocking(move || {
-        common::cluster::cli(port, &["DEBUG", "SLEEP", "0.6"]);
+        crate::support::cluster::cli(port, &["DEBUG", "SLEEP", "0.6"]);
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
     let got = client.oneshot(http::Request::new(())).await;
@@ -471,6 +472,6 @@ async fn a_reservation_whose_answer_is_lost_leaves_the_line() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let key = tower_redis_ratelimit::Key::from("global");
     let turns = format!("{}:turns", server.store().await.redis_key(&key, &policy()));
-    let left = common::cluster::cli(port, &["ZCARD", &turns]);
+    let left = crate::support::cluster::cli(port, &["ZCARD", &turns]);
     assert_eq!(left.trim(), "0", "reservations left in line");
 }
