@@ -6,48 +6,14 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::load::{self, Sample};
+use common::load::{self, assert_within_budget, layer, store, Sample, BUDGET, MARGIN};
 use common::scenarios::{layered, request_from};
-use common::{evalsha_calls, Captured, RedisServer};
+use common::{evalsha_calls, RedisServer};
 use fred::prelude::*;
 use tower::ServiceExt;
 use tower_redis_ratelimit::{
     FailureMode, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Store, StoreError,
 };
-
-const BUDGET: Duration = Duration::from_millis(200);
-/// Scheduling slack on a shared two-core machine.
-const MARGIN: Duration = Duration::from_millis(300);
-
-async fn store(url: String) -> RedisStore {
-    RedisStore::builder(url)
-        .timeout(BUDGET)
-        .retry_interval(Duration::from_millis(200))
-        .connect()
-        .await
-        .unwrap()
-}
-
-fn layer(
-    store: RedisStore,
-    mode: FailureMode,
-) -> RateLimitLayer<tower_redis_ratelimit::PeerIp, RedisStore> {
-    RateLimitLayer::builder()
-        .policy("1000000/1m")
-        .store(store)
-        .failure_mode(mode)
-        .build()
-        .unwrap()
-}
-
-fn assert_within_budget(samples: &[Sample]) {
-    let slowest = samples.iter().map(|s| s.latency).max().unwrap();
-    assert!(
-        slowest <= BUDGET + MARGIN,
-        "slowest of {} requests took {slowest:?}",
-        samples.len()
-    );
-}
 
 /// When Redis was down, in time since the load started: from the moment the kill had
 /// finished until the restart began, as the chaos task saw them (a busy machine can delay
@@ -205,51 +171,6 @@ async fn paused_redis_is_answered_within_the_budget() {
     assert!(paused.clone().count() > 0 && paused.clone().all(|s| !s.decided));
     let last = samples.last().unwrap();
     assert!(last.decided, "decisions resume after the pause");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn script_flush_and_restart_never_fail_a_request_with_noscript() {
-    let captured = Captured::default();
-    let subscriber = captured.subscriber();
-    let _guard = tracing::subscriber::set_global_default(subscriber);
-
-    let server = Arc::new(Mutex::new(RedisServer::start()));
-    let url = server.lock().unwrap().url();
-    let store = store(url).await;
-    let url = server.lock().unwrap().url();
-    let admin = common::client(&url).await;
-    let service = layered(&layer(store, FailureMode::Closed));
-
-    // SCRIPT FLUSH twice under load: every request is still decided by Redis.
-    let flushes = tokio::spawn(async move {
-        for _ in 0..2 {
-            tokio::time::sleep(Duration::from_millis(400)).await;
-            let _: () = admin.script_flush(false).await.unwrap();
-        }
-    });
-    let samples = load::run(
-        service.clone(),
-        8,
-        Duration::from_millis(1200),
-        Duration::from_millis(2),
-    )
-    .await;
-    flushes.await.unwrap();
-    assert!(
-        samples.iter().all(|s| s.status == 200),
-        "a request failed across SCRIPT FLUSH"
-    );
-
-    // A restart loses the scripts too; requests fail only while Redis is down.
-    // The closure gets its own handle: dropping the last one would stop the server again.
-    let handle = Arc::clone(&server);
-    let restart = tokio::task::spawn_blocking(move || handle.lock().unwrap().restart());
-    let samples = load::run(service, 8, Duration::from_secs(3), Duration::from_millis(5)).await;
-    restart.await.unwrap();
-    assert_within_budget(&samples);
-    assert_eq!(samples.last().unwrap().status, 200);
-    let log = captured.text();
-    assert!(!log.contains("NOSCRIPT"), "{log}");
 }
 
 #[tokio::test]

@@ -1,12 +1,50 @@
-//! Concurrent request load against a layered service, recording what each request got.
+//! Concurrent request load against a layered service, recording what each request got, and
+//! the layer over Redis it runs against, with its time budget.
 
 use std::convert::Infallible;
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tower::{Service, ServiceExt};
+use tower_redis_ratelimit::{FailureMode, PeerIp, RateLimitLayer, RedisStore};
 
 use super::scenarios::{request_from, Reply};
+
+/// The decision budget of [`store`].
+pub const BUDGET: Duration = Duration::from_millis(200);
+/// Scheduling slack on a shared two-core machine.
+pub const MARGIN: Duration = Duration::from_millis(300);
+
+/// A store with a budget of [`BUDGET`] and a short breaker interval.
+pub async fn store(url: String) -> RedisStore {
+    RedisStore::builder(url)
+        .timeout(BUDGET)
+        .retry_interval(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// A layer that never refuses for the rate (`1000000/1m`), deciding with `store` and failing
+/// as `mode` says.
+pub fn layer(store: RedisStore, mode: FailureMode) -> RateLimitLayer<PeerIp, RedisStore> {
+    RateLimitLayer::builder()
+        .policy("1000000/1m")
+        .store(store)
+        .failure_mode(mode)
+        .build()
+        .unwrap()
+}
+
+/// Asserts that no request waited past the budget plus the margin.
+pub fn assert_within_budget(samples: &[Sample]) {
+    let slowest = samples.iter().map(|s| s.latency).max().unwrap();
+    assert!(
+        slowest <= BUDGET + MARGIN,
+        "slowest of {} requests took {slowest:?}",
+        samples.len()
+    );
+}
 
 /// One request of a load run.
 #[derive(Debug, Clone, Copy)]

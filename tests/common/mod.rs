@@ -5,6 +5,8 @@ pub mod cluster;
 pub mod conformance;
 pub mod http;
 pub mod load;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 pub mod outage;
 pub mod proxy;
 pub mod scenarios;
@@ -13,6 +15,7 @@ pub mod time;
 
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use fred::prelude::*;
@@ -239,4 +242,32 @@ fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("free port")
+}
+
+/// Whether a test holding [`one_at_a_time`]'s guard runs now.
+static RUNNING_ALONE: Mutex<bool> = Mutex::new(false);
+static DONE_ALONE: Condvar = Condvar::new();
+
+/// Waits until no other test holding this guard runs, then runs the caller alone among them
+/// until the guard is dropped. For the tests of a binary that read what the whole process logs
+/// or records; each of them takes it first.
+pub fn one_at_a_time() -> Alone {
+    let mut running = RUNNING_ALONE.lock().unwrap_or_else(PoisonError::into_inner);
+    while *running {
+        running = DONE_ALONE
+            .wait(running)
+            .unwrap_or_else(PoisonError::into_inner);
+    }
+    *running = true;
+    Alone(())
+}
+
+/// The guard of [`one_at_a_time`].
+pub struct Alone(());
+
+impl Drop for Alone {
+    fn drop(&mut self) {
+        *RUNNING_ALONE.lock().unwrap_or_else(PoisonError::into_inner) = false;
+        DONE_ALONE.notify_one();
+    }
 }

@@ -1,11 +1,9 @@
-//! What the logs say about a refusal. Alone in its binary: `tracing` caches per call site
+//! What the logs say about a refusal. Alone while it runs: `tracing` caches per call site
 //! whether anyone listens, and tests on other threads that refuse requests with no subscriber
 //! would race with this one's.
 
-mod common;
-
-use common::scenarios::{layered, Reply};
-use common::Captured;
+use crate::support::scenarios::{layered, Reply};
+use crate::support::Captured;
 use http::{HeaderName, HeaderValue, Request};
 use tower::{Service, ServiceExt};
 use tower_redis_ratelimit::{Header, Key, Policy, RateLimitLayer};
@@ -13,6 +11,7 @@ use tower_redis_ratelimit::{Header, Key, Policy, RateLimitLayer};
 /// A refusal is logged with the policy and a fingerprint of the key, never an API key itself.
 #[tokio::test]
 async fn denials_are_logged_with_a_key_safe_to_log() {
+    let _alone = crate::support::one_at_a_time();
     let captured = Captured::default();
     let _guard = tracing::subscriber::set_default(captured.subscriber());
     let layer = RateLimitLayer::builder()

@@ -1,36 +1,14 @@
 //! The counters and histogram an operator scrapes, rendered as Prometheus text after real
 //! allowed, denied and failed decisions. One recorder serves the whole test binary, so each
-//! test uses its own policy name.
+//! test uses its own policy name, and runs alone: other tests of the binary log.
 
-mod common;
-
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use common::scenarios::{layered, request_from};
-use common::RedisServer;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use crate::support::metrics::{prometheus, sample};
+use crate::support::scenarios::{layered, request_from};
+use crate::support::RedisServer;
 use tower::{Service, ServiceExt};
 use tower_redis_ratelimit::{FailureMode, MemoryStore, Policy, RateLimitLayer, RedisStore};
-
-fn prometheus() -> &'static PrometheusHandle {
-    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
-    HANDLE.get_or_init(|| {
-        let recorder = PrometheusBuilder::new().build_recorder();
-        let handle = recorder.handle();
-        metrics::set_global_recorder(recorder).expect("no other recorder in this binary");
-        handle
-    })
-}
-
-/// The value of the sample whose name and labels are exactly `series`, e.g.
-/// `ratelimit_allowed_total{policy="login"}`.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .filter_map(|line| line.rsplit_once(' '))
-        .find(|(name, _)| *name == series)
-        .and_then(|(_, value)| value.parse().ok())
-}
 
 fn policy(name: &str, limit: &str) -> Policy {
     limit.parse::<Policy>().unwrap().named(name).unwrap()
@@ -38,7 +16,7 @@ fn policy(name: &str, limit: &str) -> Policy {
 
 async fn send<S>(service: &mut S, ip: &str) -> u16
 where
-    S: Service<http::Request<()>, Response = common::scenarios::Reply>,
+    S: Service<http::Request<()>, Response = crate::support::scenarios::Reply>,
     S::Error: std::fmt::Debug,
 {
     let reply = service.ready().await.unwrap().call(request_from(ip)).await;
@@ -47,6 +25,7 @@ where
 
 #[tokio::test]
 async fn allowed_and_denied_by_policy() {
+    let _alone = crate::support::one_at_a_time();
     let handle = prometheus();
     let login = RateLimitLayer::builder()
         .policy(policy("login", "2/1m"))
@@ -94,6 +73,7 @@ async fn allowed_and_denied_by_policy() {
 
 #[tokio::test]
 async fn deny_cache_refusals_are_counted_apart() {
+    let _alone = crate::support::one_at_a_time();
     let handle = prometheus();
     let server = RedisServer::start();
     let layer = RateLimitLayer::builder()
@@ -132,7 +112,8 @@ async fn deny_cache_refusals_are_counted_apart() {
 
 #[tokio::test]
 async fn store_errors_and_fallbacks() {
-    let captured = common::Captured::default();
+    let _alone = crate::support::one_at_a_time();
+    let captured = crate::support::Captured::default();
     let _guard = tracing::subscriber::set_default(captured.subscriber());
     let handle = prometheus();
     let mut server = RedisServer::start();
@@ -201,7 +182,9 @@ async fn settle_failures_are_counted_and_leave_the_response_untouched() {
     use tower::{service_fn, Layer};
     use tower_redis_ratelimit::usage::{Usage, UsageReport};
 
-    let captured = common::Captured::default();
+    let _alone = crate::support::one_at_a_time();
+
+    let captured = crate::support::Captured::default();
     let _guard = tracing::subscriber::set_default(captured.subscriber());
     let handle = prometheus();
     let mut server = RedisServer::start();
@@ -243,6 +226,8 @@ async fn settle_failures_are_counted_and_leave_the_response_untouched() {
 #[tokio::test]
 async fn pinned_evictions_are_counted() {
     use tower_redis_ratelimit::{Key, Store};
+
+    let _alone = crate::support::one_at_a_time();
 
     let handle = prometheus();
     let store = MemoryStore::builder().max_keys(2).build();
