@@ -3,9 +3,7 @@
 //!
 //! Redis is paused with SIGSTOP/SIGCONT of the test's own `redis-server`, so that what is
 //! under way while it is paused is known exactly. One metrics recorder serves the whole
-//! binary, so each test uses its own policy name.
-
-mod common;
+//! binary (`support::metrics`), so each test uses its own policy name.
 
 use std::convert::Infallible;
 use std::process::Command;
@@ -13,8 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use crate::support::{evalsha_calls, RedisServer};
 use bytes::Bytes;
-use common::{evalsha_calls, RedisServer};
 use futures::future::join_all;
 use futures::StreamExt;
 use http::{HeaderName, Request, Response, StatusCode};
@@ -98,21 +96,9 @@ async fn remaining<St: Store>(store: &St, key: &str, policy: &Policy) -> u64 {
 fn settle_errors(policy: &str) -> Option<u64> {
     #[cfg(feature = "metrics")]
     {
-        use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-        static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
-        let handle = HANDLE.get_or_init(|| {
-            let recorder = PrometheusBuilder::new().build_recorder();
-            let handle = recorder.handle();
-            metrics::set_global_recorder(recorder).expect("no other recorder in this binary");
-            handle
-        });
+        use crate::support::metrics::{prometheus, sample};
         let series = format!("ratelimit_settle_errors_total{{policy=\"{policy}\"}}");
-        let text = handle.render();
-        let value = text
-            .lines()
-            .filter_map(|line| line.rsplit_once(' '))
-            .find(|(name, _)| *name == series)
-            .map_or(0, |(_, value)| value.parse::<f64>().unwrap() as u64);
+        let value = sample(&prometheus().render(), &series).map_or(0, |value| value as u64);
         Some(value)
     }
     #[cfg(not(feature = "metrics"))]

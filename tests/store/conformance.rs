@@ -1,12 +1,10 @@
 //! The conformance table of `common/conformance.rs`, against both stores.
 
-mod common;
-
 use std::time::{Duration, UNIX_EPOCH};
 
-use common::conformance::{self, SCENARIOS};
-use common::RedisServer;
-use common::ALGORITHMS;
+use crate::support::conformance::{self, SCENARIOS};
+use crate::support::RedisServer;
+use crate::support::ALGORITHMS;
 use tower_redis_ratelimit::store::TokioClock;
 use tower_redis_ratelimit::MemoryStore;
 

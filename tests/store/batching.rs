@@ -1,8 +1,6 @@
 //! Concurrent decisions leave for Redis together, and decide exactly as one call each would.
 
-mod common;
-
-use common::{evalsha_calls, RedisServer};
+use crate::support::{evalsha_calls, RedisServer};
 use futures::future::join_all;
 use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store};
 

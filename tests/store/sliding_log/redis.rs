@@ -1,11 +1,9 @@
 //! The sliding-window log against real `redis-server` processes.
 
-mod common;
-
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::scenarios::{self, check, MARGIN};
-use common::RedisServer;
+use crate::support::scenarios::{self, check, MARGIN};
+use crate::support::RedisServer;
 use fred::prelude::*;
 use tower_redis_ratelimit::{Key, Policy, Store};
 

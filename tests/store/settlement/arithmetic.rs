@@ -2,13 +2,11 @@
 //! land late or after the state they were taken from is gone, and requests that share a
 //! microsecond.
 
-mod common;
-
 use std::time::{Duration, UNIX_EPOCH};
 
-use common::time::Time;
-use common::RedisServer;
-use common::ALGORITHMS;
+use crate::support::time::Time;
+use crate::support::RedisServer;
+use crate::support::ALGORITHMS;
 use tower_redis_ratelimit::store::ManualClock;
 use tower_redis_ratelimit::{
     Algorithm, BuildError, Decision, Key, Limit, LimitError, MemoryStore, Policy, RateLimitLayer,

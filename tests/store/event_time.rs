@@ -2,11 +2,9 @@
 //! is admitted iff every window `(a, a + w]` of each limit that contains it would hold at most
 //! the limit's count.
 
-mod common;
-
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::RedisServer;
+use crate::support::RedisServer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tower_redis_ratelimit::{Key, MemoryStore, Policy, Store};

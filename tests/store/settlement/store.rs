@@ -1,13 +1,11 @@
 //! `Store::settle`: the same scenarios on the memory store (virtual clock, exact figures) and
 //! on Redis (real time, figures within a margin), for every algorithm.
 
-mod common;
-
 use std::time::{Duration, UNIX_EPOCH};
 
-use common::time::Time;
-use common::RedisServer;
-use common::ALGORITHMS;
+use crate::support::time::Time;
+use crate::support::RedisServer;
+use crate::support::ALGORITHMS;
 use tower_redis_ratelimit::store::{Leases, ManualClock};
 use tower_redis_ratelimit::{
     Algorithm, Key, MemoryStore, Policy, RedisStore, Settlement, Store, StoreError,
@@ -209,9 +207,9 @@ async fn redis_settle_is_one_evalsha() {
             Settlement::charge(&d, 3).unwrap(),
             Settlement::refund(&d, 4).unwrap(),
         ] {
-            let before = common::evalsha_calls(&client).await;
+            let before = crate::support::evalsha_calls(&client).await;
             store.settle(&key, &policy, settlement).await.unwrap();
-            let after = common::evalsha_calls(&client).await;
+            let after = crate::support::evalsha_calls(&client).await;
             assert_eq!(after - before, 1, "{algorithm:?}: {settlement:?}");
         }
     }

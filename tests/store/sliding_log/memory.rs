@@ -1,10 +1,8 @@
 //! The sliding-window log in the embedded store, on tokio's paused (virtual) clock.
 
-mod common;
-
 use std::time::Duration;
 
-use common::scenarios::{self, check};
+use crate::support::scenarios::{self, check};
 use tower_redis_ratelimit::store::ManualClock;
 use tower_redis_ratelimit::{Key, MemoryStore, Policy};
 

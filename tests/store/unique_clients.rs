@@ -1,10 +1,8 @@
 //! Unique clients per policy in Redis HyperLogLogs: 100 000 distinct keys through a layer,
 //! counted back for the last hour and the last day.
 
-mod common;
-
-use common::scenarios::Reply;
-use common::RedisServer;
+use crate::support::scenarios::Reply;
+use crate::support::RedisServer;
 use fred::prelude::*;
 use http::{HeaderName, Request};
 use tower::{Service, ServiceExt};
@@ -33,7 +31,7 @@ async fn a_hundred_thousand_clients_counted_within_two_percent() {
         .unique_clients(unique.clone())
         .build()
         .unwrap();
-    let mut service = common::scenarios::layered(&layer);
+    let mut service = crate::support::scenarios::layered(&layer);
     let mut refused = 0;
     for i in 0..CLIENTS + REFUSED {
         let mut request = Request::new(());

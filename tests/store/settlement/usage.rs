@@ -2,15 +2,13 @@
 //! response, on the memory store (virtual clock: settles happen at once) and on Redis (settles
 //! run in a task of their own, so the checks wait for them, within a deadline).
 
-mod common;
-
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use crate::support::ALGORITHMS;
+use crate::support::{evalsha_calls, RedisServer};
 use bytes::Bytes;
-use common::ALGORITHMS;
-use common::{evalsha_calls, RedisServer};
 use fred::interfaces::SortedSetsInterface;
 use futures::channel::mpsc;
 use futures::future::join_all;
@@ -544,7 +542,7 @@ fn redis_body_dropped_outside_a_runtime_does_not_panic() {
 /// checks every addition) and the key is never wrapped to empty.
 #[tokio::test]
 async fn memory_usage_past_any_state_is_saturated() {
-    let captured = common::Captured::default();
+    let captured = crate::support::Captured::default();
     let _guard = tracing::subscriber::set_default(captured.subscriber());
     for algorithm in ALGORITHMS {
         for units in [1 << 63, u64::MAX] {
