@@ -4,14 +4,12 @@
 //! with the write itself, the limits version carries an epoch, and an instance that has not
 //! read the version for half a second stops deciding by its leases and cached refusals.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::http::{instance, passes};
-use common::proxy::Proxy;
-use common::{Captured, RedisServer};
+use crate::support::http::{instance, passes};
+use crate::support::proxy::Proxy;
+use crate::support::{Captured, RedisServer};
 use tokio::time::Instant;
 use tower_redis_ratelimit::store::{Leases, Override, OverrideError, Overrides, Scope};
 use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store};
@@ -384,7 +382,7 @@ async fn followed_at_once(a: &RedisStore, b: &RedisStore, api: &Policy, key: &st
 async fn an_instance_never_decides_by_an_override_that_changed_since_it_read_it() {
     let server = RedisServer::start();
     let (a, b) = (server.store().await, server.store().await);
-    for algorithm in common::ALGORITHMS {
+    for algorithm in crate::support::ALGORITHMS {
         let api = Policy::new("api", ["100/1h".parse().unwrap()])
             .unwrap()
             .with_algorithm(algorithm);
@@ -409,7 +407,7 @@ async fn after_a_flush_an_instance_never_decides_by_what_it_read_before() {
     for _ in 0..2 {
         assert!(b.check(&vip, &api, 1).await.unwrap().is_allowed());
     }
-    common::cluster::cli(server.port(), &["FLUSHALL"]);
+    crate::support::cluster::cli(server.port(), &["FLUSHALL"]);
     let one = Override::Limits(vec!["1/1h".parse().unwrap()]);
     a.overrides().set(&api, &scope, &one).await.unwrap();
     let mut admitted = 0;
@@ -435,12 +433,12 @@ async fn after_the_last_override_is_removed_decisions_read_no_field() {
         .unwrap();
     assert!(store.overrides().remove(&api, &scope).await.unwrap());
     let admin = server.client().await;
-    let before = common::command_calls(&admin, "hmget").await;
+    let before = crate::support::command_calls(&admin, "hmget").await;
     for i in 0..200 {
         let key = Key::from(format!("k{i}"));
         assert!(store.check(&key, &api, 1).await.unwrap().is_allowed());
     }
-    assert_eq!(common::command_calls(&admin, "hmget").await, before);
+    assert_eq!(crate::support::command_calls(&admin, "hmget").await, before);
 }
 
 /// A hash of overrides without its generation (restored in part, or its field `""` deleted by
@@ -457,7 +455,7 @@ async fn a_hash_without_its_generation_is_still_read() {
         .await
         .unwrap();
     assert!(!b.check(&vip, &api, 1).await.unwrap().is_allowed());
-    common::cluster::cli(server.port(), &["HDEL", "ratelimit:overrides", ""]);
+    crate::support::cluster::cli(server.port(), &["HDEL", "ratelimit:overrides", ""]);
     for store in [&a, &b, &server.store().await] {
         assert!(!store.check(&vip, &api, 1).await.unwrap().is_allowed());
     }

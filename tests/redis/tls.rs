@@ -1,13 +1,11 @@
 //! TLS to Redis: a `redis-server` that only speaks TLS, with a private CA made for the test.
 #![cfg(feature = "tls")]
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
-use common::RedisServer;
+use crate::support::RedisServer;
 use fred::types::config::TlsConnector;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;

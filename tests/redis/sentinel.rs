@@ -2,12 +2,10 @@
 //! primary killed under load: decisions fail within the budget while no primary is known,
 //! then come from the promoted replica without restarting the store, exactly.
 
-mod common;
-
 use std::time::Duration;
 
-use common::outage::{self, Load, RECOVERY};
-use common::sentinel::SentinelGroup;
+use crate::support::outage::{self, Load, RECOVERY};
+use crate::support::sentinel::SentinelGroup;
 use fred::interfaces::KeysInterface;
 use futures::future::join_all;
 use tokio::task::block_in_place;
@@ -132,7 +130,7 @@ async fn a_paused_primary_with_min_replicas_admits_no_second_budget() {
     // until it reads that its replica has gone (the promoted replica closed the link).
     let old = group.primary.port();
     let refused_after = block_in_place(|| loop {
-        let reply = common::cluster::cli(old, &["set", "probe", "1"]);
+        let reply = crate::support::cluster::cli(old, &["set", "probe", "1"]);
         if reply.trim() != "OK" {
             break Some((resumed.elapsed(), reply.trim().to_owned()));
         }

@@ -1,8 +1,6 @@
 //! A Redis that requires credentials: a password, and an ACL user, both from the URL.
 
-mod common;
-
-use common::RedisServer;
+use crate::support::RedisServer;
 use fred::prelude::*;
 use tower_redis_ratelimit::{Key, Policy, RedisStore, Store};
 
@@ -17,7 +15,7 @@ async fn credentials_come_from_the_url() {
     let store = RedisStore::connect(&admin_url).await.unwrap();
     assert!(store.check(&key, &policy, 1).await.unwrap().is_allowed());
 
-    let admin = common::client(&admin_url).await;
+    let admin = crate::support::client(&admin_url).await;
     let _: () = admin
         .custom(
             fred::cmd!("ACL"),
@@ -57,7 +55,7 @@ async fn acls_let_the_operator_change_overrides_and_the_application_only_read_th
 
     let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
     let port = server.port();
-    let admin = common::client(&format!("redis://:s3cret@127.0.0.1:{port}")).await;
+    let admin = crate::support::client(&format!("redis://:s3cret@127.0.0.1:{port}")).await;
     let users: [&[&str]; 2] = [
         // State keys are `ratelimit:{<policy>:<client>}:...`; the overrides' are
         // `ratelimit:overrides` (with `:stamps`) and the limits version

@@ -1,13 +1,11 @@
 //! The Redis store against a real three-primary Redis Cluster.
 
-mod common;
-
 use std::time::Duration;
 
-use common::cluster::RedisCluster;
-use common::conformance::{self, SCENARIOS};
-use common::evalsha_calls;
-use common::scenarios::{self, MARGIN};
+use crate::support::cluster::RedisCluster;
+use crate::support::conformance::{self, SCENARIOS};
+use crate::support::evalsha_calls;
+use crate::support::scenarios::{self, MARGIN};
 use fred::prelude::*;
 use futures::future::join_all;
 use tower_redis_ratelimit::{Algorithm, Key, Limit, Policy, RedisStore, Store, StoreError};
@@ -151,7 +149,7 @@ async fn instances_with_other_cluster_tags_are_refused() {
     let other_prefix = builder(4).prefix("other").connect().await;
     other_prefix.expect("another prefix records its own number");
 
-    let captured = common::Captured::default();
+    let captured = crate::support::Captured::default();
     let _guard = tracing::subscriber::set_default(captured.subscriber());
     let lazy = builder(5).connect_lazy().expect("built");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);

@@ -2,14 +2,12 @@
 //! store decides requests. Every override is listed once, no decision fails or waits behind the
 //! list, and the decisions' breaker stays closed (`Overrides::pages`, `store/redis/overrides/list.rs`).
 
-mod common;
-
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::RedisServer;
+use crate::support::RedisServer;
 use fred::cmd;
 use fred::prelude::*;
 use futures::StreamExt;

@@ -6,12 +6,10 @@
 //! topology by itself), and limits are exact afterwards. A slot that moves under load fails no
 //! decision.
 
-mod common;
-
 use std::time::Duration;
 
-use common::cluster::RedisCluster;
-use common::outage::{self, Counts, Load, RECOVERY};
+use crate::support::cluster::RedisCluster;
+use crate::support::outage::{self, Counts, Load, RECOVERY};
 use tokio::task::block_in_place;
 use tokio::time::Instant;
 use tower_redis_ratelimit::{Key, Policy, RedisStore, Store};

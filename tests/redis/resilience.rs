@@ -1,14 +1,12 @@
 //! When Redis is gone, slow, flushed or restarted: every request is answered within the time
 //! budget, as the failure mode says, and the limiter returns to Redis by itself.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::load::{self, assert_within_budget, layer, store, Sample, BUDGET, MARGIN};
-use common::scenarios::{layered, request_from};
-use common::{evalsha_calls, RedisServer};
+use crate::support::load::{self, assert_within_budget, layer, store, Sample, BUDGET, MARGIN};
+use crate::support::scenarios::{layered, request_from};
+use crate::support::{evalsha_calls, RedisServer};
 use fred::prelude::*;
 use tower::ServiceExt;
 use tower_redis_ratelimit::{
@@ -133,7 +131,7 @@ async fn killed_redis_fallback_mode_decides_locally_then_returns() {
     // Decisions come from Redis again: each request now adds one member there.
     assert!(store.is_healthy());
     let url = server.lock().unwrap().url();
-    let client = common::client(&url).await;
+    let client = crate::support::client(&url).await;
     let zset = store.redis_key(&key, &policy);
     let before: u64 = client.zcard(&zset).await.unwrap();
     let service = layered(&layer(store.clone(), FailureMode::Fallback(local)));
