@@ -3,12 +3,10 @@
 //! its name, algorithm and windows keeps its state; an invalid table or file is refused with
 //! the line and the problem, and the rules in force stay.
 
-mod common;
-
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use common::http::{api_key, passes, served};
-use common::Captured;
+use crate::support::http::{api_key, passes, served};
+use crate::support::Captured;
 use tower_redis_ratelimit::config::ConfigError;
 use tower_redis_ratelimit::store::ManualClock;
 use tower_redis_ratelimit::{BuildError, MemoryStore, Policy, RateLimitLayer, Rule, Rules};
@@ -19,7 +17,8 @@ fn hourly(name: &str, count: u64) -> Policy {
 
 async fn admitted<S, B>(service: &S, key: &str, tries: usize) -> usize
 where
-    S: tower::Service<http::Request<common::http::LayerBody>, Response = http::Response<B>> + Clone,
+    S: tower::Service<http::Request<crate::support::http::LayerBody>, Response = http::Response<B>>
+        + Clone,
     S::Error: std::fmt::Debug,
 {
     let mut admitted = 0;
@@ -76,7 +75,7 @@ async fn a_replaced_table_decides_the_next_requests_and_keeps_state_by_name() {
         )
         .unwrap();
     let vip = || {
-        let mut request = common::http::keyed("c");
+        let mut request = crate::support::http::keyed("c");
         request.headers_mut().insert("x-vip", "1".parse().unwrap());
         request
     };
@@ -93,7 +92,7 @@ async fn a_replaced_table_decides_the_next_requests_and_keeps_state_by_name() {
 /// The documented example file parses, and gives what it says.
 #[test]
 fn the_example_file_is_valid() {
-    let rules = Rules::from_toml(include_str!("../examples/rules.toml")).unwrap();
+    let rules = Rules::from_toml(include_str!("../../../examples/rules.toml")).unwrap();
     let layer = RateLimitLayer::builder()
         .plan(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok()))
         .rules(rules)
@@ -128,7 +127,7 @@ async fn a_file_sets_soft_limits_and_penalty_boxes() {
         let service = served(layer.clone());
         async move {
             use tower::ServiceExt;
-            let mut request = common::http::keyed("c");
+            let mut request = crate::support::http::keyed("c");
             *request.uri_mut() = path.parse().unwrap();
             let response = service.oneshot(request).await.unwrap();
             let retry = response.headers().get("retry-after").cloned();
@@ -348,7 +347,7 @@ impl Watched {
         let service = served(self.layer.clone());
         let mut admitted = 0;
         for _ in 0..tries {
-            let mut request = common::http::keyed(key);
+            let mut request = crate::support::http::keyed(key);
             *request.uri_mut() = path.parse().unwrap();
             let response = service.clone().oneshot(request).await.unwrap();
             admitted += usize::from(response.status() == 200);

@@ -1,15 +1,13 @@
 //! Real clients: proxies, spoofed headers, hostile input, per-route policies, operator controls.
 
-mod common;
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 
+use crate::support::http::{get as fetch, serve_axum};
+use crate::support::Captured;
 use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
-use common::http::{get as fetch, serve_axum};
-use common::Captured;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use tower::{service_fn, Layer, Service, ServiceExt};

@@ -1,12 +1,10 @@
 //! The Bloom-filter blocklist against a real Redis: 100 000 blocked keys and 100 000 others
 //! through the layer; every blocked key refused, no other, and the "maybe" rate measured.
 
-mod common;
-
 use std::time::Duration;
 
-use common::scenarios::Reply;
-use common::RedisServer;
+use crate::support::scenarios::Reply;
+use crate::support::RedisServer;
 use fred::prelude::ClientLike;
 use futures::stream::{self, StreamExt};
 use http::{HeaderName, Request};

@@ -2,13 +2,11 @@
 //! limits that pass a request over the limit on marked as over, and the `RateLimit` fields of
 //! stacked layers, each adding its own member.
 
-mod common;
-
 use std::sync::Arc;
 
+use crate::support::RedisServer;
 use axum::routing::{get, post};
 use axum::{Extension, Router};
-use common::RedisServer;
 use http::{HeaderName, Request};
 use tower::ServiceExt;
 use tower_redis_ratelimit::{Decisions, Header, Policy, RateLimitLayer, Rule, Store};
@@ -341,7 +339,7 @@ async fn every_request_passed_on_carries_decisions() {
 /// and the inner layer warns once, however many requests it sees.
 #[tokio::test]
 async fn equal_policy_names_on_one_request_are_warned_about_once() {
-    let captured = common::Captured::default();
+    let captured = crate::support::Captured::default();
     let _guard = tracing::subscriber::set_default(captured.subscriber());
     let layer = |limit: &str| {
         RateLimitLayer::builder()

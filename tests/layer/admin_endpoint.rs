@@ -2,7 +2,7 @@
 //! reaches the overrides, and what the operator sends is checked before anything is written.
 
 #[allow(dead_code)]
-#[path = "../examples/admin_overrides.rs"]
+#[path = "../../examples/admin_overrides.rs"]
 mod admin_overrides;
 
 use axum::body::Body;

@@ -4,16 +4,14 @@
 //! attempts than the limit reach the password check at once, however many are sent. On both
 //! stores, every algorithm.
 
-mod common;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::RedisServer;
+use crate::support::ALGORITHMS;
 use axum::routing::post;
 use axum::{Extension, Router};
-use common::RedisServer;
-use common::ALGORITHMS;
 use futures::StreamExt;
 use http::{HeaderMap, HeaderName, Request, StatusCode};
 use tower::ServiceExt;

@@ -1,17 +1,15 @@
 //! The layer in the servers users run: axum, a plain hyper server, a tower `ServiceBuilder`.
 
-mod common;
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::support::http::{get as fetch, serve_axum};
+use crate::support::scenarios::{layered, request_from};
+use crate::support::RedisServer;
 use axum::routing::get;
 use axum::Router;
 use bytes::Bytes;
-use common::http::{get as fetch, serve_axum};
-use common::scenarios::{layered, request_from};
-use common::RedisServer;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use tower::{service_fn, ServiceBuilder, ServiceExt};

@@ -4,11 +4,9 @@
 //! another's; the store's overrides, for the key, the plan or the whole policy, win over a
 //! plan's limits, in that order.
 
-mod common;
-
-use common::http::{api_key, keyed, LayerBody};
-use common::RedisServer;
-use common::ALGORITHMS;
+use crate::support::http::{api_key, keyed, LayerBody};
+use crate::support::RedisServer;
+use crate::support::ALGORITHMS;
 use tower::ServiceExt;
 use tower_redis_ratelimit::store::{Override, Overrides, Scope};
 use tower_redis_ratelimit::{
@@ -44,7 +42,7 @@ fn with_plans<St: Store>(
         .rule(rule)
         .build()
         .unwrap();
-    common::http::served(layer)
+    crate::support::http::served(layer)
 }
 
 /// How many of `tries` requests of `key` on `plan` are admitted, and the limit the last

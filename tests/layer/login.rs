@@ -4,13 +4,11 @@
 //! (never early, at most a second late), and neither the attempts refused meanwhile nor the
 //! failures past a captcha extend the box. The memory store on a manual clock, every algorithm.
 
-mod common;
-
 use std::time::{Duration, UNIX_EPOCH};
 
+use crate::support::ALGORITHMS;
 use axum::routing::post;
 use axum::{Extension, Router};
-use common::ALGORITHMS;
 use http::{HeaderMap, HeaderName, Request, StatusCode};
 use tower::ServiceExt;
 use tower_redis_ratelimit::store::ManualClock;

@@ -2,12 +2,10 @@
 //! change of its windows or algorithm, on both stores; count overrides set for the old windows
 //! decide nothing afterwards, and the layer says so at WARN, naming each one's key.
 
-mod common;
-
 use std::time::Duration;
 
-use common::http::{api_key, passes, served};
-use common::{Captured, RedisServer};
+use crate::support::http::{api_key, passes, served};
+use crate::support::{Captured, RedisServer};
 use tower_redis_ratelimit::store::{Override, Overrides, Scope};
 use tower_redis_ratelimit::{
     Algorithm, Key, Limit, MemoryStore, Policy, RateLimitLayer, Rule, RuleTable, Rules, Store,
@@ -36,7 +34,7 @@ fn service<St: Store>(
     store: St,
 ) -> (
     impl tower::Service<
-            http::Request<common::http::LayerBody>,
+            http::Request<crate::support::http::LayerBody>,
             Response = http::Response<impl Sized>,
             Error = std::convert::Infallible,
             Future = impl Send,
@@ -55,7 +53,8 @@ fn service<St: Store>(
 
 async fn admitted<S, B>(service: &S, key: &str, tries: usize) -> usize
 where
-    S: tower::Service<http::Request<common::http::LayerBody>, Response = http::Response<B>> + Clone,
+    S: tower::Service<http::Request<crate::support::http::LayerBody>, Response = http::Response<B>>
+        + Clone,
     S::Error: std::fmt::Debug,
 {
     let mut admitted = 0;
