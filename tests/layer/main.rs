@@ -2,7 +2,7 @@
 //! headers and bodies; what a handler sees of the decisions; counting by outcome, the penalty
 //! box, plans, rules and limits changed at run time; requests in flight.
 
-#[path = "../common/mod.rs"]
+#[path = "../support/mod.rs"]
 mod support;
 
 #[cfg(all(feature = "redis", feature = "axum"))]

@@ -1,7 +1,7 @@
 //! The outbound surface: calls that wait their turn under an upstream's limit, reservations on
 //! the memory store, and a fleet of workers sharing a limit through Redis.
 
-#[path = "../common/mod.rs"]
+#[path = "../support/mod.rs"]
 mod support;
 
 mod calls;

@@ -1,7 +1,7 @@
 //! Properties over generated cases: the crate's promises on both stores, and the line of
 //! reservations.
 
-#[path = "../common/mod.rs"]
+#[path = "../support/mod.rs"]
 mod support;
 
 mod promises;

@@ -2,7 +2,7 @@
 //! failovers, Sentinel, TLS, credentials; Redis gone, slow, flushed or restarted; overrides at
 //! the edges of Redis and listed by the hundred thousand.
 
-#[path = "../common/mod.rs"]
+#[path = "../support/mod.rs"]
 mod support;
 
 mod cluster;

@@ -1,7 +1,7 @@
 //! What the stores decide and record: the algorithms on both stores, decisions batched to
 //! Redis, unique clients, leases, and settlement (charges and refunds after the response).
 
-#[path = "../common/mod.rs"]
+#[path = "../support/mod.rs"]
 mod support;
 
 mod batching;

@@ -3,7 +3,7 @@
 //! per-call-site cache of whether anyone listens), so each runs alone
 //! ([`support::one_at_a_time`]), in a binary of its own.
 
-#[path = "../common/mod.rs"]
+#[path = "../support/mod.rs"]
 mod support;
 
 mod logging;
