@@ -9,12 +9,10 @@ use std::time::{Duration, UNIX_EPOCH};
 use crate::support::ALGORITHMS;
 use axum::routing::post;
 use axum::{Extension, Router};
-use http::{HeaderMap, HeaderName, Request, StatusCode};
+use http::{HeaderMap, Request, StatusCode};
 use tower::ServiceExt;
 use tower_redis_ratelimit::store::ManualClock;
-use tower_redis_ratelimit::{
-    Algorithm, Decisions, Header, MemoryStore, Policy, RateLimitLayer, Rule,
-};
+use tower_redis_ratelimit::{Algorithm, Decisions, MemoryStore, Policy, Rule};
 
 /// An hour boundary on the store's clock, so that a fixed window starts with the test.
 const START: u64 = 1_699_999_200;
@@ -37,13 +35,7 @@ async fn login(
 /// The login form of `rule`, counting failures, on a store whose clock the test moves.
 fn form(rule: Rule, clock: &ManualClock) -> Router {
     let store = MemoryStore::builder().clock(clock.clone()).build();
-    let layer = RateLimitLayer::builder()
-        .key(Header::new(HeaderName::from_static("x-user")))
-        .store(store)
-        .rule(rule)
-        .count_when(|response| response.status == StatusCode::UNAUTHORIZED)
-        .build()
-        .unwrap();
+    let layer = crate::outcomes::counting_failures(store, rule);
     Router::new().route("/login", post(login)).layer(layer)
 }
 

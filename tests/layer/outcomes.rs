@@ -52,17 +52,22 @@ fn form<St: Store>(
     } else {
         Rule::new(policy)
     };
-    let layer = RateLimitLayer::builder()
+    let layer = counting_failures(store, rule);
+    let app = Router::new()
+        .route("/login", post(login))
+        .layer(layer.clone());
+    (app, layer)
+}
+
+/// A layer of `rule` over `store`, keyed by `x-user`, that counts failed logins (401) only.
+pub(crate) fn counting_failures<St: Store>(store: St, rule: Rule) -> RateLimitLayer<Header, St> {
+    RateLimitLayer::builder()
         .key(Header::new(HeaderName::from_static("x-user")))
         .store(store)
         .rule(rule)
         .count_when(|response| response.status == StatusCode::UNAUTHORIZED)
         .build()
-        .unwrap();
-    let app = Router::new()
-        .route("/login", post(login))
-        .layer(layer.clone());
-    (app, layer)
+        .unwrap()
 }
 
 /// One attempt, its status once every count it caused has landed.

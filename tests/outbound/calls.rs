@@ -10,7 +10,8 @@ use http::{Request, Response};
 use tokio::time::Instant;
 use tower::util::BoxCloneService;
 use tower::{Service, ServiceBuilder, ServiceExt};
-use tower_redis_ratelimit::client::{OutboundError, OutboundLayer};
+use tower_redis_ratelimit::client::{Outbound, OutboundError, OutboundLayer};
+use tower_redis_ratelimit::key::Global;
 use tower_redis_ratelimit::{Algorithm, Key, MemoryStore, Policy, Store};
 
 type Arrivals = Arc<Mutex<Vec<(Instant, u64)>>>;
@@ -31,6 +32,23 @@ fn upstream(arrivals: Arrivals) -> BoxCloneService<Request<u64>, Response<()>, I
     }))
 }
 
+/// `upstream` behind an outbound layer of `policy` over `store`, whose calls wait for their
+/// turn up to `max_wait`.
+fn client<S>(
+    policy: Policy,
+    store: MemoryStore,
+    max_wait: Duration,
+    upstream: S,
+) -> Outbound<S, Global, MemoryStore> {
+    let layer = OutboundLayer::builder()
+        .policy(policy)
+        .store(store)
+        .max_wait(max_wait)
+        .build()
+        .unwrap();
+    ServiceBuilder::new().layer(layer).service(upstream)
+}
+
 fn ten_per_second() -> Policy {
     "10/1s"
         .parse::<Policy>()
@@ -41,14 +59,12 @@ fn ten_per_second() -> Policy {
 #[tokio::test(start_paused = true)]
 async fn four_workers_share_ten_per_second_in_turn() {
     let arrivals: Arrivals = Arc::default();
-    let layer = OutboundLayer::builder()
-        .policy(ten_per_second())
-        .max_wait(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let client = ServiceBuilder::new()
-        .layer(layer)
-        .service(upstream(arrivals.clone()));
+    let client = client(
+        ten_per_second(),
+        MemoryStore::new(),
+        Duration::from_secs(60),
+        upstream(arrivals.clone()),
+    );
     let start = Instant::now();
     let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let workers = (0..4).map(|_| {
@@ -103,15 +119,12 @@ async fn calls_dropped_while_waiting_give_their_turns_back() {
     let arrivals: Arrivals = Arc::default();
     let store = MemoryStore::new();
     let policy = ten_per_second();
-    let layer = OutboundLayer::builder()
-        .policy(policy.clone())
-        .store(store.clone())
-        .max_wait(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let client = ServiceBuilder::new()
-        .layer(layer)
-        .service(upstream(arrivals.clone()));
+    let client = client(
+        policy.clone(),
+        store.clone(),
+        Duration::from_secs(60),
+        upstream(arrivals.clone()),
+    );
     // Twenty calls: ten go at once, ten wait for 1 s; those ten are dropped.
     let calls: Vec<_> = (0..20)
         .map(|n| tokio::spawn(client.clone().oneshot(Request::new(n))))
@@ -145,14 +158,12 @@ async fn calls_dropped_while_waiting_give_their_turns_back() {
 
 #[tokio::test(start_paused = true)]
 async fn a_turn_past_max_wait_fails_at_once() {
-    let layer = OutboundLayer::builder()
-        .policy(ten_per_second())
-        .max_wait(Duration::from_millis(500))
-        .build()
-        .unwrap();
-    let client = ServiceBuilder::new()
-        .layer(layer)
-        .service(upstream(Arrivals::default()));
+    let client = client(
+        ten_per_second(),
+        MemoryStore::new(),
+        Duration::from_millis(500),
+        upstream(Arrivals::default()),
+    );
     let start = Instant::now();
     for n in 0..10 {
         client.clone().oneshot(Request::new(n)).await.unwrap();
@@ -195,15 +206,12 @@ fn rate_after(arrivals: &[(Instant, u64)], since: Instant) -> (usize, f64) {
 async fn cancelling_half_of_the_waiting_calls_keeps_the_rest_at_the_full_rate() {
     let arrivals: Arrivals = Arc::default();
     let store = MemoryStore::new();
-    let layer = OutboundLayer::builder()
-        .policy(spaced())
-        .store(store.clone())
-        .max_wait(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let client = ServiceBuilder::new()
-        .layer(layer)
-        .service(upstream(arrivals.clone()));
+    let client = client(
+        spaced(),
+        store.clone(),
+        Duration::from_secs(60),
+        upstream(arrivals.clone()),
+    );
     let calls: Vec<_> = (0..60)
         .map(|n| tokio::spawn(client.clone().oneshot(Request::new(n))))
         .collect();
@@ -258,12 +266,12 @@ async fn an_upstream_429_pauses_every_call_for_its_retry_after() {
             }
         })
     };
-    let layer = OutboundLayer::builder()
-        .policy(spaced())
-        .max_wait(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let client = ServiceBuilder::new().layer(layer).service(upstream);
+    let client = client(
+        spaced(),
+        MemoryStore::new(),
+        Duration::from_secs(60),
+        upstream,
+    );
     let calls: Vec<_> = (0..30)
         .map(|n| tokio::spawn(client.clone().oneshot(Request::new(n))))
         .collect();

@@ -100,6 +100,19 @@ pub fn keyed(key: &str) -> Request<LayerBody> {
         .unwrap()
 }
 
+/// How many of `tries` requests for `key` through `service` are admitted ([`passes`]).
+pub async fn admitted<S, B>(service: &S, key: &str, tries: usize) -> usize
+where
+    S: tower::Service<Request<LayerBody>, Response = http::Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let mut admitted = 0;
+    for _ in 0..tries {
+        admitted += usize::from(passes(service, key).await);
+    }
+    admitted
+}
+
 /// Whether one request for `key` through `service` is admitted: 200, or 429 for a refusal
 /// (any other status fails the test).
 pub async fn passes<S, B>(service: &S, key: &str) -> bool

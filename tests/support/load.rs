@@ -17,12 +17,7 @@ pub const MARGIN: Duration = Duration::from_millis(300);
 
 /// A store with a budget of [`BUDGET`] and a short breaker interval.
 pub async fn store(url: String) -> RedisStore {
-    RedisStore::builder(url)
-        .timeout(BUDGET)
-        .retry_interval(Duration::from_millis(200))
-        .connect()
-        .await
-        .unwrap()
+    super::store_within(url, BUDGET).await
 }
 
 /// A layer that never refuses for the rate (`1000000/1m`), deciding with `store` and failing

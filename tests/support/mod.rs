@@ -178,6 +178,17 @@ impl Drop for RedisServer {
     }
 }
 
+/// A store at `url` whose decisions fail past `budget`, with a short breaker interval (200 ms),
+/// so that it tries Redis again soon after an outage.
+pub async fn store_within(url: String, budget: Duration) -> RedisStore {
+    RedisStore::builder(url)
+        .timeout(budget)
+        .retry_interval(Duration::from_millis(200))
+        .connect()
+        .await
+        .expect("connect store")
+}
+
 /// A plain fred client for `url`.
 pub async fn client(url: &str) -> Client {
     let client = Client::new(Config::from_url(url).unwrap(), None, None, None);

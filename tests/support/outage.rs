@@ -56,12 +56,7 @@ pub fn assert_holds_after(samples: &[Sample], first_ok: Duration, at_least: usiz
 
 /// A store with the default budget and a short breaker interval.
 pub async fn store(url: String) -> RedisStore {
-    RedisStore::builder(url)
-        .timeout(BUDGET)
-        .retry_interval(Duration::from_millis(200))
-        .connect()
-        .await
-        .expect("connect store")
+    super::store_within(url, BUDGET).await
 }
 
 /// One `check` of a load run.

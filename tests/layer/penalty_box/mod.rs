@@ -56,3 +56,15 @@ const MINUTE: Duration = Duration::from_secs(60);
 fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
 }
+
+/// Charges `units` more to the request `admitted` let in, as its settle after the response.
+async fn charge<St: Store>(
+    store: &St,
+    key: &Key,
+    policy: &Policy,
+    admitted: &Decision,
+    units: u64,
+) {
+    let charge = Settlement::charge(admitted, units).unwrap();
+    store.settle(key, policy, charge).await.unwrap();
+}

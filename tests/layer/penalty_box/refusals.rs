@@ -61,15 +61,13 @@ async fn a_charge_that_fills_the_key_boxes_it() {
         let store = MemoryStore::builder().clock(clock.clone()).build();
         let (policy, key) = (boxed(algorithm), Key::from("eve"));
         let first = check(&store, &key, &policy).await;
-        let charge = Settlement::charge(&first, 1).unwrap();
-        store.settle(&key, &policy, charge).await.unwrap();
+        charge(&store, &key, &policy, &first, 1).await;
         assert!(
             !check(&store, &key, &policy).await.in_penalty_box(),
             "{algorithm:?}"
         );
         // 3 of 3 used: the next charge is past the limit and fills it.
-        let charge = Settlement::charge(&first, 1).unwrap();
-        store.settle(&key, &policy, charge).await.unwrap();
+        charge(&store, &key, &policy, &first, 1).await;
         // A look, which never sets the box itself, finds it set.
         let boxed = store.peek(&key, &policy, 1).await.unwrap();
         assert!(boxed.in_penalty_box(), "{algorithm:?}: {boxed:?}");
@@ -158,8 +156,7 @@ async fn a_key_that_hits_its_limit_is_refused_for_the_box_on_redis() {
         // A charge that fills the key boxes it in the same call.
         let filler = Key::from(format!("eve-{algorithm:?}"));
         let first = check(&store, &filler, &policy).await;
-        let charge = Settlement::charge(&first, 1).unwrap();
-        store.settle(&filler, &policy, charge).await.unwrap();
+        charge(&store, &filler, &policy, &first, 1).await;
         let boxed = store.peek(&filler, &policy, 1).await.unwrap();
         assert!(boxed.in_penalty_box(), "{algorithm:?}: {boxed:?}");
     }
@@ -261,16 +258,14 @@ async fn an_override_decides_when_a_charge_fills<St: Store>(
         .unwrap();
     let first = check(&store, &key, &policy).await;
     for _ in 0..8 {
-        let charge = Settlement::charge(&first, 1).unwrap();
-        store.settle(&key, &policy, charge).await.unwrap();
+        charge(&store, &key, &policy, &first, 1).await;
     }
     let nine = store.peek(&key, &policy, 1).await.unwrap();
     assert!(
         nine.is_allowed() && nine.remaining() == 1,
         "9 of 10: {nine:?}"
     );
-    let charge = Settlement::charge(&first, 1).unwrap();
-    store.settle(&key, &policy, charge).await.unwrap();
+    charge(&store, &key, &policy, &first, 1).await;
     let full = store.peek(&key, &policy, 1).await.unwrap();
     assert!(full.in_penalty_box(), "10 of 10: {full:?}");
 }
@@ -394,8 +389,7 @@ async fn a_charge_does_not_extend_the_box<St: Store>(store: St, time: crate::sup
         }
     };
     at(Duration::from_millis(500)).await;
-    let charge = Settlement::charge(&first, 3).unwrap();
-    store.settle(&key, &policy, charge).await.unwrap();
+    charge(&store, &key, &policy, &first, 3).await;
     let full = store.peek(&key, &policy, 1).await.unwrap();
     assert!(full.in_penalty_box(), "{full:?}");
     let left = full.retry_after().unwrap();

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::support::http::{api_key, passes, served};
+use crate::support::http::{admitted, api_key, served};
 use crate::support::{Captured, RedisServer};
 use tower_redis_ratelimit::store::{Override, Overrides, Scope};
 use tower_redis_ratelimit::{
@@ -49,19 +49,6 @@ fn service<St: Store>(
         .unwrap();
     let table = layer.rule_table();
     (served(layer), table)
-}
-
-async fn admitted<S, B>(service: &S, key: &str, tries: usize) -> usize
-where
-    S: tower::Service<http::Request<crate::support::http::LayerBody>, Response = http::Response<B>>
-        + Clone,
-    S::Error: std::fmt::Debug,
-{
-    let mut admitted = 0;
-    for _ in 0..tries {
-        admitted += usize::from(passes(service, key).await);
-    }
-    admitted
 }
 
 /// A block on `api`, for one key and then for every key, through two rules edits: a window

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use crate::support::http::{api_key, passes, served};
+use crate::support::http::{admitted, api_key, served};
 use crate::support::Captured;
 use tower_redis_ratelimit::config::ConfigError;
 use tower_redis_ratelimit::store::ManualClock;
@@ -13,19 +13,6 @@ use tower_redis_ratelimit::{BuildError, MemoryStore, Policy, RateLimitLayer, Rul
 
 fn hourly(name: &str, count: u64) -> Policy {
     Policy::new(name, [format!("{count}/1h").parse().unwrap()]).unwrap()
-}
-
-async fn admitted<S, B>(service: &S, key: &str, tries: usize) -> usize
-where
-    S: tower::Service<http::Request<crate::support::http::LayerBody>, Response = http::Response<B>>
-        + Clone,
-    S::Error: std::fmt::Debug,
-{
-    let mut admitted = 0;
-    for _ in 0..tries {
-        admitted += usize::from(passes(service, key).await);
-    }
-    admitted
 }
 
 fn store() -> MemoryStore {
