@@ -99,7 +99,7 @@ async fn weighted_log(store: &RedisStore, redis: &Client) -> Result<(), Error> {
         let decision = store.check(&key, &policy, 1_000).await?;
         assert!(decision.is_allowed() && decision.remaining() == 100_000 - i * 1_000);
     }
-    let events_key = redis_key(&store, &key, &policy);
+    let events_key = redis_key(store, &key, &policy);
     let members: u64 = redis.zcard(&events_key).await?;
     let events: u64 = redis.memory_usage(&events_key, Some(0)).await?;
 

@@ -102,6 +102,11 @@ impl<St: Store> FaultyStore<St> {
         self.down.store(down, Ordering::SeqCst);
     }
 
+    /// Whether its decisions fail now ([`fail`](Self::fail)).
+    pub fn is_failing(&self) -> bool {
+        self.down.load(Ordering::SeqCst)
+    }
+
     /// The store it wraps.
     pub fn inner(&self) -> &St {
         &self.store
@@ -306,6 +311,60 @@ pub fn body_field(name: &str, value: impl Into<String>) -> crate::BodyField {
     crate::BodyField::new(name, value)
 }
 
+/// What `policy`'s state is kept under: its identity (`Policy`, "Identity"), e.g.
+/// `api:gcra:1m+1d`.
+pub fn identity(policy: &Policy) -> &str {
+    policy.identity()
+}
+
+/// `policy` decided against other counts for its windows, its state (and identity) kept: what
+/// an override does in the store.
+pub fn with_limits(
+    policy: &Policy,
+    limits: impl IntoIterator<Item = crate::Limit>,
+) -> Result<Policy, crate::PolicyError> {
+    policy.with_limits(limits)
+}
+
+/// `policy` for the requests of plan `plan`, as a layer makes it for a rule's plan: its
+/// decisions also go by the store's overrides for that plan.
+pub fn on_plan(policy: Policy, plan: &str) -> Policy {
+    policy.on_plan(plan)
+}
+
+/// A policy's penalty box, concurrency limit and slot lifetime, as its builder methods set
+/// them.
+pub fn box_and_slots(policy: &Policy) -> (Option<Duration>, Option<u32>, Duration) {
+    (
+        policy.block(),
+        policy.concurrency_limit(),
+        policy.slot_lifetime(),
+    )
+}
+
+/// The key as logs show it (its `Debug`, without the `Key(..)` around it).
+pub fn loggable(key: &Key) -> String {
+    key.loggable().into_owned()
+}
+
+/// The units `settlement` adds or takes back (0 for a slot's release or renewal), and whether
+/// it takes them back.
+pub fn units(settlement: &Settlement) -> (u64, bool) {
+    (settlement.units(), settlement.is_refund())
+}
+
+/// Renews the concurrency slot the request that got `decision` took, for another slot
+/// lifetime from now, as a layer does while the request runs; `None` when it took none.
+pub fn renew(decision: &Decision) -> Option<Settlement> {
+    Settlement::renew(decision)
+}
+
+/// Releases the concurrency slot the request that got `decision` took, after it held it for
+/// `held`, which the store counts towards the key's typical hold time.
+pub fn release_after(decision: &Decision, held: Duration) -> Option<Settlement> {
+    Settlement::release_after(decision, held)
+}
+
 /// The events (admitted requests, one each whatever its cost) a memory store's sliding log
 /// holds for `key` under `policy` that are younger than its longest window; 0 for other
 /// algorithms and expired keys.
@@ -344,6 +403,13 @@ pub fn blocklist_stats(
 #[cfg(feature = "redis")]
 pub async fn flush(unique: &crate::unique::UniqueClients) -> bool {
     unique.flush().await
+}
+
+/// The store's fred connection pool (on a Redis Cluster, fred's cluster client, which the
+/// scripts do not use: they run on the store's own connections to each primary).
+#[cfg(feature = "redis")]
+pub fn pool(store: &crate::RedisStore) -> &fred::clients::Pool {
+    store.pool()
 }
 
 /// The Redis key holding the state of `key` under `policy`.

@@ -26,7 +26,7 @@
 //!
 //! let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
 //! let blocklist = Blocklist::builder(&store).expected_items(100_000).build().await?;
-//! blocklist.add(&Key::from("203.0.113.9")).await?;
+//! blocklist.add(&[Key::from("203.0.113.9")]).await?;
 //! let app: Router = Router::new()
 //!     .route("/", get(|| async { "hello" }))
 //!     .layer(RateLimitLayer::builder().policy("100/1m").store(store).build()?)
@@ -118,13 +118,9 @@ impl Blocklist {
         }
     }
 
-    /// Blocks `key`: adds it to the exact set and sets its bits, in Redis and locally.
-    pub async fn add(&self, key: &Key) -> Result<(), StoreError> {
-        self.add_all(std::slice::from_ref(key)).await
-    }
-
-    /// Blocks many keys: per 500 keys, one `SADD` and one `BITFIELD` that sets all their bits.
-    pub(crate) async fn add_all(&self, keys: &[Key]) -> Result<(), StoreError> {
+    /// Blocks `keys`: adds them to the exact set and sets their bits, in Redis and locally; per
+    /// 500 keys, one `SADD` and one `BITFIELD` that sets all their bits.
+    pub async fn add(&self, keys: &[Key]) -> Result<(), StoreError> {
         let shared = &self.shared;
         for chunk in keys.chunks(500) {
             let positions: Vec<u64> = chunk

@@ -1,0 +1,274 @@
+//! What a case configures, and the strategies that draw configurations and schedules.
+
+use super::*;
+
+/// The store's clock starts here: a multiple of every window generated, so that fixed windows
+/// line up with the schedule's time.
+pub(super) const EPOCH: u64 = 1_800_000_000;
+pub(super) const KEYS: [&str; 2] = ["a", "b"];
+pub(super) const WINDOWS: [u64; 3] = [1, 3, 10];
+
+/// What a case configures.
+#[derive(Debug, Clone)]
+pub(super) struct Config {
+    pub(super) algorithm: Algorithm,
+    /// (count, window in seconds), shortest window first.
+    pub(super) limits: Vec<(u64, u64)>,
+    /// The penalty box, in seconds.
+    pub(super) block: Option<u64>,
+    pub(super) soft: bool,
+    /// Outcome counting: a response counts when its status is 401.
+    pub(super) count_when: bool,
+    pub(super) concurrency: Option<u32>,
+    /// `max_wait` in ms (0: none).
+    pub(super) max_wait: u64,
+    /// A second layer, outermost, with its own policy (count, window) on the same key.
+    pub(super) outer: Option<(u64, u64)>,
+    pub(super) failure: FailureMode,
+    pub(super) max_keys: Option<u64>,
+    /// Whether the layers put their decisions in the requests.
+    pub(super) decisions: bool,
+    /// Leases on Redis, with this `max_share` in percent (the memory property has none).
+    pub(super) leases: Option<u32>,
+    /// A configuration the crate refuses to build, added to the rest (the memory property).
+    pub(super) odd: Option<Odd>,
+    /// A plan `pro` of the inner policy, its counts this percent of the policy's; clients
+    /// move to it and back (`Op::Plan`).
+    pub(super) plan: Option<u64>,
+}
+
+/// A configuration the crate does not support (`docs/promises.md`), besides a soft layer
+/// without `Decisions`, which the generator draws as any other.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Odd {
+    /// GCRA with a bucket past 2^50 units: `1000003/30d`.
+    HugeBucket,
+    /// A rule with a plan's limits on a layer without a plan function.
+    PlanWithoutFunction,
+    /// A rule whose policy has the layer's policy's name and other counts.
+    TwoPoliciesOneName,
+}
+
+/// The error each unsupported configuration must fail to build with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Refusal {
+    Unsupported,
+    Plan,
+    PolicyConflict,
+}
+
+impl Refusal {
+    pub(super) fn of(error: &BuildError) -> Option<Refusal> {
+        match error {
+            BuildError::Unsupported { .. } => Some(Refusal::Unsupported),
+            BuildError::Plan { .. } => Some(Refusal::Plan),
+            BuildError::PolicyConflict(_) => Some(Refusal::PolicyConflict),
+            _ => None,
+        }
+    }
+}
+
+/// One step of a schedule.
+#[derive(Debug, Clone)]
+pub(super) enum Op {
+    /// A request of key `key`: the handler answers `status` (200, 401 or 500) after `head`
+    /// ms, and the client reads its body to the end `hold` ms later, or drops it then
+    /// (`drop`).
+    Send {
+        key: usize,
+        status: u16,
+        head: u64,
+        hold: u64,
+        drop: bool,
+    },
+    /// Time passes.
+    Pass(u64),
+    Reset(usize),
+    /// An override of the inner policy for a key: its counts (each limit's count times this,
+    /// in percent, at least 0: a block), or none.
+    Override(usize, Option<u64>),
+    /// The store fails (or answers again).
+    Outage(bool),
+    /// Requests of this many other keys.
+    Flood(u64),
+    /// A lone client retries at its last refusal's `Retry-After`, and a second before.
+    Retry(usize),
+    /// A key's client moves to the plan `pro` (`true`) or back to none.
+    Plan(usize, bool),
+}
+
+pub(super) fn algorithm() -> impl Strategy<Value = Algorithm> {
+    prop_oneof![
+        Just(Algorithm::SlidingLog),
+        Just(Algorithm::SlidingWindow),
+        Just(Algorithm::FixedWindow),
+        Just(Algorithm::Gcra),
+    ]
+}
+
+pub(super) fn limits() -> impl Strategy<Value = Vec<(u64, u64)>> {
+    (1..=4u64, 0..3usize, prop::option::of((1..=8u64, 1..3usize))).prop_map(|(c, w, second)| {
+        let mut limits = vec![(c, WINDOWS[w])];
+        if let Some((c2, step)) = second {
+            let w2 = WINDOWS[(w + step).min(2)];
+            if w2 != WINDOWS[w] {
+                limits.push((c.max(c2), w2));
+            }
+        }
+        limits
+    })
+}
+
+pub(super) fn config() -> impl Strategy<Value = Config> {
+    let features = (
+        prop::option::weighted(0.3, 2..=20u64),
+        prop::bool::weighted(0.15),
+        prop::bool::weighted(0.3),
+        prop::option::weighted(0.3, 1..=3u32),
+        prop_oneof![3 => Just(0u64), 1 => 100..=3_000u64],
+    );
+    let around = (
+        prop::option::weighted(0.25, (1..=6u64, prop::sample::select(WINDOWS.to_vec()))),
+        prop_oneof![Just(FailureMode::Open), Just(FailureMode::Closed)],
+        prop::option::weighted(0.2, 16..=64u64),
+        prop::bool::weighted(0.9),
+        prop::option::weighted(
+            0.03,
+            prop_oneof![
+                Just(Odd::HugeBucket),
+                Just(Odd::PlanWithoutFunction),
+                Just(Odd::TwoPoliciesOneName),
+            ],
+        ),
+    );
+    let plan = prop::option::weighted(0.3, prop_oneof![30..=90u64, 150..=400u64]);
+    (algorithm(), limits(), features, around, plan).prop_map(
+        |(algorithm, limits, (block, soft, count_when, concurrency, max_wait), around, plan)| {
+            let (outer, failure, max_keys, decisions, odd) = around;
+            // With plans, the layer has a plan function: a plan's limits without one is the
+            // unsupported case, drawn without plans.
+            let plan = plan.filter(|_| !matches!(odd, Some(Odd::PlanWithoutFunction)));
+            let (algorithm, limits) = match odd {
+                Some(Odd::HugeBucket) => (Algorithm::Gcra, vec![(1_000_003, 30 * 86_400)]),
+                _ => (algorithm, limits),
+            };
+            Config {
+                algorithm,
+                limits,
+                block,
+                soft,
+                count_when,
+                concurrency,
+                max_wait: if concurrency.is_some() { max_wait } else { 0 },
+                outer,
+                failure,
+                max_keys,
+                decisions,
+                leases: None,
+                odd,
+                plan,
+            }
+        },
+    )
+}
+
+/// Now and then, limits no GCRA bucket holds (`docs/operations.md`, "Range"): a count that
+/// shares few factors with a month.
+pub(super) fn out_of_range(config: Config) -> impl Strategy<Value = Config> {
+    prop::bool::weighted(0.02).prop_map(move |huge| match huge {
+        true => Config {
+            limits: vec![(1_000_003, 30 * 86_400)],
+            ..config.clone()
+        },
+        false => config.clone(),
+    })
+}
+
+pub(super) fn op() -> impl Strategy<Value = Op> {
+    let key = 0..KEYS.len();
+    prop_oneof![
+        12 => (
+            key.clone(),
+            prop::sample::select(vec![200u16, 401, 500]),
+            prop_oneof![4 => Just(0u64), 1 => 1..=1_500u64],
+            prop_oneof![0..=5u64, 0..=4_000u64],
+            prop::bool::weighted(0.2),
+        )
+            .prop_map(|(key, status, head, hold, drop)| Op::Send {
+                key,
+                status,
+                head,
+                hold,
+                drop
+            }),
+        5 => prop_oneof![1..=400u64, 400..=12_000u64].prop_map(Op::Pass),
+        1 => key.clone().prop_map(Op::Reset),
+        1 => (key.clone(), prop::option::of(prop_oneof![Just(0u64), 50..=300u64]))
+            .prop_map(|(key, pct)| Op::Override(key, pct)),
+        1 => any::<bool>().prop_map(Op::Outage),
+        1 => (1..=60u64).prop_map(Op::Flood),
+        2 => key.clone().prop_map(Op::Retry),
+        1 => (key, any::<bool>()).prop_map(|(key, pro)| Op::Plan(key, pro)),
+    ]
+}
+
+pub(super) fn case() -> impl Strategy<Value = (Config, Vec<Op>)> {
+    (
+        config().prop_flat_map(out_of_range),
+        prop::collection::vec(op(), 1..40),
+    )
+}
+
+/// The parts of `config` the crate refuses to build, with why and the error; none for a
+/// configuration it must build. Where there are several, the build may name any. The list in
+/// `docs/promises.md`, "What is not supported".
+pub(super) fn unsupported(config: &Config) -> Vec<(&'static str, Refusal)> {
+    let mut all = Vec::new();
+    match config.odd {
+        Some(Odd::PlanWithoutFunction) => {
+            all.push(("a plan's limits without a plan function", Refusal::Plan))
+        }
+        Some(Odd::TwoPoliciesOneName) => {
+            all.push(("two policies of one name", Refusal::PolicyConflict))
+        }
+        Some(Odd::HugeBucket) | None => {}
+    }
+    if config.soft && !config.decisions {
+        all.push(("a soft layer without Decisions", Refusal::Unsupported));
+    }
+    let gcra_bucket = |&(c, w): &(u64, u64)| {
+        let micros = u128::from(w) * 1_000_000;
+        let gcd = gcd(u128::from(c), micros);
+        u128::from(c) * micros / gcd > 1 << 50
+    };
+    if config.algorithm == Algorithm::Gcra && config.limits.iter().any(gcra_bucket) {
+        all.push(("a GCRA bucket past 2^50 units", Refusal::Unsupported));
+    }
+    all
+}
+
+pub(super) fn gcd(a: u128, b: u128) -> u128 {
+    match b {
+        0 => a,
+        b => gcd(b, a % b),
+    }
+}
+
+pub(super) fn plain(algorithm: Algorithm, limits: Vec<(u64, u64)>) -> Config {
+    Config {
+        algorithm,
+        limits,
+        block: None,
+        soft: false,
+        count_when: false,
+        concurrency: None,
+        max_wait: 0,
+        outer: None,
+        failure: FailureMode::Open,
+        max_keys: None,
+        decisions: true,
+        leases: None,
+        odd: None,
+        plan: None,
+    }
+}

@@ -1,0 +1,459 @@
+//! The promises on Redis: short real-time cases on two instances over the test's own
+//! `redis-server`, with stalls (`DEBUG SLEEP`, `SIGSTOP`) and restarts.
+
+use super::*;
+
+use crate::support::RedisServer;
+use tower_redis_ratelimit::store::Leases;
+use tower_redis_ratelimit::test_util::redis_key;
+use tower_redis_ratelimit::RedisStore;
+
+/// A fault the harness injects into Redis.
+#[derive(Debug, Clone)]
+enum Fault {
+    /// `DEBUG SLEEP` for this many ms.
+    Sleep(u64),
+    /// `SIGSTOP`, then `SIGCONT` this many ms later.
+    Stop(u64),
+    /// A restart, empty.
+    Restart,
+}
+
+/// One step of a schedule on Redis.
+#[derive(Debug, Clone)]
+enum Step {
+    /// A request of key `key` to instance `instance`, its body ended `hold` ms after its head
+    /// (long enough, at times, to stream through a stall).
+    Send {
+        instance: usize,
+        key: usize,
+        hold: u64,
+    },
+    /// `n` requests of key `key` to instance `instance` at once, each streaming `hold` ms.
+    Streams {
+        instance: usize,
+        key: usize,
+        n: usize,
+        hold: u64,
+    },
+    Pass(u64),
+    Reset(usize),
+    Fault(Fault),
+}
+
+/// The configurations the Redis property draws: the algorithms, limits of one to three
+/// seconds, the penalty box, concurrency with a two-second slot lifetime (stalls are shorter),
+/// and both failure modes. Outcome counting, soft and stacked layers, overrides and the
+/// memory store's bound are the memory property's: they add no Redis behaviour of their own
+/// that the short real-time cases here could tell apart.
+fn redis_config() -> impl Strategy<Value = Config> {
+    let limits = (1..=8u64, 1..=3u64).prop_map(|(c, w)| vec![(c, w)]);
+    (
+        algorithm(),
+        limits,
+        prop::option::weighted(0.3, 1..=3u64),
+        prop::option::weighted(0.5, 1..=2u32),
+        prop_oneof![Just(FailureMode::Open), Just(FailureMode::Closed)],
+        prop::option::weighted(0.35, prop::sample::select(vec![50u32, 90])),
+    )
+        .prop_map(
+            |(algorithm, mut limits, block, concurrency, failure, leases)| {
+                // Under a concurrency limit, counts that leave room for more than the cap at once:
+                // the cap, not the count, is what holds requests back.
+                if let Some(cap) = concurrency {
+                    limits[0].0 = limits[0].0.max(2 * u64::from(cap) + 1);
+                }
+                Config {
+                    block,
+                    concurrency,
+                    failure,
+                    leases,
+                    ..plain(algorithm, limits)
+                }
+            },
+        )
+}
+
+/// A fault: a stall that is a blip (under a third of the slot lifetime) or comes close to
+/// the lifetime, by `DEBUG SLEEP` or `SIGSTOP`, or a restart.
+fn redis_fault() -> impl Strategy<Value = Fault> {
+    let stall = || prop_oneof![100..=600u64, 1_500..=1_950u64];
+    prop_oneof![
+        2 => stall().prop_map(Fault::Sleep),
+        2 => stall().prop_map(Fault::Stop),
+        1 => Just(Fault::Restart),
+    ]
+}
+
+/// Requests that end at once or stream for up to 3 s, streams of a key opened together that
+/// outlast any stall, time passing, resets and faults.
+fn redis_step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        5 => (0..2usize, 0..KEYS.len(), prop_oneof![0..=5u64, 0..=3_000u64])
+            .prop_map(|(instance, key, hold)| Step::Send { instance, key, hold }),
+        3 => (0..2usize, 0..KEYS.len(), 1..=3usize, 2_500..=4_000u64)
+            .prop_map(|(instance, key, n, hold)| Step::Streams { instance, key, n, hold }),
+        3 => (20..=800u64).prop_map(Step::Pass),
+        1 => (0..KEYS.len()).prop_map(Step::Reset),
+        1 => redis_fault().prop_map(Step::Fault),
+    ]
+}
+
+/// A schedule on Redis: what runs before a fault, the fault (at any point of the slots'
+/// renewal period: up to 600 ms later), and what runs after it, so that every case meets a
+/// fault under load.
+fn redis_steps() -> impl Strategy<Value = Vec<Step>> {
+    let around = || prop::collection::vec(redis_step(), 1..6);
+    (around(), 0..=600u64, redis_fault(), around()).prop_map(|(mut steps, lag, fault, after)| {
+        steps.push(Step::Pass(lag));
+        steps.push(Step::Fault(fault));
+        steps.extend(after);
+        steps
+    })
+}
+
+/// Runs `steps` on two instances of `config` over `server`; the keys are the case's own.
+async fn run_redis(
+    server: &mut RedisServer,
+    case: usize,
+    config: &Config,
+    steps: &[Step],
+) -> Result<Run, BuildError> {
+    let start = Instant::now();
+    let epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    let inner = inner_policy(config);
+    let inner = match config.concurrency {
+        Some(_) => inner.slot_expiry(Duration::from_secs(2)).unwrap(),
+        None => inner,
+    };
+    let log = Arc::new(Log::default());
+    let ends = Arc::new(Mutex::new(BTreeMap::new()));
+    let mut instances = Vec::new();
+    let mut stores = Vec::new();
+    for _ in 0..2 {
+        let mut store = RedisStore::builder(server.url());
+        if let Some(share) = config.leases {
+            store = store.leases(Leases::new().max_share(f64::from(share) / 100.0));
+        }
+        let store = store.connect().await.unwrap();
+        let layer = RateLimitLayer::builder()
+            .key(Header::new(HeaderName::from_static("x-key")))
+            .store(store.clone())
+            .policy(inner.clone())
+            .failure_mode(config.failure.clone())
+            .build()?;
+        let service = layer.layer(handler(Arc::clone(&log), start, Arc::clone(&ends)));
+        instances.push(service.map_response(|r| r.map(BodyExt::boxed)));
+        stores.push(store);
+    }
+    let name = |key: usize| format!("{case}-{}", KEYS[key]);
+    let send = |instance: usize, key: usize, hold: u64| {
+        let i = log.open(key, since(start), None);
+        let (end, ended) = tokio::sync::oneshot::channel();
+        ends.lock().unwrap().insert(i, ended);
+        let request = Request::builder()
+            .header("x-key", name(key))
+            .header("x-i", i.to_string())
+            .header("x-status", "200")
+            .header("x-head", "0")
+            .body(())
+            .unwrap();
+        let (service, log) = (instances[instance].clone(), Arc::clone(&log));
+        tokio::spawn(async move {
+            let response = service.oneshot(request).await.unwrap();
+            let members = fields(&response);
+            log.with(i, |r| {
+                r.status = Some(response.status());
+                r.responded = Some(since(start));
+                r.fields = members;
+            });
+            tokio::time::sleep(Duration::from_millis(hold)).await;
+            let _ = end.send(());
+            let _ = response.into_body().collect().await;
+            log.with(i, |r| r.ended = Some(since(start)));
+        })
+    };
+    let mut tasks = Vec::new();
+    let mut resets = Vec::new();
+    let mut reset_done = Vec::new();
+    let wall = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    for step in steps {
+        match step {
+            &Step::Send {
+                instance,
+                key,
+                hold,
+            } => tasks.push(send(instance, key, hold)),
+            &Step::Streams {
+                instance,
+                key,
+                n,
+                hold,
+            } => tasks.extend((0..n).map(|_| send(instance, key, hold))),
+            &Step::Pass(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+            &Step::Reset(key) => {
+                stores[0]
+                    .reset(&Key::from(name(key).as_str()), &inner)
+                    .await
+                    .unwrap();
+                let at = log.next();
+                resets.push((at, key));
+                reset_done.push((at, wall()));
+            }
+            Step::Fault(fault) => {
+                match *fault {
+                    Fault::Sleep(ms) => {
+                        let (port, seconds) = (server.port(), (ms as f64 / 1000.0).to_string());
+                        tokio::task::spawn_blocking(move || {
+                            crate::support::cluster::cli(port, &["DEBUG", "SLEEP", &seconds])
+                        })
+                        .await
+                        .unwrap();
+                    }
+                    Fault::Stop(ms) => {
+                        server.signal("-STOP");
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        server.signal("-CONT");
+                    }
+                    Fault::Restart => {
+                        tokio::task::block_in_place(|| server.restart());
+                        // Redis lost every key: each starts afresh.
+                        let at = log.next();
+                        resets.extend((0..KEYS.len()).map(|key| (at, key)));
+                        reset_done.push((at, wall()));
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    // Every give-back has landed once Redis has answered for a few rounds of resends.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let client = server.client().await;
+    let mut slots_left = 0;
+    for key in 0..KEYS.len() {
+        let slots = redis_key(&stores[0], &Key::from(name(key).as_str()), &inner) + ":slots";
+        let held: u64 = fred::interfaces::SortedSetsInterface::zcard(&client, slots)
+            .await
+            .unwrap();
+        slots_left += held as usize;
+    }
+    let records = log.records.lock().unwrap().clone();
+    let most = [0, 1].map(|k| log.most[k].load(Ordering::SeqCst));
+    Ok(Run {
+        epoch,
+        records,
+        resets,
+        reset_done,
+        overrides: Vec::new(),
+        plans: Vec::new(),
+        outages: Vec::new(),
+        floods: Vec::new(),
+        most,
+        slots_left,
+        keys_left: 0,
+        log_sizes: Vec::new(),
+        event_time: Ok(()),
+    })
+}
+
+/// What the Redis property's configuration `config` asks that a leasing store does not
+/// support (`docs/promises.md`): GCRA where the lease's headroom leaves a bucket less than
+/// one unit; a policy with a penalty box or a concurrency limit is never leased, nor one
+/// whose share of its smallest count is under two units.
+fn unsupported_on_redis(config: &Config) -> Option<&'static str> {
+    let share = f64::from(config.leases?) / 100.0;
+    if config.block.is_some() || config.concurrency.is_some() {
+        return None;
+    }
+    let smallest = config.limits.iter().map(|l| l.0).min()?;
+    let shortest = config.limits[0].1 * 1_000_000;
+    let leased = (smallest as f64 * share) as u64 >= 2;
+    match config.algorithm {
+        Algorithm::Gcra if leased => {
+            let headroom = 1_000_000u64.min((shortest as f64 * share) as u64);
+            let starved = config.limits.iter().any(|&(c, w)| {
+                let w = w * 1_000_000;
+                (w - headroom) * c < w
+            });
+            starved.then_some("leases that leave a GCRA bucket less than one unit")
+        }
+        _ => None,
+    }
+}
+
+/// Whether the store's slots are promised to hold through `steps`: not past a restart, which
+/// loses them (`docs/operations.md`).
+fn slots_kept(steps: &[Step]) -> bool {
+    !steps
+        .iter()
+        .any(|s| matches!(s, Step::Fault(Fault::Restart)))
+}
+
+/// The most requests of `key` streaming at once among those the store decided, which each
+/// hold a slot of the fleet's; a request let in without a decision (failing open, on an
+/// instance's own cap) holds none. A body that stops streaming is done before the slot it
+/// held is given back, so at one time an end comes before a start.
+fn most_with_slots(run: &Run, key: usize) -> usize {
+    let mut edges: Vec<(Duration, bool)> = Vec::new();
+    for r in run.records.iter().filter(|r| r.key == key) {
+        let Some(handled) = &r.handled else { continue };
+        let decided = handled.decisions.as_ref().and_then(|d| d.get("inner"));
+        if decided.is_none() {
+            continue;
+        }
+        edges.push((handled.at, true));
+        edges.push((r.streamed_until.unwrap_or(Duration::MAX), false));
+    }
+    edges.sort();
+    let (mut now, mut most) = (0usize, 0usize);
+    for (_, starts) in edges {
+        match starts {
+            true => now += 1,
+            false => now -= 1,
+        }
+        most = most.max(now);
+    }
+    most
+}
+
+fn check_redis(
+    server: &mut RedisServer,
+    case: usize,
+    config: &Config,
+    steps: &[Step],
+) -> Result<(), TestCaseError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let fail = |promise: &str, why: String| TestCaseError::fail(format!("{promise}: {why}"));
+    let run = match (
+        runtime.block_on(run_redis(server, case, config, steps)),
+        unsupported_on_redis(config),
+    ) {
+        (Ok(run), None) => run,
+        (Err(BuildError::Unsupported { .. }), Some(_)) => return Ok(()),
+        (Err(error), _) => {
+            return Err(fail(
+                "supported",
+                format!("{config:?} failed to build: {error}"),
+            ))
+        }
+        (Ok(_), Some(why)) => return Err(fail("unsupported", format!("built {why}"))),
+    };
+    never_over(config, &run).map_err(|why| fail("never over", why))?;
+    never_the_outage(config, &run).map_err(|why| fail("never the outage", why))?;
+    fields_agree(&run).map_err(|why| fail("Decisions and fields agree", why))?;
+    if run.slots_left != 0 {
+        return Err(fail(
+            "nothing leaked",
+            format!("{} slots held after every request ended", run.slots_left),
+        ));
+    }
+    if let Some(cap) = config.concurrency.filter(|_| slots_kept(steps)) {
+        for key in 0..KEYS.len() {
+            let most = most_with_slots(&run, key);
+            if most > cap as usize {
+                return Err(fail(
+                    "at most the cap",
+                    format!("key {key}: {most} with slots in flight at cap {cap}"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The Redis property runs in this many slices, tests of their own that the test threads
+/// share beside the others.
+const SLICES: usize = 5;
+
+/// Slice `slice` of the Redis property: of the one sequence of cases the seed draws (as one
+/// run of all of them would draw it), the cases `[slice·n/SLICES, (slice + 1)·n/SLICES)`,
+/// `n` being `PROMISE_REDIS_CASES`, on a server of its own; the cases before the slice are
+/// drawn, not run.
+fn the_promises_hold_on_redis(slice: usize) {
+    let cases = cases_from("PROMISE_REDIS_CASES", 50);
+    let (from, to) = (
+        slice * cases as usize / SLICES,
+        (slice + 1) * cases as usize / SLICES,
+    );
+    let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let server = std::cell::RefCell::new(server);
+    let (mut runner, seed) = runner(to as u32, 20);
+    let case = AtomicUsize::new(0);
+    let strategy = (redis_config(), redis_steps());
+    let first = std::sync::OnceLock::new();
+    let outcome = runner.run(&strategy, |(config, steps)| {
+        let n = case.fetch_add(1, Ordering::SeqCst);
+        if n < from {
+            return Ok(());
+        }
+        let outcome = check_redis(&mut server.borrow_mut(), n, &config, &steps);
+        if outcome.is_err() {
+            first.get_or_init(|| n + 1);
+        }
+        outcome
+    });
+    if let Err(failure) = outcome {
+        let first = first.get().copied().unwrap_or_default();
+        panic!("seed {seed}: case {first} of {cases} failed first; shrunk: {failure}");
+    }
+}
+
+#[test]
+fn the_promises_hold_on_redis_1_of_5() {
+    the_promises_hold_on_redis(0);
+}
+
+#[test]
+fn the_promises_hold_on_redis_2_of_5() {
+    the_promises_hold_on_redis(1);
+}
+
+#[test]
+fn the_promises_hold_on_redis_3_of_5() {
+    the_promises_hold_on_redis(2);
+}
+
+#[test]
+fn the_promises_hold_on_redis_4_of_5() {
+    the_promises_hold_on_redis(3);
+}
+
+#[test]
+fn the_promises_hold_on_redis_5_of_5() {
+    the_promises_hold_on_redis(4);
+}
+
+/// Two streams that outlive a stall shorter than their slot lifetime keep their slots: no third
+/// request gets in (the concurrency issue's stall, as a case of the Redis property).
+#[test]
+fn slots_ride_out_a_stall_on_redis() {
+    let config = Config {
+        concurrency: Some(2),
+        failure: FailureMode::Closed,
+        ..plain(Algorithm::Gcra, vec![(4, 1)])
+    };
+    let long = |instance| Step::Send {
+        instance,
+        key: 0,
+        hold: 3_500,
+    };
+    let steps = [
+        long(0),
+        long(1),
+        Step::Pass(400),
+        Step::Fault(Fault::Stop(1_900)),
+        Step::Pass(100),
+        long(0),
+        long(1),
+    ];
+    let mut server = RedisServer::start();
+    check_redis(&mut server, 0, &config, &steps).unwrap();
+}

@@ -1,0 +1,15 @@
+//! The Redis store in the deployments users run and the failures they meet: a cluster and its
+//! failovers, Sentinel, TLS, credentials; Redis gone, slow, flushed or restarted; overrides at
+//! the edges of Redis and listed by the hundred thousand.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod cluster;
+mod failover;
+mod override_edges;
+mod override_listing;
+mod resilience;
+mod secured;
+mod sentinel;
+mod tls;

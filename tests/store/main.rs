@@ -1,0 +1,13 @@
+//! What the stores decide and record: the algorithms on both stores, decisions batched to
+//! Redis, unique clients, leases, and settlement (charges and refunds after the response).
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod batching;
+mod conformance;
+mod event_time;
+mod leases;
+mod settlement;
+mod sliding_log;
+mod unique_clients;
