@@ -582,3 +582,67 @@ where
     let expected = held.as_secs_f64().ceil() as u64;
     assert_eq!(retry, expected.to_string(), "held {held:?}");
 }
+
+/// A policy without rate limits: its concurrency limit alone decides, on both stores, across a
+/// fleet; nothing is recorded but the slots (on Redis, no state key at all), and an admitted
+/// response names the concurrency quota without counting a rate.
+#[tokio::test]
+async fn a_policy_without_rate_limits_is_decided_by_its_slots_alone() {
+    let memory = MemoryStore::new();
+    let policy = bare("bare-memory");
+    let layers: Vec<_> = (0..4)
+        .map(|_| limited(memory.clone(), policy.clone()))
+        .collect();
+    fleet_without_rate_limits("memory", &layers).await;
+    assert_eq!(slots_in_use(&memory, &Key::from("k"), &policy), 0);
+
+    let server = RedisServer::start();
+    let policy = bare("bare-redis");
+    let mut layers = Vec::new();
+    for _ in 0..4 {
+        layers.push(limited(server.store().await, policy.clone()));
+    }
+    fleet_without_rate_limits("redis", &layers).await;
+    let state = redis_key(&server.store().await, &Key::from("k"), &policy);
+    let client = server.client().await;
+    let kept: u64 = fred::interfaces::KeysInterface::exists(&client, &state)
+        .await
+        .unwrap();
+    assert_eq!(kept, 0, "no rate state in {state}");
+    let slots = format!("{state}:slots");
+    let held: u64 = fred::interfaces::SortedSetsInterface::zcard(&client, &slots)
+        .await
+        .unwrap();
+    assert_eq!(held, 0, "slots left in {slots}");
+}
+
+/// 2 in flight per key, and no rate limit.
+fn bare(name: &str) -> Policy {
+    Policy::new(name, [])
+        .unwrap()
+        .concurrency(2)
+        .unwrap()
+        .slot_expiry(Duration::from_secs(10))
+        .unwrap()
+}
+
+/// 200 streams at once on key `k` through `layers`: never more than 2 in flight, and the first
+/// admitted response's fields name the concurrency quota alone.
+async fn fleet_without_rate_limits<St: Store>(label: &str, layers: &[RateLimitLayer<Header, St>]) {
+    let seen = Arc::new(InFlight::default());
+    let services: Vec<_> = layers
+        .iter()
+        .map(|l| l.layer(streaming(Arc::clone(&seen), Duration::from_millis(20))))
+        .collect();
+    let first = services[0].clone().oneshot(request("k")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK, "{label}");
+    let named = first.headers()["ratelimit-policy"].to_str().unwrap();
+    assert!(named.contains("concurrent-requests"), "{label}: {named}");
+    assert!(first.headers().get("ratelimit").is_none(), "{label}");
+    first.into_body().collect().await.unwrap();
+    let statuses = fire(&services, "k", 200).await;
+    for layer in layers {
+        assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
+    }
+    check_fleet(&statuses, &seen, 2, &format!("{label}, no rate limit"));
+}

@@ -155,7 +155,8 @@ async fn an_override_set_by_one_instance_governs_the_others() {
 async fn overrides_must_keep_the_windows() {
     let store = MemoryStore::new();
     let sms = Policy::new("sms", ["1/1m".parse().unwrap(), hourly(5)]).unwrap();
-    let wrong = Override::Limits(vec![hourly(50)]);
+    // A window the policy does not have is refused, nothing written.
+    let wrong = Override::Limits(vec!["50/2h".parse().unwrap()]);
     let error = store
         .overrides()
         .set(&sms, &Scope::All, &wrong)
@@ -163,6 +164,17 @@ async fn overrides_must_keep_the_windows() {
         .unwrap_err();
     assert!(error.to_string().contains("1m+1h"), "{error}");
     assert_eq!(store.overrides().list(&sms).await.unwrap(), vec![]);
+    // Some of its windows: the others keep the policy's counts, and read back whole.
+    let partial = Override::Limits(vec![hourly(50)]);
+    store
+        .overrides()
+        .set(&sms, &Scope::All, &partial)
+        .await
+        .unwrap();
+    let listed = store.overrides().list(&sms).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].1.to_string(), "1/1m + 50/1h");
+    store.overrides().remove(&sms, &Scope::All).await.unwrap();
     // Counts the algorithm cannot decide exactly are refused, as a policy of them would be.
     let month = Duration::from_secs(30 * 86_400);
     let budget = Policy::new("tokens", [Limit::new(5_000_000, month).unwrap()])

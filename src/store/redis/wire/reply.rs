@@ -241,9 +241,10 @@ impl Answer {
             }
             _ => {}
         }
+        // A policy without rate limits answers index 0 (`NO_LIMITS` in `prelude.lua`).
         let index = usize::try_from(index)
             .ok()
-            .filter(|&i| i < policy.limits().len())
+            .filter(|&i| i < policy.limits().len().max(1))
             .ok_or_else(bad)?;
         let outcome = Outcome {
             allowed: allowed >= 1,
