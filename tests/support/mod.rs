@@ -223,6 +223,7 @@ pub struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
 impl Captured {
     /// A subscriber that writes into this capture.
     pub fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync {
+        keep_call_sites_open();
         let writer = self.clone();
         tracing_subscriber::fmt()
             .with_writer(move || writer.clone())
@@ -235,6 +236,16 @@ impl Captured {
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
+}
+
+/// While one dispatcher is registered in the process, `tracing` decides whether a call site is
+/// wanted from the default subscriber of the thread that reaches it first, and caches that: a
+/// test with no subscriber reaching a call site first, on another thread, while one test
+/// captures, turns the call site off for the capture. A second dispatcher, kept for the whole
+/// process, makes `tracing` ask every registered one instead.
+fn keep_call_sites_open() {
+    static KEPT: std::sync::OnceLock<tracing::Dispatch> = std::sync::OnceLock::new();
+    KEPT.get_or_init(|| tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default()));
 }
 
 impl std::io::Write for Captured {
