@@ -87,15 +87,15 @@ impl Decision {
     pub(crate) fn from_outcome(outcome: crate::model::Outcome, policy: &crate::Policy) -> Decision {
         let limits = policy.limits();
         let Some(&limit) = limits.get(outcome.index).or(limits.last()) else {
-            // No rate limit: the decision describes the concurrency limit.
+            // No rate limit: nothing but a block refuses here (full slots are read apart, as
+            // `refused_slot`); an admission describes the concurrency limit.
+            if !outcome.allowed {
+                return Decision::blocked(policy);
+            }
             return Decision {
-                allowed: outcome.allowed,
-                limit_index: 0,
+                allowed: true,
                 limit: policy.concurrency_limit().map_or(0, u64::from),
                 window: Duration::ZERO,
-                remaining: 0,
-                reset_after: Duration::ZERO,
-                retry_after: outcome.retry_after.map(Duration::from_micros),
                 concurrency: true,
                 ..Decision::blocked(policy)
             };

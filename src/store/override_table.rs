@@ -61,8 +61,9 @@ impl OwnerOverrides {
         let plan = policy.plan().and_then(|plan| self.plans.get(plan));
         let fits = |ruling: &&Ruling| match ruling {
             Ruling::Block => true,
-            Ruling::Limits(other) => {
-                other.override_id() == policy.override_id() && other.identity() == policy.identity()
+            Ruling::Limits(counts) => {
+                let given = counts.given();
+                given.override_id() == policy.override_id() && given.identity() == policy.identity()
             }
         };
         [self.keys.get(key), plan, self.all.as_ref()]
@@ -84,8 +85,8 @@ impl OverrideTable {
         };
         match overrides.governing(key, policy) {
             // The override's counts, set for the request's identity (name, algorithm and
-            // windows).
-            Some(Ruling::Limits(other)) => Applied::Other(other.clone()),
+            // windows), and the request's own for the windows it leaves out.
+            Some(Ruling::Limits(counts)) => Applied::Other(counts.under(policy)),
             Some(Ruling::Block) => Applied::Blocked,
             None => Applied::Own(policy),
         }

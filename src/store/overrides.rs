@@ -88,11 +88,14 @@ impl std::fmt::Display for Scope {
 /// operator typed and list what is set in the same text.
 ///
 /// **An override may name some of the policy's windows only**, e.g. `8/1h` for a policy of
-/// `1/1m + 5/1h + 10/1d`: [`Overrides::set`] keeps the policy's own counts for the windows it
-/// does not name, taken from the policy given to `set` when it is set, and stores the whole,
-/// so [`Overrides::get`] and [`Overrides::list`] return every window's count
-/// (`1/1m + 8/1h + 10/1d`). A window the policy does not have is refused
-/// ([`PolicyError::OtherWindows`]), and so are two limits for one window.
+/// `1/1m + 5/1h + 10/1d`: the windows it does not name keep the counts of the policy each
+/// request is decided by, when it is decided: the policy's own (`1/1m` and `10/1d` here, or
+/// the counts a later deploy gives it), or for a customer on a plan ([`Rule::plan`]), the
+/// plan's. [`Overrides::get`] and [`Overrides::list`] return the windows named (`8/1h`). A
+/// window the policy does not have is refused ([`PolicyError::OtherWindows`]), and so are two
+/// limits for one window.
+///
+/// [`Rule::plan`]: crate::Rule::plan
 ///
 /// ```
 /// use tower_redis_ratelimit::store::Override;
@@ -107,7 +110,7 @@ impl std::fmt::Display for Scope {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Override {
     /// These counts, for some or all of the policy's windows (one limit per window, in any
-    /// order); the windows left out keep the policy's counts.
+    /// order); the windows left out keep the counts each request is decided by.
     Limits(Vec<Limit>),
     /// No request passes: a limit of zero.
     Block,
@@ -452,8 +455,8 @@ impl OverridePages {
 }
 
 impl Override {
-    /// The override whose counts, one per limit of `policy` in its order, are `counts`
-    /// (all 0: a block).
+    /// The override whose counts, one per limit of `policy` in its order, are `counts` (0: a
+    /// window it leaves out; all 0: a block).
     pub(crate) fn from_counts(policy: &Policy, counts: &[u64]) -> Override {
         if counts.iter().all(|&c| c == 0) {
             return Override::Block;
@@ -467,17 +470,71 @@ impl Override {
     }
 }
 
-/// An override as a store applies it: the policy under its counts, or a block.
+/// An override as a store applies it: counts, or a block.
 #[derive(Debug, Clone)]
 pub(crate) enum Ruling {
-    Limits(Policy),
+    Limits(Counts),
     Block,
+}
+
+/// An override's counts for a policy's windows. The windows it leaves out keep the counts of
+/// the policy each request is decided by (the policy's own, or a plan's): they are not fixed
+/// when the override is set, so that a plan's customers keep the plan's counts there.
+#[derive(Debug, Clone)]
+pub(crate) struct Counts {
+    /// The policy given to `set`, under the override's counts and its own for the windows left
+    /// out.
+    given: Policy,
+    /// Per limit of the policy, in its order: whether the override leaves its window out.
+    left_out: Box<[bool]>,
+}
+
+impl Counts {
+    /// The policy the counts were set for.
+    pub(crate) fn given(&self) -> &Policy {
+        &self.given
+    }
+
+    /// What a request decided by `own` (of the identity the counts were set for) goes by: the
+    /// override's counts, and `own`'s for the windows the override leaves out.
+    pub(crate) fn under(&self, own: &Policy) -> Policy {
+        let given = self.given.limits();
+        let kept = |(i, limit): (usize, &Limit)| match own.limits().get(i) {
+            Some(own) if self.left_out[i] => *own,
+            _ => *limit,
+        };
+        if given.iter().enumerate().all(|(i, l)| kept((i, l)) == *l) {
+            return self.given.clone();
+        }
+        // Same windows (the identity matched): never refused; kept as set if it were.
+        let limits = given.iter().enumerate().map(kept);
+        self.given
+            .with_limits(limits)
+            .unwrap_or_else(|_| self.given.clone())
+    }
+
+    /// The counts, one per limit in the policy's order, 0 for a window left out.
+    fn counts(&self) -> Vec<u64> {
+        let limits = self.given.limits().iter().zip(self.left_out.iter());
+        limits
+            .map(|(limit, &out)| if out { 0 } else { limit.count() })
+            .collect()
+    }
+
+    /// Count and scale of each limit, in the policy's order; `(0, 0)` for a window left out
+    /// (`prelude.lua` keeps the request's own there).
+    pub(crate) fn count_scales(&self) -> Vec<(u64, u64)> {
+        let windows = self.given.windows().iter().zip(self.left_out.iter());
+        windows
+            .map(|(w, &out)| if out { (0, 0) } else { (w.count, w.scale) })
+            .collect()
+    }
 }
 
 impl Ruling {
     /// `to` for `policy`, checked: limits must be for the policy's windows, and be in range.
-    /// The windows they leave out keep the policy's counts (see [`Override`]), so that both
-    /// stores keep, and decide by, a count for every window.
+    /// The windows they leave out keep the counts of the policy each request is decided by
+    /// (see [`Override`]).
     pub(crate) fn new(policy: &Policy, to: &Override) -> Result<Ruling, OverrideError> {
         Ok(match to {
             // Counts for no window change nothing: refused, as a policy of no limits is.
@@ -485,20 +542,23 @@ impl Ruling {
                 return Err(OverrideError::Policy(PolicyError::NoLimits))
             }
             Override::Limits(limits) => {
-                let other = policy.with_limits(completed(policy, limits))?;
-                if let Some(why) = other.out_of_range() {
+                let given = policy.with_limits(completed(policy, limits))?;
+                if let Some(why) = given.out_of_range() {
                     return Err(OverrideError::OutOfRange(why));
                 }
-                Ruling::Limits(other)
+                let named = |limit: &Limit| limits.iter().any(|l| l.window() == limit.window());
+                let left_out = given.limits().iter().map(|l| !named(l)).collect();
+                Ruling::Limits(Counts { given, left_out })
             }
             Override::Block => Ruling::Block,
         })
     }
 
-    /// The counts, one per limit in the policy's order; all 0 for a block.
+    /// The counts, one per limit in the policy's order (0 for a window left out); none for a
+    /// block.
     pub(crate) fn counts(&self) -> Vec<u64> {
         match self {
-            Ruling::Limits(policy) => policy.limits().iter().map(Limit::count).collect(),
+            Ruling::Limits(counts) => counts.counts(),
             Ruling::Block => Vec::new(),
         }
     }
@@ -548,7 +608,7 @@ impl Ruling {
         Stored {
             counts: self.counts(),
             identity: match self {
-                Ruling::Limits(policy) => Some(policy.identity().into()),
+                Ruling::Limits(counts) => Some(counts.given().identity().into()),
                 Ruling::Block => None,
             },
         }
@@ -597,7 +657,7 @@ mod tests {
         let overrides = store.overrides();
         overrides.set(&sms, &scope, &limits("3/1m")).await.unwrap();
         let set = overrides.get(&sms, &scope).await.unwrap();
-        assert_eq!(set, Some(limits("3/1m + 5/1h")), "get returns every window");
+        assert_eq!(set, Some(limits("3/1m")), "get returns the windows named");
         assert_eq!(
             admitted(&store, &phone, &sms, 10).await,
             3,
@@ -609,9 +669,39 @@ mod tests {
             2,
             "the hour kept at 5"
         );
-        // Listed whole, in the text it was set in.
+        // Listed in the text it was set in.
         let listed = overrides.list(&sms).await.unwrap();
-        assert_eq!(listed[0].1.to_string(), "3/1m + 5/1h");
+        assert_eq!(listed[0].1.to_string(), "3/1m");
+        // A deploy that raises the hour to 8: the override's other window follows.
+        let raised =
+            Policy::new("sms", ["2/1m".parse().unwrap(), "8/1h".parse().unwrap()]).unwrap();
+        tokio::time::advance(Duration::from_secs(3_700)).await;
+        assert_eq!(admitted(&store, &phone, &raised, 10).await, 3, "the minute");
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert_eq!(admitted(&store, &phone, &raised, 10).await, 3, "the minute");
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert_eq!(
+            admitted(&store, &phone, &raised, 10).await,
+            2,
+            "the raised hour, 8"
+        );
+    }
+
+    /// A plan's customer keeps the plan's counts for the windows an override leaves out, for
+    /// an override of the plan and of the customer's key alike.
+    #[test]
+    fn a_partial_override_keeps_the_counts_of_the_policy_decided() {
+        let api: Policy = "2/1s + 20/1m".parse().unwrap();
+        let pro = api
+            .with_limits(["20/1s".parse().unwrap(), "200/1m".parse().unwrap()])
+            .unwrap()
+            .on_plan("pro");
+        let Ruling::Limits(counts) = Ruling::new(&api, &limits("300/1m")).unwrap() else {
+            panic!("counts")
+        };
+        let shown = |p: Policy| p.to_string();
+        assert_eq!(shown(counts.under(&pro)), "20/1s + 300/1m");
+        assert_eq!(shown(counts.under(&api)), "2/1s + 300/1m");
     }
 
     #[tokio::test]
@@ -639,11 +729,11 @@ mod tests {
     }
 
     #[test]
-    fn a_partial_override_is_completed_from_the_policy_given() {
+    fn a_partial_override_stores_the_windows_it_names() {
         let sms: Policy = "1/1m + 5/1h + 10/1d".parse().unwrap();
         let counts = |to: &str| Ruling::new(&sms, &limits(to)).unwrap().counts();
-        assert_eq!(counts("8/1h"), [1, 8, 10]);
-        assert_eq!(counts("20/1d, 2/1m"), [2, 5, 20]);
+        assert_eq!(counts("8/1h"), [0, 8, 0]);
+        assert_eq!(counts("20/1d, 2/1m"), [2, 0, 20]);
         assert_eq!(counts("3/1m + 4/1h + 5/1d"), [3, 4, 5]);
         assert!(Ruling::new(&sms, &Override::Block)
             .unwrap()

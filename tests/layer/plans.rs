@@ -230,6 +230,62 @@ async fn plan_overrides<St: Store>(store: St, overrides: Overrides) {
     }
 }
 
+/// An override that names some windows only leaves the others at the counts of the policy the
+/// request is decided by: a plan's customer keeps the plan's, under the plan's override and
+/// under a key's, and a customer on no plan the policy's own.
+async fn partial_overrides_on_plans<St: Store>(store: St, overrides: Overrides) {
+    for algorithm in ALGORITHMS {
+        let hourly =
+            |count: u64| -> tower_redis_ratelimit::Limit { format!("{count}/1h").parse().unwrap() };
+        let policy = Policy::new("tiers", [hourly(2), daily(5)])
+            .unwrap()
+            .with_algorithm(algorithm);
+        let rule = Rule::new(policy.clone()).plan("pro", "20/1h + 50/1d");
+        let service = with_plans(store.clone(), rule);
+        let key = |name: &str| format!("{name}-{algorithm:?}");
+        let what = |step: &str| format!("{algorithm:?}: {step}");
+        let day = |n| Override::Limits(vec![daily(n)]);
+
+        // The day lowered for plan `pro` to 30: its hour stays 20, not the policy's 2.
+        let pro = Scope::Plan("pro".into());
+        overrides.set(&policy, &pro, &day(30)).await.unwrap();
+        let got = admitted(&service, &key("p1"), Some("pro"), 21).await;
+        assert_eq!(got, (20, 20), "{}", what("pro's hour kept"));
+        // A pro customer's own override of the day: the plan's hour again.
+        let vip = Scope::Key(Key::from(key("p2")));
+        overrides.set(&policy, &vip, &day(25)).await.unwrap();
+        let got = admitted(&service, &key("p2"), Some("pro"), 21).await;
+        assert_eq!(got, (20, 20), "{}", what("a pro key's hour kept"));
+        // Policy-wide, the hour raised to 4: a customer on no plan keeps the day's 5.
+        let all = Scope::All;
+        overrides
+            .set(&policy, &all, &Override::Limits(vec![hourly(4)]))
+            .await
+            .unwrap();
+        let got = admitted(&service, &key("n1"), None, 6).await;
+        assert_eq!(got.0, 4, "{}", what("the hour raised"));
+        // Read back as set: the windows named.
+        let read = overrides.get(&policy, &pro).await.unwrap();
+        assert_eq!(read, Some(day(30)), "{}", what("read back"));
+        for scope in [pro, vip, all] {
+            assert!(overrides.remove(&policy, &scope).await.unwrap());
+        }
+    }
+}
+
+#[tokio::test]
+async fn partial_overrides_keep_the_plans_counts_on_memory() {
+    let store = MemoryStore::new();
+    partial_overrides_on_plans(store.clone(), store.overrides()).await;
+}
+
+#[tokio::test]
+async fn partial_overrides_keep_the_plans_counts_on_redis() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    partial_overrides_on_plans(store.clone(), store.overrides()).await;
+}
+
 #[tokio::test]
 async fn overrides_per_plan_on_memory() {
     let store = MemoryStore::new();

@@ -2,6 +2,7 @@
 //! renewed while it streams, expired when nobody renews them, and kept apart from the rate.
 
 use super::*;
+use tower_redis_ratelimit::store::{Override, Overrides, Scope};
 use tower_redis_ratelimit::test_util::{
     holds_slot, key_count, limit_index, redis_key, renew, slots_in_use,
 };
@@ -614,6 +615,47 @@ async fn a_policy_without_rate_limits_is_decided_by_its_slots_alone() {
         .await
         .unwrap();
     assert_eq!(held, 0, "slots left in {slots}");
+}
+
+/// A key blocked by an override, under a policy without rate limits, is refused as blocked on
+/// both stores: at once, with no `Retry-After` (no wait lets it in), and not as full slots
+/// that a request with `max_wait` would wait for.
+#[tokio::test]
+async fn a_block_without_rate_limits_is_refused_at_once_on_both_stores() {
+    let memory = MemoryStore::new();
+    let overrides = memory.overrides();
+    refused_as_blocked("memory", memory, overrides, bare("blocked-memory")).await;
+    let server = RedisServer::start();
+    let redis = server.store().await;
+    let overrides = redis.overrides();
+    refused_as_blocked("redis", redis, overrides, bare("blocked-redis")).await;
+}
+
+async fn refused_as_blocked<St: Store>(
+    label: &str,
+    store: St,
+    overrides: Overrides,
+    policy: Policy,
+) {
+    let key = Key::from("k");
+    overrides
+        .set(&policy, &Scope::Key(key.clone()), &Override::Block)
+        .await
+        .unwrap();
+    let decision = store.check(&key, &policy, 1).await.unwrap();
+    assert!(!decision.is_allowed(), "{label}: {decision:?}");
+    assert!(!decision.is_concurrency_limit(), "{label}: {decision:?}");
+    assert_eq!(decision.retry_after(), None, "{label}: {decision:?}");
+    let service = limited_waiting(store, policy, Duration::from_secs(30)).layer(endless());
+    let started = std::time::Instant::now();
+    let refused = service.oneshot(request("k")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS, "{label}");
+    assert!(refused.headers().get("retry-after").is_none(), "{label}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{label}: waited {:?} for a slot",
+        started.elapsed()
+    );
 }
 
 /// 2 in flight per key, and no rate limit.

@@ -2,7 +2,8 @@
 //!
 //! 64-bit little-endian integers: the kind ([`BLOCK`] or [`COUNTS`]), the identity id the
 //! counts were set for ([`Policy::override_id`]; 0 for a block), the number of limits `m` (0
-//! for a block), count and scale of each limit; then the scope's kind (0 policy-wide, 1 a
+//! for a block), count and scale of each limit (0 and 0 for a window the override leaves out,
+//! which keeps the request's own); then the scope's kind (0 policy-wide, 1 a
 //! key's, 2 a plan's) and the text `<owner>\n<identity>\n<key or plan>` (the identity empty
 //! for a block). A script reads the first three integers at once (`prelude.lua`, "Overrides").
 //! Values written by versions before blocks went by name begin with `m >= 0`: the scripts and
@@ -20,11 +21,7 @@ const COUNTS: i64 = -2;
 /// An override's value (see the module's documentation).
 pub(super) fn encode(policy: &Policy, scope: &Scope, ruling: &Ruling) -> Vec<u8> {
     let (kind, identity, limits): (i64, &str, Vec<(u64, u64)>) = match ruling {
-        Ruling::Limits(other) => (
-            COUNTS,
-            policy.identity(),
-            other.windows().iter().map(|w| (w.count, w.scale)).collect(),
-        ),
+        Ruling::Limits(counts) => (COUNTS, policy.identity(), counts.count_scales()),
         Ruling::Block => (BLOCK, "", Vec::new()),
     };
     let id = if kind == COUNTS {

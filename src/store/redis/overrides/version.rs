@@ -51,8 +51,8 @@ pub(in crate::store::redis) struct Reading {
 
 /// What one instance knows of the limits version.
 pub(in crate::store::redis) struct Limits {
-    /// The last reading, which changes are compared with, and when (µs since `origin`) the
-    /// call that read it was sent.
+    /// The last reading, which changes are compared with, and when (µs since `origin`) it
+    /// was answered.
     last: Mutex<(Reading, u64)>,
     /// A hash of the last reading, never [`UNCONFIRMED`].
     token: AtomicU64,
@@ -89,20 +89,25 @@ impl Limits {
         }
     }
 
-    /// Records `reading`, read by a call sent at `sent`; how it differs from the last one. A
-    /// reading sent before the last one taken is older (a watch read queued behind a write of
-    /// this instance's, answered after it): it confirms, and changes nothing.
+    /// Records `reading`, read by a call sent at `sent` and answered now; how it differs from
+    /// the last one. A call sent before the last reading was answered may have run before it
+    /// in Redis (on another connection of the pool: a watch read beside this instance's own
+    /// write): what it shows other than that reading may be older, so it changes nothing and
+    /// confirms nothing; the next read, sent after, tells.
     pub(in crate::store::redis) fn seen(&self, reading: Reading, sent: Instant) -> Change {
         let since = sent.saturating_duration_since(self.origin);
-        self.confirmed
-            .fetch_max(since.as_millis() as u64, Ordering::AcqRel);
-        let sent = since.as_micros() as u64;
+        let sent_us = since.as_micros() as u64;
         let mut guard = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        let (last, last_sent) = &mut *guard;
-        if *last == reading || sent < *last_sent {
+        let (last, answered) = &mut *guard;
+        if *last != reading && sent_us < *answered {
             return Change::Same;
         }
-        *last_sent = sent;
+        self.confirmed
+            .fetch_max(since.as_millis() as u64, Ordering::AcqRel);
+        if *last == reading {
+            return Change::Same;
+        }
+        *answered = self.origin.elapsed().as_micros() as u64;
         let lost = last.epoch.is_some() && last.epoch != reading.epoch;
         let mut hasher = DefaultHasher::new();
         reading.hash(&mut hasher);
@@ -195,19 +200,24 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_reading_sent_before_the_last_one_changes_nothing() {
+    async fn a_reading_sent_before_the_last_one_was_answered_changes_nothing() {
         let limits = Limits::new();
         let at = |us: u64| limits.origin + Duration::from_micros(us);
-        // A watch read sent at 10 µs, queued behind Redis, answered after this instance's
-        // own first write (sent at 20 µs) made the epoch: not a loss, and not a change back.
+        // This instance's own first write, sent at 20 µs, made the epoch; answered at 40 µs.
+        tokio::time::advance(Duration::from_micros(40)).await;
         assert_eq!(
             limits.seen(reading(Some("1.5"), 7), at(20)),
             Change::Changed
         );
         let token = limits.token();
+        // Watch reads sent before that answer (at 10 µs, and at 30 µs on another connection)
+        // that ran before the write: not a loss, and not a change back.
         assert_eq!(limits.seen(reading(None, 0), at(10)), Change::Same);
+        assert_eq!(limits.seen(reading(None, 0), at(30)), Change::Same);
         assert_eq!(limits.token(), token);
-        assert_eq!(limits.seen(reading(None, 0), at(30)), Change::Lost);
+        // One sent after it: the hash is gone.
+        tokio::time::advance(Duration::from_micros(20)).await;
+        assert_eq!(limits.seen(reading(None, 0), at(50)), Change::Lost);
     }
 
     #[tokio::test(start_paused = true)]

@@ -93,7 +93,8 @@
 -- the call decides by the requests' own counts. An override's value (overrides/value.rs) is
 -- 64-bit little-endian integers: its kind (BLOCK -1, COUNTS -2; other values, an earlier
 -- version's, are skipped), the override id its counts were set for (0 for a block), m (0 for
--- a block), then count and scale of limits 1..m (the policy's windows): counts set for
+-- a block), then count and scale of limits 1..m (the policy's windows; 0 and 0 for a window
+-- the override leaves out, which keeps the request's own count): counts set for
 -- another identity (another algorithm or other windows) or another m are skipped; a block
 -- refuses the request, no wait helps. Settlements go by the counts decisions go by (an
 -- override's where one applies, as the memory store's do), so that the answer of a charge,
@@ -537,13 +538,17 @@ local function next_request(counts, windows, scales, k)
     overridden = true
     stretch_num, stretch_den = 1, 1
     for i = 1, n do
-      local own = counts[i]
-      counts[i], scale, at = sunpack('<ll', from, at)
-      if counts[i] * stretch_den > stretch_num * own then
-        stretch_num, stretch_den = counts[i], own
-      end
-      if scales then
-        scales[i] = scale
+      local count
+      count, scale, at = sunpack('<ll', from, at)
+      -- 0: a window the override leaves out, which keeps the request's own count.
+      if count > 0 then
+        if count * stretch_den > stretch_num * counts[i] then
+          stretch_num, stretch_den = count, counts[i]
+        end
+        counts[i] = count
+        if scales then
+          scales[i] = scale
+        end
       end
     end
   end
