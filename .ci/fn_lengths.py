@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Lists the Rust functions in src/ longer than LIMIT lines (default 80), outside test code.
 
-Test code is a `#[cfg(test)]` item's braces, or a whole file declared as `#[cfg(test)] mod x;`.
+Test code is a `#[cfg(test)]` item's braces, or a whole file declared as `#[cfg(test)] mod x;`
+with the modules in its folder.
 A function's length runs from its `fn` line to its closing brace. Exits 1 if any is longer.
 Usage: .ci/fn_lengths.py [LIMIT] [--list N]  (--list N: print the N longest, whatever their length)
 """
@@ -35,7 +36,8 @@ for path in root.rglob("*.rs"):
         if m and before.strip() == "#[cfg(test)]":
             here = path.parent if path.name in ("mod.rs", "lib.rs") else path.with_suffix("")
             test_files.add(here / f"{m.group(3)}.rs")
-            test_files.add(here / m.group(3) / "mod.rs")
+            # The module's folder, with its own modules (`tests/differential.rs`).
+            test_files.update((here / m.group(3)).rglob("*.rs"))
 
 found = []
 for path in sorted(root.rglob("*.rs")):
