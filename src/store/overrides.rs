@@ -263,13 +263,11 @@ impl Overrides {
     /// Sets the override of `policy` for `scope`, replacing any before it, counts or block
     /// alike (for a plan, `policy` may be the policy or its plan's: they share a name).
     ///
-    /// Counts for some of the policy's windows only keep `policy`'s own counts for the others,
-    /// as they are at this call: the whole is stored, and [`get`](Self::get) returns it. A
-    /// later change of the policy's counts in code (a deploy with the same windows) leaves
-    /// them as they were set; set the override again to follow it. For a plan, the counts
-    /// kept are those of the policy given: pass the plan's own policy to keep its counts. A
-    /// window the policy does not have is refused ([`PolicyError::OtherWindows`]), nothing
-    /// written.
+    /// Counts for some of the policy's windows only leave the others at the counts of the
+    /// policy each request is decided by, when it is decided: the policy's own, as the code
+    /// running then sets them, or a plan's for the plan's customers ([`Override`]).
+    /// [`get`](Self::get) returns the windows set. A window the policy does not have is
+    /// refused ([`PolicyError::OtherWindows`]), nothing written.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -284,7 +282,7 @@ impl Overrides {
     /// // What an operator typed: the hour raised, the minute and the day kept.
     /// overrides.set(&sms, &phone, &"8/1h".parse()?).await?;
     /// let set = overrides.get(&sms, &phone).await?.expect("set");
-    /// assert_eq!(set.to_string(), "1/1m + 8/1h + 10/1d");
+    /// assert_eq!(set.to_string(), "8/1h");
     /// assert!(overrides.set(&sms, &phone, &"8/2h".parse()?).await.is_err());
     /// # Ok(()) }
     /// ```
