@@ -371,7 +371,7 @@ fn check_redis(
 
 /// The Redis property runs in this many slices, tests of their own that the test threads
 /// share beside the others.
-const SLICES: usize = 5;
+const SLICES: usize = 10;
 
 /// Slice `slice` of the Redis property: of the one sequence of cases the seed draws (as one
 /// run of all of them would draw it), the cases `[slice·n/SLICES, (slice + 1)·n/SLICES)`,
@@ -406,29 +406,30 @@ fn the_promises_hold_on_redis(slice: usize) {
     }
 }
 
-#[test]
-fn the_promises_hold_on_redis_1_of_5() {
-    the_promises_hold_on_redis(0);
+/// One test per slice, `the_promises_hold_on_redis_<slice>_of_10`.
+macro_rules! slices {
+    ($($name:ident = $slice:expr),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                the_promises_hold_on_redis($slice);
+            }
+        )*
+        const _: () = assert!([$($slice),*].len() == SLICES);
+    };
 }
 
-#[test]
-fn the_promises_hold_on_redis_2_of_5() {
-    the_promises_hold_on_redis(1);
-}
-
-#[test]
-fn the_promises_hold_on_redis_3_of_5() {
-    the_promises_hold_on_redis(2);
-}
-
-#[test]
-fn the_promises_hold_on_redis_4_of_5() {
-    the_promises_hold_on_redis(3);
-}
-
-#[test]
-fn the_promises_hold_on_redis_5_of_5() {
-    the_promises_hold_on_redis(4);
+slices! {
+    the_promises_hold_on_redis_1_of_10 = 0,
+    the_promises_hold_on_redis_2_of_10 = 1,
+    the_promises_hold_on_redis_3_of_10 = 2,
+    the_promises_hold_on_redis_4_of_10 = 3,
+    the_promises_hold_on_redis_5_of_10 = 4,
+    the_promises_hold_on_redis_6_of_10 = 5,
+    the_promises_hold_on_redis_7_of_10 = 6,
+    the_promises_hold_on_redis_8_of_10 = 7,
+    the_promises_hold_on_redis_9_of_10 = 8,
+    the_promises_hold_on_redis_10_of_10 = 9,
 }
 
 /// Two streams that outlive a stall shorter than their slot lifetime keep their slots: no third
