@@ -84,8 +84,9 @@ def main():
     visit(root, "")
     for name in sorted(functions) if listing else []:
         print(name)
+    plural = {"type alias": "type aliases"}
     order = ["function", "struct", "enum", "trait", "const", "type alias"]
-    print(", ".join(f"{kinds[k]} {k}s" for k in order))
+    print(", ".join(f"{kinds[k]} {plural.get(k, k + 's')}" for k in order))
 
 
 if __name__ == "__main__":
