@@ -424,6 +424,16 @@ impl Policy {
         Ok(policy)
     }
 
+    /// Whether `other` is this policy but for its counts: the same identity, plan, penalty
+    /// box and concurrency limit.
+    pub(crate) fn same_but_counts(&self, other: &Policy) -> bool {
+        self.identity == other.identity
+            && self.owner == other.owner
+            && self.block_micros == other.block_micros
+            && self.slots == other.slots
+            && self.slot_micros == other.slot_micros
+    }
+
     /// Why the policy's algorithm cannot decide its limits exactly, if it cannot: a GCRA
     /// limit whose bucket, `count * window (µs) / gcd(count, window)`, is over 2^50. The
     /// layer's builder fails with [`BuildError::Unsupported`](crate::BuildError::Unsupported)

@@ -493,22 +493,22 @@ impl Counts {
         &self.given
     }
 
-    /// What a request decided by `own` (of the identity the counts were set for) goes by: the
-    /// override's counts, and `own`'s for the windows the override leaves out.
+    /// What a request decided by `own` (of the identity the counts were set for) goes by:
+    /// `own` (its penalty box, concurrency limit and plan) under the override's counts, and
+    /// `own`'s for the windows the override leaves out. The policy given to `set`, where it is
+    /// that already (the common case), so that no policy is built per decision.
     pub(crate) fn under(&self, own: &Policy) -> Policy {
-        let given = self.given.limits();
-        let kept = |(i, limit): (usize, &Limit)| match own.limits().get(i) {
-            Some(own) if self.left_out[i] => *own,
-            _ => *limit,
-        };
-        if given.iter().enumerate().all(|(i, l)| kept((i, l)) == *l) {
+        let set = self.given.limits().iter().zip(self.left_out.iter());
+        let limits = set
+            .zip(own.limits())
+            .map(|((set, &out), own)| if out { *own } else { *set });
+        if own.same_but_counts(&self.given)
+            && limits.clone().eq(self.given.limits().iter().copied())
+        {
             return self.given.clone();
         }
-        // Same windows (the identity matched): never refused; kept as set if it were.
-        let limits = given.iter().enumerate().map(kept);
-        self.given
-            .with_limits(limits)
-            .unwrap_or_else(|_| self.given.clone())
+        // Same windows (the identity matched): never refused; `own` as it is if it were.
+        own.with_limits(limits).unwrap_or_else(|_| own.clone())
     }
 
     /// The counts, one per limit in the policy's order, 0 for a window left out.

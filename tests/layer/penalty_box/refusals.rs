@@ -530,3 +530,51 @@ async fn the_box_looks_under_the_override_on_redis() {
     the_box_looks_under_the_override(store, overrides, crate::support::time::Time::Real, unit)
         .await;
 }
+
+/// An override changes counts alone: the penalty box is the request's policy's, whatever the
+/// policy the override was set through had (an admin tool parsing the policy's limits has none).
+async fn the_box_is_the_requests_under_an_override<St: Store>(
+    store: St,
+    overrides: tower_redis_ratelimit::store::Overrides,
+) {
+    use tower_redis_ratelimit::store::{Override, Scope};
+
+    for algorithm in ALGORITHMS {
+        let plain = Policy::new("login", ["3/1m".parse().unwrap()])
+            .unwrap()
+            .with_algorithm(algorithm);
+        let lowered = Override::Limits(vec!["2/1m".parse().unwrap()]);
+        for (set_through, decided_by, boxes) in [
+            (plain.clone(), boxed(algorithm), true),
+            (boxed(algorithm), plain.clone(), false),
+        ] {
+            let key = Key::from(format!("{algorithm:?}-{boxes}"));
+            let scope = Scope::Key(key.clone());
+            overrides.set(&set_through, &scope, &lowered).await.unwrap();
+            for k in 0..2 {
+                let admitted = check(&store, &key, &decided_by).await;
+                assert!(admitted.is_allowed(), "{algorithm:?} #{k}: {admitted:?}");
+            }
+            let refused = check(&store, &key, &decided_by).await;
+            assert!(!refused.is_allowed(), "{algorithm:?}: {refused:?}");
+            assert_eq!(
+                refused.in_penalty_box(),
+                boxes,
+                "{algorithm:?}: {refused:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_box_is_the_requests_under_an_override_on_memory() {
+    let store = MemoryStore::new();
+    the_box_is_the_requests_under_an_override(store.clone(), store.overrides()).await;
+}
+
+#[tokio::test]
+async fn the_box_is_the_requests_under_an_override_on_redis() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    the_box_is_the_requests_under_an_override(store.clone(), store.overrides()).await;
+}
