@@ -43,6 +43,12 @@ pub struct Decision {
     /// up (a `u32`, like `hold_ms`, so that it fits in the padding of the flags: 49 days at
     /// most); 0 for a decision.
     pub(crate) turn_ms: u32,
+    /// The attempt the request is, when its policy counts requests by their outcome and it
+    /// was admitted: its units stay apart in the store until its outcome is settled
+    /// ([`Settlement::refund`](crate::Settlement::refund) or counted); 0 otherwise.
+    pub(crate) attempt: u64,
+    /// Refused only because attempts still in flight hold the units the request needs.
+    pub(crate) busy: bool,
 }
 
 impl Decision {
@@ -117,6 +123,8 @@ impl Decision {
             place: 0,
             hold_ms: 0,
             turn_ms: 0,
+            attempt: 0,
+            busy: false,
         }
     }
 
@@ -128,6 +136,35 @@ impl Decision {
     /// describes the policy's first limit, with nothing remaining.
     pub fn in_penalty_box(&self) -> bool {
         self.penalty
+    }
+
+    /// Whether the request was refused only because attempts still in flight hold the units
+    /// it needs, under a layer that counts requests by their outcome
+    /// ([`count_when`](crate::RateLimitLayerBuilder::count_when)): the outcomes counted so far
+    /// leave room for it. Such a refusal is no failure: it starts no penalty box, and a soft
+    /// layer does not mark the request over ([`Decisions::is_over`](crate::Decisions::is_over)).
+    /// [`retry_after`](Self::retry_after) is then an estimate, at most a second: attempts in
+    /// flight usually end within it, and give their units back when they succeed.
+    pub fn is_busy(&self) -> bool {
+        self.busy
+    }
+
+    /// This decision, when it admits, as attempt `attempt` (see `attempt`).
+    pub(crate) fn as_attempt(self, attempt: u64) -> Decision {
+        match self.allowed {
+            true => Decision { attempt, ..self },
+            false => self,
+        }
+    }
+
+    /// This refusal, busy (see [`is_busy`](Self::is_busy)), to be retried after `retry`.
+    pub(crate) fn made_busy(self, retry: Duration) -> Decision {
+        Decision {
+            busy: true,
+            penalty: false,
+            retry_after: Some(retry),
+            ..self
+        }
     }
 
     /// The refusal of a key in `policy`'s penalty box, admitted again after `left`: the
@@ -156,6 +193,8 @@ impl Decision {
             place: 0,
             hold_ms: 0,
             turn_ms: 0,
+            attempt: 0,
+            busy: false,
         }
     }
 
@@ -219,6 +258,8 @@ impl Decision {
             place: full.place,
             hold_ms: u32::try_from(full.hold.div_ceil(1_000)).unwrap_or(u32::MAX),
             turn_ms: 0,
+            attempt: 0,
+            busy: false,
         }
     }
 
@@ -268,6 +309,8 @@ impl Decision {
             place: 0,
             hold_ms: 0,
             turn_ms: 0,
+            attempt: 0,
+            busy: false,
         }
     }
 

@@ -104,9 +104,19 @@ impl Decisions {
     }
 
     /// Whether any layer found the key over its limit: a request passed on by a soft policy
-    /// (or in shadow mode) that would otherwise have been refused.
+    /// (or in shadow mode) that would otherwise have been refused. A refusal only attempts in
+    /// flight cause ([`Decision::is_busy`]) is not over: see [`is_busy`](Self::is_busy).
     pub fn is_over(&self) -> bool {
-        self.iter().any(|(_, d)| !d.is_allowed())
+        self.iter().any(|(_, d)| !d.is_allowed() && !d.is_busy())
+    }
+
+    /// Whether a layer that counts requests by their outcome would have refused the request
+    /// only because attempts of its key are still in flight ([`Decision::is_busy`]): the
+    /// outcomes counted so far leave room for it. Under a soft login limit, such a request is
+    /// a user's own concurrent attempts (a double-clicked form, an app's retries), no reason
+    /// for a captcha.
+    pub fn is_busy(&self) -> bool {
+        self.iter().any(|(_, d)| !d.is_allowed() && d.is_busy())
     }
 
     /// The layers that passed the request on without a decision, outermost first: each

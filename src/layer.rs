@@ -220,8 +220,15 @@ impl Settings {
             decisions: !self.options.no_decisions,
             supports: Box::new(move |policy| store.supports(policy)),
         };
+        let counts_outcomes = self
+            .usage
+            .as_ref()
+            .is_some_and(UsageReport::counts_outcomes);
         Compiler {
-            options: self.options.clone(),
+            options: Options {
+                counts_outcomes,
+                ..self.options.clone()
+            },
             capabilities,
             overrides,
         }

@@ -58,6 +58,9 @@ pub(crate) struct Units {
     admitted_at: Option<i64>,
     recorded: u64,
     state: u64,
+    /// The attempt whose outcome this settles, under a policy that counts requests by their
+    /// outcome (`Decision`'s `attempt`); 0 otherwise.
+    attempt: u64,
 }
 
 impl Units {
@@ -81,6 +84,11 @@ impl Units {
     /// The memory store's state that recorded the request (`Decision`'s `state`).
     pub(crate) fn state(&self) -> u64 {
         self.state
+    }
+
+    /// The attempt whose outcome this settles; 0 for none.
+    pub(crate) fn attempt(&self) -> u64 {
+        self.attempt
     }
 }
 
@@ -122,6 +130,7 @@ impl Settlement {
                 admitted_at: decision.admitted_at,
                 recorded: decision.recorded,
                 state: decision.state,
+                attempt: decision.attempt,
             })))
     }
 
@@ -133,7 +142,20 @@ impl Settlement {
             admitted_at: None,
             recorded: 0,
             state: 0,
+            attempt: 0,
         }))
+    }
+
+    /// The outcome of attempt `decision` counts: its units stay, and it is no longer in
+    /// flight (`Policy::counting_attempts`); `None` when it is no attempt.
+    pub(crate) fn counted(decision: &Decision) -> Option<Settlement> {
+        (decision.allowed && decision.attempt != 0).then_some(Settlement::of(Owed::Refund(Units {
+            count: 0,
+            admitted_at: decision.admitted_at,
+            recorded: decision.recorded,
+            state: decision.state,
+            attempt: decision.attempt,
+        })))
     }
 
     /// Takes back `units` of those the request that got `decision` recorded, at most all of
@@ -146,6 +168,7 @@ impl Settlement {
                 admitted_at: decision.admitted_at,
                 recorded: decision.recorded,
                 state: decision.state,
+                attempt: decision.attempt,
             })))
     }
 
@@ -182,6 +205,14 @@ impl Settlement {
         match self.owed {
             Owed::Refund(_) => true,
             Owed::Charge(_) | Owed::Release(..) | Owed::Renew(_) => false,
+        }
+    }
+
+    /// The attempt this settles the outcome of (`Decision`'s `attempt`); 0 for none.
+    pub(crate) fn attempt(&self) -> u64 {
+        match self.owed {
+            Owed::Charge(units) | Owed::Refund(units) => units.attempt,
+            Owed::Release(..) | Owed::Renew(_) => 0,
         }
     }
 

@@ -271,6 +271,11 @@ impl UsageReport {
         }
     }
 
+    /// Whether requests are counted by their outcome ([`count_when`](Self::count_when)).
+    pub(crate) fn counts_outcomes(&self) -> bool {
+        self.outcome.is_some()
+    }
+
     /// The units a request must find room for before it is called (default 1), and that it is
     /// charged if it reports no usage. `0` refuses a request only while the key is over its
     /// limit. A cost closure ([`RateLimitLayerBuilder::cost`](crate::RateLimitLayerBuilder::cost)),

@@ -201,7 +201,8 @@ impl Query {
             retry_after_ms = d.retry_after().map(|r| r.as_millis() as u64),
             "rate limit exceeded; refused"
         );
-        if let Some((cache, stamp)) = &self.deny_cache {
+        // A busy refusal ends with the attempts in flight, sooner than its retry may say.
+        if let Some((cache, stamp)) = self.deny_cache.as_ref().filter(|_| !d.is_busy()) {
             cache.remember(&self.key, policy, self.cost, d, *stamp);
         }
         self.responder.rejection(&d, self.grpc.as_ref())

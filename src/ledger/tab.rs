@@ -119,10 +119,15 @@ impl Drop for Tab {
                 .or_else(|| self.meter.get())
                 .or(self.from_head),
         };
+        let reserved = self.decision.recorded;
+        // An attempt whose outcome counts (or never came) keeps its units: the store is told,
+        // so that they count as an outcome, no longer as an attempt in flight.
+        if self.decision.attempt != 0 && used.is_none_or(|used| used >= reserved) {
+            return self.post(Settlement::counted(&self.decision));
+        }
         let Some(used) = used else {
             return;
         };
-        let reserved = self.decision.recorded;
         let settlement = match used.cmp(&reserved) {
             // Passed on over a soft limit, counted by outcome: it reserved nothing, and is
             // charged when it matches, so that failures past the captcha add up.
@@ -131,10 +136,18 @@ impl Drop for Tab {
             std::cmp::Ordering::Less => Settlement::refund(&self.decision, reserved - used),
             std::cmp::Ordering::Equal => None,
         };
-        let Some(settlement) = settlement.filter(|s| s.units() > 0) else {
+        self.post(settlement);
+    }
+}
+
+impl Tab {
+    /// Posts `settlement` to the ledger of the store that decided the request, unless it
+    /// changes nothing.
+    fn post(&mut self, settlement: Option<Settlement>) {
+        let Some(settlement) = settlement.filter(|s| s.units() > 0 || s.attempt() != 0) else {
             return;
         };
-        let deny_cache = match settlement.is_refund() {
+        let deny_cache = match settlement.is_refund() && settlement.units() > 0 {
             true => self.deny_cache.clone(),
             false => None,
         };

@@ -5,6 +5,7 @@
 //! their queue of waiters, the modes), `scripts/line.lua` (the line of reservations) and each
 //! algorithm's script (its `RESERVE` mode for a reservation's turn).
 
+use super::attempts::{Attempts, BUSY_RETRY};
 use super::line::Line;
 use super::slots::{Full, Slots, Waiter};
 use super::turn::{reserve, Reserved};
@@ -37,6 +38,8 @@ pub(crate) struct KeyState {
     pub(crate) slots: Slots,
     /// The key's reservations waiting for their turns, and its pause (`store::Reserve`).
     pub(crate) line: Line,
+    /// The key's attempts in flight, when its policy counts requests by their outcome.
+    pub(crate) attempts: Attempts,
 }
 
 /// The state of one key under the algorithm of its policy.
@@ -65,6 +68,9 @@ pub(crate) struct Ask {
     pub(crate) stretch: Stretch,
     /// A reservation (`store::Reserve`).
     pub(crate) reserve: Option<Booking>,
+    /// The attempt a recorded request is, when its policy counts requests by their outcome
+    /// (`Policy::counting_attempts`): its id.
+    pub(crate) attempt: Option<u64>,
 }
 
 /// A reservation's ticket (`store::reserve::Ticket`) in the store's units (µs).
@@ -141,6 +147,9 @@ pub(crate) struct StateAnswer {
     pub(crate) boxed: Option<u64>,
     /// A reservation's turn (µs, the store's time), when it was reserved.
     pub(crate) turn: Option<u64>,
+    /// Refused only because attempts in flight hold the units the request needs
+    /// (`model::attempts`): no penalty box, and the outcome's retry is at most `BUSY_RETRY`.
+    pub(crate) busy: bool,
 }
 
 impl KeyState {
@@ -159,6 +168,7 @@ impl KeyState {
             locked_until: 0,
             slots: Slots::default(),
             line: Line::default(),
+            attempts: Attempts::default(),
         }
     }
 
@@ -266,11 +276,15 @@ impl KeyState {
                 self.slots.take(take.id, take.until, ask.waiter.as_ref());
                 until = until.max(take.until);
             }
+            if let Some(id) = ask.attempt {
+                self.attempts.start(now, id, ask.cost);
+            }
             return StateAnswer {
                 outcome,
                 keep_until: Some(until),
                 boxed: None,
                 turn: None,
+                busy: false,
             };
         }
         // Refused by a limit that a wait satisfies (not a request larger than the limit
@@ -282,6 +296,7 @@ impl KeyState {
                 keep_until: None,
                 boxed: None,
                 turn: None,
+                busy: false,
             };
         };
         if self.held_until > now && policy.block_micros() > 0 {
@@ -290,6 +305,23 @@ impl KeyState {
                 keep_until: None,
                 boxed: Some(retry),
                 turn: None,
+                busy: false,
+            };
+        }
+        // Refused only because attempts in flight hold what it needs: busy, no failure.
+        let busy =
+            ask.attempt.is_some() && self.attempts.only_cause(now, ask.cost, outcome.remaining);
+        if busy {
+            let outcome = Outcome {
+                retry_after: Some(retry.min(BUSY_RETRY)),
+                ..outcome
+            };
+            return StateAnswer {
+                outcome,
+                keep_until: None,
+                boxed: None,
+                turn: None,
+                busy: true,
             };
         }
         let until = match ask.record {
@@ -301,6 +333,7 @@ impl KeyState {
             keep_until: until,
             boxed: until.map(|until| (until - now).max(retry)),
             turn: None,
+            busy: false,
         }
     }
 
@@ -367,6 +400,7 @@ impl KeyState {
             keep_until: turn.map(|turn| expiry(policy, now, turn, ask.stretch) + late),
             boxed: None,
             turn,
+            busy: false,
         }
     }
 
@@ -449,6 +483,7 @@ mod tests {
             waiter: None,
             stretch: Stretch::NONE,
             reserve: None,
+            attempt: None,
         }
     }
 

@@ -11,6 +11,7 @@
 //! all algorithms, which is what makes a multi-limit policy atomic: every limit admits and
 //! all record, or none records.
 
+pub(crate) mod attempts;
 pub(crate) mod fixed_window;
 pub(crate) mod gcra;
 pub(crate) mod key_state;

@@ -104,6 +104,11 @@ pub struct Policy {
     slots: u32,
     /// How long (µs) a slot lives without a renewal.
     slot_micros: u64,
+    /// Whether the layer counts the policy's requests by their outcome
+    /// ([`count_when`](crate::RateLimitLayerBuilder::count_when)): the store then keeps each
+    /// admitted attempt's units apart until its outcome is in, so that a refusal caused only by
+    /// attempts in flight is told from one caused by counted outcomes ([`Policy::attempts`]).
+    attempts: bool,
 }
 
 /// Why a [`Policy`] could not be built.
@@ -199,16 +204,19 @@ impl Policy {
             block_micros: 0,
             slots: 0,
             slot_micros: Policy::DEFAULT_SLOT_EXPIRY.as_micros() as u64,
+            attempts: false,
         })
     }
 
     /// The same limits under another name.
     pub fn named(self, name: impl Into<String>) -> Result<Self, PolicyError> {
         let (block_micros, slots, slot_micros) = (self.block_micros, self.slots, self.slot_micros);
+        let attempts = self.attempts;
         let named = Policy::new(name, self.limits.iter().copied()).map(|p| Policy {
             block_micros,
             slots,
             slot_micros,
+            attempts,
             ..p.with_algorithm(self.algorithm)
         })?;
         Ok(match self.plan() {
@@ -394,6 +402,22 @@ impl Policy {
         self.block_micros
     }
 
+    /// The same policy, its requests counted by their outcome: each admitted request is an
+    /// attempt whose units the store keeps apart until its outcome is in (a refund or a
+    /// [`Settlement::counted`](crate::Settlement)), so that a refusal those units alone cause
+    /// is busy, not over: it sets no penalty box (`model::attempts`). The layer's builder
+    /// makes every policy of a layer with `count_when` so.
+    pub(crate) fn counting_attempts(mut self) -> Policy {
+        self.attempts = true;
+        self
+    }
+
+    /// Whether the policy's requests are counted by their outcome
+    /// ([`counting_attempts`](Policy::counting_attempts)).
+    pub(crate) fn attempts(&self) -> bool {
+        self.attempts
+    }
+
     /// The same policy decided against other counts: `limits` must have the policy's windows
     /// (in any order), and the state stays the policy's, so that usage recorded under the old
     /// counts still counts. Raising `5/1h` to `8/1h` after five requests admits three more;
@@ -566,6 +590,7 @@ impl From<Limit> for Policy {
             block_micros: 0,
             slots: 0,
             slot_micros: Policy::DEFAULT_SLOT_EXPIRY.as_micros() as u64,
+            attempts: false,
         }
     }
 }

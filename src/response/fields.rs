@@ -20,6 +20,10 @@ pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 impl Responder {
     /// The responder of `policy`, with the `RateLimit-Policy` value that lists its limits.
     pub(crate) fn new(policy: Policy, options: Options) -> Self {
+        let policy = match options.counts_outcomes {
+            true => policy.counting_attempts(),
+            false => policy,
+        };
         let mut limit_names: Vec<String> = (0..policy.limits().len())
             .map(|i| policy.limit_name(i))
             .collect();

@@ -30,6 +30,9 @@ pub(crate) struct Options {
     pub(crate) max_wait: Duration,
     pub(crate) on_rejection: Option<Arc<RejectionFn>>,
     pub(crate) failure_mode: FailureMode,
+    /// Requests are counted by their outcome (`RateLimitLayerBuilder::count_when`): the
+    /// layer's policies keep attempts in flight apart (`Policy::counting_attempts`).
+    pub(crate) counts_outcomes: bool,
     #[cfg(feature = "redis")]
     pub(crate) unique: Option<crate::unique::UniqueClients>,
 }

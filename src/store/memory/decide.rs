@@ -88,6 +88,9 @@ impl MemoryStore {
             waiter: None,
             stretch: Stretch::NONE,
             reserve: None,
+            // Event times are no attempts: a scheduler's bookings have no outcome to wait for.
+            attempt: (record && at.is_none() && policy.attempts())
+                .then(|| self.shared.next_slot.fetch_add(1, Ordering::Relaxed)),
         }
     }
 
@@ -173,6 +176,7 @@ impl MemoryStore {
             // Slots are kept by `keep_slot`; they record no units.
             Owed::Release(..) | Owed::Renew(_) => Settle::Charge(0),
         };
+        let attempt = settlement.attempt();
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         match shard.get(key, policy.state_id(), now) {
             Some(entry) => {
@@ -182,6 +186,9 @@ impl MemoryStore {
                 }
                 if stale {
                     entry.value = self.shared.fresh(algorithm);
+                }
+                if attempt != 0 {
+                    entry.value.attempts.end(attempt);
                 }
                 let drained = stretch.apply(entry.value.settle(now, policy, change));
                 entry.expires = entry.expires.max(now.saturating_add(drained));
@@ -275,6 +282,10 @@ fn decision((answer, state): (StateAnswer, u64), policy: &Policy, ask: &Ask) -> 
         return Decision::boxed(policy, Duration::from_micros(left));
     }
     let mut decision = Decision::from_outcome(answer.outcome, policy);
+    if answer.busy {
+        let retry = answer.outcome.retry_after.unwrap_or(0);
+        return decision.made_busy(Duration::from_micros(retry));
+    }
     if let Some(take) = ask.take {
         decision = decision.with_slot(take.id);
     }
@@ -286,7 +297,8 @@ fn decision((answer, state): (StateAnswer, u64), policy: &Policy, ask: &Ask) -> 
     match ask.record {
         true => decision
             .recorded_at(i64::try_from(ask.t).ok(), ask.cost)
-            .in_state(state),
+            .in_state(state)
+            .as_attempt(ask.attempt.unwrap_or(0)),
         false => decision,
     }
 }

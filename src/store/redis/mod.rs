@@ -125,17 +125,18 @@ impl Inner {
     }
 
     /// Runs the policy's script for one request at `place`, behind the breaker and within
-    /// the time budget; `at` is an event time in µs since the epoch (`-1`: now).
+    /// the time budget; `at` is an event time in µs since the epoch (`-1`: now). `units` is
+    /// the request's cost and the attempt it is or settles (0: none; `model::attempts`).
     async fn decide(
         &self,
         place: Place,
         policy: &Policy,
-        cost: u64,
+        units: (u64, u64),
         at: i64,
         record: Record,
     ) -> Result<Answer, StoreError> {
         super::in_range(policy)?;
-        let args = wire::encode_for(policy, &place, cost, record, at, self.batcher.known());
+        let args = wire::encode_for(policy, &place, units, record, at, self.batcher.known());
         // The budget covers the whole decision: the queue, the call and a script reload.
         let lane = place.lane;
         let decision = self.batcher.decide(place, policy.algorithm(), args);
@@ -343,8 +344,19 @@ impl RedisStore {
             Record::Take { id, .. } => Some(slots::Unheld::new(&inner, key, &policy, id)),
             _ => None,
         };
+        // An admission counted by its outcome is an attempt (`model::attempts`); an event time
+        // is not: a scheduler's booking has no outcome to wait for.
+        let admits = matches!(
+            record,
+            Record::Admit | Record::Lease { .. } | Record::Take { .. }
+        );
+        let attempt = match admits && policy.attempts() && at < 0 {
+            true => inner.next_slot(),
+            false => 0,
+        };
         Box::pin(async move {
-            let answer = inner.decide(place, &policy, cost.into(), at, record).await;
+            let units = (cost.into(), attempt);
+            let answer = inner.decide(place, &policy, units, at, record).await;
             if let (Some(unheld), Err(StoreError::Unavailable)) = (&mut unheld, &answer) {
                 unheld.disarm();
             }
@@ -359,8 +371,8 @@ impl RedisStore {
             };
             Ok(match record {
                 // A lease of its cost alone: an event time's decision on a leasing store.
-                Record::Admit | Record::Lease { .. } => recorded(decision),
-                Record::Take { id, .. } => recorded(decision).with_slot(id),
+                Record::Admit | Record::Lease { .. } => recorded(decision).as_attempt(attempt),
+                Record::Take { id, .. } => recorded(decision).with_slot(id).as_attempt(attempt),
                 _ => decision,
             })
         })
@@ -439,7 +451,11 @@ impl Store for RedisStore {
         if policy.concurrency_limit().is_some() {
             return self.take(key, policy, cost, None);
         }
-        if let Some(plan) = lease::plan(&self.inner, policy) {
+        // Attempts counted by their outcome are decided in Redis one by one, so that it knows
+        // those in flight (`model::attempts`): a login limit's keys are seldom hot enough
+        // for a lease to pay.
+        let plan = lease::plan(&self.inner, policy).filter(|_| !policy.attempts());
+        if let Some(plan) = plan {
             let (inner, key, policy) = (Arc::clone(&self.inner), key.clone(), policy.clone());
             return Box::pin(lease::check(inner, plan, key, policy, cost));
         }
@@ -492,6 +508,7 @@ impl Store for RedisStore {
                     format!("{redis_key}:box"),
                     format!("{redis_key}:turns"),
                     format!("{redis_key}:pause"),
+                    format!("{redis_key}:tries"),
                 ];
                 async move { client.del::<(), _>(keys).await }
             };
@@ -542,9 +559,9 @@ impl Store for RedisStore {
             recorded: units.recorded(),
             headroom: lease::settling_headroom(&self.inner, &policy),
         };
-        let units = units.count();
+        let (units, attempt) = (units.count(), units.attempt());
         Box::pin(async move {
-            if units == 0 {
+            if units == 0 && attempt == 0 {
                 return Ok(());
             }
             super::in_range(&policy)?;
@@ -554,13 +571,15 @@ impl Store for RedisStore {
             }
             let started = inner.breaker(lane).now();
             let known = inner.batcher.known();
-            let args = wire::encode_for(&policy, &place, units, record, -1, known);
+            let args = wire::encode_for(&policy, &place, (units, attempt), record, -1, known);
             let call = inner
                 .batcher
                 .decide_patiently(place.clone(), algorithm, args, PATIENCE);
             let answer = match call.await {
                 Err(error) if lease::refused(&error) || transport::ask::is_redirection(&error) => {
-                    inner.decide(place, &policy, units, -1, record).await?
+                    inner
+                        .decide(place, &policy, (units, attempt), -1, record)
+                        .await?
                 }
                 reply => inner.judge(lane, started, Some(reply))?,
             };
@@ -579,6 +598,9 @@ impl Engine for RedisStore {
         policy: &Policy,
         cost: u32,
     ) -> Option<Result<Decision, StoreError>> {
+        if policy.attempts() {
+            return None;
+        }
         lease::check_now(&self.inner, key, policy, cost)
     }
 

@@ -39,7 +39,7 @@ impl Reserve for RedisStore {
         };
         let cost = u64::from(ticket.cost);
         Box::pin(async move {
-            let answer = inner.decide(place, &policy, cost, -1, record).await?;
+            let answer = inner.decide(place, &policy, (cost, 0), -1, record).await?;
             let mut verdict = answer.verdict(&policy)?;
             if !verdict.outcome.allowed {
                 // The retry is the turn it would have had.
@@ -81,7 +81,7 @@ impl Reserve for RedisStore {
                     recorded: cost,
                     headroom: 0,
                 };
-                inner.decide(place, &policy, cost, -1, refund).await?;
+                inner.decide(place, &policy, (cost, 0), -1, refund).await?;
             }
             Ok(stood)
         })

@@ -300,7 +300,9 @@ async fn decide(
     let state = state(inner)?;
     let place = inner.place(key, policy);
     let record = plan.record(cost.into(), cost.into());
-    let answer = inner.decide(place, policy, cost.into(), -1, record).await?;
+    let answer = inner
+        .decide(place, policy, (cost.into(), 0), -1, record)
+        .await?;
     let verdict = answer.verdict(policy)?;
     state.with(key, policy, |entry| {
         entry.answered(verdict.outcome, answer.time)
@@ -365,7 +367,7 @@ fn take(
         let place = inner.place(&key, &policy);
         let record = plan.record(cost.into(), want);
         let known = inner.batcher.known();
-        let args = wire::encode_for(&policy, &place, cost.into(), record, -1, known);
+        let args = wire::encode_for(&policy, &place, (cost.into(), 0), record, -1, known);
         let answered = inner
             .batcher
             .decide_patiently(place, policy.algorithm(), args, PATIENCE)

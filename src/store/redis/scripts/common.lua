@@ -151,7 +151,7 @@ local function each_stored_request(fields, fits, apply, report, give_back)
       local allowed, index, remaining, reset, retry = decide(fits, apply, report, refund_units)
       local shown = overridden and counts[index + 1] or -1
       reply[k] = spack('<llllll', allowed, index, remaining, reset, retry, shown)
-      if box_ms > 0 or slot_cap > 0 then
+      if box_ms > 0 or slot_cap > 0 or attempt_id > 0 then
         reply[k] = conclude(k, reply[k])
       end
     end

@@ -235,7 +235,7 @@ for k = 1, REQUESTS do
     local u, d = weights[reported], drains[reported]
     reply[k] = spack('<llllll', allowed, reported - 1, math.max(math.floor(((w - h) * d - b) / u), 0),
       math.ceil(b / d), retry, overridden and counts[reported] or -1)
-    if box_ms > 0 or slot_cap > 0 then
+    if box_ms > 0 or slot_cap > 0 or attempt_id > 0 then
       reply[k] = conclude(k, reply[k])
     end
   end

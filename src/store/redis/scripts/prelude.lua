@@ -17,7 +17,8 @@
 --           (us; 0: none, Policy::block_for), its policy-wide override field and its plan's
 --           (0: on no plan), known (the generation of the hash of overrides at which the store
 --           knew the override that applies, -1: not known; see "Overrides") and the kind of
---           that override (0: none, BLOCK, COUNTS), the mode's own arguments, count, window
+--           that override (0: none, BLOCK, COUNTS), the attempt the request is or settles (0:
+--           none; see "Attempts"), the mode's own arguments, count, window
 --           (microseconds) and scale (gcd of the two, GCRA's divisor) of limits 1..n,
 --           shortest first, then, where the known kind is COUNTS, count and scale of limits
 --           1..n. n is 0 for a policy without rate limits (a concurrency limit alone): its
@@ -34,7 +35,7 @@
 --           it, 0 for the waiter to leave the queue, or -(held + 1) to give it back after it
 --           was held `held` us (0: not known)
 --
--- Modes (record; wire/request.rs, Mode), with the arguments that follow the first ten:
+-- Modes (record; wire/request.rs, Mode), with the arguments that follow the first eleven:
 --   LOOK   0  decide only, recording nothing; want (the cost) and headroom (us: how late a
 --             leasing store may spend a unit after Redis recorded it; GCRA keeps that much
 --             drain free in every bucket, the sliding log reads every window that much longer,
@@ -130,6 +131,16 @@
 -- operator migrates the key's hash slot, a box Redis refuses to read or write here is taken
 -- as none.
 --
+-- Attempts (src/model/attempts.rs): a request of a policy that counts by outcome (count_when)
+-- carries its attempt id; admitted (ADMIT, LEASE, TAKE), it is in flight until its outcome is
+-- settled: the member `<id>:<cost>` of the sorted set `<KEYS[k]>:tries` (same hash slot),
+-- scored by when it stops counting as in flight (ATTEMPT_KEPT after its admission; the set
+-- lives that long past its last). Refused by its limits (a wait helps) out of any box, while
+-- the units in flight cover what it lacks (held >= cost - remaining), it is BUSY: answered
+-- allowed -1, its retry at most BUSY_RETRY, and it sets no penalty box. A SETTLE that carries
+-- an attempt takes it out of the set; one of 0 units (its outcome counts, the units stay)
+-- does nothing else and answers 1 0 0 0 -1 -1.
+--
 -- Settlements (Store::settle, `settle` in src/model/mod.rs) decide nothing: a charge
 -- records `cost` units now as an admitted request would, past the limits if need be; a refund
 -- takes up to `cost` units back from the state the settled request was counted in (each
@@ -212,6 +223,12 @@ local BLOCKED = spack('<llllll', 0, 0, 0, 0, -2, 0)
 -- past its end; and the count its BOXED answer reports (-1: the request's own).
 local box_ms, box_us, box_record, box_refund = 0, 0, 0, 0
 local box_end, box_held, box_count = 0, false, -1
+-- The attempt the request at hand is or settles (see "Attempts"; 0: none) and its cost; how
+-- long an attempt counts as in flight, and the longest a BUSY refusal's retry (us).
+local attempt_id, attempt_cost = 0, 0
+local ATTEMPT_KEPT, BUSY_RETRY = 60000000, 1000000
+-- The answer to a settlement that changes no units (see "Attempts").
+local SETTLED = spack('<llllll', 1, 0, 0, 0, -1, -1)
 
 -- The largest count (2^50, Limit::MAX_COUNT) and the longest window (3650 days in us,
 -- Limit::MAX_WINDOW): a request past those is an error, never decided inexactly. (The most
@@ -464,8 +481,9 @@ end
 local function next_request(counts, windows, scales, k)
   local n, cost, record, t, id, box, all, plan, known, kind
   local want, headroom, refund, admitted, weight
-  n, cost, record, t, id, box, all, plan, known, kind, next_byte =
-    sunpack('<llllllllll', requests, next_byte)
+  n, cost, record, t, id, box, all, plan, known, kind, attempt_id, next_byte =
+    sunpack('<lllllllllll', requests, next_byte)
+  attempt_cost = cost
   if t < 0 then
     t = now
   end
@@ -475,6 +493,9 @@ local function next_request(counts, windows, scales, k)
     want, headroom, next_byte = sunpack('<ll', requests, next_byte)
   elseif record == SETTLE then
     refund, admitted, weight, headroom, next_byte = sunpack('<llll', requests, next_byte)
+    if attempt_id > 0 then
+      redis.call('ZREM', KEYS[k] .. ':tries', text(attempt_id) .. ':' .. text(weight))
+    end
   elseif record == TAKE then
     slot_cap, slot_id, slot_ttl, waiter_id, waiter_wait, waiter_queued, headroom, next_byte =
       sunpack('<lllllll', requests, next_byte)
@@ -570,6 +591,10 @@ local function next_request(counts, windows, scales, k)
   if slot_cap > 0 and not blocked then
     blocked = slots_full(k)
   end
+  -- An attempt's outcome that counts: taken out of those in flight above, nothing else.
+  if record == SETTLE and attempt_id > 0 and cost == 0 then
+    blocked = SETTLED
+  end
   return n, cost, record, t, want, headroom, refund, admitted, weight, blocked
 end
 
@@ -625,10 +650,43 @@ local function penalize(k, answer)
   return boxed(math.max(box_us, retry))
 end
 
--- Request k's `answer` once decided: the penalty box's when it puts the key in it, and the
--- slot taken when it admits a request that takes one; called only where either applies.
+-- Request k's `answer` as an attempt (see "Attempts"), out of any penalty box: admitted, it is
+-- in flight; refused by its limits while the units in flight cover what it lacks, BUSY.
+-- Whether it is BUSY, and its answer.
+local function as_attempt(k, answer)
+  if box_end > 0 or box_held or (box_record ~= ADMIT and box_record ~= LEASE) then
+    return false, answer
+  end
+  local allowed, index, remaining, reset, retry, count = sunpack('<llllll', answer)
+  local tries = KEYS[k] .. ':tries'
+  if allowed >= 1 then
+    redis.call('ZADD', tries, text(now + ATTEMPT_KEPT), text(attempt_id) .. ':' .. text(attempt_cost))
+    redis.call('PEXPIRE', tries, text(ATTEMPT_KEPT / 1000 + 1))
+    return false, answer
+  end
+  if retry < 0 then
+    return false, answer
+  end
+  redis.call('ZREMRANGEBYSCORE', tries, '-inf', text(now))
+  local held = 0
+  for _, member in ipairs(redis.call('ZRANGE', tries, 0, -1)) do
+    held = held + (tonumber(string.match(member, ':(%d+)$')) or 0)
+  end
+  if held == 0 or held < attempt_cost - remaining then
+    return false, answer
+  end
+  return true, spack('<llllll', -1, index, remaining, reset, math.min(retry, BUSY_RETRY), count)
+end
+
+-- Request k's `answer` once decided: the penalty box's when it puts the key in it, the slot
+-- taken when it admits a request that takes one, and its attempt's; called only where any
+-- applies.
 local function conclude(k, answer)
-  if box_ms > 0 then
+  local busy = false
+  if attempt_id > 0 then
+    busy, answer = as_attempt(k, answer)
+  end
+  if box_ms > 0 and not busy then
     answer = penalize(k, answer)
   end
   if slot_cap > 0 and sunpack('<l', answer) >= 1 then

@@ -314,7 +314,7 @@ for k = 1, REQUESTS do
     else
       reply[k] = decide(key, n, cost, record, t, want)
     end
-    if box_ms > 0 or slot_cap > 0 then
+    if box_ms > 0 or slot_cap > 0 or attempt_id > 0 then
       reply[k] = conclude(k, reply[k])
     end
   end

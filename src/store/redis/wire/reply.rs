@@ -23,6 +23,10 @@ pub(crate) const BOXED: i64 = -1;
 /// `retry_after`; -1 while none is known).
 pub(crate) const SLOTS_FULL: i64 = -2;
 
+/// The `allowed` of a request refused only because attempts in flight hold what it needs
+/// (`BUSY` in `prelude.lua`, "Attempts"): no failure, and no penalty box.
+const BUSY: i64 = -1;
+
 /// The retry of an admitted request (`-1` in `prelude.lua`'s reply).
 const RETRY_ADMITTED: i64 = -1;
 
@@ -178,6 +182,9 @@ pub(crate) struct Reading {
     boxed: Option<u64>,
     /// When the key has no concurrency slot free for the request: why.
     slots_full: Option<Full>,
+    /// Refused only because attempts in flight hold what the request needs (`allowed` -1,
+    /// `prelude.lua`, "Attempts").
+    busy: bool,
 }
 
 impl Reading {
@@ -195,6 +202,7 @@ impl Reading {
             count: None,
             boxed: Some(left),
             slots_full: None,
+            busy: false,
         }
     }
 
@@ -207,7 +215,11 @@ impl Reading {
             let left = std::time::Duration::from_micros(left);
             return Decision::boxed(policy, left).with_limit(self.count);
         }
-        Decision::from_outcome(self.outcome, policy).with_limit(self.count)
+        let decision = Decision::from_outcome(self.outcome, policy).with_limit(self.count);
+        match (self.busy, self.outcome.retry_after) {
+            (true, Some(retry)) => decision.made_busy(std::time::Duration::from_micros(retry)),
+            _ => decision,
+        }
     }
 }
 
@@ -262,6 +274,7 @@ impl Answer {
             count,
             boxed: None,
             slots_full: None,
+            busy: allowed == BUSY,
         })
     }
 }

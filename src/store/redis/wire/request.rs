@@ -244,21 +244,24 @@ pub(crate) fn encode(
         terms,
         windows,
         &Resolution::Unknown,
+        0,
     );
     args
 }
 
 /// The bytes [`encode_into`] writes for `record` and `windows`, less an override's.
 fn encoded_len(record: &Record, cost: u64, windows: &[Window]) -> usize {
-    INT * (10 + record.mode(cost).2 + 5 * windows.len())
+    INT * (11 + record.mode(cost).2 + 5 * windows.len())
 }
 
 /// Writes a request's arguments as the scripts read them (`prelude.lua`, ARGV[1]) onto the end
 /// of `args`, 64-bit little-endian integers: the number of limits, cost, mode ([`Mode`]),
 /// event time (µs, -1 for now), the policy's [`Terms`], the generation of the hash of
 /// overrides that `known` was made at (-1: none) and the kind of override it says applies, the
-/// mode's own arguments ([`Record`]), count, window (µs) and scale of each limit, then, for
+/// attempt the request is or settles (0: none; `prelude.lua`, "Attempts"), the mode's own
+/// arguments ([`Record`]), count, window (µs) and scale of each limit, then, for
 /// counts, count and scale of each limit of the override ([`Resolution::kind`]).
+#[allow(clippy::too_many_arguments)]
 fn encode_into(
     args: &mut Vec<u8>,
     cost: u64,
@@ -267,6 +270,7 @@ fn encode_into(
     terms: Terms,
     windows: &[Window],
     known: &Resolution,
+    attempt: u64,
 ) {
     let (mode, extra, len) = record.mode(cost);
     let [id, block, all, plan] = terms.map(clamp);
@@ -282,6 +286,7 @@ fn encode_into(
         plan,
         known.generation(),
         kind,
+        clamp(attempt),
     ];
     let extra = extra.into_iter().take(len);
     let ints = head.into_iter().chain(extra).chain(limits(windows));
@@ -292,11 +297,11 @@ fn encode_into(
 
 /// A request's [`HEAD`] (its key's override field's length) then its arguments
 /// ([`encode_into`]) under `policy`, for its key at `place`, with the override that applies
-/// where this instance knows it (`known`, `overrides/known.rs`).
+/// where this instance knows it (`known`, `overrides/known.rs`), as `attempt` (0: none).
 pub(crate) fn encode_for(
     policy: &Policy,
     place: &Place,
-    cost: u64,
+    (cost, attempt): (u64, u64),
     record: Record,
     at: i64,
     known: &Known,
@@ -308,7 +313,8 @@ pub(crate) fn encode_for(
     let windows = policy.windows();
     let mut args = Vec::with_capacity(HEAD + encoded_len(&record, cost, windows));
     args.extend_from_slice(&clamp(keep).to_le_bytes());
-    encode_into(&mut args, cost, record, at, terms, windows, &resolution);
+    let known = &resolution;
+    encode_into(&mut args, cost, record, at, terms, windows, known, attempt);
     args
 }
 
