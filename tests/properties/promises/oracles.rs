@@ -233,8 +233,9 @@ pub(super) fn retry_after_true(config: &Config, run: &Run) -> Result<(), String>
             .iter()
             .rev()
             .find(|b| b.key == r.key && b.probe.is_none());
-        // Counted by outcome, a refusal counts the attempts in flight as failures: those that
-        // succeed give their units back, and the key is let in earlier (never later).
+        // Counted by outcome, a refusal while attempts were in flight may be busy: its
+        // `Retry-After` is an estimate of when they end (promise 3's exception); those that
+        // succeed give their units back, and the key may be let in earlier.
         let in_flight_then = |refusal: &Record| {
             run.records.iter().any(|o| {
                 let handled = o.handled.as_ref().map(|h| h.at);
@@ -243,7 +244,7 @@ pub(super) fn retry_after_true(config: &Config, run: &Run) -> Result<(), String>
                     && o.responded.is_none_or(|at| at > refusal.sent)
             })
         };
-        if !admitted && config.count_when && before.is_some_and(in_flight_then) {
+        if config.count_when && before.is_some_and(in_flight_then) {
             continue;
         }
         if passed != admitted {
