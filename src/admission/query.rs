@@ -94,7 +94,9 @@ impl Query {
     /// fallback to keep while the store fails.
     fn note(&self, d: &Decision) {
         if let Some(seen) = &self.seen {
-            seen.note(&self.key, &self.responder.policy, self.cost, d);
+            // Usage is settled after the response: the units of an admission may come back.
+            let settled = self.usage.is_some();
+            seen.note(&self.key, &self.responder.policy, self.cost, d, settled);
         }
     }
 

@@ -9,7 +9,10 @@
 //!   refused until that retry-after, for requests that cost at least as much (any request,
 //!   while boxed);
 //! - an admission that left nothing of the limit it describes: the key counts as spent until
-//!   that limit's `reset_after`, for any request;
+//!   that limit's `reset_after`, for any request; except on a layer that settles usage or
+//!   counts by outcome, where the units of the admission may come back when its response
+//!   ends (a right password gives its attempt's unit back, and two logins at once must not
+//!   leave a user out for the window);
 //! - any other admission: the key is forgotten (a reset, an override or a refund let the
 //!   store admit it again).
 //!
@@ -69,15 +72,16 @@ impl Seen {
     }
 
     /// Notes `d`, the layer's store's decision on a request for `key` under `policy` that
-    /// cost `cost`.
-    pub(crate) fn note(&self, key: &Key, policy: &Policy, cost: u32, d: &Decision) {
+    /// cost `cost`; `settled` when an admission's units may come back after its response
+    /// (usage, outcome counting), so that spending them is not taken as spent.
+    pub(crate) fn note(&self, key: &Key, policy: &Policy, cost: u32, d: &Decision, settled: bool) {
         if d.is_concurrency_limit() {
             return;
         }
         let id = policy.terms_id();
         let now = self.now();
         let mut shard = self.entries.lock(key, id);
-        let Some((sighting, left)) = sighting(d, cost) else {
+        let Some((sighting, left)) = sighting(d, cost, settled) else {
             if d.is_allowed() {
                 shard.remove(key, id);
             }
@@ -109,9 +113,10 @@ impl Seen {
 }
 
 /// What `d`, for a request of `cost`, leaves to remember, and for how long: a refusal that
-/// says when to retry, or an admission that spent the limit it describes; `None` for an
-/// admission with units left, and for a refusal no wait helps.
-fn sighting(d: &Decision, cost: u32) -> Option<(Sighting, Duration)> {
+/// says when to retry, or an admission that spent the limit it describes (unless its units
+/// may come back, `settled`); `None` for any other admission, and for a refusal no wait
+/// helps.
+fn sighting(d: &Decision, cost: u32, settled: bool) -> Option<(Sighting, Duration)> {
     match d.is_allowed() {
         false => {
             let left = d.retry_after().filter(|left| !left.is_zero())?;
@@ -125,7 +130,7 @@ fn sighting(d: &Decision, cost: u32) -> Option<(Sighting, Duration)> {
                 left,
             ))
         }
-        true if d.remaining() == 0 && !d.reset_after().is_zero() => {
+        true if d.remaining() == 0 && !d.reset_after().is_zero() && !settled => {
             let left = d.reset_after();
             // The refusal the store would give the next request: nothing left until the reset.
             let refusal = Decision {
@@ -166,7 +171,7 @@ mod tests {
         let key = Key::from("ann");
         for _ in 0..2 {
             let d = decide(&store, &key, &policy, 1);
-            seen.note(&key, &policy, 1, &d);
+            seen.note(&key, &policy, 1, &d, false);
         }
         tokio::time::advance(Duration::from_secs(4)).await;
         let refusal = seen
@@ -181,12 +186,21 @@ mod tests {
         // Spent again, then admitted by the store with units left (reset): forgotten.
         store.reset(&key, &policy).into_inner().unwrap();
         for _ in 0..2 {
-            seen.note(&key, &policy, 1, &decide(&store, &key, &policy, 1));
+            seen.note(&key, &policy, 1, &decide(&store, &key, &policy, 1), false);
         }
         assert!(seen.refusal(&key, &policy, 1).is_some());
         store.reset(&key, &policy).into_inner().unwrap();
-        seen.note(&key, &policy, 1, &decide(&store, &key, &policy, 1));
+        seen.note(&key, &policy, 1, &decide(&store, &key, &policy, 1), false);
         assert!(seen.refusal(&key, &policy, 1).is_none());
+
+        // Where the units may come back after the response (usage, outcome counting),
+        // spending them is not kept.
+        let settled = Key::from("cal");
+        for _ in 0..2 {
+            let d = decide(&store, &settled, &policy, 1);
+            seen.note(&settled, &policy, 1, &d, true);
+        }
+        assert!(seen.refusal(&settled, &policy, 1).is_none());
     }
 
     #[tokio::test(start_paused = true)]
@@ -198,7 +212,7 @@ mod tests {
         decide(&store, &key, &boxed, 1);
         let refused = decide(&store, &key, &boxed, 1);
         assert!(refused.in_penalty_box());
-        seen.note(&key, &boxed, 1, &refused);
+        seen.note(&key, &boxed, 1, &refused, false);
         tokio::time::advance(Duration::from_secs(59)).await;
         let left = seen.refusal(&key, &boxed, 0).unwrap().retry_after();
         assert_eq!(left, Some(Duration::from_secs(1)));
@@ -209,14 +223,20 @@ mod tests {
         decide(&store, &key, &policy, 3);
         let refused = decide(&store, &key, &policy, 3);
         assert!(!refused.is_allowed());
-        seen.note(&key, &policy, 3, &refused);
+        seen.note(&key, &policy, 3, &refused, true);
         assert!(seen.refusal(&key, &policy, 3).is_some());
         assert!(seen.refusal(&key, &policy, 2).is_none(), "2 may fit");
         // Another policy's key is its own.
         assert!(seen.refusal(&key, &boxed, 3).is_none());
         // A refusal no wait helps says nothing of when to retry: nothing is kept.
         let other = Key::from("bob");
-        seen.note(&other, &policy, 6, &decide(&store, &other, &policy, 6));
+        seen.note(
+            &other,
+            &policy,
+            6,
+            &decide(&store, &other, &policy, 6),
+            false,
+        );
         assert!(seen.refusal(&other, &policy, 6).is_none());
     }
 }

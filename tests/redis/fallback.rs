@@ -2,10 +2,14 @@
 //! instance last saw refused or spent stays refused until the `Retry-After` (or the reset) it
 //! was given, and a key it has not seen gets one budget of the local store.
 
+use std::convert::Infallible;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
 use tokio::time::{sleep_until, Instant};
-use tower::ServiceExt;
+use tower::{service_fn, ServiceExt};
 use tower_redis_ratelimit::{FailureMode, MemoryStore, PeerIp, Policy, RateLimitLayer, RedisStore};
 
 use crate::support::load::store;
@@ -151,4 +155,43 @@ async fn fallback_refuses_until_the_retry_after_and_the_reset_it_was_given() {
     eprintln!("{refused} retries refused; unseen: {unseen_replies:?}");
     assert!(refused >= 10);
     assert_eq!(statuses(&unseen_replies), [200, 200, 429]);
+}
+
+/// Counted by outcome, two right passwords at once hold the count while in flight, and give
+/// their units back: the fallback does not take the user for spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_lets_in_a_user_whose_logins_gave_their_units_back() {
+    let server = RedisServer::start();
+    let policy: Policy = "2/1h".parse().unwrap();
+    let login = RateLimitLayer::builder()
+        .policy(policy.block_for(Duration::from_secs(600)).unwrap())
+        .store(store(server.url()).await)
+        .deny_cache(0)
+        .count_when(|response| response.status == StatusCode::UNAUTHORIZED)
+        .failure_mode(FailureMode::Fallback(MemoryStore::new()))
+        .build()
+        .unwrap();
+    let slow = tower::Layer::layer(
+        &login,
+        service_fn(|_: Request<()>| async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"welcome"))))
+        }),
+    );
+    let user = "192.0.2.21";
+    // The second is decided while the first is in flight: the count spent, 0 remaining.
+    let first = tokio::spawn(slow.clone().oneshot(request_from(user)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = slow.clone().oneshot(request_from(user)).await;
+    let both = [first.await.unwrap().unwrap(), second.unwrap()];
+    let remaining: Vec<_> = both
+        .iter()
+        .map(|r| r.headers()["ratelimit"].clone())
+        .collect();
+    assert!(both.iter().all(|r| r.status() == 200), "{remaining:?}");
+    drop(both);
+    assert_eq!(login.settled(Duration::from_secs(3)).await, 0);
+
+    let _stopped = Stopped::new(&server);
+    assert_eq!(send(&login, user).await.0, 200, "after {remaining:?}");
 }
