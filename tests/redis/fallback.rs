@@ -10,7 +10,9 @@ use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use tokio::time::{sleep_until, Instant};
 use tower::{service_fn, ServiceExt};
-use tower_redis_ratelimit::{FailureMode, MemoryStore, PeerIp, Policy, RateLimitLayer, RedisStore};
+use tower_redis_ratelimit::{
+    Algorithm, FailureMode, Key, MemoryStore, PeerIp, Policy, RateLimitLayer, RedisStore, Store,
+};
 
 use crate::support::load::store;
 use crate::support::scenarios::{layered, request_from};
@@ -59,38 +61,88 @@ fn statuses(replies: &[(u16, Option<u64>)]) -> Vec<u16> {
     replies.iter().map(|(status, _)| *status).collect()
 }
 
-/// The case as a user meets it: one instance, `2/1h` with a 600 s box, Redis stopped.
+/// The case as a user meets it: one instance, `2/1h` with a 600 s box, Redis stopped; on each
+/// algorithm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fallback_keeps_a_boxed_and_a_spent_user_out_while_redis_is_stopped() {
     let server = RedisServer::start();
-    let policy: Policy = "2/1h".parse().unwrap();
-    let policy = policy.block_for(Duration::from_secs(600)).unwrap();
-    let login = layer(store(server.url()).await, policy);
-    let (boxed, spent, unseen) = ("192.0.2.1", "192.0.2.2", "192.0.2.3");
-    for _ in 0..2 {
-        assert_eq!(send(&login, boxed).await.0, 200);
-        assert_eq!(send(&login, spent).await.0, 200);
-    }
-    // Boxed for 600 s, and refused until the limit admits again: the hour.
-    assert_eq!(send(&login, boxed).await, (429, Some(3600)));
+    let store = store(server.url()).await;
+    let algorithms = [
+        Algorithm::SlidingLog,
+        Algorithm::SlidingWindow,
+        Algorithm::FixedWindow,
+        Algorithm::Gcra,
+    ];
+    for (i, algorithm) in algorithms.into_iter().enumerate() {
+        answering(&store).await;
+        let policy = Policy::new("login", ["2/1h".parse().unwrap()]).unwrap();
+        let policy = policy.with_algorithm(algorithm);
+        let login = layer(
+            store.clone(),
+            policy.block_for(Duration::from_secs(600)).unwrap(),
+        );
+        let ip = |user: u8| format!("192.0.2.{}", 10 * i as u8 + user);
+        let (boxed, spent, unseen) = (ip(1), ip(2), ip(3));
+        let mut reset = None;
+        for _ in 0..2 {
+            assert_eq!(send(&login, &boxed).await.0, 200);
+            let response = layered(&login).oneshot(request_from(&spent)).await.unwrap();
+            assert_eq!(response.status(), 200);
+            reset = Some(reset_of(&response));
+        }
+        // Boxed for 600 s, and refused until the limit admits again: up to the hour.
+        let (status, told) = send(&login, &boxed).await;
+        assert_eq!(status, 429);
+        let (told, reset) = (told.unwrap(), reset.unwrap());
 
-    let stopped = Stopped::new(&server);
-    let mut replies = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..3 {
-        replies.0.push(send(&login, boxed).await);
-        replies.1.push(send(&login, spent).await);
-        replies.2.push(send(&login, unseen).await);
+        let stopped = Stopped::new(&server);
+        let mut replies = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..3 {
+            replies.0.push(send(&login, &boxed).await);
+            replies.1.push(send(&login, &spent).await);
+            replies.2.push(send(&login, &unseen).await);
+        }
+        drop(stopped);
+        // Boxed a moment before: refused for what is left of its refusal. Spent 2 of 2: refused
+        // until the reset it was told.
+        let refused = |until: u64| {
+            move |&(status, retry): &(u16, Option<u64>)| {
+                status == 429 && retry.is_some_and(|r| r <= until && r + 2 >= until)
+            }
+        };
+        let case = format!("{algorithm:?}: told {told} s boxed, {reset} s to the reset");
+        assert!(
+            replies.0.iter().all(refused(told)),
+            "{case}: {:?}",
+            replies.0
+        );
+        assert!(
+            replies.1.iter().all(refused(reset)),
+            "{case}: {:?}",
+            replies.1
+        );
+        // Never seen: one budget of the local store.
+        assert_eq!(statuses(&replies.2), [200, 200, 429], "{case}");
+        eprintln!("{case}: refused through the outage");
     }
-    drop(stopped);
-    // Boxed a moment before: refused for what is left of its refusal. Spent 2 of 2: refused
-    // until the hour's oldest login leaves the window.
-    let refused = |&(status, retry): &(u16, Option<u64>)| {
-        status == 429 && retry.is_some_and(|r| (3598..=3600).contains(&r))
-    };
-    assert!(replies.0.iter().all(refused), "boxed: {:?}", replies.0);
-    assert!(replies.1.iter().all(refused), "spent: {:?}", replies.1);
-    // Never seen: one budget of the local store.
-    assert_eq!(statuses(&replies.2), [200, 200, 429]);
+}
+
+/// Waits until `store` decides again after Redis was stopped, so that the next requests are
+/// decided by Redis, not by the fallback.
+async fn answering(store: &RedisStore) {
+    let probe: Policy = "1000000/1m".parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.check(&Key::from("probe"), &probe, 1).await.is_err() {
+        assert!(Instant::now() < deadline, "Redis answers again within 10 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The `t` of a response's `RateLimit` field: seconds to the reset.
+fn reset_of<B>(response: &Response<B>) -> u64 {
+    let field = response.headers()["ratelimit"].to_str().unwrap();
+    let t = field.rsplit_once("t=").unwrap().1;
+    t.parse().unwrap()
 }
 
 /// Short windows, to see each refusal end: a boxed user is let in by the fallback once its
