@@ -117,18 +117,10 @@ impl Seen {
 /// may come back, `settled`); `None` for any other admission, and for a refusal no wait
 /// helps.
 fn sighting(d: &Decision, cost: u32, settled: bool) -> Option<(Sighting, Duration)> {
-    match d.is_allowed() {
+    let (refusal, least_cost, left) = match d.is_allowed() {
         false => {
             let left = d.retry_after().filter(|left| !left.is_zero())?;
-            let least_cost = if d.in_penalty_box() { 0 } else { cost };
-            let refusal = *d;
-            Some((
-                Sighting {
-                    refusal,
-                    least_cost,
-                },
-                left,
-            ))
+            (*d, if d.in_penalty_box() { 0 } else { cost }, left)
         }
         true if d.remaining() == 0 && !d.reset_after().is_zero() && !settled => {
             let left = d.reset_after();
@@ -141,17 +133,17 @@ fn sighting(d: &Decision, cost: u32, settled: bool) -> Option<(Sighting, Duratio
                 slot: None,
                 ..*d
             };
-            let least_cost = 1;
-            Some((
-                Sighting {
-                    refusal,
-                    least_cost,
-                },
-                left,
-            ))
+            (refusal, 1, left)
         }
-        true => None,
-    }
+        true => return None,
+    };
+    Some((
+        Sighting {
+            refusal,
+            least_cost,
+        },
+        left,
+    ))
 }
 
 #[cfg(test)]
