@@ -185,18 +185,22 @@ impl DenyCache {
             return None;
         }
         let left = Duration::from_micros(denial.until.saturating_sub(now));
-        let mut decision = denial.decision;
-        let elapsed = decision
-            .retry_after
-            .unwrap_or_default()
-            .saturating_sub(left);
-        decision.retry_after = Some(left);
-        decision.reset_after = decision.reset_after.saturating_sub(elapsed);
-        Some(decision)
+        Some(aged(denial.decision, left))
     }
 }
 
-fn micros(d: Duration) -> u64 {
+/// A remembered `refusal` with its times brought up to a moment `left` before its
+/// retry-after ends: what a layer repeats without asking the store (here, and in the
+/// fallback's memory, `admission/seen.rs`).
+pub(crate) fn aged(mut refusal: Decision, left: Duration) -> Decision {
+    let elapsed = refusal.retry_after.unwrap_or_default().saturating_sub(left);
+    refusal.retry_after = Some(left);
+    refusal.reset_after = refusal.reset_after.saturating_sub(elapsed);
+    refusal
+}
+
+/// `d` in whole microseconds, saturating.
+pub(crate) fn micros(d: Duration) -> u64 {
     d.as_micros().min(u128::from(u64::MAX)) as u64
 }
 

@@ -9,7 +9,7 @@ use http::Response;
 use ipnet::IpNet;
 use tower_layer::Layer;
 
-use crate::admission::{AllowList, CostFn, Limiter};
+use crate::admission::{AllowList, CostFn, Limiter, Seen, SEEN_CAPACITY};
 use crate::deny_cache::DenyCache;
 use crate::ledger::post::{InFlight, Ledger, StoreLedger};
 use crate::ledger::slots::Holds;
@@ -526,6 +526,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         St: Store,
     {
         let compiler = self.settings.compiler(&self.store);
+        let falls_back = matches!(self.settings.options.failure_mode, FailureMode::Fallback(_));
         let Settings {
             rules,
             plan,
@@ -566,6 +567,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
                 holds,
                 ledger,
                 deny_cache,
+                seen: falls_back.then(|| Arc::new(Seen::new(SEEN_CAPACITY))),
             }),
         })
     }

@@ -11,6 +11,7 @@ use http_body_util::Full;
 use super::allow::AllowList;
 use super::decide::Later;
 use super::query::Query;
+use super::seen::Seen;
 use super::wait::{SlotQueue, Waiting};
 use super::{Admission, Admitted};
 use crate::deny_cache::{DenyCache, Stamp};
@@ -45,6 +46,9 @@ pub(crate) struct Limiter<K, St> {
     /// The concurrency slots of the requests in flight, and the store they go back to.
     pub(crate) holds: Arc<Holds>,
     pub(crate) ledger: Arc<dyn Ledger>,
+    /// Under [`FailureMode::Fallback`](crate::FailureMode::Fallback), the keys the store last
+    /// refused or spent, which the fallback store refuses too.
+    pub(crate) seen: Option<Arc<Seen>>,
 }
 
 impl<K, St> Limiter<K, St> {
@@ -104,6 +108,7 @@ impl<K, St: Store> Limiter<K, St> {
             cost,
             grpc,
             deny_cache,
+            seen: self.seen.clone(),
         };
         self.ask(query)
     }

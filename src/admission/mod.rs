@@ -8,6 +8,9 @@
 //!                      verdict.rs: admitted │ passed over │ slots full │ refused │ store failed
 //! ```
 //!
+//! Under `FailureMode::Fallback`, `seen.rs` notes which keys the store refused or spent, so
+//! that the fallback store, which has seen nothing, does not free them during an outage.
+//!
 //! Nothing here knows tower: the gate takes a plain `http::Request` and a [`Limiter`], and
 //! answers an [`Admission`], which `service.rs` turns into a call of the inner service or an
 //! answer of the layer's own, and `future.rs` polls when the decision comes later.
@@ -20,12 +23,14 @@ mod allow;
 mod decide;
 mod limiter;
 mod query;
+mod seen;
 mod verdict;
 mod wait;
 
 pub(crate) use allow::AllowList;
 pub(crate) use decide::{Deciding, Later};
 pub(crate) use limiter::{CostFn, Limiter};
+pub(crate) use seen::{Seen, CAPACITY as SEEN_CAPACITY};
 pub(crate) use verdict::{Admitted, Verdict};
 
 /// What admission answered for a request.

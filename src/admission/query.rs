@@ -1,6 +1,10 @@
 //! [`Query`]: what one decision is about, from the gate to its verdict, and the verdict: the
 //! layer's options applied to the store's answer (fallback store, shadow and soft limits,
 //! concurrency refusals, the deny cache, the failure mode), one function per outcome.
+//!
+//! Under [`FailureMode::Fallback`], each answer of the layer's store is noted in [`Seen`]
+//! first, so that while the store fails a key it last refused or spent stays refused until
+//! the time it was given, before the fallback store is asked.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,6 +13,7 @@ use bytes::Bytes;
 use http::Response;
 use http_body_util::Full;
 
+use super::seen::Seen;
 use super::verdict::{Admitted, Verdict};
 use crate::decisions::Mark;
 use crate::deny_cache::{DenyCache, Stamp};
@@ -38,6 +43,8 @@ pub(crate) struct Query {
     /// The layer's concurrency slots and the store they go back to, when the policy has a
     /// concurrency limit.
     pub(crate) holds: Option<(Arc<Holds>, Arc<dyn Ledger>)>,
+    /// Under [`FailureMode::Fallback`], the keys the layer's store last refused or spent.
+    pub(crate) seen: Option<Arc<Seen>>,
 }
 
 impl Query {
@@ -64,8 +71,9 @@ impl Query {
     pub(crate) fn verdict(&self, outcome: Result<Decision, StoreError>) -> Verdict {
         let options = &self.responder.options;
         self.started.finish(&self.responder.policy);
-        if outcome.is_err() {
-            Report::store_error(&self.responder.policy);
+        match &outcome {
+            Err(_) => Report::store_error(&self.responder.policy),
+            Ok(d) => self.note(d),
         }
         let (outcome, fallback) = self.fall_back(outcome);
         match outcome {
@@ -82,8 +90,19 @@ impl Query {
         }
     }
 
-    /// Under [`FailureMode::Fallback`], the local store's decision when the layer's store
-    /// failed, with the ledger that settles with it.
+    /// Under [`FailureMode::Fallback`], notes the layer's store's decision `d`, for the
+    /// fallback to keep while the store fails.
+    fn note(&self, d: &Decision) {
+        if let Some(seen) = &self.seen {
+            // Usage is settled after the response: the units of an admission may come back.
+            let settled = self.usage.is_some();
+            seen.note(&self.key, &self.responder.policy, self.cost, d, settled);
+        }
+    }
+
+    /// Under [`FailureMode::Fallback`], when the layer's store failed: the refusal still in
+    /// force for a key the store last refused or spent, else the local store's decision; with
+    /// the ledger that settles with the local store.
     fn fall_back(
         &self,
         outcome: Result<Decision, StoreError>,
@@ -104,6 +123,10 @@ impl Query {
         );
         let owes = self.usage.is_some() || self.holds.is_some();
         let ledger = owes.then(|| Arc::new(StoreLedger(local.clone())) as Arc<dyn Ledger>);
+        let seen = self.seen.as_ref();
+        if let Some(refusal) = seen.and_then(|seen| seen.refusal(&self.key, policy, self.cost)) {
+            return (Ok(refusal), ledger);
+        }
         let decided = local.check(&self.key, policy, self.cost).into_inner();
         (decided, ledger)
     }
@@ -334,6 +357,7 @@ mod tests {
             started: Started::now(),
             usage: None,
             holds: None,
+            seen: None,
         }
     }
 
@@ -478,5 +502,38 @@ mod tests {
         assert!(decisions.get("default").is_some_and(|d| d.is_allowed()));
         let refused = fallback.verdict(failed());
         assert_eq!(status(&refused), Some(StatusCode::TOO_MANY_REQUESTS));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn under_fallback_a_key_the_store_refused_stays_refused_while_it_fails() {
+        let failed = || Err(StoreError::Unavailable);
+        let seen = Arc::new(Seen::new(100));
+        let fallback = |key: &str| Query {
+            key: Key::from(key),
+            seen: Some(Arc::clone(&seen)),
+            ..query(Options {
+                failure_mode: FailureMode::Fallback(MemoryStore::new()),
+                ..Options::default()
+            })
+        };
+        // The store refused ann (1/1m: a minute to wait); bob it has not seen.
+        let ann = fallback("ann");
+        let (_, refused) = decisions(&ann);
+        assert_eq!(
+            status(&ann.verdict(Ok(refused))),
+            Some(StatusCode::TOO_MANY_REQUESTS)
+        );
+        tokio::time::advance(Duration::from_millis(20_500)).await;
+        // The store fails: ann is refused for what is left of her minute, rounded up.
+        let verdict = ann.verdict(failed());
+        assert_eq!(status(&verdict), Some(StatusCode::TOO_MANY_REQUESTS));
+        assert_eq!(retry_after(&verdict), Some("40"));
+        let bob = fallback("bob");
+        assert!(matches!(bob.verdict(failed()), Verdict::Call(_)));
+        // Once her minute is over, the fallback store decides: a budget of its own.
+        tokio::time::advance(Duration::from_millis(39_500)).await;
+        assert!(matches!(ann.verdict(failed()), Verdict::Call(_)));
+        let again = ann.verdict(failed());
+        assert_eq!(status(&again), Some(StatusCode::TOO_MANY_REQUESTS));
     }
 }

@@ -72,7 +72,25 @@ pub enum FailureMode {
     /// Refuse with `503 Service Unavailable` and `Retry-After: 1`.
     Closed,
     /// Decide with this local store while the main one is unavailable: every instance then
-    /// limits on its own, so a client may get up to one budget per instance until Redis is
-    /// back.
+    /// limits on its own, within two bounds.
+    ///
+    /// - A key this instance last saw refused, by its limits or its penalty box
+    ///   ([`Policy::block_for`](crate::Policy::block_for)), stays refused here until the
+    ///   `Retry-After` it was given (for requests that cost at least as much; any request
+    ///   while boxed), and a key it last saw admitted with nothing left of a limit stays
+    ///   refused until that limit's [`reset_after`](crate::Decision::reset_after), the `t` of
+    ///   the `RateLimit` field it was given (for GCRA, when its bucket has drained, up to a
+    ///   window; for the sliding window counter, when both counted windows have, up to two:
+    ///   later than Redis would let one more in; not on a layer that settles usage or counts
+    ///   by outcome, where an admission's units may come back): the local store is not asked,
+    ///   and the refusal tells what is left of that time, never 0 and never early.
+    /// - Any other key (one this instance has not seen refused or spent, or whose time has
+    ///   passed) is decided by the local store, which has seen nothing of it: a client may get
+    ///   up to one budget per instance until Redis is back, on top of what Redis recorded.
+    ///
+    /// The layer remembers the last 100 000 (policy, key)s its store refused or spent, the
+    /// least recently seen forgotten first, each until its time has passed; a key the store
+    /// admits again with units left is forgotten at once. Nothing of it is shared between
+    /// instances.
     Fallback(crate::MemoryStore),
 }

@@ -1,12 +1,14 @@
 //! The Redis store in the deployments users run and the failures they meet: a cluster and its
-//! failovers, Sentinel, TLS, credentials; Redis gone, slow, flushed or restarted; overrides at
-//! the edges of Redis and listed by the hundred thousand.
+//! failovers, Sentinel, TLS, credentials; Redis gone, slow, flushed or restarted, and the
+//! fallback store meanwhile; overrides at the edges of Redis and listed by the hundred
+//! thousand.
 
 #[path = "../support/mod.rs"]
 mod support;
 
 mod cluster;
 mod failover;
+mod fallback;
 mod override_edges;
 mod override_listing;
 mod resilience;
