@@ -75,7 +75,8 @@ impl Seen {
     /// cost `cost`; `settled` when an admission's units may come back after its response
     /// (usage, outcome counting), so that spending them is not taken as spent.
     pub(crate) fn note(&self, key: &Key, policy: &Policy, cost: u32, d: &Decision, settled: bool) {
-        if d.is_concurrency_limit() {
+        // A busy refusal ends with the attempts in flight, sooner than its retry may say.
+        if d.is_concurrency_limit() || d.is_busy() {
             return;
         }
         let id = policy.terms_id();
