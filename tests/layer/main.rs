@@ -13,6 +13,7 @@ mod clients;
 mod concurrency;
 mod decisions;
 mod grpc;
+mod identity;
 mod login;
 mod outcomes;
 mod penalty_box;

@@ -7,6 +7,7 @@ mod support;
 
 mod cluster;
 mod failover;
+mod late_replies;
 mod override_edges;
 mod override_listing;
 mod resilience;
