@@ -153,6 +153,19 @@ pub enum BuildError {
     /// [identity](Policy#identity)), but the `RateLimit` fields and metrics could not tell them apart.
     #[error("two different policies are named {0:?}; give each its own name")]
     PolicyConflict(String),
+    /// Another live layer on the same store already uses this unnamed policy (one parsed from
+    /// text such as `"3/1m"`): the two would share one budget on a store passed to both, and
+    /// keep two with a store each, so the builder refuses rather than choose. Name the
+    /// policies ([`Policy::new`]) for a budget each, or build one layer and clone it for a
+    /// shared one. The claim ends when the other layer, its clones, their services and the
+    /// handles on its [rule table](RateLimitLayer::rule_table) are dropped. Separate stores
+    /// (two `RedisStore`s on one Redis, as instances of a fleet have) never conflict. See
+    /// [identity](Policy#identity).
+    #[error(
+        "unnamed policy \"{0}\" is already used by another live layer on this store: name the \
+         policies (Policy::new) for a budget each, or build one layer and clone it to share one"
+    )]
+    PolicyInUse(String),
     /// A rule's [plan](Rule::plan) is invalid: its limits, its name given twice, or the layer
     /// has no [plan function](RateLimitLayerBuilder::plan) to choose it.
     #[error("policy {policy:?}, plan {plan:?}: {why}")]
@@ -213,6 +226,7 @@ impl Settings {
     /// replaces it.
     fn compiler<St: Store>(&self, store: &St) -> Compiler {
         let overrides = store.run_time_overrides();
+        let claims = store.claims();
         let store = store.clone();
         let capabilities = Capabilities {
             plan_fn: self.plan.is_some(),
@@ -231,6 +245,7 @@ impl Settings {
             },
             capabilities,
             overrides,
+            claims,
         }
     }
 }

@@ -250,6 +250,10 @@ impl<St: Store> Engine for FaultyStore<St> {
     fn is_local(&self) -> bool {
         self.remote.is_none() && self.store.is_local()
     }
+
+    fn claims(&self) -> Option<crate::store::claims::Claims> {
+        self.store.claims()
+    }
 }
 
 impl<St: Store> Reserve for FaultyStore<St> {

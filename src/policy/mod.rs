@@ -56,8 +56,12 @@ pub(crate) use syntax::{parse_limits, write_limits};
 ///   refuses at its own counts. A change of algorithm or windows starts the keys afresh.
 ///   To keep two budgets apart, give them different names.
 /// - **Unnamed policies never share by accident**: two layers that parse `"100/1m"` and
-///   `"5/1m"` keep apart budgets; two that parse the same text share one. Changing an
-///   unnamed policy's limits in code starts its keys afresh.
+///   `"5/1m"` keep apart budgets. Two layers that parse the same text keep a budget each with
+///   a store each (the default); on one store, the second fails to build
+///   ([`BuildError::PolicyInUse`](crate::BuildError::PolicyInUse)) while the first is alive, so
+///   that moving from a store per builder to a shared one never merges their budgets: name
+///   them for a budget each, or clone one layer for a shared one. Changing an unnamed
+///   policy's limits in code starts its keys afresh.
 ///
 /// Caches outside the store (refusals, leases) key by the whole limits as well, so that
 /// what was decided under some counts never answers for others.

@@ -8,7 +8,7 @@
 //! the leases hold for the exact limits they were decided against, so a raise is not shadowed
 //! by a refusal cached under the old counts.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use arc_swap::ArcSwap;
 use tokio::runtime::Handle;
@@ -17,6 +17,7 @@ use super::combine::{self, Capabilities, Names};
 use super::orphans::Checks;
 use super::rule::{Built, Matcher, PlanFn, RequestHead};
 use crate::response::{Options, Responder};
+use crate::store::claims::{Claim, Claims};
 use crate::store::Overrides;
 use crate::{BuildError, Policy, Rule};
 
@@ -205,6 +206,9 @@ pub(crate) struct Compiler {
     pub(crate) capabilities: Capabilities,
     /// The store's overrides, which each table put in force is checked against (`orphans`).
     pub(crate) overrides: Option<Overrides>,
+    /// The store's registry of the unnamed policies its live layers use, which each table
+    /// put in force claims its own in (`store/claims.rs`).
+    pub(crate) claims: Option<Claims>,
 }
 
 impl Compiler {
@@ -278,6 +282,10 @@ pub struct RuleTable {
 struct Shared {
     current: ArcSwap<Table>,
     compiler: Compiler,
+    /// The unnamed policies of the table in force, claimed in the store; locked while a
+    /// table replaces it, so that the claim and the table change together. Released when
+    /// the layer, its clones, their services and every handle on the table are gone.
+    claim: Mutex<Claim>,
     /// The runtime the layer was built on, for the checks of a table replaced outside one.
     runtime: Option<Handle>,
 }
@@ -298,11 +306,14 @@ impl std::fmt::Debug for RuleTable {
 impl RuleTable {
     pub(crate) fn new(compiler: Compiler, rules: Rules) -> Result<Self, BuildError> {
         let table = compiler.compile(rules)?;
+        let mut claim = Claim::new(compiler.claims.clone());
+        claim.take(table.policies())?;
         let checks = Checks::between(None, table.policies().cloned().collect());
         let table = RuleTable {
             shared: Arc::new(Shared {
                 current: ArcSwap::from_pointee(table),
                 compiler,
+                claim: Mutex::new(claim),
                 runtime: Handle::try_current().ok(),
             }),
         };
@@ -325,7 +336,8 @@ impl RuleTable {
 
     /// Checks `rules` as [`RateLimitLayerBuilder::build`](crate::RateLimitLayerBuilder::build)
     /// does and puts them in force for the requests that follow; on an error, the rules in
-    /// force stay.
+    /// force stay. An unnamed policy that another live layer on the store uses is refused as
+    /// at build time ([`BuildError::PolicyInUse`]).
     ///
     /// Overrides in the store that the new rules leave without effect are logged at `WARN`:
     /// count overrides of a policy whose windows or algorithm changed (blocks stay in force;
@@ -333,8 +345,15 @@ impl RuleTable {
     /// have.
     pub fn replace(&self, rules: Rules) -> Result<(), BuildError> {
         let table = self.shared.compiler.compile(rules)?;
+        let mut claim = self
+            .shared
+            .claim
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        claim.take(table.policies())?;
         let now = table.policies().cloned().collect();
         let before = self.shared.current.swap(Arc::new(table));
+        drop(claim);
         self.validate(Checks::between(
             Some(before.policies().cloned().collect()),
             now,

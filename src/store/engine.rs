@@ -13,6 +13,7 @@ use std::task::{Context, Poll, Waker};
 
 use tracing::Instrument;
 
+use super::claims::Claims;
 use super::{Overrides, Store, StoreError};
 use crate::model::slots::Waiter;
 use crate::{Decision, Key, Policy, Settlement};
@@ -131,6 +132,13 @@ pub trait Engine: Sealed {
     /// quickly.
     fn is_local(&self) -> bool {
         false
+    }
+
+    /// The store's registry of the unnamed policies its live layers use (`claims.rs`): a
+    /// layer whose unnamed policy another live layer on the store uses fails to build. `None`
+    /// (the default) for a store without one.
+    fn claims(&self) -> Option<Claims> {
+        None
     }
 }
 

@@ -12,6 +12,7 @@ use crate::{Decision, Key, Policy, Settlement};
 /// What [`Store::limits_version`] answers while the store cannot vouch for its limits.
 pub(crate) const UNCONFIRMED_LIMITS: u64 = u64::MAX;
 
+pub(crate) mod claims;
 pub(crate) mod engine;
 pub(crate) mod memory;
 pub(crate) mod override_table;

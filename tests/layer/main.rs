@@ -14,6 +14,7 @@ mod concurrency;
 mod decisions;
 mod grpc;
 mod honest_users;
+mod identity;
 mod login;
 mod outcomes;
 mod penalty_box;

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use tower::{service_fn, ServiceBuilder, ServiceExt};
-use tower_redis_ratelimit::{FailureMode, Header, MissingKey, RateLimitLayer, RedisStore};
+use tower_redis_ratelimit::{FailureMode, Header, MissingKey, Policy, RateLimitLayer, RedisStore};
 
 fn hello_app(layer: RateLimitLayer) -> Router {
     Router::new()
@@ -236,17 +236,21 @@ async fn failure_modes_when_redis_is_gone() {
         .connect()
         .await
         .unwrap();
-    let build = |mode| {
+    // Two layers on one store: named, each its own budget.
+    let build = |name: &str, mode| {
         layered(
             &RateLimitLayer::builder()
-                .policy("5/10s")
+                .policy(Policy::new(name, ["5/10s".parse().unwrap()]).unwrap())
                 .store(store.clone())
                 .failure_mode(mode)
                 .build()
                 .unwrap(),
         )
     };
-    let (open, closed) = (build(FailureMode::Open), build(FailureMode::Closed));
+    let (open, closed) = (
+        build("open", FailureMode::Open),
+        build("closed", FailureMode::Closed),
+    );
     assert_eq!(
         open.clone()
             .oneshot(request_from("192.0.2.1"))

@@ -9,6 +9,7 @@ mod support;
 mod cluster;
 mod failover;
 mod fallback;
+mod late_replies;
 mod override_edges;
 mod override_listing;
 mod resilience;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::clock::{Clock, TokioClock};
 use super::{MemoryStore, Shared};
 use crate::shards::Shards;
+use crate::store::claims::Claims;
 
 /// Configures a [`MemoryStore`].
 pub struct MemoryStoreBuilder {
@@ -53,6 +54,7 @@ impl MemoryStoreBuilder {
                     .clock
                     .unwrap_or_else(|| Arc::new(TokioClock::default())),
                 overrides: Arc::default(),
+                claims: Claims::default(),
             }),
         }
     }

@@ -19,6 +19,7 @@ pub use builder::MemoryStoreBuilder;
 pub use clock::{Clock, ManualClock, TokioClock};
 
 use self::decide::SlotOp;
+use super::claims::Claims;
 use super::engine::{Engine, Sealed};
 use super::override_table::OverrideTable;
 use super::overrides::Overrides;
@@ -71,6 +72,8 @@ pub(crate) struct Shared {
     pub(crate) next_state: AtomicU64,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) overrides: Arc<OverrideTable>,
+    /// The unnamed policies the live layers on this store use (`store/claims.rs`).
+    pub(crate) claims: Claims,
 }
 
 impl Shared {
@@ -260,5 +263,9 @@ impl Engine for MemoryStore {
 
     fn run_time_overrides(&self) -> Option<Overrides> {
         Some(self.overrides())
+    }
+
+    fn claims(&self) -> Option<Claims> {
+        Some(self.shared.claims.clone())
     }
 }

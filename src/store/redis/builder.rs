@@ -358,6 +358,7 @@ impl RedisStoreBuilder {
             limits: overrides::Limits::new(),
             waiting: Default::default(),
             next_slot: AtomicU64::new(random_start()),
+            claims: Default::default(),
         });
         overrides::spawn_watch(Arc::downgrade(&inner));
         if let Some(leases) = &self.leases {

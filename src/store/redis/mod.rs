@@ -36,9 +36,11 @@ pub use lease::Leases;
 
 use placement::{Place, Placement};
 use transport::batch::Batcher;
+use transport::call::Late;
 use transport::health::{is_outage, Breaker};
 use wire::{Answer, Answered, Record, SlotOp};
 
+use super::claims::Claims;
 use super::engine::{Engine, OnSettled, Sealed};
 use super::{Store, StoreError};
 use crate::model::slots::Waiter;
@@ -95,6 +97,9 @@ struct Inner {
     next_slot: AtomicU64,
     /// Slot give-backs and renewals waiting for Redis (`slots.rs`).
     waiting: slots::Unsent,
+    /// The unnamed policies the live layers on this store use (`store/claims.rs`): another
+    /// `RedisStore` on the same Redis, as another instance has, keeps its own.
+    claims: Claims,
 }
 
 impl Inner {
@@ -135,11 +140,26 @@ impl Inner {
         at: i64,
         record: Record,
     ) -> Result<Answer, StoreError> {
+        self.decide_or_late(place, policy, units, at, record, None)
+            .await
+    }
+
+    /// [`decide`](Self::decide), with `late` reading the reply if it comes after the budget
+    /// (or after the caller went away): see `transport/call.rs`, "Replies after the budget".
+    async fn decide_or_late(
+        &self,
+        place: Place,
+        policy: &Policy,
+        units: (u64, u64),
+        at: i64,
+        record: Record,
+        late: Option<Late>,
+    ) -> Result<Answer, StoreError> {
         super::in_range(policy)?;
         let args = wire::encode_for(policy, &place, units, record, at, self.batcher.known());
         // The budget covers the whole decision: the queue, the call and a script reload.
         let lane = place.lane;
-        let decision = self.batcher.decide(place, policy.algorithm(), args);
+        let decision = self.batcher.decide(place, policy.algorithm(), args, late);
         self.guarded(lane, decision).await
     }
 
@@ -354,9 +374,18 @@ impl RedisStore {
             true => inner.next_slot(),
             false => 0,
         };
+        // Units recorded by a decision whose answer is never read are given back.
+        let late = match record {
+            Record::Admit | Record::Take { .. } => {
+                Some(self.give_back_late(key, &policy, (cost, attempt), at))
+            }
+            _ => None,
+        };
         Box::pin(async move {
             let units = (cost.into(), attempt);
-            let answer = inner.decide(place, &policy, units, at, record).await;
+            let answer = inner
+                .decide_or_late(place, &policy, units, at, record, late)
+                .await;
             if let (Some(unheld), Err(StoreError::Unavailable)) = (&mut unheld, &answer) {
                 unheld.disarm();
             }
@@ -375,6 +404,58 @@ impl RedisStore {
                 Record::Take { id, .. } => recorded(decision).with_slot(id).as_attempt(attempt),
                 _ => decision,
             })
+        })
+    }
+
+    /// What reads the answer to a decision of `cost` under `policy` (at event time `at`, or
+    /// now) that its caller never read (it took longer than the time budget, or the caller
+    /// went away): the units an admission recorded then are ones no request accounts for (the
+    /// caller saw a failure, and the layer followed its failure mode), so they are refunded,
+    /// as a refused request's would be, under the same checks as any refund (the state that
+    /// recorded them, by the admission's time). A slot it took goes back through `Unheld`.
+    /// `units` is the decision's cost and the attempt it is (0: none), whose settle the
+    /// refund is.
+    fn give_back_late(&self, key: &Key, policy: &Policy, units: (u32, u64), at: i64) -> Late {
+        let (cost, attempt) = units;
+        // Weak: a store dropped meanwhile gives nothing back (its tasks end with it).
+        let (inner, key, policy) = (Arc::downgrade(&self.inner), key.clone(), policy.clone());
+        Box::new(move |answered| {
+            let (Ok(answer), Some(inner)) = (answered, inner.upgrade()) else {
+                return;
+            };
+            let store = RedisStore { inner };
+            let Ok(verdict) = answer.verdict(&policy) else {
+                return;
+            };
+            let time = if at < 0 { answer.time } else { at };
+            let decision = verdict
+                .decision(&policy)
+                .recorded_at(Some(time), cost.into())
+                .as_attempt(attempt);
+            let Some(refund) = Settlement::refund(&decision, cost.into()) else {
+                return;
+            };
+            tracing::debug!(
+                target: "tower_redis_ratelimit",
+                policy = policy.name(),
+                key = %key.loggable(),
+                units = cost,
+                "a decision answered after its time budget: the units it recorded are given back"
+            );
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                return;
+            };
+            runtime.spawn(async move {
+                if let Err(error) = store.settle_units(&key, &policy, refund, false).await {
+                    tracing::warn!(
+                        target: "tower_redis_ratelimit",
+                        policy = policy.name(),
+                        key = %key.loggable(),
+                        %error,
+                        "the refund of a decision answered after its time budget failed"
+                    );
+                }
+            });
         })
     }
 
@@ -524,13 +605,6 @@ impl Store for RedisStore {
     /// leases as without, except that a reply showing the key full ends this instance's
     /// leases of it (`lease::settled`).
     fn settle(&self, key: &Key, policy: &Policy, settlement: Settlement) -> Self::ResetFuture {
-        /// How long a settle waits for its reply. Redis records a settle when the script runs,
-        /// however late the reply comes, and one whose reply is not read cannot be sent again
-        /// safely: so a settle outlasts a Redis paused well past the time budget (a fork, a
-        /// slow command), and a failure reported means that it did not run, or that no reply
-        /// came within this long. Shorter than a lease's patience, so that a Redis that is
-        /// gone is reported within a typical shutdown deadline.
-        const PATIENCE: Duration = Duration::from_secs(3);
         if let Some(op) = slot_op(policy, &settlement, self.inner.timeout) {
             // The path of the layer's own give-backs (`settle_then`), sent when first polled.
             let (store, key, policy) = (self.clone(), key.clone(), policy.clone());
@@ -543,6 +617,27 @@ impl Store for RedisStore {
                 outcome.await.unwrap_or_else(|_| Err(dropped.into()))
             });
         }
+        self.settle_units(key, policy, settlement, true)
+    }
+}
+
+impl RedisStore {
+    /// [`settle`](Store::settle) of a charge or a refund; `guarded`: behind the breaker (a
+    /// refund of a reply read late is not: that reply showed Redis back).
+    fn settle_units(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        settlement: Settlement,
+        guarded: bool,
+    ) -> BoxFuture<()> {
+        /// How long a settle waits for its reply. Redis records a settle when the script runs,
+        /// however late the reply comes, and one whose reply is not read cannot be sent again
+        /// safely: so a settle outlasts a Redis paused well past the time budget (a fork, a
+        /// slow command), and a failure reported means that it did not run, or that no reply
+        /// came within this long. Shorter than a lease's patience, so that a Redis that is
+        /// gone is reported within a typical shutdown deadline.
+        const PATIENCE: Duration = Duration::from_secs(3);
         let inner = Arc::clone(&self.inner);
         let place = inner.place(key, policy);
         let algorithm = policy.algorithm();
@@ -566,7 +661,7 @@ impl Store for RedisStore {
             }
             super::in_range(&policy)?;
             let lane = place.lane;
-            if inner.breaker(lane).is_open() {
+            if guarded && inner.breaker(lane).is_open() {
                 return Err(StoreError::Unavailable);
             }
             let started = inner.breaker(lane).now();
@@ -639,6 +734,10 @@ impl Engine for RedisStore {
 
     fn run_time_overrides(&self) -> Option<crate::store::Overrides> {
         Some(self.overrides())
+    }
+
+    fn claims(&self) -> Option<Claims> {
+        Some(self.inner.claims.clone())
     }
 
     /// A concurrency slot's give-back or renewal joins the next batched call of its key's lane,

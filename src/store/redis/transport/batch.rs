@@ -29,7 +29,9 @@ use fred::types::scripts::Script;
 use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use super::call::{call, send, Job, Laid, Redis, Requester, Settings, Then, Work};
+use super::call::{
+    out_of_time, send, start, Job, Laid, Late, Redis, Requester, Settings, Then, Unread, Work,
+};
 use super::nodes::{self};
 use crate::model::Algorithm;
 use crate::store::redis::overrides::Known;
@@ -73,12 +75,15 @@ impl Batcher {
         Batcher { lanes, settings }
     }
 
-    /// Decides one request at `place`: `args` encoded by [`wire::encode_for`].
+    /// Decides one request at `place`: `args` encoded by [`wire::encode_for`]. When the
+    /// request stops waiting before the reply comes (the budget ran out, or it went away),
+    /// `late` reads the reply (see `call.rs`, "Replies after the budget").
     pub(crate) async fn decide(
         &self,
         place: Place,
         algorithm: Algorithm,
         args: Vec<u8>,
+        late: Option<Late>,
     ) -> Answered {
         let work = Work::Decide(Bytes::from(args));
         let index = place.lane % self.lanes.len();
@@ -87,11 +92,22 @@ impl Batcher {
         let key = Key::from(place.key);
         // A free permit means nothing is waiting: no batch to join, so go at once.
         if let Ok(permit) = Arc::clone(&lane.permits).try_acquire_owned() {
-            // Boxed because fred's call future takes kilobytes: inline, it would make every
-            // decision's future that large, including the queued ones that never send.
-            let call = call(&self.settings, index, algorithm, Laid::of(key, work));
-            let reply = Box::pin(call).await;
+            // Boxed (`start`) because fred's call future takes kilobytes: inline, it would
+            // make every decision's future that large, including the queued ones that never
+            // send.
+            let call = start(
+                Arc::clone(&self.settings),
+                index,
+                algorithm,
+                Laid::of(key, work),
+            );
+            let mut unread = Unread::new(call, 1);
+            // Dropped with the budget run out, or with this future, `unread` reads the reply
+            // for `late`.
+            unread.late.extend(late.map(|late| (0, late)));
+            let reply = unread.within(&self.settings).await;
             drop(permit);
+            let reply = reply.unwrap_or_else(|| Err(out_of_time()));
             return reply.map(|values| answer(&values, 1, 0));
         }
         let (reply, answer) = oneshot::channel();
@@ -99,7 +115,7 @@ impl Batcher {
             algorithm,
             key,
             work,
-            reply: Requester::Waiting(reply),
+            reply: Requester::Waiting(reply, late),
         };
         if lane.queue.send(job).is_err() {
             return Err(Error::new(
@@ -343,7 +359,7 @@ mod tests {
             algorithm,
             key: Key::from(key),
             work: Work::Decide(Bytes::new()),
-            reply: Requester::Waiting(oneshot::channel().0),
+            reply: Requester::Waiting(oneshot::channel().0, None),
         }
     }
 
@@ -360,7 +376,7 @@ mod tests {
             algorithm: Algorithm::Gcra,
             key: Key::from(key),
             work,
-            reply: Requester::Waiting(oneshot::channel().0),
+            reply: Requester::Waiting(oneshot::channel().0, None),
         };
         let op = |key, op| job(key, Work::Slot(op));
         // Each decision's key field length, then its arguments: six integers, the policy-wide

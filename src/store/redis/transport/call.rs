@@ -1,18 +1,28 @@
 //! One call to Redis: the requests it carries laid out for a script (`wire/`, KEYS and
 //! ARGV), sent within the time budget (again key by key when a hash slot's migration splits
 //! its keys), and each request answered from the reply in its order.
+//!
+//! **Replies after the budget.** Redis runs a script however late its reply comes, so a
+//! decision its requester stopped waiting for (the budget ran out, or the request went away)
+//! may have recorded units that nobody accounts for. A request that asks for it ([`Late`])
+//! has its reply read anyway: the call keeps waiting, up to [`LATE_PATIENCE`], in a task of
+//! its own ([`Unread`]), and the reply goes to the request's `Late`, which gives back what it
+//! recorded (`RedisStore::run`).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use fred::clients::Pool;
 use fred::error::{Error, ErrorKind};
+use fred::types::config::Options;
 use fred::types::{Key, Value};
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
 use super::ask;
-use super::nodes::Nodes;
+use super::nodes::{self, Nodes};
 use crate::model::Algorithm;
 use crate::store::redis::overrides::Known;
 use crate::store::redis::scripts::Scripts;
@@ -28,8 +38,8 @@ pub(crate) struct Job {
 
 /// Who hears a request's answer.
 pub(crate) enum Requester {
-    /// A request awaiting it.
-    Waiting(oneshot::Sender<Answered>),
+    /// A request awaiting it, and what reads its reply if it stops waiting.
+    Waiting(oneshot::Sender<Answered>, Option<Late>),
     /// A slot operation nobody awaits: run with the answer in the task that sent the call, so
     /// that a give-back needs no task of its own.
     Then(Then),
@@ -38,12 +48,34 @@ pub(crate) enum Requester {
 /// What runs with the answer of a slot operation nobody awaits (see [`Batcher::keep_then`]).
 pub(crate) type Then = Box<dyn FnOnce(Answered) + Send>;
 
+/// What reads a decision's reply that its requester did not: the budget ran out first, or the
+/// requester went away. Runs in the task that read the reply; never for a reply its requester
+/// took.
+pub(crate) type Late = Box<dyn FnOnce(Answered) + Send>;
+
+/// How long a call's reply is waited for after the budget ran out, for the requests that read
+/// it late ([`Late`]); a reply later than that is not read, and what it recorded stays.
+pub(crate) const LATE_PATIENCE: Duration = Duration::from_secs(10);
+
 impl Requester {
     pub(crate) fn answer(self, reply: Answered) {
         match self {
-            // The requester may have given up (its own timeout); nothing to do then.
-            Requester::Waiting(sender) => drop(sender.send(reply)),
+            // The requester may have given up (its own timeout): its `Late`, if any, reads it.
+            Requester::Waiting(sender, late) => {
+                if let (Err(reply), Some(late)) = (sender.send(reply), late) {
+                    late(reply);
+                }
+            }
             Requester::Then(then) => then(reply),
+        }
+    }
+
+    /// Takes what reads the request's reply late, for a call whose budget ran out: the
+    /// requester is answered with the timeout, and the reply, when it comes, goes there.
+    fn take_late(&mut self) -> Option<Late> {
+        match self {
+            Requester::Waiting(_, late) => late.take(),
+            Requester::Then(_) => None,
         }
     }
 }
@@ -217,9 +249,9 @@ pub(crate) async fn send(
         ),
         Redis::Single(_) => None,
     };
-    let (laid, replies) = Laid::jobs(group);
+    let (laid, mut replies) = Laid::jobs(group);
     let decisions = laid.decisions;
-    let reply = call(&settings, lane, algorithm, laid).await;
+    let reply = call_reading_late(&settings, lane, algorithm, laid, &mut replies).await;
     if let Some(kept) = kept {
         let first = &kept[0].0;
         if reply.as_ref().is_err_and(is_split) && kept.iter().any(|(key, _)| key != first) {
@@ -263,9 +295,9 @@ pub(crate) async fn send_by_key(
         .map(|part| {
             let settings = Arc::clone(settings);
             tokio::spawn(async move {
-                let (laid, replies) = Laid::jobs(part);
+                let (laid, mut replies) = Laid::jobs(part);
                 let decisions = laid.decisions;
-                let reply = call(&settings, lane, algorithm, laid).await;
+                let reply = call_reading_late(&settings, lane, algorithm, laid, &mut replies).await;
                 deliver(reply, decisions, replies);
             })
         })
@@ -278,8 +310,114 @@ pub(crate) async fn send_by_key(
 
 /// Runs the algorithm's script for the requests `laid` out for lane `lane`, within the time
 /// budget; the reply has six integers per decision, the time, then a byte per slot
-/// operation.
-pub(crate) async fn call(
+/// operation. `replies` are the requests in the reply's order: when the budget runs out,
+/// those that read their reply late ([`Late`]) get it from a task that waits on for the call.
+pub(crate) async fn call_reading_late(
+    settings: &Arc<Settings>,
+    lane: usize,
+    algorithm: Algorithm,
+    laid: Laid,
+    replies: &mut [Requester],
+) -> Result<Bytes, Error> {
+    let decisions = laid.decisions;
+    let mut unread = Unread::new(
+        start(Arc::clone(settings), lane, algorithm, laid),
+        decisions,
+    );
+    let reply = unread.within(settings).await;
+    if reply.is_none() {
+        let late = replies.iter_mut().enumerate();
+        unread.late = late
+            .filter_map(|(i, requester)| Some((i, requester.take_late()?)))
+            .collect();
+    }
+    reply.unwrap_or_else(|| Err(out_of_time()))
+}
+
+/// A call under way, its reply's length checked and its override fields learnt.
+pub(crate) type Pending = Pin<Box<dyn Future<Output = Result<Bytes, Error>> + Send>>;
+
+/// A call whose reply is read even when nobody waits for it any more: dropped before the reply
+/// came (its budget ran out, or the request that awaited it went away), it hands the call
+/// to a task of its own, which waits up to [`LATE_PATIENCE`] and gives each decision's answer
+/// to its [`Late`]. Boxed, because fred's call future takes kilobytes.
+pub(crate) struct Unread {
+    pending: Option<Pending>,
+    decisions: usize,
+    /// The requests, by their place in the reply, that read their reply late.
+    pub(crate) late: Vec<(usize, Late)>,
+}
+
+impl Unread {
+    pub(crate) fn new(pending: Pending, decisions: usize) -> Self {
+        Unread {
+            pending: Some(pending),
+            decisions,
+            late: Vec::new(),
+        }
+    }
+
+    /// The reply, if it comes within the time budget; `None` when the budget ran out first
+    /// (the call is then still under way, for [`late`](Self::late)).
+    pub(crate) async fn within(&mut self, settings: &Settings) -> Option<Result<Bytes, Error>> {
+        let pending = self.pending.as_mut()?;
+        match tokio::time::timeout(settings.timeout, pending).await {
+            Ok(reply) => {
+                self.pending = None;
+                Some(reply)
+            }
+            Err(_) => {
+                // The hash slot's node may be gone, its hash slots failing over to a replica.
+                if let Redis::Cluster(nodes) = &settings.redis {
+                    nodes.refresh_soon();
+                }
+                None
+            }
+        }
+    }
+}
+
+impl Drop for Unread {
+    fn drop(&mut self) {
+        let late = std::mem::take(&mut self.late);
+        let (Some(pending), false) = (self.pending.take(), late.is_empty()) else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let decisions = self.decisions;
+        runtime.spawn(async move {
+            let reply = match tokio::time::timeout(LATE_PATIENCE, pending).await {
+                Ok(Ok(values)) => values,
+                // No reply to read: what the call recorded, if it ran, stays.
+                Ok(Err(_)) | Err(_) => return,
+            };
+            for (i, late) in late {
+                late(Ok(answer(&reply, decisions, i)));
+            }
+        });
+    }
+}
+
+/// The error of a call whose reply did not come within the time budget.
+pub(crate) fn out_of_time() -> Error {
+    Error::new(ErrorKind::Timeout, "no reply within the time budget")
+}
+
+/// Starts the algorithm's script for the requests `laid` out for lane `lane`, waiting for its
+/// reply up to [`LATE_PATIENCE`] (the time budget is the caller's: see [`Unread`]).
+pub(crate) fn start(
+    settings: Arc<Settings>,
+    lane: usize,
+    algorithm: Algorithm,
+    laid: Laid,
+) -> Pending {
+    Box::pin(async move { run(&settings, lane, algorithm, laid).await })
+}
+
+/// [`start`]'s call.
+async fn run(
     settings: &Settings,
     lane: usize,
     algorithm: Algorithm,
@@ -298,24 +436,31 @@ pub(crate) async fn call(
     let one_key = keys.iter().all(|key| *key == keys[0]);
     let (args, heads) = (Bytes::from(args), heads.bytes());
     let argv = wire::argv(args, settings.overrides_of(lane), heads, ops);
+    // Each command waits for its reply up to the patience of a late reply, not the pool's
+    // budget, so that a reply after the budget is still read (see `Unread`).
+    let options = Options {
+        timeout: Some(LATE_PATIENCE),
+        ..Options::default()
+    };
     let call = async {
         let nodes = match &settings.redis {
             // No redirections outside a cluster: nothing to keep for a second try.
             Redis::Single(pool) => {
-                return script
-                    .evalsha_with_reload(pool.next_connected(), keys, argv)
-                    .await
+                let evalsha = nodes::evalsha_args(script, keys, argv);
+                let client = pool.next_connected();
+                return nodes::evalsha_on(client, &options, script, evalsha, false).await;
             }
             Redis::Cluster(nodes) => nodes,
         };
         loop {
+            let patience = Some(LATE_PATIENCE);
             let reply = nodes
-                .evalsha(script, keys.clone(), argv.clone(), None)
+                .evalsha(script, keys.clone(), argv.clone(), patience)
                 .await;
             match reply {
                 // The keys are split between the two nodes of a hash slot's migration, or the hash
                 // slot moved on more often than one call follows: try again shortly, within the
-                // time budget.
+                // time budget (and past it, for a reply read late).
                 Err(error) if is_transient(&error) && (one_key || !is_split(&error)) => {
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
@@ -323,16 +468,10 @@ pub(crate) async fn call(
             }
         }
     };
-    let values: Bytes = match tokio::time::timeout(settings.timeout, call).await {
+    // Bounded as a whole too: a hash slot that keeps moving stops being tried.
+    let values: Bytes = match tokio::time::timeout(LATE_PATIENCE, call).await {
         Ok(reply) => reply?,
-        Err(_) => {
-            // The hash slot's node may be gone, its hash slots failing over to a replica.
-            if let Redis::Cluster(nodes) = &settings.redis {
-                nodes.refresh_soon();
-            }
-            let error = Error::new(ErrorKind::Timeout, "no reply within the time budget");
-            return Err(error);
-        }
+        Err(_) => return Err(out_of_time()),
     };
     check_length(&values, decisions, slot_ops)?;
     settings.learn(lane, &values, decisions, slot_ops);
