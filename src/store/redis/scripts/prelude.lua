@@ -212,6 +212,8 @@ local BLOCKED = spack('<llllll', 0, 0, 0, 0, -2, 0)
 -- past its end; and the count its BOXED answer reports (-1: the request's own).
 local box_ms, box_us, box_record, box_refund = 0, 0, 0, 0
 local box_end, box_held, box_count = 0, false, -1
+-- Whether the request at hand is decided at an event time of its own (not now).
+local event_time = false
 
 -- The largest count (2^50, Limit::MAX_COUNT) and the longest window (3650 days in us,
 -- Limit::MAX_WINDOW): a request past those is an error, never decided inexactly. (The most
@@ -466,8 +468,13 @@ local function next_request(counts, windows, scales, k)
   local want, headroom, refund, admitted, weight
   n, cost, record, t, id, box, all, plan, known, kind, next_byte =
     sunpack('<llllllllll', requests, next_byte)
+  -- An event time (Store::check_at) is decided by the limits alone: no penalty box refuses
+  -- it, and its refusal sets none (that box is the requests' of now).
+  event_time = t >= 0
   if t < 0 then
     t = now
+  elseif record ~= RESERVE then
+    box = 0
   end
   want, headroom, refund, admitted, weight = cost, 0, 0, -1, 0
   slot_cap, waiter_id, waiter_queued, reserve_wait = 0, 0, 0, 0
