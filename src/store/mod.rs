@@ -59,7 +59,9 @@ pub trait Store: Clone + Send + Sync + 'static + engine::Engine + reserve::Reser
     /// `at`. Only [`Algorithm::SlidingLog`](crate::Algorithm) keeps event times; other
     /// algorithms answer [`StoreError::Unsupported`]. A time up to the policy's longest window
     /// before now is decided against the log as it was (the log keeps events twice that
-    /// long); one further back answers [`StoreError::EventTooOld`].
+    /// long); one further back answers [`StoreError::EventTooOld`]. On a
+    /// [`RedisStore`] with leases, whose decisions read each window a lease period longer
+    /// (`docs/leases.md`), the bound is that longer window.
     ///
     /// A refusal's [`retry_after`](Decision::retry_after) counts from `at`, not from now: the
     /// event moved that much later fits ([`Decision::retry_at`] is that instant). An event

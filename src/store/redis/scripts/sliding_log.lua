@@ -46,8 +46,8 @@
 -- weight 0: that key's counts can be off until it ages out, within one longest window.
 --
 -- Event times: decided by the limits alone (prelude.lua passes no penalty box for them), at
--- most the longest window back (TOO_OLD further); members are kept twice the longest window,
--- so that the windows around such a time read every event they held.
+-- most the longest window read back (w + headroom; TOO_OLD further); members are kept twice
+-- that, so that the windows around such a time read every event they held.
 --
 -- Writes: members at or before twice the longest window before now are trimmed; an admitted
 -- request of positive cost adds one member after those at or before its time, adds its cost
@@ -374,9 +374,9 @@ for k = 1, REQUESTS do
     reply[k] = blocked
   elseif n == 0 then
     reply[k] = conclude(k, NO_LIMITS)
-  elseif event_time and t < now - windows[n] then
-    -- Further back than the longest window: the set keeps what windows around times up to
-    -- that far back need, and no more.
+  elseif event_time and t < now - windows[n] - headroom then
+    -- Further back than the longest window its decisions read (w + headroom): the set keeps
+    -- what windows around times up to that far back need, and no more.
     reply[k] = TOO_OLD
   elseif record == SETTLE and refund == 1 then
     if admitted >= 0 then
