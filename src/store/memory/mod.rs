@@ -35,8 +35,9 @@ use crate::{Decision, Key, Policy, Settlement};
 /// Rate-limit state kept in this process.
 ///
 /// Bounded: it holds at most [`max_keys`](MemoryStoreBuilder::max_keys) keys (client ×
-/// policy), and forgets a key once its policy's longest window has passed without a request,
-/// since its state would be empty by then. When the bound is reached, expired keys are dropped
+/// policy), and forgets a key once its state has aged out without a request: its policy's
+/// longest window (twice that for the sliding window counter and the sliding log, whose event
+/// times up to a window back read a window further). When the bound is reached, expired keys are dropped
 /// first, then the least recently used of the keys that are not pinned (a refused request
 /// counts as use); an evicted key starts again with a full budget, so size the bound above the
 /// number of clients you expect within the longest window.
