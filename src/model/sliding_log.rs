@@ -46,8 +46,11 @@ use std::collections::VecDeque;
 use super::{AlgorithmState, Fit, Refund, Window, MAX_UNITS};
 
 /// The most candidate times [`SlidingLog::joint_retry`] decides before it answers the time
-/// every window is past the newest event (`scripts/sliding_log.lua`, `JOINT_STEPS`).
-pub(crate) const JOINT_STEPS: usize = 256;
+/// every window is past the newest event (`scripts/sliding_log.lua`, `JOINT_STEPS`): each
+/// reads every event after the candidate within a window, per limit, so that a refusal among
+/// many booked events costs Redis a bounded number of reads. Past it, the retry is still true
+/// (the request fits there), but may be later than the earliest.
+pub(crate) const JOINT_STEPS: usize = 32;
 
 /// One admitted request.
 #[derive(Debug, Clone, Copy)]

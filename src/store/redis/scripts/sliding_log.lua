@@ -172,7 +172,7 @@ end
 -- after t, each candidate is decided afresh, the next one the latest of the refusing limits'
 -- own answers there; after JOINT_STEPS candidates, the time the newest event has left every
 -- window, at which the request always fits.
-local JOINT_STEPS = 256
+local JOINT_STEPS = 32
 local function joint_retry(key, n, t, cost, retry, newest_t)
   if newest_t == nil or newest_t <= t then
     return retry
