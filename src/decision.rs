@@ -1,6 +1,6 @@
 //! What a store decided for one request.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 /// The answer of a [`Store`](crate::Store) for one request.
 ///
@@ -21,6 +21,10 @@ pub struct Decision {
     /// store's [`Clock`](crate::store::Clock), Redis `TIME`); `None` when nothing was recorded
     /// or the time is not known.
     pub(crate) admitted_at: Option<i64>,
+    /// The time decided at, in µs since the epoch on the store's clock: the event's time for
+    /// [`Store::check_at`](crate::Store::check_at), the store's now otherwise; 0 when not known.
+    /// [`retry_after`](Self::retry_after) counts from it.
+    pub(crate) at: i64,
     /// The units the request recorded (its cost; 0 for a peek or a refusal).
     pub(crate) recorded: u64,
     /// Which of the memory store's states of the key recorded the request (numbered as the
@@ -83,11 +87,33 @@ impl Decision {
         self.reset_after
     }
 
-    /// When denied: the time after which the same request would be admitted, if nothing else
-    /// is admitted in between. `None` when admitted, and when the request's cost exceeds the
-    /// limit itself, so that no wait would help.
+    /// When denied: how long after the time decided the same request would be admitted, if
+    /// nothing else is admitted in between; a second earlier it would still be refused. The
+    /// time decided is now for [`Store::check`](crate::Store::check), and the event's own time
+    /// for [`Store::check_at`](crate::Store::check_at): the event moved by `retry_after` fits,
+    /// whatever the log holds before or after it (other events booked later included).
+    /// [`retry_at`](Self::retry_at) is the same instant, absolute. `None` when admitted, and
+    /// when the request's cost exceeds a limit itself, so that no wait would help: every
+    /// refusal whose cost fits the counts has a wait.
     pub fn retry_after(&self) -> Option<Duration> {
         self.retry_after
+    }
+
+    /// When denied: the instant at which the same request would be admitted, on the store's
+    /// clock (Redis `TIME` on a Redis store), if nothing else is admitted in between:
+    /// [`retry_after`](Self::retry_after) after the time decided, which is the event's time for
+    /// [`Store::check_at`](crate::Store::check_at), so a scheduler moves the event there
+    /// without knowing which time the wait counts from. `None` where `retry_after` is, and for
+    /// a decision whose time the store does not report (a reservation's).
+    pub fn retry_at(&self) -> Option<SystemTime> {
+        let at = u64::try_from(self.at).ok().filter(|&at| at > 0)?;
+        let decided = SystemTime::UNIX_EPOCH.checked_add(Duration::from_micros(at))?;
+        decided.checked_add(self.retry_after?)
+    }
+
+    /// This decision, made at `at` (µs since the epoch on the store's clock).
+    pub(crate) fn decided_at(self, at: i64) -> Decision {
+        Decision { at, ..self }
     }
 
     pub(crate) fn from_outcome(outcome: crate::model::Outcome, policy: &crate::Policy) -> Decision {
@@ -115,6 +141,7 @@ impl Decision {
             reset_after: Duration::from_micros(outcome.reset_after),
             retry_after: outcome.retry_after.map(Duration::from_micros),
             admitted_at: None,
+            at: 0,
             recorded: 0,
             state: 0,
             penalty: false,
@@ -185,6 +212,7 @@ impl Decision {
             reset_after: left,
             retry_after: Some(left),
             admitted_at: None,
+            at: 0,
             recorded: 0,
             state: 0,
             penalty: true,
@@ -250,6 +278,7 @@ impl Decision {
             reset_after: retry,
             retry_after: Some(retry),
             admitted_at: None,
+            at: 0,
             recorded: 0,
             state: 0,
             penalty: false,
@@ -301,6 +330,7 @@ impl Decision {
             reset_after: Duration::ZERO,
             retry_after: None,
             admitted_at: None,
+            at: 0,
             recorded: 0,
             state: 0,
             penalty: false,

@@ -370,7 +370,8 @@ pub fn release_after(decision: &Decision, held: Duration) -> Option<Settlement> 
 }
 
 /// The events (admitted requests, one each whatever its cost) a memory store's sliding log
-/// holds for `key` under `policy` that are younger than its longest window; 0 for other
+/// holds for `key` under `policy` that are younger than twice its longest window (what event
+/// times up to a window back read); 0 for other
 /// algorithms and expired keys.
 pub fn events(store: &MemoryStore, key: &Key, policy: &Policy) -> usize {
     store.events(key, policy)

@@ -226,7 +226,7 @@ impl KeyState {
         let windows = policy.windows();
         match &mut self.of {
             Of::Log(log) => {
-                trim(log, now.min(t), policy);
+                trim(log, now, policy);
                 decide(log, t, windows, cost, record)
             }
             Of::Sliding(s) => decide(s, t, windows, cost, record),
@@ -440,9 +440,11 @@ impl KeyState {
     }
 }
 
-/// Drops the events no window around `t` or later can hold.
-pub(crate) fn trim(log: &mut SlidingLog, t: u64, policy: &Policy) {
-    if let Some(cutoff) = t.checked_sub(micros(policy.longest_window())) {
+/// Drops the events no decision from `now` on can read: its time is at most the longest window
+/// before `now` (`Store::check_at` refuses older ones), and its windows reach one further back.
+pub(crate) fn trim(log: &mut SlidingLog, now: u64, policy: &Policy) {
+    let kept = micros(policy.longest_window()).saturating_mul(2);
+    if let Some(cutoff) = now.checked_sub(kept) {
         log.trim(cutoff);
     }
 }
@@ -489,12 +491,13 @@ mod tests {
 
     #[test]
     fn an_admission_is_kept_a_window_and_a_refusal_records_nothing() {
-        for algorithm in [Algorithm::SlidingLog, Algorithm::Gcra] {
+        // The log two: event times up to a window back read a window further back.
+        for (algorithm, kept) in [(Algorithm::SlidingLog, 120 * S), (Algorithm::Gcra, 60 * S)] {
             let p = policy("2/1m", algorithm);
             let mut state = KeyState::new(algorithm, 1);
             let first = state.answer(&p, &ask(0, 1), 0);
             assert!(first.outcome.allowed);
-            assert_eq!(first.keep_until, Some(60 * S));
+            assert_eq!(first.keep_until, Some(kept));
             assert!(state.answer(&p, &ask(S, 1), 0).outcome.allowed);
             let refused = state.answer(&p, &ask(2 * S, 1), 0);
             assert!(!refused.outcome.allowed && refused.keep_until.is_none());

@@ -33,7 +33,7 @@ pub(crate) mod turn;
 #[non_exhaustive]
 pub enum Algorithm {
     /// An exact sliding-window log: one entry per admitted request, carrying its cost, kept for
-    /// the longest window. Exact for every window, at a memory cost that grows with the number
+    /// twice the longest window (event times up to a window back read a window further). Exact for every window, at a memory cost that grows with the number
     /// of requests admitted in that window (not with their cost). The only
     /// algorithm that takes event times ([`Store::check_at`](crate::Store::check_at)).
     #[default]
@@ -56,11 +56,13 @@ pub enum Algorithm {
 impl Algorithm {
     /// How long a key's state matters after its last request, for a policy whose longest
     /// window is `longest`: twice that for the sliding window counter, whose previous window
-    /// still weighs during the next one.
+    /// still weighs during the next one, and for the sliding log, whose events count for event
+    /// times up to a window back ([`Store::check_at`](crate::Store::check_at)), each in
+    /// windows reaching a window further back.
     pub(crate) fn retention(self, longest: std::time::Duration) -> std::time::Duration {
         match self {
-            Algorithm::SlidingWindow => longest * 2,
-            Algorithm::SlidingLog | Algorithm::FixedWindow | Algorithm::Gcra => longest,
+            Algorithm::SlidingWindow | Algorithm::SlidingLog => longest * 2,
+            Algorithm::FixedWindow | Algorithm::Gcra => longest,
         }
     }
 
@@ -169,6 +171,13 @@ pub(crate) enum Fit {
 pub(crate) trait AlgorithmState {
     /// Does a request of `cost` at `now` fit limit `i`?
     fn fits(&self, now: u64, i: usize, w: &Window, cost: u64) -> Fit;
+    /// The wait after which a request refused at `now` fits every limit at once, given
+    /// `retry`, the latest of the limits' own waits: that one, where each limit only admits
+    /// more as time passes (every algorithm but the log, which holds events after `now` too).
+    fn joint_retry(&self, now: u64, windows: &[Window], cost: u64, retry: u64) -> u64 {
+        let _ = (now, windows, cost);
+        retry
+    }
     /// Records an admitted request of `cost` at `now` against every limit.
     fn record(&mut self, now: u64, windows: &[Window], cost: u64);
     /// Units left in limit `i` and microseconds until it resets.
@@ -262,6 +271,7 @@ pub(crate) fn decide<L: AlgorithmState>(
         }
     }
     if let Some((index, retry_after)) = denied {
+        let retry_after = retry_after.map(|retry| state.joint_retry(now, windows, cost, retry));
         let (remaining, reset_after) = state.report(now, index, &windows[index]);
         return Outcome {
             allowed: false,

@@ -17,13 +17,22 @@
 //! event before its first (`base` for the oldest). Counting takes two binary searches however
 //! many units the events carry, and memory grows with events, not units.
 //!
-//! When it does not fit, and the window `(t - w, t]` itself is too full, it will fit once
-//! `used + cost - c` units have left it: walking the window's events oldest first and summing
-//! their weights, at `e + w` for the first event `e` at which that sum covers the excess (a
-//! binary search over the running totals). That is when the `(used + cost - c)`-th oldest unit
-//! leaves, as if each unit were its own event. When only events scheduled after `t` make it
-//! too full, no wait at `t` is known to help and the retry is `None`; it is also `None` when
-//! `cost > c`.
+//! When it does not fit, the retry is the earliest time `t' > t` at which the request fits
+//! every limit at once, given every event the log holds (before and after `t`). A limit's fit
+//! only improves when an event leaves the windows around `t'`, at `e + w`; so for one limit
+//! the earliest is at least `e + w` for the first event `e` after `t - w`, and, when the window
+//! `(t - w, t]` itself is too full, at least when `used + cost - c` units have left it (walking
+//! the window's events oldest first and summing their weights, `e + w` for the first event at
+//! which that sum covers the excess: a binary search over the running totals). Without events
+//! after `t` the latest of those is the answer. With some (scheduled events, or later ones
+//! than a past event time), the request is decided afresh at that time, and at the latest of
+//! the refusing limits' own answers there, and so on (`joint_retry`, at most `JOINT_STEPS`
+//! times, then the time the newest event has left every window, where it always fits). The
+//! retry is `None` only when `cost > c` for a limit.
+//!
+//! The log keeps its events twice the longest window `L` (trimmed at `now - 2L`): a decision
+//! is at a time no more than `L` before now (`Store::check_at` refuses older ones), and its
+//! windows reach `L` further back.
 //!
 //! An admitted request of positive cost adds one event at `t` of weight `cost`, once for all
 //! limits, after any events at the same time. A denied request records nothing, so a client
@@ -35,6 +44,13 @@
 use std::collections::VecDeque;
 
 use super::{AlgorithmState, Fit, Refund, Window, MAX_UNITS};
+
+/// The most candidate times [`SlidingLog::joint_retry`] decides before it answers the time
+/// every window is past the newest event (`scripts/sliding_log.lua`, `JOINT_STEPS`): each
+/// reads every event after the candidate within a window, per limit, so that a refusal among
+/// many booked events costs Redis a bounded number of reads. Past it, the retry is still true
+/// (the request fits there), but may be later than the earliest.
+pub(crate) const JOINT_STEPS: usize = 32;
 
 /// One admitted request.
 #[derive(Debug, Clone, Copy)]
@@ -102,6 +118,38 @@ impl SlidingLog {
         self.mark(hi).wrapping_sub(self.mark(lo))
     }
 
+    /// The time of the newest event the log holds.
+    pub(crate) fn newest(&self) -> Option<u64> {
+        self.events.back().map(|e| e.time)
+    }
+
+    /// When the first event after `t - w` leaves the windows around `t`: `e + w`, after `t`.
+    fn next_leave(&self, t: u64, w: u64) -> Option<u64> {
+        let first = self.events.get(self.after(t.checked_sub(w)))?;
+        Some(first.time.saturating_add(w))
+    }
+
+    /// When `(t - w, t]`, which holds `past` units, has room for `cost` (at most the count) as
+    /// far as its own events go: `t` when it has; else once `past + cost - c` units have left
+    /// it, at `e + w` for the first event `e`, oldest first, whose running total covers them.
+    fn past_frees(&self, t: u64, w: &Window, past: u64, cost: u64) -> u64 {
+        if past.saturating_add(cost) <= w.count {
+            return t;
+        }
+        // Totals are taken relative to `base`, where they increase.
+        let start = self.after(t.checked_sub(w.micros));
+        let target = self
+            .mark(start)
+            .wrapping_sub(self.base)
+            .wrapping_add(past + cost - w.count);
+        let at = self
+            .events
+            .partition_point(|e| e.total.wrapping_sub(self.base) < target);
+        self.events
+            .get(at)
+            .map_or(t, |e| e.time.saturating_add(w.micros))
+    }
+
     /// `(units in (t - w, t], the fullest window containing t)`.
     fn used(&self, t: u64, w: u64) -> (u64, u64) {
         let past = self.count(t, w);
@@ -122,23 +170,46 @@ impl AlgorithmState for SlidingLog {
         if fullest.saturating_add(cost) <= w.count {
             return Fit::Yes;
         }
-        if cost > w.count || past.saturating_add(cost) <= w.count {
+        if cost > w.count {
             return Fit::No(None);
         }
-        // Oldest first from the window's first event, the first whose running total frees
-        // `past + cost - c` units. Totals are taken relative to `base`, where they increase.
-        let start = self.after(t.checked_sub(w.micros));
-        let target = self
-            .mark(start)
-            .wrapping_sub(self.base)
-            .wrapping_add(past + cost - w.count);
-        let at = self
-            .events
-            .partition_point(|e| e.total.wrapping_sub(self.base) < target);
-        match self.events.get(at) {
-            Some(e) => Fit::No(Some(e.time + w.micros - t)),
-            None => Fit::No(None),
+        // The limit admits again only once an event has left a window around t: at `e + w`
+        // for the first event `e` after `t - w`, at the earliest (the log holds one, or no
+        // window would be full).
+        let leaves = self
+            .next_leave(t, w.micros)
+            .unwrap_or(t.saturating_add(w.micros));
+        Fit::No(Some(leaves.max(self.past_frees(t, w, past, cost)) - t))
+    }
+
+    /// After `retry`, the largest of the limits' own answers (each the earliest their window
+    /// alone could admit), the earliest wait after which every limit admits at once: events
+    /// logged after `t` (scheduled ones, or later than a past event time) may fill a window
+    /// again as the request moves, so each candidate is decided afresh, and the next one is
+    /// the latest of the refusing limits' own answers there. Without events after `t` the
+    /// limits' answers already hold together. After [`JOINT_STEPS`] candidates, the time the
+    /// newest event has left every window, at which the request always fits.
+    fn joint_retry(&self, t: u64, windows: &[Window], cost: u64, retry: u64) -> u64 {
+        let Some(newest) = self.newest().filter(|&newest| newest > t) else {
+            return retry;
+        };
+        let mut at = t.saturating_add(retry);
+        for _ in 0..JOINT_STEPS {
+            let mut next = None;
+            for w in windows {
+                match self.fits(at, 0, w, cost) {
+                    Fit::Yes => {}
+                    Fit::No(Some(wait)) => next = next.max(Some(at.saturating_add(wait))),
+                    Fit::No(None) => return retry,
+                }
+            }
+            match next {
+                None => return at - t,
+                Some(next) => at = next,
+            }
         }
+        let longest = windows.iter().map(|w| w.micros).max().unwrap_or(0);
+        newest.saturating_add(longest).saturating_sub(t)
     }
 
     /// The event weighs `cost`, but at most one unit more than the largest count, which no
@@ -244,6 +315,31 @@ mod tests {
         assert_eq!(fifth.retry_after, Some(7_800_000));
         assert_eq!(fifth.remaining, 0);
         assert_eq!(log.len(), 3, "denied requests are not recorded");
+    }
+
+    #[test]
+    fn a_refusal_that_waiting_helps_tells_the_wait_past_later_events() {
+        // 1/1m + 5/1h + 10/1d: an event booked 30 s ahead, then one now. The minute's window
+        // (-30 s, 30 s] holds the booking; the request fits once it has left: at 90 s.
+        let w = windows(&[(1, 60), (5, 3600), (10, 86_400)]);
+        let mut log = SlidingLog::default();
+        let now = 100_000 * S;
+        assert!(check(&mut log, now + 30 * S, &w, 1).allowed);
+        let d = check(&mut log, now, &w, 1);
+        assert_eq!((d.allowed, d.retry_after), (false, Some(90 * S)));
+        assert!(!check(&mut log, now + 89 * S, &w, 1).allowed);
+        assert!(check(&mut log, now + 90 * S, &w, 1).allowed);
+
+        // 1/4s, bookings at -1 s and +3 s: at 3 s the +3 s booking is there, and the first
+        // time clear of both is +7 s.
+        let w = windows(&[(1, 4)]);
+        let mut log = SlidingLog::default();
+        assert!(check(&mut log, now - S, &w, 1).allowed);
+        assert!(check(&mut log, now + 3 * S, &w, 1).allowed);
+        let d = check(&mut log, now, &w, 1);
+        assert_eq!((d.allowed, d.retry_after), (false, Some(7 * S)));
+        assert!(!check(&mut log, now + 6 * S, &w, 1).allowed);
+        assert!(check(&mut log, now + 7 * S, &w, 1).allowed);
     }
 
     #[test]
@@ -484,6 +580,33 @@ mod tests {
                     got.remaining,
                     w.count.saturating_sub(reference.used(now, w))
                 );
+            }
+        }
+
+        #[test]
+        fn event_times_are_told_the_earliest_time_they_fit(
+            limits in proptest::collection::vec((1u64..5, 1u64..20), 1..4),
+            times in proptest::collection::vec((0u64..200, 1u64..3), 1..60),
+        ) {
+            let windows = policy_windows(&limits);
+            let step = 50_000;
+            let mut log = SlidingLog::default();
+            let mut admitted: Vec<(u64, u64)> = vec![];
+            for (tick, cost) in times {
+                let t = 10 * 1_000_000 + tick * step;
+                let got = check(&mut log, t, &windows, cost);
+                if got.allowed {
+                    admitted.push((t, cost));
+                    continue;
+                }
+                if windows.iter().any(|w| cost > w.count) {
+                    proptest::prop_assert_eq!(got.retry_after, None);
+                    continue;
+                }
+                // Event times and windows are on the grid: so is the earliest time it fits.
+                let fits = |at| fits_every_window(&admitted, at, &windows, cost, step);
+                let earliest = (1..).map(|k| t + k * step).find(|&at| fits(at)).unwrap();
+                proptest::prop_assert_eq!(got.retry_after, Some(earliest - t), "event at {}", t);
             }
         }
 

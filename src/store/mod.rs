@@ -56,10 +56,19 @@ pub trait Store: Clone + Send + Sync + 'static + engine::Engine + reserve::Reser
     /// as "send this push at 11:11:11, at most 1 per minute, 5 per hour and 10 per day".
     ///
     /// The event is admitted, and recorded, if every window of every limit that contains `at`
-    /// would hold at most its count. Only [`Algorithm::SlidingLog`](crate::Algorithm) keeps
-    /// event times; other algorithms answer [`StoreError::Unsupported`]. State older than the
-    /// policy's longest window before now is not kept, so times further in the past are
-    /// decided against what is left.
+    /// would hold at most its count, counting every event the key holds, before and after
+    /// `at`. Only [`Algorithm::SlidingLog`](crate::Algorithm) keeps event times; other
+    /// algorithms answer [`StoreError::Unsupported`]. A time up to the policy's longest window
+    /// before now is decided against the log as it was (the log keeps events twice that
+    /// long); one further back answers [`StoreError::EventTooOld`]. On a
+    /// [`RedisStore`] with leases, whose decisions read each window a lease period longer
+    /// (`docs/leases.md`), the bound is that longer window.
+    ///
+    /// A refusal's [`retry_after`](Decision::retry_after) counts from `at`, not from now: the
+    /// event moved that much later fits ([`Decision::retry_at`] is that instant). An event
+    /// time is decided by the limits alone: a key in the policy's penalty box
+    /// ([`Policy::block_for`]) is not refused for it, and a refused event sets no box, which
+    /// is the requests' of now.
     fn check_at(&self, key: &Key, policy: &Policy, cost: u32, at: SystemTime) -> Self::Future;
 
     /// The decision a request of `cost` would get now, without recording anything.
@@ -136,6 +145,11 @@ pub enum StoreError {
     /// The operation does not apply to the policy's algorithm.
     #[error("unsupported: {0}")]
     Unsupported(&'static str),
+    /// An event time ([`Store::check_at`]) further back than the policy's longest window
+    /// before the store's now: the sliding log keeps what the windows around times up to that
+    /// far back need, and no more, so an older time could not be decided exactly.
+    #[error("event time further back than the policy's longest window")]
+    EventTooOld,
     /// A concurrency slot to renew is no longer held: it expired
     /// unrenewed, was given back, or the store lost it. Its request runs on uncounted.
     #[error("the concurrency slot is no longer held")]

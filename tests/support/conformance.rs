@@ -163,17 +163,19 @@ async fn align_to(period: Duration) {
 }
 
 /// "Send this user a push at 11:11:11, at most 1 per minute, 5 per hour and 10 per day",
-/// submitted out of order: (seconds from 11:11:11, admitted, retry in seconds when denied).
+/// submitted out of order: (seconds from 11:11:11, admitted, retry in seconds when denied,
+/// from the send's own time, past the sends booked after it too: -59 s waits for +60 s, clear
+/// of the minute of the send at 0).
 pub const SCHEDULED: &[(i64, bool, Option<u64>)] = &[
     (0, true, None),
     (30, false, Some(30)),
-    (-59, false, None),
+    (-59, false, Some(119)),
     (-60, true, None),
     (60, true, None),
     (3000, true, None),
     (-1800, true, None),
     (1200, true, None),
-    (2000, false, None),
+    (2000, false, Some(1540)),
     (-3000, true, None),
     (7200, true, None),
     (10800, true, None),

@@ -46,7 +46,68 @@ impl MemoryStore {
             waiter: waiter.copied(),
             ..self.ask(policy, cost, at, record)
         };
+        if at.is_some() {
+            return ready(self.decide_event(key, policy, ask));
+        }
         ready(Ok(self.decide_overridden(key, policy, ask)))
+    }
+
+    /// Decides an event at its own time (`Store::check_at`), by the limits alone: the penalty
+    /// box is the requests' of now, and an event neither meets it nor sets or ends it. A time
+    /// further back than the longest window is refused: the log keeps what the windows around
+    /// times up to that far back need ([`trim`](crate::model::key_state::trim)).
+    fn decide_event(&self, key: &Key, policy: &Policy, ask: Ask) -> Result<Decision, StoreError> {
+        let longest = micros(policy.longest_window());
+        if ask.t < ask.now.saturating_sub(longest) {
+            return Err(StoreError::EventTooOld);
+        }
+        Ok(match self.shared.overrides.apply(key, policy) {
+            Applied::Own(policy) => self.event_under(key, policy, &ask),
+            Applied::Other(used) => {
+                let stretch = Stretch::of(policy, &used);
+                self.event_under(key, &used, &Ask { stretch, ..ask })
+            }
+            Applied::Blocked => Decision::blocked(policy),
+        })
+    }
+
+    /// Decides the event `ask` for `key` under `policy`, the limits in force for it; an
+    /// admitted event keeps the key a retention past the later of its time and now.
+    fn event_under(&self, key: &Key, policy: &Policy, ask: &Ask) -> Decision {
+        let (now, t, algorithm) = (ask.now, ask.t, policy.algorithm());
+        let keep = expiry(policy, now, t, ask.stretch);
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        let answer = match shard.get(key, policy.state_id(), now) {
+            Some(entry) => {
+                if !entry.is_live(now) || entry.value.algorithm() != algorithm {
+                    entry.value = self.shared.fresh(algorithm);
+                }
+                let outcome = entry.value.decide(now, t, policy, ask.cost, ask.record);
+                if outcome.allowed && ask.record {
+                    entry.expires = entry.expires.max(keep);
+                }
+                (outcome, entry.value.number)
+            }
+            None => {
+                let mut state = self.shared.fresh(algorithm);
+                let outcome = state.decide(now, t, policy, ask.cost, ask.record);
+                let number = state.number;
+                if outcome.allowed && ask.record {
+                    shard.insert(key, policy.state_id(), now, keep, state);
+                }
+                (outcome, number)
+            }
+        };
+        drop(shard);
+        let (outcome, number) = answer;
+        let answer = StateAnswer {
+            outcome,
+            keep_until: None,
+            boxed: None,
+            turn: None,
+            busy: false,
+        };
+        decision((answer, number), policy, ask)
     }
 
     /// Decides `ask` under the limits in force for `key` (an override's, or `policy`'s own).
@@ -101,7 +162,7 @@ impl MemoryStore {
         let answer = match shard.get(key, policy.state_id(), ask.now) {
             Some(entry) => match answer_held(entry, policy, ask, &self.shared) {
                 Ok(answer) => (answer, entry.value.number),
-                Err(refusal) => return *refusal,
+                Err(refusal) => return refusal.decided_at(i64::try_from(ask.t).unwrap_or(0)),
             },
             None => {
                 let mut state = self.shared.fresh(policy.algorithm());
@@ -278,10 +339,11 @@ fn refused(refusal: Refusal, policy: &Policy) -> Decision {
 /// The decision `answer` makes: the penalty box's refusal, or the limits' outcome, with the
 /// concurrency slot an admitted request took and what a recorded one recorded.
 fn decision((answer, state): (StateAnswer, u64), policy: &Policy, ask: &Ask) -> Decision {
+    let at = i64::try_from(ask.t).unwrap_or(0);
     if let Some(left) = answer.boxed {
-        return Decision::boxed(policy, Duration::from_micros(left));
+        return Decision::boxed(policy, Duration::from_micros(left)).decided_at(at);
     }
-    let mut decision = Decision::from_outcome(answer.outcome, policy);
+    let mut decision = Decision::from_outcome(answer.outcome, policy).decided_at(at);
     if answer.busy {
         let retry = answer.outcome.retry_after.unwrap_or(0);
         return decision.made_busy(Duration::from_micros(retry));

@@ -36,17 +36,20 @@ use crate::{Decision, Key, Policy, Settlement};
 /// Rate-limit state kept in this process.
 ///
 /// Bounded: it holds at most [`max_keys`](MemoryStoreBuilder::max_keys) keys (client ×
-/// policy), and forgets a key once its policy's longest window has passed without a request,
-/// since its state would be empty by then. When the bound is reached, expired keys are dropped
+/// policy), and forgets a key once its state has aged out without a request: its policy's
+/// longest window (twice that for the sliding window counter and the sliding log, whose event
+/// times up to a window back read a window further). When the bound is reached, expired keys are dropped
 /// first, then the least recently used of the keys that are not pinned (a refused request
 /// counts as use); an evicted key starts again with a full budget, so size the bound above the
 /// number of clients you expect within the longest window.
 ///
 /// **Pinned keys.** A key in its penalty box ([`Policy::block_for`]) is pinned until the
 /// lockout its box's first refusal announced has passed (the later of the box's end and its
-/// limits' own `Retry-After` then), and a key that holds concurrency slots ([`Policy::concurrency`])
-/// until its last slot expires: every other key is evicted first, so that a flood of new
-/// clients cannot free a boxed one. The bound is per shard: the keys are split over
+/// limits' own `Retry-After` then), a key that holds concurrency slots ([`Policy::concurrency`])
+/// until its last slot expires, and a key holding events in the future
+/// ([`Store::check_at`]: a scheduler's bookings) until the newest of them: every other key is
+/// evicted first, so that a flood of new clients cannot free a boxed one, nor make a booked
+/// time bookable twice. The bound is per shard: the keys are split over
 /// `max_keys / 256` shards, rounded up to a power of two, from 1 to 64 (4 shards of 250 keys
 /// for `max_keys(1_000)`, 64 of 1 562 for the default 100 000), and each holds at most
 /// `max_keys / shards` keys, pinned or not. A store therefore keeps every boxed key while no
@@ -83,12 +86,19 @@ impl Shared {
     }
 }
 
-/// The map keeps a key while it is locked out by its penalty box, holds concurrency slots, or
-/// has reservations waiting for their turns or a pause.
+/// The map keeps a key while it is locked out by its penalty box, holds concurrency slots, has
+/// reservations waiting for their turns or a pause, or holds events in the future (a
+/// scheduler's bookings, `Store::check_at`): evicted, the key would forget them, and the same
+/// times would be booked again.
 impl Pinning for KeyState {
     fn pinned_until(&self) -> u64 {
         let line = self.line.last().unwrap_or(0).max(self.line.paused_until());
-        self.locked_until.max(self.slots.last_expiry()).max(line)
+        let booked = match &self.of {
+            Of::Log(log) => log.newest().unwrap_or(0),
+            Of::Sliding(_) | Of::Fixed(_) | Of::Gcra(_) => 0,
+        };
+        let held = self.locked_until.max(self.slots.last_expiry());
+        held.max(line).max(booked)
     }
 }
 
@@ -119,7 +129,8 @@ impl MemoryStore {
     }
 
     /// The number of events (admitted requests, one each whatever its cost) a sliding log
-    /// holds for `key` under `policy` that are younger than its longest window.
+    /// holds for `key` under `policy` that are younger than twice its longest window (what
+    /// decisions at event times up to a window back read).
     ///
     /// Meant for tests and diagnostics; 0 for other algorithms and expired keys.
     #[cfg(any(test, feature = "test-util"))]

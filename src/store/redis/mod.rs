@@ -390,7 +390,9 @@ impl RedisStore {
                 unheld.disarm();
             }
             let answer = answer?;
+            let decided = if at < 0 { answer.time } else { at };
             let decision = answer.verdict(&policy)?.decision(&policy);
+            let decision = decision.decided_at(decided);
             if let Some(unheld) = &mut unheld {
                 unheld.disarm();
             }

@@ -503,7 +503,7 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
         .map(|k| slots_in_use(&memory, &Key::from(*k), &inner))
         .sum();
     // Then the state ages out: the longest window (twice that for the sliding window
-    // counter), GCRA's stretched by the largest raise, or the box; a second's margin.
+    // counter and the sliding log), GCRA's stretched by the largest raise, or the box; a second's margin.
     let windows = config.limits.iter().chain(&config.outer).map(|l| l.1);
     let longest = windows.max().unwrap();
     let raise = overrides
@@ -533,7 +533,7 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
     });
     let cut = cut * plan;
     let kept = match config.algorithm {
-        Algorithm::SlidingWindow => 2 * longest,
+        Algorithm::SlidingWindow | Algorithm::SlidingLog => 2 * longest,
         Algorithm::Gcra => (longest * raise).div_ceil(100) * cut,
         _ => longest,
     };

@@ -267,7 +267,7 @@ pub(super) fn probes_apply(config: &Config) -> bool {
 
 /// Nothing leaked and memory follows what is held: once every request has ended, no slot is
 /// held; once the state has aged out, the store holds no key; and the sliding log never holds
-/// more events than the units the oracle accounts for in its longest window.
+/// more events than the units the oracle accounts for in twice its longest window.
 pub(super) fn nothing_left(config: &Config, run: &Run) -> Result<(), String> {
     if run.slots_left != 0 {
         return Err(format!(
@@ -282,13 +282,13 @@ pub(super) fn nothing_left(config: &Config, run: &Run) -> Result<(), String> {
         ));
     }
     if config.algorithm == Algorithm::SlidingLog {
-        let longest = Duration::from_secs(config.limits.iter().map(|l| l.1).max().unwrap());
+        let kept = 2 * Duration::from_secs(config.limits.iter().map(|l| l.1).max().unwrap());
         for &(t, seq, key, held) in &run.log_sizes {
             let since = reset_only(run, key, seq);
             let units = inner_units(config, run, key);
             let live = units
                 .iter()
-                .filter(|u| u.seq > since && u.seq < seq && u.at + longest > run.epoch + t)
+                .filter(|u| u.seq > since && u.seq < seq && u.at + kept > run.epoch + t)
                 .count();
             // Refunded units weigh nothing but may stay until they age out.
             if held > live {

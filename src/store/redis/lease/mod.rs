@@ -173,7 +173,8 @@ pub(super) fn peek_now(
     }
     let now = state.now();
     let outcome = state.with(key, policy, |entry| entry.peek(now, cost.into()))?;
-    Some(Decision::from_outcome(outcome, policy))
+    let decided = i64::try_from(now).unwrap_or(0);
+    Some(Decision::from_outcome(outcome, policy).decided_at(decided))
 }
 
 /// The headroom (µs) the store's decisions of `policy` allow for ([`Leases::headroom`]); 0
@@ -246,8 +247,11 @@ pub(super) async fn check(
             behind: entry.fetching,
         }
     });
+    let decided = i64::try_from(now).unwrap_or(0);
     match step {
-        Source::Spent(outcome, granted) => Ok(spent(outcome, granted, &policy, cost)),
+        Source::Spent(outcome, granted) => {
+            Ok(spent(outcome, granted, &policy, cost).decided_at(decided))
+        }
         Source::Lease(want) => lease(&inner, plan, &key, &policy, cost, want).await,
         Source::Redis { behind: false } => decide(&inner, plan, &key, &policy, cost).await,
         Source::Redis { behind: true } => {
@@ -260,7 +264,10 @@ pub(super) async fn check(
             }
             let now = state.now();
             match state.with(&key, &policy, |entry| entry.take(now, cost.into())) {
-                Some((outcome, granted)) => Ok(spent(outcome, granted, &policy, cost)),
+                Some((outcome, granted)) => {
+                    let decided = i64::try_from(now).unwrap_or(0);
+                    Ok(spent(outcome, granted, &policy, cost).decided_at(decided))
+                }
                 None => Ok(decision),
             }
         }
@@ -307,7 +314,7 @@ async fn decide(
     state.with(key, policy, |entry| {
         entry.answered(verdict.outcome, answer.time)
     });
-    let decision = verdict.decision(policy);
+    let decision = verdict.decision(policy).decided_at(answer.time);
     Ok(decision.recorded_at(Some(answer.time), cost.into()))
 }
 
@@ -335,6 +342,7 @@ async fn lease(
         ..verdict.outcome
     };
     let decision = Decision::from_outcome(outcome, policy).with_limit(verdict.count);
+    let decision = decision.decided_at(answer.time);
     Ok(decision.recorded_at(Some(answer.time), cost.into()))
 }
 

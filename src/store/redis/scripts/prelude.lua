@@ -229,6 +229,8 @@ local attempt_id, attempt_cost = 0, 0
 local ATTEMPT_KEPT, BUSY_RETRY = 60000000, 1000000
 -- The answer to a settlement that changes no units (see "Attempts").
 local SETTLED = spack('<llllll', 1, 0, 0, 0, -1, -1)
+-- Whether the request at hand is decided at an event time of its own (not now).
+local event_time = false
 
 -- The largest count (2^50, Limit::MAX_COUNT) and the longest window (3650 days in us,
 -- Limit::MAX_WINDOW): a request past those is an error, never decided inexactly. (The most
@@ -484,8 +486,13 @@ local function next_request(counts, windows, scales, k)
   n, cost, record, t, id, box, all, plan, known, kind, attempt_id, next_byte =
     sunpack('<lllllllllll', requests, next_byte)
   attempt_cost = cost
+  -- An event time (Store::check_at) is decided by the limits alone: no penalty box refuses
+  -- it, and its refusal sets none (that box is the requests' of now).
+  event_time = t >= 0
   if t < 0 then
     t = now
+  elseif record ~= RESERVE then
+    box = 0
   end
   want, headroom, refund, admitted, weight = cost, 0, 0, -1, 0
   slot_cap, waiter_id, waiter_queued, reserve_wait = 0, 0, 0, 0

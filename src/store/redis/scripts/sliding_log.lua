@@ -19,7 +19,9 @@
 -- Reply     as prelude.lua: one string of 64-bit little-endian signed integers, six per
 --           request: allowed (0 when refused; when admitted, 1 plus the units leased beyond
 --           the cost), limit index (0-based), remaining, reset_after (us), retry_after (us;
---           -1 when admitted, -2 when no wait helps), the overriding count (-1: none), then
+--           -1 when admitted, -2 when no wait helps), the overriding count (-1: none); an
+--           event time further back than the longest window answers limit index -3 (TOO_OLD)
+--           and records nothing; then
 --           Redis TIME, the generation of the hash of overrides, a byte per slot operation,
 --           and the override fields read (prelude.lua)
 --
@@ -43,17 +45,24 @@
 -- upgrade and write one key together, an older member read elsewhere reads as total and
 -- weight 0: that key's counts can be off until it ages out, within one longest window.
 --
--- Writes: members older than the longest window before min(now, t) are trimmed; an admitted
+-- Event times: decided by the limits alone (prelude.lua passes no penalty box for them), at
+-- most the longest window read back (w + headroom; TOO_OLD further); members are kept twice
+-- that, so that the windows around such a time read every event they held.
+--
+-- Writes: members at or before twice the longest window before now are trimmed; an admitted
 -- request of positive cost adds one member after those at or before its time, adds its cost
 -- to the totals of the members after it (scheduled events, or later ones than a past event
 -- time: rewritten, which with a refund's are the only writes that grow with the set), and
--- sets the key to expire a
--- longest window after its latest event. Totals stay below 2^52, exact in Lua's doubles: a
+-- sets the key to expire twice
+-- the longest window after its latest event (or now). Totals stay below 2^52, exact in Lua's doubles: a
 -- request that would pass that first takes the total before the oldest member off every
 -- member.
 --
--- Retry: the events of the window are read oldest first, in pages, until their weights cover
--- the units that must leave; usually the window's first event, which is read anyway.
+-- Retry: the earliest time the request fits every limit at once, given every event, before
+-- and after t (sliding_log.rs explains it): per limit, e + w for the first event e after
+-- t - w, or later when (t - w, t] itself is too full, its events read oldest first, in pages,
+-- until their weights cover the units that must leave (usually the window's first event, read
+-- anyway); with events after t, decided afresh at the latest of those (`joint_retry`).
 
 -- Per limit of the request at hand (entries past its n are left over and never read): count,
 -- window, units in (t - w, t], the most any window (a, a + w] containing t holds, and the time
@@ -71,13 +80,132 @@ local function total_through(key, at)
   return total
 end
 
+-- When (t - w, t], which holds `past` units from the event `first_t` on (its total before it
+-- `first_before`), has room for `cost` (at most c) as far as its own events go: once
+-- `past + cost - c` units have left it, at e + w for the first event e, oldest first, whose
+-- running total covers them; read in pages, usually the window's first event alone. t when
+-- it has room (sliding_log.rs, `past_frees`).
+local function past_frees(key, t, c, w, cost, past, first_t, first_total, first_before)
+  if past + cost <= c then
+    return t
+  end
+  local need = first_before + past + cost - c
+  if first_total >= need then
+    return first_t + w
+  end
+  local offset, size = 1, min(need - first_total, 32)
+  while true do
+    local page = call('ZRANGEBYSCORE', key, text(t - w + 1), text(t), 'LIMIT', text(offset),
+      text(size))
+    if #page == 0 then
+      return t
+    end
+    for j = 1, #page do
+      local time, total = event(page[j])
+      if total >= need then
+        return time + w
+      end
+    end
+    offset, size = offset + #page, min(size * 2, 1024)
+  end
+end
+
+-- Limit (c, w) at `t` for a request of `cost`: units in (t - w, t], the most any window
+-- (a, a + w] containing t holds, the time of the first event of (t - w, t] (false: none), and
+-- the earliest time the limit could admit the request (false when it does now, -2 when no
+-- wait helps): e + w for the first event e after t - w, or later when (t - w, t] itself is
+-- too full (sliding_log.rs, `fits`). `upto` is the total through the last event at or before
+-- t when known (nil: not read yet, false: no such event); `newest_t` the newest event's time
+-- (nil: none). Returns `upto` as read.
+local function limit_at(key, t, c, w, cost, upto, newest_t)
+  local at = text(t)
+  local past, first_t, first_total, first_before = 0, false, 0, 0
+  if newest_t ~= nil then
+    local first = call('ZRANGEBYSCORE', key, text(t - w + 1), at, 'LIMIT', '0', '1')[1]
+    if first then
+      local weight
+      first_t, first_total, weight = event(first)
+      first_before = first_total - weight
+      if upto == nil then
+        upto = total_through(key, at)
+      end
+      past = upto - first_before
+    end
+  end
+  local fullest = past
+  -- Only events after t (scheduled ones) can make a later window fuller; the fullest ending
+  -- at e ends with the last member of time e.
+  local after = nil
+  if newest_t ~= nil and newest_t > t then
+    local scheduled = call('ZRANGEBYSCORE', key, text(t + 1), text(t + w - 1))
+    if scheduled[1] then
+      after = event(scheduled[1])
+    end
+    for j = 1, #scheduled do
+      local e, total = event(scheduled[j])
+      if scheduled[j + 1] == nil or event(scheduled[j + 1]) ~= e then
+        local head = call('ZRANGEBYSCORE', key, text(e - w + 1), text(e), 'LIMIT', '0', '1')[1]
+        local _, head_total, head_weight = event(head)
+        fullest = max(fullest, total - head_total + head_weight)
+      end
+    end
+  end
+  if fullest + cost <= c then
+    return past, fullest, first_t, false, upto
+  end
+  if cost > c then
+    return past, fullest, first_t, -2, upto
+  end
+  -- The first event after t - w: the window's first, else the first after t.
+  local leaves = t + w
+  if first_t then
+    leaves = first_t + w
+  elseif after then
+    leaves = after + w
+  end
+  local frees = past_frees(key, t, c, w, cost, past, first_t, first_total, first_before)
+  return past, fullest, first_t, max(leaves, frees), upto
+end
+
+-- The wait after which a request of `cost` refused at t fits every limit at once, given
+-- `retry`, the latest of the limits' own waits (sliding_log.rs, `joint_retry`): with events
+-- after t, each candidate is decided afresh, the next one the latest of the refusing limits'
+-- own answers there; after JOINT_STEPS candidates, the time the newest event has left every
+-- window, at which the request always fits.
+local JOINT_STEPS = 32
+local function joint_retry(key, n, t, cost, retry, newest_t)
+  if newest_t == nil or newest_t <= t then
+    return retry
+  end
+  local at = t + retry
+  for _ = 1, JOINT_STEPS do
+    local next_at = false
+    for i = 1, n do
+      local _, _, _, lower = limit_at(key, at, counts[i], windows[i], cost, nil, newest_t)
+      if lower == -2 then
+        return retry
+      end
+      if lower and (not next_at or lower > next_at) then
+        next_at = lower
+      end
+    end
+    if not next_at then
+      return at - t
+    end
+    at = next_at
+  end
+  return newest_t + windows[n] - t
+end
+
 -- Decides (LOOK, ADMIT or LEASE) or charges (SETTLE) a request of `cost` at `t`, taking up to
 -- `want` units for a lease; returns its answer.
 local function decide(key, n, cost, record, t, want)
   local longest = windows[n]
   local at = text(t)
 
-  local cutoff = min(now, t) - longest
+  -- Events are kept twice the longest window: decisions are at times at most a longest window
+  -- before now, and read windows reaching one further back.
+  local cutoff = now - 2 * longest
   if cutoff >= 0 then
     call('ZREMRANGEBYSCORE', key, '-inf', text(cutoff))
   end
@@ -91,10 +219,6 @@ local function decide(key, n, cost, record, t, want)
       newest_t, newest_total = event(newest)
     end
   end
-  -- The set holds exactly the events of the longest window (t - w, t] when nothing is
-  -- scheduled after t and the trim cut at t - w (t not after now); then its first event is
-  -- found by rank, the cheapest query.
-  local whole = t <= now and (newest_t == nil or newest_t <= t)
   -- The total through the last event at or before t (nil: not read yet, false: no such event).
   local upto
   if newest_t ~= nil and newest_t <= t then
@@ -105,74 +229,22 @@ local function decide(key, n, cost, record, t, want)
   -- is the latest of all).
   local denied, denied_retry = nil, nil
   for i = 1, n do
-    local c, w = counts[i], windows[i]
-    local past, first_t, first_total, first_before = 0, false, nil, nil
-    if newest_t ~= nil then
-      local first
-      if whole and w == longest then
-        first = call('ZRANGE', key, '0', '0')[1]
-      else
-        first = call('ZRANGEBYSCORE', key, text(t - w + 1), at, 'LIMIT', '0', '1')[1]
-      end
-      if first then
-        local weight
-        first_t, first_total, weight = event(first)
-        first_before = first_total - weight
-        if upto == nil then
-          upto = total_through(key, at)
-        end
-        past = upto - first_before
-      end
-    end
-    local fullest = past
-    -- Only events after t (scheduled ones) can make a later window fuller; the fullest ending
-    -- at e ends with the last member of time e.
-    if newest_t ~= nil and newest_t > t then
-      local scheduled = call('ZRANGEBYSCORE', key, text(t + 1), text(t + w - 1))
-      for j = 1, #scheduled do
-        local e, total = event(scheduled[j])
-        if scheduled[j + 1] == nil or event(scheduled[j + 1]) ~= e then
-          local head = call('ZRANGEBYSCORE', key, text(e - w + 1), text(e), 'LIMIT', '0', '1')[1]
-          local _, head_total, head_weight = event(head)
-          fullest = max(fullest, total - head_total + head_weight)
-        end
-      end
-    end
+    local past, fullest, first_t, lower
+    past, fullest, first_t, lower, upto = limit_at(key, t, counts[i], windows[i], cost, upto,
+      newest_t)
     pasts[i], fullests[i], firsts[i] = past, fullest, first_t
-    if fullest + cost > c and record ~= SETTLE then
+    if lower and record ~= SETTLE then
       local retry = -2
-      if cost <= c and past + cost > c then
-        -- The first event of (t - w, t], oldest first, whose total frees the excess.
-        local need = first_before + past + cost - c
-        local e = nil
-        if first_total >= need then
-          e = first_t
-        else
-          local offset, size = 1, min(need - first_total, 32)
-          while e == nil do
-            local page = call('ZRANGEBYSCORE', key, text(t - w + 1), at, 'LIMIT', text(offset),
-              text(size))
-            if #page == 0 then
-              break
-            end
-            for j = 1, #page do
-              local time, total = event(page[j])
-              if total >= need then
-                e = time
-                break
-              end
-            end
-            offset, size = offset + #page, min(size * 2, 1024)
-          end
-        end
-        if e ~= nil then
-          retry = e + w - t
-        end
+      if lower ~= -2 then
+        retry = lower - t
       end
       if later(retry, denied_retry) then
         denied, denied_retry = i, retry
       end
     end
+  end
+  if denied ~= nil and denied_retry >= 0 then
+    denied_retry = joint_retry(key, n, t, cost, denied_retry, newest_t)
   end
 
   -- Refused: report the refusing limit. Admitted: record, then report the limit with the
@@ -236,7 +308,7 @@ local function decide(key, n, cost, record, t, want)
         end
       end
       newest_t = max(newest_t or t, t)
-      call('PEXPIREAT', key, text(math.ceil((max(newest_t, now) + longest) / 1000)))
+      call('PEXPIREAT', key, text(math.ceil((max(newest_t, now) + 2 * longest) / 1000)))
     end
     local least
     for i = 1, n do
@@ -290,6 +362,10 @@ local function reserve(key, n, cost, wait, from)
   return spack('<llllll', 0, index, remaining, reset, t - now, count)
 end
 
+-- The answer to an event time further back than the longest window before now (its index,
+-- TOO_OLD in wire/reply.rs).
+local TOO_OLD = spack('<llllll', 0, -3, 0, 0, -2, -1)
+
 for k = 1, REQUESTS do
   local key = KEYS[k]
   local n, cost, record, t, want, headroom, refund, admitted, recorded, blocked =
@@ -298,6 +374,10 @@ for k = 1, REQUESTS do
     reply[k] = blocked
   elseif n == 0 then
     reply[k] = conclude(k, NO_LIMITS)
+  elseif event_time and t < now - windows[n] - headroom then
+    -- Further back than the longest window its decisions read (w + headroom): the set keeps
+    -- what windows around times up to that far back need, and no more.
+    reply[k] = TOO_OLD
   elseif record == SETTLE and refund == 1 then
     if admitted >= 0 then
       lighten(key, admitted, min(cost, recorded))

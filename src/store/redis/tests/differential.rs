@@ -5,10 +5,10 @@
 //!
 //! The scripts take an explicit event time (prelude.lua), which the stores use only for the
 //! sliding log: here every request carries one, so that both sides see the same clock. The
-//! sliding log runs in the past (Redis trims a log at the earlier of its time and the event
-//! time), the other algorithms in the future (their state's creation time, Redis' own, then
-//! precedes every admission, as it does in production). Windows are a minute or longer, so
-//! that no key expires in the real time a case takes.
+//! algorithms run in the future: their state's creation time, Redis' own, then precedes every
+//! admission, as it does in production, and the sliding log, which Redis trims twice its
+//! longest window before its own time, keeps every event on both sides. Windows are a minute
+//! or longer, so that no key expires in the real time a case takes.
 //!
 //! The range covers what the parser accepts: counts up to 2^50, windows from a minute to ten
 //! years, costs up to `u32::MAX`, usage up to `u64::MAX` (2^53 ± 1, 2^63 included); the
@@ -96,16 +96,11 @@ impl Model {
         }
     }
 
-    /// `f` over the algorithm's state; the log first trimmed as the memory store trims it.
-    fn with<R>(&mut self, t: u64, windows: &[Window], f: impl FnOnce(&mut dyn Lim) -> R) -> R {
+    /// `f` over the algorithm's state. The log is not trimmed: every event of a case is in the
+    /// future, after the cut-off of the script's trim (twice the longest window before now).
+    fn with<R>(&mut self, f: impl FnOnce(&mut dyn Lim) -> R) -> R {
         match self {
-            Model::Log(log) => {
-                let longest = windows.last().map_or(0, |w| w.micros);
-                if let Some(cutoff) = t.checked_sub(longest) {
-                    log.trim(cutoff);
-                }
-                f(log)
-            }
+            Model::Log(log) => f(log),
             Model::Sliding(s) => f(s),
             Model::Fixed(s) => f(s),
             Model::Gcra(s) => f(s),
@@ -296,12 +291,8 @@ async fn run_counted(
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_micros() as u64;
-    // The log in the past, the others in the future (see the module's docs).
-    let mut t = match (case.start, case.algorithm) {
-        (Some(start), _) => start,
-        (None, Algorithm::SlidingLog) => now - 6 * 365 * 86_400_000_000,
-        (None, _) => now + 3_600_000_000,
-    };
+    // In the future (see the module's docs).
+    let mut t = case.start.unwrap_or(now + 3_600_000_000);
     let (mut state, mut history) = (Model::new(case.algorithm), History::default());
     // Admissions that may still be refunded: (time, cost, index in history).
     let mut admitted: Vec<Option<(u64, u64, usize)>> = vec![];
@@ -313,7 +304,7 @@ async fn run_counted(
                 let cost = u64::from(cost);
                 let windows = &windows[..];
                 let allowed_by_model = history.admits(case.algorithm, t, windows, cost);
-                let ours = state.with(t, windows, |s| s.decide(t, windows, cost, true));
+                let ours = state.with(|s| s.decide(t, windows, cost, true));
                 let theirs = scripts
                     .call(case.algorithm, key, cost, Record::Admit, t, windows)
                     .await;
@@ -337,7 +328,7 @@ async fn run_counted(
             Op::Charge(units) => {
                 let windows = &windows[..];
                 tally.charges += 1;
-                state.with(t, windows, |s| s.settle(t, windows, Settle::Charge(units)));
+                state.with(|s| s.settle(t, windows, Settle::Charge(units)));
                 let record = Record::Settle {
                     refund: false,
                     admitted: -1,
@@ -402,7 +393,7 @@ async fn run_counted(
                     at: Some(at),
                     recorded,
                 };
-                state.with(t, windows, |s| s.settle(t, windows, Settle::Refund(back)));
+                state.with(|s| s.settle(t, windows, Settle::Refund(back)));
                 let record = Record::Settle {
                     refund: true,
                     admitted: at as i64,
@@ -420,7 +411,7 @@ async fn run_counted(
         }
         // Both sides hold the same state: a look at it agrees.
         let windows = &windows[..];
-        let ours = state.with(t, windows, |s| s.decide(t, windows, 1, false));
+        let ours = state.with(|s| s.decide(t, windows, 1, false));
         let look = Record::Look { headroom: 0 };
         let theirs = scripts.call(case.algorithm, key, 1, look, t, windows).await;
         prop_assert_eq!(ours, theirs, "look after {}", at);

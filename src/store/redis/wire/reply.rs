@@ -27,6 +27,10 @@ pub(crate) const SLOTS_FULL: i64 = -2;
 /// (`BUSY` in `prelude.lua`, "Attempts"): no failure, and no penalty box.
 const BUSY: i64 = -1;
 
+/// The limit index of an event time further back than the longest window before Redis' now
+/// (`TOO_OLD` in `sliding_log.lua`): [`StoreError::EventTooOld`].
+const TOO_OLD: i64 = -3;
+
 /// The retry of an admitted request (`-1` in `prelude.lua`'s reply).
 const RETRY_ADMITTED: i64 = -1;
 
@@ -240,6 +244,7 @@ impl Answer {
                     ..Reading::boxed(non_negative(retry_after)?)
                 })
             }
+            TOO_OLD => return Err(StoreError::EventTooOld),
             SLOTS_FULL => {
                 let full = Full {
                     left: non_negative(reset_after)?,
