@@ -241,16 +241,18 @@ impl UsageReport {
     /// no more than 3 attempts reach the handler unmarked in a minute, however many are sent
     /// at once, on however many instances: the fourth failure is refused (or marked over, under
     /// a [soft](crate::Rule::soft) policy). The price: while 3 attempts are in flight, a fourth
-    /// is refused even if all three will succeed; a flood of slow attempts locks a user out no
-    /// longer than the same number of failures would. An attempt whose head never comes (the
-    /// client went away, the service failed) keeps its unit, as a failure. With a
-    /// [penalty box](crate::Policy::block_for), a refusal while attempts are in flight counts
-    /// them as failures in its `Retry-After`: if they succeed and give their units back, the key
-    /// is let in earlier than that said (never later). An attempt of cost 0 (a
+    /// is refused even if all three will succeed; but such a refusal, which only attempts in
+    /// flight cause, is *busy* ([`Decision::is_busy`](crate::Decision::is_busy)): it starts no
+    /// [penalty box](crate::Policy::block_for), a soft policy does not mark it over, and its
+    /// `Retry-After` is a second, an estimate of when the attempts end. So a user with no
+    /// counted failure is never boxed nor asked for a captcha, however many attempts they make
+    /// at once. An attempt whose head never comes (the client went away, the service failed)
+    /// keeps its unit, as a failure. An attempt of cost 0 (a
     /// [cost closure](crate::RateLimitLayerBuilder::cost) may say so) holds and counts
     /// nothing: such attempts are not limited. A decision the store could not make in time
-    /// may still be recorded when Redis runs it late; its unit is then held for the window,
-    /// success or not (`docs/operations.md`, "A failed decision may still be recorded").
+    /// may still be recorded when Redis runs it late; its units are given back when its reply
+    /// comes, within 10 s (`docs/operations.md`, "A failed decision is given back when Redis
+    /// answers late").
     ///
     /// A request passed on over a soft limit reserved nothing; it is charged when it matches,
     /// so that failures past the captcha still add up (towards a longer limit of the same
