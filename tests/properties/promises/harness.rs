@@ -360,7 +360,7 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
     let event_time = memory
         .check_at(&Key::from("event-time"), &inner, 1, at)
         .await;
-    let event_time = event_time.map(drop);
+    let mut event_time = event_time.map(drop);
     let outer = outer_policy(config);
     let outer_layer = match &outer {
         Some(p) => Some(
@@ -473,62 +473,24 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
                 cost,
                 usage,
             } => tasks.push(send(key, status, (head, hold), drop, None, (cost, usage))),
-            Op::At { key, offset, cost } => 'at: {
-                let k = Key::from(KEYS[key]);
+            Op::At { key, offset, cost } => {
                 let now = epoch + since(start);
                 let ms = offset.ms(config);
                 let at = match ms >= 0 {
                     true => now + Duration::from_millis(ms as u64),
                     false => now - Duration::from_millis(ms.unsigned_abs()),
                 };
-                let cost = cost.clamp(1, config.cost);
-                let mut call = |at: SystemTime, decision: Option<Decision>, probe| {
-                    let (seq, decided) = (log.next(), since(start));
-                    let at = at.duration_since(UNIX_EPOCH).unwrap();
-                    let call = AtCall {
-                        seq,
-                        decided,
-                        key,
-                        at,
-                        cost,
-                        decision,
-                        probe,
-                    };
-                    at_calls.push(call);
+                let booking = Booking {
+                    key,
+                    at,
+                    cost: cost.clamp(1, config.cost),
                 };
-                let decision = store.check_at(&k, &inner, cost as u32, at).await;
-                let outcome = match decision {
-                    Err(StoreError::Unsupported(_)) if !event_times_taken(config) => break 'at,
-                    Err(_) if store.is_failing() => break 'at,
-                    outcome => outcome.ok(),
-                };
-                call(at, outcome, None);
-                if outcome.is_some_and(|d| d.is_allowed()) {
-                    changed = log.next();
+                let stamp = || (log.next(), since(start));
+                match book(&store, &inner, config, booking, stamp, &mut at_calls).await {
+                    Booked::Changed => changed = log.next(),
+                    Booked::Same => {}
+                    Booked::Unexpected(outcome) => event_time = outcome,
                 }
-                // A refusal's `retry_after`: the event moved by it is admitted, and not a
-                // second earlier (nothing else changes in between: the clock stands still).
-                let Some(retry) = outcome
-                    .filter(|d| dims().event_retry && !d.is_allowed() && !d.in_penalty_box())
-                    .and_then(|d| d.retry_after())
-                else {
-                    break 'at;
-                };
-                if retry > Duration::from_secs(1) {
-                    let early = at + retry - Duration::from_secs(1);
-                    let early_outcome = store.check_at(&k, &inner, cost as u32, early).await;
-                    let admitted = early_outcome.as_ref().is_ok_and(|d| d.is_allowed());
-                    call(early, early_outcome.ok(), Some(false));
-                    if admitted {
-                        changed = log.next();
-                        break 'at;
-                    }
-                }
-                let moved = store.check_at(&k, &inner, cost as u32, at + retry).await;
-                if moved.as_ref().is_ok_and(|d| d.is_allowed()) {
-                    changed = log.next();
-                }
-                call(at + retry, moved.ok(), Some(true));
             }
             Op::Pass(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
             Op::Reset(key) => {
@@ -748,6 +710,91 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
         quiet,
         faults: Vec::new(),
     })
+}
+
+/// A `Store::check_at` of the schedule: the key, the event time, the cost.
+pub(super) struct Booking {
+    pub(super) key: usize,
+    pub(super) at: SystemTime,
+    pub(super) cost: u64,
+}
+
+/// What a booking did to its key.
+pub(super) enum Booked {
+    /// An event was admitted: what the key holds changed.
+    Changed,
+    Same,
+    /// `check_at` answered other than the configuration says (an algorithm that does not take
+    /// event times took one, or the sliding log refused them as unsupported): what it answered.
+    Unexpected(Result<(), StoreError>),
+}
+
+/// Books `booking` on the inner policy (through the switch of outages), recording each call
+/// in `calls` at the event and time `stamp` gives; a refusal's `retry_after` is then probed:
+/// the event moved by it is admitted, and not a second earlier (nothing else changes in
+/// between: the clock stands still).
+pub(super) async fn book(
+    store: &FaultyStore<MemoryStore>,
+    inner: &Policy,
+    config: &Config,
+    booking: Booking,
+    stamp: impl Fn() -> (usize, Duration),
+    calls: &mut Vec<AtCall>,
+) -> Booked {
+    let Booking { key, at, cost } = booking;
+    let k = Key::from(KEYS[key]);
+    let mut call = |at: SystemTime, decision: Option<Decision>, probe| {
+        let (seq, decided) = stamp();
+        let at = at.duration_since(UNIX_EPOCH).unwrap();
+        calls.push(AtCall {
+            seq,
+            decided,
+            key,
+            at,
+            cost,
+            decision,
+            probe,
+        });
+    };
+    let taken = event_times_taken(config);
+    let outcome = match store.check_at(&k, inner, cost as u32, at).await {
+        Err(StoreError::Unsupported(_)) if !taken => return Booked::Same,
+        Err(_) if store.is_failing() => return Booked::Same,
+        Err(StoreError::Unsupported(why)) => {
+            return Booked::Unexpected(Err(StoreError::Unsupported(why)))
+        }
+        Ok(_) if !taken => return Booked::Unexpected(Ok(())),
+        outcome => outcome.ok(),
+    };
+    call(at, outcome, None);
+    let admitted = |d: &Decision| d.is_allowed();
+    let mut booked = match outcome.as_ref().is_some_and(admitted) {
+        true => Booked::Changed,
+        false => Booked::Same,
+    };
+    let Some(retry) = outcome
+        .filter(|d| dims().event_retry && !d.is_allowed() && !d.in_penalty_box())
+        .and_then(|d| d.retry_after())
+    else {
+        return booked;
+    };
+    if retry > Duration::from_secs(1) {
+        let early = at + retry - Duration::from_secs(1);
+        let early_outcome = store.check_at(&k, inner, cost as u32, early).await.ok();
+        call(early, early_outcome, Some(false));
+        if early_outcome.as_ref().is_some_and(admitted) {
+            return Booked::Changed;
+        }
+    }
+    let moved = store
+        .check_at(&k, inner, cost as u32, at + retry)
+        .await
+        .ok();
+    if moved.as_ref().is_some_and(admitted) {
+        booked = Booked::Changed;
+    }
+    call(at + retry, moved, Some(true));
+    booked
 }
 
 /// The inner layer's rejection: a 429 that says what refused (`x-refusal`: `slot`, `box` or

@@ -183,7 +183,7 @@ fn a_refund_from_before_a_reset_in_the_same_microsecond_frees_nothing() {
 /// default store of each builder keeps two). Equal unnamed policies on two layers behave alike
 /// on one store and on two: separate budgets (the request is admitted), or refused at build.
 #[test]
-#[ignore = "needs the fix of equal unnamed policies on two layers of one store sharing a budget"]
+#[ignore = "needs fix (d): equal unnamed policies on two layers of one store share a budget"]
 fn equal_unnamed_policies_on_two_layers_of_one_store_admit_a_lone_request() {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
