@@ -6,8 +6,8 @@ use super::*;
 use tower_redis_ratelimit::test_util::{events, key_count, slots_in_use, tokio_clock_at};
 use tower_redis_ratelimit::usage::{UsageMeter, UsageReport};
 
-/// How far ahead of the store's clock the fallback store's clock runs: a decision recorded
-/// this far ahead is the fallback's.
+/// How far ahead of the store's clock the fallback store's clock runs (on Redis, the second
+/// instance's twice as far): a decision recorded this far ahead is the fallback's.
 pub(super) const FALLBACK_AHEAD: Duration = Duration::from_secs(1_000 * 86_400);
 
 /// What the handler saw of one request.
@@ -484,6 +484,7 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
                     key,
                     at,
                     cost: cost.clamp(1, config.cost),
+                    now,
                 };
                 let stamp = || (log.next(), since(start));
                 match book(&store, &inner, config, booking, stamp, &mut at_calls).await {
@@ -717,6 +718,8 @@ pub(super) struct Booking {
     pub(super) key: usize,
     pub(super) at: SystemTime,
     pub(super) cost: u64,
+    /// Now, on the store's clock: a past time may be refused with a typed error.
+    pub(super) now: SystemTime,
 }
 
 /// What a booking did to its key.
@@ -741,7 +744,7 @@ pub(super) async fn book(
     stamp: impl Fn() -> (usize, Duration),
     calls: &mut Vec<AtCall>,
 ) -> Booked {
-    let Booking { key, at, cost } = booking;
+    let Booking { key, at, cost, now } = booking;
     let k = Key::from(KEYS[key]);
     let mut call = |at: SystemTime, decision: Option<Decision>, probe| {
         let (seq, decided) = stamp();
@@ -760,6 +763,8 @@ pub(super) async fn book(
     let outcome = match store.check_at(&k, inner, cost as u32, at).await {
         Err(StoreError::Unsupported(_)) if !taken => return Booked::Same,
         Err(_) if store.is_failing() => return Booked::Same,
+        // A past time older than a bound the store documents may be refused so.
+        Err(StoreError::Unsupported(_)) if at < now => None,
         Err(StoreError::Unsupported(why)) => {
             return Booked::Unexpected(Err(StoreError::Unsupported(why)))
         }

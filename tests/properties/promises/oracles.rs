@@ -89,8 +89,9 @@ pub(super) struct Unit {
     pub(super) decided: Duration,
     /// An event time (`Store::check_at`): `at` is the event's.
     pub(super) event: bool,
-    /// Decided by the fallback store (`FailureMode::Fallback`, the store out of reach).
-    pub(super) fallback: bool,
+    /// Decided by an instance's fallback store (`FailureMode::Fallback`, the store out of
+    /// reach): the `n`th instance's is `n + 1`; 0 for the store.
+    pub(super) fallback: usize,
     /// Under a usage layer: when its body ended, the units it reported, and whether the body
     /// was dropped (then it holds at most its cost, and at least the usage, after).
     pub(super) settled: Option<(Duration, u64, bool)>,
@@ -131,6 +132,14 @@ pub(super) fn no_later(u: &Unit, v: &Unit) -> bool {
     }
 }
 
+/// Which store recorded a unit at `at` (0: the store; `n`: the fallback of the instance whose
+/// clock runs `n` times [`FALLBACK_AHEAD`] ahead), and its time on the store's clock.
+pub(super) fn fallback_of(run: &Run, at: Duration) -> (usize, Duration) {
+    let ahead = at.saturating_sub(run.epoch) + FALLBACK_AHEAD / 2;
+    let n = (ahead.as_secs() / FALLBACK_AHEAD.as_secs()) as usize;
+    (n, at - FALLBACK_AHEAD * n as u32)
+}
+
 /// Whether event `seq` fell in an outage.
 pub(super) fn in_outage(run: &Run, seq: usize) -> bool {
     run.outages.iter().any(|&(from, to)| from < seq && seq < to)
@@ -146,7 +155,7 @@ pub(super) fn inner_units(config: &Config, run: &Run, key: usize) -> Vec<Unit> {
     let recorded = run.records.iter().filter(|r| r.key == key);
     // Without decisions, a request the handler saw in an outage was the fallback's.
     let unit = |seq, at: Duration, refunded: Option<Duration>, r: &Record| {
-        let fallback = config.fallback && in_outage(run, seq);
+        let fallback = usize::from(config.fallback && in_outage(run, seq));
         let settled = r.ended.filter(|_| config.usage);
         Unit {
             seq,
@@ -181,9 +190,8 @@ pub(super) fn inner_units(config: &Config, run: &Run, key: usize) -> Vec<Unit> {
             }
             let refunded = (!counted).then_some(r.responded).flatten();
             let at = recorded_at(decision).unwrap_or(run.epoch + handled.at);
-            // The fallback store's clock runs ahead: its decisions tell by their time.
-            let fallback = at > run.epoch + FALLBACK_AHEAD / 2;
-            let at = if fallback { at - FALLBACK_AHEAD } else { at };
+            // The fallback stores' clocks run ahead: their decisions tell by their time.
+            let (fallback, at) = fallback_of(run, at);
             Some(Unit {
                 fallback,
                 ..unit(handled.seq, at, refunded, r)
@@ -201,7 +209,7 @@ pub(super) fn inner_units(config: &Config, run: &Run, key: usize) -> Vec<Unit> {
         cost: c.cost,
         decided: run.epoch + c.decided,
         event: true,
-        fallback: false,
+        fallback: 0,
         settled: None,
     }));
     units.sort_by_key(|u| u.seq);
@@ -218,7 +226,11 @@ pub(super) fn never_over(config: &Config, run: &Run) -> Result<(), String> {
         return Ok(());
     }
     for key in 0..KEYS.len() {
-        for fallback in [false, true] {
+        let units = inner_units(config, run, key);
+        let mut stores: Vec<usize> = units.iter().map(|u| u.fallback).collect();
+        stores.sort();
+        stores.dedup();
+        for fallback in stores {
             let units = inner_units(config, run, key);
             let units: Vec<Unit> = units
                 .into_iter()
@@ -237,7 +249,7 @@ fn never_over_in(
     run: &Run,
     key: usize,
     units: &[Unit],
-    fallback: bool,
+    fallback: usize,
 ) -> Result<(), String> {
     {
         for (j, unit) in units.iter().enumerate() {
@@ -251,15 +263,15 @@ fn never_over_in(
             }
             let (t, decided) = (unit.at, unit.decided);
             let since = match fallback {
-                true => 0,
-                false => reset_before(run, key, unit.seq),
+                0 => reset_before(run, key, unit.seq),
+                _ => 0,
             };
             let done = reset_done(run, since);
             // Held when it was decided: recorded after the last reset, not taken back by then.
             let held = |u: &&Unit| {
                 u.seq > since && u.decided >= done && no_later(u, unit) && u.weight(decided) > 0
             };
-            let counts = match fallback {
+            let counts = match fallback > 0 {
                 true => match unit.pro {
                     true => plan_counts(config).iter().map(|l| l.0).collect(),
                     false => config.limits.iter().map(|l| l.0).collect(),
@@ -299,7 +311,10 @@ fn never_over_in(
                     _ => gcra_excess(run, key, units, j, c, w),
                 };
                 if n > c as f64 + 1e-6 {
-                    let store = if fallback { " (fallback)" } else { "" };
+                    let store = match fallback {
+                        0 => String::new(),
+                        n => format!(" (fallback {n})"),
+                    };
                     return Err(format!(
                         "key {key}{store}: admission {j} at {t:?} holds {n} in a window of {w:?}, count {c}"
                     ));
@@ -450,14 +465,14 @@ pub(super) fn nothing_left(config: &Config, run: &Run) -> Result<(), String> {
             let now = run.epoch + t;
             let live = units
                 .iter()
-                .filter(|u| !u.fallback && u.seq > since && u.seq < seq)
+                .filter(|u| u.fallback == 0 && u.seq > since && u.seq < seq)
                 .map(|u| u.events_live(now, longest))
                 .sum::<usize>();
             // A usage charge lands in the state at hand when the body ends, past a reset too.
             let reset_at = run.epoch + run.times.get(&since).copied().unwrap_or_default();
             let charged_across = units
                 .iter()
-                .filter(|u| !u.fallback && u.seq <= since)
+                .filter(|u| u.fallback == 0 && u.seq <= since)
                 .filter(|u| {
                     u.settled
                         .is_some_and(|(end, _, _)| end >= reset_at && end + longest > now)

@@ -230,15 +230,18 @@ async fn run_redis(
     let mut stores = Vec::new();
     let header = Header::new(HeaderName::from_static("x-key"));
     let outer = outer_policy(config);
-    for _ in 0..2 {
+    for instance in 0..2u32 {
         let mut store = RedisStore::builder(server.url());
         if let Some(share) = config.leases {
             store = store.leases(Leases::new().max_share(f64::from(share) / 100.0));
         }
         let store = store.connect().await.unwrap();
-        // Each instance's fallback, its clock ahead so that its decisions tell.
+        // Each instance's fallback, its clock ahead (by one more period for each instance) so
+        // that its decisions tell, and whose.
         let fallback = MemoryStore::builder()
-            .clock(tokio_clock_at(SystemTime::now() + FALLBACK_AHEAD))
+            .clock(tokio_clock_at(
+                SystemTime::now() + FALLBACK_AHEAD * (instance + 1),
+            ))
             .build();
         let mut layer = RateLimitLayer::builder()
             .key(header.clone())
@@ -578,7 +581,7 @@ fn most_with_slots(run: &Run, key: usize) -> usize {
         // A decision of an instance's fallback holds a slot of its own, not the fleet's.
         let fallback = decided
             .and_then(recorded_at)
-            .is_some_and(|at| at > run.epoch + FALLBACK_AHEAD / 2);
+            .is_some_and(|at| fallback_of(run, at).0 > 0);
         if decided.is_none() || fallback {
             continue;
         }

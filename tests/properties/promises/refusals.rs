@@ -50,7 +50,11 @@ fn lone(config: &Config, run: &Run, r: &Record) -> bool {
     let reset = reset_before(run, key, r.seq);
     let reset_at = run.times.get(&reset).copied().unwrap_or_default();
     let quiet = run.quiet;
-    let others = run.records.iter().filter(|o| o.key == key && o.seq < r.seq);
+    // Others sent before it was decided, in whatever order they were (a group sent at once
+    // races).
+    let decided = r.handled.as_ref().map(|h| h.at).or(r.responded).unwrap_or(r.sent);
+    let others = run.records.iter();
+    let others = others.filter(|o| o.key == key && o.seq != r.seq && o.sent <= decided);
     let busy = others.into_iter().any(|o| {
         let last = o.ended.unwrap_or(Duration::MAX).max(o.sent);
         let in_flight = o.handled.is_some() || o.responded.is_none_or(|t| t >= r.sent);
