@@ -52,7 +52,12 @@ fn lone(config: &Config, run: &Run, r: &Record) -> bool {
     let quiet = run.quiet;
     // Others sent before it was decided, in whatever order they were (a group sent at once
     // races).
-    let decided = r.handled.as_ref().map(|h| h.at).or(r.responded).unwrap_or(r.sent);
+    let decided = r
+        .handled
+        .as_ref()
+        .map(|h| h.at)
+        .or(r.responded)
+        .unwrap_or(r.sent);
     let others = run.records.iter();
     let others = others.filter(|o| o.key == key && o.seq != r.seq && o.sent <= decided);
     let busy = others.into_iter().any(|o| {
