@@ -4,6 +4,11 @@
 
 use super::*;
 use tower_redis_ratelimit::test_util::{events, key_count, slots_in_use, tokio_clock_at};
+use tower_redis_ratelimit::usage::{UsageMeter, UsageReport};
+
+/// How far ahead of the store's clock the fallback store's clock runs (on Redis, the second
+/// instance's twice as far): a decision recorded this far ahead is the fallback's.
+pub(super) const FALLBACK_AHEAD: Duration = Duration::from_secs(1_000 * 86_400);
 
 /// What the handler saw of one request.
 #[derive(Debug, Clone)]
@@ -43,6 +48,15 @@ pub(super) struct Record {
     pub(super) probe: Option<bool>,
     /// Sent on the plan `pro`.
     pub(super) pro: bool,
+    /// Its cost, and the units its handler reports (under a usage layer).
+    pub(super) cost: u64,
+    pub(super) usage: u64,
+    /// Its body dropped, not read to the end.
+    pub(super) dropped: bool,
+    /// Refused by the inner layer (its rejection): for a slot (`Some(true)`) or by its limits
+    /// or penalty box (`Some(false)`); and whether the refusal was the penalty box's.
+    pub(super) inner_refusal: Option<bool>,
+    pub(super) boxed: bool,
 }
 
 /// The log of a run, shared by the client side and the handler.
@@ -114,6 +128,10 @@ pub(super) fn handler(
         let head = number("x-head").unwrap();
         let key = log.with(i, |r| r.key);
         let decisions = request.extensions().get::<Decisions>().cloned();
+        // Under a usage layer, the units the request asks to report.
+        if let Some(meter) = request.extensions().get::<UsageMeter>() {
+            meter.set(number("x-usage").unwrap_or(0));
+        }
         let handled = Handled {
             seq: log.next(),
             at: since(start),
@@ -203,6 +221,23 @@ pub(super) fn fields(response: &Response<impl Sized>) -> Vec<(String, i64)> {
         .collect()
 }
 
+/// A `Store::check_at` call of the schedule, and what it answered.
+#[derive(Debug, Clone)]
+pub(super) struct AtCall {
+    /// When it was decided ([`Log::next`]), and when on the run's clock.
+    pub(super) seq: usize,
+    pub(super) decided: Duration,
+    pub(super) key: usize,
+    /// The event time, since the UNIX epoch on the store's clock.
+    pub(super) at: Duration,
+    pub(super) cost: u64,
+    /// What it answered: `None` for an error.
+    pub(super) decision: Option<Decision>,
+    /// A probe of a refusal's `retry_after`: a second earlier (`Some(false)`, refused
+    /// expected) or at it (`Some(true)`, admitted expected).
+    pub(super) probe: Option<bool>,
+}
+
 /// What a run left for the oracles.
 pub(super) struct Run {
     /// The store's time (since the UNIX epoch) when the run's clock read zero: the times of
@@ -233,6 +268,15 @@ pub(super) struct Run {
     pub(super) log_sizes: Vec<(Duration, usize, usize, usize)>,
     /// What `Store::check_at` answered for a key of the inner policy (the memory property).
     pub(super) event_time: Result<(), StoreError>,
+    /// The schedule's `check_at` calls on the keys the layers limit.
+    pub(super) at_calls: Vec<AtCall>,
+    /// The run's clock at events ([`Log::next`]) of resets, overrides and outages.
+    pub(super) times: BTreeMap<usize, Duration>,
+    /// How long a key's state takes to age out in this run (its windows, box, slots, usage
+    /// charged and events booked ahead): nothing is held of a request or an event older.
+    pub(super) quiet: Duration,
+    /// The faults injected on Redis, on the run's clock: (from, to).
+    pub(super) faults: Vec<(Duration, Duration)>,
 }
 
 pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> {
@@ -243,6 +287,10 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
         builder = builder.max_keys(max);
     }
     let memory = builder.build();
+    // The fallback store, on the same clock moved ahead, so that its decisions tell.
+    let fallback = MemoryStore::builder()
+        .clock(tokio_clock_at(epoch + FALLBACK_AHEAD))
+        .build();
     // The memory store behind a switch that fails its decisions, for the failure modes; it
     // stays local (the layer decides in place, its deny cache off), and its settlements land.
     let store = FaultyStore::new(memory.clone());
@@ -253,7 +301,20 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
         .key(header.clone())
         .store(store.clone())
         .decisions(config.decisions)
-        .failure_mode(config.failure.clone());
+        .failure_mode(config.failure_mode(Some(&fallback)))
+        .on_rejection(rejection);
+    if config.cost > 1 {
+        layer = layer.cost(|head| {
+            let cost = head.headers.get("x-cost").and_then(|v| v.to_str().ok());
+            cost.and_then(|c| c.parse().ok()).unwrap_or(1)
+        });
+    }
+    if config.usage {
+        layer = layer.usage(UsageReport::new());
+    }
+    if config.shadow {
+        layer = layer.shadow(true);
+    }
     // A soft layer is one whose every rule is soft: the policy for every request a rule with
     // no method or path, after the others.
     let soft = |rule: Rule| match config.soft {
@@ -299,7 +360,7 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
     let event_time = memory
         .check_at(&Key::from("event-time"), &inner, 1, at)
         .await;
-    let event_time = event_time.map(drop);
+    let mut event_time = event_time.map(drop);
     let outer = outer_policy(config);
     let outer_layer = match &outer {
         Some(p) => Some(
@@ -308,7 +369,7 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
                 .store(store.clone())
                 .policy(p.clone())
                 .decisions(config.decisions)
-                .failure_mode(config.failure.clone())
+                .failure_mode(config.failure_mode(Some(&fallback)))
                 .build()?,
         ),
         None => None,
@@ -343,10 +404,23 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
     let mut changed = 0;
     let on_plan = [AtomicBool::new(false), AtomicBool::new(false)];
     let mut plans = Vec::new();
-    let send = |key: usize, status: u16, (head, hold): (u64, u64), drop_it: bool, probe| {
+    let mut at_calls = Vec::new();
+    let mut times = BTreeMap::new();
+    let send = |key: usize,
+                status: u16,
+                (head, hold): (u64, u64),
+                drop_it: bool,
+                probe,
+                (cost, usage): (u64, u64)| {
         let i = log.open(key, since(start), probe);
         let pro = on_plan[key].load(Ordering::SeqCst);
-        log.with(i, |r| r.pro = pro);
+        let cost = cost.clamp(1, config.cost);
+        log.with(i, |r| {
+            r.pro = pro;
+            r.cost = cost;
+            r.usage = usage;
+            r.dropped = drop_it;
+        });
         let (end, ended) = tokio::sync::oneshot::channel();
         ends.lock().unwrap().insert(i, ended);
         let request = Request::builder()
@@ -355,6 +429,8 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
             .header("x-i", i.to_string())
             .header("x-status", status.to_string())
             .header("x-head", head.to_string())
+            .header("x-cost", cost.to_string())
+            .header("x-usage", usage.to_string())
             .body(())
             .unwrap();
         let (service, log) = (service.clone(), Arc::clone(&log));
@@ -363,11 +439,17 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
             let retry = response.headers().get("retry-after");
             let retry = retry.map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
             let members = fields(&response);
+            let refusal = response
+                .headers()
+                .get("x-refusal")
+                .map(|v| v.as_bytes().to_vec());
             log.with(i, |r| {
                 r.status = Some(response.status());
                 r.responded = Some(since(start));
                 r.retry_after = retry;
                 r.fields = members;
+                r.inner_refusal = refusal.as_ref().map(|v| v.as_slice() == b"slot");
+                r.boxed = refusal.as_deref() == Some(b"box");
             });
             tokio::time::sleep(Duration::from_millis(hold)).await;
             match drop_it {
@@ -388,7 +470,29 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
                 head,
                 hold,
                 drop,
-            } => tasks.push(send(key, status, (head, hold), drop, None)),
+                cost,
+                usage,
+            } => tasks.push(send(key, status, (head, hold), drop, None, (cost, usage))),
+            Op::At { key, offset, cost } => {
+                let now = epoch + since(start);
+                let ms = offset.ms(config);
+                let at = match ms >= 0 {
+                    true => now + Duration::from_millis(ms as u64),
+                    false => now - Duration::from_millis(ms.unsigned_abs()),
+                };
+                let booking = Booking {
+                    key,
+                    at,
+                    cost: cost.clamp(1, config.cost),
+                    now,
+                };
+                let stamp = || (log.next(), since(start));
+                match book(&store, &inner, config, booking, stamp, &mut at_calls).await {
+                    Booked::Changed => changed = log.next(),
+                    Booked::Same => {}
+                    Booked::Unexpected(outcome) => event_time = outcome,
+                }
+            }
             Op::Pass(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
             Op::Reset(key) => {
                 let k = Key::from(KEYS[key]);
@@ -396,7 +500,9 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
                 if let Some(outer) = &outer {
                     memory.reset(&k, outer).await.unwrap();
                 }
-                resets.push((log.next(), key));
+                let seq = log.next();
+                resets.push((seq, key));
+                times.insert(seq, since(start));
                 changed = log.next();
             }
             Op::Plan(key, pro) => {
@@ -422,16 +528,25 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
                     }
                     None => drop(overrides_of.remove(&inner, &scope).await.unwrap()),
                 }
-                overrides.push((log.next(), key, pct));
+                let seq = log.next();
+                overrides.push((seq, key, pct));
+                times.insert(seq, since(start));
                 changed = log.next();
             }
             Op::Outage(on) => {
                 store.fail(on);
-                changed = log.next();
+                // Failing over to the fallback, a key this instance saw refused stays refused
+                // until its `Retry-After`: a probe of it still tests a promise.
+                let kept = config.fallback && on;
+                let seq = log.next();
+                times.insert(seq, since(start));
+                if !kept {
+                    changed = seq;
+                }
                 match (on, down_since) {
-                    (true, None) => down_since = Some(changed),
+                    (true, None) => down_since = Some(seq),
                     (false, Some(from)) => {
-                        outages.push((from, changed));
+                        outages.push((from, seq));
                         down_since = None;
                     }
                     _ => {}
@@ -459,7 +574,8 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
                 // pinned without a box), which then starts afresh, a documented bound.
                 let evictable = config.max_keys.is_some() && !floods.is_empty();
                 let evictable = evictable && config.block.is_none();
-                let fresh = |l: &Record| l.seq > changed && !store.is_failing() && !evictable;
+                let reachable = !store.is_failing() || config.fallback;
+                let fresh = |l: &Record| l.seq > changed && reachable && !evictable;
                 let Some(last) = last.filter(fresh) else {
                     continue;
                 };
@@ -472,13 +588,15 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
                 let early = at.saturating_sub(Duration::from_secs(1));
                 if early > since(start) && retry >= 2 {
                     tokio::time::sleep(early - since(start)).await;
-                    tasks.push(send(key, 200, (0, 0), false, Some(false)));
+                    let units = (last.cost, last.usage);
+                    tasks.push(send(key, 200, (0, 0), false, Some(false), units));
                     settle().await;
                 }
                 if at > since(start) {
                     tokio::time::sleep(at - since(start)).await;
                 }
-                tasks.push(send(key, 200, (0, 0), false, Some(true)));
+                let units = (last.cost, last.usage);
+                tasks.push(send(key, 200, (0, 0), false, Some(true), units));
             }
         }
         settle().await;
@@ -549,14 +667,30 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
             .is_some_and(|d| !d.is_allowed());
         passed_over && config.count_when && r.answered == Some(401)
     };
-    let charged = records.iter().filter(over).count() as u64;
+    let charged: u64 = records.iter().filter(over).map(|r| r.cost.max(1)).sum();
     let smallest = config.limits.iter().map(|l| l.0).min().unwrap_or(1).max(1);
     let drained = match config.algorithm {
         Algorithm::Gcra => (charged * longest).div_ceil(smallest) * cut,
         _ => 0,
     };
-    let kept = kept + drained;
-    tokio::time::sleep(Duration::from_secs(kept.max(block).max(slots) + 1)).await;
+    // Usage charged past the count: a window per count of it (GCRA drains it so).
+    let used: u64 = match config.usage {
+        true => records.iter().map(|r| r.usage.max(r.cost)).sum(),
+        false => 0,
+    };
+    let used = (used * longest).div_ceil(smallest) * cut;
+    // Events booked ahead live a window past their time.
+    let ahead = at_calls
+        .iter()
+        .filter(|c| c.decision.is_some_and(|d| d.is_allowed()))
+        .map(|c| {
+            c.at.saturating_sub(Duration::from_secs(EPOCH) + since(start))
+        })
+        .max()
+        .unwrap_or_default();
+    let kept = kept + drained + used + ahead.as_secs() + 1;
+    let quiet = Duration::from_secs(kept.max(block).max(slots) + 1);
+    tokio::time::sleep(quiet).await;
     let most = [0, 1].map(|k| log.most[k].load(Ordering::SeqCst));
     Ok(Run {
         epoch: Duration::from_secs(EPOCH),
@@ -572,7 +706,115 @@ pub(super) async fn run(config: &Config, ops: &[Op]) -> Result<Run, BuildError> 
         keys_left: key_count(&memory),
         log_sizes,
         event_time,
+        at_calls,
+        times,
+        quiet,
+        faults: Vec::new(),
     })
+}
+
+/// A `Store::check_at` of the schedule: the key, the event time, the cost.
+pub(super) struct Booking {
+    pub(super) key: usize,
+    pub(super) at: SystemTime,
+    pub(super) cost: u64,
+    /// Now, on the store's clock: a past time may be refused with a typed error.
+    pub(super) now: SystemTime,
+}
+
+/// What a booking did to its key.
+pub(super) enum Booked {
+    /// An event was admitted: what the key holds changed.
+    Changed,
+    Same,
+    /// `check_at` answered other than the configuration says (an algorithm that does not take
+    /// event times took one, or the sliding log refused them as unsupported): what it answered.
+    Unexpected(Result<(), StoreError>),
+}
+
+/// Books `booking` on the inner policy (through the switch of outages), recording each call
+/// in `calls` at the event and time `stamp` gives; a refusal's `retry_after` is then probed:
+/// the event moved by it is admitted, and not a second earlier (nothing else changes in
+/// between: the clock stands still).
+pub(super) async fn book(
+    store: &FaultyStore<MemoryStore>,
+    inner: &Policy,
+    config: &Config,
+    booking: Booking,
+    stamp: impl Fn() -> (usize, Duration),
+    calls: &mut Vec<AtCall>,
+) -> Booked {
+    let Booking { key, at, cost, now } = booking;
+    let k = Key::from(KEYS[key]);
+    let mut call = |at: SystemTime, decision: Option<Decision>, probe| {
+        let (seq, decided) = stamp();
+        let at = at.duration_since(UNIX_EPOCH).unwrap();
+        calls.push(AtCall {
+            seq,
+            decided,
+            key,
+            at,
+            cost,
+            decision,
+            probe,
+        });
+    };
+    let taken = event_times_taken(config);
+    let outcome = match store.check_at(&k, inner, cost as u32, at).await {
+        Err(StoreError::Unsupported(_)) if !taken => return Booked::Same,
+        Err(_) if store.is_failing() => return Booked::Same,
+        // A past time older than a bound the store documents may be refused so.
+        Err(StoreError::Unsupported(_) | StoreError::EventTooOld) if at < now => None,
+        Err(StoreError::Unsupported(why)) => {
+            return Booked::Unexpected(Err(StoreError::Unsupported(why)))
+        }
+        Ok(_) if !taken => return Booked::Unexpected(Ok(())),
+        outcome => outcome.ok(),
+    };
+    call(at, outcome, None);
+    let admitted = |d: &Decision| d.is_allowed();
+    let mut booked = match outcome.as_ref().is_some_and(admitted) {
+        true => Booked::Changed,
+        false => Booked::Same,
+    };
+    let Some(retry) = outcome
+        .filter(|d| dims().event_retry && !d.is_allowed() && !d.in_penalty_box())
+        .and_then(|d| d.retry_after())
+    else {
+        return booked;
+    };
+    if retry > Duration::from_secs(1) {
+        let early = at + retry - Duration::from_secs(1);
+        let early_outcome = store.check_at(&k, inner, cost as u32, early).await.ok();
+        call(early, early_outcome, Some(false));
+        if early_outcome.as_ref().is_some_and(admitted) {
+            return Booked::Changed;
+        }
+    }
+    let moved = store
+        .check_at(&k, inner, cost as u32, at + retry)
+        .await
+        .ok();
+    if moved.as_ref().is_some_and(admitted) {
+        booked = Booked::Changed;
+    }
+    call(at + retry, moved, Some(true));
+    booked
+}
+
+/// The inner layer's rejection: a 429 that says what refused (`x-refusal`: `slot`, `box` or
+/// `limit`), for the oracles; the layer adds its fields.
+pub(super) fn rejection(decision: &Decision) -> Response<Bytes> {
+    let what = match (decision.is_concurrency_limit(), decision.in_penalty_box()) {
+        (true, _) => "slot",
+        (_, true) => "box",
+        _ => "limit",
+    };
+    let mut response = Response::new(Bytes::from_static(b"refused"));
+    *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+    let what = http::HeaderValue::from_static(what);
+    response.headers_mut().insert("x-refusal", what);
+    response
 }
 
 /// Lets every task spawned run until it waits on time: a sleep of zero on the paused clock

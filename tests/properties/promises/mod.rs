@@ -5,8 +5,14 @@
 //! store's bound) and a schedule (requests that end, fail or are dropped, time passing, resets,
 //! overrides, outages, floods of other keys, retries at a refusal's `Retry-After`), runs it on
 //! the memory store under tokio's paused clock, and checks every promise against what the
-//! handler and the client saw: one oracle per promise. A configuration the crate does not
-//! support must fail to build with a typed error, and only those do (`generate::unsupported`).
+//! handler and the client saw: one oracle per promise, and the oracles of refusals
+//! (`refusals`). A configuration the crate does not support must fail to build with a typed
+//! error, and only those do (`generate::unsupported`).
+//!
+//! `PROMISE_DIMENSIONS` turns on the dimensions of the field (costs, `Fallback`, event times,
+//! three limits, windows up to a day, usage and shadow layers, on Redis outcome counting,
+//! overrides, plans and a stacked layer) and the oracles of refusals: by default all of them;
+//! `none`, none; or a list of names (`generate::dims`), to see one defect at a time.
 //!
 //! `PROMISE_CASES` sets the number of cases on the memory store (default 2 000),
 //! `PROMISE_REDIS_CASES` on Redis (default 50), `PROMISE_SEED` the seed they are drawn from
@@ -17,10 +23,12 @@ mod harness;
 mod memory;
 mod oracles;
 mod redis;
+mod refusals;
 
 use generate::*;
 use harness::*;
 use oracles::*;
+use refusals::*;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;

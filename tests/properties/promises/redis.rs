@@ -5,7 +5,8 @@ use super::*;
 
 use crate::support::RedisServer;
 use tower_redis_ratelimit::store::Leases;
-use tower_redis_ratelimit::test_util::redis_key;
+use tower_redis_ratelimit::test_util::{redis_key, tokio_clock_at};
+use tower_redis_ratelimit::usage::UsageReport;
 use tower_redis_ratelimit::RedisStore;
 
 /// A fault the harness injects into Redis.
@@ -28,6 +29,8 @@ enum Step {
         instance: usize,
         key: usize,
         hold: u64,
+        /// The handler's status, cost and usage reported.
+        how: How,
     },
     /// `n` requests of key `key` to instance `instance` at once, each streaming `hold` ms.
     Streams {
@@ -35,10 +38,49 @@ enum Step {
         key: usize,
         n: usize,
         hold: u64,
+        how: How,
+    },
+    /// An override of the inner policy for a key (as on the memory store), given the
+    /// stores' 250 ms to read it.
+    Override(usize, Option<u64>),
+    /// A key's client moves to the plan `pro` or back.
+    Plan(usize, bool),
+    /// `Store::check_at` on instance 0 at an event time this many ms from now.
+    At {
+        key: usize,
+        offset: i64,
+        cost: u64,
     },
     Pass(u64),
     Reset(usize),
     Fault(Fault),
+}
+
+/// What a request of the Redis property asks of its handler: its status (200 or 401), its
+/// cost, and the usage it reports.
+#[derive(Debug, Clone, Copy)]
+struct How {
+    status: u16,
+    /// ms before the handler answers: an attempt in flight that long.
+    head: u64,
+    cost: u64,
+    usage: u64,
+}
+
+fn how() -> impl Strategy<Value = How> {
+    let head = prop_oneof![3 => Just(0u64), 1 => 1..=1_000u64];
+    (
+        prop::sample::select(vec![200u16, 401]),
+        head,
+        1..=3u64,
+        0..=4u64,
+    )
+        .prop_map(|(status, head, cost, usage)| How {
+            status,
+            head,
+            cost,
+            usage,
+        })
 }
 
 /// The configurations the Redis property draws: the algorithms, limits of one to three
@@ -55,23 +97,66 @@ fn redis_config() -> impl Strategy<Value = Config> {
         prop::option::weighted(0.5, 1..=2u32),
         prop_oneof![Just(FailureMode::Open), Just(FailureMode::Closed)],
         prop::option::weighted(0.35, prop::sample::select(vec![50u32, 90])),
+        redis_field(),
     )
         .prop_map(
-            |(algorithm, mut limits, block, concurrency, failure, leases)| {
+            |(algorithm, mut limits, block, concurrency, failure, leases, field)| {
                 // Under a concurrency limit, counts that leave room for more than the cap at once:
                 // the cap, not the count, is what holds requests back.
                 if let Some(cap) = concurrency {
                     limits[0].0 = limits[0].0.max(2 * u64::from(cap) + 1);
                 }
+                let (count_when, plan, outer, (cost, fallback, usage, shadow)) = field;
+                let smallest = limits_min(&limits);
                 Config {
                     block,
                     concurrency,
                     failure,
                     leases,
+                    count_when,
+                    plan,
+                    outer,
+                    cost: cost.map_or(1, |c| c.min(smallest)),
+                    fallback,
+                    usage: usage && !count_when,
+                    shadow,
                     ..plain(algorithm, limits)
                 }
             },
         )
+}
+
+/// What the Redis property draws of the field, as the memory property does (each with its
+/// dimension): outcome counting, a plan, a stacked layer; costs, the fallback, usage and
+/// shadow layers.
+#[allow(clippy::type_complexity)]
+fn redis_field() -> impl Strategy<
+    Value = (
+        bool,
+        Option<u64>,
+        Option<(u64, u64)>,
+        (Option<u64>, bool, bool, bool),
+    ),
+> {
+    let d = dims();
+    let p = |on: bool, p: f64| if on { p } else { 0.0 };
+    let field = p(d.redis_field, 1.0);
+    (
+        prop::bool::weighted(0.3 * field),
+        (
+            prop::bool::weighted(0.2 * field),
+            prop_oneof![30..=90u64, 150..=400u64],
+        )
+            .prop_map(|(on, pct)| on.then_some(pct)),
+        (prop::bool::weighted(0.2 * field), 1..=6u64, 1..=3u64)
+            .prop_map(|(on, c, w)| on.then_some((c, w))),
+        (
+            (prop::bool::weighted(p(d.costs, 0.3)), 2..=3u64).prop_map(|(on, c)| on.then_some(c)),
+            prop::bool::weighted(p(d.fallback, 0.25)),
+            prop::bool::weighted(p(d.usage, 0.15)),
+            prop::bool::weighted(p(d.shadow, 0.1)),
+        ),
+    )
 }
 
 /// A fault: a stall that is a blip (under a third of the slot lifetime) or comes close to
@@ -89,13 +174,26 @@ fn redis_fault() -> impl Strategy<Value = Fault> {
 /// outlast any stall, time passing, resets and faults.
 fn redis_step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        5 => (0..2usize, 0..KEYS.len(), prop_oneof![0..=5u64, 0..=3_000u64])
-            .prop_map(|(instance, key, hold)| Step::Send { instance, key, hold }),
-        3 => (0..2usize, 0..KEYS.len(), 1..=3usize, 2_500..=4_000u64)
-            .prop_map(|(instance, key, n, hold)| Step::Streams { instance, key, n, hold }),
+        5 => (0..2usize, 0..KEYS.len(), prop_oneof![0..=5u64, 0..=3_000u64], how())
+            .prop_map(|(instance, key, hold, how)| Step::Send { instance, key, hold, how }),
+        3 => (0..2usize, 0..KEYS.len(), 1..=3usize, 2_500..=4_000u64, how())
+            .prop_map(|(instance, key, n, hold, how)| Step::Streams { instance, key, n, hold, how }),
         3 => (20..=800u64).prop_map(Step::Pass),
         1 => (0..KEYS.len()).prop_map(Step::Reset),
         1 => redis_fault().prop_map(Step::Fault),
+        if dims().redis_field { 1 } else { 0 } => (
+            0..KEYS.len(),
+            prop::option::of(prop_oneof![Just(0u64), 50..=300u64])
+        )
+            .prop_map(|(key, pct)| Step::Override(key, pct)),
+        if dims().redis_field { 1 } else { 0 } => (0..KEYS.len(), any::<bool>())
+            .prop_map(|(key, pro)| Step::Plan(key, pro)),
+        if dims().redis_field && dims().event_times { 2 } else { 0 } => (
+            0..KEYS.len(),
+            -3_000..=3_000i64,
+            1..=3u64
+        )
+            .prop_map(|(key, offset, cost)| Step::At { key, offset, cost }),
     ]
 }
 
@@ -130,42 +228,114 @@ async fn run_redis(
     let ends = Arc::new(Mutex::new(BTreeMap::new()));
     let mut instances = Vec::new();
     let mut stores = Vec::new();
-    for _ in 0..2 {
+    let header = Header::new(HeaderName::from_static("x-key"));
+    let outer = outer_policy(config);
+    for instance in 0..2u32 {
         let mut store = RedisStore::builder(server.url());
         if let Some(share) = config.leases {
             store = store.leases(Leases::new().max_share(f64::from(share) / 100.0));
         }
         let store = store.connect().await.unwrap();
-        let layer = RateLimitLayer::builder()
-            .key(Header::new(HeaderName::from_static("x-key")))
+        // Each instance's fallback, its clock ahead (by one more period for each instance) so
+        // that its decisions tell, and whose.
+        let fallback = MemoryStore::builder()
+            .clock(tokio_clock_at(
+                SystemTime::now() + FALLBACK_AHEAD * (instance + 1),
+            ))
+            .build();
+        let mut layer = RateLimitLayer::builder()
+            .key(header.clone())
             .store(store.clone())
-            .policy(inner.clone())
-            .failure_mode(config.failure.clone())
-            .build()?;
+            .failure_mode(config.failure_mode(Some(&fallback)))
+            .on_rejection(rejection);
+        layer = match config.plan {
+            Some(_) => layer
+                .rule(Rule::new(inner.clone()).plan("pro", plan_policy(config)))
+                .plan(|head| head.headers.get("x-plan").and_then(|v| v.to_str().ok())),
+            None => layer.policy(inner.clone()),
+        };
+        if config.count_when {
+            layer = layer.count_when(|head| head.status == StatusCode::UNAUTHORIZED);
+        }
+        if config.cost > 1 {
+            layer = layer.cost(|head| {
+                let cost = head.headers.get("x-cost").and_then(|v| v.to_str().ok());
+                cost.and_then(|c| c.parse().ok()).unwrap_or(1)
+            });
+        }
+        if config.usage {
+            layer = layer.usage(UsageReport::new());
+        }
+        if config.shadow {
+            layer = layer.shadow(true);
+        }
+        let layer = layer.build()?;
         let service = layer.layer(handler(Arc::clone(&log), start, Arc::clone(&ends)));
-        instances.push(service.map_response(|r| r.map(BodyExt::boxed)));
+        let service = service.map_response(|r| r.map(BodyExt::boxed));
+        let service = match &outer {
+            Some(policy) => {
+                let outer = RateLimitLayer::builder()
+                    .key(header.clone())
+                    .store(store.clone())
+                    .policy(policy.clone())
+                    .failure_mode(config.failure_mode(Some(&fallback)))
+                    .build()?;
+                let service = outer.layer(service).map_response(|r| r.map(BodyExt::boxed));
+                tower::util::BoxCloneService::new(service)
+            }
+            None => tower::util::BoxCloneService::new(service),
+        };
+        instances.push(service);
         stores.push(store);
     }
+    let on_plan = [AtomicBool::new(false), AtomicBool::new(false)];
+    let mut plans = Vec::new();
+    let mut overrides = Vec::new();
+    let mut at_calls = Vec::new();
+    let mut times = BTreeMap::new();
+    let mut faults = Vec::new();
     let name = |key: usize| format!("{case}-{}", KEYS[key]);
-    let send = |instance: usize, key: usize, hold: u64| {
+    let send = |instance: usize, key: usize, hold: u64, how: How| {
         let i = log.open(key, since(start), None);
+        let pro = on_plan[key].load(Ordering::SeqCst);
+        let (cost, status, head) = match dims().redis_field || dims().costs || dims().usage {
+            true => (how.cost.clamp(1, config.cost), how.status, how.head),
+            false => (1, 200, 0),
+        };
+        log.with(i, |r| {
+            r.pro = pro;
+            r.cost = cost;
+            r.usage = how.usage;
+        });
         let (end, ended) = tokio::sync::oneshot::channel();
         ends.lock().unwrap().insert(i, ended);
         let request = Request::builder()
             .header("x-key", name(key))
             .header("x-i", i.to_string())
-            .header("x-status", "200")
-            .header("x-head", "0")
+            .header("x-status", status.to_string())
+            .header("x-head", head.to_string())
+            .header("x-plan", if pro { "pro" } else { "none" })
+            .header("x-cost", cost.to_string())
+            .header("x-usage", how.usage.to_string())
             .body(())
             .unwrap();
         let (service, log) = (instances[instance].clone(), Arc::clone(&log));
         tokio::spawn(async move {
             let response = service.oneshot(request).await.unwrap();
             let members = fields(&response);
+            let retry = response.headers().get("retry-after");
+            let retry = retry.map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
+            let refusal = response
+                .headers()
+                .get("x-refusal")
+                .map(|v| v.as_bytes().to_vec());
             log.with(i, |r| {
                 r.status = Some(response.status());
                 r.responded = Some(since(start));
                 r.fields = members;
+                r.retry_after = retry;
+                r.inner_refusal = refusal.as_ref().map(|v| v.as_slice() == b"slot");
+                r.boxed = refusal.as_deref() == Some(b"box");
             });
             tokio::time::sleep(Duration::from_millis(hold)).await;
             let _ = end.send(());
@@ -183,13 +353,90 @@ async fn run_redis(
                 instance,
                 key,
                 hold,
-            } => tasks.push(send(instance, key, hold)),
+                how,
+            } => tasks.push(send(instance, key, hold, how)),
             &Step::Streams {
                 instance,
                 key,
                 n,
                 hold,
-            } => tasks.extend((0..n).map(|_| send(instance, key, hold))),
+                how,
+            } => tasks.extend((0..n).map(|_| send(instance, key, hold, how))),
+            &Step::Override(key, pct) => {
+                let scope = Scope::Key(Key::from(name(key).as_str()));
+                let table = stores[0].overrides();
+                let set = match pct {
+                    Some(0) => table.set(&inner, &scope, &Override::Block).await,
+                    Some(pct) => {
+                        let counts = config.limits.iter().map(|&(c, w)| {
+                            let c = (c * pct / 100).max(1);
+                            Limit::new(c, Duration::from_secs(w)).unwrap()
+                        });
+                        let to = Override::Limits(counts.collect());
+                        table.set(&inner, &scope, &to).await
+                    }
+                    None => table.remove(&inner, &scope).await.map(drop),
+                };
+                // Both stores read the table every 250 ms; nothing is decided meanwhile.
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                if set.is_ok() {
+                    let seq = log.next();
+                    overrides.push((seq, key, pct));
+                    times.insert(seq, since(start));
+                }
+            }
+            &Step::Plan(key, pro) => {
+                on_plan[key].store(pro, Ordering::SeqCst);
+                plans.push((log.next(), key));
+            }
+            &Step::At { key, offset, cost } => {
+                let k = Key::from(name(key).as_str());
+                let now = SystemTime::now();
+                let at = match offset >= 0 {
+                    true => now + Duration::from_millis(offset as u64),
+                    false => now - Duration::from_millis(offset.unsigned_abs()),
+                };
+                let cost = cost.clamp(1, config.cost);
+                let decision = stores[0].check_at(&k, &inner, cost as u32, at).await;
+                let Ok(decision) = decision else { continue };
+                let mut call = |at: SystemTime, decision: Decision, probe| {
+                    let (seq, decided) = (log.next(), since(start));
+                    let at = at.duration_since(UNIX_EPOCH).unwrap();
+                    let decision = Some(decision);
+                    at_calls.push(AtCall {
+                        seq,
+                        decided,
+                        key,
+                        at,
+                        cost,
+                        decision,
+                        probe,
+                    });
+                };
+                call(at, decision, None);
+                // The probes of its retry_after, without leases (a lease held elsewhere may
+                // refuse the moved event).
+                let retry = Some(decision)
+                    .filter(|_| dims().event_retry && config.leases.is_none())
+                    .filter(|d| !d.is_allowed() && !d.in_penalty_box())
+                    .and_then(|d| d.retry_after());
+                if let Some(retry) = retry {
+                    let mut early_admitted = false;
+                    if retry > Duration::from_secs(1) {
+                        let early = at + retry - Duration::from_secs(1);
+                        if let Ok(d) = stores[0].check_at(&k, &inner, cost as u32, early).await {
+                            early_admitted = d.is_allowed();
+                            call(early, d, Some(false));
+                        }
+                    }
+                    if !early_admitted {
+                        let moved = at + retry;
+                        if let Ok(d) = stores[0].check_at(&k, &inner, cost as u32, moved).await {
+                            call(moved, d, Some(true));
+                        }
+                    }
+                }
+            }
             &Step::Pass(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
             &Step::Reset(key) => {
                 stores[0]
@@ -201,6 +448,7 @@ async fn run_redis(
                 reset_done.push((at, wall()));
             }
             Step::Fault(fault) => {
+                let from = since(start);
                 match *fault {
                     Fault::Sleep(ms) => {
                         let (port, seconds) = (server.port(), (ms as f64 / 1000.0).to_string());
@@ -221,8 +469,21 @@ async fn run_redis(
                         let at = log.next();
                         resets.extend((0..KEYS.len()).map(|key| (at, key)));
                         reset_done.push((at, wall()));
+                        // And the overrides, which the stores forget within 250 ms.
+                        let set = |key: &usize| {
+                            let last = overrides.iter().rfind(|o: &&(usize, usize, _)| o.1 == *key);
+                            last.is_some_and(|o| o.2.is_some())
+                        };
+                        let lost: Vec<usize> = (0..KEYS.len()).filter(set).collect();
+                        if !lost.is_empty() {
+                            tokio::time::sleep(Duration::from_millis(400)).await;
+                            let seq = log.next();
+                            overrides.extend(lost.into_iter().map(|key| (seq, key, None)));
+                            times.insert(seq, since(start));
+                        }
                     }
                 }
+                faults.push((from, since(start)));
             }
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -243,13 +504,24 @@ async fn run_redis(
     }
     let records = log.records.lock().unwrap().clone();
     let most = [0, 1].map(|k| log.most[k].load(Ordering::SeqCst));
+    // A key's state ages out within twice its longest window, its box, its slots' lifetime,
+    // its usage charged (a window per count of it) and the events booked ahead.
+    let outer_limits = outer_policy_limits(config);
+    let windows = config.limits.iter().chain(&outer_limits).map(|l| l.1);
+    let longest = windows.max().unwrap_or(1);
+    let used: u64 = records.iter().map(|r| r.usage.max(r.cost)).sum();
+    let used = match config.usage {
+        true => (used * longest).div_ceil(limits_min(&config.limits)),
+        false => 0,
+    };
+    let quiet = 2 * longest + config.block.unwrap_or(0) + 2 + used + 3 + 1;
     Ok(Run {
         epoch,
         records,
         resets,
         reset_done,
-        overrides: Vec::new(),
-        plans: Vec::new(),
+        overrides,
+        plans,
         outages: Vec::new(),
         floods: Vec::new(),
         most,
@@ -257,6 +529,10 @@ async fn run_redis(
         keys_left: 0,
         log_sizes: Vec::new(),
         event_time: Ok(()),
+        at_calls,
+        times,
+        quiet: Duration::from_secs(quiet),
+        faults,
     })
 }
 
@@ -302,7 +578,11 @@ fn most_with_slots(run: &Run, key: usize) -> usize {
     for r in run.records.iter().filter(|r| r.key == key) {
         let Some(handled) = &r.handled else { continue };
         let decided = handled.decisions.as_ref().and_then(|d| d.get("inner"));
-        if decided.is_none() {
+        // A decision of an instance's fallback holds a slot of its own, not the fleet's.
+        let fallback = decided
+            .and_then(recorded_at)
+            .is_some_and(|at| fallback_of(run, at).0 > 0);
+        if decided.is_none() || fallback {
             continue;
         }
         edges.push((handled.at, true));
@@ -347,6 +627,18 @@ fn check_redis(
         (Ok(_), Some(why)) => return Err(fail("unsupported", format!("built {why}"))),
     };
     never_over(config, &run).map_err(|why| fail("never over", why))?;
+    let d = dims();
+    if d.over_refusal {
+        lone_admitted(config, &run).map_err(|why| fail("never refused for nothing", why))?;
+    }
+    if d.no_box_without_failure {
+        no_box_without_failure(config, &run)
+            .map_err(|why| fail("no box without a failure", why))?;
+    }
+    if d.event_retry {
+        retry_after_where_a_wait_helps(config, &run)
+            .map_err(|why| fail("Retry-After where a wait helps", why))?;
+    }
     never_the_outage(config, &run).map_err(|why| fail("never the outage", why))?;
     fields_agree(&run).map_err(|why| fail("Decisions and fields agree", why))?;
     if run.slots_left != 0 {
@@ -355,7 +647,9 @@ fn check_redis(
             format!("{} slots held after every request ended", run.slots_left),
         ));
     }
-    if let Some(cap) = config.concurrency.filter(|_| slots_kept(steps)) {
+    // A soft or shadow layer passes on what it would refuse for a slot.
+    let cap = config.concurrency.filter(|_| !config.lenient());
+    if let Some(cap) = cap.filter(|_| slots_kept(steps)) {
         for key in 0..KEYS.len() {
             let most = most_with_slots(&run, key);
             if most > cap as usize {
@@ -445,6 +739,12 @@ fn slots_ride_out_a_stall_on_redis() {
         instance,
         key: 0,
         hold: 3_500,
+        how: How {
+            status: 200,
+            head: 0,
+            cost: 1,
+            usage: 0,
+        },
     };
     let steps = [
         long(0),
@@ -454,6 +754,40 @@ fn slots_ride_out_a_stall_on_redis() {
         Step::Pass(100),
         long(0),
         long(1),
+    ];
+    let mut server = RedisServer::start();
+    check_redis(&mut server, 0, &config, &steps).unwrap();
+}
+
+/// The outer layer's limit, as a list.
+fn outer_policy_limits(config: &Config) -> Vec<(u64, u64)> {
+    config.outer.into_iter().collect()
+}
+
+/// Three right passwords at once on one instance at `1/2s` with a 2 s box, each answered after
+/// 500 ms: one is let in, the others are refused for it in flight, and a refusal boxes a user
+/// with no failure counted (`no_box_without_failure` on Redis).
+#[test]
+fn right_passwords_at_once_box_no_one_on_redis() {
+    let config = Config {
+        block: Some(2),
+        count_when: true,
+        ..plain(Algorithm::SlidingWindow, vec![(1, 2)])
+    };
+    let steps = [
+        Step::Streams {
+            instance: 0,
+            key: 0,
+            n: 3,
+            hold: 0,
+            how: How {
+                status: 200,
+                head: 500,
+                cost: 1,
+                usage: 0,
+            },
+        },
+        Step::Pass(1_000),
     ];
     let mut server = RedisServer::start();
     check_redis(&mut server, 0, &config, &steps).unwrap();
