@@ -3,7 +3,10 @@
 //! is in, and the store keeps them apart until then, so that a refusal those units alone
 //! cause is told from one the counted outcomes cause. The first is *busy*: the user's own
 //! concurrent attempts (a double-clicked login form, an app's retries), no failure, so it
-//! sets no penalty box and a soft policy does not mark it over. The Redis scripts keep the
+//! sets no penalty box and a soft policy does not mark it over. It is busy when the request
+//! would be admitted with the attempts in flight given back, as their refunds would give
+//! them back (`KeyState::fits_without_attempts`): units that have left the window, drained,
+//! or that charges past the count outweigh make no refusal busy. The Redis scripts keep the
 //! same set, `<key>:tries` (`scripts/prelude.lua`, "Attempts").
 
 /// How long (µs) an attempt counts as in flight without its outcome: an instance that stopped
@@ -16,33 +19,42 @@ pub(crate) const ATTEMPT_KEPT: u64 = 60_000_000;
 /// says.
 pub(crate) const BUSY_RETRY: u64 = 1_000_000;
 
-/// A key's attempts in flight: id, units, and until when (µs) each counts as in flight.
+/// One attempt in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Attempt {
+    pub(crate) id: u64,
+    pub(crate) units: u64,
+    /// When it was admitted (µs, the store's time).
+    pub(crate) at: u64,
+}
+
+/// A key's attempts in flight.
 #[derive(Default)]
-pub(crate) struct Attempts(Vec<(u64, u64, u64)>);
+pub(crate) struct Attempts(Vec<Attempt>);
 
 impl Attempts {
     /// Attempt `id` of `units`, admitted at `now`, is in flight.
     pub(crate) fn start(&mut self, now: u64, id: u64, units: u64) {
-        self.0.retain(|&(_, _, until)| until > now);
-        self.0.push((id, units, now.saturating_add(ATTEMPT_KEPT)));
+        self.0.retain(|a| a.at.saturating_add(ATTEMPT_KEPT) > now);
+        self.0.push(Attempt { id, units, at: now });
     }
 
     /// Attempt `id`'s outcome is in.
     pub(crate) fn end(&mut self, id: u64) {
-        self.0.retain(|&(held, _, _)| held != id);
+        self.0.retain(|a| a.id != id);
     }
 
-    /// The units attempts in flight hold at `now`.
-    pub(crate) fn units(&self, now: u64) -> u64 {
-        let live = self.0.iter().filter(|&&(_, _, until)| until > now);
-        live.fold(0, |sum, &(_, units, _)| sum.saturating_add(units))
+    /// The attempts in flight at `now`.
+    pub(crate) fn live(&self, now: u64) -> impl Iterator<Item = &Attempt> {
+        self.0
+            .iter()
+            .filter(move |a| a.at.saturating_add(ATTEMPT_KEPT) > now)
     }
 
-    /// Whether a request of `cost`, refused with `remaining` units left, is refused only
-    /// because of attempts in flight: without their units it would fit.
-    pub(crate) fn only_cause(&self, now: u64, cost: u64, remaining: u64) -> bool {
-        let held = self.units(now);
-        held > 0 && held >= cost.saturating_sub(remaining)
+    /// Until when (µs) the last attempt counts as in flight; 0 for none.
+    pub(crate) fn last_expiry(&self) -> u64 {
+        let ends = self.0.iter().map(|a| a.at.saturating_add(ATTEMPT_KEPT));
+        ends.max().unwrap_or(0)
     }
 }
 
@@ -51,30 +63,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_refusal_is_busy_only_while_attempts_in_flight_hold_what_it_needs() {
+    fn an_attempt_is_in_flight_until_its_outcome_or_for_a_minute() {
         let mut attempts = Attempts::default();
-        assert!(
-            !attempts.only_cause(0, 1, 0),
-            "nothing in flight: the outcomes refuse"
-        );
         attempts.start(0, 7, 1);
-        assert!(attempts.only_cause(10, 1, 0));
-        assert!(
-            !attempts.only_cause(10, 3, 1),
-            "one unit in flight; the request lacks two"
-        );
-        attempts.start(10, 8, 1);
-        assert!(attempts.only_cause(20, 3, 1));
+        attempts.start(10, 8, 2);
+        assert_eq!(attempts.live(20).count(), 2);
         attempts.end(7);
-        attempts.end(8);
-        assert!(attempts.units(30) == 0 && !attempts.only_cause(30, 1, 0));
-    }
-
-    #[test]
-    fn an_attempt_never_settled_counts_as_an_outcome_after_a_minute() {
-        let mut attempts = Attempts::default();
-        attempts.start(0, 1, 1);
-        assert!(attempts.only_cause(ATTEMPT_KEPT - 1, 1, 0));
-        assert!(!attempts.only_cause(ATTEMPT_KEPT, 1, 0));
+        let live: Vec<_> = attempts.live(20).copied().collect();
+        assert_eq!(
+            live,
+            [Attempt {
+                id: 8,
+                units: 2,
+                at: 10
+            }]
+        );
+        assert_eq!(attempts.live(10 + ATTEMPT_KEPT).count(), 0);
+        assert_eq!(attempts.last_expiry(), 10 + ATTEMPT_KEPT);
     }
 }

@@ -11,7 +11,7 @@ use super::slots::{Full, Slots, Waiter};
 use super::turn::{reserve, Reserved};
 use super::{
     decide, fixed_window::FixedWindow, gcra::Gcra, micros, settle, sliding_log::SlidingLog,
-    sliding_window::SlidingWindow, Algorithm, Outcome, Settle, Window,
+    sliding_window::SlidingWindow, Algorithm, Outcome, Refund, Settle, Window,
 };
 use crate::Policy;
 
@@ -43,11 +43,53 @@ pub(crate) struct KeyState {
 }
 
 /// The state of one key under the algorithm of its policy.
+#[derive(Clone)]
 pub(crate) enum Of {
     Log(SlidingLog),
     Sliding(SlidingWindow),
     Fixed(FixedWindow),
     Gcra(Gcra),
+}
+
+impl Of {
+    /// Decides at `t` (µs); `now` is the store's time, which may differ for event times.
+    fn decide(&mut self, now: u64, t: u64, policy: &Policy, cost: u64, record: bool) -> Outcome {
+        let windows = policy.windows();
+        match self {
+            Of::Log(log) => {
+                trim(log, now, policy);
+                decide(log, t, windows, cost, record)
+            }
+            Of::Sliding(s) => decide(s, t, windows, cost, record),
+            Of::Fixed(s) => decide(s, t, windows, cost, record),
+            Of::Gcra(s) => decide(s, t, windows, cost, record),
+        }
+    }
+
+    /// Records a settlement at `now`; how long the state matters from now on, when that can
+    /// be longer than the policy's retention (a GCRA bucket charged past its size).
+    fn settle(&mut self, now: u64, policy: &Policy, change: Settle) -> u64 {
+        let windows = policy.windows();
+        match self {
+            Of::Log(log) => {
+                trim(log, now, policy);
+                settle(log, now, windows, change);
+                0
+            }
+            Of::Sliding(s) => {
+                settle(s, now, windows, change);
+                0
+            }
+            Of::Fixed(s) => {
+                settle(s, now, windows, change);
+                0
+            }
+            Of::Gcra(s) => {
+                settle(s, now, windows, change);
+                s.drained_in(now, windows)
+            }
+        }
+    }
 }
 
 /// What one decision asks, in the store's units.
@@ -223,16 +265,28 @@ impl KeyState {
         cost: u64,
         record: bool,
     ) -> Outcome {
-        let windows = policy.windows();
-        match &mut self.of {
-            Of::Log(log) => {
-                trim(log, now, policy);
-                decide(log, t, windows, cost, record)
-            }
-            Of::Sliding(s) => decide(s, t, windows, cost, record),
-            Of::Fixed(s) => decide(s, t, windows, cost, record),
-            Of::Gcra(s) => decide(s, t, windows, cost, record),
+        self.of.decide(now, t, policy, cost, record)
+    }
+
+    /// Whether `ask`, refused, would be admitted were the key's attempts in flight given back
+    /// as their refunds would give them back: then they alone refuse it, and the refusal is
+    /// busy (`model::attempts`). Units that have left a window, or drained, or that charges
+    /// past the count outweigh, keep the refusal one of the counted outcomes.
+    fn fits_without_attempts(&self, policy: &Policy, ask: &Ask) -> bool {
+        let mut live = self.attempts.live(ask.now).peekable();
+        if live.peek().is_none() {
+            return false;
         }
+        let mut of = self.of.clone();
+        for attempt in live {
+            let refund = Refund {
+                units: attempt.units,
+                at: Some(attempt.at),
+                recorded: attempt.units,
+            };
+            of.settle(ask.now, policy, Settle::Refund(refund));
+        }
+        of.decide(ask.now, ask.t, policy, ask.cost, false).allowed
     }
 
     /// The refusal a request meets before the limits decide it: the key is in its penalty
@@ -309,8 +363,7 @@ impl KeyState {
             };
         }
         // Refused only because attempts in flight hold what it needs: busy, no failure.
-        let busy =
-            ask.attempt.is_some() && self.attempts.only_cause(now, ask.cost, outcome.remaining);
+        let busy = ask.attempt.is_some() && self.fits_without_attempts(policy, ask);
         if busy {
             let outcome = Outcome {
                 retry_after: Some(retry.min(BUSY_RETRY)),
@@ -417,26 +470,7 @@ impl KeyState {
     /// Records a settlement at `now`; returns how long the state matters from now on, when
     /// that can be longer than the policy's retention (a GCRA bucket charged past its size).
     pub(crate) fn settle(&mut self, now: u64, policy: &Policy, change: Settle) -> u64 {
-        let windows = policy.windows();
-        match &mut self.of {
-            Of::Log(log) => {
-                trim(log, now, policy);
-                settle(log, now, windows, change);
-                0
-            }
-            Of::Sliding(s) => {
-                settle(s, now, windows, change);
-                0
-            }
-            Of::Fixed(s) => {
-                settle(s, now, windows, change);
-                0
-            }
-            Of::Gcra(s) => {
-                settle(s, now, windows, change);
-                s.drained_in(now, windows)
-            }
-        }
+        self.of.settle(now, policy, change)
     }
 }
 

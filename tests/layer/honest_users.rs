@@ -45,9 +45,11 @@ async fn login(
             gate.busy.fetch_add(1, Ordering::SeqCst);
         }
     }
-    gate.inside.fetch_add(1, Ordering::SeqCst);
-    let mut open = gate.open.clone();
-    open.wait_for(|open| *open).await.unwrap();
+    if headers.contains_key("x-hold") {
+        gate.inside.fetch_add(1, Ordering::SeqCst);
+        let mut open = gate.open.clone();
+        open.wait_for(|open| *open).await.unwrap();
+    }
     match headers.get("x-password").map(|v| v.as_bytes()) {
         Some(b"right") => StatusCode::OK,
         _ => StatusCode::UNAUTHORIZED,
@@ -101,11 +103,18 @@ fn form<St: Store>(store: St, rule: Rule) -> Form<St> {
 type Answer = (u16, Option<u64>);
 
 async fn send(app: Router, user: String, password: &'static str) -> Answer {
-    let request = Request::post("/login")
+    send_as(app, user, password, true).await
+}
+
+/// One attempt; `hold`: it waits in the handler until the gate opens.
+async fn send_as(app: Router, user: String, password: &'static str, hold: bool) -> Answer {
+    let mut request = Request::post("/login")
         .header("x-user", user)
-        .header("x-password", password)
-        .body(axum::body::Body::empty())
-        .unwrap();
+        .header("x-password", password);
+    if hold {
+        request = request.header("x-hold", "1");
+    }
+    let request = request.body(axum::body::Body::empty()).unwrap();
     let response = app.oneshot(request).await.unwrap();
     let retry = response.headers().get("retry-after");
     let retry = retry.map(|v| v.to_str().unwrap().parse().unwrap());
@@ -143,6 +152,31 @@ impl<St: Store> Form<St> {
 
     async fn one(&self, user: &str, password: &'static str) -> Answer {
         self.at_once(user, password, 1).await[0]
+    }
+
+    /// An attempt that stays in the handler until [`release`](Self::release): a slow login.
+    async fn hold(&self, user: &str, password: &'static str) -> tokio::task::JoinHandle<Answer> {
+        self.open.send_replace(false);
+        let before = self.gate.inside.load(Ordering::SeqCst);
+        let held = tokio::spawn(send(self.app.clone(), user.to_owned(), password));
+        while self.gate.inside.load(Ordering::SeqCst) == before {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        held
+    }
+
+    async fn release(&self, held: tokio::task::JoinHandle<Answer>) -> Answer {
+        self.open.send_replace(true);
+        let answer = held.await.unwrap();
+        assert_eq!(self.layer.settled(Duration::from_secs(5)).await, 0);
+        answer
+    }
+
+    /// An attempt that does not wait in the handler, once its settles have landed.
+    async fn quick(&self, user: &str, password: &'static str) -> Answer {
+        let answer = send_as(self.app.clone(), user.to_owned(), password, false).await;
+        assert_eq!(self.layer.settled(Duration::from_secs(5)).await, 0);
+        answer
     }
 }
 
@@ -227,6 +261,74 @@ async fn no_captcha_for_attempts_at_once<St: Store>(store: St) {
     }
 }
 
+/// A slow attempt hides no failure: under a soft `3/1h` (no box), 2 failures, then one slow
+/// attempt in flight: the next guess is busy (the 2 failures leave room), and it fails; from
+/// then on the failures fill the count, and every guess is marked over, the slow attempt in
+/// flight or not.
+async fn a_slow_attempt_hides_no_failure<St: Store>(store: St) {
+    for algorithm in ALGORITHMS {
+        let what = format!("{algorithm:?}");
+        let soft = Policy::new(
+            format!("slow-{what}").to_lowercase(),
+            ["3/1h".parse().unwrap()],
+        )
+        .unwrap()
+        .with_algorithm(algorithm);
+        let form = form(store.clone(), Rule::new(soft).soft());
+        let user = format!("eve-{what}");
+        for _ in 0..2 {
+            assert_eq!(form.quick(&user, "guess").await, (401, None), "{what}");
+        }
+        let held = form.hold(&user, "right").await;
+        for _ in 0..5 {
+            assert_eq!(form.quick(&user, "guess").await, (401, None), "{what}");
+        }
+        let (over, busy) = (&form.gate.over, &form.gate.busy);
+        assert_eq!(
+            busy.load(Ordering::SeqCst),
+            1,
+            "{what}: the first guess alone is busy"
+        );
+        assert_eq!(
+            over.load(Ordering::SeqCst),
+            4,
+            "{what}: the failures fill the count"
+        );
+        assert_eq!(form.release(held).await, (200, None), "{what}");
+    }
+}
+
+#[tokio::test]
+async fn a_slow_attempt_hides_no_failure_on_memory() {
+    a_slow_attempt_hides_no_failure(MemoryStore::new()).await;
+}
+
+/// Attempts in flight pin their key: a flood of other keys does not let more guesses than the
+/// count in at once (`max_keys`).
+#[tokio::test]
+async fn attempts_in_flight_outlive_a_flood_on_memory() {
+    let store = MemoryStore::builder().max_keys(16).build();
+    let form = form(store, Rule::new(policy("3/1h", Algorithm::SlidingLog)));
+    let answers = form.at_once("eve", "guess", 4).await;
+    assert_eq!(count(&answers, (401, None)), 3, "{answers:?}");
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(form.hold("mallory", "guess").await);
+    }
+    for n in 0..64 {
+        form.quick(&format!("flood-{n}"), "right").await;
+    }
+    assert_eq!(
+        form.quick("mallory", "guess").await,
+        (429, Some(1)),
+        "3 guesses in flight"
+    );
+    form.open.send_replace(true);
+    for held in held {
+        assert_eq!(held.await.unwrap(), (401, None));
+    }
+}
+
 #[tokio::test]
 async fn right_passwords_at_once_never_box_a_user_on_memory() {
     right_passwords_at_once(MemoryStore::new()).await;
@@ -256,6 +358,12 @@ mod redis {
     async fn guesses_at_once_stay_within_the_count_and_box_on_redis() {
         let server = RedisServer::start();
         super::guesses_at_once(server.store().await).await;
+    }
+
+    #[tokio::test]
+    async fn a_slow_attempt_hides_no_failure_on_redis() {
+        let server = RedisServer::start();
+        super::a_slow_attempt_hides_no_failure(server.store().await).await;
     }
 
     #[tokio::test]

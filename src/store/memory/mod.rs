@@ -46,7 +46,8 @@ use crate::{Decision, Key, Policy, Settlement};
 /// **Pinned keys.** A key in its penalty box ([`Policy::block_for`]) is pinned until the
 /// lockout its box's first refusal announced has passed (the later of the box's end and its
 /// limits' own `Retry-After` then), a key that holds concurrency slots ([`Policy::concurrency`])
-/// until its last slot expires, and a key holding events in the future
+/// until its last slot expires, a key with attempts in flight (counted by outcome,
+/// `count_when`) until the last counts as in flight no more, and a key holding events in the future
 /// ([`Store::check_at`]: a scheduler's bookings) until the newest of them: every other key is
 /// evicted first, so that a flood of new clients cannot free a boxed one, nor make a booked
 /// time bookable twice. The bound is per shard: the keys are split over
@@ -86,7 +87,8 @@ impl Shared {
     }
 }
 
-/// The map keeps a key while it is locked out by its penalty box, holds concurrency slots, has
+/// The map keeps a key while it is locked out by its penalty box, holds concurrency slots or
+/// attempts in flight, has
 /// reservations waiting for their turns or a pause, or holds events in the future (a
 /// scheduler's bookings, `Store::check_at`): evicted, the key would forget them, and the same
 /// times would be booked again.
@@ -98,6 +100,8 @@ impl Pinning for KeyState {
             Of::Sliding(_) | Of::Fixed(_) | Of::Gcra(_) => 0,
         };
         let held = self.locked_until.max(self.slots.last_expiry());
+        // Attempts in flight hold units that no more attempts may take (`model::attempts`).
+        let held = held.max(self.attempts.last_expiry());
         held.max(line).max(booked)
     }
 }

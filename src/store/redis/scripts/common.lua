@@ -128,6 +128,36 @@ end
 -- list as load_fields reads it (the algorithm's file says its layout).
 local state
 
+-- The request at hand's `fits_without` (prelude.lua, "Attempts"): on a copy of its state, each
+-- attempt in flight given back as `give_back` refunds (to state created no later than it),
+-- then every limit asked with `fits`.
+local function attempts_given_back(fits, give_back)
+  return function(tries)
+    local saved, cost_at_hand, admitted_at_hand = state, cost, admitted
+    local copy = {}
+    for j = 1, #state do
+      copy[j] = state[j]
+    end
+    state = copy
+    for _, try in ipairs(tries) do
+      if born ~= nil and born <= try.at then
+        cost, admitted = try.units, try.at
+        give_back()
+      end
+    end
+    cost = cost_at_hand
+    local fit = true
+    for i = 1, n do
+      if fits(i) ~= nil then
+        fit = false
+        break
+      end
+    end
+    state, admitted = saved, admitted_at_hand
+    return fit
+  end
+end
+
 -- Decides every request of the call: loads its state of `fields` integers per limit, then
 -- combines fits, apply and report (or settles, with apply or give_back); the reply
 -- concatenates the answers.
@@ -149,6 +179,9 @@ local function each_stored_request(fields, fits, apply, report, give_back)
     else
       state = load_fields(fields)
       local allowed, index, remaining, reset, retry = decide(fits, apply, report, refund_units)
+      if attempt_id > 0 and allowed == 0 then
+        fits_without = attempts_given_back(fits, give_back)
+      end
       local shown = overridden and counts[index + 1] or -1
       reply[k] = spack('<llllll', allowed, index, remaining, reset, retry, shown)
       if box_ms > 0 or slot_cap > 0 or attempt_id > 0 then

@@ -235,6 +235,24 @@ for k = 1, REQUESTS do
     local u, d = weights[reported], drains[reported]
     reply[k] = spack('<llllll', allowed, reported - 1, math.max(math.floor(((w - h) * d - b) / u), 0),
       math.ceil(b / d), retry, overridden and counts[reported] or -1)
+    if attempt_id > 0 and allowed == 0 then
+      -- prelude.lua, "Attempts": each attempt's units weigh what a refund would take back
+      -- (its cost less what has drained since it was admitted), in state created before it.
+      fits_without = function(tries)
+        for i = 1, n do
+          local u2, d2, b2 = weights[i], drains[i], backlogs[i]
+          for _, try in ipairs(tries) do
+            if born <= try.at then
+              b2 = b2 - math.max(try.units * u2 - math.max(t - try.at, 0) * d2, 0)
+            end
+          end
+          if math.max(b2, 0) + cost * u2 > (windows[i] - h) * d2 then
+            return false
+          end
+        end
+        return true
+      end
+    end
     if box_ms > 0 or slot_cap > 0 or attempt_id > 0 then
       reply[k] = conclude(k, reply[k])
     end

@@ -134,10 +134,12 @@
 -- Attempts (src/model/attempts.rs): a request of a policy that counts by outcome (count_when)
 -- carries its attempt id; admitted (ADMIT, LEASE, TAKE), it is in flight until its outcome is
 -- settled: the member `<id>:<cost>` of the sorted set `<KEYS[k]>:tries` (same hash slot),
--- scored by when it stops counting as in flight (ATTEMPT_KEPT after its admission; the set
--- lives that long past its last). Refused by its limits (a wait helps) out of any box, while
--- the units in flight cover what it lacks (held >= cost - remaining), it is BUSY: answered
--- allowed -1, its retry at most BUSY_RETRY, and it sets no penalty box. A SETTLE that carries
+-- scored by its admission time (Redis time, us); it counts as in flight ATTEMPT_KEPT, and the
+-- set lives that long past its last. Refused by its limits (a wait helps) out of any box, it
+-- is BUSY when it would be admitted were the attempts in flight given back as their refunds
+-- would give them back (each algorithm's `fits_without`; src/model/key_state.rs,
+-- `fits_without_attempts`): answered allowed -1, its retry at most BUSY_RETRY, and it sets
+-- no penalty box. A SETTLE that carries
 -- an attempt takes it out of the set; one of 0 units (its outcome counts, the units stay)
 -- does nothing else and answers 1 0 0 0 -1 -1.
 --
@@ -227,6 +229,10 @@ local box_end, box_held, box_count = 0, false, -1
 -- long an attempt counts as in flight, and the longest a BUSY refusal's retry (us).
 local attempt_id, attempt_cost = 0, 0
 local ATTEMPT_KEPT, BUSY_RETRY = 60000000, 1000000
+-- Set by the algorithm's file for the request at hand, when it is an attempt: whether the
+-- request fits every limit with the given attempts in flight ({at, units} each) given back
+-- as refunds would give them back (see "Attempts").
+local fits_without = nil
 -- The answer to a settlement that changes no units (see "Attempts").
 local SETTLED = spack('<llllll', 1, 0, 0, 0, -1, -1)
 -- Whether the request at hand is decided at an event time of its own (not now).
@@ -667,19 +673,21 @@ local function as_attempt(k, answer)
   local allowed, index, remaining, reset, retry, count = sunpack('<llllll', answer)
   local tries = KEYS[k] .. ':tries'
   if allowed >= 1 then
-    redis.call('ZADD', tries, text(now + ATTEMPT_KEPT), text(attempt_id) .. ':' .. text(attempt_cost))
+    redis.call('ZADD', tries, text(now), text(attempt_id) .. ':' .. text(attempt_cost))
     redis.call('PEXPIRE', tries, text(ATTEMPT_KEPT / 1000 + 1))
     return false, answer
   end
   if retry < 0 then
     return false, answer
   end
-  redis.call('ZREMRANGEBYSCORE', tries, '-inf', text(now))
-  local held = 0
-  for _, member in ipairs(redis.call('ZRANGE', tries, 0, -1)) do
-    held = held + (tonumber(string.match(member, ':(%d+)$')) or 0)
+  redis.call('ZREMRANGEBYSCORE', tries, '-inf', text(now - ATTEMPT_KEPT))
+  local found = redis.call('ZRANGE', tries, 0, -1, 'WITHSCORES')
+  local live = {}
+  for j = 1, #found, 2 do
+    local units = tonumber(string.match(found[j], ':(%d+)$')) or 0
+    live[#live + 1] = {at = tonumber(found[j + 1]), units = units}
   end
-  if held == 0 or held < attempt_cost - remaining then
+  if #live == 0 or fits_without == nil or not fits_without(live) then
     return false, answer
   end
   return true, spack('<llllll', -1, index, remaining, reset, math.min(retry, BUSY_RETRY), count)

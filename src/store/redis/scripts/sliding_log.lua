@@ -393,6 +393,28 @@ for k = 1, REQUESTS do
       reply[k] = reserve(key, n, cost, reserve_wait, t)
     else
       reply[k] = decide(key, n, cost, record, t, want)
+      if attempt_id > 0 then
+        -- prelude.lua, "Attempts": each attempt's event, logged at its admission, lightened
+        -- (a refund's), taken out of every window that holds it; with events after t in a
+        -- window, no refusal is taken for busy.
+        fits_without = function(tries)
+          for i = 1, n do
+            if fullests[i] > pasts[i] then
+              return false
+            end
+            local held = 0
+            for _, try in ipairs(tries) do
+              if try.at > t - windows[i] and try.at <= t then
+                held = held + try.units
+              end
+            end
+            if pasts[i] - held + cost > counts[i] then
+              return false
+            end
+          end
+          return true
+        end
+      end
     end
     if box_ms > 0 or slot_cap > 0 or attempt_id > 0 then
       reply[k] = conclude(k, reply[k])
