@@ -140,8 +140,9 @@ async fn a_key_that_hits_its_limit_is_refused_for_the_box_on_redis() {
         let still = check(&store, &key, &policy).await;
         assert!(still.in_penalty_box(), "{algorithm:?}: {still:?}");
         let left = still.retry_after().unwrap();
+        // The box started when Redis ran the call, at most its round trip after `boxed_at`.
         assert!(
-            left <= block - boxed_at.elapsed() + Duration::from_millis(5),
+            left <= block - boxed_at.elapsed() + Duration::from_millis(150),
             "{algorithm:?}: {left:?} counts down"
         );
         tokio::time::sleep(left + Duration::from_millis(100)).await;
