@@ -24,9 +24,9 @@ use super::engine::{Engine, Sealed};
 use super::override_table::OverrideTable;
 use super::overrides::Overrides;
 use super::{Store, StoreError};
-use crate::model::key_state::KeyState;
 #[cfg(any(test, feature = "test-util"))]
-use crate::model::key_state::{trim, Of};
+use crate::model::key_state::trim;
+use crate::model::key_state::{KeyState, Of};
 use crate::model::slots::Waiter;
 use crate::model::Algorithm;
 use crate::settlement::Owed;
