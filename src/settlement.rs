@@ -87,6 +87,7 @@ impl Units {
     }
 
     /// The attempt whose outcome this settles; 0 for none.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn attempt(&self) -> u64 {
         self.attempt
     }

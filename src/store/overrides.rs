@@ -521,6 +521,7 @@ impl Counts {
 
     /// Count and scale of each limit, in the policy's order; `(0, 0)` for a window left out
     /// (`prelude.lua` keeps the request's own there).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn count_scales(&self) -> Vec<(u64, u64)> {
         let windows = self.given.windows().iter().zip(self.left_out.iter());
         windows
