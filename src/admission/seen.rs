@@ -109,16 +109,23 @@ impl Seen {
             return None;
         }
         let left = Duration::from_micros(entry.expires - now);
-        Some(aged(entry.value.refusal, left))
+        match entry.value.refusal.retry_after {
+            // A block: no wait helps, as the store said.
+            None => Some(entry.value.refusal),
+            Some(_) => Some(aged(entry.value.refusal, left)),
+        }
     }
 }
 
 /// What `d`, for a request of `cost`, leaves to remember, and for how long: a refusal that
 /// says when to retry, or an admission that spent the limit it describes (unless its units
-/// may come back, `settled`); `None` for any other admission, and for a refusal no wait
-/// helps.
+/// may come back, `settled`), or a block by an override (for the policy's first window, as
+/// the fallback store has no overrides); `None` for any other admission, and for a request
+/// larger than a limit itself.
 fn sighting(d: &Decision, cost: u32, settled: bool) -> Option<(Sighting, Duration)> {
+    let blocked = d.limit() == 0 && d.retry_after().is_none() && !d.is_concurrency_limit();
     let (refusal, least_cost, left) = match d.is_allowed() {
+        false if blocked => (*d, 0, d.window().max(Duration::from_secs(1))),
         false => {
             let left = d.retry_after().filter(|left| !left.is_zero())?;
             (*d, if d.in_penalty_box() { 0 } else { cost }, left)

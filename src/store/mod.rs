@@ -118,6 +118,19 @@ pub(crate) fn in_range(policy: &Policy) -> Result<(), StoreError> {
     }
 }
 
+/// Whether event time `at` is in the range every store decides exactly: before 2^53 µs after
+/// the epoch (the year 2255), where the scripts' doubles hold every microsecond
+/// (`docs/operations.md`, "Range").
+pub(crate) fn event_in_range(at: std::time::SystemTime) -> Result<(), StoreError> {
+    let micros = at
+        .duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .map_or(0, |since| since.as_micros());
+    match micros < 1 << 53 {
+        true => Ok(()),
+        false => Err(StoreError::Unsupported("event times after the year 2255")),
+    }
+}
+
 /// A store could not decide.
 ///
 /// The layer then follows its [`FailureMode`](crate::FailureMode).

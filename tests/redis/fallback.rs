@@ -247,3 +247,30 @@ async fn fallback_lets_in_a_user_whose_logins_gave_their_units_back() {
     let _stopped = Stopped::new(&server);
     assert_eq!(send(&login, user).await.0, 200, "after {remaining:?}");
 }
+
+/// A key an override blocks stays refused through an outage: the fallback store has no
+/// overrides, so the layer keeps the block's refusal it last saw (for the policy's window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_keeps_a_blocked_key_out() {
+    use tower_redis_ratelimit::store::{Override, Scope};
+    let server = RedisServer::start();
+    let redis = store(server.url()).await;
+    let policy = Policy::new("blk", ["5/1h".parse().unwrap()]).unwrap();
+    let layer = layer(redis.clone(), policy.clone());
+    let ip = "192.0.2.99";
+    assert_eq!(send(&layer, ip).await.0, 200);
+    let scope = Scope::Key(tower_redis_ratelimit::Key::from(ip));
+    redis
+        .overrides()
+        .set(&policy, &scope, &Override::Block)
+        .await
+        .unwrap();
+    assert_eq!(send(&layer, ip).await, (429, None), "blocked");
+    let stopped = Stopped::new(&server);
+    let mut during = Vec::new();
+    for _ in 0..7 {
+        during.push(send(&layer, ip).await);
+    }
+    drop(stopped);
+    assert_eq!(statuses(&during), [429; 7], "{during:?}");
+}

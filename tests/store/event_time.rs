@@ -540,3 +540,95 @@ async fn random_event_times_are_decided_and_told_exactly_on_redis() {
     }
     tally.assert_exact("redis, 30 sequences of 20");
 }
+
+/// `1/10s` with 100 events booked 10 s apart from +5 s, more than the joint search reads: a
+/// request now is told the time the newest has left its window, a true wait (admitted there),
+/// on both stores alike. With fewer bookings the wait is the earliest (tests above).
+async fn many_bookings_ahead<St: Store>(store: &St, now: SystemTime) {
+    let policy: Policy = "1/10s".parse().unwrap();
+    let key = Key::from("many-ahead");
+    for k in 0..100 {
+        let at = now + 5 * S + 10 * k * S;
+        assert!(store
+            .check_at(&key, &policy, 1, at)
+            .await
+            .unwrap()
+            .is_allowed());
+    }
+    let d = store.check_at(&key, &policy, 1, now).await.unwrap();
+    assert!(!d.is_allowed(), "{d:?}");
+    let at = d.retry_at().expect("a wait helps");
+    assert_eq!(
+        at,
+        now + 5 * S + 990 * S + 10 * S,
+        "past the newest booking's window"
+    );
+    assert!(store
+        .check_at(&key, &policy, 1, at)
+        .await
+        .unwrap()
+        .is_allowed());
+}
+
+#[tokio::test(start_paused = true)]
+async fn many_bookings_ahead_on_memory() {
+    many_bookings_ahead(&memory(), epoch()).await;
+}
+
+#[tokio::test]
+async fn many_bookings_ahead_on_redis() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    many_bookings_ahead(&store, wall_now()).await;
+}
+
+/// Event times past the range every store decides exactly (2^53 µs, the year 2255) are an
+/// error, not a panic nor a decision rounded in Lua's doubles.
+#[tokio::test]
+async fn event_times_past_the_range_are_an_error() {
+    let server = RedisServer::start();
+    let redis = server.store().await;
+    let policy: Policy = "2/1s".parse().unwrap();
+    let key = Key::from("far");
+    for at in [
+        UNIX_EPOCH + Duration::from_micros(1 << 53),
+        UNIX_EPOCH + Duration::from_micros(u64::MAX),
+    ] {
+        let memory = MemoryStore::new().check_at(&key, &policy, 1, at).await;
+        assert!(
+            matches!(memory, Err(StoreError::Unsupported(_))),
+            "{memory:?}"
+        );
+        let on_redis = redis.check_at(&key, &policy, 1, at).await;
+        assert!(
+            matches!(on_redis, Err(StoreError::Unsupported(_))),
+            "{on_redis:?}"
+        );
+    }
+}
+
+/// A refusal among many bookings costs Redis a bounded number of reads: with 200 events
+/// booked in a day's window, one refusal of `1/10s + 5000/1d` reads the set a few hundred
+/// times, not once per booking per candidate time (32 × 200 and more).
+#[tokio::test]
+async fn a_refusal_among_many_bookings_reads_little_on_redis() {
+    let server = RedisServer::start();
+    let store = server.store().await;
+    let client = server.client().await;
+    let policy: Policy = "1/10s + 5000/1d".parse().unwrap();
+    let key = Key::from("many-in-a-day");
+    let now = wall_now();
+    for k in 0..200 {
+        let at = now + 5 * S + 10 * k * S;
+        assert!(store
+            .check_at(&key, &policy, 1, at)
+            .await
+            .unwrap()
+            .is_allowed());
+    }
+    let before = crate::support::command_calls(&client, "zrangebyscore").await;
+    let d = store.check_at(&key, &policy, 1, now).await.unwrap();
+    let reads = crate::support::command_calls(&client, "zrangebyscore").await - before;
+    assert!(!d.is_allowed() && d.retry_at().is_some(), "{d:?}");
+    assert!(reads < 1_000, "{reads} reads for one refusal");
+}

@@ -293,7 +293,7 @@ fn decidable(policy: &Policy, at: Option<SystemTime>) -> Result<(), StoreError> 
             "event times take no concurrency slot",
         ));
     }
-    Ok(())
+    at.map_or(Ok(()), crate::store::event_in_range)
 }
 
 /// Answers `ask` for a key the map holds in `entry`, afresh when its state has expired or was

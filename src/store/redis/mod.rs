@@ -559,6 +559,9 @@ impl Store for RedisStore {
                 return Box::pin(std::future::ready(Err(unsupported)));
             }
         }
+        if let Err(error) = super::event_in_range(at) {
+            return Box::pin(std::future::ready(Err(error)));
+        }
         let micros = at
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default()

@@ -172,10 +172,15 @@ end
 -- after t, each candidate is decided afresh, the next one the latest of the refusing limits'
 -- own answers there; after JOINT_STEPS candidates, the time the newest event has left every
 -- window, at which the request always fits.
-local JOINT_STEPS = 32
+local JOINT_STEPS, JOINT_EVENTS = 32, 64
 local function joint_retry(key, n, t, cost, retry, newest_t)
   if newest_t == nil or newest_t <= t then
     return retry
+  end
+  -- More events after t than JOINT_EVENTS: each candidate would read them all (sliding_log.rs,
+  -- `JOINT_EVENTS`); the time the newest has left every window, where the request fits.
+  if call('ZCOUNT', key, '(' .. text(t), '+inf') > JOINT_EVENTS then
+    return max(newest_t + windows[n] - t, retry)
   end
   local at = t + retry
   for _ = 1, JOINT_STEPS do
