@@ -148,14 +148,12 @@ fn counted_before(config: &Config, run: &Run, key: usize, seq: usize) -> bool {
 pub(super) fn retry_after_where_a_wait_helps(config: &Config, run: &Run) -> Result<(), String> {
     for (i, r) in run.records.iter().enumerate() {
         let refused = r.inner_refusal == Some(false);
-        // A request that waits for a slot is decided later than it was sent: an override set
-        // meanwhile (a block) may be the one in force.
-        let waits = config.concurrency.is_some() && config.max_wait > 0;
-        let overridden_later = waits
-            && run
-                .overrides
-                .iter()
-                .any(|&(at, k, _)| k == r.key && at > r.seq);
+        // A request is decided a moment after it is sent (later still when it waits for a
+        // slot): an override set before its answer (a block) may be the one in force.
+        let overridden_later = run.overrides.iter().any(|&(at, k, _)| {
+            let set = run.times.get(&at).copied();
+            k == r.key && at > r.seq && r.responded.is_none_or(|end| set.is_none_or(|s| s <= end))
+        });
         let fit = !overridden_later && fits(config, run, r.key, r.seq, r.pro, r.cost);
         if refused && r.retry_after.is_none() && fit {
             return Err(format!(
