@@ -154,7 +154,13 @@ pub(super) fn retry_after_where_a_wait_helps(config: &Config, run: &Run) -> Resu
             let set = run.times.get(&at).copied();
             k == r.key && at > r.seq && r.responded.is_none_or(|end| set.is_none_or(|s| s <= end))
         });
-        let fit = !overridden_later && fits(config, run, r.key, r.seq, r.pro, r.cost);
+        // Near a Redis fault (a restart loses overrides and state; which state decided is
+        // a race), the counts in force are not known.
+        let near_fault = run.faults.iter().any(|&(from, to)| {
+            r.sent + Duration::from_secs(1) >= from && r.sent <= to + Duration::from_secs(2)
+        });
+        let fit =
+            !overridden_later && !near_fault && fits(config, run, r.key, r.seq, r.pro, r.cost);
         if refused && r.retry_after.is_none() && fit {
             return Err(format!(
                 "request {i} of key {} at {:?} (cost {}) refused without Retry-After: {:?}",
