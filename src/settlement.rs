@@ -61,6 +61,11 @@ pub(crate) struct Units {
     /// The attempt whose outcome this settles, under a policy that counts requests by their
     /// outcome (`Decision`'s `attempt`); 0 otherwise.
     attempt: u64,
+    /// When an attempt's units start draining in a single-limit GCRA bucket (µs on the
+    /// store's clock): after the units ahead of them, which its decision's `reset_after` less
+    /// its own drain tells. A refund frees what has not drained since; from the admission, a
+    /// burst of attempts held together would leave most of its units behind.
+    drains_from: Option<i64>,
 }
 
 impl Units {
@@ -91,6 +96,11 @@ impl Units {
     pub(crate) fn attempt(&self) -> u64 {
         self.attempt
     }
+
+    /// When the units start draining, for a single-limit GCRA bucket (see `drains_from`).
+    pub(crate) fn drains_from(&self) -> Option<i64> {
+        self.drains_from
+    }
 }
 
 /// A concurrency slot's id in the store that gave it
@@ -103,6 +113,23 @@ impl SlotId {
     pub(crate) fn get(self) -> u64 {
         self.0
     }
+}
+
+/// When an attempt's units start draining in a single-limit GCRA bucket (`Units`'
+/// `drains_from`): its admission, plus the time its bucket took to drain after it
+/// (`reset_after`), less its own units' drain (`recorded * window / limit`). `None` for
+/// anything but an admitted attempt (attempts take no leases, whose decisions describe
+/// another bucket); the store uses it for single-limit GCRA policies alone.
+fn drains_from(decision: &Decision) -> Option<i64> {
+    let admitted = decision.admitted_at?;
+    if decision.attempt == 0 || decision.limit == 0 {
+        return None;
+    }
+    let window = decision.window.as_micros();
+    let own = (u128::from(decision.recorded) * window).div_ceil(u128::from(decision.limit));
+    let queue = decision.reset_after.as_micros().checked_sub(own)?;
+    let start = i128::from(admitted) + i128::try_from(queue).ok()?;
+    i64::try_from(start).ok().filter(|&start| start > admitted)
 }
 
 impl Settlement {
@@ -132,6 +159,7 @@ impl Settlement {
                 recorded: decision.recorded,
                 state: decision.state,
                 attempt: decision.attempt,
+                drains_from: None,
             })))
     }
 
@@ -144,6 +172,7 @@ impl Settlement {
             recorded: 0,
             state: 0,
             attempt: 0,
+            drains_from: None,
         }))
     }
 
@@ -156,6 +185,7 @@ impl Settlement {
             recorded: decision.recorded,
             state: decision.state,
             attempt: decision.attempt,
+            drains_from: None,
         })))
     }
 
@@ -170,6 +200,7 @@ impl Settlement {
                 recorded: decision.recorded,
                 state: decision.state,
                 attempt: decision.attempt,
+                drains_from: drains_from(decision),
             })))
     }
 

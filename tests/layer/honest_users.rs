@@ -329,6 +329,40 @@ async fn attempts_in_flight_outlive_a_flood_on_memory() {
     }
 }
 
+/// Successes held together give their units back whole: 10 right passwords at once at
+/// `10/20s` (+ a 15-minute box), held 2.5 s, then a typo, then the right password: let in. On
+/// GCRA a refund frees what has not drained since the attempt's units started draining,
+/// after those ahead of them in the bucket; from the admission, the burst would leave about
+/// 9 units behind, and the typo would fill the bucket and start the box.
+async fn successes_held_together_leave_nothing<St: Store>(store: St) {
+    for algorithm in ALGORITHMS {
+        let what = format!("{algorithm:?}");
+        let form = form(store.clone(), Rule::new(policy("10/20s", algorithm)));
+        let user = format!("ann-{what}");
+        let mut held = Vec::new();
+        for _ in 0..10 {
+            held.push(form.hold(&user, "right").await);
+        }
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        form.open.send_replace(true);
+        for held in held {
+            assert_eq!(held.await.unwrap(), (200, None), "{what}");
+        }
+        assert_eq!(form.layer.settled(Duration::from_secs(5)).await, 0);
+        assert_eq!(form.quick(&user, "typo").await, (401, None), "{what}");
+        assert_eq!(
+            form.quick(&user, "right").await,
+            (200, None),
+            "{what}: one failure"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn successes_held_together_leave_nothing_on_memory() {
+    successes_held_together_leave_nothing(MemoryStore::new()).await;
+}
+
 #[tokio::test]
 async fn right_passwords_at_once_never_box_a_user_on_memory() {
     right_passwords_at_once(MemoryStore::new()).await;
@@ -364,6 +398,12 @@ mod redis {
     async fn a_slow_attempt_hides_no_failure_on_redis() {
         let server = RedisServer::start();
         super::a_slow_attempt_hides_no_failure(server.store().await).await;
+    }
+
+    #[tokio::test]
+    async fn successes_held_together_leave_nothing_on_redis() {
+        let server = RedisServer::start();
+        super::successes_held_together_leave_nothing(server.store().await).await;
     }
 
     #[tokio::test]

@@ -231,7 +231,7 @@ impl MemoryStore {
             Owed::Charge(units) => Settle::Charge(units.count()),
             Owed::Refund(units) => Settle::Refund(Refund {
                 units: units.count(),
-                at: units.admitted_at().and_then(|at| u64::try_from(at).ok()),
+                at: refund_from(policy, &units),
                 recorded: units.recorded(),
             }),
             // Slots are kept by `keep_slot`; they record no units.
@@ -273,6 +273,19 @@ impl MemoryStore {
             }
         }
     }
+}
+
+/// From when a refund's units have drained (`Refund::at`): their admission, or, for an attempt
+/// under a single-limit GCRA policy, when the units ahead of them had drained (`Units`'
+/// `drains_from`), as `gcra.lua` reads it.
+fn refund_from(policy: &Policy, units: &crate::settlement::Units) -> Option<u64> {
+    let admitted = units.admitted_at()?;
+    let single_gcra = policy.algorithm() == crate::Algorithm::Gcra && policy.limits().len() == 1;
+    let from = match units.drains_from() {
+        Some(drains) if single_gcra && drains > admitted => drains,
+        _ => admitted,
+    };
+    u64::try_from(from).ok()
 }
 
 /// Whether this store decides `policy` at event time `at` (`None`: now): its limits must be in

@@ -658,6 +658,7 @@ impl RedisStore {
             admitted: units.admitted_at().unwrap_or(-1),
             recorded: units.recorded(),
             headroom: lease::settling_headroom(&self.inner, &policy),
+            drains: units.drains_from().unwrap_or(-1),
         };
         let (units, attempt) = (units.count(), units.attempt());
         Box::pin(async move {

@@ -80,6 +80,7 @@ impl Reserve for RedisStore {
                     admitted: free,
                     recorded: cost,
                     headroom: 0,
+                    drains: -1,
                 };
                 inner.decide(place, &policy, (cost, 0), -1, refund).await?;
             }

@@ -189,7 +189,13 @@ for k = 1, REQUESTS do
         for i = 1, n do
           local u, d = weights[i], drains[i]
           if refund == 1 then
-            local weight = math.max(cost * u - math.max(t - admitted, 0) * d, 0)
+            -- Its units drain from its admission, or, for a single-limit attempt, after the
+            -- units ahead of them (prelude.lua, SETTLE), as far as they still weigh.
+            local from = admitted
+            if n == 1 and drains_from > admitted then
+              from = drains_from
+            end
+            local weight = math.max(cost * u - math.max(t - from, 0) * d, 0)
             backlogs[i] = math.max(backlogs[i] - weight, 0)
           else
             backlogs[i] = math.min(backlogs[i] + cost * u, MAX_UNITS)

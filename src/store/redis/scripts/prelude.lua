@@ -45,8 +45,9 @@
 --             to take, >= cost) and headroom
 --   SETTLE 3  a settlement (see Settlements): refund (0: add `cost` units, 1: take them back),
 --             the admission time (Redis time, us, of the request being settled; -1: not
---             known), the units that request recorded, and headroom (the sliding log's, so
---             that its reply reads the windows a leasing store decides by; 0 otherwise)
+--             known), the units that request recorded, headroom (the sliding log's, so
+--             that its reply reads the windows a leasing store decides by; 0 otherwise), and
+--             when its units start draining (-1: at admission; gcra.lua)
 --   TAKE   4  decide as ADMIT, and take a concurrency slot when admitted (see Concurrency);
 --             the key's cap of slots, the slot's id, its lifetime (us), the waiter's id (0:
 --             the request does not wait), its wait (us), whether it is queued (0 or 1), and
@@ -228,6 +229,9 @@ local box_end, box_held, box_count = 0, false, -1
 -- The attempt the request at hand is or settles (see "Attempts"; 0: none) and its cost; how
 -- long an attempt counts as in flight, and the longest a BUSY refusal's retry (us).
 local attempt_id, attempt_cost = 0, 0
+-- A SETTLE's time its units start draining (us; -1: at its admission), read by gcra.lua: a
+-- single-limit GCRA attempt's units drain after those ahead of them in the bucket.
+local drains_from = -1
 local ATTEMPT_KEPT, BUSY_RETRY = 60000000, 1000000
 -- Set by the algorithm's file for the request at hand, when it is an attempt: whether the
 -- request fits every limit with the given attempts in flight ({at, units} each) given back
@@ -505,7 +509,8 @@ local function next_request(counts, windows, scales, k)
   if record == LEASE or record == LOOK then
     want, headroom, next_byte = sunpack('<ll', requests, next_byte)
   elseif record == SETTLE then
-    refund, admitted, weight, headroom, next_byte = sunpack('<llll', requests, next_byte)
+    refund, admitted, weight, headroom, drains_from, next_byte =
+      sunpack('<lllll', requests, next_byte)
     if attempt_id > 0 then
       redis.call('ZREM', KEYS[k] .. ':tries', text(attempt_id) .. ':' .. text(weight))
     end

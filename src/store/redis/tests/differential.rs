@@ -334,6 +334,7 @@ async fn run_counted(
                     admitted: -1,
                     recorded: 0,
                     headroom: 0,
+                    drains: -1,
                 };
                 scripts
                     .call(case.algorithm, key, units, record, t, windows)
@@ -399,6 +400,7 @@ async fn run_counted(
                     admitted: at as i64,
                     recorded,
                     headroom: 0,
+                    drains: -1,
                 };
                 scripts
                     .call(case.algorithm, key, units, record, t, windows)

@@ -98,7 +98,8 @@ pub(crate) enum Mode {
     Lease = 2,
     /// 3, `SETTLE`: decide nothing, and record a settlement of the cost (`Store::settle`), a
     /// charge or a refund; followed by refund (0 or 1), the admission time of the request
-    /// settled and the units it recorded.
+    /// settled, the units it recorded, headroom, and when its units start draining (-1: at
+    /// admission; a single-limit GCRA attempt's, after the units ahead of it).
     Settle = 3,
     /// 4, `TAKE`: decide and record as `ADMIT`, and when admitted take a concurrency slot;
     /// followed by the key's cap of slots, the slot's id and its lifetime, then the waiter's
@@ -131,6 +132,9 @@ pub(crate) enum Record {
         admitted: i64,
         recorded: u64,
         headroom: u64,
+        /// When a refunded attempt's units start draining in a single-limit GCRA bucket,
+        /// after the units ahead of them (Redis time, µs; -1: at `admitted`).
+        drains: i64,
     },
     /// Decide and record as [`Admit`](Record::Admit), and when admitted take concurrency slot
     /// `id` for `ttl` µs, refusing at once while the key's live slots and the waiters in line
@@ -175,6 +179,7 @@ impl Record {
                 admitted,
                 recorded,
                 headroom,
+                drains,
             } => (
                 Mode::Settle,
                 [
@@ -182,11 +187,11 @@ impl Record {
                     admitted,
                     clamp(recorded),
                     clamp(headroom),
-                    0,
+                    drains,
                     0,
                     0,
                 ],
-                4,
+                5,
             ),
             Record::Take {
                 cap,
