@@ -61,14 +61,7 @@ impl MemoryStore {
         if ask.t < ask.now.saturating_sub(longest) {
             return Err(StoreError::EventTooOld);
         }
-        Ok(match self.shared.overrides.apply(key, policy) {
-            Applied::Own(policy) => self.event_under(key, policy, &ask),
-            Applied::Other(used) => {
-                let stretch = Stretch::of(policy, &used);
-                self.event_under(key, &used, &Ask { stretch, ..ask })
-            }
-            Applied::Blocked => Decision::blocked(policy),
-        })
+        Ok(self.under_overrides(key, policy, ask, MemoryStore::event_under))
     }
 
     /// Decides the event `ask` for `key` under `policy`, the limits in force for it; an
@@ -112,11 +105,23 @@ impl MemoryStore {
 
     /// Decides `ask` under the limits in force for `key` (an override's, or `policy`'s own).
     pub(super) fn decide_overridden(&self, key: &Key, policy: &Policy, ask: Ask) -> Decision {
+        self.under_overrides(key, policy, ask, MemoryStore::decide_under)
+    }
+
+    /// `decide`s `ask` under the limits in force for `key`: an override's (its state kept
+    /// longer by the [`Stretch`] of its counts), or `policy`'s own; a blocked key is refused.
+    fn under_overrides(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        ask: Ask,
+        decide: fn(&MemoryStore, &Key, &Policy, &Ask) -> Decision,
+    ) -> Decision {
         match self.shared.overrides.apply(key, policy) {
-            Applied::Own(policy) => self.decide_under(key, policy, &ask),
+            Applied::Own(policy) => decide(self, key, policy, &ask),
             Applied::Other(used) => {
                 let stretch = Stretch::of(policy, &used);
-                self.decide_under(key, &used, &Ask { stretch, ..ask })
+                decide(self, key, &used, &Ask { stretch, ..ask })
             }
             Applied::Blocked => Decision::blocked(policy),
         }

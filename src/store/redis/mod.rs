@@ -390,16 +390,13 @@ impl RedisStore {
                 unheld.disarm();
             }
             let answer = answer?;
-            let decided = if at < 0 { answer.time } else { at };
+            let decided = decided_at(&answer, at);
             let decision = answer.verdict(&policy)?.decision(&policy);
             let decision = decision.decided_at(decided);
             if let Some(unheld) = &mut unheld {
                 unheld.disarm();
             }
-            // The script records at the event time, or at the call's `TIME`.
-            let recorded = |d: Decision| {
-                d.recorded_at(Some(if at < 0 { answer.time } else { at }), cost.into())
-            };
+            let recorded = |d: Decision| d.recorded_at(Some(decided), cost.into());
             Ok(match record {
                 // A lease of its cost alone: an event time's decision on a leasing store.
                 Record::Admit | Record::Lease { .. } => recorded(decision).as_attempt(attempt),
@@ -429,10 +426,9 @@ impl RedisStore {
             let Ok(verdict) = answer.verdict(&policy) else {
                 return;
             };
-            let time = if at < 0 { answer.time } else { at };
             let decision = verdict
                 .decision(&policy)
-                .recorded_at(Some(time), cost.into())
+                .recorded_at(Some(decided_at(&answer, at)), cost.into())
                 .as_attempt(attempt);
             let Some(refund) = Settlement::refund(&decision, cost.into()) else {
                 return;
@@ -623,6 +619,16 @@ impl Store for RedisStore {
             });
         }
         self.settle_units(key, policy, settlement, true)
+    }
+}
+
+/// When a script decided a request sent with event time `at` (µs; `-1`: now): that time, or
+/// the call's `TIME`. The script records an admission then.
+fn decided_at(answer: &Answer, at: i64) -> i64 {
+    if at < 0 {
+        answer.time
+    } else {
+        at
     }
 }
 
