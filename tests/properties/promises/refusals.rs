@@ -37,10 +37,7 @@ fn lone(config: &Config, run: &Run, r: &Record) -> bool {
         return false;
     }
     // On Redis: not while a fault may still be felt (reconnections, resends).
-    let near_fault = |&(from, to): &(Duration, Duration)| {
-        r.sent + Duration::from_secs(1) >= from && r.sent <= to + Duration::from_secs(2)
-    };
-    if run.faults.iter().any(near_fault) {
+    if near_a_fault(run, r.sent) {
         return false;
     }
     if last_override(run, key, r.seq).is_some_and(|o| o.2.is_some_and(|p| p < 100)) {
@@ -132,13 +129,16 @@ fn counted_before(config: &Config, run: &Run, key: usize, seq: usize) -> bool {
     });
     // On Redis, a decision that timed out in a fault may run late, and keep an attempt's unit
     // as a failure (`docs/operations.md`): a request sent near a fault may count.
-    let near_fault = |o: &Record| {
-        let near = |&(from, to): &(Duration, Duration)| {
-            o.sent + Duration::from_secs(1) >= from && o.sent <= to + Duration::from_secs(2)
-        };
-        o.key == key && o.seq < seq && run.faults.iter().any(near)
-    };
+    let near_fault = |o: &Record| o.key == key && o.seq < seq && near_a_fault(run, o.sent);
     answered || booked || run.records.iter().any(near_fault)
+}
+
+/// Whether a request sent at `sent` may still feel a fault injected on Redis: sent from a
+/// second before one began to two seconds after it ended.
+fn near_a_fault(run: &Run, sent: Duration) -> bool {
+    run.faults.iter().any(|&(from, to)| {
+        sent + Duration::from_secs(1) >= from && sent <= to + Duration::from_secs(2)
+    })
 }
 
 /// `Retry-After` where a wait helps: a refusal by the limits or the box, of a request whose
@@ -156,11 +156,9 @@ pub(super) fn retry_after_where_a_wait_helps(config: &Config, run: &Run) -> Resu
         });
         // Near a Redis fault (a restart loses overrides and state; which state decided is
         // a race), the counts in force are not known.
-        let near_fault = run.faults.iter().any(|&(from, to)| {
-            r.sent + Duration::from_secs(1) >= from && r.sent <= to + Duration::from_secs(2)
-        });
-        let fit =
-            !overridden_later && !near_fault && fits(config, run, r.key, r.seq, r.pro, r.cost);
+        let fit = !overridden_later
+            && !near_a_fault(run, r.sent)
+            && fits(config, run, r.key, r.seq, r.pro, r.cost);
         if refused && r.retry_after.is_none() && fit {
             return Err(format!(
                 "request {i} of key {} at {:?} (cost {}) refused without Retry-After: {:?}",
