@@ -24,6 +24,7 @@
 //! # drop(layer);
 //! ```
 
+mod clock;
 mod error;
 mod future;
 mod layer;
