@@ -313,6 +313,7 @@ impl<St: Store> Asked<St> {
         }
         Poll::Ready(Ok(Placed {
             turn_at: Instant::now() + decision.turn(),
+            taken: false,
             seat: Some(seat),
         }))
     }
@@ -340,6 +341,9 @@ impl<St: Store> Drop for Asked<St> {
 struct Placed<St: Store> {
     /// When its turn comes, as it last learned.
     turn_at: Instant,
+    /// Whether the store took it out of the line, used, at its last look (its turn was at
+    /// most `late` ahead): it goes at its turn with no other look.
+    taken: bool,
     seat: Option<Seat<St>>,
 }
 
@@ -359,8 +363,11 @@ impl<St: Store> Placed<St> {
         }
     }
 
-    /// Looks where it stands in line.
+    /// Looks where it stands in line; taken out already, it goes at its turn.
     fn look(self) -> State<St> {
+        if self.taken {
+            return self.at_turn(Instant::now());
+        }
         let Some(seat) = self.seat.as_ref() else {
             return State::Turn(self);
         };
@@ -407,6 +414,7 @@ impl<St: Store> Placed<St> {
             // the look that finds its turn come takes it out of the line).
             Some(turn) => {
                 self.turn_at = now + turn;
+                self.taken = self.seat.as_ref().is_some_and(|s| turn <= s.ticket.late);
                 Ok(self.at_turn(now))
             }
         }
