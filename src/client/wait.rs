@@ -417,7 +417,7 @@ impl<St: Store> Placed<St> {
             self.in_line = false;
             return self.again(None);
         };
-        let past = past(&stood);
+        let past = stood.past;
         if ahead > late {
             // Not its turn yet: it learned where its turn is (earlier, where the line moved it
             // up; then the reservation's answer no longer tells the rate).
@@ -504,11 +504,6 @@ impl<St: Store> Drop for Placed<St> {
             seat.leave();
         }
     }
-}
-
-/// How far past its turn the store's now was at a look (zero while it is ahead).
-fn past(_stood: &InLine) -> Duration {
-    Duration::ZERO
 }
 
 /// Waits again: the turn given back, a new reservation with what is left of the wait.
