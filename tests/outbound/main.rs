@@ -5,5 +5,6 @@
 mod support;
 
 mod calls;
+mod field;
 mod fleet;
 mod reserve;
