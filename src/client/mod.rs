@@ -28,6 +28,7 @@ mod clock;
 mod error;
 mod future;
 mod layer;
+mod looker;
 mod pushback;
 mod service;
 mod shared;
