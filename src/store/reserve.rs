@@ -77,7 +77,7 @@ pub trait Reserve {
 }
 
 /// One reservation: its id in the key's line, chosen by the caller (unique among the callers
-/// that share the store, below 2^52), its cost, the most it may wait, how late after its turn
+/// that share the store, below [`MAX_ID`], 2^52), its cost (at least one unit), the most it may wait, how late after its turn
 /// its units may be used ([`Reserve::reserve`]), and how soon its caller learns of a move.
 /// `late` and `notice` are at most an hour ([`MAX_LATE`]); past it the store refuses the
 /// reservation.
@@ -143,11 +143,33 @@ impl InLine {
     }
 }
 
-/// Whether `ticket` is in the stores' range for `policy`: its `late` and `notice` at most
-/// [`MAX_LATE`], and on GCRA its `late` short enough that every bucket, keeping that much
-/// drain free, still holds its cost (`(window − late) × count ≥ cost × window`) where it would
-/// without.
+/// Ticket ids are below this (2^52): Redis's scripts hold numbers as doubles, exact below
+/// 2^53, and the line names a reservation by its id's decimal text.
+pub const MAX_ID: u64 = 1 << 52;
+
+/// Whether `ticket` names a reservation the stores can keep: an id below [`MAX_ID`], and a
+/// cost of at least one unit (a reservation of nothing has no turn to wait for).
+pub(crate) fn named(ticket: &Ticket) -> Result<(), StoreError> {
+    if ticket.id >= MAX_ID {
+        return Err(StoreError::Unsupported(
+            "a reservation's ticket id must be below 2^52",
+        ));
+    }
+    if ticket.cost == 0 {
+        return Err(StoreError::Unsupported(
+            "a reservation's cost must be at least one unit",
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `ticket` is in the stores' range for `policy`: its id and cost ([`named`]), its
+/// `late` and `notice` at most [`MAX_LATE`], and on GCRA its `late` short enough that every
+/// bucket, keeping that much drain free, still holds its cost (`(window − late) × count ≥
+/// cost × window`) where it would without. A cost above a count is not out of range: it is
+/// refused with no turn, as a decision is.
 pub(crate) fn in_range(policy: &Policy, ticket: &Ticket) -> Result<(), StoreError> {
+    named(ticket)?;
     if ticket.late.max(ticket.notice) > MAX_LATE {
         return Err(StoreError::Unsupported(
             "a reservation's late and notice are at most an hour",
