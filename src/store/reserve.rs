@@ -3,8 +3,8 @@
 //!
 //! A reservation is recorded at once, so the next caller queues behind it, in reservation
 //! order, on every instance that shares the store. A caller that stops waiting leaves the
-//! line: the reservations behind it move up, and the units of the place left at the end are
-//! given back, never more than were reserved. A caller asleep until its turn looks to learn
+//! line: the reservations behind it move up a place each, and the units of the last place
+//! are given back, never more than were reserved. A caller asleep until its turn looks to learn
 //! that it moved up, or that the key was paused (an upstream answered "too many requests").
 
 use std::future::Future;
@@ -59,15 +59,18 @@ pub trait Reserve {
     /// ([`look`](Reserve::look)).
     fn look_many(&self, key: &Key, policy: &Policy, tickets: Vec<Ticket>) -> Self::LinesFuture;
 
-    /// Takes reservation `ticket.id` out of the line: each later reservation of the same cost
-    /// moves up into the place the one before it left, and the units of the place left at the
-    /// end are given back where it is the last in line (one with reservations after it stays
-    /// recorded, unused: on GCRA, giving it back would let the next reservation take the time
-    /// of one made after it). A reservation moves only into a place at least its own
-    /// [`notice`](Ticket::notice) from now, and not before the key's pause: its caller learns
-    /// of the move when it next looks, and must still be in time for its new turn; the moving
-    /// up stops at one that cannot. Nothing where `ticket.id` is not in line (it was never
-    /// made, or a reset or restart lost it). Answers where it stood before.
+    /// Takes reservation `ticket.id` of `ticket.cost` out of the line, and one place with it
+    /// (`src/model/line.rs`): the last, so that every reservation behind it moves up one place,
+    /// where its own place is at least the line's notice (the longest
+    /// [`notice`](Ticket::notice) of the reservations left in line) from now, not before the
+    /// key's pause, and the line holds its cost alone; else its own place, and nobody moves.
+    /// Its caller learns of a move when it next looks, and must still be in time for its new
+    /// turn. The units of the place that went are given back where no place in line is after
+    /// it (one with places after it stays recorded, unused, on GCRA: giving it back would let
+    /// the next reservation take the time of one made after it; the sliding log gives it back
+    /// always). A constant number of operations whatever the line's length (on Redis, commands
+    /// of O(log n) each). Nothing where `ticket.id` is not in line (it was never made, was
+    /// taken out used, or a reset or restart lost it). Answers where it stood before.
     fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture;
 
     /// Pauses `key` for `pause` from now (or keeps a longer pause it has): reservations made

@@ -8,7 +8,7 @@ use tower_redis_ratelimit::store::{ManualClock, Override, Scope};
 use tower_redis_ratelimit::test_util::turn;
 use tower_redis_ratelimit::test_util::{recorded_at, redis_key, Reserve, Ticket, MAX_ID, MAX_LATE};
 use tower_redis_ratelimit::{
-    Algorithm, Decision, Key, MemoryStore, Policy, Settlement, Store, StoreError,
+    Algorithm, Decision, Key, MemoryStore, Policy, RedisStore, Settlement, Store, StoreError,
 };
 
 const MS: Duration = Duration::from_millis(1);
@@ -767,15 +767,58 @@ async fn a_reservation_waits_out_a_busy_redis_but_not_a_dead_one() {
     assert!(started.elapsed() <= Duration::from_secs(6));
 }
 
-/// Load: 20 000 reservations over 10 000 keys sent within 3 s, by one store (`1/1s` each
-/// key: every turn within a second). Every one is answered with its turn; none fails with
-/// the decisions' 250 ms budget ("no decision within 250ms") or with "store unavailable".
+/// A forwarder on a free loopback port to `127.0.0.1:<target>` that holds what the client
+/// sends for `delay` before passing it on (a Redis that far away, one way), in order; the
+/// replies come back at once. Stops with the test's runtime.
+async fn delayed(target: u16, delay: Duration) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect(("127.0.0.1", target)).await;
+            let Ok(server) = server else { continue };
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            let (held, mut due) = tokio::sync::mpsc::unbounded_channel();
+            tokio::spawn(async move {
+                let mut chunk = vec![0; 64 * 1024];
+                while let Ok(n @ 1..) = client_read.read(&mut chunk).await {
+                    let at = tokio::time::Instant::now() + delay;
+                    if held.send((at, chunk[..n].to_vec())).is_err() {
+                        break;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                while let Some((at, bytes)) = due.recv().await {
+                    tokio::time::sleep_until(at).await;
+                    if server_write.write_all(&bytes).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+            });
+        }
+    });
+    port
+}
+
+/// Load: 20 000 reservations over 10 000 keys sent within 3 s by one store, to a Redis 25 ms
+/// away (`1/1s` each key: every turn within a second). A call of decisions carries at most 32,
+/// two at a time, so a reservation in those batches would wait for hundreds of calls; each is
+/// answered with its turn instead, none failing with the decisions' 250 ms budget ("no
+/// decision within 250ms") or with "store unavailable" (the breaker such timeouts trip).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reservations_under_load_wait_rather_than_fail() {
     const KEYS: usize = 10_000;
     const CALLS: usize = 20_000;
     let server = crate::support::RedisServer::start();
-    let store = std::sync::Arc::new(server.store().await);
+    let port = delayed(server.port(), 25 * MS).await;
+    let url = format!("redis://127.0.0.1:{port}");
+    let store = std::sync::Arc::new(RedisStore::connect(&url).await.unwrap());
     let policy = policy("1/1s", Algorithm::SlidingLog);
     let started = std::time::Instant::now();
     let mut calls = Vec::with_capacity(CALLS);

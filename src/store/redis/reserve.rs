@@ -36,7 +36,7 @@ impl Reserve for RedisStore {
     /// reservations never share a window past its count.
     ///
     /// In a call of its own, outside the batches of decisions, waiting for its reply up to its
-    /// own budget ([`budget`]: its `max_wait`, within the store's time budget and 10 s), not
+    /// own budget (its `max_wait`, within the store's time budget and 10 s), not
     /// the decisions' time budget: a reservation under load queues in Redis rather than
     /// failing. It shares the key's breaker with decisions: while Redis is found unreachable
     /// it fails at once ([`StoreError::Unavailable`]); a reply it waited for long closes the
