@@ -3,9 +3,9 @@
 //! ([`Reserve::look_many`](crate::store::reserve::Reserve::look_many)) per `recheck`, and at
 //! once after a reservation of the layer left the line or the layer paused the key, and wakes
 //! those whose turns moved earlier, that are no longer in line, or whose key was paused. Each
-//! call still looks at its own turn (that look takes it out of the line), so a call costs its
-//! reservation, its look at the turn, and its share of the looker's looks, whatever the
-//! backlog.
+//! call still looks at its own turn, and leaves the line when its work goes (used) or is
+//! dropped (given back), so a call costs its reservation, its look at the turn, its leave,
+//! and its share of the looker's looks, whatever the backlog.
 //!
 //! Why a task per key and not Redis pub/sub on changes of the line: the store is built
 //! without fred's pub/sub, a cluster needs sharded pub/sub, and a subscriber still learns of

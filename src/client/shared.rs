@@ -84,21 +84,23 @@ impl<St: Store> Shared<St> {
     pub(super) fn pause(this: &Arc<Self>, key: Key, pause: Duration) {
         let paused = move |store: &St, key: &Key, policy: &Policy| store.pause(key, policy, pause);
         let failed = "failed to pause a key the upstream pushed back on";
-        drop(Self::then_wake(this, key, paused, failed));
+        drop(Self::change(this, key, paused, failed, true));
     }
 
-    /// Makes a change to the line of `key` on a task of its own, then has the key's looker
-    /// look at once for this layer's requests waiting on it; the receiver it answers hears
+    /// Makes a change to the line of `key` on a task of its own, then, with `wake`, has the
+    /// key's looker look at once for this layer's requests waiting on it (those behind a
+    /// leave moved up; a pause stops them); the receiver it answers hears
     /// when the first try came back. Each change may run twice without harm (a leave or a
     /// look finds nothing the second time, a pause keeps the longer), so one that fails (the
     /// store too slow, or out of reach, its breaker open) is sent again every 100 ms for as
     /// long as the line keeps a reservation past its turn (`KEPT`, 10 s); then the failure is
     /// logged as `failed`.
-    pub(super) fn then_wake<F>(
+    pub(super) fn change<F>(
         this: &Arc<Self>,
         key: Key,
         change: F,
         failed: &'static str,
+        wake: bool,
     ) -> oneshot::Receiver<()>
     where
         F: Fn(&St, &Key, &Policy) -> St::LineFuture + Send + 'static,
@@ -125,7 +127,9 @@ impl<St: Store> Shared<St> {
                     Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
                 }
             }
-            shared.lookers.look_now(&key);
+            if wake {
+                shared.lookers.look_now(&key);
+            }
         });
         heard
     }

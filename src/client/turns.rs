@@ -82,9 +82,8 @@ impl<St: Store> Turns<St> {
 
 /// A turn that has come ([`Turns::wait`]): [`go`](Turn::go) uses it, right before the work
 /// goes out. It holds for the layer's margin from the turn: use it at once. Dropped unused,
-/// its place is not given back: the look at the turn took it out of the line, used (nobody
-/// can move into a place whose time has come), and its units stay counted. To give a place
-/// back so that the line moves up, drop the [`WaitTurn`] before its turn.
+/// its place is given back (the reservation stays in the store's line until `go`), as a
+/// dropped [`WaitTurn`]'s is.
 #[must_use = "a turn is used by `go`"]
 pub struct Turn<St: Store> {
     placed: Placed<St>,
@@ -106,7 +105,7 @@ impl<St: Store> Turn<St> {
     /// Uses the turn: call it right before the work goes out, at once (the upstream may see
     /// the work up to the layer's margin after the turn, and no later).
     pub fn go(mut self) {
-        self.placed.keep();
+        self.placed.go();
     }
 
     /// Whether the turn may no longer be used: later than its margin after it.

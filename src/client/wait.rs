@@ -70,7 +70,7 @@ enum State<St: Store> {
     },
     /// It looks where it stands in line, asked at `sent`.
     Looking {
-        look: Pin<Box<St::LineFuture>>,
+        look: Pin<Box<St::LinesFuture>>,
         sent: Instant,
         placed: Placed<St>,
     },
@@ -195,7 +195,11 @@ impl<St: Store> Future for WaitTurn<St> {
                     placed,
                 } => match look.as_mut().poll(cx) {
                     Poll::Pending => Err(State::Looking { look, sent, placed }),
-                    Poll::Ready(stood) => Ok(placed.after_look(stood, sent)),
+                    Poll::Ready(stood) => {
+                        // One ticket asked, one answer.
+                        let stood = stood.and_then(|s| s.into_iter().next().ok_or(StoreError::Unavailable));
+                        Ok(placed.after_look(stood, sent))
+                    }
                 },
                 State::Going { mut sleep, turn } => match sleep.as_mut().poll(cx) {
                     Poll::Pending => Err(State::Going { sleep, turn }),
@@ -260,15 +264,18 @@ impl<St: Store> Seat<St> {
         self.then_wake(leave, "failed to give back a reservation")
     }
 
-    /// Takes the reservation out of the line as used, on a task of its own: its request goes
-    /// though its look at its turn failed, which would have taken it out.
+    /// Takes the reservation out of the line as used, on a task of its own: its work goes at
+    /// its turn (the look then takes it out, its turn being at most its late ahead). Nobody
+    /// behind moves, so the key's looker is not woken.
     fn used(&self) {
-        let look = |store: &St, key: &Key, policy: &Policy, ticket| store.look(key, policy, ticket);
-        drop(self.then_wake(look, "failed to take a used reservation out of the line"));
+        let (shared, key, ticket) = (Arc::clone(&self.shared), self.key.clone(), self.ticket);
+        let look = move |store: &St, key: &Key, policy: &Policy| store.look(key, policy, ticket);
+        let failed = "failed to take a used reservation out of the line";
+        drop(Shared::change(&shared, key, look, failed, false));
     }
 
     /// Makes a change to the line on a task of its own, then wakes this layer's waiting
-    /// requests to look ([`Shared::then_wake`]).
+    /// requests to look ([`Shared::change`]).
     fn then_wake<F>(&self, change: F, failed: &'static str) -> oneshot::Receiver<()>
     where
         F: Fn(&St, &Key, &Policy, Ticket) -> St::LineFuture + Send + 'static,
@@ -276,7 +283,7 @@ impl<St: Store> Seat<St> {
         let ticket = self.ticket;
         let change =
             move |store: &St, key: &Key, policy: &Policy| change(store, key, policy, ticket);
-        Shared::then_wake(&self.shared, self.key.clone(), change, failed)
+        Shared::change(&self.shared, self.key.clone(), change, failed, true)
     }
 
     /// The same wait, reserving again with what is left of it, with the layer's margin now;
@@ -407,7 +414,8 @@ pub(super) struct Placed<St: Store> {
     /// Its reservation's answer and the turn it gave, while no look has seen the line move it
     /// (the rate between the clocks is read from it at the turn).
     reserved: Option<(Heard, Duration)>,
-    /// Whether it is still in the store's line (the look at the turn takes it out).
+    /// Whether it is still in the store's line (it leaves when its work goes, used, or when
+    /// it is dropped or reserves again, given back).
     in_line: bool,
     /// Its place with its key's looker, while its look at the turn is further than a
     /// `recheck` away.
@@ -426,8 +434,7 @@ impl<St: Store> Placed<St> {
     }
 
     /// What it does once reserved: a turn at most `late` ahead is as a look at the turn
-    /// would find it, so it goes as after that look (the look that takes it out of the line
-    /// is sent on a task of its own); a later one waits.
+    /// would find it, so it goes as after that look; a later one waits.
     fn reserved(self) -> State<St> {
         let (Some(seat), Some((heard, ahead))) = (self.seat.as_ref(), self.reserved) else {
             return self.wait();
@@ -519,15 +526,19 @@ impl<St: Store> Placed<St> {
         };
         let shared = &seat.shared;
         // Its margin is shorter than the round trip its look would take (the layer measured,
-        // and widened its margin, after it reserved): that look would take it out of the line
-        // and it could not go. It gives its place back instead, while those behind can still
-        // move up into it, and reserves again with the margin in use.
+        // and widened its margin, after it reserved): it could not go after that look. It
+        // gives its place back instead, while those behind can still move up into it, and
+        // reserves again with the margin in use.
         let late = seat.ticket.late.mul_f64(1.0 - RATE_TOLERANCE);
         if shared.reach.round_trip() > late {
             return self.again(None);
         }
         let sent = shared.clock.now();
-        let look = shared.store.look(&seat.key, &shared.policy, seat.ticket);
+        // It stays in line until its work goes ([`Turn::go`]) or its turn is dropped unused
+        // (given back): a look that takes nothing out.
+        let look = shared
+            .store
+            .look_many(&seat.key, &shared.policy, vec![seat.ticket]);
         State::Looking {
             look: Box::pin(look),
             sent,
@@ -536,8 +547,8 @@ impl<St: Store> Placed<St> {
     }
 
     /// What it does once it learned where it stands (`stood`, asked at `sent`): wait on for
-    /// its turn, moved up or not; go, where the look took it out of the line and it can
-    /// leave within its margin of the turn; or reserve again, when the key is paused past its
+    /// its turn, moved up or not; go, where its turn is at most its `late` ahead and it can
+    /// leave within its margin of the turn (still in line until its work goes); or reserve again, when the key is paused past its
     /// turn, when the store lost its reservation (a restart, a reset, an eviction: its old
     /// turn no longer counts), or when it cannot know that it would leave in time (a slow or
     /// stalled store, a round trip longer than the margin).
@@ -560,11 +571,8 @@ impl<St: Store> Placed<St> {
             Ok(stood) => stood,
             // The store could not say: the turn it had holds, while it may still leave.
             Err(_) if now > until(self.turn().0) => return self.again(None),
-            // It goes at its turn: the look that would have taken it out of the line is sent
-            // again, on a task of its own.
+            // It goes at its turn (still in line: `Turn::go` takes it out).
             Err(_) if now >= self.turn().1 => {
-                seat.used();
-                self.in_line = false;
                 let until = until(self.turn().0);
                 return State::Done(Some(Ok(Turn::new(self, until))));
             }
@@ -591,8 +599,6 @@ impl<St: Store> Placed<St> {
             self.answer = (heard, ahead);
             return self.wait();
         }
-        // The look took it out of the line.
-        self.in_line = false;
         if let Some((local, store)) = self.reserved.and_then(|r| ran(r, (heard, ahead, past))) {
             shared.reach.rate_seen(local, store);
         }
@@ -600,11 +606,10 @@ impl<St: Store> Placed<St> {
     }
 
     /// At its turn (`stood`, as `heard`): it goes if it can leave within its margin of the
-    /// turn, wherever in the round trip the store answered (where its reservation's answer
-    /// was the look, still in line, the look that takes it out is sent on a task of its own);
-    /// else it reserves again, giving its place back where it is still in line (or fails,
+    /// turn, wherever in the round trip the store answered (its reservation's answer may be
+    /// that look); else it reserves again, giving its place back where it is still in line (or fails,
     /// where the store is too far for any margin up to `max_margin`).
-    fn at_turn(mut self, stood: InLine, heard: Heard) -> State<St> {
+    fn at_turn(self, stood: InLine, heard: Heard) -> State<St> {
         let Some(seat) = self.seat.as_ref() else {
             return State::Done(None);
         };
@@ -629,10 +634,6 @@ impl<St: Store> Placed<St> {
         };
         let until = earliest + late.mul_f64(slow);
         if leave <= until {
-            if self.in_line {
-                seat.used();
-                self.in_line = false;
-            }
             let sleep = Box::pin(shared.clock.sleep_until(leave));
             let turn = Some(Turn::new(self, until));
             return State::Going { sleep, turn };
@@ -648,7 +649,6 @@ impl<St: Store> Placed<St> {
         );
         if let Some(round_trip) = shared.reach.too_far(now) {
             let max_margin = shared.reach.max_margin();
-            self.keep();
             return State::Done(Some(Err(OutboundError::TooFar {
                 round_trip,
                 max_margin,
@@ -681,9 +681,12 @@ impl<St: Store> Placed<St> {
         self.seat.as_ref()
     }
 
-    /// Its work went out: nothing to give back.
-    pub(super) fn keep(&mut self) {
-        self.seat = None;
+    /// Its work goes out: it leaves the line, used (on a task of its own), and nothing is
+    /// given back.
+    pub(super) fn go(&mut self) {
+        if let Some(seat) = self.seat.take().filter(|_| self.in_line) {
+            seat.used();
+        }
     }
 }
 
