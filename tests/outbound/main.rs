@@ -7,3 +7,4 @@ mod support;
 mod calls;
 mod fleet;
 mod reserve;
+mod tonic;
