@@ -44,6 +44,14 @@ impl OutboundLayer {
     }
 }
 
+impl<K, St> OutboundLayer<K, St> {
+    /// Turns of the layer's store, policy and settings, for work that is not an HTTP call
+    /// ([`Turns`](super::Turns)): they share the layer's line and wake-ups.
+    pub fn turns(&self) -> super::Turns<St> {
+        super::Turns::new(Arc::clone(&self.shared))
+    }
+}
+
 impl<K, St, S> Layer<S> for OutboundLayer<K, St> {
     type Service = Outbound<S, K, St>;
 

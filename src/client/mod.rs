@@ -6,7 +6,8 @@
 //! (the store reserves turns): in reservation order across every instance that
 //! shares it, then waits for it and goes out. A request whose turn would come later than
 //! `max_wait` fails at once with [`OutboundError::TooLate`]; one dropped before it went out
-//! gives its reservation back, so that the requests behind it move up.
+//! gives its reservation back, so that the requests behind it move up. Work that is not an
+//! HTTP call waits for its turns through [`Turns`] ([`OutboundLayer::turns`]).
 //!
 //! ```
 //! use std::time::Duration;
@@ -29,8 +30,12 @@ mod layer;
 mod pushback;
 mod service;
 mod shared;
+mod turns;
+mod wait;
 
 pub use error::OutboundError;
 pub use future::ResponseFuture;
 pub use layer::{OutboundLayer, OutboundLayerBuilder};
 pub use service::Outbound;
+pub use turns::{Turn, Turns};
+pub use wait::WaitTurn;

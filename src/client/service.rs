@@ -6,8 +6,9 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower_service::Service;
 
-use super::future::{ResponseFuture, Seat};
+use super::future::ResponseFuture;
 use super::shared::Shared;
+use super::wait::{Seat, WaitTurn};
 use crate::key::Global;
 use crate::{KeyExtractor, MemoryStore, Store};
 
@@ -58,7 +59,7 @@ where
             Ok(key) => key,
             Err(error) => return ResponseFuture::failed(super::OutboundError::Key(error)),
         };
-        let seat = Seat::new(Arc::clone(&self.shared), key);
-        ResponseFuture::new(seat, request, self.inner.clone())
+        let wait = WaitTurn::new(Seat::new(Arc::clone(&self.shared), key, 1));
+        ResponseFuture::new(wait, request, self.inner.clone())
     }
 }

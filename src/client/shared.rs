@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use crate::store::reserve::Ticket;
-use crate::Policy;
+use crate::{Key, Policy, Store};
 
 /// What every service and future of one layer reads.
 #[derive(Debug)]
@@ -60,5 +60,49 @@ impl<St> Shared<St> {
             notice: self.recheck + self.late,
             ..Ticket::new(id, max_wait)
         }
+    }
+}
+
+impl<St: Store> Shared<St> {
+    /// Pauses `key` for every caller that shares the store, on a task of its own, and then
+    /// wakes this layer's waiting requests to learn it.
+    pub(super) fn pause(this: &Arc<Self>, key: Key, pause: Duration) {
+        let paused = move |store: &St, key: &Key, policy: &Policy| store.pause(key, policy, pause);
+        Self::then_wake(
+            this,
+            key,
+            paused,
+            "failed to pause a key the upstream pushed back on",
+        );
+    }
+
+    /// Makes a change to the line of `key` on a task of its own, then wakes this layer's
+    /// waiting requests to look. Each change may run twice without harm (a leave or a look
+    /// finds nothing the second time, a pause keeps the longer), so one that fails (the store
+    /// too slow, or out of reach, its breaker open) is sent again every 100 ms for as long as
+    /// the line keeps a reservation past its turn (`KEPT`, 10 s); then the failure is logged
+    /// as `failed`.
+    pub(super) fn then_wake<F>(this: &Arc<Self>, key: Key, change: F, failed: &'static str)
+    where
+        F: Fn(&St, &Key, &Policy) -> St::LineFuture + Send + 'static,
+    {
+        /// How often a change to the line is sent: every 100 ms for 10 s.
+        const TRIES: u32 = 100;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let shared = Arc::clone(this);
+        runtime.spawn(async move {
+            for tried in 1..=TRIES {
+                match change(&shared.store, &key, &shared.policy).await {
+                    Ok(_) => break,
+                    Err(error) if tried == TRIES => {
+                        tracing::warn!(target: "tower_redis_ratelimit", %error, "{failed}");
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+            shared.wake.notify_waiters();
+        });
     }
 }

@@ -298,3 +298,52 @@ async fn an_upstream_429_pauses_every_call_for_its_retry_after() {
         .unwrap();
     println!("resumed {:?} after the 429", first_after - at_429);
 }
+
+/// Work that is not an HTTP call waits through `Turns`: turns come at the policy's rate, a
+/// wait dropped before its turn gives its place back (the one behind it moves up), and a
+/// pause delays the next.
+#[tokio::test(start_paused = true)]
+async fn turns_wait_without_http_and_a_dropped_wait_gives_its_place_back() {
+    let layer = OutboundLayer::builder()
+        .policy(
+            "1/1s"
+                .parse::<Policy>()
+                .unwrap()
+                .with_algorithm(Algorithm::Gcra),
+        )
+        .margin(Duration::ZERO)
+        .build()
+        .unwrap();
+    let turns = layer.turns();
+    let start = Instant::now();
+    let key = Key::from("mail");
+    turns.wait(key.clone(), 1).await.unwrap().go();
+    // The second wait, dropped before its turn while the third waits behind it.
+    let second = tokio::spawn(turns.wait(key.clone(), 1));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let third = tokio::spawn({
+        let turns = turns.clone();
+        let key = key.clone();
+        async move {
+            let turn = turns.wait(key, 1).await.unwrap();
+            let at = Instant::now();
+            turn.go();
+            at
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    second.abort();
+    let third = third.await.unwrap() - start;
+    assert!(
+        third < Duration::from_millis(1500),
+        "{third:?}: not moved up"
+    );
+    turns.pause(&key, Duration::from_secs(5));
+    tokio::task::yield_now().await;
+    let paused = Instant::now();
+    turns.wait(key, 1).await.unwrap().go();
+    assert!(Instant::now() - paused >= Duration::from_secs(5));
+    // A cost of zero is refused.
+    let zero = layer.turns().wait(Key::from("mail"), 0).await;
+    assert!(matches!(zero, Err(OutboundError::TooLate { turn: None })));
+}
