@@ -6,5 +6,7 @@ mod support;
 
 mod calls;
 mod fleet;
+#[cfg(all(feature = "reqwest", feature = "redis"))]
+mod reqwest;
 mod reserve;
 mod tonic;

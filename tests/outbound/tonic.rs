@@ -164,7 +164,10 @@ async fn resource_exhausted_with_a_pushback_pauses_the_channel() {
     let policy = "100/1s".parse::<Policy>().unwrap();
     let mut client = client(addr, policy.with_algorithm(Algorithm::Gcra)).await;
     client.check(ask()).await.expect("the first call is served");
-    let refused = client.check(ask()).await.expect_err("the second is refused");
+    let refused = client
+        .check(ask())
+        .await
+        .expect_err("the second is refused");
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     let results = at_once(&client, 4).await;
     assert!(results.iter().all(Result::is_ok), "{results:?}");
@@ -174,7 +177,10 @@ async fn resource_exhausted_with_a_pushback_pauses_the_channel() {
     eprintln!("after the pushback of {pushback:?}, the next calls arrived {after:?} later");
     let soonest = after.iter().min().unwrap();
     assert!(*soonest >= pushback, "{after:?}");
-    assert!(*soonest < pushback + Duration::from_millis(400), "{after:?}");
+    assert!(
+        *soonest < pushback + Duration::from_millis(400),
+        "{after:?}"
+    );
 }
 
 /// One call per second, calls wait at most 300 ms: the second call fails at once, never
@@ -193,7 +199,10 @@ async fn a_grpc_call_whose_turn_is_too_far_fails_at_once() {
     let mut client = client_waiting(addr, policy, Duration::from_millis(300)).await;
     client.check(ask()).await.expect("the first call is served");
     let started = Instant::now();
-    let failed = client.check(ask()).await.expect_err("the second is too late");
+    let failed = client
+        .check(ask())
+        .await
+        .expect_err("the second is too late");
     assert!(started.elapsed() < Duration::from_millis(100));
     assert_eq!(failed.code(), Code::Unknown, "{failed:?}");
     let source = std::error::Error::source(&failed).expect("the layer's error");

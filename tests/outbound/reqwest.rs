@@ -1,0 +1,229 @@
+//! Beyond hyper: reqwest calls through `OutboundMiddleware` against a real Redis and a local
+//! stand-in that counts arrivals in a true sliding window, and `Turns`, the plain async wait
+//! for a turn, on the memory store and tokio's paused clock.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::response::IntoResponse;
+use http::StatusCode;
+use tokio::time::Instant;
+use tower_redis_ratelimit::client::{OutboundLayer, Turns};
+use tower_redis_ratelimit::{Algorithm, Key, MemoryStore, Policy};
+
+/// When each request reached the stand-in, and whether it was refused.
+type Arrivals = Arc<Mutex<Vec<(Instant, bool)>>>;
+
+/// The stand-in for a third-party API: 10 requests in any second (a true sliding window over
+/// the requests it served), `429` with `Retry-After: 1` beyond. With `refuse`, the request
+/// that arrives `refuse`-th (from 1) is refused with `Retry-After: 1`, as an upstream that
+/// pushes back does.
+async fn stand_in(refuse: Option<usize>) -> (SocketAddr, Arrivals) {
+    let arrivals: Arrivals = Arc::default();
+    let seen = arrivals.clone();
+    let app = axum::Router::new().route(
+        "/",
+        axum::routing::get(move || {
+            let seen = seen.clone();
+            async move {
+                let now = Instant::now();
+                let mut seen = seen.lock().unwrap();
+                let second = Duration::from_secs(1);
+                let served = seen
+                    .iter()
+                    .filter(|&&(t, refused)| !refused && t + second > now);
+                let refused = served.count() >= 10 || refuse == Some(seen.len() + 1);
+                seen.push((now, refused));
+                match refused {
+                    true => (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "1")]).into_response(),
+                    false => StatusCode::OK.into_response(),
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (addr, arrivals)
+}
+
+/// The most requests the stand-in served in any second (checked at every arrival).
+fn fullest(arrivals: &[(Instant, bool)]) -> usize {
+    let served: Vec<Instant> = arrivals.iter().filter(|a| !a.1).map(|a| a.0).collect();
+    let in_second = |t: Instant| {
+        let window = |&&s: &&Instant| s <= t && s + Duration::from_secs(1) > t;
+        served.iter().filter(window).count()
+    };
+    served.iter().map(|&t| in_second(t)).max().unwrap_or(0)
+}
+
+fn ten_per_second() -> Policy {
+    "10/1s"
+        .parse::<Policy>()
+        .unwrap()
+        .with_algorithm(Algorithm::SlidingLog)
+}
+
+/// An instance's reqwest client: its own `RedisStore`, an outbound layer's turns as the
+/// middleware (one key for every request), no proxy (the stand-in is on loopback).
+async fn instance(
+    server: &crate::support::RedisServer,
+) -> reqwest_middleware::ClientWithMiddleware {
+    let layer = OutboundLayer::builder()
+        .policy(ten_per_second())
+        .store(server.store().await)
+        .max_wait(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    reqwest_middleware::ClientBuilder::new(http)
+        .with(layer.middleware())
+        .build()
+}
+
+/// Sends `n` requests to `addr` at once on `client`; their statuses, or how each failed.
+fn at_once(
+    client: &reqwest_middleware::ClientWithMiddleware,
+    addr: SocketAddr,
+    n: usize,
+) -> Vec<tokio::task::JoinHandle<Result<StatusCode, String>>> {
+    (0..n)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let sent = client.get(format!("http://{addr}/")).send().await;
+                sent.map(|r| r.status()).map_err(|e| format!("{e:#}"))
+            })
+        })
+        .collect()
+}
+
+/// Two instances, each with its own `RedisStore`, send 15 requests each at once, 30 for an API
+/// of 10 per second: every request waits for its turn rather than fail, none is refused,
+/// and the stand-in never holds more than 10 in a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reqwest_calls_wait_for_their_turns_and_none_is_refused() {
+    let server = crate::support::RedisServer::start();
+    let (addr, arrivals) = stand_in(None).await;
+    let (a, b) = (instance(&server).await, instance(&server).await);
+    let start = Instant::now();
+    let mut calls = at_once(&a, addr, 15);
+    calls.extend(at_once(&b, addr, 15));
+    let mut statuses = Vec::new();
+    for call in calls {
+        statuses.push(call.await.unwrap());
+    }
+    let took = start.elapsed();
+    let arrivals = arrivals.lock().unwrap().clone();
+    let refused = arrivals.iter().filter(|a| a.1).count();
+    let fullest = fullest(&arrivals);
+    eprintln!(
+        "30 reqwest calls from 2 instances: {} arrived, {refused} refused, at most {fullest} in \
+         a second, {took:?}",
+        arrivals.len()
+    );
+    let failed: Vec<_> = statuses.iter().filter(|s| s.is_err()).collect();
+    assert!(
+        failed.is_empty(),
+        "calls failed instead of waiting: {failed:?}"
+    );
+    assert!(
+        statuses.iter().all(|s| *s == Ok(StatusCode::OK)),
+        "{statuses:?}"
+    );
+    assert_eq!((arrivals.len(), refused), (30, 0));
+    assert!(fullest <= 10, "{fullest} in one second");
+    // Ten at 0 s, ten a window and the margin later, ten two: about 2.1 s.
+    assert!(took >= Duration::from_secs(2), "{took:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+}
+
+/// The stand-in refuses the 3rd request with `429` and `Retry-After: 1`. The refusal comes back
+/// to its caller as the stand-in sent it; the requests the other instance sends right after it
+/// reach the stand-in only once the pause is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushback_pauses_reqwest_calls_on_every_instance() {
+    let server = crate::support::RedisServer::start();
+    let (addr, arrivals) = stand_in(Some(3)).await;
+    let (a, b) = (instance(&server).await, instance(&server).await);
+    for expected in [
+        StatusCode::OK,
+        StatusCode::OK,
+        StatusCode::TOO_MANY_REQUESTS,
+    ] {
+        let response = a.get(format!("http://{addr}/")).send().await.unwrap();
+        assert_eq!(response.status(), expected);
+    }
+    for call in at_once(&b, addr, 3) {
+        assert_eq!(call.await.unwrap(), Ok(StatusCode::OK));
+    }
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), 6);
+    let refused_at = arrivals[2].0;
+    let after: Vec<Duration> = arrivals[3..].iter().map(|&(t, _)| t - refused_at).collect();
+    eprintln!("after a Retry-After: 1, the other instance's calls arrived {after:?} later");
+    let soonest = *after.iter().min().unwrap();
+    assert!(soonest >= Duration::from_secs(1), "{after:?}");
+    assert!(soonest < Duration::from_millis(1500), "{after:?}");
+}
+
+/// Turns of one unit per second for one key on the memory store.
+fn one_per_second() -> Turns<MemoryStore> {
+    let policy = "1/1s".parse::<Policy>().unwrap();
+    let layer = OutboundLayer::builder()
+        .policy(policy.with_algorithm(Algorithm::SlidingLog))
+        .max_wait(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    layer.turns()
+}
+
+/// A turn used with `go()` is kept: the next wait comes a window (and the margin) later. One
+/// dropped unused is given back: the next wait, right after, has its turn at once.
+#[tokio::test(start_paused = true)]
+async fn a_turn_dropped_unused_is_given_back_and_go_keeps_it() {
+    let turns = one_per_second();
+    let key = Key::from("mail");
+    let start = Instant::now();
+    turns.wait(key.clone(), 1).await.unwrap().go();
+    let second = turns.wait(key.clone(), 1).await.unwrap();
+    let kept = start.elapsed();
+    assert!(kept >= Duration::from_secs(1), "{kept:?}");
+    drop(second);
+    // The place is given back on a task of its own.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let dropped_at = Instant::now();
+    let third = turns.wait(key.clone(), 1).await.unwrap();
+    let given_back = dropped_at.elapsed();
+    third.go();
+    eprintln!("after a turn used: {kept:?}; after one dropped unused: {given_back:?}");
+    assert!(given_back < Duration::from_millis(100), "{given_back:?}");
+}
+
+/// Three waits at once: the first goes at once, the second's turn is a second later and the
+/// third's two. The second is dropped while it waits (cancelled work): the third moves up
+/// into its place, and has its turn a second after the first, not two.
+#[tokio::test(start_paused = true)]
+async fn a_wait_dropped_before_its_turn_moves_the_next_waiter_up() {
+    let turns = one_per_second();
+    let key = Key::from("mail");
+    let start = Instant::now();
+    turns.wait(key.clone(), 1).await.unwrap().go();
+    let wait = |turns: &Turns<MemoryStore>| {
+        let (turns, key) = (turns.clone(), key.clone());
+        tokio::spawn(async move {
+            turns.wait(key, 1).await.unwrap().go();
+            start.elapsed()
+        })
+    };
+    let second = wait(&turns);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let third = wait(&turns);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    second.abort();
+    let third = third.await.unwrap();
+    eprintln!("the third wait's turn came {third:?} after the first");
+    assert!(third >= Duration::from_secs(1), "{third:?}");
+    assert!(third < Duration::from_millis(1500), "{third:?}");
+}
