@@ -258,6 +258,7 @@ impl<St: Store> Engine for FaultyStore<St> {
 
 impl<St: Store> Reserve for FaultyStore<St> {
     type LineFuture = FaultyFuture<InLine>;
+    type LinesFuture = FaultyFuture<Vec<InLine>>;
 
     fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> <Self as Store>::Future {
         let (key, policy) = (key.clone(), policy.clone());
@@ -266,6 +267,10 @@ impl<St: Store> Reserve for FaultyStore<St> {
 
     fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
         Box::pin(self.store.look(key, policy, ticket))
+    }
+
+    fn look_many(&self, key: &Key, policy: &Policy, tickets: Vec<Ticket>) -> Self::LinesFuture {
+        Box::pin(self.store.look_many(key, policy, tickets))
     }
 
     fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {

@@ -15,6 +15,17 @@ pub enum OutboundError<E> {
         /// How long from now its turn would have come.
         turn: Option<Duration>,
     },
+    /// The store is too far for the layer's `max_margin`: the round trip to it (as measured
+    /// within the last second) is so long that a request cannot know it leaves within the
+    /// margin of its turn. Widen `max_margin` (and with it every window) or bring the store
+    /// closer.
+    #[error("the store's round trip ({round_trip:?}) needs more margin than the layer's max_margin ({max_margin:?})")]
+    TooFar {
+        /// The round trip measured.
+        round_trip: Duration,
+        /// The widest margin the layer may use.
+        max_margin: Duration,
+    },
     /// The request has no key.
     #[error("the request has no key: {0}")]
     Key(KeyError),

@@ -8,7 +8,6 @@ use std::task::{ready, Context, Poll};
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
-use tokio::time::Instant;
 use tower_service::Service;
 
 use super::pushback::pushback;
@@ -103,7 +102,7 @@ where
                         // Ready later than its units may be used: it gives the turn back and
                         // waits again, and gives the readiness back (a clone of the service
                         // is not ready).
-                        Poll::Ready(Ok(())) if turn.too_late(Instant::now()) => {
+                        Poll::Ready(Ok(())) if turn.too_late() => {
                             *inner = inner.clone();
                             Ok(State::Waiting(turn.again()))
                         }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 
+use super::clock::Clock;
 use super::service::Outbound;
 use super::shared::Shared;
 use crate::key::Global;
@@ -39,7 +40,9 @@ impl OutboundLayer {
             policy: None,
             max_wait: Duration::from_secs(30),
             margin: Duration::from_millis(50),
+            max_margin: None,
             recheck: Duration::from_millis(100),
+            clock: Clock::real(),
         }
     }
 }
@@ -68,7 +71,9 @@ pub struct OutboundLayerBuilder<K = Global, St = MemoryStore> {
     policy: Option<Policy>,
     max_wait: Duration,
     margin: Duration,
+    max_margin: Option<Duration>,
     recheck: Duration,
+    clock: Clock,
 }
 
 impl<K, St> OutboundLayerBuilder<K, St> {
@@ -87,7 +92,9 @@ impl<K, St> OutboundLayerBuilder<K, St> {
             policy: self.policy,
             max_wait: self.max_wait,
             margin: self.margin,
+            max_margin: self.max_margin,
             recheck: self.recheck,
+            clock: self.clock,
         }
     }
 
@@ -100,7 +107,9 @@ impl<K, St> OutboundLayerBuilder<K, St> {
             policy: self.policy,
             max_wait: self.max_wait,
             margin: self.margin,
+            max_margin: self.max_margin,
             recheck: self.recheck,
+            clock: self.clock,
         }
     }
 
@@ -111,10 +120,13 @@ impl<K, St> OutboundLayerBuilder<K, St> {
         self
     }
 
-    /// How much later than its turn a request may reach the upstream, which counts requests
-    /// as they arrive (default 50 ms): turns keep every window that much longer within the
-    /// count, so that a request sent late, or one that took longer on the way than the one
-    /// before it, is not counted in the next window. The price is a window that much longer.
+    /// How much later than its turn a request may leave (default 50 ms), the upstream counting
+    /// requests as they arrive: turns keep every window that much longer within the count, so
+    /// that a request sent late, or one that took longer on the way than the one before it,
+    /// is not counted in the next window. The price is a window that much longer. A request
+    /// goes only when it knows it leaves within the margin of its turn, its clock bracketed by
+    /// its round trip to the store: the margin must exceed that round trip (by half again),
+    /// and is widened where it does not, up to [`max_margin`](Self::max_margin).
     pub fn margin(mut self, margin: Duration) -> Self {
         self.margin = margin;
         self
@@ -126,6 +138,25 @@ impl<K, St> OutboundLayerBuilder<K, St> {
     /// layer learn what this layer's requests do at once. Each look is one call to the store.
     pub fn recheck(mut self, recheck: Duration) -> Self {
         self.recheck = recheck;
+        self
+    }
+
+    /// The widest the layer may make its margin where the measured round trip to the store
+    /// needs more than [`margin`](Self::margin) (one and a half round trips): by default four
+    /// times the margin, where the policy leaves room for it on GCRA, else the margin. Past it
+    /// requests fail at once with [`OutboundError::TooFar`](super::OutboundError::TooFar)
+    /// rather than reserving turns they cannot keep. Checked at build as the margin is.
+    pub fn max_margin(mut self, max_margin: Duration) -> Self {
+        self.max_margin = Some(max_margin);
+        self
+    }
+
+    /// A clock that runs at `rate` of tokio's (its `now` and its sleeps), for tests of a
+    /// runtime whose clock runs slow or fast.
+    #[cfg(feature = "test-util")]
+    #[doc(hidden)]
+    pub fn clock_rate(mut self, rate: f64) -> Self {
+        self.clock = Clock::scaled(rate);
         self
     }
 
@@ -142,10 +173,24 @@ impl<K, St> OutboundLayerBuilder<K, St> {
         };
         reservable(&policy).map_err(unsupported)?;
         self.store.supports(&policy).map_err(unsupported)?;
+        let fits = |late: Duration| {
+            let ticket = Ticket {
+                late,
+                ..Ticket::new(0, self.max_wait)
+            };
+            reserve::in_range(&policy, &ticket)
+        };
+        // By default, four times the margin where the policy leaves room for it.
+        let max_margin = match self.max_margin {
+            Some(max_margin) => max_margin,
+            None if fits(self.margin * 4).is_ok() => self.margin * 4,
+            None => self.margin,
+        };
         let why = match (self.recheck, self.margin) {
             (recheck, _) if recheck.is_zero() => Some("its recheck must be longer than zero"),
-            (recheck, margin) if recheck.saturating_add(margin) > MAX_LATE => {
-                Some("its recheck and margin together are at most an hour")
+            (_, margin) if max_margin < margin => Some("its max_margin must be at least its margin"),
+            (recheck, _) if recheck.saturating_add(max_margin) > MAX_LATE => {
+                Some("its recheck and max_margin together are at most an hour")
             }
             _ => None,
         };
@@ -155,18 +200,16 @@ impl<K, St> OutboundLayerBuilder<K, St> {
                 why: format!("an outbound layer: {why}"),
             });
         }
-        let ticket = Ticket {
-            late: self.margin,
-            ..Ticket::new(0, self.max_wait)
-        };
-        reserve::in_range(&policy, &ticket).map_err(unsupported)?;
+        fits(self.margin).map_err(unsupported)?;
+        fits(max_margin).map_err(unsupported)?;
         Ok(OutboundLayer {
             key: Arc::new(self.key),
             shared: Arc::new(Shared::new(
                 self.store,
                 policy,
                 self.max_wait,
-                (self.margin, self.recheck),
+                (self.margin, max_margin, self.recheck),
+                self.clock,
             )),
         })
     }

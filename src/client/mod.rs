@@ -32,6 +32,7 @@
 //! [`Turn`], used by [`Turn::go`] and given back when dropped unused
 //! (`docs/outbound.md`, "Beyond hyper").
 
+mod clock;
 mod error;
 mod future;
 mod layer;

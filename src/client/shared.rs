@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use super::clock::{Clock, Reach};
 use crate::store::reserve::Ticket;
 use crate::{Key, Policy, Store};
 
@@ -16,7 +17,10 @@ pub(super) struct Shared<St> {
     pub(super) store: St,
     pub(super) policy: Policy,
     pub(super) max_wait: Duration,
-    pub(super) late: Duration,
+    /// The instance's clock.
+    pub(super) clock: Clock,
+    /// The round trip, the clocks' rate and the margin in use.
+    pub(super) reach: Reach,
     /// How often a request further than this from its turn looks where it stands.
     pub(super) recheck: Duration,
     /// Wakes the layer's waiting requests: a reservation of the layer left the line (those
@@ -27,19 +31,23 @@ pub(super) struct Shared<St> {
 }
 
 impl<St> Shared<St> {
-    /// A layer's share: its store and policy, the most its requests wait, and how late after
-    /// a turn they may go and how often they look (`margin` and `recheck`).
+    /// A layer's share: its store and policy, the most its requests wait, how late after a
+    /// turn they may go (`margin`, widened up to `max_margin` where the round trip needs it),
+    /// how often they look (`recheck`), and the instance's clock.
     pub(super) fn new(
         store: St,
         policy: Policy,
         max_wait: Duration,
-        (late, recheck): (Duration, Duration),
+        (margin, max_margin, recheck): (Duration, Duration, Duration),
+        clock: Clock,
     ) -> Self {
+        let reach = Reach::new(policy.name(), margin, max_margin);
         Shared {
             store,
             policy,
             max_wait,
-            late,
+            clock,
+            reach,
             recheck,
             wake: Arc::new(Notify::new()),
             next: AtomicU64::new(crate::ids::random_start()),
@@ -54,10 +62,12 @@ impl<St> Shared<St> {
         const FIRST: u64 = 1_000_000_000_000_000;
         const SPAN: u64 = 3_000_000_000_000_000;
         let id = FIRST + self.next.fetch_add(1, Ordering::Relaxed) % SPAN;
-        // Moved up in line, it learns of it at its next look, and may go `late` after that.
+        // Moved up in line, it learns of it at its next look (a round trip), and may go `late`
+        // after that.
+        let late = self.reach.margin();
         Ticket {
-            late: self.late,
-            notice: self.recheck + self.late,
+            late,
+            notice: self.recheck + late + self.reach.round_trip(),
             ..Ticket::new(id, max_wait)
         }
     }

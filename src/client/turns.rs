@@ -88,6 +88,8 @@ impl<St: Store> Turns<St> {
 #[must_use = "a turn dropped unused is given back"]
 pub struct Turn<St: Store> {
     placed: Placed<St>,
+    /// The latest it may leave on the instance's clock.
+    until: tokio::time::Instant,
 }
 
 impl<St: Store> std::fmt::Debug for Turn<St> {
@@ -97,8 +99,8 @@ impl<St: Store> std::fmt::Debug for Turn<St> {
 }
 
 impl<St: Store> Turn<St> {
-    pub(super) fn new(placed: Placed<St>) -> Self {
-        Turn { placed }
+    pub(super) fn new(placed: Placed<St>, until: tokio::time::Instant) -> Self {
+        Turn { placed, until }
     }
 
     /// Uses the turn: call it right before the work goes out (the layer counts the turn's
@@ -107,9 +109,10 @@ impl<St: Store> Turn<St> {
         self.placed.keep();
     }
 
-    /// Whether the turn may no longer be used at `now`.
-    pub(super) fn too_late(&self, now: tokio::time::Instant) -> bool {
-        self.placed.too_late(now)
+    /// Whether the turn may no longer be used: later than its margin after it.
+    pub(super) fn too_late(&self) -> bool {
+        let seat = self.placed.seat();
+        seat.is_some_and(|seat| seat.shared.clock.now() > self.until)
     }
 
     /// Gives the turn back and waits for another, with what is left of the wait.

@@ -1,6 +1,18 @@
 //! Waiting for a turn, without HTTP: reserve, sleep until the turn (looking again when woken,
 //! and at the turn), reserve again where the turn no longer holds, and give the place back
 //! when dropped. [`WaitTurn`] is the future; [`Turn`](super::Turn) what it yields.
+//!
+//! **The bracket.** The store answers durations from its own now; a call reads each answer
+//! between its own send and receive instants, so a turn `d` ahead, asked at `sent` and heard
+//! at `received`, lies within `[sent + d, received + d]` on the instance's clock (each
+//! duration scaled by the rate between the two clocks, learned from calls: only rates, never
+//! an offset to the store's time). The look at the turn takes the reservation out of the
+//! line once its turn is at most `late` ahead, and answers how far ahead (`q`) or past (`p`)
+//! the turn was: the call goes only if it can leave within `[turn, turn + margin]` for every
+//! point of that look's bracket: ahead, at `received + q`, if `received − sent` fits the
+//! margin; past, at once, if `(now − sent) + p` does. Else it cannot know that it is in time,
+//! and reserves again (its old place was used by that look: its units stay counted, and the
+//! line does not move up into a place whose time has come).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -12,6 +24,7 @@ use std::time::Duration;
 use tokio::sync::futures::OwnedNotified;
 use tokio::time::{Instant, Sleep};
 
+use super::clock::RATE_TOLERANCE;
 use super::shared::Shared;
 use super::turns::Turn;
 use super::OutboundError;
@@ -42,18 +55,33 @@ enum State<St: Store> {
         woken: Pin<Box<OwnedNotified>>,
         placed: Placed<St>,
     },
-    /// It looks where it stands in line.
+    /// It looks where it stands in line, asked at `sent`.
     Looking {
         look: Pin<Box<St::LineFuture>>,
+        sent: Instant,
         placed: Placed<St>,
     },
+    /// Out of the line, it sleeps until it leaves.
+    Going {
+        sleep: Pin<Box<Sleep>>,
+        turn: Option<Turn<St>>,
+    },
     /// Its turn has come, or it failed (the error not yet taken).
-    Done(Option<Result<Placed<St>, OutboundError<Infallible>>>),
+    Done(Option<Result<Turn<St>, OutboundError<Infallible>>>),
 }
 
 impl<St: Store> WaitTurn<St> {
-    /// Waits for a turn of `seat`'s reservation.
+    /// Waits for a turn of `seat`'s reservation; fails at once where the store is known to
+    /// be too far for the layer's widest margin.
     pub(super) fn new(seat: Seat<St>) -> Self {
+        let reach = &seat.shared.reach;
+        if let Some(round_trip) = reach.too_far(seat.shared.clock.now()) {
+            let max_margin = reach.max_margin();
+            return WaitTurn::failed(OutboundError::TooFar {
+                round_trip,
+                max_margin,
+            });
+        }
         WaitTurn {
             state: State::Reserving(Asked::new(seat)),
         }
@@ -95,11 +123,19 @@ impl<St: Store> Future for WaitTurn<St> {
                         }),
                     }
                 }
-                State::Looking { mut look, placed } => match look.as_mut().poll(cx) {
-                    Poll::Pending => Err(State::Looking { look, placed }),
-                    Poll::Ready(stood) => Ok(placed.after_look(stood)),
+                State::Looking {
+                    mut look,
+                    sent,
+                    placed,
+                } => match look.as_mut().poll(cx) {
+                    Poll::Pending => Err(State::Looking { look, sent, placed }),
+                    Poll::Ready(stood) => Ok(placed.after_look(stood, sent)),
                 },
-                State::Done(Some(done)) => return Poll::Ready(done.map(Turn::new)),
+                State::Going { mut sleep, turn } => match sleep.as_mut().poll(cx) {
+                    Poll::Pending => Err(State::Going { sleep, turn }),
+                    Poll::Ready(()) => Ok(State::Done(turn.map(Ok))),
+                },
+                State::Done(Some(done)) => return Poll::Ready(done),
                 State::Done(None) => return Poll::Pending,
             };
             match next {
@@ -140,11 +176,12 @@ impl<St: Store> Seat<St> {
             cost,
             ..shared.ticket(shared.max_wait)
         };
+        let started = shared.clock.now();
         Seat {
             shared,
             key,
             ticket,
-            started: Instant::now(),
+            started,
         }
     }
 
@@ -177,7 +214,8 @@ impl<St: Store> Seat<St> {
 
     /// The same wait, reserving again with what is left of it; `None` when nothing is left.
     fn again(&self) -> Option<Seat<St>> {
-        let left = self.shared.max_wait.checked_sub(self.started.elapsed())?;
+        let waited = self.shared.clock.now().saturating_duration_since(self.started);
+        let left = self.shared.max_wait.checked_sub(waited)?;
         Some(Seat {
             ticket: Ticket {
                 cost: self.ticket.cost,
@@ -188,28 +226,41 @@ impl<St: Store> Seat<St> {
     }
 }
 
+/// What one store answer was heard between, on the instance's clock.
+#[derive(Debug, Clone, Copy)]
+struct Heard {
+    sent: Instant,
+    received: Instant,
+}
+
+impl Heard {
+    fn round_trip(&self) -> Duration {
+        self.received.saturating_duration_since(self.sent)
+    }
+}
+
 /// A reservation on its way: if its caller goes away before the store answers, the answer is
 /// still awaited, on a task of its own, and a reservation it made leaves the line; so does one
 /// the store may have made though its answer failed.
 struct Asked<St: Store> {
     future: Option<Pin<Box<St::Future>>>,
     seat: Option<Seat<St>>,
+    sent: Instant,
 }
 
 impl<St: Store> Asked<St> {
     fn new(seat: Seat<St>) -> Self {
         let shared = &seat.shared;
+        let sent = shared.clock.now();
         let reserve = shared.store.reserve(&seat.key, &shared.policy, seat.ticket);
         Asked {
             future: Some(Box::pin(reserve)),
             seat: Some(seat),
+            sent,
         }
     }
 
-    fn poll(
-        &mut self,
-        cx: &mut Context<'_>,
-    ) -> Poll<Result<Placed<St>, OutboundError<Infallible>>> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Placed<St>, OutboundError<Infallible>>> {
         let Some(future) = self.future.as_mut() else {
             return Poll::Pending;
         };
@@ -231,8 +282,16 @@ impl<St: Store> Asked<St> {
             let turn = decision.retry_after();
             return Poll::Ready(Err(OutboundError::TooLate { turn }));
         }
+        let heard = Heard {
+            sent: self.sent,
+            received: seat.shared.clock.now(),
+        };
+        seat.shared.reach.round_trip_took(heard.round_trip(), heard.received);
+        let d = decision.turn();
         Poll::Ready(Ok(Placed {
-            turn_at: Instant::now() + decision.turn(),
+            turn: seat.bracket(heard, d),
+            reserved: Some((heard, d)),
+            in_line: true,
             seat: Some(seat),
         }))
     }
@@ -256,24 +315,45 @@ impl<St: Store> Drop for Asked<St> {
     }
 }
 
+impl<St: Store> Seat<St> {
+    /// Where a turn `ahead` of the store's now, as `heard`, lies on the instance's clock.
+    fn bracket(&self, heard: Heard, ahead: Duration) -> (Instant, Instant) {
+        let local = ahead.mul_f64(self.shared.reach.rate());
+        (heard.sent + local, heard.received + local)
+    }
+}
+
 /// A reservation in line: it leaves the line when dropped before its request went out.
 pub(super) struct Placed<St: Store> {
-    /// When its turn comes, as it last learned.
-    turn_at: Instant,
+    /// The earliest and the latest its turn may be on the instance's clock, as it last
+    /// learned.
+    turn: (Instant, Instant),
+    /// Its reservation's answer and the turn it gave, while no look has seen the line move it
+    /// (the rate between the clocks is read from it at the turn).
+    reserved: Option<(Heard, Duration)>,
+    /// Whether it is still in the store's line (the look at the turn takes it out).
+    in_line: bool,
     seat: Option<Seat<St>>,
 }
 
 impl<St: Store> Placed<St> {
-    /// Sleeps until its turn, or its next look when that is sooner, or until woken.
+    /// Sleeps until its look at its turn is due (aimed to reach the store a little before the
+    /// turn's earliest), or its next look when that is sooner, or until woken.
     fn wait(self) -> State<St> {
         let Some(seat) = self.seat.as_ref() else {
-            return State::Done(Some(Ok(self)));
+            return State::Done(None);
         };
         let shared = &seat.shared;
+        let now = shared.clock.now();
+        let aim = self.turn.0.checked_sub(shared.reach.round_trip() / 2);
+        let aim = aim.unwrap_or(now);
+        if aim <= now {
+            return self.look();
+        }
         let woken = Box::pin(Arc::clone(&shared.wake).notified_owned());
-        let next = (Instant::now() + shared.recheck).min(self.turn_at);
+        let next = (now + shared.recheck).min(aim);
         State::Waiting {
-            sleep: Box::pin(tokio::time::sleep_until(next)),
+            sleep: Box::pin(shared.clock.sleep_until(next)),
             woken,
             placed: self,
         }
@@ -282,78 +362,128 @@ impl<St: Store> Placed<St> {
     /// Looks where it stands in line.
     fn look(self) -> State<St> {
         let Some(seat) = self.seat.as_ref() else {
-            return State::Done(Some(Ok(self)));
+            return State::Done(None);
         };
         let shared = &seat.shared;
+        let sent = shared.clock.now();
         let look = shared.store.look(&seat.key, &shared.policy, seat.ticket);
         State::Looking {
             look: Box::pin(look),
+            sent,
             placed: self,
         }
     }
 
-    /// What it does once it learned where it stands (`stood`): its turn, moved up or not;
-    /// or it reserves again, when the key is paused past its turn, when the store lost its
-    /// reservation (a restart, a reset, an eviction: its old turn no longer counts), or when
-    /// the answer came later than its units may be used (a stalled store).
-    fn after_look(mut self, stood: Result<InLine, StoreError>) -> State<St> {
-        let now = Instant::now();
+    /// What it does once it learned where it stands (`stood`, asked at `sent`): wait on for
+    /// its turn, moved up or not; go, where the look took it out of the line and it can
+    /// leave within its margin of the turn; or reserve again, when the key is paused past its
+    /// turn, when the store lost its reservation (a restart, a reset, an eviction: its old
+    /// turn no longer counts), or when it cannot know that it would leave in time (a slow or
+    /// stalled store, a round trip longer than the margin).
+    fn after_look(mut self, stood: Result<InLine, StoreError>, sent: Instant) -> State<St> {
+        let Some(seat) = self.seat.as_ref() else {
+            return State::Done(None);
+        };
+        let shared = Arc::clone(&seat.shared);
+        let late = seat.ticket.late;
+        let now = shared.clock.now();
+        let heard = Heard {
+            sent,
+            received: now,
+        };
+        shared.reach.round_trip_took(heard.round_trip(), now);
+        let rate = shared.reach.rate();
+        // The latest it may leave, its turn being at the earliest `earliest`.
+        let until = |earliest: Instant| earliest + late.mul_f64(rate * (1.0 - RATE_TOLERANCE));
         let stood = match stood {
             Ok(stood) => stood,
-            // The store could not say: the turn it had holds, while its units may be used.
-            Err(_) if self.too_late(now) => return self.again(None),
+            // The store could not say: the turn it had holds, while it may still leave.
+            Err(_) if now > until(self.turn.0) => return self.again(None),
             // It goes at its turn: the look that would have taken it out of the line is sent
             // again, on a task of its own.
-            Err(_) if now >= self.turn_at => {
-                if let Some(seat) = self.seat.as_ref() {
-                    seat.used();
-                }
-                return State::Done(Some(Ok(self)));
+            Err(_) if now >= self.turn.1 => {
+                seat.used();
+                self.in_line = false;
+                let until = until(self.turn.0);
+                return State::Done(Some(Ok(Turn::new(self, until))));
             }
-            Err(_) => return self.at_turn(now),
+            Err(_) => return self.wait(),
         };
         let paused = !stood.paused.is_zero() && stood.turn.is_none_or(|t| t < stood.paused);
         if paused {
             return self.again(Some(stood.paused));
         }
-        match stood.turn {
-            None => self.again(None),
-            Some(turn) if turn.is_zero() && self.too_late(now) => self.again(None),
-            // The store's turn holds: earlier where the line moved it up, and a little later
-            // where this instance's clock runs ahead of the store's (it looks again then, and
-            // the look that finds its turn come takes it out of the line).
-            Some(turn) => {
-                self.turn_at = now + turn;
-                self.at_turn(now)
+        let Some(ahead) = stood.turn else {
+            self.in_line = false;
+            return self.again(None);
+        };
+        let past = stood.past;
+        if ahead > late {
+            // Not its turn yet: it learned where its turn is (earlier, where the line moved it
+            // up; then the reservation's answer no longer tells the rate).
+            let turn = seat.bracket(heard, ahead);
+            if turn.1 < self.turn.0 {
+                self.reserved = None;
             }
+            self.turn = turn;
+            return self.wait();
         }
+        // The look took it out of the line: it goes if it can leave within its margin of the
+        // turn, wherever in the look's round trip the store answered.
+        self.in_line = false;
+        let store_ran = |(reserved, d): (Heard, Duration)| {
+            let store = (d + past).checked_sub(ahead)?;
+            let local = (
+                sent.saturating_duration_since(reserved.received),
+                now.saturating_duration_since(reserved.sent),
+            );
+            Some((local, store))
+        };
+        if let Some((local, store)) = self.reserved.and_then(store_ran) {
+            shared.reach.rate_seen(local, store);
+        }
+        let rate = shared.reach.rate();
+        let (slow, fast) = (rate * (1.0 - RATE_TOLERANCE), rate * (1.0 + RATE_TOLERANCE));
+        let (leave, earliest) = match ahead.is_zero() {
+            false => (now + ahead.mul_f64(fast), sent + ahead.mul_f64(slow)),
+            true => (now, sent.checked_sub(past.mul_f64(fast)).unwrap_or(sent)),
+        };
+        let until = until(earliest);
+        if leave <= until {
+            let sleep = Box::pin(shared.clock.sleep_until(leave));
+            let turn = Some(Turn::new(self, until));
+            return State::Going { sleep, turn };
+        }
+        tracing::debug!(
+            target: "tower_redis_ratelimit",
+            round_trip = ?heard.round_trip(),
+            ?past,
+            "an outbound call cannot know it would leave within its margin: it reserves again",
+        );
+        if let Some(round_trip) = shared.reach.too_far(now) {
+            let max_margin = shared.reach.max_margin();
+            self.keep();
+            return State::Done(Some(Err(OutboundError::TooFar {
+                round_trip,
+                max_margin,
+            })));
+        }
+        self.again(None)
     }
 
-    /// Whether its units, due at its turn, may no longer be used at `now`: later than its
-    /// turn by more than its `late`.
-    pub(super) fn too_late(&self, now: Instant) -> bool {
-        let late = self.seat.as_ref().map_or(Duration::ZERO, |s| s.shared.late);
-        now > self.turn_at + late
-    }
-
-    /// Leaves the line and reserves again, with what is left of its wait; past it, too late
-    /// (`paused`: the key's pause, which its turn would have come after at the earliest).
+    /// Leaves the line (where it is still in it) and reserves again, with what is left of its
+    /// wait; past it, too late (`paused`: the key's pause, which its turn would have come
+    /// after at the earliest).
     fn again(mut self, paused: Option<Duration>) -> State<St> {
         let Some(seat) = self.seat.take() else {
             return State::Done(None);
         };
-        seat.leave();
+        if self.in_line {
+            seat.leave();
+        }
         match seat.again() {
             Some(again) => State::Reserving(Asked::new(again)),
             None => State::Done(Some(Err(OutboundError::TooLate { turn: paused }))),
-        }
-    }
-
-    /// Goes when its turn has come, else waits on.
-    fn at_turn(self, now: Instant) -> State<St> {
-        match now >= self.turn_at {
-            true => State::Done(Some(Ok(self))),
-            false => self.wait(),
         }
     }
 
@@ -370,7 +500,7 @@ impl<St: Store> Placed<St> {
 
 impl<St: Store> Drop for Placed<St> {
     fn drop(&mut self) {
-        if let Some(seat) = self.seat.take() {
+        if let Some(seat) = self.seat.take().filter(|_| self.in_line) {
             seat.leave();
         }
     }
@@ -387,6 +517,13 @@ pub(super) fn again<St: Store>(placed: Placed<St>) -> WaitTurn<St> {
 pub(super) fn widen<E>(error: OutboundError<Infallible>) -> OutboundError<E> {
     match error {
         OutboundError::TooLate { turn } => OutboundError::TooLate { turn },
+        OutboundError::TooFar {
+            round_trip,
+            max_margin,
+        } => OutboundError::TooFar {
+            round_trip,
+            max_margin,
+        },
         OutboundError::Key(error) => OutboundError::Key(error),
         OutboundError::Store(error) => OutboundError::Store(error),
         OutboundError::Inner(never) => match never {},

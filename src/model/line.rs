@@ -60,11 +60,11 @@ impl Line {
             .map(|&(at, _)| at)
     }
 
-    /// The turn of reservation `id`, while it is in line; one whose turn has come leaves the
-    /// line, used (its caller goes now).
-    pub(crate) fn look(&mut self, now: u64, id: u64) -> Option<u64> {
+    /// The turn of reservation `id`, while it is in line; one whose turn is at most `late`
+    /// ahead of `now` leaves the line, used (its caller sleeps the rest and goes).
+    pub(crate) fn look(&mut self, now: u64, id: u64, late: u64) -> Option<u64> {
         let at = self.turn(id)?;
-        if at <= now {
+        if at <= now.saturating_add(late) {
             self.turns.remove(&(at, id));
         }
         Some(at)
@@ -203,9 +203,9 @@ mod tests {
     #[test]
     fn a_reservation_whose_turn_has_come_leaves_the_line_when_it_looks() {
         let mut line = line(&[(100, 1), (200, 2)]);
-        assert_eq!(line.look(50, 1), Some(100));
-        assert_eq!(line.look(100, 1), Some(100));
-        assert_eq!(line.look(100, 1), None);
+        assert_eq!(line.look(50, 1, 0), Some(100));
+        assert_eq!(line.look(100, 1, 0), Some(100));
+        assert_eq!(line.look(100, 1, 0), None);
         // Used, it moves nobody up when it leaves.
         assert_eq!(line.leave(100, 1), None);
         assert_eq!(line.turn(2), Some(200));

@@ -21,6 +21,9 @@ pub trait Reserve {
     /// answer.
     type LineFuture: Future<Output = Result<InLine, StoreError>> + Send + 'static;
 
+    /// What [`look_many`](Reserve::look_many) answers.
+    type LinesFuture: Future<Output = Result<Vec<InLine>, StoreError>> + Send + 'static;
+
     /// Reserves `ticket.cost` units of `key` under `policy` for the earliest time they fit
     /// every limit after every reservation made before, and after the key's pause, if that is
     /// at most `ticket.max_wait` away: an admitted decision whose
@@ -44,9 +47,17 @@ pub trait Reserve {
         Self: Store;
 
     /// Where reservation `ticket.id` stands: its turn, moved up where reservations ahead of
-    /// it left the line, and the key's pause. A reservation whose turn has come leaves the
-    /// line, used: its caller looks once at its turn, and goes.
+    /// it left the line, how far past it the store's now is, and the key's pause. A
+    /// reservation whose turn is at most [`ticket.late`](Ticket::late) ahead of the store's
+    /// now leaves the line, used: its caller sleeps the rest and goes, with no second look
+    /// (nobody moves into its place, and it moves no more).
     fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture;
+
+    /// Where each of `tickets` stands, in their order, in one store call (one script call on
+    /// Redis), with the key's pause: a looker's periodic look for many waiters of one key.
+    /// Takes nothing out of the line: each caller still looks at its turn
+    /// ([`look`](Reserve::look)).
+    fn look_many(&self, key: &Key, policy: &Policy, tickets: Vec<Ticket>) -> Self::LinesFuture;
 
     /// Takes reservation `ticket.id` out of the line: each later reservation of the same cost
     /// moves up into the place the one before it left, and the units of the place left at the
@@ -104,14 +115,32 @@ impl Ticket {
     }
 }
 
-/// Where a reservation stands in its key's line ([`Reserve::look`]).
+/// Where a reservation stands in its key's line ([`Reserve::look`]), as durations from the
+/// store's now (so that a caller brackets them by its own send and receive instants, without
+/// reading the store's clock).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InLine {
-    /// How long from now its turn comes (zero once it has come); `None` when it is not in
-    /// line (it left, was never made, or a reset or restart lost it).
+    /// How long from the store's now its turn is still ahead (zero once it has come); `None`
+    /// when it is not in line (it left, was taken out used, was never made, or a reset or
+    /// restart lost it).
     pub turn: Option<Duration>,
-    /// How long from now the key's pause lasts (zero: none).
+    /// How far past its turn the store's now is (zero while the turn is ahead, and when it is
+    /// not in line).
+    pub past: Duration,
+    /// How long from the store's now the key's pause lasts (zero: none).
     pub paused: Duration,
+}
+
+impl InLine {
+    /// Where a reservation whose turn is at `at` stands at `now` (µs on the store's clock),
+    /// under a pause until `pause`; `at` `None`: not in line.
+    pub(crate) fn at(now: u64, at: Option<u64>, pause: u64) -> InLine {
+        InLine {
+            turn: at.map(|at| Duration::from_micros(at.saturating_sub(now))),
+            past: Duration::from_micros(at.map_or(0, |at| now.saturating_sub(at))),
+            paused: Duration::from_micros(pause.saturating_sub(now)),
+        }
+    }
 }
 
 /// Whether `ticket` is in the stores' range for `policy`: its `late` and `notice` at most

@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod conformance;
+pub mod delay;
 pub mod http;
 pub mod load;
 #[cfg(feature = "metrics")]

@@ -17,6 +17,7 @@ use crate::{Key, Policy};
 /// with it.
 impl Reserve for MemoryStore {
     type LineFuture = Ready<Result<InLine, StoreError>>;
+    type LinesFuture = Ready<Result<Vec<InLine>, StoreError>>;
 
     fn reserve(&self, key: &Key, policy: &Policy, ticket: Ticket) -> <Self as Store>::Future {
         let supported = crate::store::in_range(policy).and_then(|()| reservable(policy));
@@ -37,9 +38,28 @@ impl Reserve for MemoryStore {
     }
 
     fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
+        let late = micros(ticket.late);
         ready(Ok(self.in_line(key, policy, |state, now| {
-            state.line.look(now, ticket.id)
+            state.line.look(now, ticket.id, late)
         })))
+    }
+
+    fn look_many(&self, key: &Key, policy: &Policy, tickets: Vec<Ticket>) -> Self::LinesFuture {
+        let now = self.now();
+        let mut shard = self.shared.entries.lock(key, policy.state_id());
+        let Some(entry) = shard
+            .get(key, policy.state_id(), now)
+            .filter(|e| e.is_live(now))
+        else {
+            return ready(Ok(vec![InLine::at(now, None, 0); tickets.len()]));
+        };
+        let line = &entry.value.line;
+        let pause = line.paused_until();
+        let stood = tickets
+            .iter()
+            .map(|ticket| InLine::at(now, line.turn(ticket.id), pause))
+            .collect();
+        ready(Ok(stood))
     }
 
     /// The place left at the end is refunded under the counts in force for the key, only
@@ -77,10 +97,7 @@ impl Reserve for MemoryStore {
                 until
             }
         };
-        ready(Ok(InLine {
-            turn: None,
-            paused: Duration::from_micros(paused.saturating_sub(now)),
-        }))
+        ready(Ok(InLine::at(now, None, paused)))
     }
 }
 
@@ -99,16 +116,10 @@ impl MemoryStore {
             .get(key, policy.state_id(), now)
             .filter(|e| e.is_live(now))
         else {
-            return InLine {
-                turn: None,
-                paused: Duration::ZERO,
-            };
+            return InLine::at(now, None, 0);
         };
         let state = &mut entry.value;
         let turn = f(state, now);
-        InLine {
-            turn: turn.map(|at| Duration::from_micros(at.saturating_sub(now))),
-            paused: Duration::from_micros(state.line.paused_until().saturating_sub(now)),
-        }
+        InLine::at(now, turn, state.line.paused_until())
     }
 }

@@ -19,6 +19,7 @@ const PATIENCE: Duration = Duration::from_secs(3);
 
 impl Reserve for RedisStore {
     type LineFuture = BoxFuture<InLine>;
+    type LinesFuture = BoxFuture<Vec<InLine>>;
 
     /// Decided in Redis, never from a lease; on a leasing store against the same headroom as
     /// its decisions (the sliding log's longer window), so that leased units spent late and
@@ -56,16 +57,35 @@ impl Reserve for RedisStore {
     }
 
     fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
-        let args = [member(ticket), String::new()];
+        let args = vec![member(ticket), micros(ticket.late).to_string()];
         let op = line(&self.inner, self.redis_key(key, policy), "look", args);
         Box::pin(async move { Ok(op.await?.0) })
+    }
+
+    fn look_many(&self, key: &Key, policy: &Policy, tickets: Vec<Ticket>) -> Self::LinesFuture {
+        let args = tickets.iter().map(|&t| member(t)).collect();
+        let call = lines(&self.inner, self.redis_key(key, policy), "many", args);
+        let count = tickets.len();
+        Box::pin(async move {
+            let reply = call.await?;
+            let Some((&paused, stood)) = reply.split_first() else {
+                return Err(StoreError::Unavailable);
+            };
+            if stood.len() != 2 * count {
+                return Err(StoreError::Unavailable);
+            }
+            Ok(stood
+                .chunks(2)
+                .map(|pair| in_line(pair[0], pair[1], paused))
+                .collect())
+        })
     }
 
     /// The place left at the end is given back by the policy's script (a refund at its
     /// time, of its cost), right after: a reservation made in between queues behind units
     /// that are about to be freed, and is none the worse.
     fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
-        let args = [member(ticket), String::new()];
+        let args = vec![member(ticket)];
         let op = line(&self.inner, self.redis_key(key, policy), "leave", args);
         let inner = Arc::clone(&self.inner);
         let place = inner.place(key, policy);
@@ -89,7 +109,7 @@ impl Reserve for RedisStore {
     }
 
     fn pause(&self, key: &Key, policy: &Policy, pause: Duration) -> Self::LineFuture {
-        let args = [micros(pause).to_string(), String::new()];
+        let args = vec![micros(pause).to_string()];
         let op = line(&self.inner, self.redis_key(key, policy), "pause", args);
         Box::pin(async move { Ok(op.await?.0) })
     }
@@ -107,25 +127,45 @@ fn line(
     inner: &Arc<Inner>,
     redis_key: String,
     op: &'static str,
-    [arg, more]: [String; 2],
+    args: Vec<String>,
 ) -> BoxFuture<(InLine, Option<(i64, bool)>)> {
-    let inner = Arc::clone(inner);
+    let call = lines(inner, redis_key, op, args);
     Box::pin(async move {
-        let lane = inner.lane_of(&redis_key);
-        let call = inner
-            .batcher
-            .line(redis_key, [op.to_owned(), arg, more], PATIENCE);
-        let reply = inner.guarded(lane, call).await?;
-        let [turn, paused, free, last] = reply[..] else {
+        let reply = call.await?;
+        let [turn, past, paused, free, last] = reply[..] else {
             return Err(StoreError::Unavailable);
         };
-        let turn = u64::try_from(turn).ok().map(Duration::from_micros);
-        let paused = Duration::from_micros(u64::try_from(paused).unwrap_or(0));
         Ok((
-            InLine { turn, paused },
+            in_line(turn, past, paused),
             (free >= 0).then_some((free, last == 1)),
         ))
     })
+}
+
+/// One call of `line.lua` on the line of `redis_key`, behind the key's breaker: its reply.
+fn lines(
+    inner: &Arc<Inner>,
+    redis_key: String,
+    op: &'static str,
+    args: Vec<String>,
+) -> BoxFuture<Vec<i64>> {
+    let inner = Arc::clone(inner);
+    Box::pin(async move {
+        let lane = inner.lane_of(&redis_key);
+        let argv = std::iter::once(op.to_owned()).chain(args).collect();
+        let call = inner.batcher.line(redis_key, argv, PATIENCE);
+        inner.guarded(lane, call).await
+    })
+}
+
+/// Where a reservation stands, from a reply's turn (µs; -1: not in line), past and pause.
+fn in_line(turn: i64, past: i64, paused: i64) -> InLine {
+    let us = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
+    InLine {
+        turn: u64::try_from(turn).ok().map(Duration::from_micros),
+        past: us(past),
+        paused: us(paused),
+    }
 }
 
 fn micros(d: Duration) -> u64 {

@@ -165,11 +165,11 @@ impl Batcher {
     }
 
     /// Runs `scripts/line.lua` for the line of reservations of `key` (`args`: the operation
-    /// and its argument), waiting for the reply up to `patience`.
+    /// and its arguments), waiting for the reply up to `patience`.
     pub(crate) async fn line(
         &self,
         key: String,
-        args: [String; 3],
+        args: Vec<String>,
         patience: Duration,
     ) -> Result<Vec<i64>, Error> {
         let argv = args.into_iter().map(Value::from).collect();

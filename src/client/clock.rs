@@ -1,0 +1,204 @@
+//! The instance's clock as the layer reads it, and what the layer learns of the store's
+//! distance from its calls: the round trip and the rate between the two clocks (never an
+//! offset to the store's time: the scripts answer durations from the store's now, and a call
+//! brackets each answer by its own send and receive instants).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::{Instant, Sleep};
+
+/// The instance's clock: tokio's, or (for tests) one that runs at a rate of its own.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Clock {
+    /// Its seconds per real second (1: tokio's clock).
+    rate: f64,
+    origin: Instant,
+}
+
+impl Clock {
+    /// Tokio's clock.
+    pub(super) fn real() -> Clock {
+        Clock {
+            rate: 1.0,
+            origin: Instant::now(),
+        }
+    }
+
+    /// A clock whose `now` and sleeps run at `rate` of tokio's (0.5: half as fast).
+    #[cfg(feature = "test-util")]
+    pub(super) fn scaled(rate: f64) -> Clock {
+        Clock {
+            rate,
+            origin: Instant::now(),
+        }
+    }
+
+    pub(super) fn now(&self) -> Instant {
+        let now = Instant::now();
+        match self.rate == 1.0 {
+            true => now,
+            false => self.origin + (now - self.origin).mul_f64(self.rate),
+        }
+    }
+
+    /// Sleeps until `at` on this clock.
+    pub(super) fn sleep_until(&self, at: Instant) -> Sleep {
+        match self.rate == 1.0 {
+            true => tokio::time::sleep_until(at),
+            false => {
+                let after = at.saturating_duration_since(self.origin);
+                tokio::time::sleep_until(self.origin + after.div_f64(self.rate))
+            }
+        }
+    }
+}
+
+/// How far the store is, as the layer's calls measured it: the round trip, the rate of the
+/// instance's clock to the store's, and the margin the layer uses (the configured one, widened
+/// where the round trip needs more, up to `max_margin`).
+#[derive(Debug)]
+pub(super) struct Reach {
+    /// The policy's name, for the metrics.
+    policy: String,
+    margin: Duration,
+    max_margin: Duration,
+    learned: Mutex<Learned>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Learned {
+    /// The round trip: rises at once to a longer one, falls slowly.
+    round_trip: Option<Duration>,
+    /// When the round trip was last measured.
+    at: Option<Instant>,
+    /// The instance's seconds per store second.
+    rate: f64,
+    /// The margin in use.
+    margin: Duration,
+}
+
+/// How closely the rate between the instance's clock and the store's is known over a call's
+/// last steps (those after its look at the turn, at most a margin and a round trip long).
+pub(super) const RATE_TOLERANCE: f64 = 0.02;
+
+/// How much margin a round trip needs: the look at the turn answers from some instant of its
+/// round trip, and is aimed to reach the store half a round trip before the turn's earliest.
+pub(super) fn needed(round_trip: Duration) -> Duration {
+    round_trip.mul_f64(1.5) + Duration::from_millis(2)
+}
+
+impl Reach {
+    pub(super) fn new(policy: &str, margin: Duration, max_margin: Duration) -> Reach {
+        Reach {
+            policy: policy.to_owned(),
+            margin,
+            max_margin,
+            learned: Mutex::new(Learned {
+                round_trip: None,
+                at: None,
+                rate: 1.0,
+                margin,
+            }),
+        }
+    }
+
+    fn learned(&self) -> Learned {
+        *self.learned.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The margin in use: the configured one, or wider where the round trip needs it.
+    pub(super) fn margin(&self) -> Duration {
+        self.learned().margin
+    }
+
+    /// The round trip, as measured (zero before any).
+    pub(super) fn round_trip(&self) -> Duration {
+        self.learned().round_trip.unwrap_or_default()
+    }
+
+    /// The instance's seconds per store second.
+    pub(super) fn rate(&self) -> f64 {
+        self.learned().rate
+    }
+
+    /// The widest margin the layer may use.
+    pub(super) fn max_margin(&self) -> Duration {
+        self.max_margin
+    }
+
+    /// The round trip that no margin up to `max_margin` covers, where one was measured within
+    /// the last second (a call then fails at once rather than reserving a turn it cannot
+    /// keep).
+    pub(super) fn too_far(&self, now: Instant) -> Option<Duration> {
+        let learned = self.learned();
+        let recent = learned.at.is_some_and(|at| now - at < Duration::from_secs(1));
+        let round_trip = learned.round_trip?;
+        (recent && needed(round_trip) > self.max_margin).then_some(round_trip)
+    }
+
+    /// A call's round trip to the store, measured at `now`: the margin follows it.
+    pub(super) fn round_trip_took(&self, took: Duration, now: Instant) {
+        let mut learned = self.learned.lock().unwrap_or_else(|e| e.into_inner());
+        let round_trip = match learned.round_trip {
+            None => took,
+            Some(was) if took > was => took,
+            Some(was) => was.mul_f64(0.9) + took.mul_f64(0.1),
+        };
+        learned.round_trip = Some(round_trip);
+        learned.at = Some(now);
+        let margin = needed(round_trip).clamp(self.margin, self.max_margin);
+        let was = learned.margin;
+        // Widened at once; narrowed back by a tenth or more at a time, so that it settles.
+        let moved = margin > was || margin.mul_f64(1.1) < was;
+        if moved {
+            learned.margin = margin;
+        }
+        drop(learned);
+        if moved {
+            note_margin(&self.policy, margin, self.margin, round_trip);
+        }
+    }
+
+    /// What one call learned of the rate: the store's clock ran `store` between two of its
+    /// answers, while the instance's ran between `local.0` and `local.1`.
+    pub(super) fn rate_seen(&self, local: (Duration, Duration), store: Duration) {
+        // Only spans long enough for the brackets to say it within a few percent.
+        let spread = local.1.saturating_sub(local.0);
+        if store < Duration::from_millis(100) || spread.as_secs_f64() > store.as_secs_f64() / 20.0
+        {
+            return;
+        }
+        let seen = (local.0 + local.1).as_secs_f64() / 2.0 / store.as_secs_f64();
+        let seen = seen.clamp(0.05, 20.0);
+        let mut learned = self.learned.lock().unwrap_or_else(|e| e.into_inner());
+        learned.rate = learned.rate * 0.5 + seen * 0.5;
+    }
+}
+
+/// Says that the layer's margin moved: through `tracing`, and a gauge under `metrics`.
+fn note_margin(policy: &str, margin: Duration, configured: Duration, round_trip: Duration) {
+    if margin > configured {
+        tracing::info!(
+            target: "tower_redis_ratelimit",
+            policy,
+            ?margin,
+            ?configured,
+            ?round_trip,
+            "outbound margin widened for the store's round trip",
+        );
+    } else {
+        tracing::info!(
+            target: "tower_redis_ratelimit",
+            ?margin,
+            ?round_trip,
+            policy,
+            "outbound margin back to the configured one",
+        );
+    }
+    #[cfg(feature = "metrics")]
+    ::metrics::gauge!("ratelimit_outbound_margin_seconds", "policy" => policy.to_owned())
+        .set(margin.as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = policy;
+}
