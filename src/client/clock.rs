@@ -132,7 +132,9 @@ impl Reach {
     /// keep).
     pub(super) fn too_far(&self, now: Instant) -> Option<Duration> {
         let learned = self.learned();
-        let recent = learned.at.is_some_and(|at| now - at < Duration::from_secs(1));
+        let recent = learned
+            .at
+            .is_some_and(|at| now - at < Duration::from_secs(1));
         let round_trip = learned.round_trip?;
         (recent && needed(round_trip) > self.max_margin).then_some(round_trip)
     }
@@ -165,8 +167,7 @@ impl Reach {
     pub(super) fn rate_seen(&self, local: (Duration, Duration), store: Duration) {
         // Only spans long enough for the brackets to say it within a few percent.
         let spread = local.1.saturating_sub(local.0);
-        if store < Duration::from_millis(100) || spread.as_secs_f64() > store.as_secs_f64() / 20.0
-        {
+        if store < Duration::from_millis(100) || spread.as_secs_f64() > store.as_secs_f64() / 20.0 {
             return;
         }
         let seen = (local.0 + local.1).as_secs_f64() / 2.0 / store.as_secs_f64();

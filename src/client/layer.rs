@@ -188,7 +188,9 @@ impl<K, St> OutboundLayerBuilder<K, St> {
         };
         let why = match (self.recheck, self.margin) {
             (recheck, _) if recheck.is_zero() => Some("its recheck must be longer than zero"),
-            (_, margin) if max_margin < margin => Some("its max_margin must be at least its margin"),
+            (_, margin) if max_margin < margin => {
+                Some("its max_margin must be at least its margin")
+            }
             (recheck, _) if recheck.saturating_add(max_margin) > MAX_LATE => {
                 Some("its recheck and max_margin together are at most an hour")
             }

@@ -57,9 +57,11 @@ type KeyOf = dyn Fn(&Request) -> Option<Key> + Send + Sync;
 /// # );
 /// // What a call that did not go out failed with:
 /// if let reqwest_middleware::Error::Middleware(error) = &failed {
-///     if let Some(OutboundError::TooLate { turn }) = error.downcast_ref::<OutboundError<Infallible>>() {
+///     let outbound = error.downcast_ref::<OutboundError<Infallible>>();
+///     if let Some(OutboundError::TooLate { turn }) = outbound {
 ///         println!("its turn would have come in {turn:?}");
 ///     }
+///     println!("{error:#}"); // the error and its causes
 /// }
 /// # drop(client);
 /// # Ok(())

@@ -214,7 +214,11 @@ impl<St: Store> Seat<St> {
 
     /// The same wait, reserving again with what is left of it; `None` when nothing is left.
     fn again(&self) -> Option<Seat<St>> {
-        let waited = self.shared.clock.now().saturating_duration_since(self.started);
+        let waited = self
+            .shared
+            .clock
+            .now()
+            .saturating_duration_since(self.started);
         let left = self.shared.max_wait.checked_sub(waited)?;
         Some(Seat {
             ticket: Ticket {
@@ -260,7 +264,10 @@ impl<St: Store> Asked<St> {
         }
     }
 
-    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Placed<St>, OutboundError<Infallible>>> {
+    fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Placed<St>, OutboundError<Infallible>>> {
         let Some(future) = self.future.as_mut() else {
             return Poll::Pending;
         };
@@ -286,7 +293,9 @@ impl<St: Store> Asked<St> {
             sent: self.sent,
             received: seat.shared.clock.now(),
         };
-        seat.shared.reach.round_trip_took(heard.round_trip(), heard.received);
+        seat.shared
+            .reach
+            .round_trip_took(heard.round_trip(), heard.received);
         let d = decision.turn();
         Poll::Ready(Ok(Placed {
             turn: seat.bracket(heard, d),

@@ -227,3 +227,49 @@ async fn a_wait_dropped_before_its_turn_moves_the_next_waiter_up() {
     assert!(third >= Duration::from_secs(1), "{third:?}");
     assert!(third < Duration::from_millis(1500), "{third:?}");
 }
+
+/// A key per request, here the account its query names: two accounts each have a turn at once
+/// under `1/1s`, a second request of one account within the second fails at once (its turn is
+/// past `max_wait`), and a request without a key fails with `OutboundError::Key`. Neither
+/// failure reaches the stand-in; both are the middleware's error in reqwest-middleware's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_key_comes_from_the_request_and_failures_do_not_go_out() {
+    use std::convert::Infallible;
+    use tower_redis_ratelimit::client::OutboundError;
+    use tower_redis_ratelimit::KeyError;
+
+    let (addr, arrivals) = stand_in(None).await;
+    let layer = OutboundLayer::builder()
+        .policy("1/1s".parse::<Policy>().unwrap())
+        .max_wait(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let by_account = layer
+        .middleware()
+        .key(|request: &reqwest::Request| request.url().query().map(str::to_owned));
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = reqwest_middleware::ClientBuilder::new(http)
+        .with(by_account)
+        .build();
+    let outbound = |error: reqwest_middleware::Error| match error {
+        reqwest_middleware::Error::Middleware(error) => {
+            format!(
+                "{:?}",
+                error.downcast::<OutboundError<Infallible>>().unwrap()
+            )
+        }
+        other => panic!("not the middleware's: {other}"),
+    };
+    for account in ["a", "b"] {
+        let url = format!("http://{addr}/?{account}");
+        let response = client.get(url).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    let again = client.get(format!("http://{addr}/?a")).send().await;
+    let too_late = outbound(again.unwrap_err());
+    assert!(too_late.starts_with("TooLate { turn: Some("), "{too_late}");
+    let no_key = client.get(format!("http://{addr}/")).send().await;
+    let expected = format!("{:?}", OutboundError::<Infallible>::Key(KeyError::NotFound));
+    assert_eq!(outbound(no_key.unwrap_err()), expected);
+    assert_eq!(arrivals.lock().unwrap().len(), 2);
+}

@@ -61,7 +61,10 @@ async fn pipe(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, delay: Duration) 
     });
     let mut buffer = vec![0; 64 * 1024];
     while let Ok(n @ 1..) = from.read(&mut buffer).await {
-        if send.send((Instant::now() + delay, buffer[..n].to_vec())).is_err() {
+        if send
+            .send((Instant::now() + delay, buffer[..n].to_vec()))
+            .is_err()
+        {
             break;
         }
     }
