@@ -68,8 +68,12 @@ pub(super) struct Reach {
 
 #[derive(Debug, Clone, Copy)]
 struct Learned {
-    /// The round trip: rises at once to a longer one, falls slowly.
+    /// The round trip of looks (a moving average: one look held up behind a burst of
+    /// reservations moves it little), and its average deviation.
     round_trip: Option<Duration>,
+    deviation: Duration,
+    /// The margin last said (through `tracing`).
+    said: Duration,
     /// When the round trip was last measured.
     at: Option<Instant>,
     /// The instance's seconds per store second.
@@ -82,10 +86,13 @@ struct Learned {
 /// last steps (those after its look at the turn, at most a margin and a round trip long).
 pub(super) const RATE_TOLERANCE: f64 = 0.02;
 
-/// How much margin a round trip needs: the look at the turn answers from some instant of its
-/// round trip, and is aimed to reach the store half a round trip before the turn's earliest.
-pub(super) fn needed(round_trip: Duration) -> Duration {
-    round_trip.mul_f64(1.5) + Duration::from_millis(2)
+/// How much margin looks of round trip `round_trip` (a moving average, deviating by
+/// `deviation` on average) need: a look at the turn answers from some instant of its round
+/// trip, so a call goes only where the round trip fits its margin; the margin covers the
+/// average and four average deviations (as TCP's retransmission timer does), and at least a
+/// quarter more than the average.
+pub(super) fn needed(round_trip: Duration, deviation: Duration) -> Duration {
+    (round_trip + deviation * 4).max(round_trip.mul_f64(1.25))
 }
 
 impl Reach {
@@ -96,6 +103,8 @@ impl Reach {
             max_margin,
             learned: Mutex::new(Learned {
                 round_trip: None,
+                deviation: Duration::ZERO,
+                said: margin,
                 at: None,
                 rate: 1.0,
                 margin,
@@ -127,8 +136,8 @@ impl Reach {
         self.max_margin
     }
 
-    /// The round trip that no margin up to `max_margin` covers, where one was measured within
-    /// the last second (a call then fails at once rather than reserving a turn it cannot
+    /// The round trip that no margin up to `max_margin` covers (with a quarter to spare for
+    /// its variation), where one was measured within the last second (a call then fails at once rather than reserving a turn it cannot
     /// keep).
     pub(super) fn too_far(&self, now: Instant) -> Option<Duration> {
         let learned = self.learned();
@@ -136,28 +145,33 @@ impl Reach {
             .at
             .is_some_and(|at| now - at < Duration::from_secs(1));
         let round_trip = learned.round_trip?;
-        (recent && needed(round_trip) > self.max_margin).then_some(round_trip)
+        (recent && round_trip.mul_f64(1.25) > self.max_margin).then_some(round_trip)
     }
 
-    /// A call's round trip to the store, measured at `now`: the margin follows it.
+    /// A look's round trip to the store, measured at `now`: the margin follows it.
     pub(super) fn round_trip_took(&self, took: Duration, now: Instant) {
         let mut learned = self.learned.lock().unwrap_or_else(|e| e.into_inner());
-        let round_trip = match learned.round_trip {
-            None => took,
-            Some(was) if took > was => took,
-            Some(was) => was.mul_f64(0.9) + took.mul_f64(0.1),
+        let (round_trip, deviation) = match learned.round_trip {
+            None => (took, Duration::ZERO),
+            Some(was) => (
+                was.mul_f64(0.875) + took.mul_f64(0.125),
+                learned.deviation.mul_f64(0.75) + was.abs_diff(took).mul_f64(0.25),
+            ),
         };
         learned.round_trip = Some(round_trip);
+        learned.deviation = deviation;
         learned.at = Some(now);
-        let margin = needed(round_trip).clamp(self.margin, self.max_margin);
-        let was = learned.margin;
-        // Widened at once; narrowed back by a tenth or more at a time, so that it settles.
-        let moved = margin > was || margin.mul_f64(1.1) < was;
-        if moved {
-            learned.margin = margin;
+        learned.margin = needed(round_trip, deviation).clamp(self.margin, self.max_margin);
+        // Said when it moved by a quarter or more since it was last said, or came back to the
+        // configured one.
+        let margin = learned.margin;
+        let back = margin == self.margin && learned.said != margin;
+        let say = back || margin.abs_diff(learned.said) > learned.said / 4;
+        if say {
+            learned.said = margin;
         }
         drop(learned);
-        if moved {
+        if say {
             note_margin(&self.policy, margin, self.margin, round_trip);
         }
     }

@@ -105,7 +105,7 @@ impl<St: Store> Future for WaitTurn<St> {
             let next = match std::mem::replace(state, State::Done(None)) {
                 State::Reserving(mut asked) => match asked.poll(cx) {
                     Poll::Pending => Err(State::Reserving(asked)),
-                    Poll::Ready(Ok(placed)) => Ok(placed.wait()),
+                    Poll::Ready(Ok(placed)) => Ok(placed.reserved()),
                     Poll::Ready(Err(error)) => Ok(State::Done(Some(Err(error)))),
                 },
                 State::Waiting {
@@ -293,9 +293,6 @@ impl<St: Store> Asked<St> {
             sent: self.sent,
             received: seat.shared.clock.now(),
         };
-        seat.shared
-            .reach
-            .round_trip_took(heard.round_trip(), heard.received);
         let d = decision.turn();
         Poll::Ready(Ok(Placed {
             turn: seat.bracket(heard, d),
@@ -346,6 +343,29 @@ pub(super) struct Placed<St: Store> {
 }
 
 impl<St: Store> Placed<St> {
+    /// What it does once reserved: a turn at most `late` ahead is as a look at the turn
+    /// would find it, so it goes as after that look (the look that takes it out of the line
+    /// is sent on a task of its own); a later one waits.
+    fn reserved(self) -> State<St> {
+        let (Some(seat), Some((heard, ahead))) = (self.seat.as_ref(), self.reserved) else {
+            return self.wait();
+        };
+        // Its round trip counts as a look's: the first tells the layer how far the store is
+        // before any look, and one whose answer is its look at the turn widens the margin, or
+        // fails the call, where it cannot go (rather than reserve again and again).
+        let reach = &seat.shared.reach;
+        reach.round_trip_took(heard.round_trip(), heard.received);
+        if ahead > seat.ticket.late {
+            return self.wait();
+        }
+        let stood = InLine {
+            turn: Some(ahead),
+            past: Duration::ZERO,
+            paused: Duration::ZERO,
+        };
+        self.at_turn(stood, heard)
+    }
+
     /// Sleeps until its look at its turn is due (aimed to reach the store a little before the
     /// turn's earliest), or its next look when that is sooner, or until woken.
     fn wait(self) -> State<St> {
@@ -354,7 +374,10 @@ impl<St: Store> Placed<St> {
         };
         let shared = &seat.shared;
         let now = shared.clock.now();
-        let aim = self.turn.0.checked_sub(shared.reach.round_trip() / 2);
+        // Aimed a round trip before the turn's earliest: it answers before the turn (ahead,
+        // where only the round trip must fit the margin) wherever in its round trip the
+        // store reads it; one that comes more than `late` early only narrows the bracket.
+        let aim = self.turn.0.checked_sub(shared.reach.round_trip());
         let aim = aim.unwrap_or(now);
         if aim <= now {
             return self.look();
@@ -434,31 +457,48 @@ impl<St: Store> Placed<St> {
             if turn.1 < self.turn.0 {
                 self.reserved = None;
             }
+            if let Some((local, store)) = self.reserved.and_then(|r| ran(r, (heard, ahead, past))) {
+                shared.reach.rate_seen(local, store);
+            }
             self.turn = turn;
             return self.wait();
         }
-        // The look took it out of the line: it goes if it can leave within its margin of the
-        // turn, wherever in the look's round trip the store answered.
+        // The look took it out of the line.
         self.in_line = false;
-        let store_ran = |(reserved, d): (Heard, Duration)| {
-            let store = (d + past).checked_sub(ahead)?;
-            let local = (
-                sent.saturating_duration_since(reserved.received),
-                now.saturating_duration_since(reserved.sent),
-            );
-            Some((local, store))
-        };
-        if let Some((local, store)) = self.reserved.and_then(store_ran) {
+        if let Some((local, store)) = self.reserved.and_then(|r| ran(r, (heard, ahead, past))) {
             shared.reach.rate_seen(local, store);
         }
+        self.at_turn(stood, heard)
+    }
+
+    /// At its turn (`stood`, as `heard`): it goes if it can leave within its margin of the
+    /// turn, wherever in the round trip the store answered (where its reservation's answer
+    /// was the look, still in line, the look that takes it out is sent on a task of its own);
+    /// else it reserves again, giving its place back where it is still in line (or fails,
+    /// where the store is too far for any margin up to `max_margin`).
+    fn at_turn(mut self, stood: InLine, heard: Heard) -> State<St> {
+        let Some(seat) = self.seat.as_ref() else {
+            return State::Done(None);
+        };
+        let shared = Arc::clone(&seat.shared);
+        let late = seat.ticket.late;
+        let (ahead, past) = (stood.turn.unwrap_or_default(), stood.past);
         let rate = shared.reach.rate();
         let (slow, fast) = (rate * (1.0 - RATE_TOLERANCE), rate * (1.0 + RATE_TOLERANCE));
+        let now = shared.clock.now().max(heard.received);
         let (leave, earliest) = match ahead.is_zero() {
-            false => (now + ahead.mul_f64(fast), sent + ahead.mul_f64(slow)),
-            true => (now, sent.checked_sub(past.mul_f64(fast)).unwrap_or(sent)),
+            false => (
+                heard.received + ahead.mul_f64(fast),
+                heard.sent + ahead.mul_f64(slow),
+            ),
+            true => (now, heard.sent.checked_sub(past.mul_f64(fast)).unwrap_or(heard.sent)),
         };
-        let until = until(earliest);
+        let until = earliest + late.mul_f64(slow);
         if leave <= until {
+            if self.in_line {
+                seat.used();
+                self.in_line = false;
+            }
             let sleep = Box::pin(shared.clock.sleep_until(leave));
             let turn = Some(Turn::new(self, until));
             return State::Going { sleep, turn };
@@ -466,6 +506,7 @@ impl<St: Store> Placed<St> {
         tracing::debug!(
             target: "tower_redis_ratelimit",
             round_trip = ?heard.round_trip(),
+            ?ahead,
             ?past,
             "an outbound call cannot know it would leave within its margin: it reserves again",
         );
@@ -513,6 +554,21 @@ impl<St: Store> Drop for Placed<St> {
             seat.leave();
         }
     }
+}
+
+/// How long the store's clock and the instance's ran between a reservation's answer (heard,
+/// and its turn `d` ahead) and a look's (heard, and its turn `ahead` or `past`), the turn
+/// unmoved: the store's exactly, the instance's between the two brackets' near and far ends.
+fn ran(
+    (reserved, d): (Heard, Duration),
+    (looked, ahead, past): (Heard, Duration, Duration),
+) -> Option<((Duration, Duration), Duration)> {
+    let store = (d + past).checked_sub(ahead)?;
+    let local = (
+        looked.sent.saturating_duration_since(reserved.received),
+        looked.received.saturating_duration_since(reserved.sent),
+    );
+    Some((local, store))
 }
 
 /// Waits again: the turn given back, a new reservation with what is left of the wait.

@@ -22,12 +22,17 @@ use tower_redis_ratelimit::{Algorithm, Policy, RedisStore};
 
 /// What the stand-in saw: when each request arrived, whether it was refused, and the number
 /// its caller gave it (`?n=`; 0 without).
-type Arrivals = Arc<Mutex<Vec<(Instant, bool, u64)>>>;
+pub(crate) type Arrivals = Arc<Mutex<Vec<(Instant, bool, u64)>>>;
 
 /// The stand-in: 10 per second over any second; beyond, 429 with `Retry-After: 1`. With
 /// `refuse`, the request that arrives `refuse`-th (from 1) is refused with `Retry-After: 2`,
 /// once, as an upstream that pushes back does.
 async fn stand_in(refuse: Option<usize>) -> (SocketAddr, Arrivals) {
+    stand_in_of(10, refuse).await
+}
+
+/// The stand-in, allowing `count` requests over any second.
+pub(crate) async fn stand_in_of(count: usize, refuse: Option<usize>) -> (SocketAddr, Arrivals) {
     let arrivals: Arrivals = Arc::default();
     let seen = arrivals.clone();
     let app = axum::Router::new().route(
@@ -41,7 +46,7 @@ async fn stand_in(refuse: Option<usize>) -> (SocketAddr, Arrivals) {
                 let mut seen = seen.lock().unwrap();
                 let served = seen.iter().filter(|&&(_, refused, _)| !refused);
                 let last_second = served.filter(|&&(t, _, _)| t + Duration::from_secs(1) > now);
-                if last_second.count() >= 10 {
+                if last_second.count() >= count {
                     seen.push((now, true, n));
                     return (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "1")]).into_response();
                 }
@@ -70,7 +75,7 @@ fn policy() -> Policy {
         .with_algorithm(Algorithm::SlidingLog)
 }
 
-type Http = Client<HttpConnector, Empty<Bytes>>;
+pub(crate) type Http = Client<HttpConnector, Empty<Bytes>>;
 
 /// A worker's client: a hyper client behind an outbound layer with a store of its own.
 async fn worker(server: &crate::support::RedisServer) -> Outbound<Http, Global, RedisStore> {
@@ -90,7 +95,7 @@ async fn call(client: Outbound<Http, Global, RedisStore>, addr: SocketAddr) -> b
 }
 
 /// One call to the stand-in, numbered `n`: whether it was refused.
-async fn numbered(
+pub(crate) async fn numbered(
     mut client: Outbound<Http, Global, RedisStore>,
     addr: SocketAddr,
     n: u64,
@@ -103,7 +108,7 @@ async fn numbered(
 }
 
 /// The most requests the stand-in served in any second (checked at every arrival).
-fn fullest(arrivals: &[(Instant, bool, u64)]) -> usize {
+pub(crate) fn fullest(arrivals: &[(Instant, bool, u64)]) -> usize {
     let served: Vec<Instant> = arrivals.iter().filter(|a| !a.1).map(|a| a.0).collect();
     let in_second = |t: Instant| {
         served

@@ -5,6 +5,7 @@
 mod support;
 
 mod calls;
+mod field;
 mod fleet;
 #[cfg(all(feature = "reqwest", feature = "redis"))]
 mod reqwest;

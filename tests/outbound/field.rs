@@ -1,0 +1,213 @@
+//! The outbound layer in the conditions of a deployment: each instance with a store of its
+//! own, Redis behind a proxy that delays what it forwards (`support::delay`), a runtime clock
+//! that runs slow, and a stand-in for the upstream that counts arrivals over a true sliding
+//! second (`fleet::stand_in_of`).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::StatusCode;
+use http_body_util::Empty;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::time::Instant;
+use tower::{Service, ServiceBuilder, ServiceExt};
+use tower_redis_ratelimit::client::{Outbound, OutboundError, OutboundLayer, OutboundLayerBuilder};
+use tower_redis_ratelimit::key::Global;
+use tower_redis_ratelimit::{Algorithm, Policy, RedisStore};
+
+use crate::fleet::{fullest, stand_in_of, Http};
+use crate::support::delay::Delay;
+use crate::support::RedisServer;
+
+/// `count` per second, on the sliding log.
+fn per_second(count: u32) -> Policy {
+    Policy::new("api", [format!("{count}/1s").parse().unwrap()])
+        .unwrap()
+        .with_algorithm(Algorithm::SlidingLog)
+}
+
+/// A worker's client: a hyper client behind an outbound layer of `policy` with a store of its
+/// own at `url`, configured further by `tune`.
+async fn worker(
+    url: &str,
+    policy: Policy,
+    tune: impl FnOnce(
+        OutboundLayerBuilder<Global, RedisStore>,
+    ) -> OutboundLayerBuilder<Global, RedisStore>,
+) -> Outbound<Http, Global, RedisStore> {
+    let store = RedisStore::connect(url).await.unwrap();
+    let builder = OutboundLayer::builder()
+        .policy(policy)
+        .store(store)
+        .max_wait(Duration::from_secs(30));
+    let layer = tune(builder).build().unwrap();
+    let http = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    ServiceBuilder::new().layer(layer).service(http)
+}
+
+use bytes::Bytes;
+
+/// How a call ended.
+#[derive(Debug, Default)]
+struct Tally {
+    served: usize,
+    refused: usize,
+    too_late: usize,
+    failed: usize,
+}
+
+/// Sends `calls` calls at once through each client, and tallies them; how long the last took.
+async fn send_all(
+    clients: &[Outbound<Http, Global, RedisStore>],
+    calls: usize,
+    addr: SocketAddr,
+) -> (Tally, Duration) {
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for client in clients {
+        for _ in 0..calls {
+            let mut client = client.clone();
+            tasks.push(tokio::spawn(async move {
+                let request = http::Request::get(format!("http://{addr}/"))
+                    .body(Empty::new())
+                    .unwrap();
+                let answer = client.ready().await.unwrap().call(request).await;
+                (answer.map(|r| r.status()), Instant::now())
+            }));
+        }
+    }
+    let mut tally = Tally::default();
+    let mut last = start;
+    for task in tasks {
+        let (answer, at) = task.await.unwrap();
+        last = last.max(at);
+        match answer {
+            Ok(StatusCode::OK) => tally.served += 1,
+            Ok(_) => tally.refused += 1,
+            Err(OutboundError::TooLate { .. }) => tally.too_late += 1,
+            Err(error) => {
+                eprintln!("a call failed: {error}");
+                tally.failed += 1;
+            }
+        }
+    }
+    (tally, last - start)
+}
+
+/// One of two instances hears Redis's replies 25 ms late (half the default margin): its calls
+/// still leave within the margin of their turns, so the upstream refuses none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replies_25ms_late_for_one_of_two_instances_keep_the_window() {
+    let server = RedisServer::start();
+    let delay = Delay::start(server.port(), Duration::ZERO, Duration::from_millis(25)).await;
+    let (addr, arrivals) = stand_in_of(20, None).await;
+    let near = worker(&server.url(), per_second(20), |b| b).await;
+    let far = worker(&delay.url(), per_second(20), |b| b).await;
+    let (tally, took) = send_all(&[near, far], 30, addr).await;
+    let arrivals = arrivals.lock().unwrap().clone();
+    let fullest = fullest(&arrivals);
+    eprintln!("{tally:?} in {took:?}; the fullest second held {fullest}");
+    assert_eq!(tally.refused, 0, "the stand-in refused calls: {tally:?}");
+    assert_eq!(tally.served, 60, "{tally:?}");
+    assert!(fullest <= 20, "{fullest} in one second");
+}
+
+/// Redis `round_trip` away (half each way), one instance, 40 calls at `10/1s`: all served,
+/// none refused, none `TooLate`, at a rate within 15 % of the ideal (the last call's turn at
+/// 3 s).
+async fn far_redis_serves_every_call_at_the_full_rate(round_trip: Duration) {
+    let server = RedisServer::start();
+    let delay = Delay::start(server.port(), round_trip / 2, round_trip / 2).await;
+    let (addr, arrivals) = stand_in_of(10, None).await;
+    let client = worker(&delay.url(), per_second(10), |b| b).await;
+    let (tally, took) = send_all(&[client], 40, addr).await;
+    let arrivals = arrivals.lock().unwrap().clone();
+    let fullest = fullest(&arrivals);
+    let first = arrivals.iter().map(|a| a.0).min().unwrap();
+    let last = arrivals.iter().map(|a| a.0).max().unwrap();
+    eprintln!(
+        "round trip {round_trip:?}: {tally:?}, the last answered {took:?} after the start, \
+         arrivals over {:?} (ideal 3 s); the fullest second held {fullest}",
+        last - first
+    );
+    assert_eq!(tally.served, 40, "{tally:?}");
+    assert!(fullest <= 10, "{fullest} in one second");
+    assert!(
+        last - first <= Duration::from_secs(3).mul_f64(1.15),
+        "{:?}",
+        last - first
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_40ms_away_serves_every_call_at_the_full_rate() {
+    far_redis_serves_every_call_at_the_full_rate(Duration::from_millis(40)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_60ms_away_serves_every_call_at_the_full_rate() {
+    far_redis_serves_every_call_at_the_full_rate(Duration::from_millis(60)).await;
+}
+
+/// A round trip longer than the widest margin allows fails at once, naming it, rather than
+/// reserving turns in a loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_trip_past_max_margin_fails_naming_it() {
+    let server = RedisServer::start();
+    let delay = Delay::start(
+        server.port(),
+        Duration::from_millis(50),
+        Duration::from_millis(50),
+    )
+    .await;
+    let (addr, _) = stand_in_of(10, None).await;
+    let tune =
+        |b: OutboundLayerBuilder<Global, RedisStore>| b.max_margin(Duration::from_millis(60));
+    let client = worker(&delay.url(), per_second(10), tune).await;
+    let start = Instant::now();
+    let (tally, _) = send_all(&[client], 3, addr).await;
+    eprintln!("{tally:?} after {:?}", start.elapsed());
+    assert_eq!(tally.failed, 3, "{tally:?}");
+    assert!(start.elapsed() < Duration::from_secs(2));
+}
+
+/// One of two instances runs on a clock at half speed: the rate between its clock and
+/// Redis's is learned from its calls' answers, and none of its calls is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_at_half_speed_keeps_the_window() {
+    let server = RedisServer::start();
+    let (addr, arrivals) = stand_in_of(20, None).await;
+    let normal = worker(&server.url(), per_second(20), |b| b).await;
+    let slow = worker(&server.url(), per_second(20), |b| b.clock_rate(0.5)).await;
+    let (tally, took) = send_all(&[normal, slow], 30, addr).await;
+    let arrivals = arrivals.lock().unwrap().clone();
+    let fullest = fullest(&arrivals);
+    eprintln!("{tally:?} in {took:?}; the fullest second held {fullest}");
+    assert_eq!(tally.refused, 0, "the stand-in refused calls: {tally:?}");
+    assert_eq!(tally.served, 60, "{tally:?}");
+    assert!(fullest <= 20, "{fullest} in one second");
+}
+
+/// Debug: where the time of one far call goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zz_probe() {
+    let _ = tracing_subscriber::fmt().with_max_level(tracing::Level::DEBUG).with_test_writer().try_init();
+    let server = RedisServer::start();
+    let delay = Delay::start(server.port(), Duration::from_millis(30), Duration::from_millis(30)).await;
+    let store = RedisStore::connect(&delay.url()).await.unwrap();
+    let policy = per_second(10);
+    let layer = OutboundLayer::builder().policy(policy).store(store).build().unwrap();
+    let turns = layer.turns();
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let turns = turns.clone();
+        tasks.push(tokio::spawn(async move {
+            let t = turns.wait(tower_redis_ratelimit::Key::from("k"), 1).await;
+            eprintln!("{i}: {:?} {:?}", t.as_ref().err(), start.elapsed());
+            if let Ok(t) = t { t.go() }
+        }));
+    }
+    for t in tasks { t.await.unwrap(); }
+}
