@@ -29,8 +29,7 @@
 //! reqwest-middleware `Middleware` ([`OutboundMiddleware`], from
 //! [`OutboundLayer::middleware`], feature `reqwest`); and work that is not an HTTP call waits
 //! with [`Turns`] (from [`OutboundLayer::turns`]): `turns.wait(key, cost).await?` is a
-//! [`Turn`], used by [`Turn::go`] and given back when dropped unused
-//! (`docs/outbound.md`, "Beyond hyper").
+//! [`Turn`], used by [`Turn::go`] (`docs/outbound.md`, "Beyond hyper").
 
 mod clock;
 mod error;
