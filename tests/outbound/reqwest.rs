@@ -10,7 +10,10 @@ use axum::response::IntoResponse;
 use http::StatusCode;
 use tokio::time::Instant;
 use tower_redis_ratelimit::client::{OutboundLayer, Turns};
-use tower_redis_ratelimit::{Algorithm, Key, MemoryStore, Policy};
+use tower_redis_ratelimit::{Algorithm, Key, MemoryStore, Policy, RedisStore};
+
+use crate::support::delay::Delay;
+use crate::support::RedisServer;
 
 /// When each request reached the stand-in, and whether it was refused.
 type Arrivals = Arc<Mutex<Vec<(Instant, bool)>>>;
@@ -65,14 +68,12 @@ fn ten_per_second() -> Policy {
         .with_algorithm(Algorithm::SlidingLog)
 }
 
-/// An instance's reqwest client: its own `RedisStore`, an outbound layer's turns as the
-/// middleware (one key for every request), no proxy (the stand-in is on loopback).
-async fn instance(
-    server: &crate::support::RedisServer,
-) -> reqwest_middleware::ClientWithMiddleware {
+/// An instance's reqwest client: its own `RedisStore` at `url`, an outbound layer's turns as
+/// the middleware (one key for every request), no proxy (the stand-in is on loopback).
+async fn instance(url: &str) -> reqwest_middleware::ClientWithMiddleware {
     let layer = OutboundLayer::builder()
         .policy(ten_per_second())
-        .store(server.store().await)
+        .store(RedisStore::connect(url).await.unwrap())
         .max_wait(Duration::from_secs(30))
         .build()
         .unwrap();
@@ -99,14 +100,16 @@ fn at_once(
         .collect()
 }
 
-/// Two instances, each with its own `RedisStore`, send 15 requests each at once, 30 for an API
-/// of 10 per second: every request waits for its turn rather than fail, none is refused,
-/// and the stand-in never holds more than 10 in a second.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reqwest_calls_wait_for_their_turns_and_none_is_refused() {
-    let server = crate::support::RedisServer::start();
-    let (addr, arrivals) = stand_in(None).await;
-    let (a, b) = (instance(&server).await, instance(&server).await);
+/// Sends 15 requests at once on each of `a` and `b`, 30 for a stand-in of 10 per second, and
+/// checks that every request waited for its turn rather than fail, that none was refused, and
+/// that the stand-in never held more than 10 in a second; how long they took.
+async fn thirty_at_once(
+    (a, b): (
+        reqwest_middleware::ClientWithMiddleware,
+        reqwest_middleware::ClientWithMiddleware,
+    ),
+    (addr, arrivals): (SocketAddr, Arrivals),
+) -> Duration {
     let start = Instant::now();
     let mut calls = at_once(&a, addr, 15);
     calls.extend(at_once(&b, addr, 15));
@@ -134,9 +137,30 @@ async fn reqwest_calls_wait_for_their_turns_and_none_is_refused() {
     );
     assert_eq!((arrivals.len(), refused), (30, 0));
     assert!(fullest <= 10, "{fullest} in one second");
+    took
+}
+
+/// Two instances, each with its own `RedisStore`, send 15 requests each at once, 30 for an API
+/// of 10 per second: every request waits for its turn rather than fail, none is refused,
+/// and the stand-in never holds more than 10 in a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reqwest_calls_wait_for_their_turns_and_none_is_refused() {
+    let server = RedisServer::start();
+    let clients = (instance(&server.url()).await, instance(&server.url()).await);
+    let took = thirty_at_once(clients, stand_in(None).await).await;
     // Ten at 0 s, ten a window and the margin later, ten two: about 2.1 s.
     assert!(took >= Duration::from_secs(2), "{took:?}");
     assert!(took < Duration::from_secs(3), "{took:?}");
+}
+
+/// The same with Redis's replies reaching one of the two instances 25 ms late (half the
+/// default margin, `support::delay`): none refused, none failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reqwest_calls_keep_the_window_when_redis_answers_one_instance_25ms_late() {
+    let server = RedisServer::start();
+    let late = Delay::start(server.port(), Duration::ZERO, Duration::from_millis(25)).await;
+    let clients = (instance(&server.url()).await, instance(&late.url()).await);
+    thirty_at_once(clients, stand_in(None).await).await;
 }
 
 /// The stand-in refuses the 3rd request with `429` and `Retry-After: 1`. The refusal comes back
@@ -144,9 +168,9 @@ async fn reqwest_calls_wait_for_their_turns_and_none_is_refused() {
 /// reach the stand-in only once the pause is over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pushback_pauses_reqwest_calls_on_every_instance() {
-    let server = crate::support::RedisServer::start();
+    let server = RedisServer::start();
     let (addr, arrivals) = stand_in(Some(3)).await;
-    let (a, b) = (instance(&server).await, instance(&server).await);
+    let (a, b) = (instance(&server.url()).await, instance(&server.url()).await);
     for expected in [
         StatusCode::OK,
         StatusCode::OK,
