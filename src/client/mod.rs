@@ -35,6 +35,7 @@ mod clock;
 mod error;
 mod future;
 mod layer;
+mod looker;
 mod pushback;
 #[cfg(feature = "reqwest")]
 mod reqwest;

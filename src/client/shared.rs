@@ -1,13 +1,13 @@
 //! What every service and response future of one outbound layer shares: the store, the
-//! policy and settings, the wake-up of its waiting requests, and the ids of its reservations.
+//! policy and settings, the clock and what the layer measured of the store, the lookers of
+//! its waiting requests, and the ids of its reservations.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
-
 use super::clock::{Clock, Reach};
+use super::looker::Lookers;
 use crate::store::reserve::Ticket;
 use crate::{Key, Policy, Store};
 
@@ -23,9 +23,8 @@ pub(super) struct Shared<St> {
     pub(super) reach: Reach,
     /// How often a request further than this from its turn looks where it stands.
     pub(super) recheck: Duration,
-    /// Wakes the layer's waiting requests: a reservation of the layer left the line (those
-    /// behind it moved up), or the layer paused a key.
-    pub(super) wake: Arc<Notify>,
+    /// The lookers of the keys its requests wait on.
+    pub(super) lookers: Lookers,
     /// The id of the next reservation.
     next: AtomicU64,
 }
@@ -49,7 +48,7 @@ impl<St> Shared<St> {
             clock,
             reach,
             recheck,
-            wake: Arc::new(Notify::new()),
+            lookers: Lookers::default(),
             next: AtomicU64::new(crate::ids::random_start()),
         }
     }
@@ -86,8 +85,8 @@ impl<St: Store> Shared<St> {
         );
     }
 
-    /// Makes a change to the line of `key` on a task of its own, then wakes this layer's
-    /// waiting requests to look. Each change may run twice without harm (a leave or a look
+    /// Makes a change to the line of `key` on a task of its own, then has the key's looker
+    /// look at once for this layer's requests waiting on it. Each change may run twice without harm (a leave or a look
     /// finds nothing the second time, a pause keeps the longer), so one that fails (the store
     /// too slow, or out of reach, its breaker open) is sent again every 100 ms for as long as
     /// the line keeps a reservation past its turn (`KEPT`, 10 s); then the failure is logged
@@ -112,7 +111,7 @@ impl<St: Store> Shared<St> {
                     Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
                 }
             }
-            shared.wake.notify_waiters();
+            shared.lookers.look_now(&key);
         });
     }
 }

@@ -25,6 +25,7 @@ use tokio::sync::futures::OwnedNotified;
 use tokio::time::{Instant, Sleep};
 
 use super::clock::RATE_TOLERANCE;
+use super::looker::{self, Watch};
 use super::shared::Shared;
 use super::turns::Turn;
 use super::OutboundError;
@@ -48,11 +49,12 @@ impl<St: Store> std::fmt::Debug for WaitTurn<St> {
 enum State<St: Store> {
     /// Its reservation is on its way.
     Reserving(Asked<St>),
-    /// Its turn has not come yet: it sleeps until its turn, or its next look, or until woken
-    /// by a reservation of its layer that left the line or a pause.
+    /// Its turn has not come yet: it sleeps until its look at the turn is due, or until its
+    /// key's looker wakes it (its turn moved earlier, it is no longer in line, or the key
+    /// was paused).
     Waiting {
         sleep: Pin<Box<Sleep>>,
-        woken: Pin<Box<OwnedNotified>>,
+        woken: Option<Pin<Box<OwnedNotified>>>,
         placed: Placed<St>,
     },
     /// It looks where it stands in line, asked at `sent`.
@@ -114,9 +116,11 @@ impl<St: Store> Future for WaitTurn<St> {
                     placed,
                 } => {
                     let slept = sleep.as_mut().poll(cx).is_ready();
-                    match slept || woken.as_mut().poll(cx).is_ready() {
-                        true => Ok(placed.look()),
-                        false => Err(State::Waiting {
+                    let rung = woken.as_mut().is_some_and(|w| w.as_mut().poll(cx).is_ready());
+                    match (slept, rung) {
+                        (true, _) => Ok(placed.look()),
+                        (false, true) => Ok(placed.after_seen()),
+                        (false, false) => Err(State::Waiting {
                             sleep,
                             woken,
                             placed,
@@ -298,6 +302,7 @@ impl<St: Store> Asked<St> {
             turn: seat.bracket(heard, d),
             reserved: Some((heard, d)),
             in_line: true,
+            watch: None,
             seat: Some(seat),
         }))
     }
@@ -339,6 +344,9 @@ pub(super) struct Placed<St: Store> {
     reserved: Option<(Heard, Duration)>,
     /// Whether it is still in the store's line (the look at the turn takes it out).
     in_line: bool,
+    /// Its place with its key's looker, while its look at the turn is further than a
+    /// `recheck` away.
+    watch: Option<Watch>,
     seat: Option<Seat<St>>,
 }
 
@@ -368,7 +376,7 @@ impl<St: Store> Placed<St> {
 
     /// Sleeps until its look at its turn is due (aimed to reach the store a little before the
     /// turn's earliest), or its next look when that is sooner, or until woken.
-    fn wait(self) -> State<St> {
+    fn wait(mut self) -> State<St> {
         let Some(seat) = self.seat.as_ref() else {
             return State::Done(None);
         };
@@ -382,17 +390,55 @@ impl<St: Store> Placed<St> {
         if aim <= now {
             return self.look();
         }
-        let woken = Box::pin(Arc::clone(&shared.wake).notified_owned());
-        let next = (now + shared.recheck).min(aim);
+        // Further than a `recheck` from its look: its key's looker looks for it.
+        if self.watch.is_none() && aim - now > shared.recheck {
+            self.watch = Some(looker::watch(shared, &seat.key, seat.ticket));
+        }
+        let woken = self
+            .watch
+            .as_ref()
+            .map(|w| Box::pin(Arc::clone(&w.slot.woken).notified_owned()));
         State::Waiting {
-            sleep: Box::pin(shared.clock.sleep_until(next)),
+            sleep: Box::pin(shared.clock.sleep_until(aim)),
             woken,
             placed: self,
         }
     }
 
-    /// Looks where it stands in line.
-    fn look(self) -> State<St> {
+    /// What it does once its key's looker woke it: as after a look that took nothing out of
+    /// the line.
+    fn after_seen(mut self) -> State<St> {
+        let Some(seen) = self.watch.as_ref().and_then(Watch::take) else {
+            return self.wait();
+        };
+        let Some(seat) = self.seat.as_ref() else {
+            return State::Done(None);
+        };
+        let stood = seen.stood;
+        let paused = !stood.paused.is_zero() && stood.turn.is_none_or(|t| t < stood.paused);
+        if paused {
+            return self.again(Some(stood.paused));
+        }
+        let Some(ahead) = stood.turn else {
+            self.in_line = false;
+            return self.again(None);
+        };
+        let heard = Heard {
+            sent: seen.sent,
+            received: seen.received,
+        };
+        let turn = seat.bracket(heard, ahead);
+        if turn.1 < self.turn.0 {
+            self.reserved = None;
+        }
+        self.turn = turn;
+        self.wait()
+    }
+
+    /// Looks where it stands in line (near its turn: its key's looker no longer looks for
+    /// it).
+    fn look(mut self) -> State<St> {
+        self.watch = None;
         let Some(seat) = self.seat.as_ref() else {
             return State::Done(None);
         };
