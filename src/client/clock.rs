@@ -69,30 +69,38 @@ pub(super) struct Reach {
 #[derive(Debug, Clone, Copy)]
 struct Learned {
     /// The round trip of looks (a moving average: one look held up behind a burst of
-    /// reservations moves it little), and its average deviation.
+    /// reservations moves it little).
     round_trip: Option<Duration>,
-    deviation: Duration,
+    /// The longest of the latest round trips, decaying by an eighth of the gap to each new
+    /// one: the margin covers it.
+    longest: Duration,
     /// The margin last said (through `tracing`).
     said: Duration,
     /// When the round trip was last measured.
     at: Option<Instant>,
-    /// The instance's seconds per store second.
+    /// The instance's seconds per store second: the median of the latest samples (a sample
+    /// from a turn the line moved up in between says the instance's clock ran slower than it
+    /// did; the median leaves such samples out while they are fewer than half).
     rate: f64,
+    /// The latest samples of the rate, and where the next one goes.
+    samples: [f64; RATE_SAMPLES],
+    next: usize,
     /// The margin in use.
     margin: Duration,
 }
+
+/// How many samples of the rate the median is taken of.
+const RATE_SAMPLES: usize = 9;
 
 /// How closely the rate between the instance's clock and the store's is known over a call's
 /// last steps (those after its look at the turn, at most a margin and a round trip long).
 pub(super) const RATE_TOLERANCE: f64 = 0.02;
 
-/// How much margin looks of round trip `round_trip` (a moving average, deviating by
-/// `deviation` on average) need: a look at the turn answers from some instant of its round
-/// trip, so a call goes only where the round trip fits its margin; the margin covers the
-/// average and four average deviations (as TCP's retransmission timer does), and at least a
-/// quarter more than the average.
-pub(super) fn needed(round_trip: Duration, deviation: Duration) -> Duration {
-    (round_trip + deviation * 4).max(round_trip.mul_f64(1.25))
+/// How much margin looks need whose round trips reach `longest` of late: a look at the turn
+/// answers from some instant of its round trip, so a call goes only where its round trip
+/// fits its margin; a tenth more covers the next look's variation.
+pub(super) fn needed(longest: Duration) -> Duration {
+    longest.mul_f64(1.1)
 }
 
 impl Reach {
@@ -103,10 +111,12 @@ impl Reach {
             max_margin,
             learned: Mutex::new(Learned {
                 round_trip: None,
-                deviation: Duration::ZERO,
+                longest: Duration::ZERO,
                 said: margin,
                 at: None,
                 rate: 1.0,
+                samples: [0.0; RATE_SAMPLES],
+                next: 0,
                 margin,
             }),
         }
@@ -151,17 +161,18 @@ impl Reach {
     /// A look's round trip to the store, measured at `now`: the margin follows it.
     pub(super) fn round_trip_took(&self, took: Duration, now: Instant) {
         let mut learned = self.learned.lock().unwrap_or_else(|e| e.into_inner());
-        let (round_trip, deviation) = match learned.round_trip {
-            None => (took, Duration::ZERO),
-            Some(was) => (
-                was.mul_f64(0.875) + took.mul_f64(0.125),
-                learned.deviation.mul_f64(0.75) + was.abs_diff(took).mul_f64(0.25),
-            ),
+        let round_trip = match learned.round_trip {
+            None => took,
+            Some(was) => was.mul_f64(0.875) + took.mul_f64(0.125),
+        };
+        let longest = match took > learned.longest {
+            true => took,
+            false => learned.longest - (learned.longest - took) / 8,
         };
         learned.round_trip = Some(round_trip);
-        learned.deviation = deviation;
+        learned.longest = longest;
         learned.at = Some(now);
-        learned.margin = needed(round_trip, deviation).clamp(self.margin, self.max_margin);
+        learned.margin = needed(longest).clamp(self.margin, self.max_margin);
         // Said when it moved by a quarter or more since it was last said, or came back to the
         // configured one.
         let margin = learned.margin;
@@ -187,7 +198,12 @@ impl Reach {
         let seen = (local.0 + local.1).as_secs_f64() / 2.0 / store.as_secs_f64();
         let seen = seen.clamp(0.05, 20.0);
         let mut learned = self.learned.lock().unwrap_or_else(|e| e.into_inner());
-        learned.rate = learned.rate * 0.5 + seen * 0.5;
+        let at = learned.next % RATE_SAMPLES;
+        learned.samples[at] = seen;
+        learned.next += 1;
+        let mut samples: Vec<f64> = learned.samples[..learned.next.min(RATE_SAMPLES)].to_vec();
+        samples.sort_by(f64::total_cmp);
+        learned.rate = samples[samples.len() / 2];
     }
 }
 

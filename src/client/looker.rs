@@ -137,7 +137,10 @@ async fn run<St: Store>(shared: Arc<Shared<St>>, key: Key, looker: Arc<Looker>) 
     loop {
         let _ = tokio::time::timeout(shared.recheck, looker.now.notified()).await;
         let waiting: Vec<(Ticket, Arc<Slot>)> = {
-            let waiters = looker.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+            let waiters = looker
+                .waiters
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             waiters.values().map(|(t, s)| (*t, Arc::clone(s))).collect()
         };
         if waiting.is_empty() {

@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::{oneshot, OnceCell};
+
 use super::clock::{Clock, Reach};
 use super::looker::Lookers;
 use crate::store::reserve::Ticket;
@@ -25,6 +27,9 @@ pub(super) struct Shared<St> {
     pub(super) recheck: Duration,
     /// The lookers of the keys its requests wait on.
     pub(super) lookers: Lookers,
+    /// Set once the round trip to the store was first measured (before the first
+    /// reservation).
+    pub(super) measured: OnceCell<()>,
     /// The id of the next reservation.
     next: AtomicU64,
 }
@@ -49,6 +54,7 @@ impl<St> Shared<St> {
             reach,
             recheck,
             lookers: Lookers::default(),
+            measured: OnceCell::new(),
             next: AtomicU64::new(crate::ids::random_start()),
         }
     }
@@ -77,33 +83,41 @@ impl<St: Store> Shared<St> {
     /// wakes this layer's waiting requests to learn it.
     pub(super) fn pause(this: &Arc<Self>, key: Key, pause: Duration) {
         let paused = move |store: &St, key: &Key, policy: &Policy| store.pause(key, policy, pause);
-        Self::then_wake(
-            this,
-            key,
-            paused,
-            "failed to pause a key the upstream pushed back on",
-        );
+        let failed = "failed to pause a key the upstream pushed back on";
+        let _ = Self::then_wake(this, key, paused, failed);
     }
 
     /// Makes a change to the line of `key` on a task of its own, then has the key's looker
-    /// look at once for this layer's requests waiting on it. Each change may run twice without harm (a leave or a look
-    /// finds nothing the second time, a pause keeps the longer), so one that fails (the store
-    /// too slow, or out of reach, its breaker open) is sent again every 100 ms for as long as
-    /// the line keeps a reservation past its turn (`KEPT`, 10 s); then the failure is logged
-    /// as `failed`.
-    pub(super) fn then_wake<F>(this: &Arc<Self>, key: Key, change: F, failed: &'static str)
+    /// look at once for this layer's requests waiting on it; the receiver it answers hears
+    /// when the first try came back. Each change may run twice without harm (a leave or a
+    /// look finds nothing the second time, a pause keeps the longer), so one that fails (the
+    /// store too slow, or out of reach, its breaker open) is sent again every 100 ms for as
+    /// long as the line keeps a reservation past its turn (`KEPT`, 10 s); then the failure is
+    /// logged as `failed`.
+    pub(super) fn then_wake<F>(
+        this: &Arc<Self>,
+        key: Key,
+        change: F,
+        failed: &'static str,
+    ) -> oneshot::Receiver<()>
     where
         F: Fn(&St, &Key, &Policy) -> St::LineFuture + Send + 'static,
     {
         /// How often a change to the line is sent: every 100 ms for 10 s.
         const TRIES: u32 = 100;
+        let (tried_once, heard) = oneshot::channel();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
+            return heard;
         };
         let shared = Arc::clone(this);
         runtime.spawn(async move {
+            let mut tried_once = Some(tried_once);
             for tried in 1..=TRIES {
-                match change(&shared.store, &key, &shared.policy).await {
+                let changed = change(&shared.store, &key, &shared.policy).await;
+                if let Some(tried_once) = tried_once.take() {
+                    let _ = tried_once.send(());
+                }
+                match changed {
                     Ok(_) => break,
                     Err(error) if tried == TRIES => {
                         tracing::warn!(target: "tower_redis_ratelimit", %error, "{failed}");
@@ -113,5 +127,6 @@ impl<St: Store> Shared<St> {
             }
             shared.lookers.look_now(&key);
         });
+        heard
     }
 }

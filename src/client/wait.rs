@@ -22,6 +22,7 @@ use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use tokio::sync::futures::OwnedNotified;
+use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
 
 use super::clock::RATE_TOLERANCE;
@@ -47,8 +48,18 @@ impl<St: Store> std::fmt::Debug for WaitTurn<St> {
 
 /// Where a wait is.
 enum State<St: Store> {
+    /// The layer measures its round trip to the store before its first reservation.
+    Measuring {
+        measure: Pin<Box<dyn Future<Output = ()> + Send>>,
+        seat: Option<Seat<St>>,
+    },
     /// Its reservation is on its way.
     Reserving(Asked<St>),
+    /// It gives its place back, to reserve again once the store answered.
+    Leaving {
+        left: oneshot::Receiver<()>,
+        seat: Option<Seat<St>>,
+    },
     /// Its turn has not come yet: it sleeps until its look at the turn is due, or until its
     /// key's looker wakes it (its turn moved earlier, it is no longer in line, or the key
     /// was paused).
@@ -84,8 +95,39 @@ impl<St: Store> WaitTurn<St> {
                 max_margin,
             });
         }
+        if seat.shared.measured.initialized() {
+            return WaitTurn {
+                state: State::Reserving(Asked::new(seat)),
+            };
+        }
+        // The layer's first wait: its reservation carries the margin the round trip needs,
+        // so the round trip is measured first (looks at no reservation), once for all the
+        // calls that come meanwhile.
+        let shared = Arc::clone(&seat.shared);
+        let key = seat.key.clone();
+        let measure = async move {
+            let measured = shared.measured.get_or_init(|| async {
+                // Twice: the first look may also load the script, or connect.
+                let nobody = Ticket::new(0, Duration::ZERO);
+                let _ = shared.store.look(&key, &shared.policy, nobody).await;
+                let sent = shared.clock.now();
+                let looked = shared.store.look(&key, &shared.policy, nobody).await;
+                let received = shared.clock.now();
+                // A quiet look: under load a look may wait behind another call's round trip
+                // on the connection, so the first margin covers two.
+                if looked.is_ok() {
+                    shared
+                        .reach
+                        .round_trip_took((received - sent) * 2, received);
+                }
+            });
+            measured.await;
+        };
         WaitTurn {
-            state: State::Reserving(Asked::new(seat)),
+            state: State::Measuring {
+                measure: Box::pin(measure),
+                seat: Some(seat),
+            },
         }
     }
 
@@ -104,44 +146,58 @@ impl<St: Store> Future for WaitTurn<St> {
         let state = &mut self.state;
         loop {
             // Each state either moves on (`Ok`), or parks until woken (`Err`, the state kept).
-            let next = match std::mem::replace(state, State::Done(None)) {
-                State::Reserving(mut asked) => match asked.poll(cx) {
-                    Poll::Pending => Err(State::Reserving(asked)),
-                    Poll::Ready(Ok(placed)) => Ok(placed.reserved()),
-                    Poll::Ready(Err(error)) => Ok(State::Done(Some(Err(error)))),
-                },
-                State::Waiting {
-                    mut sleep,
-                    mut woken,
-                    placed,
-                } => {
-                    let slept = sleep.as_mut().poll(cx).is_ready();
-                    let rung = woken.as_mut().is_some_and(|w| w.as_mut().poll(cx).is_ready());
-                    match (slept, rung) {
-                        (true, _) => Ok(placed.look()),
-                        (false, true) => Ok(placed.after_seen()),
-                        (false, false) => Err(State::Waiting {
-                            sleep,
-                            woken,
-                            placed,
-                        }),
+            let next =
+                match std::mem::replace(state, State::Done(None)) {
+                    State::Reserving(mut asked) => match asked.poll(cx) {
+                        Poll::Pending => Err(State::Reserving(asked)),
+                        Poll::Ready(Ok(placed)) => Ok(placed.reserved()),
+                        Poll::Ready(Err(error)) => Ok(State::Done(Some(Err(error)))),
+                    },
+                    State::Measuring { mut measure, seat } => match measure.as_mut().poll(cx) {
+                        Poll::Pending => Err(State::Measuring { measure, seat }),
+                        Poll::Ready(()) => Ok(seat.map_or(State::Done(None), |seat| {
+                            State::Reserving(Asked::new(seat.remade()))
+                        })),
+                    },
+                    State::Leaving { mut left, seat } => match Pin::new(&mut left).poll(cx) {
+                        Poll::Pending => Err(State::Leaving { left, seat }),
+                        Poll::Ready(_) => Ok(seat
+                            .map_or(State::Done(None), |seat| State::Reserving(Asked::new(seat)))),
+                    },
+                    State::Waiting {
+                        mut sleep,
+                        mut woken,
+                        placed,
+                    } => {
+                        let slept = sleep.as_mut().poll(cx).is_ready();
+                        let rung = woken
+                            .as_mut()
+                            .is_some_and(|w| w.as_mut().poll(cx).is_ready());
+                        match (slept, rung) {
+                            (true, _) => Ok(placed.look()),
+                            (false, true) => Ok(placed.after_seen()),
+                            (false, false) => Err(State::Waiting {
+                                sleep,
+                                woken,
+                                placed,
+                            }),
+                        }
                     }
-                }
-                State::Looking {
-                    mut look,
-                    sent,
-                    placed,
-                } => match look.as_mut().poll(cx) {
-                    Poll::Pending => Err(State::Looking { look, sent, placed }),
-                    Poll::Ready(stood) => Ok(placed.after_look(stood, sent)),
-                },
-                State::Going { mut sleep, turn } => match sleep.as_mut().poll(cx) {
-                    Poll::Pending => Err(State::Going { sleep, turn }),
-                    Poll::Ready(()) => Ok(State::Done(turn.map(Ok))),
-                },
-                State::Done(Some(done)) => return Poll::Ready(done),
-                State::Done(None) => return Poll::Pending,
-            };
+                    State::Looking {
+                        mut look,
+                        sent,
+                        placed,
+                    } => match look.as_mut().poll(cx) {
+                        Poll::Pending => Err(State::Looking { look, sent, placed }),
+                        Poll::Ready(stood) => Ok(placed.after_look(stood, sent)),
+                    },
+                    State::Going { mut sleep, turn } => match sleep.as_mut().poll(cx) {
+                        Poll::Pending => Err(State::Going { sleep, turn }),
+                        Poll::Ready(()) => Ok(State::Done(turn.map(Ok))),
+                    },
+                    State::Done(Some(done)) => return Poll::Ready(done),
+                    State::Done(None) => return Poll::Pending,
+                };
             match next {
                 Ok(next) => *state = next,
                 Err(parked) => {
@@ -189,31 +245,43 @@ impl<St: Store> Seat<St> {
         }
     }
 
-    /// Takes the reservation out of the line, on a task of its own (the caller is going
-    /// away), and then wakes this layer's waiting requests: those behind it moved up.
-    fn leave(&self) {
+    /// Takes the reservation out of the line, on a task of its own (the caller may be going
+    /// away), and then wakes this layer's waiting requests: those behind it moved up. The
+    /// receiver hears when the store answered (the place given back).
+    fn leave(&self) -> oneshot::Receiver<()> {
         let leave =
             |store: &St, key: &Key, policy: &Policy, ticket| store.leave(key, policy, ticket);
-        self.then_wake(leave, "failed to give back a reservation");
+        self.then_wake(leave, "failed to give back a reservation")
     }
 
     /// Takes the reservation out of the line as used, on a task of its own: its request goes
     /// though its look at its turn failed, which would have taken it out.
     fn used(&self) {
         let look = |store: &St, key: &Key, policy: &Policy, ticket| store.look(key, policy, ticket);
-        self.then_wake(look, "failed to take a used reservation out of the line");
+        let _ = self.then_wake(look, "failed to take a used reservation out of the line");
     }
 
     /// Makes a change to the line on a task of its own, then wakes this layer's waiting
     /// requests to look ([`Shared::then_wake`]).
-    fn then_wake<F>(&self, change: F, failed: &'static str)
+    fn then_wake<F>(&self, change: F, failed: &'static str) -> oneshot::Receiver<()>
     where
         F: Fn(&St, &Key, &Policy, Ticket) -> St::LineFuture + Send + 'static,
     {
         let ticket = self.ticket;
         let change =
             move |store: &St, key: &Key, policy: &Policy| change(store, key, policy, ticket);
-        Shared::then_wake(&self.shared, self.key.clone(), change, failed);
+        Shared::then_wake(&self.shared, self.key.clone(), change, failed)
+    }
+
+    /// The same seat, its ticket made again with the layer's margin now.
+    fn remade(self) -> Seat<St> {
+        Seat {
+            ticket: Ticket {
+                cost: self.ticket.cost,
+                ..self.shared.ticket(self.ticket.max_wait)
+            },
+            ..self
+        }
     }
 
     /// The same wait, reserving again with what is left of it; `None` when nothing is left.
@@ -285,7 +353,7 @@ impl<St: Store> Asked<St> {
             Err(error) => {
                 // The store may have run it all the same (a reply later than the time budget):
                 // it leaves the line it may be in.
-                seat.leave();
+                let _ = seat.leave();
                 return Poll::Ready(Err(OutboundError::Store(error)));
             }
         };
@@ -321,7 +389,7 @@ impl<St: Store> Drop for Asked<St> {
             if future.await.is_ok_and(|d| !d.is_allowed()) {
                 return;
             }
-            seat.leave();
+            let _ = seat.leave();
         });
     }
 }
@@ -443,6 +511,14 @@ impl<St: Store> Placed<St> {
             return State::Done(None);
         };
         let shared = &seat.shared;
+        // Its margin is shorter than the round trip its look would take (the layer measured,
+        // and widened its margin, after it reserved): that look would take it out of the line
+        // and it could not go. It gives its place back instead, while those behind can still
+        // move up into it, and reserves again with the margin in use.
+        let late = seat.ticket.late.mul_f64(1.0 - RATE_TOLERANCE);
+        if shared.reach.round_trip() > late {
+            return self.again(None);
+        }
         let sent = shared.clock.now();
         let look = shared.store.look(&seat.key, &shared.policy, seat.ticket);
         State::Looking {
@@ -537,7 +613,13 @@ impl<St: Store> Placed<St> {
                 heard.received + ahead.mul_f64(fast),
                 heard.sent + ahead.mul_f64(slow),
             ),
-            true => (now, heard.sent.checked_sub(past.mul_f64(fast)).unwrap_or(heard.sent)),
+            true => (
+                now,
+                heard
+                    .sent
+                    .checked_sub(past.mul_f64(fast))
+                    .unwrap_or(heard.sent),
+            ),
         };
         let until = earliest + late.mul_f64(slow);
         if leave <= until {
@@ -554,6 +636,8 @@ impl<St: Store> Placed<St> {
             round_trip = ?heard.round_trip(),
             ?ahead,
             ?past,
+            ?late,
+            rate,
             "an outbound call cannot know it would leave within its margin: it reserves again",
         );
         if let Some(round_trip) = shared.reach.too_far(now) {
@@ -574,12 +658,15 @@ impl<St: Store> Placed<St> {
         let Some(seat) = self.seat.take() else {
             return State::Done(None);
         };
-        if self.in_line {
-            seat.leave();
-        }
-        match seat.again() {
-            Some(again) => State::Reserving(Asked::new(again)),
-            None => State::Done(Some(Err(OutboundError::TooLate { turn: paused }))),
+        let left = self.in_line.then(|| seat.leave());
+        match (seat.again(), left) {
+            // Its new reservation waits for its old place to be given back: it may take it.
+            (Some(again), Some(left)) => State::Leaving {
+                left,
+                seat: Some(again),
+            },
+            (Some(again), None) => State::Reserving(Asked::new(again)),
+            (None, _) => State::Done(Some(Err(OutboundError::TooLate { turn: paused }))),
         }
     }
 
@@ -597,7 +684,7 @@ impl<St: Store> Placed<St> {
 impl<St: Store> Drop for Placed<St> {
     fn drop(&mut self) {
         if let Some(seat) = self.seat.take().filter(|_| self.in_line) {
-            seat.leave();
+            let _ = seat.leave();
         }
     }
 }
