@@ -38,7 +38,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::model::slots::Waiter;
 use crate::store::engine::Sealed;
 pub use crate::store::engine::{Engine, OnSettled};
-pub use crate::store::reserve::{InLine, Reserve, Ticket, MAX_LATE};
+pub use crate::store::reserve::{InLine, Reserve, Ticket, MAX_ID, MAX_LATE};
 use crate::store::Overrides;
 use crate::{Decision, Key, MemoryStore, Policy, Settlement, Store, StoreError};
 

@@ -431,10 +431,7 @@ impl KeyState {
         };
         let reserved = match reserved {
             Reserved::TooLate(wait) => Reserved::TooLate(wait.map(|w| w + shift)),
-            Reserved::At(turn) => {
-                self.line.join(now, turn, id, (ask.cost, notice));
-                Reserved::At(turn)
-            }
+            Reserved::At(turn) => Reserved::At(self.line.join(now, turn, id, (ask.cost, notice))),
         };
         let (turn, outcome) = match reserved {
             Reserved::At(turn) => (Some(turn), self.decide(now, turn, policy, 0, false)),

@@ -3,8 +3,8 @@
 //!
 //! A reservation is recorded at once, so the next caller queues behind it, in reservation
 //! order, on every instance that shares the store. A caller that stops waiting leaves the
-//! line: the reservations behind it move up, and the units of the place left at the end are
-//! given back, never more than were reserved. A caller asleep until its turn looks to learn
+//! line: the reservations behind it move up a place each, and the units of the last place
+//! are given back, never more than were reserved. A caller asleep until its turn looks to learn
 //! that it moved up, or that the key was paused (an upstream answered "too many requests").
 
 use std::future::Future;
@@ -59,15 +59,18 @@ pub trait Reserve {
     /// ([`look`](Reserve::look)).
     fn look_many(&self, key: &Key, policy: &Policy, tickets: Vec<Ticket>) -> Self::LinesFuture;
 
-    /// Takes reservation `ticket.id` out of the line: each later reservation of the same cost
-    /// moves up into the place the one before it left, and the units of the place left at the
-    /// end are given back where it is the last in line (one with reservations after it stays
-    /// recorded, unused: on GCRA, giving it back would let the next reservation take the time
-    /// of one made after it). A reservation moves only into a place at least its own
-    /// [`notice`](Ticket::notice) from now, and not before the key's pause: its caller learns
-    /// of the move when it next looks, and must still be in time for its new turn; the moving
-    /// up stops at one that cannot. Nothing where `ticket.id` is not in line (it was never
-    /// made, or a reset or restart lost it). Answers where it stood before.
+    /// Takes reservation `ticket.id` of `ticket.cost` out of the line, and one place with it
+    /// (`src/model/line.rs`): the last, so that every reservation behind it moves up one place,
+    /// where its own place is at least the line's notice (the longest
+    /// [`notice`](Ticket::notice) of the reservations left in line) from now, not before the
+    /// key's pause, and the line holds its cost alone; else its own place, and nobody moves.
+    /// Its caller learns of a move when it next looks, and must still be in time for its new
+    /// turn. The units of the place that went are given back where no place in line is after
+    /// it (one with places after it stays recorded, unused, on GCRA: giving it back would let
+    /// the next reservation take the time of one made after it; the sliding log gives it back
+    /// always). A constant number of operations whatever the line's length (on Redis, commands
+    /// of O(log n) each). Nothing where `ticket.id` is not in line (it was never made, was
+    /// taken out used, or a reset or restart lost it). Answers where it stood before.
     fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture;
 
     /// Pauses `key` for `pause` from now (or keeps a longer pause it has): reservations made
@@ -77,7 +80,7 @@ pub trait Reserve {
 }
 
 /// One reservation: its id in the key's line, chosen by the caller (unique among the callers
-/// that share the store, below 2^52), its cost, the most it may wait, how late after its turn
+/// that share the store, below [`MAX_ID`], 2^52), its cost (at least one unit), the most it may wait, how late after its turn
 /// its units may be used ([`Reserve::reserve`]), and how soon its caller learns of a move.
 /// `late` and `notice` are at most an hour ([`MAX_LATE`]); past it the store refuses the
 /// reservation.
@@ -143,11 +146,33 @@ impl InLine {
     }
 }
 
-/// Whether `ticket` is in the stores' range for `policy`: its `late` and `notice` at most
-/// [`MAX_LATE`], and on GCRA its `late` short enough that every bucket, keeping that much
-/// drain free, still holds its cost (`(window − late) × count ≥ cost × window`) where it would
-/// without.
+/// Ticket ids are below this (2^52): Redis's scripts hold numbers as doubles, exact below
+/// 2^53, and the line names a reservation by its id's decimal text.
+pub const MAX_ID: u64 = 1 << 52;
+
+/// Whether `ticket` names a reservation the stores can keep: an id below [`MAX_ID`], and a
+/// cost of at least one unit (a reservation of nothing has no turn to wait for).
+pub(crate) fn named(ticket: &Ticket) -> Result<(), StoreError> {
+    if ticket.id >= MAX_ID {
+        return Err(StoreError::Unsupported(
+            "a reservation's ticket id must be below 2^52",
+        ));
+    }
+    if ticket.cost == 0 {
+        return Err(StoreError::Unsupported(
+            "a reservation's cost must be at least one unit",
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `ticket` is in the stores' range for `policy`: its id and cost ([`named`]), its
+/// `late` and `notice` at most [`MAX_LATE`], and on GCRA its `late` short enough that every
+/// bucket, keeping that much drain free, still holds its cost (`(window − late) × count ≥
+/// cost × window`) where it would without. A cost above a count is not out of range: it is
+/// refused with no turn, as a decision is.
 pub(crate) fn in_range(policy: &Policy, ticket: &Ticket) -> Result<(), StoreError> {
+    named(ticket)?;
     if ticket.late.max(ticket.notice) > MAX_LATE {
         return Err(StoreError::Unsupported(
             "a reservation's late and notice are at most an hour",

@@ -228,3 +228,58 @@ async fn two_hundred_waiters_cost_at_most_four_evalsha_per_call() {
     assert_eq!(served, 200);
     assert!(per_call <= 4.0, "{per_call} EVALSHA per call");
 }
+
+/// Four workers, each with a store of its own, start together with 15 calls each, one after
+/// the other, at `20/1s` on `algorithm`: they finish within 10 % of the run's length of each
+/// other. (GCRA's burst lets 39 through in the first second: its stand-in allows 40.)
+async fn four_workers_finish_together(algorithm: Algorithm) {
+    let server = RedisServer::start();
+    let most = match algorithm {
+        Algorithm::Gcra => 40,
+        _ => 20,
+    };
+    let (addr, arrivals) = stand_in_of(most, None).await;
+    let policy = Policy::new("api", ["20/1s".parse().unwrap()])
+        .unwrap()
+        .with_algorithm(algorithm);
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(worker(&server.url(), policy.clone(), |b| b).await);
+    }
+    let start = Instant::now();
+    let workers: Vec<_> = clients
+        .into_iter()
+        .map(|mut client| {
+            tokio::spawn(async move {
+                for _ in 0..15 {
+                    let request = http::Request::get(format!("http://{addr}/"))
+                        .body(Empty::new())
+                        .unwrap();
+                    let answer = client.ready().await.unwrap().call(request).await;
+                    assert_eq!(answer.unwrap().status(), StatusCode::OK);
+                }
+                start.elapsed()
+            })
+        })
+        .collect();
+    let mut finished = Vec::new();
+    for worker in workers {
+        finished.push(worker.await.unwrap());
+    }
+    let run = *finished.iter().max().unwrap();
+    let spread = run - *finished.iter().min().unwrap();
+    let fullest = fullest(&arrivals.lock().unwrap());
+    eprintln!("{algorithm:?}: finished at {finished:?}; spread {spread:?} of {run:?}; fullest second {fullest}");
+    assert!(fullest <= most, "{fullest} in one second");
+    assert!(spread <= run / 10, "finished at {finished:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_workers_finish_together_on_the_log() {
+    four_workers_finish_together(Algorithm::SlidingLog).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_workers_finish_together_on_gcra() {
+    four_workers_finish_together(Algorithm::Gcra).await;
+}

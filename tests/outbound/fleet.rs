@@ -234,7 +234,7 @@ async fn cancelling_half_of_the_waiting_calls_keeps_the_rest_at_the_full_rate_on
     tokio::time::sleep(Duration::from_secs(1)).await;
     let policy = policy();
     let key = tower_redis_ratelimit::Key::from("global");
-    let turns = format!("{}:turns", redis_key(&server.store().await, &key, &policy));
+    let turns = format!("{}:line", redis_key(&server.store().await, &key, &policy));
     let left =
         crate::support::cluster::cli(server.port(), &["ZRANGE", &turns, "0", "-1", "WITHSCORES"]);
     let time = crate::support::cluster::cli(server.port(), &["TIME"]);
@@ -447,20 +447,24 @@ async fn an_instance_that_looks_seldom_is_not_moved_into_places_it_would_miss() 
     assert!(most <= 10, "{most} in one second");
 }
 
-/// A reservation whose answer is lost (Redis stalls past the time budget, then runs it): the
-/// call fails with the store's error, and the reservation the store may have made leaves the
-/// line once Redis answers, rather than holding its place and units for nobody.
+/// A reservation whose answer is lost (Redis stalls past the reservation's own time budget,
+/// its `max_wait` of 300 ms, then runs it): the call fails with the store's error, and the
+/// reservation the store may have made leaves the line once Redis answers, rather than holding
+/// its place and units for nobody.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reservation_whose_answer_is_lost_leaves_the_line() {
     let server = crate::support::RedisServer::start_with(&["--enable-debug-command", "local"]);
     let arrivals: Recorded = Arc::default();
-    let client = instance(
-        &server,
-        &policy(),
-        recorder(arrivals),
-        Duration::from_millis(100),
-    )
-    .await;
+    let layer = OutboundLayer::builder()
+        .policy(policy())
+        .store(server.store().await)
+        .max_wait(Duration::from_millis(300))
+        .recheck(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let client = ServiceBuilder::new()
+        .layer(layer)
+        .service(recorder(arrivals));
     let port = server.port();
     let stall = tokio::task::spawn_blocking(move || {
         crate::support::cluster::cli(port, &["DEBUG", "SLEEP", "0.6"]);
@@ -477,10 +481,7 @@ async fn a_reservation_whose_answer_is_lost_leaves_the_line() {
     stall.await.unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let key = tower_redis_ratelimit::Key::from("global");
-    let turns = format!(
-        "{}:turns",
-        redis_key(&server.store().await, &key, &policy())
-    );
+    let turns = format!("{}:line", redis_key(&server.store().await, &key, &policy()));
     let left = crate::support::cluster::cli(port, &["ZCARD", &turns]);
     assert_eq!(left.trim(), "0", "reservations left in line");
 }

@@ -6,9 +6,9 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use tower_redis_ratelimit::store::{ManualClock, Override, Scope};
 use tower_redis_ratelimit::test_util::turn;
-use tower_redis_ratelimit::test_util::{recorded_at, Reserve, Ticket, MAX_LATE};
+use tower_redis_ratelimit::test_util::{recorded_at, redis_key, Reserve, Ticket, MAX_ID, MAX_LATE};
 use tower_redis_ratelimit::{
-    Algorithm, Decision, Key, MemoryStore, Policy, Settlement, Store, StoreError,
+    Algorithm, Decision, Key, MemoryStore, Policy, RedisStore, Settlement, Store, StoreError,
 };
 
 const MS: Duration = Duration::from_millis(1);
@@ -446,4 +446,410 @@ async fn a_pause_holds_back_new_turns_on_redis() {
     let server = crate::support::RedisServer::start();
     let store = server.store().await;
     a_pause_holds_back_new_turns(&store, &Key::from("k"), 30 * MS).await;
+}
+
+/// A ticket of one unit with the layer's settings (`late` 50 ms, `notice` 150 ms: a look every
+/// 100 ms), that waits up to `max_wait`.
+fn layer_ticket(max_wait: Duration) -> Ticket {
+    Ticket {
+        notice: 150 * MS,
+        ..ticket(1, max_wait, 50 * MS)
+    }
+}
+
+/// Every command the server behind `client` has run, by name (`INFO commandstats`).
+async fn commands(client: &fred::clients::Client) -> std::collections::BTreeMap<String, u64> {
+    use fred::prelude::*;
+    let info: String = client
+        .info(Some(fred::types::InfoKind::CommandStats))
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(":calls=")?;
+            Some((name.to_owned(), rest.split(',').next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// What ran between two `INFO commandstats`, by name.
+fn ran(
+    before: &std::collections::BTreeMap<String, u64>,
+    after: &std::collections::BTreeMap<String, u64>,
+) -> std::collections::BTreeMap<String, u64> {
+    after
+        .iter()
+        .map(|(name, &n)| (name.clone(), n - before.get(name).copied().unwrap_or(0)))
+        .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
+/// A cancellation storm: 1 000 reservations at `50/1s` (turns over 20 s), then every one
+/// leaves, from the front. Each leave moves everyone behind up one place, yet costs Redis a
+/// constant number of commands: at most 2 `EVALSHA` (the line's, and the give-back's), at
+/// most one `ZADD` and 25 commands in all per cancellation. The places are given back: a
+/// reservation after the storm has its turn at once (on GCRA after the few left within the
+/// notice of now), and the line holds it alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancellation_storm_costs_a_constant_number_of_commands_per_cancellation() {
+    const CALLS: usize = 1000;
+    let server = crate::support::RedisServer::start();
+    let store = server.store().await;
+    let client = server.client().await;
+    for algorithm in [Algorithm::SlidingLog, Algorithm::Gcra] {
+        let key = Key::from(format!("storm-{algorithm:?}"));
+        let policy = policy("50/1s", algorithm);
+        let tickets: Vec<Ticket> = (0..CALLS)
+            .map(|_| layer_ticket(Duration::from_secs(60)))
+            .collect();
+        for &t in &tickets {
+            let d = store.reserve(&key, &policy, t).await.unwrap();
+            assert!(d.is_allowed(), "{algorithm:?}: {d:?}");
+        }
+        let before = commands(&client).await;
+        let started = std::time::Instant::now();
+        for &t in &tickets {
+            let left = store.leave(&key, &policy, t).await.unwrap();
+            assert!(left.turn.is_some(), "{algorithm:?}: it was in line");
+        }
+        let took = started.elapsed();
+        let ran = ran(&before, &commands(&client).await);
+        let per = |name: &str| ran.get(name).copied().unwrap_or(0) as f64 / CALLS as f64;
+        let all = ran
+            .iter()
+            .filter(|(n, _)| *n != "info")
+            .map(|(_, &n)| n)
+            .sum::<u64>();
+        let all = all as f64 / CALLS as f64;
+        eprintln!(
+            "{algorithm:?}: {CALLS} cancellations in {took:?}; per cancellation {:.2} EVALSHA, \
+             {:.2} ZADD, {all:.2} commands in all; {ran:?}",
+            per("evalsha"),
+            per("zadd"),
+        );
+        // The first leave loads the line's script: one more `EVALSHA` in all.
+        assert!(per("evalsha") <= 2.01, "{algorithm:?}: {ran:?}");
+        assert!(per("zadd") <= 1.0, "{algorithm:?}: {ran:?}");
+        assert!(
+            all <= 25.0,
+            "{algorithm:?}: {all:.2} commands per cancellation"
+        );
+        // The places were given back: on the log each leave's, on GCRA the last one each
+        // time (those behind moved up into the others), but for the first few, left within
+        // the notice (150 ms) of now with others behind them, which stay recorded on GCRA.
+        let next = store
+            .reserve(&key, &policy, layer_ticket(Duration::from_secs(60)))
+            .await
+            .unwrap();
+        let most = match algorithm {
+            Algorithm::Gcra => 250 * MS,
+            _ => 100 * MS,
+        };
+        assert!(turn(&next) < most, "{algorithm:?}: {:?}", turn(&next));
+        let line = format!("{}:line", redis_key(&store, &key, &policy));
+        let places = format!("{}:places", redis_key(&store, &key, &policy));
+        for (set, left) in [(&line, "1"), (&places, "1")] {
+            let held = crate::support::cluster::cli(server.port(), &["ZCARD", set]);
+            assert_eq!(held.trim(), left, "{algorithm:?}: {set}");
+        }
+    }
+}
+
+/// A look at 200 reservations of a key is one `EVALSHA`, answers each where it stands (in
+/// order: the turns one drain apart), and takes none out.
+#[tokio::test]
+async fn a_look_at_many_reservations_is_one_call_on_redis() {
+    let server = crate::support::RedisServer::start();
+    let store = server.store().await;
+    let client = server.client().await;
+    let key = Key::from("many");
+    let policy = policy("10/1s", Algorithm::Gcra);
+    let tickets: Vec<Ticket> = (0..300)
+        .map(|_| ticket(1, Duration::from_secs(60), Duration::ZERO))
+        .collect();
+    for &t in &tickets {
+        assert!(store.reserve(&key, &policy, t).await.unwrap().is_allowed());
+    }
+    let looked: Vec<Ticket> = tickets[100..].to_vec();
+    // Loads the line's script, which a first call would load on its way.
+    store.look(&key, &policy, tickets[0]).await.unwrap();
+    let before = crate::support::evalsha_calls(&client).await;
+    let stood = store
+        .look_many(&key, &policy, looked.clone())
+        .await
+        .unwrap();
+    let calls = crate::support::evalsha_calls(&client).await - before;
+    assert_eq!(calls, 1, "one call for {} tickets", looked.len());
+    assert_eq!(stood.len(), 200);
+    // Where each stands from Redis's now (µs; below zero: past its turn).
+    let at = |s: &tower_redis_ratelimit::test_util::InLine| {
+        s.turn.unwrap().as_micros() as i64 - s.past.as_micros() as i64
+    };
+    for pair in stood.windows(2) {
+        assert_eq!(
+            at(&pair[1]) - at(&pair[0]),
+            100_000,
+            "one drain apart: {pair:?}"
+        );
+    }
+    // Nothing was taken out: each stands where it stood.
+    let again = store.look_many(&key, &policy, looked).await.unwrap();
+    assert!(again.iter().all(|s| s.turn.is_some()));
+    // A reservation not in line is answered as such, in its place.
+    let stranger = layer_ticket(Duration::from_secs(1));
+    let mixed = store
+        .look_many(&key, &policy, vec![tickets[299], stranger])
+        .await
+        .unwrap();
+    assert!(
+        mixed[0].turn.is_some() && mixed[1].turn.is_none(),
+        "{mixed:?}"
+    );
+}
+
+/// A look takes a reservation out, used, once its turn is at most its `late` ahead: its caller
+/// sleeps the rest and goes. Before, it stays; past its turn, the look says how far past.
+/// A look at many takes nothing out, on the memory store as on Redis.
+#[tokio::test]
+async fn a_look_takes_a_reservation_out_once_its_turn_is_within_its_late() {
+    let (store, clock) = store();
+    let key = Key::from("k");
+    // The log reads its window 30 ms longer: turns 130 ms apart.
+    let policy = policy("1/100ms", Algorithm::SlidingLog);
+    let tickets: Vec<Ticket> = (0..3)
+        .map(|_| ticket(1, Duration::from_secs(5), 30 * MS))
+        .collect();
+    let mut turns = Vec::new();
+    for &t in &tickets {
+        turns.push(turn(&store.reserve(&key, &policy, t).await.unwrap()));
+    }
+    assert_eq!(turns, [Duration::ZERO, 130 * MS, 260 * MS]);
+    // 130 ms ahead, more than its late of 30 ms: it stays.
+    let stood = store.look(&key, &policy, tickets[1]).await.unwrap();
+    assert_eq!((stood.turn, stood.past), (Some(130 * MS), Duration::ZERO));
+    clock.advance(90 * MS);
+    // A look at many takes nothing out, not even the first, whose turn has come.
+    let many = store
+        .look_many(&key, &policy, tickets.to_vec())
+        .await
+        .unwrap();
+    let stand: Vec<_> = many.iter().map(|s| (s.turn, s.past)).collect();
+    let zero = Duration::ZERO;
+    let expected = [
+        (Some(zero), 90 * MS),
+        (Some(40 * MS), zero),
+        (Some(170 * MS), zero),
+    ];
+    assert_eq!(stand, expected, "{many:?}");
+    // 40 ms ahead: it stays; 30 ms ahead: taken out, used.
+    let stood = store.look(&key, &policy, tickets[1]).await.unwrap();
+    assert_eq!(stood.turn, Some(40 * MS));
+    clock.advance(10 * MS);
+    let stood = store.look(&key, &policy, tickets[1]).await.unwrap();
+    assert_eq!(stood.turn, Some(30 * MS));
+    let gone = store.look(&key, &policy, tickets[1]).await.unwrap();
+    assert_eq!(gone.turn, None, "taken out, used");
+    // Its place was used: the one behind keeps its own turn, and a leave of the one taken
+    // out moves nobody.
+    assert_eq!(
+        store.leave(&key, &policy, tickets[1]).await.unwrap().turn,
+        None
+    );
+    let behind = store.look(&key, &policy, tickets[2]).await.unwrap();
+    assert_eq!(behind.turn, Some(160 * MS));
+    // Looked at 20 ms past its turn: it goes, and the look says how far past.
+    clock.advance(180 * MS);
+    let past = store.look(&key, &policy, tickets[2]).await.unwrap();
+    assert_eq!((past.turn, past.past), (Some(zero), 20 * MS));
+    assert_eq!(
+        store.look(&key, &policy, tickets[2]).await.unwrap().turn,
+        None
+    );
+}
+
+/// Tickets the stores cannot keep are refused with a clear error, on both stores: an id at
+/// or above 2^52 (Redis's numbers are exact below 2^53; `u64::MAX` was once stored as a
+/// negative member that no leave found), and a cost of 0. An id just below is kept and
+/// leaves. A cost above a count is refused with no turn (no wait helps).
+async fn tickets_out_of_range_are_refused<S: Store>(store: &S) {
+    for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
+        let key = Key::from(format!("range-{algorithm:?}"));
+        let policy = policy("10/1s", algorithm);
+        let wait = Duration::from_secs(5);
+        for id in [u64::MAX, MAX_ID] {
+            let far = Ticket::new(id, wait);
+            let got = store.reserve(&key, &policy, far).await;
+            assert!(
+                matches!(&got, Err(StoreError::Unsupported(m)) if m.contains("2^52")),
+                "{algorithm:?} id {id}: {got:?}"
+            );
+            let left = store.leave(&key, &policy, far).await;
+            assert!(left.is_err(), "{algorithm:?} id {id}: {left:?}");
+        }
+        let nothing = Ticket {
+            cost: 0,
+            ..Ticket::new(7, wait)
+        };
+        let got = store.reserve(&key, &policy, nothing).await;
+        assert!(
+            matches!(&got, Err(StoreError::Unsupported(m)) if m.contains("at least one unit")),
+            "{algorithm:?}: {got:?}"
+        );
+        let highest = Ticket::new(MAX_ID - 1, wait);
+        assert!(store
+            .reserve(&key, &policy, highest)
+            .await
+            .unwrap()
+            .is_allowed());
+        let left = store.leave(&key, &policy, highest).await.unwrap();
+        assert!(left.turn.is_some(), "{algorithm:?}: the highest id leaves");
+        let over = store
+            .reserve(&key, &policy, ticket(11, wait, Duration::ZERO))
+            .await
+            .unwrap();
+        assert!(
+            !over.is_allowed() && over.retry_after().is_none(),
+            "{algorithm:?}: a cost of 11 under 10/1s must be refused with no turn: {over:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn tickets_out_of_range_are_refused_on_memory() {
+    tickets_out_of_range_are_refused(&store().0).await;
+}
+
+#[tokio::test]
+async fn tickets_out_of_range_are_refused_on_redis() {
+    let server = crate::support::RedisServer::start();
+    tickets_out_of_range_are_refused(&server.store().await).await;
+}
+
+/// A reservation waits for Redis past the decisions' time budget (250 ms), up to its own
+/// `max_wait`: with Redis busy for 600 ms (`DEBUG SLEEP` on another connection) it gets its
+/// turn, where a decision fails. A Redis that is gone still fails it, with the store's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_waits_out_a_busy_redis_but_not_a_dead_one() {
+    let mut server = crate::support::RedisServer::start_with(&["--enable-debug-command", "local"]);
+    let store = server.store().await;
+    let key = Key::from("busy");
+    let policy = policy("10/1s", Algorithm::SlidingLog);
+    let port = server.port();
+    let stall = std::thread::spawn(move || {
+        crate::support::cluster::cli(port, &["DEBUG", "SLEEP", "0.6"]);
+    });
+    tokio::time::sleep(50 * MS).await;
+    let started = std::time::Instant::now();
+    let (reserved, decided) = tokio::join!(
+        store.reserve(&key, &policy, layer_ticket(Duration::from_secs(5))),
+        store.check(&Key::from("other"), &policy, 1),
+    );
+    let took = started.elapsed();
+    stall.join().unwrap();
+    eprintln!("reserved {reserved:?} after {took:?}; a decision meanwhile: {decided:?}");
+    let reserved = reserved.unwrap();
+    assert!(reserved.is_allowed(), "{reserved:?}");
+    assert!(
+        took >= 400 * MS,
+        "answered after {took:?}: Redis was asleep"
+    );
+    assert!(decided.is_err(), "a decision keeps its 250 ms: {decided:?}");
+    // The breaker the decision tripped lets the next reservation try again soon; Redis gone,
+    // it fails with the store's error rather than waiting for ever.
+    server.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let started = std::time::Instant::now();
+    let gone = store
+        .reserve(&key, &policy, layer_ticket(Duration::from_secs(5)))
+        .await;
+    eprintln!("with Redis gone: {gone:?} after {:?}", started.elapsed());
+    assert!(gone.is_err(), "{gone:?}");
+    assert!(started.elapsed() <= Duration::from_secs(6));
+}
+
+/// A forwarder on a free loopback port to `127.0.0.1:<target>` that holds what the client
+/// sends for `delay` before passing it on (a Redis that far away, one way), in order; the
+/// replies come back at once. Stops with the test's runtime.
+async fn delayed(target: u16, delay: Duration) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect(("127.0.0.1", target)).await;
+            let Ok(server) = server else { continue };
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            let (held, mut due) = tokio::sync::mpsc::unbounded_channel();
+            tokio::spawn(async move {
+                let mut chunk = vec![0; 64 * 1024];
+                while let Ok(n @ 1..) = client_read.read(&mut chunk).await {
+                    let at = tokio::time::Instant::now() + delay;
+                    if held.send((at, chunk[..n].to_vec())).is_err() {
+                        break;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                while let Some((at, bytes)) = due.recv().await {
+                    tokio::time::sleep_until(at).await;
+                    if server_write.write_all(&bytes).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+            });
+        }
+    });
+    port
+}
+
+/// Load: 20 000 reservations over 10 000 keys sent within 3 s by one store, to a Redis 25 ms
+/// away (`1/1s` each key: every turn within a second). A call of decisions carries at most 32,
+/// two at a time, so a reservation in those batches would wait for hundreds of calls; each is
+/// answered with its turn instead, none failing with the decisions' 250 ms budget ("no
+/// decision within 250ms") or with "store unavailable" (the breaker such timeouts trip).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_under_load_wait_rather_than_fail() {
+    const KEYS: usize = 10_000;
+    const CALLS: usize = 20_000;
+    let server = crate::support::RedisServer::start();
+    let port = delayed(server.port(), 25 * MS).await;
+    let url = format!("redis://127.0.0.1:{port}");
+    let store = std::sync::Arc::new(RedisStore::connect(&url).await.unwrap());
+    let policy = policy("1/1s", Algorithm::SlidingLog);
+    let started = std::time::Instant::now();
+    let mut calls = Vec::with_capacity(CALLS);
+    for i in 0..CALLS {
+        let (store, policy) = (store.clone(), policy.clone());
+        let key = Key::from(format!("load-{}", i % KEYS));
+        calls.push(tokio::spawn(async move {
+            let ticket = layer_ticket(Duration::from_secs(30));
+            store.reserve(&key, &policy, ticket).await
+        }));
+        if i % 1000 == 999 {
+            // Spread over about 2 s.
+            tokio::time::sleep(100 * MS).await;
+        }
+    }
+    let sent = started.elapsed();
+    let mut failed = std::collections::BTreeMap::<String, usize>::new();
+    let mut refused = 0;
+    for call in calls {
+        match call.await.unwrap() {
+            Ok(d) if d.is_allowed() => {}
+            Ok(_) => refused += 1,
+            Err(error) => *failed.entry(error.to_string()).or_default() += 1,
+        }
+    }
+    eprintln!(
+        "{CALLS} reservations over {KEYS} keys sent within {sent:?}, answered within {:?}: \
+         {refused} refused, failed: {failed:?}",
+        started.elapsed()
+    );
+    assert!(sent <= Duration::from_secs(3), "sent within {sent:?}");
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(refused, 0);
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::MemoryStore;
 use crate::model::key_state::{Ask, Booking, KeyState};
 use crate::model::{micros, Refund, Settle};
-use crate::store::reserve::{self, reservable, InLine, Reserve, Ticket};
+use crate::store::reserve::{self, named, reservable, InLine, Reserve, Ticket};
 use crate::store::Store;
 use crate::store::StoreError;
 use crate::{Key, Policy};
@@ -38,13 +38,19 @@ impl Reserve for MemoryStore {
     }
 
     fn look(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
-        let late = micros(ticket.late);
+        if let Err(error) = named(&ticket) {
+            return ready(Err(error));
+        }
+        let (late, cost) = (micros(ticket.late), u64::from(ticket.cost));
         ready(Ok(self.in_line(key, policy, |state, now| {
-            state.line.look(now, ticket.id, late)
+            state.line.look(now, (ticket.id, cost), late)
         })))
     }
 
     fn look_many(&self, key: &Key, policy: &Policy, tickets: Vec<Ticket>) -> Self::LinesFuture {
+        if let Err(error) = tickets.iter().try_for_each(named) {
+            return ready(Err(error));
+        }
         let now = self.now();
         let mut shard = self.shared.entries.lock(key, policy.state_id());
         let Some(entry) = shard
@@ -57,7 +63,7 @@ impl Reserve for MemoryStore {
         let pause = line.paused_until();
         let stood = tickets
             .iter()
-            .map(|ticket| InLine::at(now, line.turn(ticket.id), pause))
+            .map(|ticket| InLine::at(now, line.turn(ticket.id, ticket.cost.into()), pause))
             .collect();
         ready(Ok(stood))
     }
@@ -65,9 +71,12 @@ impl Reserve for MemoryStore {
     /// The place left at the end is refunded under the counts in force for the key, only
     /// where the key's state is the one the line was kept with (it is the same entry).
     fn leave(&self, key: &Key, policy: &Policy, ticket: Ticket) -> Self::LineFuture {
+        if let Err(error) = named(&ticket) {
+            return ready(Err(error));
+        }
         let (in_force, _) = self.in_force(key, policy);
         ready(Ok(self.in_line(key, policy, |state, now| {
-            let (at, left) = state.line.leave(now, ticket.id)?;
+            let (at, left) = state.line.leave(now, (ticket.id, ticket.cost.into()))?;
             if left.given_back(in_force.algorithm()) {
                 let refund = Refund {
                     units: left.cost,

@@ -588,7 +588,10 @@ impl Store for RedisStore {
                 let keys = vec![
                     redis_key.clone(),
                     format!("{redis_key}:box"),
-                    format!("{redis_key}:turns"),
+                    format!("{redis_key}:line"),
+                    format!("{redis_key}:places"),
+                    format!("{redis_key}:notices"),
+                    format!("{redis_key}:costs"),
                     format!("{redis_key}:pause"),
                     format!("{redis_key}:tries"),
                 ];

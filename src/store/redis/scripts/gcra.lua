@@ -234,8 +234,7 @@ for k = 1, REQUESTS do
       end
     end
     if turn ~= nil then
-      retry = turn
-      join_line(key, now + turn, cost)
+      retry = join_line(key, now + turn, cost) - now
     end
     local w, b = windows[reported], backlogs[reported]
     local u, d = weights[reported], drains[reported]

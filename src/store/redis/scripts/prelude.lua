@@ -476,20 +476,61 @@ end
 -- limit's count (an override's, if one applies), window and scale in `counts[i]`,
 -- `windows[i]` and `scales[i]` (entries past n are left over from an earlier request and
 -- never read; `scales` may be nil), and sets `overridden`.
--- The line of reservations (line.lua; src/model/line.rs): a reservation joins its key's line,
--- the sorted set `<key>:turns`, at its turn `at` (Redis time, us), as `<id>:<cost>:<notice>`;
--- turns LINE_KEPT past are dropped, and the set lives that long past its last turn.
+-- The line of reservations (line.lua, whose header names its keys; src/model/line.rs): a
+-- reservation joins its key's line at its end, as `<id>:<cost>` scored by the next sequence
+-- number, and its turn `at` (Redis time, us) joins the places, labelled by that number (16
+-- digits); its notice joins the notices, its cost the costs. Reservations whose places are
+-- LINE_KEPT past go first, as does one of the same member already in line (with its own
+-- place); the keys live that long past the last turn. A turn before the last place in line
+-- (counts raised by an override, another `late`) is put off to it, so that the new place is
+-- the last, as the new reservation's rank is: its units, recorded earlier, are used later,
+-- which keeps every limit (src/model/line.rs, Line::join). Returns the turn (us), put off or
+-- not.
 local LINE_KEPT = 10000000
-local function join_line(key, at, cost)
-  local line = key .. ':turns'
-  redis.call('ZREMRANGEBYSCORE', line, '-inf', text(now - LINE_KEPT))
-  redis.call('ZADD', line, text(at), text(reserve_id) .. ':' .. text(cost) .. ':' .. text(reserve_notice))
-  local ms = math.ceil((at - now + LINE_KEPT) / 1000)
-  if redis.call('PTTL', line) < ms then
-    redis.call('PEXPIRE', line, text(ms))
+local function line_keys(key)
+  return key .. ':line', key .. ':places', key .. ':notices', key .. ':costs'
+end
+-- Takes the reservations of ranks `from` to `to` out of the line of `key`, with their places.
+local function line_out(key, from, to)
+  local line, places, notices, costs = line_keys(key)
+  local gone = redis.call('ZRANGE', line, from, to)
+  redis.call('ZREMRANGEBYRANK', line, from, to)
+  redis.call('ZREMRANGEBYRANK', places, from, to)
+  for _, member in ipairs(gone) do
+    local cost = string.match(member, ':(%d+)$')
+    redis.call('ZREM', notices, member)
+    if redis.call('HINCRBY', costs, cost, -1) <= 0 then
+      redis.call('HDEL', costs, cost)
+    end
   end
 end
-
+local function join_line(key, at, cost)
+  local line, places, notices, costs = line_keys(key)
+  local stale = redis.call('ZCOUNT', places, '-inf', text(now - LINE_KEPT))
+  if stale > 0 then
+    line_out(key, 0, stale - 1)
+  end
+  local member = text(reserve_id) .. ':' .. text(cost)
+  local rank = redis.call('ZRANK', line, member)
+  if rank then
+    line_out(key, rank, rank)
+  end
+  local last = redis.call('ZRANGE', places, -1, -1, 'WITHSCORES')
+  at = math.max(at, tonumber(last[2] or '0'))
+  local newest = redis.call('ZRANGE', line, -1, -1, 'WITHSCORES')
+  local seq = tonumber(newest[2] or '0') + 1
+  redis.call('ZADD', line, text(seq), member)
+  redis.call('ZADD', places, text(at), string.format('%016d', seq))
+  redis.call('ZADD', notices, text(reserve_notice), member)
+  redis.call('HINCRBY', costs, text(cost), 1)
+  local ms = math.ceil((at - now + LINE_KEPT) / 1000)
+  for _, kept in ipairs({line, places, notices, costs}) do
+    if redis.call('PTTL', kept) < ms then
+      redis.call('PEXPIRE', kept, text(ms))
+    end
+  end
+  return at
+end
 local function next_request(counts, windows, scales, k)
   local n, cost, record, t, id, box, all, plan, known, kind
   local want, headroom, refund, admitted, weight

@@ -354,7 +354,7 @@ local function reserve(key, n, cost, wait, from)
     if allowed >= 1 then
       local logged = decide(key, n, cost, ADMIT, t, cost)
       local a, index, remaining, reset, _, count = sunpack('<llllll', logged)
-      join_line(key, t, cost)
+      t = join_line(key, t, cost)
       return spack('<llllll', a, index, remaining, reset, t - now, count)
     end
     if retry < 0 then

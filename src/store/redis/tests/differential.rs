@@ -33,13 +33,13 @@ use crate::store::redis::wire::{self, Record};
 use crate::{Limit, Policy};
 
 /// A `redis-server` of this test's own on a free port, killed when dropped.
-struct Server {
+pub(super) struct Server {
     child: Child,
-    port: u16,
+    pub(super) port: u16,
 }
 
 impl Server {
-    fn start() -> Server {
+    pub(super) fn start() -> Server {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())

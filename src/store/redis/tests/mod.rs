@@ -4,3 +4,4 @@
 
 mod differential;
 mod lease_model;
+mod line;
