@@ -105,6 +105,9 @@ impl<St: Store> WaitTurn<St> {
         // calls that come meanwhile.
         let shared = Arc::clone(&seat.shared);
         let key = seat.key.clone();
+        // It waits for the measure at most half its wait: a stalled store fails its
+        // reservation, not its measure.
+        let patience = seat.ticket.max_wait / 2;
         let measure = async move {
             let measured = shared.measured.get_or_init(|| async {
                 // Twice: the first look may also load the script, or connect.
@@ -121,7 +124,7 @@ impl<St: Store> WaitTurn<St> {
                         .round_trip_took((received - sent) * 2, received);
                 }
             });
-            measured.await;
+            let _ = tokio::time::timeout(patience, measured).await;
         };
         WaitTurn {
             state: State::Measuring {
@@ -146,58 +149,61 @@ impl<St: Store> Future for WaitTurn<St> {
         let state = &mut self.state;
         loop {
             // Each state either moves on (`Ok`), or parks until woken (`Err`, the state kept).
-            let next =
-                match std::mem::replace(state, State::Done(None)) {
-                    State::Reserving(mut asked) => match asked.poll(cx) {
-                        Poll::Pending => Err(State::Reserving(asked)),
-                        Poll::Ready(Ok(placed)) => Ok(placed.reserved()),
-                        Poll::Ready(Err(error)) => Ok(State::Done(Some(Err(error)))),
-                    },
-                    State::Measuring { mut measure, seat } => match measure.as_mut().poll(cx) {
-                        Poll::Pending => Err(State::Measuring { measure, seat }),
-                        Poll::Ready(()) => Ok(seat.map_or(State::Done(None), |seat| {
-                            State::Reserving(Asked::new(seat.remade()))
-                        })),
-                    },
-                    State::Leaving { mut left, seat } => match Pin::new(&mut left).poll(cx) {
+            let next = match std::mem::replace(state, State::Done(None)) {
+                State::Reserving(mut asked) => match asked.poll(cx) {
+                    Poll::Pending => Err(State::Reserving(asked)),
+                    Poll::Ready(Ok(placed)) => Ok(placed.reserved()),
+                    Poll::Ready(Err(error)) => Ok(State::Done(Some(Err(error)))),
+                },
+                State::Measuring { mut measure, seat } => match measure.as_mut().poll(cx) {
+                    Poll::Pending => Err(State::Measuring { measure, seat }),
+                    Poll::Ready(()) => Ok(match seat.map(|seat| seat.again()) {
+                        None => State::Done(None),
+                        Some(Some(seat)) => State::Reserving(Asked::new(seat)),
+                        Some(None) => State::Done(Some(Err(OutboundError::TooLate { turn: None }))),
+                    }),
+                },
+                State::Leaving { mut left, seat } => {
+                    match Pin::new(&mut left).poll(cx) {
                         Poll::Pending => Err(State::Leaving { left, seat }),
                         Poll::Ready(_) => Ok(seat
                             .map_or(State::Done(None), |seat| State::Reserving(Asked::new(seat)))),
-                    },
-                    State::Waiting {
-                        mut sleep,
-                        mut woken,
-                        placed,
-                    } => {
-                        let slept = sleep.as_mut().poll(cx).is_ready();
-                        let rung = woken
-                            .as_mut()
-                            .is_some_and(|w| w.as_mut().poll(cx).is_ready());
-                        match (slept, rung) {
-                            (true, _) => Ok(placed.look()),
-                            (false, true) => Ok(placed.after_seen()),
-                            (false, false) => Err(State::Waiting {
-                                sleep,
-                                woken,
-                                placed,
-                            }),
-                        }
                     }
-                    State::Looking {
-                        mut look,
-                        sent,
-                        placed,
-                    } => match look.as_mut().poll(cx) {
-                        Poll::Pending => Err(State::Looking { look, sent, placed }),
-                        Poll::Ready(stood) => Ok(placed.after_look(stood, sent)),
-                    },
-                    State::Going { mut sleep, turn } => match sleep.as_mut().poll(cx) {
-                        Poll::Pending => Err(State::Going { sleep, turn }),
-                        Poll::Ready(()) => Ok(State::Done(turn.map(Ok))),
-                    },
-                    State::Done(Some(done)) => return Poll::Ready(done),
-                    State::Done(None) => return Poll::Pending,
-                };
+                }
+                State::Waiting {
+                    mut sleep,
+                    mut woken,
+                    placed,
+                } => {
+                    let slept = sleep.as_mut().poll(cx).is_ready();
+                    let rung = woken
+                        .as_mut()
+                        .is_some_and(|w| w.as_mut().poll(cx).is_ready());
+                    match (slept, rung) {
+                        (true, _) => Ok(placed.look()),
+                        (false, true) => Ok(placed.after_seen()),
+                        (false, false) => Err(State::Waiting {
+                            sleep,
+                            woken,
+                            placed,
+                        }),
+                    }
+                }
+                State::Looking {
+                    mut look,
+                    sent,
+                    placed,
+                } => match look.as_mut().poll(cx) {
+                    Poll::Pending => Err(State::Looking { look, sent, placed }),
+                    Poll::Ready(stood) => Ok(placed.after_look(stood, sent)),
+                },
+                State::Going { mut sleep, turn } => match sleep.as_mut().poll(cx) {
+                    Poll::Pending => Err(State::Going { sleep, turn }),
+                    Poll::Ready(()) => Ok(State::Done(turn.map(Ok))),
+                },
+                State::Done(Some(done)) => return Poll::Ready(done),
+                State::Done(None) => return Poll::Pending,
+            };
             match next {
                 Ok(next) => *state = next,
                 Err(parked) => {
@@ -273,18 +279,8 @@ impl<St: Store> Seat<St> {
         Shared::then_wake(&self.shared, self.key.clone(), change, failed)
     }
 
-    /// The same seat, its ticket made again with the layer's margin now.
-    fn remade(self) -> Seat<St> {
-        Seat {
-            ticket: Ticket {
-                cost: self.ticket.cost,
-                ..self.shared.ticket(self.ticket.max_wait)
-            },
-            ..self
-        }
-    }
-
-    /// The same wait, reserving again with what is left of it; `None` when nothing is left.
+    /// The same wait, reserving again with what is left of it, with the layer's margin now;
+    /// `None` when nothing is left.
     fn again(&self) -> Option<Seat<St>> {
         let waited = self
             .shared
