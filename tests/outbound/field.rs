@@ -285,3 +285,68 @@ async fn four_workers_finish_together_on_the_log() {
 async fn four_workers_finish_together_on_gcra() {
     four_workers_finish_together(Algorithm::Gcra).await;
 }
+
+/// Load, scaled to a debug build (a tenth of 20 000 calls over 10 000 keys within 3 s):
+/// 2 000 calls over 1 000 keys at `1/1s` each, handed to one layer within 3 s. Every call is
+/// served, or fails with `TooLate` for a turn truly past `max_wait`; none fails with the
+/// store's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_calls_over_a_thousand_keys_wait_rather_than_fail() {
+    const KEYS: usize = 1_000;
+    const CALLS: usize = 2_000;
+    let server = RedisServer::start();
+    let max_wait = Duration::from_secs(10);
+    let layer = OutboundLayer::builder()
+        .policy(per_second(1))
+        .store(server.store().await)
+        .max_wait(max_wait)
+        .build()
+        .unwrap();
+    let turns = layer.turns();
+    let start = Instant::now();
+    let mut calls = Vec::with_capacity(CALLS);
+    for i in 0..CALLS {
+        // Both calls of a key come together: the second waits a second for its turn.
+        let key = tower_redis_ratelimit::Key::from(format!("load-{}", i / (CALLS / KEYS)));
+        let wait = turns.wait(key, 1);
+        calls.push(tokio::spawn(async move {
+            match wait.await {
+                Ok(turn) => {
+                    turn.go();
+                    Ok(())
+                }
+                Err(error) => Err(error),
+            }
+        }));
+        if i % 200 == 199 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    let sent = start.elapsed();
+    let (mut served, mut late, mut failed) = (0, 0, Vec::new());
+    for call in calls {
+        match call.await.unwrap() {
+            Ok(()) => served += 1,
+            Err(OutboundError::TooLate { turn }) => {
+                assert!(turn.is_none_or(|t| t > max_wait), "TooLate at {turn:?}");
+                late += 1;
+            }
+            Err(error) => failed.push(error.to_string()),
+        }
+    }
+    eprintln!(
+        "{CALLS} calls over {KEYS} keys handed over within {sent:?}: {served} served, {late} \
+         too late, {} failed ({:?}), all done after {:?}",
+        failed.len(),
+        failed.first(),
+        start.elapsed()
+    );
+    assert!(sent <= Duration::from_secs(3));
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    assert_eq!(served + late, CALLS);
+}
