@@ -84,7 +84,7 @@ impl<St: Store> Shared<St> {
     pub(super) fn pause(this: &Arc<Self>, key: Key, pause: Duration) {
         let paused = move |store: &St, key: &Key, policy: &Policy| store.pause(key, policy, pause);
         let failed = "failed to pause a key the upstream pushed back on";
-        let _ = Self::then_wake(this, key, paused, failed);
+        drop(Self::then_wake(this, key, paused, failed));
     }
 
     /// Makes a change to the line of `key` on a task of its own, then has the key's looker

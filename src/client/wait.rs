@@ -264,7 +264,7 @@ impl<St: Store> Seat<St> {
     /// though its look at its turn failed, which would have taken it out.
     fn used(&self) {
         let look = |store: &St, key: &Key, policy: &Policy, ticket| store.look(key, policy, ticket);
-        let _ = self.then_wake(look, "failed to take a used reservation out of the line");
+        drop(self.then_wake(look, "failed to take a used reservation out of the line"));
     }
 
     /// Makes a change to the line on a task of its own, then wakes this layer's waiting
@@ -349,7 +349,7 @@ impl<St: Store> Asked<St> {
             Err(error) => {
                 // The store may have run it all the same (a reply later than the time budget):
                 // it leaves the line it may be in.
-                let _ = seat.leave();
+                drop(seat.leave());
                 return Poll::Ready(Err(OutboundError::Store(error)));
             }
         };
@@ -385,7 +385,7 @@ impl<St: Store> Drop for Asked<St> {
             if future.await.is_ok_and(|d| !d.is_allowed()) {
                 return;
             }
-            let _ = seat.leave();
+            drop(seat.leave());
         });
     }
 }
@@ -680,7 +680,7 @@ impl<St: Store> Placed<St> {
 impl<St: Store> Drop for Placed<St> {
     fn drop(&mut self) {
         if let Some(seat) = self.seat.take().filter(|_| self.in_line) {
-            let _ = seat.leave();
+            drop(seat.leave());
         }
     }
 }
