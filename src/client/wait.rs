@@ -180,7 +180,7 @@ impl<St: Store> Future for WaitTurn<St> {
                         .as_mut()
                         .is_some_and(|w| w.as_mut().poll(cx).is_ready());
                     match (slept, rung) {
-                        (true, _) => Ok(placed.look()),
+                        (true, _) => Ok(placed.wait()),
                         (false, true) => Ok(placed.after_seen()),
                         (false, false) => Err(State::Waiting {
                             sleep,
@@ -363,7 +363,7 @@ impl<St: Store> Asked<St> {
         };
         let d = decision.turn();
         Poll::Ready(Ok(Placed {
-            turn: seat.bracket(heard, d),
+            answer: (heard, d),
             reserved: Some((heard, d)),
             in_line: true,
             watch: None,
@@ -400,9 +400,10 @@ impl<St: Store> Seat<St> {
 
 /// A reservation in line: it leaves the line when dropped before its request went out.
 pub(super) struct Placed<St: Store> {
-    /// The earliest and the latest its turn may be on the instance's clock, as it last
-    /// learned.
-    turn: (Instant, Instant),
+    /// The latest answer about its turn: heard when, and how far ahead of the store's now
+    /// (the bracket of its turn on the instance's clock is read from it with the rate the
+    /// layer knows at the time, [`Placed::turn`]).
+    answer: (Heard, Duration),
     /// Its reservation's answer and the turn it gave, while no look has seen the line move it
     /// (the rate between the clocks is read from it at the turn).
     reserved: Option<(Heard, Duration)>,
@@ -415,6 +416,15 @@ pub(super) struct Placed<St: Store> {
 }
 
 impl<St: Store> Placed<St> {
+    /// The earliest and the latest its turn may be on the instance's clock.
+    fn turn(&self) -> (Instant, Instant) {
+        let (heard, ahead) = self.answer;
+        match self.seat.as_ref() {
+            Some(seat) => seat.bracket(heard, ahead),
+            None => (heard.sent + ahead, heard.received + ahead),
+        }
+    }
+
     /// What it does once reserved: a turn at most `late` ahead is as a look at the turn
     /// would find it, so it goes as after that look (the look that takes it out of the line
     /// is sent on a task of its own); a later one waits.
@@ -449,7 +459,7 @@ impl<St: Store> Placed<St> {
         // Aimed a round trip before the turn's earliest: it answers before the turn (ahead,
         // where only the round trip must fit the margin) wherever in its round trip the
         // store reads it; one that comes more than `late` early only narrows the bracket.
-        let aim = self.turn.0.checked_sub(shared.reach.round_trip());
+        let aim = self.turn().0.checked_sub(shared.reach.round_trip());
         let aim = aim.unwrap_or(now);
         if aim <= now {
             return self.look();
@@ -462,8 +472,10 @@ impl<St: Store> Placed<St> {
             .watch
             .as_ref()
             .map(|w| Box::pin(Arc::clone(&w.slot.woken).notified_owned()));
+        // At most a `recheck` at a time: it aims again with the rate the layer knows then (no
+        // store call), so that a rate learned meanwhile moves its look.
         State::Waiting {
-            sleep: Box::pin(shared.clock.sleep_until(aim)),
+            sleep: Box::pin(shared.clock.sleep_until(aim.min(now + shared.recheck))),
             woken,
             placed: self,
         }
@@ -491,11 +503,10 @@ impl<St: Store> Placed<St> {
             sent: seen.sent,
             received: seen.received,
         };
-        let turn = seat.bracket(heard, ahead);
-        if turn.1 < self.turn.0 {
+        if seat.bracket(heard, ahead).1 < self.turn().0 {
             self.reserved = None;
         }
-        self.turn = turn;
+        self.answer = (heard, ahead);
         self.wait()
     }
 
@@ -548,13 +559,13 @@ impl<St: Store> Placed<St> {
         let stood = match stood {
             Ok(stood) => stood,
             // The store could not say: the turn it had holds, while it may still leave.
-            Err(_) if now > until(self.turn.0) => return self.again(None),
+            Err(_) if now > until(self.turn().0) => return self.again(None),
             // It goes at its turn: the look that would have taken it out of the line is sent
             // again, on a task of its own.
-            Err(_) if now >= self.turn.1 => {
+            Err(_) if now >= self.turn().1 => {
                 seat.used();
                 self.in_line = false;
-                let until = until(self.turn.0);
+                let until = until(self.turn().0);
                 return State::Done(Some(Ok(Turn::new(self, until))));
             }
             Err(_) => return self.wait(),
@@ -571,14 +582,13 @@ impl<St: Store> Placed<St> {
         if ahead > late {
             // Not its turn yet: it learned where its turn is (earlier, where the line moved it
             // up; then the reservation's answer no longer tells the rate).
-            let turn = seat.bracket(heard, ahead);
-            if turn.1 < self.turn.0 {
+            if seat.bracket(heard, ahead).1 < self.turn().0 {
                 self.reserved = None;
             }
             if let Some((local, store)) = self.reserved.and_then(|r| ran(r, (heard, ahead, past))) {
                 shared.reach.rate_seen(local, store);
             }
-            self.turn = turn;
+            self.answer = (heard, ahead);
             return self.wait();
         }
         // The look took it out of the line.
