@@ -26,6 +26,7 @@
 mod error;
 mod future;
 mod layer;
+mod pace;
 mod pushback;
 mod service;
 mod shared;
