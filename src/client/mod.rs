@@ -36,6 +36,7 @@ mod error;
 mod future;
 mod layer;
 mod looker;
+mod pace;
 mod pushback;
 #[cfg(feature = "reqwest")]
 mod reqwest;

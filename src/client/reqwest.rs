@@ -5,13 +5,13 @@
 use std::convert::Infallible;
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use ::reqwest::{Request, Response};
 use http::Extensions;
 use reqwest_middleware::{Middleware, Next};
 
-use super::pushback::pushback;
+use super::pushback::pushback_or_log;
+use super::shared::Shared;
 use super::{OutboundError, OutboundLayer, Turns};
 use crate::key::Global;
 use crate::{Key, KeyError, MemoryStore, Store};
@@ -26,7 +26,8 @@ type KeyOf = dyn Fn(&Request) -> Option<Key> + Send + Sync;
 ///
 /// Each request waits for a turn of one unit of its key ([`Turns::wait`]), uses it right before
 /// it goes to the next middleware (and, at the end of the chain, out), and pauses its key
-/// where the answer pushes back (`429` or `503` with `Retry-After`, as the layer reads them).
+/// where the answer pushes back (`429` or `503` with `Retry-After`, read and capped by
+/// `max_pause` as the layer does).
 /// A request that does not go out fails with `reqwest_middleware::Error::Middleware`, whose
 /// `anyhow::Error` holds the [`OutboundError<Infallible>`](OutboundError) (`downcast_ref`
 /// finds it); an error of the chain after it is returned as it came.
@@ -131,22 +132,19 @@ impl<St: Store> Middleware for OutboundMiddleware<St> {
         let failed = reqwest_middleware::Error::middleware::<OutboundError<Infallible>>;
         let key = (self.key)(&request).ok_or(OutboundError::Key(KeyError::NotFound));
         let key = key.map_err(failed)?;
-        let turn = self.turns.wait(key.clone(), 1).await.map_err(failed)?;
+        let turn = self.turns.wait(key, 1).await.map_err(failed)?;
+        // Where the answer's pushback pauses, as the layer's response future does.
+        let pauser = turn.pauser();
         turn.go();
         let response = next.run(request, extensions).await?;
-        if let Some(wait) = pushback_of(&response) {
-            self.turns.pause(&key, wait);
+        if let Some((shared, key)) = pauser {
+            let status = response.status().as_u16();
+            if let Some(wait) = pushback_or_log(status, response.headers(), shared.max_pause) {
+                Shared::pause(&shared, key, wait);
+            }
         }
         Ok(response)
     }
-}
-
-/// How long `response` asks its key to pause, read as the layer reads an `http::Response`.
-fn pushback_of(response: &Response) -> Option<Duration> {
-    let mut answer = http::Response::new(());
-    *answer.status_mut() = response.status();
-    *answer.headers_mut() = response.headers().clone();
-    pushback(&answer)
 }
 
 /// The key of every request of a layer of one key ([`Global`]'s).
