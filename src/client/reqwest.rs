@@ -27,7 +27,8 @@ type KeyOf = dyn Fn(&Request) -> Option<Key> + Send + Sync;
 /// Each request waits for a turn of one unit of its key ([`Turns::wait`]), uses it right before
 /// it goes to the next middleware (and, at the end of the chain, out), and pauses its key
 /// where the answer pushes back (`429` or `503` with `Retry-After`, read and capped by
-/// `max_pause` as the layer does).
+/// `max_pause` as the layer does), handing the refusal back once the store has recorded the
+/// pause, so that the caller's next request waits for it.
 /// A request that does not go out fails with `reqwest_middleware::Error::Middleware`, whose
 /// `anyhow::Error` holds the [`OutboundError<Infallible>`](OutboundError) (`downcast_ref`
 /// finds it); an error of the chain after it is returned as it came.
@@ -140,11 +141,21 @@ impl<St: Store> Middleware for OutboundMiddleware<St> {
         if let Some((shared, key)) = pauser {
             let status = response.status().as_u16();
             if let Some(wait) = pushback_or_log(status, response.headers(), shared.max_pause) {
-                Shared::pause(&shared, key, wait);
+                pause(&shared, key, wait).await;
             }
         }
         Ok(response)
     }
+}
+
+/// Pauses `key` for every caller that shares the store, as the layer does, and returns once
+/// the store has answered the first try: the caller, handed the refusal only then, does not
+/// send its next request before the pause is recorded (it would reserve a turn before it).
+async fn pause<St: Store>(shared: &Arc<Shared<St>>, key: Key, wait: std::time::Duration) {
+    let paused =
+        move |store: &St, key: &Key, policy: &crate::Policy| store.pause(key, policy, wait);
+    let failed = "failed to pause a key the upstream pushed back on";
+    let _ = Shared::then_wake(shared, key, paused, failed).await;
 }
 
 /// The key of every request of a layer of one key ([`Global`]'s).

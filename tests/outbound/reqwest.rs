@@ -297,3 +297,29 @@ async fn the_key_comes_from_the_request_and_failures_do_not_go_out() {
     assert_eq!(outbound(no_key.unwrap_err()), expected);
     assert_eq!(arrivals.lock().unwrap().len(), 2);
 }
+
+/// The layer's `max_pause` caps what a reqwest answer's `Retry-After` pauses, as it does for
+/// the layer's own requests: a `Retry-After: 1` under a `max_pause` of 300 ms holds the next
+/// request 300 ms, not a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushback_pauses_reqwest_calls_at_most_max_pause() {
+    let (addr, arrivals) = stand_in(Some(1)).await;
+    let layer = OutboundLayer::builder()
+        .policy(ten_per_second())
+        .max_pause(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = reqwest_middleware::ClientBuilder::new(http)
+        .with(layer.middleware())
+        .build();
+    for expected in [StatusCode::TOO_MANY_REQUESTS, StatusCode::OK] {
+        let response = client.get(format!("http://{addr}/")).send().await.unwrap();
+        assert_eq!(response.status(), expected);
+    }
+    let arrivals = arrivals.lock().unwrap().clone();
+    let held = arrivals[1].0 - arrivals[0].0;
+    eprintln!("a Retry-After: 1 under a max_pause of 300 ms held the next request {held:?}");
+    assert!(held >= Duration::from_millis(300), "{held:?}");
+    assert!(held < Duration::from_millis(800), "{held:?}");
+}
