@@ -206,8 +206,8 @@ fn wakes(was: Option<&Seen>, seen: &Seen) -> bool {
     }
     match was.and_then(|was| Some((was, was.stood.turn?))) {
         Some((was, before)) => seen.received + ahead < was.sent + before,
-        // First seen: the waiter knows its turn from its reservation.
-        None => false,
+        // First seen: the line may have moved it up since its reservation answered.
+        None => true,
     }
 }
 

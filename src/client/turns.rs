@@ -81,11 +81,11 @@ impl<St: Store> Turns<St> {
 }
 
 /// A turn that has come ([`Turns::wait`]): [`go`](Turn::go) uses it, right before the work
-/// goes out. Dropped unused, it is given back where the store still holds it; the look at
-/// the turn has usually taken it out of the line already (its units count as used: no one
-/// moves up into a place whose time has come). To give a place back so that the line moves
-/// up, drop the [`WaitTurn`] before its turn.
-#[must_use = "a turn dropped unused is given back"]
+/// goes out. It holds for the layer's margin from the turn: use it at once. Dropped unused,
+/// its place is not given back: the look at the turn took it out of the line, used (nobody
+/// can move into a place whose time has come), and its units stay counted. To give a place
+/// back so that the line moves up, drop the [`WaitTurn`] before its turn.
+#[must_use = "a turn is used by `go`"]
 pub struct Turn<St: Store> {
     placed: Placed<St>,
     /// The latest it may leave on the instance's clock.
@@ -103,8 +103,8 @@ impl<St: Store> Turn<St> {
         Turn { placed, until }
     }
 
-    /// Uses the turn: call it right before the work goes out (the layer counts the turn's
-    /// `margin` from the turn to the work's arrival upstream).
+    /// Uses the turn: call it right before the work goes out, at once (the upstream may see
+    /// the work up to the layer's margin after the turn, and no later).
     pub fn go(mut self) {
         self.placed.keep();
     }

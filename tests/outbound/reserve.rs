@@ -853,3 +853,41 @@ async fn reservations_under_load_wait_rather_than_fail() {
     assert!(failed.is_empty(), "{failed:?}");
     assert_eq!(refused, 0);
 }
+
+/// The line's keys on Redis expire 10 s after its last turn, all four together; a reset of the
+/// key deletes them, and the reservations it held leave nothing.
+#[tokio::test]
+async fn the_line_keys_expire_after_the_last_turn_and_a_reset_takes_them() {
+    let server = crate::support::RedisServer::start();
+    let store = server.store().await;
+    let key = Key::from("kept");
+    let policy = policy("1/1s", Algorithm::SlidingLog);
+    let tickets: Vec<Ticket> = (0..3)
+        .map(|_| layer_ticket(Duration::from_secs(5)))
+        .collect();
+    for &t in &tickets {
+        assert!(store.reserve(&key, &policy, t).await.unwrap().is_allowed());
+    }
+    let state = redis_key(&store, &key, &policy);
+    let names = ["line", "places", "notices", "costs"].map(|n| format!("{state}:{n}"));
+    for name in &names {
+        let ttl: i64 = crate::support::cluster::cli(server.port(), &["PTTL", name])
+            .trim()
+            .parse()
+            .unwrap();
+        // The last turn is 2 s away.
+        assert!((11_000..=12_100).contains(&ttl), "{name}: {ttl} ms");
+    }
+    store.reset(&key, &policy).await.unwrap();
+    for name in &names {
+        let there = crate::support::cluster::cli(server.port(), &["EXISTS", name]);
+        assert_eq!(there.trim(), "0", "{name} after the reset");
+    }
+    let stood = store
+        .look_many(&key, &policy, tickets.clone())
+        .await
+        .unwrap();
+    assert!(stood.iter().all(|s| s.turn.is_none()), "{stood:?}");
+    let left = store.leave(&key, &policy, tickets[0]).await.unwrap();
+    assert_eq!(left.turn, None);
+}
