@@ -143,14 +143,17 @@ async fn far_redis_serves_every_call_at_the_full_rate(round_trip: Duration, with
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_40ms_away_serves_every_call_at_the_full_rate() {
-    far_redis_serves_every_call_at_the_full_rate(Duration::from_millis(40), 1.15).await;
+    // Measured alone 3.15 to 3.47 s (within 15 %); the bound leaves room for a loaded CI
+    // machine (4.39 s once with the whole binary running at once), and still fails the
+    // client that looked after its turn (4.24 s).
+    far_redis_serves_every_call_at_the_full_rate(Duration::from_millis(40), 1.3).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_60ms_away_serves_every_call_at_the_full_rate() {
-    // Measured 3.48 s (16 % over): the margin covers two round trips (130 ms), and every
-    // window is that much longer.
-    far_redis_serves_every_call_at_the_full_rate(Duration::from_millis(60), 1.25).await;
+    // Measured alone 3.41 to 3.48 s (14 to 16 % over): the margin covers about two round
+    // trips, and every window is that much longer.
+    far_redis_serves_every_call_at_the_full_rate(Duration::from_millis(60), 1.3).await;
 }
 
 /// A round trip longer than the widest margin allows fails at once, naming it, rather than
