@@ -8,6 +8,7 @@ mod admission;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod blocklist;
 pub mod body;
+mod chain;
 pub mod client;
 mod decision;
 mod decisions;

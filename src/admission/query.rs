@@ -118,7 +118,7 @@ impl Query {
             target: "tower_redis_ratelimit",
             policy = policy.name(),
             key = %self.key.loggable(),
-            %error,
+            error = %crate::chain::Chain(error),
             "rate-limit store failed; deciding locally"
         );
         let owes = self.usage.is_some() || self.holds.is_some();
@@ -238,7 +238,7 @@ impl Query {
             target: "tower_redis_ratelimit",
             policy = self.responder.policy.name(),
             key = %self.key.loggable(),
-            %error,
+            error = %crate::chain::Chain(error),
             mode = ?options.failure_mode,
             "rate-limit store failed"
         );

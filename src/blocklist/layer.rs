@@ -159,7 +159,7 @@ where
                         Err(error) => {
                             tracing::warn!(
                                 target: "tower_redis_ratelimit",
-                                %error,
+                                error = %crate::chain::Chain(&error),
                                 "blocklist could not confirm a key; letting it through"
                             );
                             false

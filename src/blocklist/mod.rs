@@ -356,6 +356,7 @@ async fn refresh_every(shared: std::sync::Weak<Shared>, interval: Duration) {
             return;
         };
         if let Err(error) = shared.refresh().await {
+            let error = crate::chain::Chain(&error);
             tracing::warn!(target: "tower_redis_ratelimit", %error, "blocklist refresh failed");
         }
     }

@@ -5,6 +5,36 @@ use std::time::Duration;
 use crate::{KeyError, StoreError};
 
 /// Why an outbound request did not go out, or what the service it went to answered.
+///
+/// Like every error of this crate, its message says what failed and its cause is its
+/// [`source`](std::error::Error::source), never repeated in the message: print the chain to
+/// see both. An upstream's refusal (a `429`, a gRPC `RESOURCE_EXHAUSTED`) is no error here: it
+/// is the inner service's answer, returned as it came (after pausing the key).
+///
+/// ```
+/// use std::error::Error;
+/// use tower_redis_ratelimit::client::OutboundError;
+/// use tower_redis_ratelimit::KeyError;
+///
+/// /// The error and its causes on one line.
+/// fn chain(error: &dyn Error) -> String {
+///     let mut text = error.to_string();
+///     let mut cause = error.source();
+///     while let Some(error) = cause {
+///         text = format!("{text}: {error}");
+///         cause = error.source();
+///     }
+///     text
+/// }
+///
+/// let failed: OutboundError<std::io::Error> =
+///     OutboundError::Inner(std::io::Error::other("connection reset"));
+/// assert_eq!(failed.to_string(), "the inner service failed");
+/// assert_eq!(chain(&failed), "the inner service failed: connection reset");
+///
+/// let no_key: OutboundError<std::io::Error> = OutboundError::Key(KeyError::NotFound);
+/// assert_eq!(chain(&no_key), "the request has no key: the key extractor found no key");
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum OutboundError<E> {
@@ -27,11 +57,11 @@ pub enum OutboundError<E> {
         max_margin: Duration,
     },
     /// The request has no key.
-    #[error("the request has no key: {0}")]
-    Key(KeyError),
+    #[error("the request has no key")]
+    Key(#[source] KeyError),
     /// The store could not reserve.
-    #[error("the store could not reserve: {0}")]
-    Store(StoreError),
+    #[error("the store could not reserve")]
+    Store(#[source] StoreError),
     /// The inner service failed.
     #[error("the inner service failed")]
     Inner(#[source] E),

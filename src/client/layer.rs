@@ -6,6 +6,7 @@ use std::time::Duration;
 use tower_layer::Layer;
 
 use super::clock::Clock;
+use super::pushback::{MAX_PAUSE, MAX_PAUSE_LIMIT};
 use super::service::Outbound;
 use super::shared::Shared;
 use crate::key::Global;
@@ -43,6 +44,7 @@ impl OutboundLayer {
             max_margin: None,
             recheck: Duration::from_millis(100),
             clock: Clock::real(),
+            max_pause: MAX_PAUSE,
         }
     }
 }
@@ -74,6 +76,7 @@ pub struct OutboundLayerBuilder<K = Global, St = MemoryStore> {
     max_margin: Option<Duration>,
     recheck: Duration,
     clock: Clock,
+    max_pause: Duration,
 }
 
 impl<K, St> OutboundLayerBuilder<K, St> {
@@ -95,6 +98,7 @@ impl<K, St> OutboundLayerBuilder<K, St> {
             max_margin: self.max_margin,
             recheck: self.recheck,
             clock: self.clock,
+            max_pause: self.max_pause,
         }
     }
 
@@ -110,6 +114,7 @@ impl<K, St> OutboundLayerBuilder<K, St> {
             max_margin: self.max_margin,
             recheck: self.recheck,
             clock: self.clock,
+            max_pause: self.max_pause,
         }
     }
 
@@ -202,17 +207,74 @@ impl<K, St> OutboundLayerBuilder<K, St> {
                 why: format!("an outbound layer: {why}"),
             });
         }
+        if let Some(why) = pause_out_of_range(self.max_pause) {
+            return Err(BuildError::Unsupported {
+                policy: policy.name().to_owned(),
+                why: format!("an outbound layer: {why}"),
+            });
+        }
         fits(self.margin).map_err(unsupported)?;
         fits(max_margin).map_err(unsupported)?;
         Ok(OutboundLayer {
             key: Arc::new(self.key),
-            shared: Arc::new(Shared::new(
-                self.store,
-                policy,
-                self.max_wait,
-                (self.margin, max_margin, self.recheck),
-                self.clock,
-            )),
+            shared: Arc::new(
+                Shared::new(
+                    self.store,
+                    policy,
+                    self.max_wait,
+                    (self.margin, max_margin, self.recheck),
+                    self.clock,
+                )
+                .with_max_pause(self.max_pause),
+            ),
         })
+    }
+
+    /// The longest an upstream's pushback pauses a key (default an hour, at most a day):
+    /// a `429` or `503` with `Retry-After`, or a gRPC `RESOURCE_EXHAUSTED` with
+    /// `grpc-retry-pushback-ms`, pauses the key for every instance that shares the store,
+    /// for as long as it asks up to this. So a `Retry-After: 999999` stops the whole fleet's
+    /// calls of the key for at most `max_pause`; an upstream whose daily quota resets at
+    /// midnight may ask for hours. Zero is a build error: a pause is how the fleet stops
+    /// sending to an upstream that refuses it (`docs/outbound.md`, "Upstream pushback").
+    pub fn max_pause(mut self, max_pause: Duration) -> Self {
+        self.max_pause = max_pause;
+        self
+    }
+}
+
+/// Why a `max_pause` is refused: zero, or longer than a day.
+fn pause_out_of_range(max_pause: Duration) -> Option<&'static str> {
+    match max_pause {
+        pause if pause.is_zero() => Some("its max_pause must be longer than zero"),
+        pause if pause > MAX_PAUSE_LIMIT => Some("its max_pause is at most a day"),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn built(max_pause: Option<Duration>) -> Result<OutboundLayer, BuildError> {
+        let builder = OutboundLayer::builder().policy("10/1s".parse().unwrap());
+        match max_pause {
+            Some(max_pause) => builder.max_pause(max_pause).build(),
+            None => builder.build(),
+        }
+    }
+
+    #[test]
+    fn max_pause_is_an_hour_by_default_and_between_zero_and_a_day() {
+        assert_eq!(built(None).unwrap().shared.max_pause, MAX_PAUSE);
+        let five = Duration::from_secs(5);
+        assert_eq!(built(Some(five)).unwrap().shared.max_pause, five);
+        assert!(built(Some(MAX_PAUSE_LIMIT)).is_ok());
+        for refused in [Duration::ZERO, MAX_PAUSE_LIMIT + Duration::from_millis(1)] {
+            match built(Some(refused)) {
+                Err(BuildError::Unsupported { why, .. }) => assert!(why.contains("max_pause")),
+                other => panic!("{refused:?}: {other:?}"),
+            }
+        }
     }
 }

@@ -23,13 +23,23 @@
 //!     .unwrap();
 //! # drop(layer);
 //! ```
+//!
+//! Beyond hyper: a tonic `Channel` goes behind the layer as it is
+//! (`Outbound<Channel, K, St>`); a reqwest client takes the layer's turns as a
+//! reqwest-middleware `Middleware` ([`OutboundMiddleware`], from
+//! [`OutboundLayer::middleware`], feature `reqwest`); and work that is not an HTTP call waits
+//! with [`Turns`] (from [`OutboundLayer::turns`]): `turns.wait(key, cost).await?` is a
+//! [`Turn`], used by [`Turn::go`] (`docs/outbound.md`, "Beyond hyper").
 
 mod clock;
 mod error;
 mod future;
 mod layer;
 mod looker;
+mod pace;
 mod pushback;
+#[cfg(feature = "reqwest")]
+mod reqwest;
 mod service;
 mod shared;
 mod turns;
@@ -41,3 +51,7 @@ pub use layer::{OutboundLayer, OutboundLayerBuilder};
 pub use service::Outbound;
 pub use turns::{Turn, Turns};
 pub use wait::WaitTurn;
+
+#[cfg(feature = "reqwest")]
+#[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]
+pub use self::reqwest::OutboundMiddleware;

@@ -10,6 +10,7 @@ use tokio::sync::{oneshot, OnceCell};
 
 use super::clock::{Clock, Reach};
 use super::looker::Lookers;
+use super::pace::Pace;
 use crate::store::reserve::Ticket;
 use crate::{Key, Policy, Store};
 
@@ -32,6 +33,12 @@ pub(super) struct Shared<St> {
     pub(super) measured: OnceCell<()>,
     /// The id of the next reservation.
     next: AtomicU64,
+    /// The longest pause an upstream's answer sets (the builder's `max_pause`).
+    #[allow(dead_code)]
+    pub(super) max_pause: Duration,
+    /// The rates this layer learned from the upstream's pushbacks, per key.
+    #[allow(dead_code)]
+    pub(super) pace: Pace,
 }
 
 impl<St> Shared<St> {
@@ -48,6 +55,8 @@ impl<St> Shared<St> {
         let reach = Reach::new(policy.name(), margin, max_margin);
         Shared {
             store,
+            pace: Pace::new(&policy),
+            max_pause: super::pushback::MAX_PAUSE,
             policy,
             max_wait,
             clock,
@@ -57,6 +66,12 @@ impl<St> Shared<St> {
             measured: OnceCell::new(),
             next: AtomicU64::new(crate::ids::random_start()),
         }
+    }
+
+    /// The same, pausing a key for at most `max_pause` on an upstream's pushback.
+    pub(super) fn with_max_pause(mut self, max_pause: Duration) -> Self {
+        self.max_pause = max_pause;
+        self
     }
 
     /// A ticket for a new reservation of one unit that waits up to `max_wait`. Its id has 16

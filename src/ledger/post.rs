@@ -138,7 +138,7 @@ impl Posting {
                 target: "tower_redis_ratelimit",
                 policy = self.responder.policy.name(),
                 key = %self.key.loggable(),
-                %error,
+                error = %crate::chain::Chain(&error),
                 "rate-limit store failed to {what}"
             );
         }

@@ -64,7 +64,7 @@ use crate::{Algorithm, BuildError, Policy, PolicyError};
 #[non_exhaustive]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("{}: {error}", path.display())]
+    #[error("{} could not be read", path.display())]
     Read {
         /// The file.
         path: PathBuf,

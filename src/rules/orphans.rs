@@ -127,10 +127,10 @@ fn loggable(scope: &Scope) -> String {
 }
 
 /// Logs that `policy`'s overrides could not be checked.
-fn unchecked(policy: &Policy, error: &dyn std::fmt::Display) {
+fn unchecked(policy: &Policy, error: &(dyn std::error::Error + 'static)) {
     tracing::warn!(
         policy = policy.name(),
-        %error,
+        error = %crate::chain::Chain(error),
         "the store's overrides could not be checked against the new rules"
     );
 }

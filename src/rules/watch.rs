@@ -89,7 +89,7 @@ impl RuleTable {
             Err(error) => tracing::warn!(
                 target: "tower_redis_ratelimit",
                 %file,
-                %error,
+                error = %crate::chain::Chain(&error),
                 "rate-limit rules refused; the rules in force stay"
             ),
         }

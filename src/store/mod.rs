@@ -140,7 +140,7 @@ pub enum StoreError {
     /// Redis answered with an error, timed out, or could not be reached.
     #[cfg(feature = "redis")]
     #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-    #[error("redis: {0}")]
+    #[error("redis failed")]
     Redis(#[from] fred::error::Error),
     /// The decision took longer than the store's time budget.
     #[error("no decision within {0:?}")]

@@ -151,22 +151,22 @@ impl fmt::Display for Override {
 #[non_exhaustive]
 pub enum OverrideError {
     /// The limits do not fit the policy: another set of windows, or an invalid limit.
-    #[error("override: {0}")]
+    #[error("override: the limits do not fit the policy")]
     Policy(#[from] PolicyError),
     /// The counts are out of the algorithm's range (`docs/operations.md`, "Range").
     #[error("override: {0}")]
     OutOfRange(&'static str),
     /// The store could not be reached, or answered with an error, before any write was sent:
     /// nothing was changed.
-    #[error("override: {0}")]
+    #[error("override: the store failed; nothing was changed")]
     Store(#[from] StoreError),
     /// A write was sent but no reply confirmed it (a timeout, a lost connection, an error
     /// after part of it was made): the change may have landed, in whole or in part. If it
     /// did, every instance follows it as any change: the limits version is raised with it
     /// (or, in a Redis Cluster, after it, until Redis answers). Setting or removing it again
     /// is safe.
-    #[error("override: the change may have landed, unconfirmed (setting it again is safe): {0}")]
-    Unconfirmed(StoreError),
+    #[error("override: the change may have landed, unconfirmed (setting it again is safe)")]
+    Unconfirmed(#[source] StoreError),
 }
 
 /// The operator's handle on a store's overrides: set, read, list and remove them. Cheap to

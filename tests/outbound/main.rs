@@ -7,4 +7,7 @@ mod support;
 mod calls;
 mod field;
 mod fleet;
+#[cfg(all(feature = "reqwest", feature = "redis"))]
+mod reqwest;
 mod reserve;
+mod tonic;

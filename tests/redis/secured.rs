@@ -35,13 +35,10 @@ async fn credentials_come_from_the_url() {
     assert!(store.check(&key, &policy, 1).await.unwrap().is_allowed());
     assert!(!store.check(&key, &policy, 1).await.unwrap().is_allowed());
 
-    let without = RedisStore::connect(&server.url())
-        .await
-        .unwrap_err()
-        .to_string();
+    let without = chain(&RedisStore::connect(&server.url()).await.unwrap_err());
     assert!(without.contains("NOAUTH"), "{without}");
     let wrong = format!("redis://limiter:wrong@127.0.0.1:{port}");
-    let wrong = RedisStore::connect(&wrong).await.unwrap_err().to_string();
+    let wrong = chain(&RedisStore::connect(&wrong).await.unwrap_err());
     assert!(wrong.contains("WRONGPASS"), "{wrong}");
 }
 
@@ -127,4 +124,16 @@ async fn acls_let_the_operator_change_overrides_and_the_application_only_read_th
         Some(Override::Block),
         "nothing written"
     );
+}
+
+/// An error and its causes, as a user prints them (each cause is the `source` of the one
+/// before, not part of its message).
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(error) = cause {
+        text = format!("{text}: {error}");
+        cause = error.source();
+    }
+    text
 }

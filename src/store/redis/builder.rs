@@ -185,6 +185,7 @@ impl RedisStoreBuilder {
         match layout::verify(&nodes, &self.prefix, self.cluster_tags).await {
             Err(error @ StoreError::Config(_)) => return Err(error),
             Err(error) => {
+                let error = crate::chain::Chain(&error);
                 tracing::warn!(target: "tower_redis_ratelimit", %error, "cluster_tags not checked yet");
                 layout::verify_later(Arc::downgrade(&nodes), &self.prefix, self.cluster_tags);
             }

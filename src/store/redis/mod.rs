@@ -449,7 +449,7 @@ impl RedisStore {
                         target: "tower_redis_ratelimit",
                         policy = policy.name(),
                         key = %key.loggable(),
-                        %error,
+                        error = %crate::chain::Chain(&error),
                         "the refund of a decision answered after its time budget failed"
                     );
                 }

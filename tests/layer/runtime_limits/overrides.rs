@@ -162,7 +162,8 @@ async fn overrides_must_keep_the_windows() {
         .set(&sms, &Scope::All, &wrong)
         .await
         .unwrap_err();
-    assert!(error.to_string().contains("1m+1h"), "{error}");
+    let cause = std::error::Error::source(&error).map(ToString::to_string);
+    assert!(cause.is_some_and(|c| c.contains("1m+1h")), "{error:?}");
     assert_eq!(store.overrides().list(&sms).await.unwrap(), vec![]);
     // Some of its windows: the others keep the policy's counts; read back as set.
     let partial = Override::Limits(vec![hourly(50)]);

@@ -574,7 +574,7 @@ pub(super) fn spawn_sweeper(store: Weak<Inner>, period: Duration) {
             if let Err(error) = return_unused(&store, false).await {
                 tracing::debug!(
                     target: "tower_redis_ratelimit",
-                    %error,
+                    error = %crate::chain::Chain(&error),
                     "leased units could not be given back; they count as used until they expire"
                 );
             }
