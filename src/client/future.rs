@@ -8,9 +8,10 @@ use std::task::{ready, Context, Poll};
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
+use tokio::sync::oneshot;
 use tower_service::Service;
 
-use super::pushback::pushback;
+use super::pushback::pushback_or_log;
 use super::shared::Shared;
 use super::turns::Turn;
 use super::wait::{widen, WaitTurn};
@@ -32,6 +33,9 @@ pin_project! {
         failed: Option<OutboundError<S::Error>>,
         // Where the request went out: kept to pause its key when the upstream pushes back.
         pauser: Option<(Arc<Shared<St>>, Key)>,
+        // A pushback's answer, handed back once the store has heard the pause: the caller's
+        // next request does not reserve before it.
+        pushed_back: Option<(S::Response, oneshot::Receiver<()>)>,
     }
 }
 
@@ -58,6 +62,7 @@ where
             inner: Some(inner),
             failed: None,
             pauser: None,
+            pushed_back: None,
         }
     }
 
@@ -69,6 +74,7 @@ where
             inner: None,
             failed: Some(error),
             pauser: None,
+            pushed_back: None,
         }
     }
 }
@@ -121,13 +127,26 @@ where
                     if let Some(error) = this.failed.take() {
                         return Poll::Ready(Err(error));
                     }
+                    if let Some((response, mut heard)) = this.pushed_back.take() {
+                        if Pin::new(&mut heard).poll(cx).is_pending() {
+                            *this.pushed_back = Some((response, heard));
+                            return Poll::Pending;
+                        }
+                        return Poll::Ready(Ok(response));
+                    }
                     let Some(call) = this.call.as_mut().as_pin_mut() else {
                         return Poll::Pending;
                     };
                     let response = ready!(call.poll(cx));
-                    if let (Ok(response), Some((shared, key))) = (&response, this.pauser.take()) {
-                        if let Some(pause) = pushback(response) {
-                            Shared::pause(&shared, key, pause);
+                    this.call.set(None);
+                    if let (Ok(answer), Some((shared, key))) = (&response, this.pauser.take()) {
+                        let (status, headers) = (answer.status().as_u16(), answer.headers());
+                        if let Some(pause) = pushback_or_log(status, headers, shared.max_pause) {
+                            let heard = Shared::pause(&shared, key, pause);
+                            if let Ok(answer) = response {
+                                *this.pushed_back = Some((answer, heard));
+                                continue;
+                            }
                         }
                     }
                     return Poll::Ready(response.map_err(OutboundError::Inner));

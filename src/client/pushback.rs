@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use http::header::RETRY_AFTER;
-use http::{HeaderMap, HeaderValue, Response};
+use http::{HeaderMap, HeaderValue};
 
 /// The longest pause an upstream's answer sets by default
 /// ([`OutboundLayerBuilder::max_pause`](super::OutboundLayerBuilder::max_pause)): a
@@ -79,7 +79,8 @@ pub(crate) fn pushback_or_log(status: u16, headers: &HeaderMap, cap: Duration) -
 
 /// How long `response` asks its key to pause, at most [`MAX_PAUSE`]
 /// ([`pushback_or_log`] for a response).
-pub(super) fn pushback<B>(response: &Response<B>) -> Option<Duration> {
+#[cfg(test)]
+pub(super) fn pushback<B>(response: &http::Response<B>) -> Option<Duration> {
     pushback_or_log(response.status().as_u16(), response.headers(), MAX_PAUSE)
 }
 

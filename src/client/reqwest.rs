@@ -141,21 +141,13 @@ impl<St: Store> Middleware for OutboundMiddleware<St> {
         if let Some((shared, key)) = pauser {
             let status = response.status().as_u16();
             if let Some(wait) = pushback_or_log(status, response.headers(), shared.max_pause) {
-                pause(&shared, key, wait).await;
+                // Handed back once the store heard the pause, as the layer does: the caller's
+                // next request does not reserve before it.
+                let _ = Shared::pause(&shared, key, wait).await;
             }
         }
         Ok(response)
     }
-}
-
-/// Pauses `key` for every caller that shares the store, as the layer does, and returns once
-/// the store has answered the first try: the caller, handed the refusal only then, does not
-/// send its next request before the pause is recorded (it would reserve a turn before it).
-async fn pause<St: Store>(shared: &Arc<Shared<St>>, key: Key, wait: std::time::Duration) {
-    let paused =
-        move |store: &St, key: &Key, policy: &crate::Policy| store.pause(key, policy, wait);
-    let failed = "failed to pause a key the upstream pushed back on";
-    let _ = Shared::then_wake(shared, key, paused, failed).await;
 }
 
 /// The key of every request of a layer of one key ([`Global`]'s).

@@ -94,12 +94,15 @@ impl<St> Shared<St> {
 }
 
 impl<St: Store> Shared<St> {
-    /// Pauses `key` for every caller that shares the store, on a task of its own, and then
-    /// wakes this layer's waiting requests to learn it.
-    pub(super) fn pause(this: &Arc<Self>, key: Key, pause: Duration) {
+    /// Pauses `key` for every caller that shares the store for `pause` (at most the layer's
+    /// `max_pause`), on a task of its own, and then wakes this layer's waiting requests to
+    /// learn it; the receiver hears when the store answered the first try (a caller handed
+    /// the upstream's refusal only then does not reserve its next turn before the pause).
+    pub(super) fn pause(this: &Arc<Self>, key: Key, pause: Duration) -> oneshot::Receiver<()> {
+        let pause = pause.min(this.max_pause);
         let paused = move |store: &St, key: &Key, policy: &Policy| store.pause(key, policy, pause);
         let failed = "failed to pause a key the upstream pushed back on";
-        drop(Self::change(this, key, paused, failed, true));
+        Self::change(this, key, paused, failed, true)
     }
 
     /// Makes a change to the line of `key` on a task of its own, then, with `wake`, has the

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::pushback::MAX_PAUSE;
 use super::shared::Shared;
 use super::wait::{Placed, Seat, WaitTurn};
 use super::OutboundError;
@@ -74,9 +73,10 @@ impl<St: Store> Turns<St> {
     }
 
     /// Pauses `key` for the fleet, as an upstream's pushback does: turns made meanwhile come
-    /// after it, and those waiting learn it and wait again (at most an hour).
+    /// after it, and those waiting learn it and wait again (at most the layer's
+    /// [`max_pause`](super::OutboundLayerBuilder::max_pause)).
     pub fn pause(&self, key: &Key, wait: Duration) {
-        Shared::pause(&self.shared, key.clone(), wait.min(MAX_PAUSE));
+        drop(Shared::pause(&self.shared, key.clone(), wait));
     }
 }
 

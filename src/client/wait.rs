@@ -197,7 +197,8 @@ impl<St: Store> Future for WaitTurn<St> {
                     Poll::Pending => Err(State::Looking { look, sent, placed }),
                     Poll::Ready(stood) => {
                         // One ticket asked, one answer.
-                        let stood = stood.and_then(|s| s.into_iter().next().ok_or(StoreError::Unavailable));
+                        let stood =
+                            stood.and_then(|s| s.into_iter().next().ok_or(StoreError::Unavailable));
                         Ok(placed.after_look(stood, sent))
                     }
                 },
