@@ -43,6 +43,12 @@ pub(crate) const MAX_KEYS: u64 = 10_000;
 /// The lowest learned rate: one unit per window.
 const FLOOR: f64 = 1.0;
 
+/// The most windows of growth a rate takes to come back: 5 to its ceiling (it starts at
+/// least at half of it), then doubling steps from a tenth of a ceiling of at least 2 reach
+/// the largest count, 2^50, within 52 more (57 in all). Past them, a key is forgotten
+/// whatever its state.
+const MAX_STEPS: u32 = 64;
+
 /// The rates of one layer's keys, learned from the upstream's pushbacks. Thread-safe; a key
 /// no pace holds costs one atomic load in [`delay`](Self::delay), a key's send one short
 /// lock of its shard.
@@ -343,14 +349,17 @@ impl Paced {
     /// the rate is back at the policy's (the key is forgotten).
     fn grow(&mut self, at: u64, limit: Limit) -> bool {
         let mut start = self.grown.max(self.paused_until);
-        while at >= start.saturating_add(limit.window) {
+        for _ in 0..MAX_STEPS {
+            if at < start.saturating_add(limit.window) {
+                self.grown = start;
+                return false;
+            }
             start += limit.window;
             if self.step_up(limit) {
                 return true;
             }
         }
-        self.grown = start;
-        false
+        true
     }
 
     /// One window's increase: a tenth of the ceiling below it, twice the last step from it on.
@@ -367,12 +376,13 @@ impl Paced {
     fn ends(&self, limit: Limit) -> u64 {
         let mut paced = *self;
         let mut at = self.grown.max(self.paused_until);
-        loop {
+        for _ in 0..MAX_STEPS {
             at = at.saturating_add(limit.window);
-            if paced.step_up(limit) || at == u64::MAX {
+            if paced.step_up(limit) {
                 return at;
             }
         }
+        at
     }
 }
 
@@ -566,6 +576,18 @@ mod tests {
         }
         assert_eq!(idle.keys.len(idle.at(now)), 100);
         assert_eq!(idle.keys.len(idle.at(now + SECOND * 2)), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_largest_count_is_back_within_the_bound() {
+        let pace = pace("1125899906842624/1s");
+        let (key, now) = (Key::from("a"), Instant::now());
+        pace.pushed_back(&key, now, Duration::ZERO);
+        assert_eq!(rate(&pace, &key, now), Some(FLOOR));
+        let back = now + SECOND * 57;
+        assert!(rate(&pace, &key, back - SECOND).is_some());
+        assert_eq!(rate(&pace, &key, back), None);
+        assert_eq!(pace.delay(&key, back), Duration::ZERO);
     }
 
     #[tokio::test(start_paused = true)]

@@ -717,8 +717,12 @@ mod tests {
         ];
         for (to, why) in refused {
             let error = overrides.set(&sms, &Scope::All, &to).await.unwrap_err();
-            assert!(matches!(error, OverrideError::Policy(_)), "{to:?}: {error}");
-            assert!(error.to_string().contains(why), "{to:?}: {error}");
+            let OverrideError::Policy(cause) = &error else {
+                panic!("{to:?}: {error:?}");
+            };
+            let source = std::error::Error::source(&error).map(ToString::to_string);
+            assert_eq!(source, Some(cause.to_string()), "the cause is the source");
+            assert!(cause.to_string().contains(why), "{to:?}: {cause}");
         }
         assert_eq!(
             overrides.list(&sms).await.unwrap(),
