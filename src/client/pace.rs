@@ -26,9 +26,6 @@
 //! windows after the pause's end), and at most [`MAX_KEYS`] keys at once, the least recently
 //! used going first. Keys no pace holds cost a load of one atomic in [`Pace::delay`].
 
-// Until the waiting future books its starts here, only the tests call it.
-#![cfg_attr(not(test), allow(dead_code))]
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -153,13 +150,16 @@ impl Pace {
     /// How long a new reservation of `key` waits before it is made: zero unless the key is
     /// paced; else its start is booked, after those booked before it, so that callers at
     /// once get 0, s, 2s, … (`s` = window / rate).
+    #[cfg(test)]
     pub(crate) fn delay(&self, key: &Key, now: Instant) -> Duration {
         self.delay_within(key, now, Duration::MAX)
             .unwrap_or(Duration::MAX)
     }
 
-    /// [`delay`](Self::delay), booking nothing where the start would come later than `most`
-    /// from `now` (`None`: the call cannot be made within its wait).
+    /// How long a new reservation of `key` waits before it is made: zero unless the key is
+    /// paced; else its start is booked, after those booked before it (callers at once get
+    /// 0, s, 2s, …, `s` = window / rate), and nothing is booked where the start would come
+    /// later than `most` from `now` (`None`: the call cannot be made within its wait).
     pub(crate) fn delay_within(&self, key: &Key, now: Instant, most: Duration) -> Option<Duration> {
         let at = self.at(now);
         if at >= self.paced_until.load(Ordering::Relaxed) {

@@ -34,10 +34,8 @@ pub(super) struct Shared<St> {
     /// The id of the next reservation.
     next: AtomicU64,
     /// The longest pause an upstream's answer sets (the builder's `max_pause`).
-    #[allow(dead_code)]
     pub(super) max_pause: Duration,
     /// The rates this layer learned from the upstream's pushbacks, per key.
-    #[allow(dead_code)]
     pub(super) pace: Pace,
 }
 
@@ -100,6 +98,7 @@ impl<St: Store> Shared<St> {
     /// the upstream's refusal only then does not reserve its next turn before the pause).
     pub(super) fn pause(this: &Arc<Self>, key: Key, pause: Duration) -> oneshot::Receiver<()> {
         let pause = pause.min(this.max_pause);
+        this.pace.pushed_back(&key, this.clock.now(), pause);
         let paused = move |store: &St, key: &Key, policy: &Policy| store.pause(key, policy, pause);
         let failed = "failed to pause a key the upstream pushed back on";
         Self::change(this, key, paused, failed, true)
@@ -140,7 +139,7 @@ impl<St: Store> Shared<St> {
                 match changed {
                     Ok(_) => break,
                     Err(error) if tried == TRIES => {
-                        tracing::warn!(target: "tower_redis_ratelimit", %error, "{failed}");
+                        tracing::warn!(target: "tower_redis_ratelimit", error = %crate::chain::Chain(&error), "{failed}");
                     }
                     Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
                 }

@@ -60,6 +60,13 @@ enum State<St: Store> {
         left: oneshot::Receiver<()>,
         seat: Option<Seat<St>>,
     },
+    /// Its key is paced (the upstream pushed back): it sleeps until the start its pace booked
+    /// for its reservation (`booked`: when it booked it).
+    Pacing {
+        sleep: Pin<Box<Sleep>>,
+        booked: Instant,
+        seat: Seat<St>,
+    },
     /// Its turn has not come yet: it sleeps until its look at the turn is due, or until its
     /// key's looker wakes it (its turn moved earlier, it is no longer in line, or the key
     /// was paused).
@@ -97,7 +104,7 @@ impl<St: Store> WaitTurn<St> {
         }
         if seat.shared.measured.initialized() {
             return WaitTurn {
-                state: State::Reserving(Asked::new(seat)),
+                state: seat.start(None),
             };
         }
         // The layer's first wait: its reservation carries the margin the round trip needs,
@@ -150,6 +157,18 @@ impl<St: Store> Future for WaitTurn<St> {
         loop {
             // Each state either moves on (`Ok`), or parks until woken (`Err`, the state kept).
             let next = match std::mem::replace(state, State::Done(None)) {
+                State::Pacing {
+                    mut sleep,
+                    booked,
+                    seat,
+                } => match sleep.as_mut().poll(cx) {
+                    Poll::Pending => Err(State::Pacing {
+                        sleep,
+                        booked,
+                        seat,
+                    }),
+                    Poll::Ready(()) => Ok(seat.start(Some(booked))),
+                },
                 State::Reserving(mut asked) => match asked.poll(cx) {
                     Poll::Pending => Err(State::Reserving(asked)),
                     Poll::Ready(Ok(placed)) => Ok(placed.reserved()),
@@ -159,17 +178,14 @@ impl<St: Store> Future for WaitTurn<St> {
                     Poll::Pending => Err(State::Measuring { measure, seat }),
                     Poll::Ready(()) => Ok(match seat.map(|seat| seat.again()) {
                         None => State::Done(None),
-                        Some(Some(seat)) => State::Reserving(Asked::new(seat)),
+                        Some(Some(seat)) => seat.start(None),
                         Some(None) => State::Done(Some(Err(OutboundError::TooLate { turn: None }))),
                     }),
                 },
-                State::Leaving { mut left, seat } => {
-                    match Pin::new(&mut left).poll(cx) {
-                        Poll::Pending => Err(State::Leaving { left, seat }),
-                        Poll::Ready(_) => Ok(seat
-                            .map_or(State::Done(None), |seat| State::Reserving(Asked::new(seat)))),
-                    }
-                }
+                State::Leaving { mut left, seat } => match Pin::new(&mut left).poll(cx) {
+                    Poll::Pending => Err(State::Leaving { left, seat }),
+                    Poll::Ready(_) => Ok(seat.map_or(State::Done(None), |seat| seat.start(None))),
+                },
                 State::Waiting {
                     mut sleep,
                     mut woken,
@@ -285,6 +301,40 @@ impl<St: Store> Seat<St> {
         let change =
             move |store: &St, key: &Key, policy: &Policy| change(store, key, policy, ticket);
         Shared::change(&self.shared, self.key.clone(), change, failed, true)
+    }
+
+    /// A pause of its key learned from the store (another instance's pushback, or its own):
+    /// its key's pace slows down ([`Pace::pushed_back`](super::pace::Pace::pushed_back);
+    /// repeats within one overload change nothing).
+    fn learn_pause(&self, paused: Duration) {
+        if !paused.is_zero() {
+            let now = self.shared.clock.now();
+            self.shared.pace.pushed_back(&self.key, now, paused);
+        }
+    }
+
+    /// Reserves now, or once the start its key's pace books has come (`booked`: when it
+    /// booked one; the upstream's pushbacks slow the key down, `pace.rs`); too late where that
+    /// start comes past what is left of its wait.
+    fn start(self, booked: Option<Instant>) -> State<St> {
+        let shared = &self.shared;
+        let now = shared.clock.now();
+        let left = shared
+            .max_wait
+            .saturating_sub(now.saturating_duration_since(self.started));
+        let wait = match booked {
+            None => shared.pace.delay_within(&self.key, now, left),
+            Some(booked) => shared.pace.rebook(&self.key, booked, now, left),
+        };
+        match wait {
+            None => State::Done(Some(Err(OutboundError::TooLate { turn: None }))),
+            Some(wait) if wait.is_zero() => State::Reserving(Asked::new(self)),
+            Some(wait) => State::Pacing {
+                sleep: Box::pin(shared.clock.sleep_until(now + wait)),
+                booked: now,
+                seat: self,
+            },
+        }
     }
 
     /// The same wait, reserving again with what is left of it, with the layer's margin now;
@@ -499,6 +549,7 @@ impl<St: Store> Placed<St> {
             return State::Done(None);
         };
         let stood = seen.stood;
+        seat.learn_pause(stood.paused);
         let paused = !stood.paused.is_zero() && stood.turn.is_none_or(|t| t < stood.paused);
         if paused {
             return self.again(Some(stood.paused));
@@ -579,6 +630,7 @@ impl<St: Store> Placed<St> {
             }
             Err(_) => return self.wait(),
         };
+        seat.learn_pause(stood.paused);
         let paused = !stood.paused.is_zero() && stood.turn.is_none_or(|t| t < stood.paused);
         if paused {
             return self.again(Some(stood.paused));
@@ -672,7 +724,7 @@ impl<St: Store> Placed<St> {
                 left,
                 seat: Some(again),
             },
-            (Some(again), None) => State::Reserving(Asked::new(again)),
+            (Some(again), None) => again.start(None),
             (None, _) => State::Done(Some(Err(OutboundError::TooLate { turn: paused }))),
         }
     }
@@ -685,7 +737,11 @@ impl<St: Store> Placed<St> {
     /// Its work goes out: it leaves the line, used (on a task of its own), and nothing is
     /// given back.
     pub(super) fn go(&mut self) {
-        if let Some(seat) = self.seat.take().filter(|_| self.in_line) {
+        let Some(seat) = self.seat.take() else {
+            return;
+        };
+        seat.shared.pace.sent(&seat.key, seat.shared.clock.now());
+        if self.in_line {
             seat.used();
         }
     }

@@ -7,6 +7,7 @@ mod support;
 mod calls;
 mod field;
 mod fleet;
+mod pushback;
 #[cfg(all(feature = "reqwest", feature = "redis"))]
 mod reqwest;
 mod reserve;

@@ -47,7 +47,9 @@ fn upstream(arrivals: Arrivals) -> Upstream {
                 let seconds = frees.as_micros().div_ceil(1_000_000).max(1);
                 *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
                 let value = http::HeaderValue::from(seconds as u64);
-                response.headers_mut().insert(http::header::RETRY_AFTER, value);
+                response
+                    .headers_mut()
+                    .insert(http::header::RETRY_AFTER, value);
             }
             Ok(response)
         }
@@ -68,7 +70,9 @@ fn client<St: Store>(store: St, arrivals: Arrivals) -> Outbound<Upstream, Global
         .max_wait(Duration::from_secs(30))
         .build()
         .unwrap();
-    ServiceBuilder::new().layer(layer).service(upstream(arrivals))
+    ServiceBuilder::new()
+        .layer(layer)
+        .service(upstream(arrivals))
 }
 
 /// Starts 20 calls, one every 50 ms, and waits for them all; each must be answered (served or
@@ -83,7 +87,8 @@ async fn twenty_calls<St: Store>(client: Outbound<Upstream, Global, St>) {
         })
     });
     for done in futures::future::join_all(calls).await {
-        done.unwrap().expect("every call is answered by the upstream");
+        done.unwrap()
+            .expect("every call is answered by the upstream");
     }
 }
 
