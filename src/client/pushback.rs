@@ -245,7 +245,7 @@ mod tests {
     #[test]
     fn a_response_pauses_as_its_head_says_and_a_bad_value_is_ignored() {
         let answer = |value: &str| {
-            Response::builder()
+            http::Response::builder()
                 .status(429)
                 .header("retry-after", value)
                 .body(())

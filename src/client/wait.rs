@@ -176,11 +176,7 @@ impl<St: Store> Future for WaitTurn<St> {
                 },
                 State::Measuring { mut measure, seat } => match measure.as_mut().poll(cx) {
                     Poll::Pending => Err(State::Measuring { measure, seat }),
-                    Poll::Ready(()) => Ok(match seat.map(|seat| seat.again()) {
-                        None => State::Done(None),
-                        Some(Some(seat)) => seat.start(None),
-                        Some(None) => State::Done(Some(Err(OutboundError::TooLate { turn: None }))),
-                    }),
+                    Poll::Ready(()) => Ok(measured(seat)),
                 },
                 State::Leaving { mut left, seat } => match Pin::new(&mut left).poll(cx) {
                     Poll::Pending => Err(State::Leaving { left, seat }),
@@ -211,12 +207,7 @@ impl<St: Store> Future for WaitTurn<St> {
                     placed,
                 } => match look.as_mut().poll(cx) {
                     Poll::Pending => Err(State::Looking { look, sent, placed }),
-                    Poll::Ready(stood) => {
-                        // One ticket asked, one answer.
-                        let stood =
-                            stood.and_then(|s| s.into_iter().next().ok_or(StoreError::Unavailable));
-                        Ok(placed.after_look(stood, sent))
-                    }
+                    Poll::Ready(stood) => Ok(placed.after_look(only(stood), sent)),
                 },
                 State::Going { mut sleep, turn } => match sleep.as_mut().poll(cx) {
                     Poll::Pending => Err(State::Going { sleep, turn }),
@@ -234,6 +225,20 @@ impl<St: Store> Future for WaitTurn<St> {
             }
         }
     }
+}
+
+/// After the layer's first measure: it reserves, with what is left of its wait.
+fn measured<St: Store>(seat: Option<Seat<St>>) -> State<St> {
+    match seat.map(|seat| seat.again()) {
+        None => State::Done(None),
+        Some(Some(seat)) => seat.start(None),
+        Some(None) => State::Done(Some(Err(OutboundError::TooLate { turn: None }))),
+    }
+}
+
+/// The answer of a look at one reservation (`look_many` of one ticket answers one).
+fn only(stood: Result<Vec<InLine>, StoreError>) -> Result<InLine, StoreError> {
+    stood.and_then(|stood| stood.into_iter().next().ok_or(StoreError::Unavailable))
 }
 
 /// Where a reservation is made: its layer's store, policy and wake-up, its key, and the ticket
