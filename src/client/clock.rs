@@ -233,3 +233,31 @@ fn note_margin(policy: &str, margin: Duration, configured: Duration, round_trip:
     #[cfg(not(feature = "metrics"))]
     let _ = policy;
 }
+
+/// What one store answer was heard between, on the instance's clock.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Heard {
+    pub(super) sent: Instant,
+    pub(super) received: Instant,
+}
+
+impl Heard {
+    pub(super) fn round_trip(&self) -> Duration {
+        self.received.saturating_duration_since(self.sent)
+    }
+}
+
+/// How long the store's clock and the instance's ran between a reservation's answer (heard,
+/// and its turn `d` ahead) and a look's (heard, and its turn `ahead` or `past`), the turn
+/// unmoved: the store's exactly, the instance's between the two brackets' near and far ends.
+pub(super) fn ran(
+    (reserved, d): (Heard, Duration),
+    (looked, ahead, past): (Heard, Duration, Duration),
+) -> Option<((Duration, Duration), Duration)> {
+    let store = (d + past).checked_sub(ahead)?;
+    let local = (
+        looked.sent.saturating_duration_since(reserved.received),
+        looked.received.saturating_duration_since(reserved.sent),
+    );
+    Some((local, store))
+}

@@ -66,3 +66,22 @@ pub enum OutboundError<E> {
     #[error("the inner service failed")]
     Inner(#[source] E),
 }
+
+impl OutboundError<std::convert::Infallible> {
+    /// An error of a wait for a turn as an error of a call whose inner service fails with `E`.
+    pub(super) fn widen<E>(self) -> OutboundError<E> {
+        match self {
+            OutboundError::TooLate { turn } => OutboundError::TooLate { turn },
+            OutboundError::TooFar {
+                round_trip,
+                max_margin,
+            } => OutboundError::TooFar {
+                round_trip,
+                max_margin,
+            },
+            OutboundError::Key(error) => OutboundError::Key(error),
+            OutboundError::Store(error) => OutboundError::Store(error),
+            OutboundError::Inner(never) => match never {},
+        }
+    }
+}

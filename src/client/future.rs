@@ -13,8 +13,7 @@ use tower_service::Service;
 
 use super::pushback::pushback_or_log;
 use super::shared::Shared;
-use super::turns::Turn;
-use super::wait::{widen, WaitTurn};
+use super::wait::{Turn, WaitTurn};
 use super::OutboundError;
 use crate::{Key, Store};
 
@@ -94,7 +93,7 @@ where
                 State::Waiting(mut wait) => match Pin::new(&mut wait).poll(cx) {
                     Poll::Pending => Err(State::Waiting(wait)),
                     Poll::Ready(Ok(turn)) => Ok(State::Turn(turn)),
-                    Poll::Ready(Err(error)) => return Poll::Ready(Err(widen(error))),
+                    Poll::Ready(Err(error)) => return Poll::Ready(Err(error.widen())),
                 },
                 State::Turn(turn) => {
                     let Some(inner) = this.inner.as_mut() else {

@@ -19,27 +19,26 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::shared::Shared;
 use crate::store::reserve::{InLine, Ticket};
-use crate::{Key, Store};
+use crate::Key;
 
 /// The lookers of one layer, by key.
 #[derive(Debug, Default)]
 pub(super) struct Lookers {
-    by_key: Mutex<HashMap<Key, Arc<Looker>>>,
+    pub(super) by_key: Mutex<HashMap<Key, Arc<Looker>>>,
 }
 
 /// The waiters of one key, and the switch that makes its task look at once.
 #[derive(Debug, Default)]
-struct Looker {
-    waiters: Mutex<HashMap<u64, (Ticket, Arc<Slot>)>>,
-    now: Notify,
+pub(super) struct Looker {
+    pub(super) waiters: Mutex<HashMap<u64, (Ticket, Arc<Slot>)>>,
+    pub(super) now: Notify,
 }
 
 /// What the looker last saw of one waiter, and the wake-up it rings.
 #[derive(Debug, Default)]
 pub(super) struct Slot {
-    seen: Mutex<Option<Seen>>,
+    pub(super) seen: Mutex<Option<Seen>>,
     pub(super) woken: Arc<Notify>,
 }
 
@@ -56,8 +55,8 @@ pub(super) struct Seen {
 /// last waiter).
 #[derive(Debug)]
 pub(super) struct Watch {
-    looker: Arc<Looker>,
-    id: u64,
+    pub(super) looker: Arc<Looker>,
+    pub(super) id: u64,
     pub(super) slot: Arc<Slot>,
 }
 
@@ -94,109 +93,10 @@ impl Lookers {
     }
 }
 
-/// Puts reservation `ticket` of `key` in the care of the key's looker of `shared`'s layer,
-/// starting the looker's task where it has none.
-pub(super) fn watch<St: Store>(shared: &Arc<Shared<St>>, key: &Key, ticket: Ticket) -> Watch {
-    let slot = Arc::new(Slot::default());
-    let mut by_key = shared
-        .lookers
-        .by_key
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
-    let looker = match by_key.get(key) {
-        Some(looker) => Arc::clone(looker),
-        None => {
-            let looker = Arc::new(Looker::default());
-            by_key.insert(key.clone(), Arc::clone(&looker));
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let task = run(Arc::clone(shared), key.clone(), Arc::clone(&looker));
-                runtime.spawn(task);
-            }
-            looker
-        }
-    };
-    looker
-        .waiters
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .insert(ticket.id, (ticket, Arc::clone(&slot)));
-    drop(by_key);
-    Watch {
-        looker,
-        id: ticket.id,
-        slot,
-    }
-}
-
-/// The looker's task: every `recheck` (or at once when asked), one look at all its waiters;
-/// it ends, leaving the layer's map, once none is left.
-async fn run<St: Store>(shared: Arc<Shared<St>>, key: Key, looker: Arc<Looker>) {
-    // The previous look at each waiter: the rate between the clocks is read from two looks at
-    // a turn that did not move.
-    let mut previous: HashMap<u64, Seen> = HashMap::new();
-    loop {
-        let _ = tokio::time::timeout(shared.recheck, looker.now.notified()).await;
-        let waiting: Vec<(Ticket, Arc<Slot>)> = {
-            let waiters = looker
-                .waiters
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            waiters.values().map(|(t, s)| (*t, Arc::clone(s))).collect()
-        };
-        if waiting.is_empty() {
-            let mut by_key = shared
-                .lookers
-                .by_key
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            let idle = looker
-                .waiters
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .is_empty();
-            if idle {
-                by_key.remove(&key);
-                return;
-            }
-            continue;
-        }
-        let tickets = waiting.iter().map(|(t, _)| *t).collect();
-        let sent = shared.clock.now();
-        let Ok(lines) = shared.store.look_many(&key, &shared.policy, tickets).await else {
-            continue;
-        };
-        let received = shared.clock.now();
-        // The rate between the clocks, from the waiter whose two looks say the instance's
-        // clock ran fastest: a waiter moved up in between would say it ran slower.
-        let mut fastest: Option<((Duration, Duration), Duration)> = None;
-        let mut seen_now = HashMap::with_capacity(waiting.len());
-        for ((ticket, slot), stood) in waiting.iter().zip(lines) {
-            let seen = Seen {
-                stood,
-                sent,
-                received,
-            };
-            let was = previous.get(&ticket.id);
-            if let Some(ran) = ran(was, &seen) {
-                fastest = Some(fastest.map_or(ran, |f| if rate(ran) > rate(f) { ran } else { f }));
-            }
-            if wakes(was, &seen) {
-                *slot.seen.lock().unwrap_or_else(PoisonError::into_inner) = Some(seen);
-                slot.woken.notify_one();
-            }
-            seen_now.insert(ticket.id, seen);
-        }
-        previous = seen_now;
-        if let Some((local, store)) = fastest {
-            shared.reach.rate_seen(local, store);
-        }
-    }
-}
-
 /// Whether a waiter should learn what the looker saw: it is no longer in line, its key is
 /// paused past its turn, or its turn moved earlier than the looker saw it before (wholly
 /// out of that look's bracket: the line moved it up).
-fn wakes(was: Option<&Seen>, seen: &Seen) -> bool {
+pub(super) fn wakes(was: Option<&Seen>, seen: &Seen) -> bool {
     let stood = seen.stood;
     let Some(ahead) = stood.turn else {
         return true;
@@ -214,7 +114,7 @@ fn wakes(was: Option<&Seen>, seen: &Seen) -> bool {
 /// How long the store's clock ran between two looks at one turn (exactly the difference of
 /// the two answers, where the turn did not move), and the instance's (between the two
 /// brackets' near and far ends).
-fn ran(was: Option<&Seen>, seen: &Seen) -> Option<((Duration, Duration), Duration)> {
+pub(super) fn ran(was: Option<&Seen>, seen: &Seen) -> Option<((Duration, Duration), Duration)> {
     let (before, now) = (was?.stood.turn?, seen.stood.turn?);
     let store = before.checked_sub(now).filter(|d| !d.is_zero())?;
     let was = was?;
@@ -226,6 +126,6 @@ fn ran(was: Option<&Seen>, seen: &Seen) -> Option<((Duration, Duration), Duratio
 }
 
 /// The instance's seconds per store second that `ran` says, at its bracket's middle.
-fn rate(((near, far), store): ((Duration, Duration), Duration)) -> f64 {
+pub(super) fn rate(((near, far), store): ((Duration, Duration), Duration)) -> f64 {
     (near + far).as_secs_f64() / 2.0 / store.as_secs_f64()
 }

@@ -49,8 +49,8 @@ pub use error::OutboundError;
 pub use future::ResponseFuture;
 pub use layer::{OutboundLayer, OutboundLayerBuilder};
 pub use service::Outbound;
-pub use turns::{Turn, Turns};
-pub use wait::WaitTurn;
+pub use turns::Turns;
+pub use wait::{Turn, WaitTurn};
 
 #[cfg(feature = "reqwest")]
 #[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]

@@ -1,15 +1,18 @@
 //! What every service and response future of one outbound layer shares: the store, the
 //! policy and settings, the clock and what the layer measured of the store, the lookers of
-//! its waiting requests, and the ids of its reservations.
+//! its waiting requests, and the ids of its reservations; and the layer's tasks that act on
+//! the store for them: changes to the line, and each key's looker (what a looker sees and
+//! whom it wakes is `looker.rs`).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::{oneshot, OnceCell};
 
 use super::clock::{Clock, Reach};
-use super::looker::Lookers;
+use super::looker::{ran, rate, wakes, Looker, Lookers, Seen, Slot, Watch};
 use super::pace::Pace;
 use crate::store::reserve::Ticket;
 use crate::{Key, Policy, Store};
@@ -149,5 +152,104 @@ impl<St: Store> Shared<St> {
             }
         });
         heard
+    }
+}
+
+/// Puts reservation `ticket` of `key` in the care of the key's looker of `shared`'s layer,
+/// starting the looker's task where it has none.
+pub(super) fn watch<St: Store>(shared: &Arc<Shared<St>>, key: &Key, ticket: Ticket) -> Watch {
+    let slot = Arc::new(Slot::default());
+    let mut by_key = shared
+        .lookers
+        .by_key
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let looker = match by_key.get(key) {
+        Some(looker) => Arc::clone(looker),
+        None => {
+            let looker = Arc::new(Looker::default());
+            by_key.insert(key.clone(), Arc::clone(&looker));
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let task = run(Arc::clone(shared), key.clone(), Arc::clone(&looker));
+                runtime.spawn(task);
+            }
+            looker
+        }
+    };
+    looker
+        .waiters
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(ticket.id, (ticket, Arc::clone(&slot)));
+    drop(by_key);
+    Watch {
+        looker,
+        id: ticket.id,
+        slot,
+    }
+}
+
+/// The looker's task: every `recheck` (or at once when asked), one look at all its waiters;
+/// it ends, leaving the layer's map, once none is left.
+async fn run<St: Store>(shared: Arc<Shared<St>>, key: Key, looker: Arc<Looker>) {
+    // The previous look at each waiter: the rate between the clocks is read from two looks at
+    // a turn that did not move.
+    let mut previous: HashMap<u64, Seen> = HashMap::new();
+    loop {
+        let _ = tokio::time::timeout(shared.recheck, looker.now.notified()).await;
+        let waiting: Vec<(Ticket, Arc<Slot>)> = {
+            let waiters = looker
+                .waiters
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            waiters.values().map(|(t, s)| (*t, Arc::clone(s))).collect()
+        };
+        if waiting.is_empty() {
+            let mut by_key = shared
+                .lookers
+                .by_key
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let idle = looker
+                .waiters
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_empty();
+            if idle {
+                by_key.remove(&key);
+                return;
+            }
+            continue;
+        }
+        let tickets = waiting.iter().map(|(t, _)| *t).collect();
+        let sent = shared.clock.now();
+        let Ok(lines) = shared.store.look_many(&key, &shared.policy, tickets).await else {
+            continue;
+        };
+        let received = shared.clock.now();
+        // The rate between the clocks, from the waiter whose two looks say the instance's
+        // clock ran fastest: a waiter moved up in between would say it ran slower.
+        let mut fastest: Option<((Duration, Duration), Duration)> = None;
+        let mut seen_now = HashMap::with_capacity(waiting.len());
+        for ((ticket, slot), stood) in waiting.iter().zip(lines) {
+            let seen = Seen {
+                stood,
+                sent,
+                received,
+            };
+            let was = previous.get(&ticket.id);
+            if let Some(ran) = ran(was, &seen) {
+                fastest = Some(fastest.map_or(ran, |f| if rate(ran) > rate(f) { ran } else { f }));
+            }
+            if wakes(was, &seen) {
+                *slot.seen.lock().unwrap_or_else(PoisonError::into_inner) = Some(seen);
+                slot.woken.notify_one();
+            }
+            seen_now.insert(ticket.id, seen);
+        }
+        previous = seen_now;
+        if let Some((local, store)) = fastest {
+            shared.reach.rate_seen(local, store);
+        }
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::shared::Shared;
-use super::wait::{Placed, Seat, WaitTurn};
+use super::wait::{Seat, WaitTurn};
 use super::OutboundError;
 use crate::{Key, MemoryStore, Store};
 
@@ -77,51 +77,5 @@ impl<St: Store> Turns<St> {
     /// [`max_pause`](super::OutboundLayerBuilder::max_pause)).
     pub fn pause(&self, key: &Key, wait: Duration) {
         drop(Shared::pause(&self.shared, key.clone(), wait));
-    }
-}
-
-/// A turn that has come ([`Turns::wait`]): [`go`](Turn::go) uses it, right before the work
-/// goes out. It holds for the layer's margin from the turn: use it at once. Dropped unused,
-/// its place is given back (the reservation stays in the store's line until `go`), as a
-/// dropped [`WaitTurn`]'s is.
-#[must_use = "a turn is used by `go`"]
-pub struct Turn<St: Store> {
-    placed: Placed<St>,
-    /// The latest it may leave on the instance's clock.
-    until: tokio::time::Instant,
-}
-
-impl<St: Store> std::fmt::Debug for Turn<St> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Turn").finish_non_exhaustive()
-    }
-}
-
-impl<St: Store> Turn<St> {
-    pub(super) fn new(placed: Placed<St>, until: tokio::time::Instant) -> Self {
-        Turn { placed, until }
-    }
-
-    /// Uses the turn: call it right before the work goes out, at once (the upstream may see
-    /// the work up to the layer's margin after the turn, and no later).
-    pub fn go(mut self) {
-        self.placed.go();
-    }
-
-    /// Whether the turn may no longer be used: later than its margin after it.
-    pub(super) fn too_late(&self) -> bool {
-        let seat = self.placed.seat();
-        seat.is_some_and(|seat| seat.shared.clock.now() > self.until)
-    }
-
-    /// Gives the turn back and waits for another, with what is left of the wait.
-    pub(super) fn again(self) -> WaitTurn<St> {
-        super::wait::again(self.placed)
-    }
-
-    /// Where its upstream's pushback pauses: its layer and key.
-    pub(super) fn pauser(&self) -> Option<(Arc<Shared<St>>, Key)> {
-        let seat = self.placed.seat()?;
-        Some((Arc::clone(&seat.shared), seat.key.clone()))
     }
 }

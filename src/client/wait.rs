@@ -1,18 +1,18 @@
 //! Waiting for a turn, without HTTP: reserve, sleep until the turn (looking again when woken,
 //! and at the turn), reserve again where the turn no longer holds, and give the place back
-//! when dropped. [`WaitTurn`] is the future; [`Turn`](super::Turn) what it yields.
+//! when dropped. [`WaitTurn`] is the future; [`Turn`] what it yields.
 //!
 //! **The bracket.** The store answers durations from its own now; a call reads each answer
 //! between its own send and receive instants, so a turn `d` ahead, asked at `sent` and heard
 //! at `received`, lies within `[sent + d, received + d]` on the instance's clock (each
 //! duration scaled by the rate between the two clocks, learned from calls: only rates, never
-//! an offset to the store's time). The look at the turn takes the reservation out of the
-//! line once its turn is at most `late` ahead, and answers how far ahead (`q`) or past (`p`)
-//! the turn was: the call goes only if it can leave within `[turn, turn + margin]` for every
-//! point of that look's bracket: ahead, at `received + q`, if `received − sent` fits the
-//! margin; past, at once, if `(now − sent) + p` does. Else it cannot know that it is in time,
-//! and reserves again (its old place was used by that look: its units stay counted, and the
-//! line does not move up into a place whose time has come).
+//! an offset to the store's time). The look at the turn (taking nothing out of the line)
+//! answers how far ahead (`q`) or past (`p`) the turn is: the call goes only if it can leave
+//! within `[turn, turn + margin]` for every point of that look's bracket: ahead (at most its
+//! `late`), at `received + q`, if `received − sent` fits the margin; past, at once, if
+//! `(now − sent) + p` does. Else it cannot know that it is in time: it gives its place back
+//! and reserves again. A turn stays in the line until its work goes ([`Turn::go`]: it leaves,
+//! used) or it is dropped unused (given back).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -25,10 +25,9 @@ use tokio::sync::futures::OwnedNotified;
 use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
 
-use super::clock::RATE_TOLERANCE;
-use super::looker::{self, Watch};
-use super::shared::Shared;
-use super::turns::Turn;
+use super::clock::{ran, Heard, RATE_TOLERANCE};
+use super::looker::Watch;
+use super::shared::{self, Shared};
 use super::OutboundError;
 use crate::store::reserve::{InLine, Ticket};
 use crate::{Key, Policy, Store, StoreError};
@@ -361,19 +360,6 @@ impl<St: Store> Seat<St> {
     }
 }
 
-/// What one store answer was heard between, on the instance's clock.
-#[derive(Debug, Clone, Copy)]
-struct Heard {
-    sent: Instant,
-    received: Instant,
-}
-
-impl Heard {
-    fn round_trip(&self) -> Duration {
-        self.received.saturating_duration_since(self.sent)
-    }
-}
-
 /// A reservation on its way: if its caller goes away before the store answers, the answer is
 /// still awaited, on a task of its own, and a reservation it made leaves the line; so does one
 /// the store may have made though its answer failed.
@@ -529,7 +515,7 @@ impl<St: Store> Placed<St> {
         }
         // Further than a `recheck` from its look: its key's looker looks for it.
         if self.watch.is_none() && aim - now > shared.recheck {
-            self.watch = Some(looker::watch(shared, &seat.key, seat.ticket));
+            self.watch = Some(shared::watch(shared, &seat.key, seat.ticket));
         }
         let woken = self
             .watch
@@ -760,21 +746,6 @@ impl<St: Store> Drop for Placed<St> {
     }
 }
 
-/// How long the store's clock and the instance's ran between a reservation's answer (heard,
-/// and its turn `d` ahead) and a look's (heard, and its turn `ahead` or `past`), the turn
-/// unmoved: the store's exactly, the instance's between the two brackets' near and far ends.
-fn ran(
-    (reserved, d): (Heard, Duration),
-    (looked, ahead, past): (Heard, Duration, Duration),
-) -> Option<((Duration, Duration), Duration)> {
-    let store = (d + past).checked_sub(ahead)?;
-    let local = (
-        looked.sent.saturating_duration_since(reserved.received),
-        looked.received.saturating_duration_since(reserved.sent),
-    );
-    Some((local, store))
-}
-
 /// Waits again: the turn given back, a new reservation with what is left of the wait.
 pub(super) fn again<St: Store>(placed: Placed<St>) -> WaitTurn<St> {
     WaitTurn {
@@ -782,19 +753,48 @@ pub(super) fn again<St: Store>(placed: Placed<St>) -> WaitTurn<St> {
     }
 }
 
-/// An error of a wait as an error of a call whose inner service fails with `E`.
-pub(super) fn widen<E>(error: OutboundError<Infallible>) -> OutboundError<E> {
-    match error {
-        OutboundError::TooLate { turn } => OutboundError::TooLate { turn },
-        OutboundError::TooFar {
-            round_trip,
-            max_margin,
-        } => OutboundError::TooFar {
-            round_trip,
-            max_margin,
-        },
-        OutboundError::Key(error) => OutboundError::Key(error),
-        OutboundError::Store(error) => OutboundError::Store(error),
-        OutboundError::Inner(never) => match never {},
+/// A turn that has come ([`Turns::wait`](super::Turns::wait)): [`go`](Turn::go) uses it, right before the work
+/// goes out. It holds for the layer's margin from the turn: use it at once. Dropped unused,
+/// its place is given back (the reservation stays in the store's line until `go`), as a
+/// dropped [`WaitTurn`]'s is.
+#[must_use = "a turn is used by `go`"]
+pub struct Turn<St: Store> {
+    placed: Placed<St>,
+    /// The latest it may leave on the instance's clock.
+    until: tokio::time::Instant,
+}
+
+impl<St: Store> std::fmt::Debug for Turn<St> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Turn").finish_non_exhaustive()
+    }
+}
+
+impl<St: Store> Turn<St> {
+    pub(super) fn new(placed: Placed<St>, until: tokio::time::Instant) -> Self {
+        Turn { placed, until }
+    }
+
+    /// Uses the turn: call it right before the work goes out, at once (the upstream may see
+    /// the work up to the layer's margin after the turn, and no later).
+    pub fn go(mut self) {
+        self.placed.go();
+    }
+
+    /// Whether the turn may no longer be used: later than its margin after it.
+    pub(super) fn too_late(&self) -> bool {
+        let seat = self.placed.seat();
+        seat.is_some_and(|seat| seat.shared.clock.now() > self.until)
+    }
+
+    /// Gives the turn back and waits for another, with what is left of the wait.
+    pub(super) fn again(self) -> WaitTurn<St> {
+        again(self.placed)
+    }
+
+    /// Where its upstream's pushback pauses: its layer and key.
+    pub(super) fn pauser(&self) -> Option<(Arc<Shared<St>>, Key)> {
+        let seat = self.placed.seat()?;
+        Some((Arc::clone(&seat.shared), seat.key.clone()))
     }
 }
