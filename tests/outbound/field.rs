@@ -322,7 +322,7 @@ async fn four_workers_finish_together_on_gcra() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_workers_finish_together_at_ten_per_second_on_gcra() {
-    four_workers_finish_together(Algorithm::Gcra, 10, 13).await;
+    four_workers_finish_together(Algorithm::Gcra, 10, 20).await;
 }
 
 /// 4 × 13 calls at `10/1s` on the log: the last round of four turns falls on both sides of a
