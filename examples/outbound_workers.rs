@@ -49,16 +49,22 @@ async fn main() -> Result<(), Error> {
     // layer's margin for the network), so that the workers take turns one at a time.
     let limits = ["10/1s".parse()?, "1/50ms".parse()?];
     let policy = Policy::new("provider", limits)?.with_algorithm(Algorithm::SlidingLog);
-    let start = Instant::now();
-    let mut workers = Vec::new();
-    for worker in 0..4 {
+    // Every worker's client first (each connects a store of its own), then all start at
+    // once: a worker that starts after the first second's turns were taken (connecting takes
+    // about 10 ms here) starts that many turns behind, and stays behind.
+    let mut clients = Vec::new();
+    for _ in 0..4 {
         let layer = OutboundLayer::builder()
             .policy(policy.clone())
             .store(RedisStore::connect(&url).await?)
             .max_wait(Duration::from_secs(30))
             .build()?;
         let http = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
-        let mut client = ServiceBuilder::new().layer(layer).service(http);
+        clients.push(ServiceBuilder::new().layer(layer).service(http));
+    }
+    let start = Instant::now();
+    let mut workers = Vec::new();
+    for (worker, mut client) in clients.into_iter().enumerate() {
         workers.push(tokio::spawn(async move {
             let mut statuses = Vec::new();
             for _ in 0..15 {
