@@ -99,10 +99,12 @@ async fn four_workers_share_ten_per_second_in_turn() {
     // Ten at 0 s, 1 s, ..., 11 s: the ideal, 12 s of budget for 120 calls.
     let took = finished.iter().max().unwrap().duration_since(start);
     assert!(took <= Duration::from_secs(12).mul_f64(1.15), "{took:?}");
+    // Within a tenth of the run of each other (the last round of turns may fall on both
+    // sides of a window's start: docs/outbound.md, "Turns at one instant").
     let spread = *finished.iter().max().unwrap() - *finished.iter().min().unwrap();
     assert!(
-        spread <= Duration::from_secs(1),
-        "the workers finished {spread:?} apart"
+        spread <= took / 10,
+        "the workers finished {spread:?} apart in {took:?}"
     );
     // In reservation order: a call reserved before another never arrives after it.
     for &(t, n) in &arrivals {
