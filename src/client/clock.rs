@@ -76,8 +76,10 @@ struct Learned {
     longest: Duration,
     /// The margin last said (through `tracing`).
     said: Duration,
-    /// When the round trip was last measured.
-    at: Option<Instant>,
+    /// The shortest round trip of the last [`DISTANCE`] or so, and when it was measured: how
+    /// far the store is when nothing queues in front of a call (a stall or a load makes the
+    /// others longer, not this one).
+    shortest: Option<(Duration, Instant)>,
     /// The instance's seconds per store second: the median of the latest samples (a sample
     /// from a turn the line moved up in between says the instance's clock ran slower than it
     /// did; the median leaves such samples out while they are fewer than half).
@@ -88,6 +90,10 @@ struct Learned {
     /// The margin in use.
     margin: Duration,
 }
+
+/// How long the shortest round trip stands for the store's distance before a longer one
+/// replaces it.
+const DISTANCE: Duration = Duration::from_secs(30);
 
 /// How many samples of the rate the median is taken of.
 const RATE_SAMPLES: usize = 9;
@@ -113,7 +119,7 @@ impl Reach {
                 round_trip: None,
                 longest: Duration::ZERO,
                 said: margin,
-                at: None,
+                shortest: None,
                 rate: 1.0,
                 samples: [0.0; RATE_SAMPLES],
                 next: 0,
@@ -136,6 +142,11 @@ impl Reach {
         self.learned().round_trip.unwrap_or_default()
     }
 
+    /// Whether the rate was measured (until then it is taken as 1).
+    pub(super) fn rate_known(&self) -> bool {
+        self.learned().next > 0
+    }
+
     /// The instance's seconds per store second.
     pub(super) fn rate(&self) -> f64 {
         self.learned().rate
@@ -146,16 +157,23 @@ impl Reach {
         self.max_margin
     }
 
-    /// The round trip that no margin up to `max_margin` covers (with a quarter to spare for
-    /// its variation), where one was measured within the last second (a call then fails at once rather than reserving a turn it cannot
-    /// keep).
-    pub(super) fn too_far(&self, now: Instant) -> Option<Duration> {
-        let learned = self.learned();
-        let recent = learned
-            .at
-            .is_some_and(|at| now - at < Duration::from_secs(1));
-        let round_trip = learned.round_trip?;
-        (recent && round_trip.mul_f64(1.25) > self.max_margin).then_some(round_trip)
+    /// How far the store is, where no margin up to `max_margin` covers it (with a quarter to
+    /// spare for its variation): the shortest round trip of the last [`DISTANCE`], so that a
+    /// stall, a restart or a load that makes the round trips long for a while fails no call
+    /// (they reserve again, up to their `max_wait`), while a store really that far fails them
+    /// at once rather than have them reserve turns they cannot keep.
+    pub(super) fn too_far(&self) -> Option<Duration> {
+        let (shortest, _) = self.learned().shortest?;
+        (shortest.mul_f64(1.25) > self.max_margin).then_some(shortest)
+    }
+
+    /// The round trip of a layer's first, quiet look: the margin covers twice as much (under
+    /// load a look may wait behind another call's round trip on the connection), the store's
+    /// distance is this one.
+    pub(super) fn first_round_trip(&self, took: Duration, now: Instant) {
+        self.round_trip_took(took * 2, now);
+        let mut learned = self.learned.lock().unwrap_or_else(|e| e.into_inner());
+        learned.shortest = Some((took, now));
     }
 
     /// A look's round trip to the store, measured at `now`: the margin follows it.
@@ -171,7 +189,14 @@ impl Reach {
         };
         learned.round_trip = Some(round_trip);
         learned.longest = longest;
-        learned.at = Some(now);
+        learned.shortest = match learned.shortest {
+            Some((shortest, at))
+                if shortest < took && now.saturating_duration_since(at) < DISTANCE =>
+            {
+                Some((shortest, at))
+            }
+            _ => Some((took, now)),
+        };
         learned.margin = needed(longest).clamp(self.margin, self.max_margin);
         // Said when it moved by a quarter or more since it was last said, or came back to the
         // configured one.

@@ -38,15 +38,16 @@ use crate::{KeyError, StoreError};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum OutboundError<E> {
-    /// Its turn would come later than the layer's `max_wait`: when, if a turn is possible
-    /// (`None`: the request costs more than a limit allows).
-    #[error("the request's turn would come too late ({turn:?} from now)")]
+    /// Its turn would come later than the layer's `max_wait`: when, if the store said (`None`:
+    /// the request costs more than a limit allows, or it reserved again, after a turn it could
+    /// not keep, until nothing was left of its wait).
+    #[error("{}", too_late(turn))]
     TooLate {
         /// How long from now its turn would have come.
         turn: Option<Duration>,
     },
-    /// The store is too far for the layer's `max_margin`: the round trip to it (as measured
-    /// within the last second) is so long that a request cannot know it leaves within the
+    /// The store is too far for the layer's `max_margin`: the round trip to it (the shortest
+    /// measured within the last 30 s) is so long that a request cannot know it leaves within the
     /// margin of its turn. Widen `max_margin` (and with it every window) or bring the store
     /// closer.
     #[error("the store's round trip ({round_trip:?}) needs more margin than the layer's max_margin ({max_margin:?})")]
@@ -83,5 +84,17 @@ impl OutboundError<std::convert::Infallible> {
             OutboundError::Store(error) => OutboundError::Store(error),
             OutboundError::Inner(never) => match never {},
         }
+    }
+}
+
+/// `TooLate`'s message: when its turn would have come, or that none can.
+fn too_late(turn: &Option<Duration>) -> String {
+    match turn {
+        Some(turn) => {
+            format!("the request's turn would come too late, in {turn:?} (past max_wait)")
+        }
+        None => "the request has no turn within max_wait (or none at all: it costs more than a \
+                 limit allows)"
+            .to_owned(),
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::shared::Shared;
 use super::wait::{Seat, WaitTurn};
 use super::OutboundError;
-use crate::{Key, MemoryStore, Store};
+use crate::{Key, MemoryStore, Store, StoreError};
 
 /// Turns of one policy on one store, for work that is not an HTTP call: the same store,
 /// policy and settings as the [`OutboundLayer`](super::OutboundLayer) it came from
@@ -62,12 +62,14 @@ impl<St> Turns<St> {
 
 impl<St: Store> Turns<St> {
     /// Waits for a turn of `cost` units of `key`, up to the layer's `max_wait`: fails at once
-    /// with [`OutboundError::TooLate`] where the turn would come later, and with
-    /// [`OutboundError::Store`] where the store cannot reserve. Cancel-safe: dropping the
+    /// with [`OutboundError::TooLate`] where the turn would come later (or never: a cost over
+    /// a count), and with [`OutboundError::Store`] where the store cannot reserve (a cost of
+    /// 0 among others). Cancel-safe: dropping the
     /// future gives its place back (the line moves up).
     pub fn wait(&self, key: Key, cost: u32) -> WaitTurn<St> {
         if cost == 0 {
-            return WaitTurn::failed(OutboundError::TooLate { turn: None });
+            let zero = StoreError::Unsupported("a reservation's cost must be at least one unit");
+            return WaitTurn::failed(OutboundError::Store(zero));
         }
         WaitTurn::new(Seat::new(Arc::clone(&self.shared), key, cost))
     }

@@ -94,7 +94,7 @@ impl<St: Store> WaitTurn<St> {
     /// be too far for the layer's widest margin.
     pub(super) fn new(seat: Seat<St>) -> Self {
         let reach = &seat.shared.reach;
-        if let Some(round_trip) = reach.too_far(seat.shared.clock.now()) {
+        if let Some(round_trip) = reach.too_far() {
             let max_margin = reach.max_margin();
             return WaitTurn::failed(OutboundError::TooFar {
                 round_trip,
@@ -122,12 +122,8 @@ impl<St: Store> WaitTurn<St> {
                 let sent = shared.clock.now();
                 let looked = shared.store.look(&key, &shared.policy, nobody).await;
                 let received = shared.clock.now();
-                // A quiet look: under load a look may wait behind another call's round trip
-                // on the connection, so the first margin covers two.
                 if looked.is_ok() {
-                    shared
-                        .reach
-                        .round_trip_took((received - sent) * 2, received);
+                    shared.reach.first_round_trip(received - sent, received);
                 }
             });
             let _ = tokio::time::timeout(patience, measured).await;
@@ -416,6 +412,7 @@ impl<St: Store> Asked<St> {
             reserved: Some((heard, d)),
             in_line: true,
             watch: None,
+            confirm: false,
             seat: Some(seat),
         }))
     }
@@ -459,6 +456,10 @@ pub(super) struct Placed<St: Store> {
     /// Whether it is still in the store's line (it leaves when its work goes, used, or when
     /// it is dropped or reserves again, given back).
     in_line: bool,
+    /// Whether it sleeps until its turn's latest and looks again before it goes: the rate
+    /// between the clocks is not known yet, so a sleep of the instance's may be shorter or
+    /// longer than the store's (only a look at a turn that has come bounds it).
+    confirm: bool,
     /// Its place with its key's looker, while its look at the turn is further than a
     /// `recheck` away.
     watch: Option<Watch>,
@@ -503,6 +504,9 @@ impl<St: Store> Placed<St> {
         let Some(seat) = self.seat.as_ref() else {
             return State::Done(None);
         };
+        if std::mem::take(&mut self.confirm) {
+            return self.look();
+        }
         let shared = &seat.shared;
         let now = shared.clock.now();
         // Aimed a round trip before the turn's earliest: it answers before the turn (ahead,
@@ -591,8 +595,8 @@ impl<St: Store> Placed<St> {
 
     /// What it does once it learned where it stands (`stood`, asked at `sent`): wait on for
     /// its turn, moved up or not; go, where its turn is at most its `late` ahead and it can
-    /// leave within its margin of the turn (still in line until its work goes); or reserve again, when the key is paused past its
-    /// turn, when the store lost its reservation (a restart, a reset, an eviction: its old
+    /// leave within its margin of the turn (still in line until its work goes); or reserve
+    /// again, when the key is paused past its turn, when the store lost its reservation (a restart, a reset, an eviction: its old
     /// turn no longer counts), or when it cannot know that it would leave in time (a slow or
     /// stalled store, a round trip longer than the margin).
     fn after_look(mut self, stood: Result<InLine, StoreError>, sent: Instant) -> State<St> {
@@ -606,12 +610,16 @@ impl<St: Store> Placed<St> {
             sent,
             received: now,
         };
-        shared.reach.round_trip_took(heard.round_trip(), now);
         let rate = shared.reach.rate();
         // The latest it may leave, its turn being at the earliest `earliest`.
         let until = |earliest: Instant| earliest + late.mul_f64(rate * (1.0 - RATE_TOLERANCE));
         let stood = match stood {
-            Ok(stood) => stood,
+            // Only an answer tells how far the store is (a failure may have waited out the
+            // whole time budget).
+            Ok(stood) => {
+                shared.reach.round_trip_took(heard.round_trip(), now);
+                stood
+            }
             // The store could not say: the turn it had holds, while it may still leave.
             Err(_) if now > until(self.turn().0) => return self.again(None),
             // It goes at its turn (still in line: `Turn::go` takes it out).
@@ -653,7 +661,7 @@ impl<St: Store> Placed<St> {
     /// turn, wherever in the round trip the store answered (its reservation's answer may be
     /// that look); else it reserves again, giving its place back where it is still in line (or fails,
     /// where the store is too far for any margin up to `max_margin`).
-    fn at_turn(self, stood: InLine, heard: Heard) -> State<St> {
+    fn at_turn(mut self, stood: InLine, heard: Heard) -> State<St> {
         let Some(seat) = self.seat.as_ref() else {
             return State::Done(None);
         };
@@ -677,6 +685,20 @@ impl<St: Store> Placed<St> {
             ),
         };
         let until = earliest + late.mul_f64(slow);
+        if !ahead.is_zero() && !shared.reach.rate_known() && heard.round_trip() <= late / 4 {
+            // Its turn still ahead, on a clock whose rate to the store's is not known: it
+            // sleeps until the turn's latest, and looks (where a round trip costs little of
+            // the margin; a far store's first calls take the clocks to run at one rate).
+            self.confirm = true;
+            self.answer = (heard, ahead);
+            let sleep = Box::pin(shared.clock.sleep_until(leave));
+            let (woken, placed) = (None, self);
+            return State::Waiting {
+                sleep,
+                woken,
+                placed,
+            };
+        }
         if leave <= until {
             let sleep = Box::pin(shared.clock.sleep_until(leave));
             let turn = Some(Turn::new(self, until));
@@ -691,7 +713,7 @@ impl<St: Store> Placed<St> {
             rate,
             "an outbound call cannot know it would leave within its margin: it reserves again",
         );
-        if let Some(round_trip) = shared.reach.too_far(now) {
+        if let Some(round_trip) = shared.reach.too_far() {
             let max_margin = shared.reach.max_margin();
             return State::Done(Some(Err(OutboundError::TooFar {
                 round_trip,

@@ -345,7 +345,7 @@ async fn turns_wait_without_http_and_a_dropped_wait_gives_its_place_back() {
     let paused = Instant::now();
     turns.wait(key, 1).await.unwrap().go();
     assert!(Instant::now() - paused >= Duration::from_secs(5));
-    // A cost of zero is refused.
+    // A cost of zero is refused by the store.
     let zero = layer.turns().wait(Key::from("mail"), 0).await;
-    assert!(matches!(zero, Err(OutboundError::TooLate { turn: None })));
+    assert!(matches!(zero, Err(OutboundError::Store(_))));
 }

@@ -8,6 +8,7 @@ mod calls;
 mod field;
 mod fleet;
 mod pushback;
+mod recovery;
 #[cfg(all(feature = "reqwest", feature = "redis"))]
 mod reqwest;
 mod reserve;
