@@ -317,7 +317,7 @@ async fn four_workers_finish_together_on_the_log() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_workers_finish_together_on_gcra() {
-    four_workers_finish_together(Algorithm::Gcra, 20, 20).await;
+    four_workers_finish_together(Algorithm::Gcra, 20, 40).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
