@@ -393,8 +393,9 @@ impl KeyState {
     /// Reserves `ask`'s cost for its turn, after the key's pause and within its most wait
     /// ([`reserve`]), and puts it in the key's line: the answer of a request admitted
     /// at its turn, and the key kept a window past it. Its units may be used `late` after
-    /// their turn: the log reads its windows that much longer, GCRA keeps that much drain free
-    /// in every bucket (as Redis does, `gcra.lua`).
+    /// their turn, and those of the key's other recent reservations their own late after
+    /// theirs: the log reads its windows the longest of those longer, GCRA keeps that much
+    /// drain free in every bucket (as Redis does, `gcra.lua`; [`Line::late`]).
     pub(crate) fn reserve(&mut self, policy: &Policy, ask: &Ask, booking: Booking) -> StateAnswer {
         let Booking {
             id,
@@ -403,6 +404,9 @@ impl KeyState {
             notice,
         } = booking;
         let (now, windows) = (ask.now, policy.windows());
+        // Read as late as the key's latest-used reservations may go, not only this one.
+        let longest = windows.iter().map(|w| w.micros).max().unwrap_or(0);
+        let late = self.line.late(now, late, max_wait.saturating_add(longest));
         // Reserved as if asked at the pause's end, so that GCRA's bucket drains from there.
         let from = self.line.floor(now);
         let shift = from - now;
@@ -666,6 +670,33 @@ mod tests {
         let late = state.answer(&p, &reserve(4, 2 * S), 0);
         assert_eq!((late.turn, late.outcome.retry_after), (None, Some(3 * S)));
         assert_eq!(state.line.last(), Some(2 * S));
+    }
+
+    #[test]
+    fn a_reservation_reads_the_windows_as_late_as_the_keys_latest_used_reservation() {
+        // One reservation whose units may be used 200 ms late, then one of 50 ms: the second
+        // reads the key 200 ms late too (the log's window 1.2 s, GCRA's drain 200 ms free).
+        let ms = |n: u64| n * S / 1_000;
+        let reserve = |id, late| Ask {
+            reserve: Some(Booking {
+                id,
+                max_wait: 10 * S,
+                late,
+                notice: 0,
+            }),
+            ..ask(0, 1)
+        };
+        for (algorithm, limit, second) in [
+            (Algorithm::SlidingLog, "1/1s", ms(1_200)),
+            (Algorithm::Gcra, "2/1s", ms(200)),
+        ] {
+            let p = policy(limit, algorithm);
+            let mut state = KeyState::new(algorithm, 1);
+            let first = state.answer(&p, &reserve(1, ms(200)), 0);
+            assert_eq!(first.turn, Some(0), "{algorithm:?}");
+            let near = state.answer(&p, &reserve(2, ms(50)), 0);
+            assert_eq!(near.turn, Some(second), "{algorithm:?}");
+        }
     }
 
     #[test]

@@ -54,6 +54,9 @@ pub(crate) struct Line {
     places: Vec<u64>,
     /// Until when (µs) the key is paused (0: never).
     pause: u64,
+    /// The longest `late` (µs) of the key's recent reservations, and until when (µs) it is
+    /// remembered ([`Line::late`]).
+    late: (u64, u64),
 }
 
 impl Line {
@@ -70,6 +73,27 @@ impl Line {
     /// Pauses the key until `until`, or keeps a longer pause.
     pub(crate) fn pause(&mut self, until: u64) {
         self.pause = self.pause.max(until);
+    }
+
+    /// How late (µs) a reservation made `now` with its own `late` must read the key's
+    /// windows: the longest `late` of the reservations that may still be used within one of
+    /// them, its own included. Instances whose margins differ (a far one's widened by its
+    /// round trip) share the key's events, which may be used that late: a reservation that read
+    /// only its own shorter late would count a far one's unit in the wrong window. Its own
+    /// `late` is remembered when it is at least the remembered one, `kept` (µs: its most wait
+    /// plus the longest window) plus its late from now, rounded up to the millisecond, or
+    /// longer where the remembered one was kept longer (Redis: `<key>:late`, `prelude.lua`).
+    pub(crate) fn late(&mut self, now: u64, late: u64, kept: u64) -> u64 {
+        let (longest, until) = self.late;
+        let longest = if until > now { longest } else { 0 };
+        if late >= longest && late > 0 {
+            let ms = kept
+                .saturating_add(late)
+                .div_ceil(1000)
+                .saturating_mul(1000);
+            self.late = (late, until.max(now.saturating_add(ms)));
+        }
+        late.max(longest)
     }
 
     /// Puts reservation `id` of `cost` in line at its turn `at`, with its `notice`: its place
@@ -264,6 +288,23 @@ mod tests {
         );
         assert_eq!(line.leave(0, (2, 1)), Some((200, left(400, true))));
         assert_eq!(line.turn(4, 1), Some(200));
+    }
+
+    #[test]
+    fn the_longest_late_is_remembered_its_wait_and_window_past_it() {
+        let mut line = Line::default();
+        // 200 µs late, kept 1 000 µs: remembered until 2 000 (1 200 rounded up to the ms).
+        assert_eq!(line.late(0, 200, 1_000), 200);
+        assert_eq!(line.late(500, 50, 1_000), 200);
+        // Met again later, kept from then (until 3 000); a longer one replaces it, kept at
+        // least as long as the one it replaces.
+        assert_eq!(line.late(1_000, 200, 1_000), 200);
+        assert_eq!(line.late(1_500, 300, 0), 300);
+        assert_eq!(line.late(2_500, 50, 1_000), 300);
+        assert_eq!(line.late(2_999, 0, 0), 300);
+        // Forgotten once past: each reads its own again.
+        assert_eq!(line.late(3_000, 50, 1_000), 50);
+        assert_eq!(line.late(3_000, 0, 1_000), 50);
     }
 
     #[test]

@@ -92,7 +92,10 @@ pub struct Ticket {
     pub cost: u32,
     /// The most it may wait for its turn.
     pub max_wait: Duration,
-    /// How late after its turn its units may be used.
+    /// How late after its turn its units may be used. The key remembers the longest of its
+    /// recent reservations' (their `max_wait` plus the longest window past them), and each
+    /// reservation reads the windows by the longest of its own and that one: units of
+    /// reservations with another `late` (an instance with another margin) share the windows.
     pub late: Duration,
     /// How soon after the line moves it up its caller learns of it (when it next looks), and
     /// may use its units `late` after that: it is moved only into places at least this far

@@ -459,3 +459,122 @@ async fn two_thousand_calls_over_a_thousand_keys_wait_rather_than_fail() {
     );
     assert_eq!(served + late, CALLS);
 }
+
+/// Departures: when each turn was used (`Turn::go`), by which instance.
+type Departures = std::sync::Arc<std::sync::Mutex<Vec<(Instant, &'static str)>>>;
+
+/// `calls` turns of `turns` at once, each recording its departure under `who`.
+fn depart(
+    turns: &tower_redis_ratelimit::client::Turns<RedisStore>,
+    calls: usize,
+    who: &'static str,
+    gone: &Departures,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..calls)
+        .map(|_| {
+            let (wait, gone) = (turns.wait("k".into(), 1), gone.clone());
+            tokio::spawn(async move {
+                wait.await.unwrap().go();
+                gone.lock().unwrap().push((Instant::now(), who));
+            })
+        })
+        .collect()
+}
+
+/// How many of `departures` an upstream running GCRA at `count` per `window` (virtual
+/// scheduling, 200 µs of slack) refuses.
+fn refused_by_gcra(departures: &[(Instant, &'static str)], count: u32, window: Duration) -> usize {
+    let mut sorted: Vec<Instant> = departures.iter().map(|d| d.0).collect();
+    sorted.sort();
+    let emission = window / count;
+    let (mut tat, mut refused) = (None::<Instant>, 0);
+    for at in sorted {
+        let next = tat.map_or(at, |tat| tat.max(at)) + emission;
+        if next - at > window + Duration::from_micros(200) {
+            refused += 1;
+        } else {
+            tat = Some(next);
+        }
+    }
+    refused
+}
+
+/// Two instances whose margins differ share `10/1s` on `algorithm`: a far one, whose
+/// Redis replies come 100 ms late (its margin widened to cover the round trip: its calls go
+/// up to that late after their turns), takes 10 turns, and half a second later a near one (the
+/// default 50 ms margin) takes 10 more. Every reservation reads the key's windows as late as
+/// the far one's units may be used, so the near one's turns wait for them. The departures,
+/// and how many units the fullest true second held.
+async fn instances_with_different_margins(
+    algorithm: Algorithm,
+) -> (Vec<(Instant, &'static str)>, usize) {
+    let server = RedisServer::start();
+    let delay = Delay::start(server.port(), Duration::ZERO, Duration::from_millis(100)).await;
+    let policy = Policy::new("api", ["10/1s".parse().unwrap()])
+        .unwrap()
+        .with_algorithm(algorithm);
+    let turns = |url: String| {
+        let policy = policy.clone();
+        async move {
+            let store = RedisStore::connect(&url).await.unwrap();
+            let layer: OutboundLayer<Global, RedisStore> = OutboundLayer::builder()
+                .policy(policy)
+                .store(store)
+                .max_wait(Duration::from_secs(30))
+                .build()
+                .unwrap();
+            layer.turns()
+        }
+    };
+    let far = turns(delay.url()).await;
+    let near = turns(server.url()).await;
+    let gone: Departures = Default::default();
+    let start = Instant::now();
+    let mut all = depart(&far, 10, "far", &gone);
+    tokio::time::sleep_until(start + Duration::from_millis(500)).await;
+    all.extend(depart(&near, 10, "near", &gone));
+    for task in all {
+        task.await.unwrap();
+    }
+    let gone = gone.lock().unwrap().clone();
+    let fullest = gone
+        .iter()
+        .map(|&(t, _)| {
+            gone.iter()
+                .filter(|&&(s, _)| s <= t && s + Duration::from_secs(1) > t)
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    let when = |who: &str| -> Vec<Duration> {
+        let mut at: Vec<_> = gone
+            .iter()
+            .filter(|g| g.1 == who)
+            .map(|g| g.0 - start)
+            .collect();
+        at.sort();
+        vec![at[0], at[at.len() - 1]]
+    };
+    eprintln!(
+        "{algorithm:?}: far went {:?}, near {:?}; the fullest second held {fullest}",
+        when("far"),
+        when("near")
+    );
+    (gone, fullest)
+}
+
+/// On the log: no true second holds more than 10 of the 20 departures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_with_different_margins_keep_the_window_on_the_log() {
+    let (_, fullest) = instances_with_different_margins(Algorithm::SlidingLog).await;
+    assert!(fullest <= 10, "{fullest} in one second");
+}
+
+/// On GCRA: an upstream that runs GCRA at `10/1s` refuses none of the 20 departures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_with_different_margins_keep_an_upstream_gcra_on_gcra() {
+    let (gone, _) = instances_with_different_margins(Algorithm::Gcra).await;
+    let refused = refused_by_gcra(&gone, 10, Duration::from_secs(1));
+    eprintln!("an upstream GCRA at 10/1s refuses {refused}");
+    assert_eq!(refused, 0);
+}

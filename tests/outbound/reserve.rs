@@ -854,8 +854,9 @@ async fn reservations_under_load_wait_rather_than_fail() {
     assert_eq!(refused, 0);
 }
 
-/// The line's keys on Redis expire 10 s after its last turn, all four together; a reset of the
-/// key deletes them, and the reservations it held leave nothing.
+/// The line's keys on Redis expire 10 s after its last turn, all four together; the longest
+/// late (`:late`) its `max_wait` plus the window plus itself after the last reservation; a reset
+/// of the key deletes them, and the reservations it held leave nothing.
 #[tokio::test]
 async fn the_line_keys_expire_after_the_last_turn_and_a_reset_takes_them() {
     let server = crate::support::RedisServer::start();
@@ -878,8 +879,14 @@ async fn the_line_keys_expire_after_the_last_turn_and_a_reset_takes_them() {
         // The last turn is 2 s away.
         assert!((11_000..=12_100).contains(&ttl), "{name}: {ttl} ms");
     }
+    let late = format!("{state}:late");
+    let cli = |args: &[&str]| crate::support::cluster::cli(server.port(), args);
+    assert_eq!(cli(&["GET", &late]).trim(), "50000");
+    let ttl: i64 = cli(&["PTTL", &late]).trim().parse().unwrap();
+    // 5 s of wait, the 1 s window and the 50 ms late.
+    assert!((5_900..=6_050).contains(&ttl), "{late}: {ttl} ms");
     store.reset(&key, &policy).await.unwrap();
-    for name in &names {
+    for name in names.iter().chain([&late]) {
         let there = crate::support::cluster::cli(server.port(), &["EXISTS", name]);
         assert_eq!(there.trim(), "0", "{name} after the reset");
     }

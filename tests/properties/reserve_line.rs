@@ -8,7 +8,7 @@
 //! to learn of a move). Callers whose tickets carry a `late` are taken out of the line by the
 //! look that finds their turn at most that far ahead, sleep the rest, and go anywhere up to
 //! `late` after their turns (the network's delay to the upstream): the limits hold at those
-//! times too.
+//! times too, also where callers' lates differ (instances whose margins differ).
 
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -62,8 +62,9 @@ struct Run {
     policy: Policy,
     /// How often callers look: each caller takes the next of these in turn.
     rechecks: Vec<u64>,
-    /// How late after its turn a caller may go (µs), every caller's.
-    late: u64,
+    /// How late after its turn a caller may go (µs): each caller takes the next of these in
+    /// turn (instances with other margins).
+    lates: Vec<u64>,
     now: u64,
     next_id: u64,
     waiting: Vec<Caller>,
@@ -77,10 +78,11 @@ impl Run {
         self.next_id += 1;
         let id = 1_000_000_000_000_000 + self.next_id;
         let recheck = self.rechecks[self.next_id as usize % self.rechecks.len()];
+        let late = self.lates[self.next_id as usize / 2 % self.lates.len()];
         // As the layer's: it learns of a move at its next look, and may go `late` after.
         let ticket = Ticket {
-            late: Duration::from_micros(self.late),
-            notice: Duration::from_micros(recheck + self.late),
+            late: Duration::from_micros(late),
+            notice: Duration::from_micros(recheck + late),
             ..Ticket::new(id, Duration::from_secs(600))
         };
         (ticket, recheck)
@@ -139,13 +141,14 @@ impl Run {
         }
         let turn = turn.expect("a caller waiting is in line");
         let caller = &mut self.waiting[i];
-        if turn <= self.late {
+        let late = caller.ticket.late.as_micros() as u64;
+        if turn <= late {
             // Its turn is at most `late` ahead (at the latest now: a move it learns of only
             // now is to a place the leave's notice kept at least as far as this look): the look
             // took it out of the line. It sleeps until its turn and goes, up to `late` after
             // it (a delay of its own, as a network's); a caller that went later would show in
             // the limits' check.
-            let delay = caller.ticket.id.wrapping_mul(7919) % (self.late + 1);
+            let delay = caller.ticket.id.wrapping_mul(7919) % (late + 1);
             self.used.push(self.now + turn + delay);
             self.waiting.remove(i);
             return;
@@ -198,7 +201,7 @@ proptest! {
         window_ms in 100u64..2000,
         spacing in proptest::option::of(10u64..200),
         rechecks_ms in proptest::collection::vec(20u64..300, 1..4),
-        late_ms in prop_oneof![Just(0u64), 1u64..60],
+        lates_ms in proptest::collection::vec(prop_oneof![Just(0u64), 1u64..60], 1..3),
         steps in proptest::collection::vec(step(), 1..50),
     ) {
         let algorithm = if log { Algorithm::SlidingLog } else { Algorithm::Gcra };
@@ -209,10 +212,11 @@ proptest! {
         }
         let policy = Policy::new("api", limits.clone()).unwrap().with_algorithm(algorithm);
         // GCRA keeps `late` of drain free in every bucket: a bucket of one has none to spare.
+        let late_ms = lates_ms.iter().copied().max().unwrap_or(0);
         let spares = |count: u64, ms: u64| (ms - late_ms.min(ms)) * count >= ms;
         let gcra_spares = spares(count, window_ms)
             && spacing.filter(|&ms| ms != window_ms).is_none_or(|ms| spares(1, ms));
-        let late_ms = if log || gcra_spares { late_ms } else { 0 };
+        let lates_ms = if log || gcra_spares { lates_ms } else { vec![0] };
         let clock = ManualClock::from(UNIX_EPOCH + Duration::from_secs(1_700_000_000));
         let mut run = Run {
             store: MemoryStore::builder().clock(clock.clone()).build(),
@@ -220,7 +224,7 @@ proptest! {
             key: Key::from("k"),
             policy,
             rechecks: rechecks_ms.iter().map(|ms| ms * MS).collect(),
-            late: late_ms * MS,
+            lates: lates_ms.iter().map(|ms| ms * MS).collect(),
             now: 0,
             next_id: 0,
             waiting: Vec::new(),

@@ -582,8 +582,8 @@ impl Store for RedisStore {
         let inner = Arc::clone(&self.inner);
         let redis_key = self.redis_key(key, policy);
         Box::pin(async move {
-            // The state, and the penalty box, line of reservations and pause beside it (same
-            // hash slot).
+            // The state, and the penalty box, line of reservations, pause and longest late
+            // beside it (same hash slot).
             let del = |client: fred::clients::Client| {
                 let keys = vec![
                     redis_key.clone(),
@@ -593,6 +593,7 @@ impl Store for RedisStore {
                     format!("{redis_key}:notices"),
                     format!("{redis_key}:costs"),
                     format!("{redis_key}:pause"),
+                    format!("{redis_key}:late"),
                     format!("{redis_key}:tries"),
                 ];
                 async move { client.del::<(), _>(keys).await }

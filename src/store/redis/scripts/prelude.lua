@@ -56,7 +56,8 @@
 --             within the most it may wait (us), recorded, and the reservation put in its key's
 --             line (`join_line`); answered admitted with the turn (us from now) as
 --             retry_after, or refused with the turn it would have had (GCRA and the sliding
---             log only; src/model/turn.rs); the wait, headroom (as for a look), and the
+--             log only; src/model/turn.rs); the wait, headroom (as for a look; read as the
+--             longest late of the key's recent reservations, `longest_late`), and the
 --             reservation's id and notice (us; line.lua)
 --
 -- Range: counts are at most 2^50, windows at most ten years, times below 2^53 us (the year
@@ -531,6 +532,20 @@ local function join_line(key, at, cost)
   end
   return at
 end
+-- How late (us) a reservation of key k with its own `late` (its headroom) reads the key's
+-- windows: the longest late of the key's recent reservations, its own included
+-- (src/model/line.rs, Line::late), kept in the string `<KEYS[k]>:late` (us). Its own is
+-- written when it is at least the one kept, expiring `kept` (its wait plus the longest
+-- window, us) plus its late from now, or later where the one kept expired later.
+local function longest_late(k, late, kept)
+  local key = KEYS[k] .. ':late'
+  local longest = tonumber(redis.call('GET', key) or '0')
+  if late >= longest and late > 0 then
+    local ms = math.max(math.ceil((kept + late) / 1000), redis.call('PTTL', key))
+    redis.call('SET', key, text(late), 'PX', text(ms))
+  end
+  return math.max(late, longest)
+end
 local function next_request(counts, windows, scales, k)
   local n, cost, record, t, id, box, all, plan, known, kind
   local want, headroom, refund, admitted, weight
@@ -577,6 +592,13 @@ local function next_request(counts, windows, scales, k)
     if scales then
       scales[i] = scale
     end
+  end
+  if record == RESERVE then
+    local longest = 0
+    for i = 1, n do
+      longest = math.max(longest, windows[i])
+    end
+    headroom = longest_late(k, headroom, reserve_wait + longest)
   end
   if record == TAKE then
     -- Decided as ADMIT; the slot is taken in `conclude` if the request is admitted.

@@ -9,7 +9,7 @@
 //! and answers, durations from each store's now, are compared to the nearest 5 s. GCRA
 //! `2/20s` gives turns 10 s apart, after a first pause of 5 s, and pauses are multiples of
 //! 10 s long. The rules that read the time are set on either side of it: a notice of 0 or an
-//! hour, a look's `late` of 0 or an hour.
+//! hour, a look's `late` of 0 or an hour, a reservation's `late` of 0 or 10 s (half the window).
 
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -25,8 +25,9 @@ use crate::{Algorithm, Decision, Key, Policy, RedisStore, Store};
 #[derive(Debug, Clone)]
 enum Op {
     /// A reservation of this cost, whose caller learns of a move at once (`false`) or an hour
-    /// later (`true`).
-    Reserve(u32, bool),
+    /// later (`true`), and whose units may be used on time (`false`) or 10 s late (`true`):
+    /// every reservation after it then reads the key's windows 10 s late too.
+    Reserve(u32, bool, bool),
     /// The `n`-th reservation made (modulo their number) looks, with a `late` of an hour
     /// (`true`: taken out, used) or of nothing.
     Look(usize, bool),
@@ -40,7 +41,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (1u32..3, proptest::bool::weighted(0.2)).prop_map(|(c, n)| Op::Reserve(c, n)),
+        4 => (1u32..3, proptest::bool::weighted(0.2), proptest::bool::weighted(0.2))
+            .prop_map(|(c, n, l)| Op::Reserve(c, n, l)),
         2 => (0usize..50, any::<bool>()).prop_map(|(i, late)| Op::Look(i, late)),
         4 => (0usize..50).prop_map(Op::Leave),
         1 => Just(Op::LookMany),
@@ -83,10 +85,15 @@ async fn step<S: Store + Reserve>(
     let policy = policy();
     let hour = Duration::from_secs(3600);
     let answer = match *op {
-        Op::Reserve(cost, slow) => {
+        Op::Reserve(cost, slow, late) => {
             let ticket = Ticket {
                 cost,
                 notice: if slow { hour } else { Duration::ZERO },
+                late: if late {
+                    Duration::from_secs(10)
+                } else {
+                    Duration::ZERO
+                },
                 ..Ticket::new(1_000 + i as u64, hour)
             };
             tickets.push(ticket);
