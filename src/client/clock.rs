@@ -3,10 +3,13 @@
 //! offset to the store's time: the scripts answer durations from the store's now, and a call
 //! brackets each answer by its own send and receive instants).
 
+use std::convert::Infallible;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
+
+use super::OutboundError;
 
 /// The instance's clock: tokio's, or (for tests) one that runs at a rate of its own.
 #[derive(Debug, Clone, Copy)]
@@ -152,19 +155,17 @@ impl Reach {
         self.learned().rate
     }
 
-    /// The widest margin the layer may use.
-    pub(super) fn max_margin(&self) -> Duration {
-        self.max_margin
-    }
-
     /// How far the store is, where no margin up to `max_margin` covers it (with a quarter to
     /// spare for its variation): the shortest round trip of the last [`DISTANCE`], so that a
     /// stall, a restart or a load that makes the round trips long for a while fails no call
     /// (they reserve again, up to their `max_wait`), while a store really that far fails them
     /// at once rather than have them reserve turns they cannot keep.
-    pub(super) fn too_far(&self) -> Option<Duration> {
+    pub(super) fn too_far(&self) -> Option<OutboundError<Infallible>> {
         let (shortest, _) = self.learned().shortest?;
-        (shortest.mul_f64(1.25) > self.max_margin).then_some(shortest)
+        (shortest.mul_f64(1.25) > self.max_margin).then_some(OutboundError::TooFar {
+            round_trip: shortest,
+            max_margin: self.max_margin,
+        })
     }
 
     /// The round trip of a layer's first, quiet look: the margin covers twice as much (under

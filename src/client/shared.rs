@@ -253,3 +253,20 @@ async fn run<St: Store>(shared: Arc<Shared<St>>, key: Key, looker: Arc<Looker>) 
         }
     }
 }
+
+/// Measures the round trip to the store for a layer's first wait, once for all the calls that
+/// come meanwhile (each waits at most `patience` for it): two looks at no reservation, the
+/// first of which may also load the script, or connect.
+pub(super) async fn measure<St: Store>(shared: Arc<Shared<St>>, key: Key, patience: Duration) {
+    let measured = shared.measured.get_or_init(|| async {
+        let nobody = Ticket::new(0, Duration::ZERO);
+        let _ = shared.store.look(&key, &shared.policy, nobody).await;
+        let sent = shared.clock.now();
+        let looked = shared.store.look(&key, &shared.policy, nobody).await;
+        let received = shared.clock.now();
+        if looked.is_ok() {
+            shared.reach.first_round_trip(received - sent, received);
+        }
+    });
+    let _ = tokio::time::timeout(patience, measured).await;
+}

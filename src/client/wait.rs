@@ -93,13 +93,8 @@ impl<St: Store> WaitTurn<St> {
     /// Waits for a turn of `seat`'s reservation; fails at once where the store is known to
     /// be too far for the layer's widest margin.
     pub(super) fn new(seat: Seat<St>) -> Self {
-        let reach = &seat.shared.reach;
-        if let Some(round_trip) = reach.too_far() {
-            let max_margin = reach.max_margin();
-            return WaitTurn::failed(OutboundError::TooFar {
-                round_trip,
-                max_margin,
-            });
+        if let Some(too_far) = seat.shared.reach.too_far() {
+            return WaitTurn::failed(too_far);
         }
         if seat.shared.measured.initialized() {
             return WaitTurn {
@@ -107,27 +102,10 @@ impl<St: Store> WaitTurn<St> {
             };
         }
         // The layer's first wait: its reservation carries the margin the round trip needs,
-        // so the round trip is measured first (looks at no reservation), once for all the
-        // calls that come meanwhile.
-        let shared = Arc::clone(&seat.shared);
-        let key = seat.key.clone();
-        // It waits for the measure at most half its wait: a stalled store fails its
-        // reservation, not its measure.
+        // so the round trip is measured first, at most for half its wait (a stalled store
+        // fails its reservation, not its measure).
         let patience = seat.ticket.max_wait / 2;
-        let measure = async move {
-            let measured = shared.measured.get_or_init(|| async {
-                // Twice: the first look may also load the script, or connect.
-                let nobody = Ticket::new(0, Duration::ZERO);
-                let _ = shared.store.look(&key, &shared.policy, nobody).await;
-                let sent = shared.clock.now();
-                let looked = shared.store.look(&key, &shared.policy, nobody).await;
-                let received = shared.clock.now();
-                if looked.is_ok() {
-                    shared.reach.first_round_trip(received - sent, received);
-                }
-            });
-            let _ = tokio::time::timeout(patience, measured).await;
-        };
+        let measure = shared::measure(Arc::clone(&seat.shared), seat.key.clone(), patience);
         WaitTurn {
             state: State::Measuring {
                 measure: Box::pin(measure),
@@ -713,14 +691,10 @@ impl<St: Store> Placed<St> {
             rate,
             "an outbound call cannot know it would leave within its margin: it reserves again",
         );
-        if let Some(round_trip) = shared.reach.too_far() {
-            let max_margin = shared.reach.max_margin();
-            return State::Done(Some(Err(OutboundError::TooFar {
-                round_trip,
-                max_margin,
-            })));
+        match shared.reach.too_far() {
+            Some(too_far) => State::Done(Some(Err(too_far))),
+            None => self.again(None),
         }
-        self.again(None)
     }
 
     /// Leaves the line (where it is still in it) and reserves again, with what is left of its
