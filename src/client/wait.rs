@@ -165,8 +165,10 @@ impl<St: Store> Future for WaitTurn<St> {
                         .as_mut()
                         .is_some_and(|w| w.as_mut().poll(cx).is_ready());
                     match (slept, rung) {
-                        (true, _) => Ok(placed.wait()),
-                        (false, true) => Ok(placed.after_seen()),
+                        // Woken, though its sleep ended too: what the looker saw is taken
+                        // (the wake-up is spent).
+                        (_, true) => Ok(placed.after_seen()),
+                        (true, false) => Ok(placed.wait()),
                         (false, false) => Err(State::Waiting {
                             sleep,
                             woken,
