@@ -2,17 +2,13 @@
 //! and at the turn), reserve again where the turn no longer holds, and give the place back
 //! when dropped. [`WaitTurn`] is the future; [`Turn`] what it yields.
 //!
-//! **The bracket.** The store answers durations from its own now; a call reads each answer
-//! between its own send and receive instants, so a turn `d` ahead, asked at `sent` and heard
-//! at `received`, lies within `[sent + d, received + d]` on the instance's clock (each
-//! duration scaled by the rate between the two clocks, learned from calls: only rates, never
-//! an offset to the store's time). The look at the turn (taking nothing out of the line)
-//! answers how far ahead (`q`) or past (`p`) the turn is: the call goes only if it can leave
-//! within `[turn, turn + margin]` for every point of that look's bracket: ahead (at most its
-//! `late`), at `received + q`, if `received − sent` fits the margin; past, at once, if
-//! `(now − sent) + p` does. Else it cannot know that it is in time: it gives its place back
-//! and reserves again. A turn stays in the line until its work goes ([`Turn::go`]: it leaves,
-//! used) or it is dropped unused (given back).
+//! **The bracket** (`docs/outbound.md`, "Bounds"). The store answers durations from its own
+//! now; a call reads each answer between its own send and receive instants, so a turn `d`
+//! ahead, asked at `sent` and heard at `received`, lies within `[sent + d, received + d]` on
+//! the instance's clock (scaled by the rate between the clocks, learned from calls: never an
+//! offset). It goes only if it can leave within `[turn, turn + margin]` for every point of
+//! its look's bracket; else it gives its place back and reserves again. A turn stays in the
+//! line until its work goes ([`Turn::go`]: used) or it is dropped unused (given back).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -165,8 +161,7 @@ impl<St: Store> Future for WaitTurn<St> {
                         .as_mut()
                         .is_some_and(|w| w.as_mut().poll(cx).is_ready());
                     match (slept, rung) {
-                        // Woken, though its sleep ended too: what the looker saw is taken
-                        // (the wake-up is spent).
+                        // Woken (its sleep may have ended too): what the looker saw is taken.
                         (_, true) => Ok(placed.after_seen()),
                         (true, false) => Ok(placed.wait()),
                         (false, false) => Err(State::Waiting {
@@ -520,18 +515,12 @@ impl<St: Store> Placed<St> {
         let Some(seen) = self.watch.as_ref().and_then(Watch::take) else {
             return self.wait();
         };
+        let ahead = match self.standing(seen.stood) {
+            Ok(ahead) => ahead,
+            Err(paused) => return self.again(paused),
+        };
         let Some(seat) = self.seat.as_ref() else {
             return State::Done(None);
-        };
-        let stood = seen.stood;
-        seat.learn_pause(stood.paused);
-        let paused = !stood.paused.is_zero() && stood.turn.is_none_or(|t| t < stood.paused);
-        if paused {
-            return self.again(Some(stood.paused));
-        }
-        let Some(ahead) = stood.turn else {
-            self.in_line = false;
-            return self.again(None);
         };
         let heard = Heard {
             sent: seen.sent,
@@ -542,6 +531,21 @@ impl<St: Store> Placed<St> {
         }
         self.answer = (heard, ahead);
         self.wait()
+    }
+
+    /// How far ahead its turn is, by what the store answered (`stood`); or that it reserves
+    /// again (`Err`, with the key's pause where that pause covers its turn): its key is paused
+    /// past its turn, or the store no longer has its reservation.
+    fn standing(&mut self, stood: InLine) -> Result<Duration, Option<Duration>> {
+        if let Some(seat) = self.seat.as_ref() {
+            seat.learn_pause(stood.paused);
+        }
+        if !stood.paused.is_zero() && stood.turn.is_none_or(|t| t < stood.paused) {
+            return Err(Some(stood.paused));
+        }
+        let ahead = stood.turn.ok_or(None);
+        self.in_line &= ahead.is_ok();
+        ahead
     }
 
     /// Looks where it stands in line (near its turn: its key's looker no longer looks for
@@ -576,8 +580,8 @@ impl<St: Store> Placed<St> {
     /// What it does once it learned where it stands (`stood`, asked at `sent`): wait on for
     /// its turn, moved up or not; go, where its turn is at most its `late` ahead and it can
     /// leave within its margin of the turn (still in line until its work goes); or reserve
-    /// again, when the key is paused past its turn, when the store lost its reservation (a restart, a reset, an eviction: its old
-    /// turn no longer counts), or when it cannot know that it would leave in time (a slow or
+    /// again, when the key is paused past its turn, when the store lost its reservation (a
+    /// restart, a reset, an eviction: its old turn no longer counts), or when it cannot know that it would leave in time (a slow or
     /// stalled store, a round trip longer than the margin).
     fn after_look(mut self, stood: Result<InLine, StoreError>, sent: Instant) -> State<St> {
         let Some(seat) = self.seat.as_ref() else {
@@ -609,14 +613,12 @@ impl<St: Store> Placed<St> {
             }
             Err(_) => return self.wait(),
         };
-        seat.learn_pause(stood.paused);
-        let paused = !stood.paused.is_zero() && stood.turn.is_none_or(|t| t < stood.paused);
-        if paused {
-            return self.again(Some(stood.paused));
-        }
-        let Some(ahead) = stood.turn else {
-            self.in_line = false;
-            return self.again(None);
+        let ahead = match self.standing(stood) {
+            Ok(ahead) => ahead,
+            Err(paused) => return self.again(paused),
+        };
+        let Some(seat) = self.seat.as_ref() else {
+            return State::Done(None);
         };
         let past = stood.past;
         if ahead > late {
