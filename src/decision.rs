@@ -81,6 +81,16 @@ impl Decision {
         self.remaining
     }
 
+    /// The units this request holds in the store: its cost when admitted (the reservation
+    /// of a layer that settles usage later,
+    /// [`UsageReport::reserve`](crate::usage::UsageReport::reserve)), 0 when refused. They are
+    /// not part of [`remaining`](Self::remaining), which counts what is left after them:
+    /// what the request may still use is both, as
+    /// [`Decisions::allowance`](crate::Decisions::allowance) says.
+    pub fn reserved(&self) -> u64 {
+        self.recorded
+    }
+
     /// Time until the described limit's remaining count next grows (its oldest counted event
     /// leaves the window).
     pub fn reset_after(&self) -> Duration {

@@ -103,6 +103,48 @@ impl Decisions {
         self.iter().find(|(p, _)| *p == policy).map(|(_, d)| d)
     }
 
+    /// What the request may still use under the (outermost) layer whose policy is named
+    /// `policy`: its own reservation ([`Decision::reserved`]) plus what remains after it
+    /// ([`Decision::remaining`]), in the policy's units, across all its limits (the decision
+    /// describes the one with the fewest units left). [`remaining`](Decision::remaining) alone
+    /// leaves out what the request itself holds: a handler that stops an upload at it cuts the
+    /// upload short by its reservation.
+    ///
+    /// A request passed on over a [soft](crate::Rule::soft) limit (or in shadow mode) holds
+    /// nothing, and may use what remains (usually 0). A policy with no rate limit, only a
+    /// [concurrency](crate::Policy::concurrency) limit, does not bound usage: `u64::MAX`.
+    /// `None` when no layer of that name decided the request (none applied, or it passed the
+    /// request on undecided: [`undecided`](Self::undecided)).
+    ///
+    /// Like every entry, it is a snapshot taken at admission: other requests of the key may
+    /// use the remainder meanwhile, so it is what this request may use at most, not what it
+    /// is sure to get.
+    ///
+    /// ```
+    /// use axum::{routing::post, Extension, Router};
+    /// use tower_redis_ratelimit::{usage::UsageReport, Decisions, RateLimitLayer};
+    ///
+    /// // Uploads of at most 1 MB an hour; each reserves 64 KiB and is charged what it stores.
+    /// async fn upload(Extension(decisions): Extension<Decisions>) -> String {
+    ///     let allowance = decisions.allowance("uploads").unwrap_or(0);
+    ///     format!("you may store {allowance} more bytes")
+    /// }
+    ///
+    /// let layer = RateLimitLayer::builder()
+    ///     .policy(tower_redis_ratelimit::Policy::new("uploads", ["1000000/1h".parse()?])?)
+    ///     .usage(UsageReport::new().reserve(65_536))
+    ///     .build()?;
+    /// let app: Router = Router::new().route("/upload", post(upload)).layer(layer);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn allowance(&self, policy: &str) -> Option<u64> {
+        let decision = self.get(policy)?;
+        if decision.is_allowed() && decision.is_concurrency_limit() {
+            return Some(u64::MAX);
+        }
+        Some(decision.reserved().saturating_add(decision.remaining()))
+    }
+
     /// Whether any layer found the key over its limit: a request passed on by a soft policy
     /// (or in shadow mode) that would otherwise have been refused. A refusal only attempts in
     /// flight cause ([`Decision::is_busy`]) is not over: see [`is_busy`](Self::is_busy).

@@ -364,3 +364,67 @@ async fn equal_policy_names_on_one_request_are_warned_about_once() {
     let warnings = text.matches("policies of the same name").count();
     assert_eq!(warnings, 1, "{text}");
 }
+
+/// The handler's view of policy `uploads`: `allowance:remaining:allowed`, `none` when the
+/// layer did not decide.
+async fn allowance(Extension(decisions): Extension<Decisions>) -> String {
+    match (decisions.allowance("uploads"), decisions.get("uploads")) {
+        (Some(allowance), Some(d)) => {
+            format!("{allowance}:{}:{}", d.remaining(), d.is_allowed())
+        }
+        (None, None) => "none".into(),
+        other => panic!("allowance and decision disagree: {other:?}"),
+    }
+}
+
+/// A request costing 600 of `1000/1h` may use 1000: its own 600 and the 400 left after it.
+/// A request passed over a soft limit holds nothing and may use what is left; an allow-listed
+/// one has no allowance of the policy.
+async fn allowance_is_reservation_plus_remaining<St: Store + Clone>(store: St) {
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store.clone())
+        .rule(Rule::new(Policy::new("uploads", ["1000/1h".parse().unwrap()]).unwrap()).soft())
+        .cost(|head| {
+            let cost = head.headers.get("x-cost").and_then(|v| v.to_str().ok());
+            cost.and_then(|v| v.parse().ok()).unwrap_or(1)
+        })
+        .allow_key("trusted")
+        .build()
+        .unwrap();
+    let app = Router::new().route("/", post(allowance)).layer(layer);
+    let mut seen = Vec::new();
+    for (key, cost) in [("u", 600), ("u", 300), ("u", 300), ("trusted", 600)] {
+        let mut request = request("POST", "/", key);
+        request.headers_mut().insert("x-cost", cost.into());
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), 200);
+        seen.push(body(response).await);
+    }
+    assert_eq!(
+        seen,
+        ["1000:400:true", "400:100:true", "100:100:false", "none"]
+    );
+    // A policy with only a concurrency limit does not bound what a request uses.
+    let slots = Policy::new("uploads", []).unwrap().concurrency(2).unwrap();
+    let layer = RateLimitLayer::builder()
+        .key(api_key())
+        .store(store)
+        .policy(slots)
+        .build()
+        .unwrap();
+    let app = Router::new().route("/", post(allowance)).layer(layer);
+    let response = app.oneshot(request("POST", "/", "u")).await.unwrap();
+    assert_eq!(body(response).await, format!("{}:0:true", u64::MAX));
+}
+
+#[tokio::test]
+async fn allowance_is_reservation_plus_remaining_on_memory() {
+    allowance_is_reservation_plus_remaining(tower_redis_ratelimit::MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allowance_is_reservation_plus_remaining_on_redis() {
+    let server = RedisServer::start();
+    allowance_is_reservation_plus_remaining(server.store().await).await;
+}
