@@ -269,3 +269,87 @@ async fn a_body_over_the_limit_is_a_413_before_it_ends() {
     assert_eq!(status_line(addr, &head, &chunks).await, "HTTP/1.1 200 OK");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// An LLM gateway keyed on the user, reserving the `max_tokens` a JSON body asks for (read by
+/// the same layer as the key, kept as the number it is) and settled to the usage the handler
+/// reports: `10000/1m` tokens.
+fn gateway() -> Router {
+    use tower_redis_ratelimit::key::body::BodyFields;
+    use tower_redis_ratelimit::usage::{Usage, UsageReport};
+    use tower_redis_ratelimit::{Decisions, Policy};
+
+    let read = BodyFieldLayer::builder("user")
+        .number("max_tokens")
+        .build()
+        .unwrap();
+    let limit = RateLimitLayer::builder()
+        .key(read.key())
+        .store(MemoryStore::new())
+        .policy(Policy::new("tokens", ["10000/1m".parse().unwrap()]).unwrap())
+        .cost(|head| {
+            let asked = BodyFields::of(head).and_then(|fields| fields.number("max_tokens"));
+            asked.map_or(100, |n| u32::try_from(n).unwrap_or(u32::MAX))
+        })
+        .usage(UsageReport::new())
+        .build()
+        .unwrap();
+    // The handler sees its reservation and allowance, and reports 300 tokens used.
+    let complete = |Extension(decisions): Extension<Decisions>,
+                    Extension(fields): Extension<BodyFields>| async move {
+        let d = decisions.get("tokens").unwrap();
+        let seen = format!(
+            "{:?} {} {} {}",
+            fields.number("max_tokens"),
+            d.reserved(),
+            d.remaining(),
+            decisions.allowance("tokens").unwrap()
+        );
+        (Extension(Usage(300)), seen)
+    };
+    Router::new()
+        .route("/v1/chat", post(complete))
+        .layer(limit)
+        .layer(read)
+}
+
+fn chat(body: &str) -> Request<Body> {
+    Request::post("/v1/chat")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_owned()))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn max_tokens_from_the_body_is_reserved_then_settled_to_usage() {
+    let app = gateway();
+    let first = r#"{"user": "Ann", "max_tokens": 800, "messages": []}"#;
+    // 800 reserved of 10 000: 9 200 left, and the handler may use all 10 000.
+    assert_eq!(
+        send(&app, chat(first)).await,
+        (StatusCode::OK, "Some(800) 800 9200 10000".into())
+    );
+    // Settled to the 300 used when the first response ended: 9 700 left before this one's
+    // 4 000, and a body without `max_tokens` reserves the default 100.
+    let second = r#"{"max_tokens": 4000, "user": "ann"}"#;
+    assert_eq!(
+        send(&app, chat(second)).await,
+        (StatusCode::OK, "Some(4000) 4000 5700 9700".into())
+    );
+    assert_eq!(
+        send(&app, chat(r#"{"user": "ann"}"#)).await,
+        (StatusCode::OK, "None 100 9300 9400".into())
+    );
+    // A request asking for more than is left is refused before the handler.
+    let greedy = r#"{"user": "ann", "max_tokens": 9500}"#;
+    assert_eq!(
+        send(&app, chat(greedy)).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // `max_tokens` that is no whole number is the layer's 400, naming the field.
+    for bad in [r#""800""#, "-1", "1.5"] {
+        let body = format!(r#"{{"user": "ann", "max_tokens": {bad}}}"#);
+        let (status, text) = send(&app, chat(&body)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(text.contains("\"max_tokens\""), "{text}");
+    }
+}

@@ -15,6 +15,11 @@ use crate::key::{Key, KeyError, KeyExtractor};
 #[derive(Debug)]
 pub(super) struct Settings {
     pub(super) field: Arc<str>,
+    /// The number fields read besides the key ([`BodyFieldBuilder::number`]), none twice and
+    /// none the key's.
+    ///
+    /// [`BodyFieldBuilder::number`]: super::BodyFieldBuilder::number
+    pub(super) numbers: Arc<[Arc<str>]>,
     pub(super) limit: usize,
     pub(super) normalize: Normalize,
     pub(super) other: OtherContent,
@@ -148,6 +153,57 @@ impl fmt::Debug for BodyField {
             .field("name", &self.name)
             .field("value", &Key::from(self.value.as_str()).loggable())
             .finish()
+    }
+}
+
+/// The number fields a [`BodyFieldLayer`] read ([`BodyFieldBuilder::number`]), in the
+/// request's extensions next to its [`BodyField`], for a
+/// [cost closure](crate::RateLimitLayerBuilder::cost) or the handler: each value kept as the
+/// number it is, never normalised as the key is.
+///
+/// ```
+/// use tower_redis_ratelimit::key::body::{BodyFieldLayer, BodyFields};
+/// use tower_redis_ratelimit::RateLimitLayer;
+///
+/// // An LLM gateway: tokens per minute per user, each request reserving its `max_tokens`
+/// // (100 when it sends none, 4 000 at most).
+/// let read = BodyFieldLayer::builder("user").number("max_tokens").build()?;
+/// let limit = RateLimitLayer::builder()
+///     .key(read.key())
+///     .policy("10000/1m")
+///     .cost(|head| {
+///         let asked = BodyFields::of(head).and_then(|f| f.number("max_tokens"));
+///         asked.map_or(100, |n| n.min(4_000) as u32)
+///     })
+///     .build()?;
+/// # drop((read, limit));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// [`BodyFieldLayer`]: super::BodyFieldLayer
+/// [`BodyFieldBuilder::number`]: super::BodyFieldBuilder::number
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BodyFields {
+    names: Arc<[Arc<str>]>,
+    values: Vec<Option<u64>>,
+}
+
+impl BodyFields {
+    /// The number fields a layer read: `values[i]` is the value of `names[i]`.
+    pub(super) fn shared(names: Arc<[Arc<str>]>, values: Vec<Option<u64>>) -> Self {
+        BodyFields { names, values }
+    }
+
+    /// The fields a layer read from the request `head` describes, if one did.
+    pub fn of<'a>(head: &crate::RequestHead<'a>) -> Option<&'a BodyFields> {
+        head.extensions.get::<BodyFields>()
+    }
+
+    /// The value of number field `name`; `None` when the body did not have it, or the layer
+    /// was not told to read it.
+    pub fn number(&self, name: &str) -> Option<u64> {
+        let index = self.names.iter().position(|n| **n == *name)?;
+        self.values.get(index).copied().flatten()
     }
 }
 

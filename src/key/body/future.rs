@@ -18,7 +18,7 @@ use tower_service::Service;
 
 use super::bodies::RequestBody;
 use super::error::InnerError;
-use super::field::{BodyField, Settings};
+use super::field::{BodyField, BodyFields, Settings};
 use super::parse::{Format, Problem};
 use crate::body::ResponseBody;
 
@@ -144,17 +144,21 @@ where
         };
         let trailers = collected.trailers().cloned();
         let bytes = collected.to_bytes();
-        let value = match format.field(&bytes, &settings.field) {
-            Ok(raw) => settings.normalize.apply(&raw),
+        let read = match format.fields(&bytes, &settings.field, &settings.numbers) {
+            Ok(read) => read,
             Err(problem) => return State::answer(problem, &settings),
         };
+        let value = settings.normalize.apply(&read.key);
         if value.is_empty() {
             return State::answer(Problem::Missing, &settings);
         }
         let mut request = Request::from_parts(parts, RequestBody::buffered(bytes, trailers));
-        request
-            .extensions_mut()
-            .insert(BodyField::shared(Arc::clone(&settings.field), value));
+        let extensions = request.extensions_mut();
+        extensions.insert(BodyField::shared(Arc::clone(&settings.field), value));
+        if !settings.numbers.is_empty() {
+            let numbers = Arc::clone(&settings.numbers);
+            extensions.insert(BodyFields::shared(numbers, read.numbers));
+        }
         State::Calling {
             future: inner.call(request),
         }

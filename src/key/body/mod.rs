@@ -7,7 +7,9 @@
 //! (`application/json`, `application/*+json`), puts it into the request's extensions as a
 //! [`BodyField`], and hands the inner service the request with the same bytes as its body.
 //! [`BodyKey`] is the key extractor that reads the field from there, so key extraction stays
-//! synchronous.
+//! synchronous. [`number`](BodyFieldBuilder::number) reads more fields in the same pass, each
+//! kept as the number it is, into the request's [`BodyFields`]: a cost read from the body,
+//! such as an LLM request's `max_tokens`.
 //!
 //! ```
 //! use std::collections::HashMap;
@@ -63,6 +65,7 @@
 //! | another content type, none, or a `Content-Encoding` (say `gzip`) | `415` by default; or passed on untouched, see [`OtherContent`] |
 //! | a JSON body that is not one object | `400` |
 //! | the field missing, empty, sent twice, or (JSON) neither a string nor a number | `400` |
+//! | a [`number`](BodyFieldBuilder::number) field sent twice, or not a whole number of at least 0 | `400` |
 //! | a form or JSON object with the field | the inner service, with a [`BodyField`] |
 //!
 //! A field sent twice is refused rather than one of its values picked: parsers disagree on
@@ -132,12 +135,13 @@ use tower_layer::Layer;
 pub use bodies::RequestBody;
 pub use error::InnerError;
 use field::Settings;
-pub use field::{BodyField, BodyKey, Normalize, OtherContent};
+pub use field::{BodyField, BodyFields, BodyKey, Normalize, OtherContent};
 pub use future::ResponseFuture;
 pub use service::BodyFieldService;
 
 /// Reads one field of a form or JSON request body into the request's extensions, for
-/// [`BodyKey`]; see the [module documentation](self) for what it answers and why.
+/// [`BodyKey`] (and any [number fields](BodyFieldBuilder::number), for a cost); see the
+/// [module documentation](self) for what it answers and why.
 ///
 /// ```
 /// use tower_redis_ratelimit::key::body::{BodyFieldLayer, Normalize, OtherContent};
@@ -165,6 +169,7 @@ impl BodyFieldLayer {
     pub fn builder(field: &str) -> BodyFieldBuilder {
         BodyFieldBuilder {
             field: field.to_owned(),
+            numbers: Vec::new(),
             limit: Self::DEFAULT_LIMIT,
             normalize: Normalize::default(),
             other: OtherContent::default(),
@@ -190,12 +195,25 @@ impl<S> Layer<S> for BodyFieldLayer {
 #[must_use]
 pub struct BodyFieldBuilder {
     field: String,
+    numbers: Vec<String>,
     limit: usize,
     normalize: Normalize,
     other: OtherContent,
 }
 
 impl BodyFieldBuilder {
+    /// Reads number field `name` too, in the same pass over the body, into the request's
+    /// [`BodyFields`]: a cost read from the body (an LLM request's `max_tokens`). The value is
+    /// kept as the number it is, not normalised: in JSON an integer of at least 0 (at most
+    /// `u64::MAX`), in a form its decimal digits. A body without the field is read as without
+    /// it (`None`); one with the field twice, or with a value that is no such number (a
+    /// fraction, a negative number, a string in JSON), is answered `400`. Repeat for more
+    /// fields.
+    pub fn number(mut self, name: &str) -> Self {
+        self.numbers.push(name.to_owned());
+        self
+    }
+
     /// Reads at most `bytes` bytes of a body; a larger body is answered with `413`.
     pub fn limit(mut self, bytes: usize) -> Self {
         self.limit = bytes;
@@ -223,9 +241,18 @@ impl BodyFieldBuilder {
         if self.limit == 0 {
             return Err(BodyFieldError::ZeroLimit);
         }
+        for (index, name) in self.numbers.iter().enumerate() {
+            if name.is_empty() {
+                return Err(BodyFieldError::EmptyName);
+            }
+            if *name == self.field || self.numbers[..index].contains(name) {
+                return Err(BodyFieldError::NamedTwice(name.clone()));
+            }
+        }
         Ok(BodyFieldLayer {
             settings: Arc::new(Settings {
                 field: Arc::from(self.field),
+                numbers: self.numbers.into_iter().map(Arc::from).collect(),
                 limit: self.limit,
                 normalize: self.normalize,
                 other: self.other,
@@ -244,6 +271,9 @@ pub enum BodyFieldError {
     /// The limit is 0 bytes: no body could carry the field.
     #[error("the body limit is 0 bytes: no body could carry the field")]
     ZeroLimit,
+    /// A field is named twice: a number field is the key field or another number field.
+    #[error("the body field {0:?} is named twice")]
+    NamedTwice(String),
 }
 
 #[cfg(test)]
@@ -260,5 +290,18 @@ mod tests {
             BodyFieldLayer::builder("u").limit(0).build().unwrap_err(),
             BodyFieldError::ZeroLimit
         );
+        let twice = |numbers: &[&str]| {
+            let builder = numbers
+                .iter()
+                .fold(BodyFieldLayer::builder("u"), |b, n| b.number(n));
+            builder.build().err()
+        };
+        assert_eq!(twice(&["n", "m"]), None);
+        assert_eq!(
+            twice(&["n", "n"]),
+            Some(BodyFieldError::NamedTwice("n".into()))
+        );
+        assert_eq!(twice(&["u"]), Some(BodyFieldError::NamedTwice("u".into())));
+        assert_eq!(twice(&[""]), Some(BodyFieldError::EmptyName));
     }
 }

@@ -2,6 +2,7 @@
 //! layer's own answers.
 
 use std::fmt;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http::header::{CONTENT_ENCODING, CONTENT_TYPE};
@@ -21,11 +22,16 @@ pub(super) enum Problem {
     Missing,
     Twice,
     NotText,
+    /// Number field `.0` ([`Settings::numbers`]) sent twice.
+    NumberTwice(usize),
+    /// Number field `.0` present but not a non-negative integer.
+    NotNumber(usize),
 }
 
 impl Problem {
     pub(super) fn response(self, settings: &Settings) -> Response<Full<Bytes>> {
         let field = &settings.field;
+        let number = |index: usize| settings.numbers.get(index).map_or("", |name| &**name);
         let (status, text) = match self {
             Problem::TooLarge => (
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -56,6 +62,20 @@ impl Problem {
             Problem::NotText => (
                 StatusCode::BAD_REQUEST,
                 format!("the field {field:?} is neither a string nor a number"),
+            ),
+            Problem::NumberTwice(index) => (
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "the request body has the field {:?} more than once",
+                    number(index)
+                ),
+            ),
+            Problem::NotNumber(index) => (
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "the field {:?} is not a whole number of at least 0",
+                    number(index)
+                ),
             ),
         };
         let reason = status.canonical_reason().unwrap_or("Error");
@@ -106,94 +126,177 @@ impl Format {
         }
     }
 
-    /// The raw value of field `name` in `body`.
-    pub(super) fn field(self, body: &[u8], name: &str) -> Result<String, Problem> {
+    /// The raw value of the key field `key` in `body`, and the value of each field of
+    /// `numbers` (`None`: absent), read in one pass.
+    pub(super) fn fields(
+        self,
+        body: &[u8],
+        key: &str,
+        numbers: &[Arc<str>],
+    ) -> Result<Read, Problem> {
         match self {
-            Format::Form => form_field(body, name),
-            Format::Json => json_field(body, name),
+            Format::Form => form_fields(body, key, numbers),
+            Format::Json => json_fields(body, key, numbers),
         }
     }
 }
 
-/// Field `name` of a form, percent-decoded as axum's `Form` decodes it (`+` is a space, bytes
-/// that are not UTF-8 become U+FFFD).
-fn form_field(body: &[u8], name: &str) -> Result<String, Problem> {
+/// What the layer read of a body: the key field's raw value and the number fields' values,
+/// in the order the layer names them.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Read {
+    pub(super) key: String,
+    pub(super) numbers: Vec<Option<u64>>,
+}
+
+/// Keeps `value` as number field `index`'s, unless it was there already.
+fn keep(numbers: &mut [Option<u64>], index: usize, value: u64) -> Result<(), Problem> {
+    match numbers[index].replace(value) {
+        Some(_) => Err(Problem::NumberTwice(index)),
+        None => Ok(()),
+    }
+}
+
+/// The fields of a form, percent-decoded as axum's `Form` decodes them (`+` is a space, bytes
+/// that are not UTF-8 become U+FFFD); a number field is decimal digits.
+fn form_fields(body: &[u8], key: &str, numbers: &[Arc<str>]) -> Result<Read, Problem> {
     let mut found = None;
-    for (key, value) in form_urlencoded::parse(body) {
-        if key == name {
+    let mut values = vec![None; numbers.len()];
+    for (name, value) in form_urlencoded::parse(body) {
+        if name == key {
             if found.is_some() {
                 return Err(Problem::Twice);
             }
             found = Some(value);
+        } else if let Some(index) = numbers.iter().position(|n| **n == *name) {
+            let digits = value.bytes().all(|b| b.is_ascii_digit());
+            let number = value.parse().ok().filter(|_| digits);
+            keep(&mut values, index, number.ok_or(Problem::NotNumber(index))?)?;
         }
     }
-    found
-        .map(|value| value.into_owned())
-        .ok_or(Problem::Missing)
+    let key = found.ok_or(Problem::Missing)?.into_owned();
+    Ok(Read {
+        key,
+        numbers: values,
+    })
 }
 
-/// Field `name` of a JSON object: a string, or a number as its text.
-fn json_field(body: &[u8], name: &str) -> Result<String, Problem> {
+/// The fields of a JSON object: the key a string, or a number as its text; a number field a
+/// non-negative integer, kept as it is.
+fn json_fields(body: &[u8], key: &str, numbers: &[Arc<str>]) -> Result<Read, Problem> {
     let mut json = serde_json::Deserializer::from_slice(body);
     let found = json
-        .deserialize_map(TopLevel { name })
+        .deserialize_map(TopLevel { key, numbers })
         .map_err(|_| Problem::NotJsonObject)?;
     json.end().map_err(|_| Problem::NotJsonObject)?;
     found
 }
 
-/// Walks a JSON object's fields, skipping all but `name`'s value without keeping them.
+/// Walks a JSON object's fields, skipping all but the key's and the numbers' values without
+/// keeping them.
 struct TopLevel<'a> {
-    name: &'a str,
+    key: &'a str,
+    numbers: &'a [Arc<str>],
 }
 
 impl<'de> Visitor<'de> for TopLevel<'_> {
-    type Value = Result<String, Problem>;
+    type Value = Result<Read, Problem>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON object")
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut found = None;
-        while let Some(is_field) = map.next_key_seed(IsField(self.name))? {
-            if !is_field {
-                map.next_value::<IgnoredAny>()?;
-                continue;
+        let mut found: Option<Result<String, Problem>> = None;
+        let mut values = vec![None; self.numbers.len()];
+        let mut problem = None;
+        let seed = Which {
+            key: self.key,
+            numbers: self.numbers,
+        };
+        while let Some(which) = map.next_key_seed(seed.clone())? {
+            match which {
+                Field::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+                Field::Key => {
+                    let value = map.next_value::<serde_json::Value>()?;
+                    found = Some(match (found, value) {
+                        (Some(_), _) => Err(Problem::Twice),
+                        (None, serde_json::Value::String(text)) => Ok(text),
+                        (None, serde_json::Value::Number(number)) => Ok(number.to_string()),
+                        (None, _) => Err(Problem::NotText),
+                    });
+                }
+                Field::Number(index) => {
+                    let value = map.next_value::<serde_json::Value>()?;
+                    let kept = match value.as_u64() {
+                        Some(number) => keep(&mut values, index, number),
+                        None => Err(Problem::NotNumber(index)),
+                    };
+                    problem = problem.or(kept.err());
+                }
             }
-            let value = map.next_value::<serde_json::Value>()?;
-            found = Some(match (found, value) {
-                (Some(_), _) => Err(Problem::Twice),
-                (None, serde_json::Value::String(text)) => Ok(text),
-                (None, serde_json::Value::Number(number)) => Ok(number.to_string()),
-                (None, _) => Err(Problem::NotText),
-            });
         }
-        Ok(found.unwrap_or(Err(Problem::Missing)))
+        let key = found.unwrap_or(Err(Problem::Missing));
+        Ok(match problem {
+            Some(problem) => Err(problem),
+            None => key.map(|key| Read {
+                key,
+                numbers: values,
+            }),
+        })
     }
 }
 
-/// Whether a JSON object's key is the field's name, without keeping the key.
-struct IsField<'a>(&'a str);
+/// Which of the layer's fields a JSON object's key names, found without keeping the key.
+#[derive(Clone)]
+struct Which<'a> {
+    key: &'a str,
+    numbers: &'a [Arc<str>],
+}
 
-impl<'de> DeserializeSeed<'de> for IsField<'_> {
-    type Value = bool;
+/// A JSON object's key, as [`Which`] finds it.
+enum Field {
+    Key,
+    Number(usize),
+    Other,
+}
 
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<bool, D::Error> {
+impl<'de> DeserializeSeed<'de> for Which<'_> {
+    type Value = Field;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Field, D::Error> {
         deserializer.deserialize_str(self)
     }
 }
 
-impl<'de> Visitor<'de> for IsField<'_> {
-    type Value = bool;
+impl<'de> Visitor<'de> for Which<'_> {
+    type Value = Field;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a field name")
     }
 
-    fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<bool, E> {
-        Ok(key == self.0)
+    fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<Field, E> {
+        if name == self.key {
+            return Ok(Field::Key);
+        }
+        let number = self.numbers.iter().position(|n| **n == *name);
+        Ok(number.map_or(Field::Other, Field::Number))
     }
+}
+
+/// The key field `name` of a form (tests: no number fields).
+#[cfg(test)]
+fn form_field(body: &[u8], name: &str) -> Result<String, Problem> {
+    form_fields(body, name, &[]).map(|read| read.key)
+}
+
+/// The key field `name` of a JSON object (tests: no number fields).
+#[cfg(test)]
+fn json_field(body: &[u8], name: &str) -> Result<String, Problem> {
+    json_fields(body, name, &[]).map(|read| read.key)
 }
 
 #[cfg(test)]
@@ -309,5 +412,47 @@ mod tests {
         assert_eq!(field(&skipped).as_deref(), Ok("ann"));
         let kept = format!(r#"{{"username": {deep}}}"#);
         assert_eq!(field(&kept), Err(Problem::NotJsonObject));
+    }
+
+    #[test]
+    fn reads_a_key_and_numbers_in_one_pass_kept_as_they_are() {
+        let numbers: Vec<Arc<str>> = vec!["max_tokens".into(), "n".into()];
+        let json = |body: &str| json_fields(body.as_bytes(), "user", &numbers);
+        assert_eq!(
+            json(r#"{"user": "Ann", "max_tokens": 800, "messages": [{"n": 3}]}"#),
+            Ok(Read {
+                key: "Ann".into(),
+                numbers: vec![Some(800), None],
+            })
+        );
+        assert_eq!(
+            json(r#"{"n": 18446744073709551615, "user": "a", "max_tokens": 0}"#),
+            Ok(Read {
+                key: "a".into(),
+                numbers: vec![Some(0), Some(u64::MAX)],
+            })
+        );
+        for not_number in [r#""800""#, "-1", "8.5", "1e3", "null", "[800]"] {
+            let body = format!(r#"{{"user": "a", "max_tokens": {not_number}}}"#);
+            assert_eq!(json(&body), Err(Problem::NotNumber(0)), "{body}");
+        }
+        assert_eq!(
+            json(r#"{"user": "a", "n": 1, "n": 2}"#),
+            Err(Problem::NumberTwice(1))
+        );
+        assert_eq!(json(r#"{"max_tokens": 1}"#), Err(Problem::Missing));
+        let form = |body: &str| form_fields(body.as_bytes(), "user", &numbers);
+        assert_eq!(
+            form("max_tokens=0800&user=ANN"),
+            Ok(Read {
+                key: "ANN".into(),
+                numbers: vec![Some(800), None],
+            })
+        );
+        for not_number in ["", "+8", "-1", "8.0", "x", "99999999999999999999"] {
+            let body = format!("user=a&max_tokens={not_number}");
+            assert_eq!(form(&body), Err(Problem::NotNumber(0)), "{body}");
+        }
+        assert_eq!(form("user=a&n=1&n=1"), Err(Problem::NumberTwice(1)));
     }
 }
