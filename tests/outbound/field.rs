@@ -250,6 +250,20 @@ async fn two_hundred_waiters_cost_at_most_four_evalsha_per_call() {
     assert!(per_call <= 4.0, "{per_call} EVALSHA per call");
 }
 
+/// When each worker finished (it answers the time it took), the run's length (the last), and
+/// the spread between the first and the last.
+async fn finish_times(
+    workers: Vec<tokio::task::JoinHandle<Duration>>,
+) -> (Vec<Duration>, Duration, Duration) {
+    let mut finished = Vec::new();
+    for worker in workers {
+        finished.push(worker.await.unwrap());
+    }
+    let run = *finished.iter().max().unwrap();
+    let spread = run - *finished.iter().min().unwrap();
+    (finished, run, spread)
+}
+
 /// Four workers, each with a store of its own, start together with `calls` calls each, one
 /// after the other, at `count/1s` on `algorithm`: they finish within 10 % of the run's length
 /// of each other. (GCRA's burst lets `2·count − 1` through in the first second: its stand-in
@@ -287,12 +301,7 @@ async fn four_workers_finish_together(algorithm: Algorithm, count: usize, calls:
             })
         })
         .collect();
-    let mut finished = Vec::new();
-    for worker in workers {
-        finished.push(worker.await.unwrap());
-    }
-    let run = *finished.iter().max().unwrap();
-    let spread = run - *finished.iter().min().unwrap();
+    let (finished, run, spread) = finish_times(workers).await;
     let arrivals = arrivals.lock().unwrap().clone();
     for n in 0..4 {
         let mut per_second = vec![0; run.as_secs() as usize + 1];
@@ -363,12 +372,7 @@ async fn four_layers_finish_together(algorithm: Algorithm, count: usize, calls: 
             })
         })
         .collect();
-    let mut finished = Vec::new();
-    for worker in workers {
-        finished.push(worker.await.unwrap());
-    }
-    let run = *finished.iter().max().unwrap();
-    let spread = run - *finished.iter().min().unwrap();
+    let (finished, run, spread) = finish_times(workers).await;
     eprintln!(
         "memory store, {algorithm:?} {count}/1s, 4 × {calls}: finished at {finished:?}; \
          spread {spread:?} of {run:?}"

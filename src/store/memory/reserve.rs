@@ -51,21 +51,14 @@ impl Reserve for MemoryStore {
         if let Err(error) = tickets.iter().try_for_each(named) {
             return ready(Err(error));
         }
-        let now = self.now();
-        let mut shard = self.shared.entries.lock(key, policy.state_id());
-        let Some(entry) = shard
-            .get(key, policy.state_id(), now)
-            .filter(|e| e.is_live(now))
-        else {
-            return ready(Ok(vec![InLine::at(now, None, 0); tickets.len()]));
-        };
-        let line = &entry.value.line;
-        let pause = line.paused_until();
-        let stood = tickets
-            .iter()
-            .map(|ticket| InLine::at(now, line.turn(ticket.id, ticket.cost.into()), pause))
-            .collect();
-        ready(Ok(stood))
+        ready(Ok(self.with_state(key, policy, |state, now| {
+            let Some(state) = state else {
+                return vec![InLine::at(now, None, 0); tickets.len()];
+            };
+            let (line, pause) = (&state.line, state.line.paused_until());
+            let stand = |t: &Ticket| InLine::at(now, line.turn(t.id, t.cost.into()), pause);
+            tickets.iter().map(stand).collect()
+        })))
     }
 
     /// The place left at the end is refunded under the counts in force for the key, only
@@ -119,16 +112,28 @@ impl MemoryStore {
         policy: &Policy,
         f: impl FnOnce(&mut KeyState, u64) -> Option<u64>,
     ) -> InLine {
+        self.with_state(key, policy, |state, now| match state {
+            Some(state) => {
+                let turn = f(state, now);
+                InLine::at(now, turn, state.line.paused_until())
+            }
+            None => InLine::at(now, None, 0),
+        })
+    }
+
+    /// Runs `f` with the live state of `key` under `policy` (`None`: it has none) and the
+    /// time, under the lock of its shard.
+    fn with_state<T>(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        f: impl FnOnce(Option<&mut KeyState>, u64) -> T,
+    ) -> T {
         let now = self.now();
         let mut shard = self.shared.entries.lock(key, policy.state_id());
-        let Some(entry) = shard
+        let entry = shard
             .get(key, policy.state_id(), now)
-            .filter(|e| e.is_live(now))
-        else {
-            return InLine::at(now, None, 0);
-        };
-        let state = &mut entry.value;
-        let turn = f(state, now);
-        InLine::at(now, turn, state.line.paused_until())
+            .filter(|e| e.is_live(now));
+        f(entry.map(|e| &mut e.value), now)
     }
 }
