@@ -260,6 +260,7 @@ impl InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::engine::Engine;
     use crate::MemoryStore;
 
     #[tokio::test]
@@ -279,5 +280,19 @@ mod tests {
             panic!("a memory store's step waited or failed");
         };
         assert!(fits.is_allowed(), "the peek recorded something");
+    }
+
+    #[test]
+    fn a_step_is_no_attempt_where_requests_count_by_outcome() {
+        let ledger = StoreLedger(MemoryStore::new());
+        let key = Key::from("ann");
+        let policy = "10/1h".parse::<Policy>().unwrap().counting_attempts();
+        let request = ledger.0.check_now(&key, &policy, 1).unwrap().unwrap();
+        assert_ne!(request.attempt, 0, "a request is an attempt");
+        let Stepping::Now(Ok(step)) = ledger.step(&key, &policy, 5) else {
+            panic!("a memory store's step waited or failed");
+        };
+        assert!(step.is_allowed());
+        assert_eq!(step.attempt, 0, "a step was counted as an attempt");
     }
 }
