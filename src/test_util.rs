@@ -190,6 +190,29 @@ impl<St: Store> Store for FaultyStore<St> {
 impl<St: Store> Sealed for FaultyStore<St> {}
 
 impl<St: Store> Engine for FaultyStore<St> {
+    fn step(&self, key: &Key, policy: &Policy, units: u32) -> <Self as Store>::Future {
+        let (key, policy) = (key.clone(), policy.clone());
+        self.decide(move |store| store.step(&key, &policy, units))
+    }
+
+    fn step_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        units: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        if self.remote.is_some() {
+            return None;
+        }
+        match self.down.load(Ordering::SeqCst) {
+            true => self
+                .store
+                .is_local()
+                .then_some(Err(StoreError::Unavailable)),
+            false => self.store.step_now(key, policy, units),
+        }
+    }
+
     fn check_now(
         &self,
         key: &Key,

@@ -89,6 +89,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{HeaderMap, HeaderName};
 
@@ -320,9 +321,115 @@ impl UsageReport {
     }
 }
 
+/// Why a metered body was cut: a step of it was refused, so its quota is spent. A request
+/// body's handler sees it as its body's error (find it with `downcast_ref` on the error or in
+/// its source chain); it names the quota, the units that passed before the cut, and when a
+/// retry of the same body would be admitted, if ever.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaExceeded {
+    policy: String,
+    passed: u64,
+    retry_after: Option<Duration>,
+    limit: u64,
+    window: Duration,
+}
+
+impl QuotaExceeded {
+    /// A cut of `policy` after `passed` units; `retry_after` as the store answered for the
+    /// whole body (`None`: it can never fit, or the key is blocked), `limit` and `window` the
+    /// limit that refused it.
+    // Made by the metered bodies, which are not built yet.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn new(
+        policy: impl Into<String>,
+        passed: u64,
+        retry_after: Option<Duration>,
+        limit: u64,
+        window: Duration,
+    ) -> QuotaExceeded {
+        QuotaExceeded {
+            policy: policy.into(),
+            passed,
+            retry_after,
+            limit,
+            window,
+        }
+    }
+
+    /// The name of the policy whose quota is spent.
+    pub fn policy(&self) -> &str {
+        &self.policy
+    }
+
+    /// The units that passed before the cut; they stay charged.
+    pub fn passed(&self) -> u64 {
+        self.passed
+    }
+
+    /// How long until a retry of the same body would be admitted; `None` when it never
+    /// would (it exceeds the limit itself) or the key is blocked.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// Whether the body can never fit: it exceeds the limit's count itself (HTTP's `413
+    /// Content Too Large` for a body metered in bytes). Not so for a blocked key (count 0).
+    pub fn is_too_large(&self) -> bool {
+        self.retry_after.is_none() && self.limit > 0
+    }
+}
+
+impl std::fmt::Display for QuotaExceeded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let policy = &self.policy;
+        if self.is_too_large() {
+            let (count, window) = (self.limit, self.window.as_secs());
+            return write!(
+                f,
+                "the body exceeds the limit \"{policy}\" ({count} per {window} s) itself"
+            );
+        }
+        write!(
+            f,
+            "rate limit \"{policy}\" exceeded after {} units",
+            self.passed
+        )?;
+        match self.retry_after {
+            // Whole seconds, rounded up, as `Retry-After` says it.
+            Some(wait) => write!(f, "; retry in {} s", wait.as_secs_f64().ceil() as u64),
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::error::Error for QuotaExceeded {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quota_exceeded_names_the_quota_and_says_whether_a_wait_helps() {
+        let hour = Duration::from_secs(3600);
+        let wait = Some(Duration::from_millis(11_200));
+        let later = QuotaExceeded::new("uploads", 983_040, wait, 1_000_000, hour);
+        assert!(!later.is_too_large());
+        assert_eq!(
+            later.to_string(),
+            "rate limit \"uploads\" exceeded after 983040 units; retry in 12 s"
+        );
+        let never = QuotaExceeded::new("uploads", 0, None, 1_000_000, hour);
+        assert!(never.is_too_large());
+        assert_eq!(
+            never.to_string(),
+            "the body exceeds the limit \"uploads\" (1000000 per 3600 s) itself"
+        );
+        let blocked = QuotaExceeded::new("uploads", 5, None, 0, hour);
+        assert!(!blocked.is_too_large());
+        assert_eq!(blocked.policy(), "uploads");
+        assert_eq!(blocked.passed(), 5);
+        assert_eq!(blocked.retry_after(), None);
+    }
 
     #[test]
     fn meter_adds_sets_and_saturates() {

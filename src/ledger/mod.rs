@@ -18,6 +18,7 @@ use http::{HeaderMap, Response};
 pub(crate) mod post;
 pub(crate) mod queue;
 pub(crate) mod slots;
+pub(crate) mod steps;
 pub(crate) mod tab;
 
 use slots::Slot;

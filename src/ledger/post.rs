@@ -5,7 +5,13 @@
 //! through [`Store::settle_then`] without holding up the response, counted in [`InFlight`]
 //! until the store has answered (for `RateLimitLayer::settled`); a failure is logged and
 //! counted.
+//!
+//! A metered body also decides through its [`Ledger`]: each step ([`Ledger::step`]), and at a
+//! cut what the whole body would need ([`Ledger::peek`]), answered in place where the store
+//! needs no waiting ([`Stepping::Now`]).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,12 +22,33 @@ use crate::deny_cache::DenyCache;
 use crate::metrics::Report;
 use crate::response::Responder;
 use crate::settlement::Owed;
-use crate::{Key, Settlement, Store, StoreError};
+use crate::{Decision, Key, Policy, Settlement, Store, StoreError};
 
-/// Settles with a store of a type the layer's response body does not name.
+/// Settles with a store of a type the layer's response body does not name, and decides a
+/// metered body's steps with it.
 pub(crate) trait Ledger: Send + Sync {
     /// Starts `posting`, counted in `in_flight` until it has finished; reports its failure.
     fn settle(&self, posting: Posting, in_flight: &Arc<InFlight>);
+
+    /// Decides and records a step of `units` of a metered body for `key` under `policy`
+    /// (`Engine::step`): by the limits alone, no penalty box, no slot, no attempt.
+    // The metered bodies that call it are not built yet.
+    #[cfg_attr(not(test), allow(dead_code))]
+    fn step(&self, key: &Key, policy: &Policy, units: u32) -> Stepping;
+
+    /// What a decision of `units` would answer now, recording nothing (`Store::peek`): at a
+    /// cut, whether and when the whole body would fit.
+    #[cfg_attr(not(test), allow(dead_code))]
+    fn peek(&self, key: &Key, policy: &Policy, units: u32) -> Stepping;
+}
+
+/// A decision a metered body asked its [`Ledger`] for: made in place, or to wait for.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) enum Stepping {
+    /// Made without waiting (the memory store, a Redis lease): no allocation.
+    Now(Result<Decision, StoreError>),
+    /// To be polled (from the body's `poll_frame`, with its caller's waker).
+    Later(Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>),
 }
 
 /// A [`Ledger`] over a store.
@@ -44,6 +71,18 @@ impl<St: Store> Ledger for StoreLedger<St> {
         let then = Box::new(move |outcome| settling.finish(outcome));
         self.0
             .settle_then(&key, &responder.policy, settlement, then);
+    }
+
+    fn step(&self, key: &Key, policy: &Policy, units: u32) -> Stepping {
+        match self.0.step_now(key, policy, units) {
+            Some(decided) => Stepping::Now(decided),
+            None => Stepping::Later(Box::pin(self.0.step(key, policy, units))),
+        }
+    }
+
+    fn peek(&self, key: &Key, policy: &Policy, units: u32) -> Stepping {
+        // No `peek_now` hook: a cut is rare, and one allocation there is nothing.
+        Stepping::Later(Box::pin(self.0.peek(key, policy, units)))
     }
 }
 
@@ -215,5 +254,45 @@ impl InFlight {
                 return self.count.load(Ordering::Acquire);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::engine::Engine;
+    use crate::MemoryStore;
+
+    #[tokio::test]
+    async fn a_step_is_decided_in_place_on_a_local_store_and_a_peek_records_nothing() {
+        let ledger = StoreLedger(MemoryStore::new());
+        let (key, policy) = (Key::from("ann"), "100/1h".parse::<Policy>().unwrap());
+        let Stepping::Now(Ok(step)) = ledger.step(&key, &policy, 60) else {
+            panic!("a memory store's step waited or failed");
+        };
+        assert!(step.is_allowed());
+        let Stepping::Later(peek) = ledger.peek(&key, &policy, 60) else {
+            panic!("a peek is polled");
+        };
+        let peek = peek.await.unwrap();
+        assert!(!peek.is_allowed(), "60 more do not fit in 40");
+        let Stepping::Now(Ok(fits)) = ledger.step(&key, &policy, 40) else {
+            panic!("a memory store's step waited or failed");
+        };
+        assert!(fits.is_allowed(), "the peek recorded something");
+    }
+
+    #[test]
+    fn a_step_is_no_attempt_where_requests_count_by_outcome() {
+        let ledger = StoreLedger(MemoryStore::new());
+        let key = Key::from("ann");
+        let policy = "10/1h".parse::<Policy>().unwrap().counting_attempts();
+        let request = ledger.0.check_now(&key, &policy, 1).unwrap().unwrap();
+        assert_ne!(request.attempt, 0, "a request is an attempt");
+        let Stepping::Now(Ok(step)) = ledger.step(&key, &policy, 5) else {
+            panic!("a memory store's step waited or failed");
+        };
+        assert!(step.is_allowed());
+        assert_eq!(step.attempt, 0, "a step was counted as an attempt");
     }
 }

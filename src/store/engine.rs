@@ -22,9 +22,30 @@ use crate::{Decision, Key, Policy, Settlement};
 /// so [`Store`]).
 pub trait Sealed {}
 
-/// A store's hooks for the engine. Each has a default that does without: a store that keeps
-/// no queue of waiters, no overrides and no local decisions.
+/// A store's hooks for the engine. Each has a default that does without (a store that keeps
+/// no queue of waiters, no overrides and no local decisions), except the step decisions
+/// ([`step`](Engine::step), [`step_now`](Engine::step_now)), which every store must make as
+/// its own: a `check` in their place would box keys and take slots.
 pub trait Engine: Sealed {
+    /// Decides and records a step of a metered body: `units` more of a request already
+    /// admitted, by the limits in force for `key` (overrides, plans) alone, now. No penalty
+    /// box refuses a step or is set by its refusal, a step takes no concurrency slot and is no
+    /// attempt: the request it belongs to met those at its admission. An admitted step is
+    /// recorded as an admission of `units` is, so that its unused part can be refunded
+    /// ([`Settlement::refund`]).
+    fn step(&self, key: &Key, policy: &Policy, units: u32) -> <Self as Store>::Future
+    where
+        Self: Store;
+
+    /// The decision of [`step`](Engine::step), when the store can make it without waiting;
+    /// `None` when it must wait.
+    fn step_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        units: u32,
+    ) -> Option<Result<Decision, StoreError>>;
+
     /// Settles as [`settle`](crate::Store::settle) does, for a caller that does not wait: `then` runs
     /// with the outcome once the store has answered. The layer settles a usage charge or
     /// refund, or gives back or renews a concurrency slot, this way after the response it

@@ -22,3 +22,5 @@ mod plans;
 mod rules;
 mod runtime_limits;
 mod servers;
+mod streams;
+mod uploads;

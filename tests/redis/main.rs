@@ -16,3 +16,4 @@ mod resilience;
 mod secured;
 mod sentinel;
 mod tls;
+mod uploads;

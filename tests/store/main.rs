@@ -10,4 +10,5 @@ mod event_time;
 mod leases;
 mod settlement;
 mod sliding_log;
+mod steps;
 mod unique_clients;

@@ -52,6 +52,31 @@ impl MemoryStore {
         ready(Ok(self.decide_overridden(key, policy, ask)))
     }
 
+    /// Decides a step of a metered body (`Engine::step`) now, by the limits alone, as an
+    /// event time is: the penalty box neither refuses it nor is set by it, and it takes no
+    /// concurrency slot and is no attempt, whatever the policy says of those.
+    pub(super) fn step_units(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        units: u32,
+    ) -> Ready<Result<Decision, StoreError>> {
+        if let Err(error) = decidable(policy, None) {
+            return ready(Err(error));
+        }
+        // Asked as a peek is (no slot drawn, no attempt), then recorded.
+        let ask = Ask {
+            record: true,
+            ..self.ask(policy, units, None, false)
+        };
+        ready(Ok(self.under_overrides(
+            key,
+            policy,
+            ask,
+            MemoryStore::event_under,
+        )))
+    }
+
     /// Decides an event at its own time (`Store::check_at`), by the limits alone: the penalty
     /// box is the requests' of now, and an event neither meets it nor sets or ends it. A time
     /// further back than the longest window is refused: the log keeps what the windows around

@@ -236,6 +236,19 @@ impl Store for MemoryStore {
 impl Sealed for MemoryStore {}
 
 impl Engine for MemoryStore {
+    fn step(&self, key: &Key, policy: &Policy, units: u32) -> <Self as Store>::Future {
+        self.step_units(key, policy, units)
+    }
+
+    fn step_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        units: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        Some(self.step_units(key, policy, units).into_inner())
+    }
+
     fn settle_now(
         &self,
         key: &Key,

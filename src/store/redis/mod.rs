@@ -376,7 +376,7 @@ impl RedisStore {
         };
         // Units recorded by a decision whose answer is never read are given back.
         let late = match record {
-            Record::Admit | Record::Take { .. } => {
+            Record::Admit | Record::Step { .. } | Record::Take { .. } => {
                 Some(self.give_back_late(key, &policy, (cost, attempt), at))
             }
             _ => None,
@@ -399,7 +399,9 @@ impl RedisStore {
             let recorded = |d: Decision| d.recorded_at(Some(decided), cost.into());
             Ok(match record {
                 // A lease of its cost alone: an event time's decision on a leasing store.
-                Record::Admit | Record::Lease { .. } => recorded(decision).as_attempt(attempt),
+                Record::Admit | Record::Lease { .. } | Record::Step { .. } => {
+                    recorded(decision).as_attempt(attempt)
+                }
                 Record::Take { id, .. } => recorded(decision).with_slot(id).as_attempt(attempt),
                 _ => decision,
             })
@@ -703,6 +705,30 @@ impl RedisStore {
 impl Sealed for RedisStore {}
 
 impl Engine for RedisStore {
+    /// A leased policy (never one with a penalty box or a concurrency limit) steps through
+    /// its lease as `check` does; any other is decided in Redis with no box and no slot.
+    fn step(&self, key: &Key, policy: &Policy, units: u32) -> <Self as Store>::Future {
+        let plan = lease::plan(&self.inner, policy).filter(|_| !policy.attempts());
+        if let Some(plan) = plan {
+            let (inner, key, policy) = (Arc::clone(&self.inner), key.clone(), policy.clone());
+            return Box::pin(lease::check(inner, plan, key, policy, units));
+        }
+        let headroom = lease::headroom(&self.inner, policy);
+        self.run(key, policy, units, -1, Record::Step { headroom })
+    }
+
+    fn step_now(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        units: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        if policy.attempts() {
+            return None;
+        }
+        lease::check_now(&self.inner, key, policy, units)
+    }
+
     fn check_now(
         &self,
         key: &Key,

@@ -5,3 +5,4 @@
 mod differential;
 mod lease_model;
 mod line;
+mod steps;

@@ -136,6 +136,11 @@ pub(crate) enum Record {
         /// after the units ahead of them (Redis time, µs; -1: at `admitted`).
         drains: i64,
     },
+    /// Decide and record as [`Admit`](Record::Admit) (or as a lease of the cost alone, with
+    /// `headroom` µs of drain kept free in every GCRA bucket, when `headroom` is not 0), sent
+    /// with no penalty box: a step of a metered body (`Engine::step`), which no box refuses
+    /// and whose refusal sets none.
+    Step { headroom: u64 },
     /// Decide and record as [`Admit`](Record::Admit), and when admitted take concurrency slot
     /// `id` for `ttl` µs, refusing at once while the key's live slots and the waiters in line
     /// ahead of the request (those ahead of `waiter`, or all of them) leave none of its `cap`
@@ -168,7 +173,12 @@ impl Record {
             Record::Look { headroom } => {
                 (Mode::Look, [clamp(cost), clamp(headroom), 0, 0, 0, 0, 0], 2)
             }
-            Record::Admit => (Mode::Admit, [0; 7], 0),
+            Record::Admit | Record::Step { headroom: 0 } => (Mode::Admit, [0; 7], 0),
+            Record::Step { headroom } => (
+                Mode::Lease,
+                [clamp(cost), clamp(headroom), 0, 0, 0, 0, 0],
+                2,
+            ),
             Record::Lease { want, headroom } => (
                 Mode::Lease,
                 [clamp(want), clamp(headroom), 0, 0, 0, 0, 0],
@@ -314,7 +324,12 @@ pub(crate) fn encode_for(
     let [keep, all, plan] = overrides::head(place, policy);
     let key_field = place.key.get(..keep as usize).unwrap_or(&place.key);
     let resolution = known.resolve(place.lane, key_field, all, plan, policy);
-    let terms = [policy.override_id(), policy.block_micros(), all, plan];
+    // A step is decided by the limits alone: sent with no penalty box to meet or set.
+    let block = match record {
+        Record::Step { .. } => 0,
+        _ => policy.block_micros(),
+    };
+    let terms = [policy.override_id(), block, all, plan];
     let windows = policy.windows();
     let mut args = Vec::with_capacity(HEAD + encoded_len(&record, cost, windows));
     args.extend_from_slice(&clamp(keep).to_le_bytes());
