@@ -6,6 +6,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod body_costs;
 mod cluster;
 mod failover;
 mod fallback;
