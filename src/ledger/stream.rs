@@ -10,7 +10,7 @@
 //! by a soft or shadow policy, or while the store failed under `FailureMode::Open`, which are
 //! charged when it ends).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -57,7 +57,9 @@ struct Waiting {
     units: u64,
     /// The units asked.
     asked: u32,
-    stepping: Stepping,
+    /// In a mutex only to keep the response body `Sync` (a boxed store future is not): it is
+    /// reached by `get_mut`, never locked.
+    stepping: Mutex<Stepping>,
     /// The ledger asked: `Some` for the fallback's local store.
     decider: Decider,
 }
@@ -129,7 +131,7 @@ impl Stream {
         self.waiting = Some(Waiting {
             units,
             asked,
-            stepping,
+            stepping: Mutex::new(stepping),
             decider: None,
         });
     }
@@ -140,7 +142,8 @@ impl Stream {
             let Some(waiting) = &mut self.waiting else {
                 return Poll::Ready(Gate::Pass);
             };
-            let outcome = match &mut waiting.stepping {
+            let stepping = waiting.stepping.get_mut();
+            let outcome = match stepping.unwrap_or_else(PoisonError::into_inner) {
                 // Taken once: the waiting step is dropped below.
                 Stepping::Now(outcome) => std::mem::replace(outcome, Err(StoreError::Unavailable)),
                 Stepping::Later(future) => match future.as_mut().poll(cx) {
@@ -234,7 +237,7 @@ impl Stream {
                 let ledger: Arc<dyn Ledger> = Arc::new(StoreLedger(local.clone()));
                 let stepping = ledger.step(about.key, policy, waiting.asked);
                 self.waiting = Some(Waiting {
-                    stepping,
+                    stepping: Mutex::new(stepping),
                     decider: Some(ledger),
                     ..waiting
                 });
