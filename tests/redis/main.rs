@@ -16,4 +16,5 @@ mod resilience;
 mod secured;
 mod sentinel;
 mod tls;
+mod streams;
 mod uploads;
