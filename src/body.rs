@@ -206,7 +206,9 @@ where
                 receipt: Some(owed),
                 ..
             } if owed.metered() => SizeHint::default(),
-            Kind::Inner { ending: Some(_), .. } => SizeHint::default(),
+            Kind::Inner {
+                ending: Some(_), ..
+            } => SizeHint::default(),
             Kind::Inner { body, .. } => body.size_hint(),
             Kind::Own { body } => body.size_hint(),
         }

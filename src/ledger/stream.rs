@@ -91,7 +91,11 @@ impl Stream {
             credit: Credit::new(step, first),
             bytes,
             seen: 0,
-            recorded: if first.is_allowed() { first.recorded } else { 0 },
+            recorded: if first.is_allowed() {
+                first.recorded
+            } else {
+                0
+            },
             last: first,
             deciders: [None, None],
             waiting: None,

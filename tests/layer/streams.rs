@@ -141,7 +141,11 @@ async fn an_sse_stream_is_cut_within_one_step_of_the_quota() {
     );
     assert!(read.error.is_none(), "{:?}", read.error);
     assert_eq!(read.last.as_deref(), Some(FINAL), "no final event");
-    assert_eq!(used(&store, &tokens).await, read.tokens, "charged what was sent");
+    assert_eq!(
+        used(&store, &tokens).await,
+        read.tokens,
+        "charged what was sent"
+    );
 }
 
 #[tokio::test]
@@ -159,7 +163,11 @@ async fn a_cut_without_a_final_event_is_an_error_naming_the_quota() {
     assert_eq!(cut.policy(), "tokens");
     assert_eq!(cut.passed(), read.tokens);
     assert!(cut.retry_after().is_some(), "{cut}");
-    assert!((1000 - 250..=1000).contains(&read.tokens), "{}", read.tokens);
+    assert!(
+        (1000 - 250..=1000).contains(&read.tokens),
+        "{}",
+        read.tokens
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -191,7 +199,11 @@ async fn a_stream_is_visible_in_the_store_while_it_runs() {
     }
     reader.await.unwrap();
     assert_eq!(sent.load(Ordering::SeqCst), 30_000);
-    assert_eq!(used(&store, &tokens).await, 30_000, "the unused step refunded");
+    assert_eq!(
+        used(&store, &tokens).await,
+        30_000,
+        "the unused step refunded"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -322,10 +334,7 @@ async fn max_tokens_reserved_then_settled_to_usage() {
     let response = app.oneshot(chat).await.unwrap();
     let body = response.into_body().collect().await.unwrap().to_bytes();
     let text = String::from_utf8(body.to_vec()).unwrap();
-    assert!(
-        text.starts_with("reserved 800 allowance 10000\n"),
-        "{text}"
-    );
+    assert!(text.starts_with("reserved 800 allowance 10000\n"), "{text}");
     assert_eq!(text.matches("data: fifty").count(), 6);
     let peek = store.peek(&Key::from("ann"), &tokens, 0).await.unwrap();
     assert_eq!(peek.limit() - peek.remaining(), 300, "settled to the usage");

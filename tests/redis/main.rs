@@ -15,6 +15,6 @@ mod override_listing;
 mod resilience;
 mod secured;
 mod sentinel;
-mod tls;
 mod streams;
+mod tls;
 mod uploads;

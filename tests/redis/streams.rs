@@ -69,11 +69,18 @@ async fn two_sse_streams_on_two_instances_are_cut_within_a_step_each() {
     let (one, two) = (layer(server.store().await), layer(server.store().await));
     let ((a, a_last), (b, b_last)) = tokio::join!(stream(&one), stream(&two));
     // Each stream stops once a step of 500 is refused, holding less than a step unused.
-    assert!((10_000 - 1100..=10_000).contains(&(a + b)), "{a} + {b} tokens");
+    assert!(
+        (10_000 - 1100..=10_000).contains(&(a + b)),
+        "{a} + {b} tokens"
+    );
     assert_eq!((&a_last[..], &b_last[..]), (FINAL, FINAL), "no final event");
     assert_eq!(one.settled(Duration::from_secs(5)).await, 0);
     assert_eq!(two.settled(Duration::from_secs(5)).await, 0);
     let store = server.store().await;
     let peek = store.peek(&Key::from("key-1"), &tokens(), 0).await.unwrap();
-    assert_eq!(peek.limit() - peek.remaining(), a + b, "charged what was sent");
+    assert_eq!(
+        peek.limit() - peek.remaining(),
+        a + b,
+        "charged what was sent"
+    );
 }
