@@ -276,7 +276,10 @@ fn a_step_that_no_limit_admits_is_a_build_error() {
             .policy(tokens.clone())
             .usage(UsageReport::new().step(step))
             .build();
-        let error = built.err().expect("built").to_string();
+        let Err(error) = built else {
+            panic!("built with a step of {step}");
+        };
+        let error = error.to_string();
         assert!(error.contains("tokens"), "{error}");
     }
 }

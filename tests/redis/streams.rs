@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, Request, Response};
-use http_body::{Body, Frame};
+use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use tower::{service_fn, Layer, ServiceExt};
 use tower_redis_ratelimit::key::Header;
