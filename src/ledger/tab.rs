@@ -136,18 +136,11 @@ impl Tab {
     }
 
     /// A data frame of `len` bytes came: whether it passes, cutting the response when its
-    /// step is refused; `Pending` while its step is decided (poll [`gate`](Self::gate) again
-    /// with the same frame held).
+    /// step is refused; `Pending` while its step is decided (then [`gate`](Self::gate) says,
+    /// the frame held meanwhile).
     pub(crate) fn frame(&mut self, len: usize, cx: &mut Context<'_>) -> Poll<Gate> {
         let meter = self.meter.get();
-        let ledger = self.fallback.as_ref().unwrap_or(&self.metering.ledger);
-        let about = About {
-            key: &self.key,
-            responder: &self.responder,
-            ledger,
-            cut: &self.metering.report.cut,
-        };
-        let Some(stream) = &mut self.stream else {
+        let Some((stream, about)) = self.stream() else {
             return Poll::Ready(Gate::Pass);
         };
         stream.frame(len, meter, &about);
@@ -156,17 +149,22 @@ impl Tab {
 
     /// Whether the frame held for a step passes, once the step is decided.
     pub(crate) fn gate(&mut self, cx: &mut Context<'_>) -> Poll<Gate> {
-        let ledger = self.fallback.as_ref().unwrap_or(&self.metering.ledger);
+        match self.stream() {
+            Some((stream, about)) => stream.poll(cx, &about),
+            None => Poll::Ready(Gate::Pass),
+        }
+    }
+
+    /// The response's stream, when it is metered as it goes, and what deciding its steps
+    /// needs: the key, the policy, and the ledger of the store that admitted the request.
+    fn stream(&mut self) -> Option<(&mut Stream, About<'_>)> {
         let about = About {
             key: &self.key,
             responder: &self.responder,
-            ledger,
+            ledger: self.fallback.as_ref().unwrap_or(&self.metering.ledger),
             cut: &self.metering.report.cut,
         };
-        match &mut self.stream {
-            Some(stream) => stream.poll(cx, &about),
-            None => Poll::Ready(Gate::Pass),
-        }
+        Some((self.stream.as_mut()?, about))
     }
 
     /// The response's last frame passed: what the meter says by now counts.

@@ -342,3 +342,81 @@ async fn max_tokens_reserved_then_settled_to_usage() {
     let peek = store.peek(&Key::from("ann"), &tokens, 0).await.unwrap();
     assert_eq!(peek.limit() - peek.remaining(), 300, "settled to the usage");
 }
+
+/// Reads `count` data frames of `body`, then the rest until it ends or fails.
+async fn read_after<B>(body: &mut B, count: usize) -> Read
+where
+    B: Body<Data = Bytes, Error = BoxError> + Unpin,
+{
+    for _ in 0..count {
+        assert!(body.frame().await.unwrap().unwrap().is_data());
+    }
+    read(body).await
+}
+
+#[tokio::test]
+async fn a_stream_whose_step_the_store_cannot_decide_follows_the_failure_mode() {
+    use tower_redis_ratelimit::test_util::FaultyStore;
+    use tower_redis_ratelimit::{FailureMode, StoreError};
+
+    let tokens = policy("tokens", "10000/1m");
+    for mode in [FailureMode::Closed, FailureMode::Open] {
+        let closed = matches!(mode, FailureMode::Closed);
+        // A store in another process: each step is a future the body polls.
+        let store = FaultyStore::new(MemoryStore::new()).remote();
+        let service = RateLimitLayer::builder()
+            .key(Header::new(HeaderName::from_static("x-api-key")))
+            .policy(tokens.clone())
+            .store(store.clone())
+            .usage(UsageReport::new().step(500))
+            .failure_mode(mode)
+            .build()
+            .unwrap()
+            .layer(sse(40, Duration::ZERO));
+        let mut body = service.oneshot(request()).await.unwrap().into_body();
+        // 20 events (1 000 tokens) on steps the store decided; then it fails.
+        for _ in 0..20 {
+            assert!(body.frame().await.unwrap().unwrap().is_data());
+        }
+        store.fail(true);
+        let rest = read_after(&mut body, 0).await;
+        let used = used(store.inner(), &tokens).await;
+        if closed {
+            // Cut at the next step: what the last admitted step covered passed.
+            let error = rest.error.expect("not cut");
+            assert!(error.downcast_ref::<StoreError>().is_some(), "{error}");
+            assert_eq!(1000 + rest.tokens, 1000, "{} more passed", rest.tokens);
+            assert_eq!(used, 1000, "closed: charged what was sent");
+        } else {
+            // Passed uncounted, and charged when the stream ended (settles reach the store).
+            assert!(rest.error.is_none(), "{:?}", rest.error);
+            assert_eq!(rest.tokens, 1000);
+            assert_eq!(used, 2000, "open: charged what was sent");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_shadow_layer_passes_a_stream_over_its_quota_and_charges_it() {
+    // GCRA, whose bucket says how far over the key is: 60 ms a token to drain.
+    let tokens = policy("tokens", "1000/1m").with_algorithm(tower_redis_ratelimit::Algorithm::Gcra);
+    let store = MemoryStore::new();
+    let service = RateLimitLayer::builder()
+        .key(Header::new(HeaderName::from_static("x-api-key")))
+        .policy(tokens.clone())
+        .store(store.clone())
+        .usage(UsageReport::new().step(200))
+        .shadow(true)
+        .build()
+        .unwrap()
+        .layer(sse(40, Duration::ZERO));
+    let response = service.oneshot(request()).await.unwrap();
+    let read = read(response.into_body()).await;
+    assert!(read.error.is_none(), "{:?}", read.error);
+    assert_eq!(read.tokens, 2000, "cut in shadow mode");
+    // Steps were admitted up to the quota; the rest passed uncounted, charged at the end:
+    // 2 000 tokens take 120 s to drain.
+    let peek = store.peek(&Key::from(API_KEY), &tokens, 0).await.unwrap();
+    let drained_in = peek.reset_after().as_secs_f64();
+    assert!((119.0..=120.5).contains(&drained_in), "{drained_in} s");
+}
