@@ -205,7 +205,7 @@ where
             Kind::Inner {
                 receipt: Some(owed),
                 ..
-            } if owed.metered() => SizeHint::default(),
+            } if owed.may_cut() => SizeHint::default(),
             Kind::Inner {
                 ending: Some(_), ..
             } => SizeHint::default(),

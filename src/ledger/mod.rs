@@ -64,11 +64,17 @@ impl Receipt {
         }
     }
 
-    /// Whether the response is metered as it streams ([`UsageReport::step`]).
+    /// Whether the response's data frames go through [`frame`](Self::frame): it is metered as
+    /// it streams ([`UsageReport::step`]), or its bytes are its usage.
     ///
     /// [`UsageReport::step`]: crate::usage::UsageReport::step
     pub(crate) fn metered(&self) -> bool {
         self.tab.as_ref().is_some_and(|tab| tab.metered())
+    }
+
+    /// Whether the response may be cut short: it is metered as it streams.
+    pub(crate) fn may_cut(&self) -> bool {
+        self.tab.as_ref().is_some_and(|tab| tab.may_cut())
     }
 
     /// A data frame of `len` bytes came: whether it passes; `Pending` while a step for it is

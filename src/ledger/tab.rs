@@ -48,6 +48,9 @@ pub(crate) struct Tab {
     /// The metering of the response as it streams, with [`UsageReport::step`]: `None` for a
     /// response settled at its end, or answered by a layer inside.
     stream: Option<Stream>,
+    /// The data bytes the response sent, when its usage is its bytes
+    /// ([`UsageReport::bytes`]) settled at its end.
+    bytes: Option<u64>,
 }
 
 impl Tab {
@@ -68,6 +71,7 @@ impl Tab {
             }
             _ => None,
         };
+        let bytes = (report.bytes && stream.is_none()).then_some(0);
         Box::new(Tab {
             metering,
             fallback,
@@ -81,6 +85,7 @@ impl Tab {
             refused: false,
             deny_cache,
             stream,
+            bytes,
         })
     }
 
@@ -96,7 +101,7 @@ impl Tab {
         self.refused = extensions.get::<Refused>().is_some();
         if self.refused {
             // A layer inside answered: its body is not the service's, and is not metered.
-            self.stream = None;
+            (self.stream, self.bytes) = (None, None);
         }
         if let Some(stream) = &mut self.stream {
             stream.grpc = crate::response::grpc_content_type(response.headers()).is_some();
@@ -129,9 +134,14 @@ impl Tab {
 }
 
 impl Tab {
-    /// Whether the response is metered as it streams: its data frames go through
-    /// [`frame`](Self::frame).
+    /// Whether the response's data frames go through [`frame`](Self::frame): it is metered
+    /// as it streams, or its bytes are counted.
     pub(crate) fn metered(&self) -> bool {
+        self.stream.is_some() || self.bytes.is_some()
+    }
+
+    /// Whether the response may be cut: it is metered as it streams.
+    pub(crate) fn may_cut(&self) -> bool {
         self.stream.is_some()
     }
 
@@ -139,6 +149,9 @@ impl Tab {
     /// step is refused; `Pending` while its step is decided (then [`gate`](Self::gate) says,
     /// the frame held meanwhile).
     pub(crate) fn frame(&mut self, len: usize, cx: &mut Context<'_>) -> Poll<Gate> {
+        if let Some(bytes) = &mut self.bytes {
+            *bytes = bytes.saturating_add(len as u64);
+        }
         let meter = self.meter.get();
         let Some((stream, about)) = self.stream() else {
             return Poll::Ready(Gate::Pass);
@@ -202,7 +215,7 @@ impl Drop for Tab {
             (false, Some(_)) => self.from_head,
             (false, None) => self
                 .from_trailers
-                .or_else(|| self.meter.get())
+                .or_else(|| self.bytes.or_else(|| self.meter.get()))
                 .or(self.from_head),
         };
         let reserved = self.decision.recorded;

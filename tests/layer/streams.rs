@@ -420,3 +420,20 @@ async fn a_shadow_layer_passes_a_stream_over_its_quota_and_charges_it() {
     let drained_in = peek.reset_after().as_secs_f64();
     assert!((119.0..=120.5).contains(&drained_in), "{drained_in} s");
 }
+
+#[tokio::test]
+async fn a_response_metered_in_bytes_without_steps_is_charged_its_bytes_at_the_end() {
+    let (store, bytes) = (MemoryStore::new(), policy("bytes", "10000/1m"));
+    let handler = service_fn(|request: Request<()>| async move {
+        // The meter is not read when the usage is the body's bytes.
+        request.extensions().get::<UsageMeter>().unwrap().set(5);
+        let body = http_body_util::Full::new(Bytes::from(vec![b'x'; 1234]));
+        Ok::<_, Infallible>(Response::new(body))
+    });
+    let service = layer(store.clone(), &bytes, UsageReport::new().bytes()).layer(handler);
+    let response = service.oneshot(request()).await.unwrap();
+    assert_eq!(response.body().size_hint().exact(), Some(1234));
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body.len(), 1234);
+    assert_eq!(used(&store, &bytes).await, 1234);
+}
