@@ -16,6 +16,18 @@
 //! - a [`UsageMeter`], which the layer puts in each request's extensions, updated by the
 //!   handler while it streams its body.
 //!
+//! With [`UsageReport::bytes`], the response body's data bytes are the usage instead of the
+//! meter.
+//!
+//! **Streams metered as they go.** With [`UsageReport::step`], a response is not only settled
+//! at its end: each data frame passes on what the request's decisions admitted (its
+//! reservation first), and a frame that needs more waits for a *step*, a decision of the store
+//! by the policy's limits alone (no penalty box, no slot, no attempt). The store therefore
+//! holds, while the response streams, what it sent and at most one step more, visible to
+//! every instance; and once a step is refused the response is cut ([`Cut`]), so that it never
+//! sends more than its decisions admitted. It is charged what it sent, when it ends, is cut
+//! or the client leaves, and the unused part of its last step is refunded.
+//!
 //! The settle happens when the response body ends (its last frame, its trailers, an error) or
 //! is dropped. It never holds up or fails the response: it runs in a task of its own, and a
 //! settle the store cannot make is logged (WARN) and counted
