@@ -60,6 +60,7 @@ fn sse(
     Request<()>,
     Response = Response<impl Body<Data = Bytes, Error = Infallible> + Send + Sync>,
     Error = Infallible,
+    Future: Send,
 > + Clone {
     service_fn(move |request: Request<()>| {
         let meter = request.extensions().get::<UsageMeter>().cloned().unwrap();
@@ -436,4 +437,38 @@ async fn a_response_metered_in_bytes_without_steps_is_charged_its_bytes_at_the_e
     let body = response.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body.len(), 1234);
     assert_eq!(used(&store, &bytes).await, 1234);
+}
+
+#[tokio::test]
+async fn a_client_of_a_real_server_sees_an_aborted_stream_fail() {
+    use hyper::server::conn::http1;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::service::TowerToHyperService;
+
+    let tokens = policy("tokens", "1000/1m");
+    let layer = layer(MemoryStore::new(), &tokens, UsageReport::new().step(200));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            let service = tower::ServiceBuilder::new()
+                .map_request(|request: Request<hyper::body::Incoming>| request.map(|_| ()))
+                .layer(layer.clone())
+                .service(sse(ENDLESS, Duration::ZERO));
+            let service = TowerToHyperService::new(service);
+            tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
+        }
+    });
+    let client = Client::builder(TokioExecutor::new()).build_http::<http_body_util::Empty<Bytes>>();
+    let request = Request::get(format!("http://{addr}/"))
+        .header("x-api-key", API_KEY)
+        .body(http_body_util::Empty::new())
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    // The chunked body stops before its last chunk: the client's read fails.
+    let error = response.into_body().collect().await.err();
+    assert!(error.is_some(), "the client read a whole response");
 }
