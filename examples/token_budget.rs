@@ -1,8 +1,9 @@
 //! An LLM-style completion endpoint limited by the tokens it streams: 2 000 tokens per minute
 //! per API key (`x-api-key`), counted with the sliding log. Each request reserves one token,
 //! streams its answer as server-sent events (one word per token, one every 2 ms), meters each
-//! token, and ends with a `usage` event; the layer charges the key what the meter says when the
-//! stream ends, or when the client disconnects.
+//! token, and ends with a `usage` event. The layer meters the stream as it goes, 200 tokens a store decision: once the
+//! key's tokens are spent, the stream is cut within 200 tokens, ending with an `error` event;
+//! the key is charged the tokens streamed, when the stream ends or the client disconnects.
 //!
 //! ```text
 //! cargo run --example token_budget                                   # embedded store
@@ -14,7 +15,7 @@
 //!
 //! Environment: `BIND` (default `127.0.0.1:3000`), `REDIS_URL` (absent: the embedded store).
 //! `--self-check` serves on a free port, asks for 800 tokens at a time with one API key until
-//! it is refused, then once with another key, and prints what it got.
+//! a stream is cut, then once with another key, and prints what it got.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -32,7 +33,7 @@ use http::{HeaderName, Request};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use tower_redis_ratelimit::usage::{UsageMeter, UsageReport};
+use tower_redis_ratelimit::usage::{Cut, UsageMeter, UsageReport};
 use tower_redis_ratelimit::{Header, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, Store};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -41,6 +42,8 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 const MAX_TOKENS: u64 = 4000;
 /// The pause before each token, so that the answer streams as a model's would.
 const TOKEN_DELAY: Duration = Duration::from_millis(2);
+/// The event a stream cut at the quota ends with.
+const CUT: &[u8] = b"event: error\ndata: {\"error\":\"token quota exceeded\"}\n\n";
 const TEXT: &str = "the limit counts the tokens a request streams and charges them to its \
                     API key when the answer ends or the client goes away";
 
@@ -71,8 +74,13 @@ fn app<St: Store>(store: St) -> Result<Router, Error> {
     let layer = RateLimitLayer::builder()
         .key(Header::new(HeaderName::from_static("x-api-key")))
         .policy(policy()?)
-        // Room for one token before the call; the meter's count once the stream is done.
-        .usage(UsageReport::new())
+        // Room for one token before the call, then 200 tokens a decision as the stream goes;
+        // cut with an `error` event once the key's tokens are spent.
+        .usage(
+            UsageReport::new()
+                .step(200)
+                .on_cut(Cut::Final(Bytes::from_static(CUT))),
+        )
         .store(store)
         .build()?;
     Ok(Router::new()
@@ -140,25 +148,38 @@ fn stream(meter: UsageMeter, tokens: u64) -> impl Stream<Item = Result<Event, In
         }))
 }
 
-/// Asks for 800 tokens with `key-a` until refused, then with `key-b`; fails unless `key-a` is
-/// refused within 5 requests and `key-b` is then admitted.
+/// How a request ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    /// Refused before its stream started.
+    Refused,
+    /// Streamed whole: this many tokens.
+    Streamed(u64),
+    /// Cut at the quota after this many tokens.
+    Cut(u64),
+}
+
+/// Asks for 800 tokens with `key-a` until a stream is cut, then with `key-b`; fails unless
+/// `key-a`'s third stream is cut within a step (200 tokens) of the quota's 2000 and `key-b`
+/// then streams its 800.
 async fn check(base: &str) -> Result<(), Error> {
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
     let url = format!("{base}/v1/complete?tokens=800");
-    let mut refused = false;
+    let mut streamed = 0;
     for _ in 0..5 {
-        if complete_as(&client, &url, "key-a").await? == StatusCode::TOO_MANY_REQUESTS {
-            refused = true;
-            break;
+        match complete_as(&client, &url, "key-a").await? {
+            Outcome::Streamed(tokens) => streamed += tokens,
+            Outcome::Cut(tokens) if streamed + tokens + 200 > 2000 => {
+                let key_b = complete_as(&client, &url, "key-b").await?;
+                return match key_b {
+                    Outcome::Streamed(800) => Ok(()),
+                    other => Err(format!("key-b got {other:?}").into()),
+                };
+            }
+            other => return Err(format!("key-a got {other:?} after {streamed} tokens").into()),
         }
     }
-    if !refused {
-        return Err("key-a was never refused".into());
-    }
-    match complete_as(&client, &url, "key-b").await? {
-        StatusCode::OK => Ok(()),
-        status => Err(format!("key-b got {status}").into()),
-    }
+    Err("key-a was never cut".into())
 }
 
 /// One request, streamed to its end; prints its status, the tokens received and the limit's
@@ -167,7 +188,7 @@ async fn complete_as(
     client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
     url: &str,
     key: &str,
-) -> Result<StatusCode, Error> {
+) -> Result<Outcome, Error> {
     let request = Request::get(url)
         .header("x-api-key", key)
         .body(Empty::new())?;
@@ -181,17 +202,26 @@ async fn complete_as(
     let body = response.into_body().collect().await?.to_bytes();
     if status != StatusCode::OK {
         println!("{key}: {status}, retry-after: {retry_after}, ratelimit: {ratelimit}");
-        return Ok(status);
+        return Ok(Outcome::Refused);
     }
     let text = String::from_utf8(body.to_vec())?;
-    let mut tokens = 0;
-    let mut usage = "-";
+    let (mut tokens, mut usage, mut cut) = (0, "-", false);
     for event in text.split("\n\n").filter(|event| !event.is_empty()) {
-        match event.strip_prefix("event: usage\ndata: ") {
-            Some(data) => usage = data,
-            None => tokens += 1,
+        if let Some(data) = event.strip_prefix("event: usage\ndata: ") {
+            usage = data;
+        } else if event.starts_with("event: error") {
+            cut = true;
+        } else {
+            tokens += 1;
         }
     }
-    println!("{key}: {status}, {tokens} tokens streamed, usage {usage}, ratelimit: {ratelimit}");
-    Ok(status)
+    let end = if cut { "cut at the quota" } else { "ended" };
+    println!(
+        "{key}: {status}, {tokens} tokens streamed, {end}, usage {usage}, ratelimit: {ratelimit}"
+    );
+    Ok(if cut {
+        Outcome::Cut(tokens)
+    } else {
+        Outcome::Streamed(tokens)
+    })
 }

@@ -233,6 +233,7 @@ impl Settings {
             soft: self.options.soft,
             decisions: !self.options.no_decisions,
             supports: Box::new(move |policy| store.supports(policy)),
+            usage: self.usage.clone(),
         };
         let counts_outcomes = self
             .usage

@@ -16,6 +16,18 @@
 //! - a [`UsageMeter`], which the layer puts in each request's extensions, updated by the
 //!   handler while it streams its body.
 //!
+//! With [`UsageReport::bytes`], the response body's data bytes are the usage instead of the
+//! meter.
+//!
+//! **Streams metered as they go.** With [`UsageReport::step`], a response is not only settled
+//! at its end: each data frame passes on what the request's decisions admitted (its
+//! reservation first), and a frame that needs more waits for a *step*, a decision of the store
+//! by the policy's limits alone (no penalty box, no slot, no attempt). The store therefore
+//! holds, while the response streams, what it sent and at most one step more, visible to
+//! every instance; and once a step is refused the response is cut ([`Cut`]), so that it never
+//! sends more than its decisions admitted. It is charged what it sent, when it ends, is cut
+//! or the client leaves, and the unused part of its last step is refunded.
+//!
 //! The settle happens when the response body ends (its last frame, its trailers, an error) or
 //! is dropped. It never holds up or fails the response: it runs in a task of its own, and a
 //! settle the store cannot make is logged (WARN) and counted
@@ -91,9 +103,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{HeaderMap, HeaderName};
 
 use crate::rules::ResponseHead;
+use crate::{BuildError, Policy};
 
 /// Units a response used, put in its extensions by the inner service:
 /// `response.extensions_mut().insert(Usage(512))`. In axum, a handler can return
@@ -201,6 +215,31 @@ pub struct UsageReport {
     pub(crate) trailers: Option<Arc<FieldsFn>>,
     /// Count a request only when its response matches: see [`UsageReport::count_when`].
     pub(crate) outcome: Option<Arc<OutcomeFn>>,
+    /// The units a step of a response metered as it streams asks for: see
+    /// [`UsageReport::step`]. `None`: settled once, at the end.
+    pub(crate) step: Option<u32>,
+    /// Whether the usage is the response body's data bytes ([`UsageReport::bytes`]).
+    pub(crate) bytes: bool,
+    /// How a metered response ends when a step is refused.
+    pub(crate) cut: Cut,
+}
+
+/// How a response metered as it streams ([`UsageReport::step`]) ends once a step of it is
+/// refused, its quota spent: given to [`UsageReport::on_cut`].
+///
+/// A gRPC response (`content-type: application/grpc…`) ends the gRPC way whatever this says:
+/// with trailers `grpc-status: 8` (`RESOURCE_EXHAUSTED`) and a `grpc-message` naming the quota.
+#[non_exhaustive]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Cut {
+    /// The body ends with an error, a boxed [`QuotaExceeded`]: the server then aborts the
+    /// response (HTTP/1.1 closes the connection before the body's end, HTTP/2 resets the
+    /// stream), which every client sees as a failed, incomplete response.
+    #[default]
+    Abort,
+    /// The body ends normally after these bytes, e.g. a server-sent event saying that the
+    /// quota is spent: for clients that read a stream to its end, such as an SSE client.
+    Final(Bytes),
 }
 
 impl Default for UsageReport {
@@ -216,6 +255,9 @@ impl std::fmt::Debug for UsageReport {
             .field("head", &self.head.is_some())
             .field("trailers", &self.trailers.is_some())
             .field("outcome", &self.outcome.is_some())
+            .field("step", &self.step)
+            .field("bytes", &self.bytes)
+            .field("cut", &self.cut)
             .finish()
     }
 }
@@ -228,6 +270,9 @@ impl UsageReport {
             head: None,
             trailers: None,
             outcome: None,
+            step: None,
+            bytes: false,
+            cut: Cut::Abort,
         }
     }
 
@@ -288,6 +333,86 @@ impl UsageReport {
         self
     }
 
+    /// Meters the response **as it streams**, a store decision per step of `units`, rather than
+    /// settling its usage once, when it ends.
+    ///
+    /// The request's reservation is its first credit. After each data frame of the response
+    /// body, its units (the growth of the [`UsageMeter`] since the frame before, which the
+    /// handler adds to before it yields the frame; or the frame's bytes, with
+    /// [`bytes`](Self::bytes)) pass while the credit covers them; when it does not, the frame
+    /// waits for a step of `units` (or of what the frame lacks, when it outweighs a step),
+    /// decided by the policy's limits alone (no penalty box, no concurrency slot). An admitted
+    /// step lets the frame pass; a refused one drops it and ends the response as
+    /// [`on_cut`](Self::on_cut) says.
+    ///
+    /// So a response never sends more than its steps admitted, and the store holds, while it
+    /// streams, between what it sent and that plus one step. When it ends or the client leaves,
+    /// it is charged what it sent (or what the trailers or the head report, when that is
+    /// more), and the unused credit is refunded.
+    ///
+    /// `units` must be at least 1 and at most the smallest count of the policy's limits (a
+    /// larger step could never be admitted): [`build`](crate::RateLimitLayerBuilder::build)
+    /// says [`BuildError::Unsupported`] otherwise.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use tower_redis_ratelimit::{usage::{Cut, UsageReport}, RateLimitLayer};
+    ///
+    /// // 10 000 tokens a minute, decided 500 at a time while the stream runs; a stream cut
+    /// // short ends with an event that says so.
+    /// let layer = RateLimitLayer::builder()
+    ///     .policy("10000/1m")
+    ///     .usage(
+    ///         UsageReport::new()
+    ///             .step(500)
+    ///             .on_cut(Cut::Final(Bytes::from_static(b"event: error\ndata: quota\n\n"))),
+    ///     )
+    ///     .build()?;
+    /// # Ok::<(), tower_redis_ratelimit::BuildError>(())
+    /// ```
+    pub fn step(mut self, units: u32) -> Self {
+        self.step = Some(units);
+        self
+    }
+
+    /// The usage is the response body's data bytes, counted as they are sent (with
+    /// [`step`](Self::step)) or once at the end; the [`UsageMeter`] is not read.
+    pub fn bytes(mut self) -> Self {
+        self.bytes = true;
+        self
+    }
+
+    /// How a response metered with [`step`](Self::step) ends once a step is refused (default
+    /// [`Cut::Abort`]).
+    pub fn on_cut(mut self, cut: Cut) -> Self {
+        self.cut = cut;
+        self
+    }
+
+    /// Checks the step against `policy`: at least 1, and at most the smallest count of its
+    /// limits, or no step of it could ever be admitted.
+    pub(crate) fn check_step(&self, policy: &Policy) -> Result<(), BuildError> {
+        let Some(step) = self.step else {
+            return Ok(());
+        };
+        let unsupported = |why: String| BuildError::Unsupported {
+            policy: policy.name().to_owned(),
+            why,
+        };
+        if step == 0 {
+            return Err(unsupported("a usage step must be at least 1 unit".into()));
+        }
+        // A limit of 0 blocks every request, steps alike: no step size would change that.
+        let counts = policy.limits().iter().map(|l| l.count()).filter(|&c| c > 0);
+        let smallest = counts.min();
+        match smallest {
+            Some(count) if u64::from(step) > count => Err(unsupported(format!(
+                "a usage step of {step} units is more than its limit of {count} admits"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Usage from the response field `name`, a decimal number, in the head or in the trailers
     /// (gRPC: initial or trailing metadata).
     pub fn header(self, name: HeaderName) -> Self {
@@ -338,8 +463,6 @@ impl QuotaExceeded {
     /// A cut of `policy` after `passed` units; `retry_after` as the store answered for the
     /// whole body (`None`: it can never fit, or the key is blocked), `limit` and `window` the
     /// limit that refused it.
-    // Made by the metered bodies, which are not built yet.
-    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn new(
         policy: impl Into<String>,
         passed: u64,

@@ -6,12 +6,16 @@
 //! the policy has a concurrency limit. Both post to the store through [`post`], the machinery
 //! below them: neither imports the other.
 //!
-//! A request counted by outcome settles its tab as soon as the response head is in.
+//! A request counted by outcome settles its tab as soon as the response head is in. A
+//! response metered as it streams decides a step through its tab whenever a data frame
+//! outgrows its credit ([`stream`]), and is cut when one is refused.
 //!
 //! ```text
 //! body ends ─► Receipt dropped ─┬─► Tab: charge or refund ─┐
 //!                               └─► Slot: give-back ───────┴─► Ledger ─► Store::settle_then
 //! ```
+
+use std::task::{Context, Poll};
 
 use http::{HeaderMap, Response};
 
@@ -19,9 +23,11 @@ pub(crate) mod post;
 pub(crate) mod queue;
 pub(crate) mod slots;
 pub(crate) mod steps;
+pub(crate) mod stream;
 pub(crate) mod tab;
 
 use slots::Slot;
+use stream::Gate;
 use tab::Tab;
 
 /// What an admitted request owes the store once its response is done: dropping it settles
@@ -55,6 +61,43 @@ impl Receipt {
     pub(crate) fn read_trailers(&mut self, trailers: &HeaderMap) {
         if let Some(tab) = &mut self.tab {
             tab.read_trailers(trailers);
+        }
+    }
+
+    /// Whether the response's data frames go through [`frame`](Self::frame): it is metered as
+    /// it streams ([`UsageReport::step`]), or its bytes are its usage.
+    ///
+    /// [`UsageReport::step`]: crate::usage::UsageReport::step
+    pub(crate) fn metered(&self) -> bool {
+        self.tab.as_ref().is_some_and(|tab| tab.metered())
+    }
+
+    /// Whether the response may be cut short: it is metered as it streams.
+    pub(crate) fn may_cut(&self) -> bool {
+        self.tab.as_ref().is_some_and(|tab| tab.may_cut())
+    }
+
+    /// A data frame of `len` bytes came: whether it passes; `Pending` while a step for it is
+    /// decided (then [`gate`](Self::gate) says).
+    pub(crate) fn frame(&mut self, len: usize, cx: &mut Context<'_>) -> Poll<Gate> {
+        match &mut self.tab {
+            Some(tab) => tab.frame(len, cx),
+            None => Poll::Ready(Gate::Pass),
+        }
+    }
+
+    /// Whether the frame held for a step passes, once the step is decided.
+    pub(crate) fn gate(&mut self, cx: &mut Context<'_>) -> Poll<Gate> {
+        match &mut self.tab {
+            Some(tab) => tab.gate(cx),
+            None => Poll::Ready(Gate::Pass),
+        }
+    }
+
+    /// The response's last frame passed.
+    pub(crate) fn ended(&mut self) {
+        if let Some(tab) = &mut self.tab {
+            tab.ended();
         }
     }
 }

@@ -8,9 +8,6 @@
 //! last still holds credit, never an older one. The unused part is therefore refunded from
 //! those two decisions alone, the last first, each within what it recorded.
 
-// The metered bodies that use it are not built yet.
-#![allow(dead_code)]
-
 use crate::response::FailureMode;
 use crate::{Decision, Settlement};
 
@@ -103,6 +100,11 @@ impl Credit {
             FailureMode::Closed => OnFailure::Cut,
             FailureMode::Fallback(_) => OnFailure::Fallback,
         }
+    }
+
+    /// The units admitted and not used yet: what a frame may use without a step.
+    pub(crate) fn left(&self) -> u64 {
+        self.left
     }
 
     /// The units used so far.

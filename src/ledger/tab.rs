@@ -1,13 +1,16 @@
 //! The usage tab of one admitted request: what it reserved, and what its response reports
 //! (see [`usage`](crate::usage)); dropped when the response body ends (when its head is in,
 //! for a request counted by outcome), it posts the difference to the store as a charge or a
-//! refund.
+//! refund. A response metered as it streams ([`UsageReport::step`]) decides its steps through
+//! its tab's [`Stream`] while it runs, and settles what it sent.
 
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use http::{HeaderMap, Response};
 
 use super::post::{InFlight, Ledger, Posting};
+use super::stream::{About, Gate, Stream};
 use crate::deny_cache::DenyCache;
 use crate::response::{Refused, Responder};
 use crate::rules::ResponseHead;
@@ -42,6 +45,12 @@ pub(crate) struct Tab {
     refused: bool,
     /// The layer's deny cache, whose refusal of the key a refund makes stale.
     deny_cache: Option<DenyCache>,
+    /// The metering of the response as it streams, with [`UsageReport::step`]: `None` for a
+    /// response settled at its end, or answered by a layer inside.
+    stream: Option<Stream>,
+    /// The data bytes the response sent, when its usage is its bytes
+    /// ([`UsageReport::bytes`]) settled at its end.
+    bytes: Option<u64>,
 }
 
 impl Tab {
@@ -55,6 +64,14 @@ impl Tab {
         meter: UsageMeter,
         deny_cache: Option<DenyCache>,
     ) -> Box<Tab> {
+        let report = &metering.report;
+        let stream = match (report.step, &report.outcome) {
+            (Some(step), None) if decision.is_allowed() => {
+                Some(Stream::new(step, report.bytes, decision))
+            }
+            _ => None,
+        };
+        let bytes = (report.bytes && stream.is_none()).then_some(0);
         Box::new(Tab {
             metering,
             fallback,
@@ -67,6 +84,8 @@ impl Tab {
             from_trailers: None,
             refused: false,
             deny_cache,
+            stream,
+            bytes,
         })
     }
 
@@ -80,6 +99,13 @@ impl Tab {
     pub(crate) fn read_head<B>(&mut self, response: &Response<B>) {
         let extensions = response.extensions();
         self.refused = extensions.get::<Refused>().is_some();
+        if self.refused {
+            // A layer inside answered: its body is not the service's, and is not metered.
+            (self.stream, self.bytes) = (None, None);
+        }
+        if let Some(stream) = &mut self.stream {
+            stream.grpc = crate::response::grpc_content_type(response.headers()).is_some();
+        }
         if let Some(outcome) = &self.metering.report.outcome {
             let counts = outcome(&ResponseHead::of(response));
             self.from_head = Some(if counts { u64::from(self.cost) } else { 0 });
@@ -107,8 +133,81 @@ impl Tab {
     }
 }
 
+impl Tab {
+    /// Whether the response's data frames go through [`frame`](Self::frame): it is metered
+    /// as it streams, or its bytes are counted.
+    pub(crate) fn metered(&self) -> bool {
+        self.stream.is_some() || self.bytes.is_some()
+    }
+
+    /// Whether the response may be cut: it is metered as it streams.
+    pub(crate) fn may_cut(&self) -> bool {
+        self.stream.is_some()
+    }
+
+    /// A data frame of `len` bytes came: whether it passes, cutting the response when its
+    /// step is refused; `Pending` while its step is decided (then [`gate`](Self::gate) says,
+    /// the frame held meanwhile).
+    pub(crate) fn frame(&mut self, len: usize, cx: &mut Context<'_>) -> Poll<Gate> {
+        if let Some(bytes) = &mut self.bytes {
+            *bytes = bytes.saturating_add(len as u64);
+        }
+        let meter = self.meter.get();
+        let Some((stream, about)) = self.stream() else {
+            return Poll::Ready(Gate::Pass);
+        };
+        stream.frame(len, meter, &about);
+        stream.poll(cx, &about)
+    }
+
+    /// Whether the frame held for a step passes, once the step is decided.
+    pub(crate) fn gate(&mut self, cx: &mut Context<'_>) -> Poll<Gate> {
+        match self.stream() {
+            Some((stream, about)) => stream.poll(cx, &about),
+            None => Poll::Ready(Gate::Pass),
+        }
+    }
+
+    /// The response's stream, when it is metered as it goes, and what deciding its steps
+    /// needs: the key, the policy, and the ledger of the store that admitted the request.
+    fn stream(&mut self) -> Option<(&mut Stream, About<'_>)> {
+        let about = About {
+            key: &self.key,
+            responder: &self.responder,
+            ledger: self.fallback.as_ref().unwrap_or(&self.metering.ledger),
+            cut: &self.metering.report.cut,
+        };
+        Some((self.stream.as_mut()?, about))
+    }
+
+    /// The response's last frame passed: what the meter says by now counts.
+    pub(crate) fn ended(&mut self) {
+        if let Some(stream) = &mut self.stream {
+            stream.ended = true;
+        }
+    }
+
+    /// Settles a response metered as it streams: charged what it sent, or what its trailers
+    /// or head report when that is more (the meter's final value too, when it ended rather
+    /// than was cut or dropped); its unused credit refunded.
+    fn settle_stream(&mut self, mut stream: Stream) {
+        let reported = self.from_trailers.or(self.from_head);
+        let metered = match stream.ended && !stream.waiting() && !self.metering.report.bytes {
+            true => self.meter.get(),
+            false => None,
+        };
+        let used = reported.max(metered).unwrap_or(0);
+        for (settlement, decider) in stream.settle(used) {
+            self.post_to(Some(settlement), decider);
+        }
+    }
+}
+
 impl Drop for Tab {
     fn drop(&mut self) {
+        if let Some(stream) = self.stream.take() {
+            return self.settle_stream(stream);
+        }
         let used = match (self.refused, &self.metering.report.outcome) {
             (true, _) => Some(0),
             // Counted by outcome: the head's verdict alone; when the head never came (the
@@ -116,7 +215,7 @@ impl Drop for Tab {
             (false, Some(_)) => self.from_head,
             (false, None) => self
                 .from_trailers
-                .or_else(|| self.meter.get())
+                .or_else(|| self.bytes.or_else(|| self.meter.get()))
                 .or(self.from_head),
         };
         let reserved = self.decision.recorded;
@@ -144,6 +243,12 @@ impl Tab {
     /// Posts `settlement` to the ledger of the store that decided the request, unless it
     /// changes nothing.
     fn post(&mut self, settlement: Option<Settlement>) {
+        self.post_to(settlement, None);
+    }
+
+    /// Posts `settlement` to `ledger`, or, when `None`, to the ledger of the store that
+    /// decided the request.
+    fn post_to(&mut self, settlement: Option<Settlement>, ledger: Option<Arc<dyn Ledger>>) {
         let Some(settlement) = settlement.filter(|s| s.units() > 0 || s.attempt() != 0) else {
             return;
         };
@@ -153,7 +258,8 @@ impl Tab {
         };
         let (key, responder) = (self.key.clone(), Arc::clone(&self.responder));
         let entry = Posting::new(key, responder, settlement, deny_cache);
-        let ledger = self.fallback.as_ref().unwrap_or(&self.metering.ledger);
+        let ledger = ledger.as_ref().or(self.fallback.as_ref());
+        let ledger = ledger.unwrap_or(&self.metering.ledger);
         ledger.settle(entry, &self.metering.in_flight);
     }
 }

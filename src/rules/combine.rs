@@ -5,6 +5,7 @@
 //! it.
 
 use super::rule::Plans;
+use crate::usage::UsageReport;
 use crate::{BuildError, Policy, StoreError};
 
 /// Whether the layer's store can decide a policy ([`Store::supports`](crate::Store::supports)).
@@ -20,6 +21,8 @@ pub(crate) struct Capabilities {
     pub(crate) decisions: bool,
     /// Whether the layer's store can decide a policy.
     pub(crate) supports: Box<Supports>,
+    /// How the layer reports usage, whose step must fit each policy.
+    pub(crate) usage: Option<UsageReport>,
 }
 
 impl Capabilities {
@@ -34,6 +37,7 @@ impl Capabilities {
     ) -> Result<(), BuildError> {
         self.plans_need_plan_fn(policy, plans)?;
         self.store_decides(policy, plans)?;
+        self.step_fits(policy, plans)?;
         names.admit(policy, plans)?;
         self.soft_needs_decisions(policy, soft)
     }
@@ -61,6 +65,18 @@ impl Capabilities {
             })?;
         }
         Ok(())
+    }
+
+    /// A usage step must be admissible under the policy and each plan's limits
+    /// ([`UsageReport::step`](crate::usage::UsageReport::step)).
+    fn step_fits(&self, policy: &Policy, plans: &Plans) -> Result<(), BuildError> {
+        let Some(report) = &self.usage else {
+            return Ok(());
+        };
+        let plans = plans.iter().map(|(_, plan)| plan);
+        std::iter::once(policy)
+            .chain(plans)
+            .try_for_each(|policy| report.check_step(policy))
     }
 
     /// A soft limit passes a request over it on, so the handler must be able to see its

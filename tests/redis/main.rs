@@ -16,5 +16,6 @@ mod override_listing;
 mod resilience;
 mod secured;
 mod sentinel;
+mod streams;
 mod tls;
 mod uploads;

@@ -70,7 +70,7 @@ fn layer<St: Store>(store: St, policy: Policy, report: UsageReport) -> RateLimit
 async fn exchange<S, B>(service: &S) -> (StatusCode, Option<u64>, Bytes)
 where
     S: Service<Request<()>, Response = Response<B>, Error = Infallible> + Clone,
-    B: http_body::Body<Data = Bytes, Error = Infallible>,
+    B: http_body::Body<Data = Bytes, Error: std::fmt::Debug>,
 {
     let response = service.clone().oneshot(request()).await.unwrap();
     let status = response.status();
