@@ -8,9 +8,6 @@
 //! last still holds credit, never an older one. The unused part is therefore refunded from
 //! those two decisions alone, the last first, each within what it recorded.
 
-// The metered bodies that use it are not built yet.
-#![allow(dead_code)]
-
 use crate::response::FailureMode;
 use crate::{Decision, Settlement};
 

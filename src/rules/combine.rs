@@ -18,6 +18,8 @@ pub(crate) struct Capabilities {
     pub(crate) soft: bool,
     /// Whether the layer puts its decisions into the requests.
     pub(crate) decisions: bool,
+    /// The step of a layer that meters request bodies, which every limit must admit.
+    pub(crate) step: Option<u32>,
     /// Whether the layer's store can decide a policy.
     pub(crate) supports: Box<Supports>,
 }
@@ -34,6 +36,7 @@ impl Capabilities {
     ) -> Result<(), BuildError> {
         self.plans_need_plan_fn(policy, plans)?;
         self.store_decides(policy, plans)?;
+        self.step_fits(policy, plans)?;
         names.admit(policy, plans)?;
         self.soft_needs_decisions(policy, soft)
     }
@@ -59,6 +62,28 @@ impl Capabilities {
                 policy: policy.name().to_owned(),
                 why: error.to_string(),
             })?;
+        }
+        Ok(())
+    }
+
+    /// On a layer that meters request bodies, a step larger than a limit's count could never
+    /// be admitted: every body longer than what its admission reserved would be cut.
+    fn step_fits(&self, policy: &Policy, plans: &Plans) -> Result<(), BuildError> {
+        let Some(step) = self.step else {
+            return Ok(());
+        };
+        let plans = plans.iter().map(|(_, plan)| plan);
+        for policy in std::iter::once(policy).chain(plans) {
+            let smallest = policy.limits().iter().map(|l| l.count()).min();
+            if let Some(count) = smallest.filter(|&count| u64::from(step) > count) {
+                return Err(BuildError::Unsupported {
+                    policy: policy.name().to_owned(),
+                    why: format!(
+                        "a step of {step} bytes is more than the limit of {count}: make the \
+                         step (RequestBytes::step) at most the smallest count"
+                    ),
+                });
+            }
         }
         Ok(())
     }
