@@ -763,10 +763,45 @@ mod tests {
     }
 
     #[test]
+    fn request_bytes_takes_no_cost_or_usage_and_a_step_every_limit_admits() {
+        let metered = || {
+            RateLimitLayer::builder()
+                .policy("1000000/1h")
+                .request_bytes(RequestBytes::new())
+        };
+        assert!(metered().build().is_ok());
+        let cost = metered().cost(|_| 5).build();
+        assert!(matches!(cost, Err(BuildError::RequestBytes(_))), "{cost:?}");
+        let usage = metered().usage(UsageReport::new()).build();
+        assert!(
+            matches!(usage, Err(BuildError::RequestBytes(_))),
+            "{usage:?}"
+        );
+        let outcome = metered().count_when(|_| true).build();
+        assert!(matches!(outcome, Err(BuildError::RequestBytes(_))));
+        let zero = metered().request_bytes(RequestBytes::new().step(0)).build();
+        assert!(matches!(zero, Err(BuildError::RequestBytes(_))), "{zero:?}");
+        // A step over the smallest count of a rule's policy could never be admitted.
+        let small = Policy::new("avatars", ["10000/1m".parse().unwrap()]).unwrap();
+        let over = metered().rule(Rule::new(small).path("/avatar")).build();
+        let Err(BuildError::Unsupported { policy, why }) = over else {
+            panic!("{over:?}");
+        };
+        assert_eq!(policy, "avatars");
+        assert!(why.contains("65536"), "{why}");
+        let fits = RateLimitLayer::builder()
+            .policy("10000/1m")
+            .request_bytes(RequestBytes::new().step(10_000))
+            .build();
+        assert!(fits.is_ok());
+    }
+
+    #[test]
     fn layer_is_clone_send_sync() {
         fn check<T: Clone + Send + Sync + 'static>() {}
         check::<RateLimitLayer>();
         #[cfg(feature = "redis")]
         check::<RateLimitLayer<crate::key::Header, crate::RedisStore>>();
+        check::<RateLimitLayer<PeerIp, MemoryStore, Metered>>();
     }
 }
