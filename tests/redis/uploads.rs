@@ -30,9 +30,12 @@ fn upload(total: usize) -> Request<Upload> {
         .unwrap()
 }
 
+/// What each handler got: the bytes it read, and the cut that ended its body.
+type Got = Arc<Mutex<Vec<(u64, Option<QuotaExceeded>)>>>;
+
 /// Reads the body to its end or its first error; records the bytes read and the cut.
 async fn handle(
-    got: Arc<Mutex<Vec<(u64, Option<QuotaExceeded>)>>>,
+    got: Got,
     request: Request<MeteredBody<Upload>>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     let mut body = request.into_body();
@@ -60,7 +63,7 @@ async fn handle(
 async fn two_chunked_uploads_on_two_instances_never_pass_the_quota() {
     let server = RedisServer::start();
     let policy = Policy::new("uploads", ["1000000/1h".parse().unwrap()]).unwrap();
-    let got = Arc::new(Mutex::new(Vec::new()));
+    let got: Got = Arc::default();
     let instance = |store: RedisStore| {
         let layer = RateLimitLayer::builder()
             .key(Header::new(HeaderName::from_static("x-user")))
