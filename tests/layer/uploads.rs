@@ -266,15 +266,19 @@ async fn an_axum_extractor_error_becomes_the_layers_answer() {
 async fn the_cut_retry_after_is_true() {
     let (store, policy, handler) = (MemoryStore::new(), uploads("200000/1m"), Handler::new());
     let polled = Arc::new(AtomicUsize::new(0));
-    let first = send(
-        &store,
-        &policy,
-        &handler,
-        post(upload(100_000, 16 * 1024, &polled)),
-    )
-    .await;
-    assert_eq!(first.status(), StatusCode::OK);
-    tokio::time::advance(Duration::from_secs(10)).await;
+    // 60 000 bytes at 0 s and at 20 s: a step of the next upload fits again at 60 s, when the
+    // first ages out; what that upload had sent when it was cut fits only at 80 s.
+    for wait in [20, 10] {
+        let sent = send(
+            &store,
+            &policy,
+            &handler,
+            post(upload(60_000, 16 * 1024, &polled)),
+        )
+        .await;
+        assert_eq!(sent.status(), StatusCode::OK);
+        tokio::time::advance(Duration::from_secs(wait)).await;
+    }
     let cut = send(
         &store,
         &policy,
@@ -284,7 +288,8 @@ async fn the_cut_retry_after_is_true() {
     .await;
     assert_eq!(cut.status(), StatusCode::TOO_MANY_REQUESTS);
     let wait = retry_after(&cut).expect("a wait helps");
-    let passed = handler.got()[1].error.as_ref().unwrap().passed();
+    assert_eq!(wait, 50, "what passed and the frame held fit at 80 s");
+    let passed = handler.got()[2].error.as_ref().unwrap().passed();
     // A retry of what the body had sent when it was cut: what passed, and the frame held.
     let retry = || {
         let length = passed + 16 * 1024;
