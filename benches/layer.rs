@@ -161,8 +161,16 @@ const FRAME: usize = 64 * 1024;
 /// Bytes per second per key that no upload reaches.
 const BYTES: &str = "1000000000/1s";
 
-/// A route that reads its upload frame by frame, without copying it, and answers its length.
-fn upload_route() -> Router {
+/// A route that reads its upload frame by frame, without copying it, and answers its length
+/// (`collect`: that takes it whole, with axum's `Bytes` extractor, which copies a body of
+/// several frames into one buffer, as a handler that stores uploads would).
+fn upload_route(collect: bool) -> Router {
+    async fn whole(body: Bytes) -> String {
+        body.len().to_string()
+    }
+    if collect {
+        return Router::new().route("/upload", post(whole));
+    }
     async fn read(body: Body) -> String {
         let mut body = body;
         let mut bytes = 0;
@@ -183,7 +191,7 @@ fn bytes_policy() -> Policy {
 }
 
 /// The upload route limited by a cost read from `Content-Length` (1 without one).
-fn upload_costed() -> Router {
+fn upload_costed(collect: bool) -> Router {
     let layer = RateLimitLayer::builder()
         .key(Header::new(HeaderName::from_static(CLIENT)))
         .policy(bytes_policy())
@@ -194,18 +202,18 @@ fn upload_costed() -> Router {
         })
         .build()
         .unwrap();
-    upload_route().layer(layer)
+    upload_route(collect).layer(layer)
 }
 
 /// The upload route with its request bodies metered as they stream.
-fn upload_metered() -> Router {
+fn upload_metered(collect: bool) -> Router {
     let layer = RateLimitLayer::builder()
         .key(Header::new(HeaderName::from_static(CLIENT)))
         .policy(bytes_policy())
         .request_bytes(RequestBytes::new().step(FRAME as u32))
         .build()
         .unwrap();
-    upload_route().layer(layer)
+    upload_route(collect).layer(layer)
 }
 
 /// A 1 MiB upload of `client`: declared (`Content-Length`, one frame) or chunked (frames of
@@ -227,10 +235,16 @@ fn per_upload(c: &mut Criterion) {
     let (clients, data) = (requests(), Bytes::from(vec![7u8; UPLOAD]));
     let mut group = c.benchmark_group("upload");
     let routes = [
-        ("cost_content_length_declared", upload_costed(), true),
-        ("metered_declared", upload_metered(), true),
-        ("cost_content_length_chunked", upload_costed(), false),
-        ("metered_chunked", upload_metered(), false),
+        ("cost_content_length_declared", upload_costed(false), true),
+        ("metered_declared", upload_metered(false), true),
+        ("cost_content_length_chunked", upload_costed(false), false),
+        ("metered_chunked", upload_metered(false), false),
+        (
+            "collected/cost_content_length_chunked",
+            upload_costed(true),
+            false,
+        ),
+        ("collected/metered_chunked", upload_metered(true), false),
     ];
     for (name, router, declared) in routes {
         let mut i = 0;

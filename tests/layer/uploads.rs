@@ -13,9 +13,10 @@ use http::{HeaderName, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full, StreamBody};
 use tower::{service_fn, Layer, ServiceExt};
-use tower_redis_ratelimit::metered::RequestBytes;
+use tower_redis_ratelimit::metered::{Metered, RequestBytes};
+use tower_redis_ratelimit::test_util::FaultyStore;
 use tower_redis_ratelimit::usage::QuotaExceeded;
-use tower_redis_ratelimit::{Header, Key, MemoryStore, Policy, RateLimitLayer, Store};
+use tower_redis_ratelimit::{FailureMode, Header, Key, MemoryStore, Policy, RateLimitLayer, Store};
 
 /// A client's body: `total` bytes in frames of `frame`, with no size hint (chunked), counting
 /// the frames the server polled.
@@ -38,6 +39,8 @@ use futures::StreamExt;
 struct Got {
     bytes: u64,
     error: Option<QuotaExceeded>,
+    /// An error of another kind (a store failure, under `FailureMode::Closed`).
+    other: Option<String>,
 }
 
 /// A handler that reads its body to the end, or to its first error (answered 400, as axum's
@@ -75,15 +78,17 @@ impl Handler {
                 Err(error) => {
                     let error: Box<dyn std::error::Error + Send + Sync> = error.into();
                     got.error = error.downcast_ref::<QuotaExceeded>().cloned();
-                    assert!(got.error.is_some(), "not a QuotaExceeded: {error}");
+                    if got.error.is_none() {
+                        got.other = Some(error.to_string());
+                    }
                     break;
                 }
             }
         }
         drop(body);
-        let status = match got.error {
-            Some(_) => StatusCode::BAD_REQUEST,
-            None => StatusCode::OK,
+        let status = match got.error.is_some() || got.other.is_some() {
+            true => StatusCode::BAD_REQUEST,
+            false => StatusCode::OK,
         };
         self.got.lock().unwrap().push(got);
         let mut response = Response::new(Full::new(Bytes::from_static(b"handled")));
@@ -129,6 +134,20 @@ where
         .request_bytes(RequestBytes::new())
         .build()
         .unwrap();
+    through(layer, handler, request).await
+}
+
+/// Sends `request` through `layer` to `handler`.
+async fn through<St, B>(
+    layer: RateLimitLayer<Header, St, Metered>,
+    handler: &Handler,
+    request: Request<B>,
+) -> Response<Bytes>
+where
+    St: Store,
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let handler = handler.clone();
     let service = service_fn(move |request| handler.clone().handle(request));
     let response = layer.layer(service).oneshot(request).await.unwrap();
@@ -352,6 +371,63 @@ async fn steps_neither_box_nor_take_a_slot() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_soft_limit_passes_a_refused_step_on() {
+    let layer = RateLimitLayer::builder()
+        .key(user())
+        .rule(tower_redis_ratelimit::Rule::new(uploads("100000/1h")).soft())
+        .request_bytes(RequestBytes::new())
+        .build()
+        .unwrap();
+    let (handler, polled) = (Handler::new(), Arc::new(AtomicUsize::new(0)));
+    let response = through(layer, &handler, post(upload(300_000, 16 * 1024, &polled))).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(handler.got()[0].bytes, 300_000, "a step was refused");
+}
+
+/// A chunked upload that makes the store fail once its first step has passed.
+fn failing_after_a_step(store: &FaultyStore<MemoryStore>) -> Request<Upload> {
+    let (store, polled) = (store.clone(), Arc::new(AtomicUsize::new(0)));
+    let frames = upload(200_000, 16 * 1024, &polled).into_data_stream();
+    let frames = frames.enumerate().map(move |(i, data)| {
+        if i == 4 {
+            store.fail(true);
+        }
+        data.map(Frame::data)
+    });
+    post(StreamBody::new(
+        Box::pin(frames) as futures::stream::BoxStream<'static, _>
+    ))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_failure_mid_body_follows_the_failure_mode() {
+    let layer = |store: &FaultyStore<MemoryStore>, mode| {
+        RateLimitLayer::builder()
+            .key(user())
+            .store(store.clone())
+            .policy(uploads("1000000/1h"))
+            .request_bytes(RequestBytes::new())
+            .failure_mode(mode)
+            .build()
+            .unwrap()
+    };
+    // Closed: the body is cut where the store failed, and the layer answers 503.
+    let (store, handler) = (FaultyStore::new(MemoryStore::new()), Handler::new());
+    let request = failing_after_a_step(&store);
+    let response = through(layer(&store, FailureMode::Closed), &handler, request).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let got = &handler.got()[0];
+    assert_eq!(got.bytes, 64 * 1024, "{got:?}");
+    assert!(got.other.is_some(), "{got:?}");
+    // Open: the body passes, uncounted.
+    let (store, handler) = (FaultyStore::new(MemoryStore::new()), Handler::new());
+    let request = failing_after_a_step(&store);
+    let response = through(layer(&store, FailureMode::Open), &handler, request).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(handler.got()[0].bytes, 200_000);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_declared_length_over_the_count_is_413_unread() {
     let (store, policy, handler) = (MemoryStore::new(), uploads("1000000/1h"), Handler::new());
     let polled = Arc::new(AtomicUsize::new(0));
@@ -431,4 +507,49 @@ async fn a_token_layer_keeps_429() {
         response.headers()["ratelimit-policy"],
         "\"uploads\";q=1000000;w=3600"
     );
+}
+
+/// A tonic server takes a metered layer: its routes accept any request body. A health check
+/// (a gRPC message of 5 bytes) is metered in bytes: two fit in 10 bytes an hour, the third is
+/// refused `RESOURCE_EXHAUSTED`.
+#[cfg(feature = "tonic")]
+#[tokio::test]
+async fn a_tonic_server_meters_its_request_bodies() {
+    use tonic::transport::server::TcpIncoming;
+    use tonic::transport::{Endpoint, Server};
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    let layer = RateLimitLayer::builder()
+        .key(tower_redis_ratelimit::Global)
+        .policy(uploads("10/1h"))
+        .request_bytes(RequestBytes::new().step(5))
+        .build()
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        Server::builder()
+            .layer(layer)
+            .add_service(health)
+            .serve_with_incoming(TcpIncoming::from(listener)),
+    );
+    let channel = Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = HealthClient::new(channel);
+    let ask = || HealthCheckRequest {
+        service: String::new(),
+    };
+    for _ in 0..2 {
+        client.check(ask()).await.expect("admitted");
+    }
+    let status = client.check(ask()).await.expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
 }
