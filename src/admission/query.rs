@@ -97,8 +97,9 @@ impl Query {
     /// fallback to keep while the store fails.
     fn note(&self, d: &Decision) {
         if let Some(seen) = &self.seen {
-            // Usage is settled after the response: the units of an admission may come back.
-            let settled = self.usage.is_some();
+            // Usage is settled after the response, and a metered body refunds what it did not
+            // use: the units of an admission may come back.
+            let settled = self.usage.is_some() || self.steps.is_some();
             seen.note(&self.key, &self.responder.policy, self.cost, d, settled);
         }
     }

@@ -21,8 +21,8 @@ pin_project! {
     /// [`QuotaExceeded`](crate::usage::QuotaExceeded) error (find it with `downcast_ref`, or in
     /// the error's source chain where a framework wraps it), the client's body is not read
     /// again, and the layer replaces the handler's response with its own answer. Trailers pass
-    /// as they are. A request passed on without a decision (allow-listed, no key, the store
-    /// failed and the layer fails open) is not metered.
+    /// as they are. A request passed on without a decision (no rule matches it, its key is
+    /// allow-listed or missing, the store failed and the layer fails open) is not metered.
     pub struct MeteredBody<B> {
         #[pin]
         inner: B,

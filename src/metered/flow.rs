@@ -202,7 +202,7 @@ impl Meter {
                 self.credit.granted(d);
                 None
             }
-            Ok(d) if options.soft || options.shadow => {
+            Ok(_) if options.soft || options.shadow => {
                 tracing::debug!(
                     target: "tower_redis_ratelimit",
                     policy = responder.policy.name(),
@@ -211,7 +211,6 @@ impl Meter {
                     "rate limit exceeded by a request body; passed on (soft limit or shadow mode)"
                 );
                 options.tally(&responder.policy, &self.key, Tally::Denied);
-                let _ = d;
                 // Recorded nothing: the step's units pass uncounted.
                 self.credit.failed(units, &FailureMode::Open);
                 None

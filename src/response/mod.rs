@@ -82,8 +82,8 @@ pub enum FailureMode {
     ///   refused until that limit's [`reset_after`](crate::Decision::reset_after), the `t` of
     ///   the `RateLimit` field it was given (for GCRA, when its bucket has drained, up to a
     ///   window; for the sliding window counter, when both counted windows have, up to two:
-    ///   later than Redis would let one more in; not on a layer that settles usage or counts
-    ///   by outcome, where an admission's units may come back): the local store is not asked,
+    ///   later than Redis would let one more in; not on a layer that settles usage, counts
+    ///   by outcome or meters request bodies, where an admission's units may come back): the local store is not asked,
     ///   and the refusal tells what is left of that time, never 0 and never early.
     /// - Any other key (one this instance has not seen refused or spent, or whose time has
     ///   passed) is decided by the local store, which has seen nothing of it: a client may get
