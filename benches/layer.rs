@@ -4,6 +4,12 @@
 //! nothing reaches; and a flood of one refused key answered from the deny cache.
 //! `cargo bench --bench layer`.
 //!
+//! Uploads (group `upload`): a 1 MiB request body through a route whose handler reads it
+//! frame by frame, limited in bytes by a `.cost` read from `Content-Length` (one decision, the
+//! baseline), or metered as it streams (`request_bytes`, steps of 64 KiB): declared (one
+//! decision too) or chunked (16 frames of 64 KiB, no length: a decision per step).
+//! `cargo bench --bench layer -- upload`.
+//!
 //! Times on a shared machine are noisy, so the bench can also count instructions: with
 //! `LAYER_REQUESTS=<router>:<n>` set it sends `n` requests (after 2000 to warm up) through one
 //! of the routers below, by its name in the table, and exits without timing anything. Run it
@@ -16,16 +22,18 @@ use std::convert::Infallible;
 use std::hint::black_box;
 use std::time::Duration;
 
-use axum::body::Body;
-use axum::routing::get;
+use axum::body::{Body, Bytes};
+use axum::routing::{get, post};
 use axum::Router;
 use criterion::{criterion_group, Criterion};
 use futures::executor::block_on;
 use http::{HeaderName, HeaderValue, Request};
+use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::KeyExtractor;
 use tower_governor::{GovernorError, GovernorLayer};
+use tower_redis_ratelimit::metered::RequestBytes;
 use tower_redis_ratelimit::test_util::FaultyStore;
 use tower_redis_ratelimit::{Algorithm, Header, MemoryStore, Policy, RateLimitLayer};
 
@@ -147,7 +155,112 @@ fn count_only(spec: &str) {
     }
 }
 
-criterion_group!(benches, per_request);
+/// The bytes of an upload, and of each of its frames when it is chunked.
+const UPLOAD: usize = 1 << 20;
+const FRAME: usize = 64 * 1024;
+/// Bytes per second per key that no upload reaches.
+const BYTES: &str = "1000000000/1s";
+
+/// A route that reads its upload frame by frame, without copying it, and answers its length
+/// (`collect`: that takes it whole, with axum's `Bytes` extractor, which copies a body of
+/// several frames into one buffer, as a handler that stores uploads would).
+fn upload_route(collect: bool) -> Router {
+    async fn whole(body: Bytes) -> String {
+        body.len().to_string()
+    }
+    if collect {
+        return Router::new().route("/upload", post(whole));
+    }
+    async fn read(body: Body) -> String {
+        let mut body = body;
+        let mut bytes = 0;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.expect("not cut: the limit is never reached");
+            bytes += frame.data_ref().map_or(0, Bytes::len);
+        }
+        bytes.to_string()
+    }
+    Router::new().route("/upload", post(read))
+}
+
+fn bytes_policy() -> Policy {
+    BYTES
+        .parse::<Policy>()
+        .unwrap()
+        .with_algorithm(Algorithm::Gcra)
+}
+
+/// The upload route limited by a cost read from `Content-Length` (1 without one).
+fn upload_costed(collect: bool) -> Router {
+    let layer = RateLimitLayer::builder()
+        .key(Header::new(HeaderName::from_static(CLIENT)))
+        .policy(bytes_policy())
+        .cost(|head| {
+            let length = head.headers.get(http::header::CONTENT_LENGTH);
+            let length = length.and_then(|v| v.to_str().ok()?.parse().ok());
+            length.unwrap_or(1)
+        })
+        .build()
+        .unwrap();
+    upload_route(collect).layer(layer)
+}
+
+/// The upload route with its request bodies metered as they stream.
+fn upload_metered(collect: bool) -> Router {
+    let layer = RateLimitLayer::builder()
+        .key(Header::new(HeaderName::from_static(CLIENT)))
+        .policy(bytes_policy())
+        .request_bytes(RequestBytes::new().step(FRAME as u32))
+        .build()
+        .unwrap();
+    upload_route(collect).layer(layer)
+}
+
+/// A 1 MiB upload of `client`: declared (`Content-Length`, one frame) or chunked (frames of
+/// 64 KiB, no length). The bytes are shared, not copied.
+fn upload(data: &Bytes, client: &HeaderValue, declared: bool) -> Request<Body> {
+    let request = Request::post("/upload").header(CLIENT, client.clone());
+    if declared {
+        let request = request.header(http::header::CONTENT_LENGTH, UPLOAD);
+        return request.body(Body::from(data.clone())).unwrap();
+    }
+    let frames: Vec<Result<Bytes, Infallible>> = (0..UPLOAD / FRAME)
+        .map(|i| Ok(data.slice(i * FRAME..(i + 1) * FRAME)))
+        .collect();
+    let stream = futures::stream::iter(frames);
+    request.body(Body::from_stream(stream)).unwrap()
+}
+
+fn per_upload(c: &mut Criterion) {
+    let (clients, data) = (requests(), Bytes::from(vec![7u8; UPLOAD]));
+    let mut group = c.benchmark_group("upload");
+    let routes = [
+        ("cost_content_length_declared", upload_costed(false), true),
+        ("metered_declared", upload_metered(false), true),
+        ("cost_content_length_chunked", upload_costed(false), false),
+        ("metered_chunked", upload_metered(false), false),
+        (
+            "collected/cost_content_length_chunked",
+            upload_costed(true),
+            false,
+        ),
+        ("collected/metered_chunked", upload_metered(true), false),
+    ];
+    for (name, router, declared) in routes {
+        let mut i = 0;
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                i = (i + 1) % KEYS;
+                let request = upload(&data, &clients[i], declared);
+                let response = block_on(black_box(&router).clone().oneshot(request)).unwrap();
+                assert_eq!(response.status(), 200);
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, per_request, per_upload);
 
 fn main() {
     if let Ok(spec) = std::env::var("LAYER_REQUESTS") {

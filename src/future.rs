@@ -12,27 +12,32 @@ use tower_service::Service;
 
 use crate::admission::{Admitted, Deciding, Later, Verdict};
 use crate::body::ResponseBody;
+use crate::metered::{Bodies, Whole};
 use crate::Store;
 
 pin_project! {
     /// Response future of [`RateLimit`](crate::RateLimit): `Deciding` (the store decides, or
     /// the request waits for a concurrency slot) → `Calling` (the inner service answers), or
-    /// an answer of the layer's own. `St` is the layer's store, whose future it waits for.
-    pub struct ResponseFuture<S, B, St>
+    /// an answer of the layer's own. `St` is the layer's store, whose future it waits for;
+    /// `M` whether the request body is metered ([`Metered`](crate::metered::Metered)), in which
+    /// case a response to a cut body is replaced by the layer's answer.
+    pub struct ResponseFuture<S, B, St, M = Whole>
     where
-        S: Service<Request<B>>,
+        M: Bodies<B>,
+        S: Service<Request<<M as Bodies<B>>::Body>>,
         St: Store,
     {
         #[pin]
-        state: State<S, B, St>,
+        state: State<S, B, St, M>,
     }
 }
 
 pin_project! {
     #[project = StateProj]
-    enum State<S, B, St>
+    enum State<S, B, St, M>
     where
-        S: Service<Request<B>>,
+        M: Bodies<B>,
+        S: Service<Request<<M as Bodies<B>>::Body>>,
         St: Store,
     {
         Deciding {
@@ -51,15 +56,18 @@ pin_project! {
     }
 }
 
-impl<S, B, St> State<S, B, St>
+impl<S, B, St, M> State<S, B, St, M>
 where
-    S: Service<Request<B>>,
+    M: Bodies<B>,
+    S: Service<Request<M::Body>>,
     St: Store,
 {
     /// Calls `service` with the admitted request, its decision added to the request's
-    /// [`Decisions`](crate::Decisions).
+    /// [`Decisions`](crate::Decisions), its body metered when the layer meters them.
     fn calling(service: &mut S, mut request: Request<B>, mut admitted: Admitted) -> Self {
         admitted.mark(&mut request);
+        let meter = admitted.meter.take();
+        let request = request.map(|body| M::wrap(body, meter));
         State::Calling {
             future: service.call(request),
             admitted,
@@ -67,9 +75,10 @@ where
     }
 }
 
-impl<S, B, St> ResponseFuture<S, B, St>
+impl<S, B, St, M> ResponseFuture<S, B, St, M>
 where
-    S: Service<Request<B>>,
+    M: Bodies<B>,
+    S: Service<Request<M::Body>>,
     St: Store,
 {
     /// Calls `service` (made ready) at once: the request is admitted, or not limited.
@@ -98,9 +107,10 @@ where
     }
 }
 
-impl<S, B, St, ResB> Future for ResponseFuture<S, B, St>
+impl<S, B, St, M, ResB> Future for ResponseFuture<S, B, St, M>
 where
-    S: Service<Request<B>, Response = Response<ResB>>,
+    M: Bodies<B>,
+    S: Service<Request<M::Body>, Response = Response<ResB>>,
     St: Store,
 {
     type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
@@ -125,6 +135,14 @@ where
                 }
                 StateProj::Calling { future, admitted } => {
                     let mut response = ready!(future.poll(cx))?;
+                    // A cut body's handler answered its error (axum: 400); the layer answers
+                    // instead, as it would have at admission. The slot is given back as usual.
+                    let cut = admitted.flow.take().and_then(|flow| flow.answer());
+                    if let Some(answer) = cut {
+                        drop(response);
+                        drop(std::mem::take(&mut admitted.receipt));
+                        return Poll::Ready(Ok(answer.map(ResponseBody::own)));
+                    }
                     if let Some((decision, responder)) = admitted.fields.take() {
                         responder.add_headers(response.headers_mut(), &decision);
                     }
@@ -145,9 +163,10 @@ where
     }
 }
 
-impl<S, B, St> std::fmt::Debug for ResponseFuture<S, B, St>
+impl<S, B, St, M> std::fmt::Debug for ResponseFuture<S, B, St, M>
 where
-    S: Service<Request<B>>,
+    M: Bodies<B>,
+    S: Service<Request<M::Body>>,
     St: Store,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

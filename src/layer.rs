@@ -1,6 +1,7 @@
 //! [`RateLimitLayer`] and its builder.
 
 use std::convert::Infallible;
+use std::marker::PhantomData;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -14,7 +15,8 @@ use crate::deny_cache::DenyCache;
 use crate::ledger::post::{InFlight, Ledger, StoreLedger};
 use crate::ledger::slots::Holds;
 use crate::ledger::tab::Metering;
-use crate::response::Options;
+use crate::metered::{Metered, RequestBytes, Steps, Whole};
+use crate::response::{Options, Unit};
 use crate::rules::{Capabilities, Compiler, PlanFn, RequestHead, RuleTable, Rules};
 use crate::usage::UsageReport;
 use crate::{
@@ -37,22 +39,27 @@ use crate::{
 ///     .layer(RateLimitLayer::builder().policy("5/10s").build()?);
 /// # Ok(()) }
 /// ```
-pub struct RateLimitLayer<K = PeerIp, St = MemoryStore> {
+///
+/// `M` is [`Metered`] for a layer that meters request bodies
+/// ([`request_bytes`](RateLimitLayerBuilder::request_bytes)), [`Whole`] otherwise.
+pub struct RateLimitLayer<K = PeerIp, St = MemoryStore, M = Whole> {
     limiter: Arc<Limiter<K, St>>,
+    bodies: PhantomData<fn() -> M>,
 }
 
 /// Entries the local deny cache holds unless told otherwise.
 pub const DEFAULT_DENY_CACHE: u64 = 100_000;
 
-impl<K, St> Clone for RateLimitLayer<K, St> {
+impl<K, St, M> Clone for RateLimitLayer<K, St, M> {
     fn clone(&self) -> Self {
         RateLimitLayer {
             limiter: Arc::clone(&self.limiter),
+            bodies: PhantomData,
         }
     }
 }
 
-impl<K, St> std::fmt::Debug for RateLimitLayer<K, St> {
+impl<K, St, M> std::fmt::Debug for RateLimitLayer<K, St, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimitLayer")
             .field("rules", &self.limiter.table)
@@ -67,11 +74,12 @@ impl RateLimitLayer {
             key: PeerIp,
             store: MemoryStore::new(),
             settings: Settings::default(),
+            bodies: PhantomData,
         }
     }
 }
 
-impl<K, St> RateLimitLayer<K, St> {
+impl<K, St, M> RateLimitLayer<K, St, M> {
     /// What the layer decides with, for tests of admission without a service.
     #[cfg(test)]
     pub(crate) fn limiter(&self) -> &Limiter<K, St> {
@@ -131,8 +139,8 @@ impl<K, St> RateLimitLayer<K, St> {
     }
 }
 
-impl<S, K, St> Layer<S> for RateLimitLayer<K, St> {
-    type Service = RateLimit<S, K, St>;
+impl<S, K, St, M> Layer<S> for RateLimitLayer<K, St, M> {
+    type Service = RateLimit<S, K, St, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RateLimit::new(inner, Arc::clone(&self.limiter))
@@ -197,6 +205,11 @@ pub enum BuildError {
         /// What the store said.
         why: String,
     },
+    /// [`request_bytes`](RateLimitLayerBuilder::request_bytes) cannot be combined with the
+    /// layer's other settings: a cost or usage of its own (the bytes are the cost), or a step
+    /// of 0 bytes.
+    #[error("request_bytes: {0}")]
+    RequestBytes(&'static str),
 }
 
 impl From<Infallible> for BuildError {
@@ -218,9 +231,34 @@ struct Settings {
     /// `None`: the default capacity; `Some(0)`: no deny cache.
     deny_cache: Option<u64>,
     options: Options,
+    /// How request bodies are metered, on a layer built with `request_bytes`.
+    request_bytes: Option<RequestBytes>,
 }
 
 impl Settings {
+    /// A layer that meters request bodies counts their bytes: no cost or usage of its own,
+    /// and steps of at least one byte.
+    fn metering_alone(&self) -> Result<(), BuildError> {
+        let Some(bytes) = self.request_bytes else {
+            return Ok(());
+        };
+        if self.cost.is_some() {
+            return Err(BuildError::RequestBytes(
+                "a layer that meters request bodies takes no cost: the bytes are the cost",
+            ));
+        }
+        if self.usage.is_some() {
+            return Err(BuildError::RequestBytes(
+                "a layer that meters request bodies takes no usage or count_when: \
+                 limit those with a layer of their own",
+            ));
+        }
+        if bytes.step == 0 {
+            return Err(BuildError::RequestBytes("a step of 0 bytes admits nothing"));
+        }
+        Ok(())
+    }
+
     /// What checks the layer's rules against the rest of its settings and `store`, and
     /// compiles them: for the table the layer is built with and for every table that
     /// replaces it.
@@ -232,6 +270,7 @@ impl Settings {
             plan_fn: self.plan.is_some(),
             soft: self.options.soft,
             decisions: !self.options.no_decisions,
+            step: self.request_bytes.map(|bytes| bytes.step),
             supports: Box::new(move |policy| store.supports(policy)),
             usage: self.usage.clone(),
         };
@@ -252,13 +291,14 @@ impl Settings {
 }
 
 /// Configures a [`RateLimitLayer`]; checks everything in [`build`](Self::build).
-pub struct RateLimitLayerBuilder<K = PeerIp, St = MemoryStore> {
+pub struct RateLimitLayerBuilder<K = PeerIp, St = MemoryStore, M = Whole> {
     key: K,
     store: St,
     settings: Settings,
+    bodies: PhantomData<fn() -> M>,
 }
 
-impl<K, St> std::fmt::Debug for RateLimitLayerBuilder<K, St> {
+impl<K, St, M> std::fmt::Debug for RateLimitLayerBuilder<K, St, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimitLayerBuilder")
             .field("rules", &self.settings.rules)
@@ -266,7 +306,7 @@ impl<K, St> std::fmt::Debug for RateLimitLayerBuilder<K, St> {
     }
 }
 
-impl<K, St> RateLimitLayerBuilder<K, St> {
+impl<K, St, M> RateLimitLayerBuilder<K, St, M> {
     /// The default policy, for requests that no [`rule`](Self::rule) matches: a [`Policy`], or
     /// text such as `"5/10s"` or `"1/1m + 5/1h"`. Invalid text is reported by
     /// [`build`](Self::build). Without a default policy, requests that no rule matches are
@@ -309,20 +349,70 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     }
 
     /// How requests are told apart (default [`PeerIp`]).
-    pub fn key<K2>(self, key: K2) -> RateLimitLayerBuilder<K2, St> {
+    pub fn key<K2>(self, key: K2) -> RateLimitLayerBuilder<K2, St, M> {
         RateLimitLayerBuilder {
             key,
             store: self.store,
             settings: self.settings,
+            bodies: PhantomData,
         }
     }
 
     /// Where state is kept (default a new [`MemoryStore`]).
-    pub fn store<St2: Store>(self, store: St2) -> RateLimitLayerBuilder<K, St2> {
+    pub fn store<St2: Store>(self, store: St2) -> RateLimitLayerBuilder<K, St2, M> {
         RateLimitLayerBuilder {
             key: self.key,
             store,
             settings: self.settings,
+            bodies: PhantomData,
+        }
+    }
+
+    /// Limits the bytes of request bodies, metered as they stream: the layer's policies count
+    /// bytes, and the inner service gets each body as a [`MeteredBody`](crate::metered::MeteredBody),
+    /// which passes on only what the store admitted. However many uploads of a key run at
+    /// once, on however many instances share the store, their handlers get at most a limit's
+    /// count of bytes per window.
+    ///
+    /// A request is admitted for its declared length (`Content-Length`, else the body's exact
+    /// size hint), reserved whole; one larger than a limit's count itself is answered `413
+    /// Content Too Large` before its body is read. A body that declares no length is admitted
+    /// for one [step](RequestBytes::step) and asks the store for one more each time it has
+    /// passed what was admitted; steps neither box the key nor take a concurrency slot. When
+    /// a step is refused the body is cut: the handler's next read fails with a
+    /// [`QuotaExceeded`](crate::usage::QuotaExceeded), and the layer answers instead of the
+    /// handler, `413` when the upload can never fit, `429` with a `Retry-After` after which a
+    /// retry of it is admitted otherwise (gRPC: `RESOURCE_EXHAUSTED`). What was admitted and
+    /// not read is refunded when the body ends or is dropped. A handler that sent its response
+    /// head before it read its body cannot have it replaced: it sees the error alone.
+    ///
+    /// The bytes are the cost: a layer that meters bodies takes no [`cost`](Self::cost), nor
+    /// [`usage`](Self::usage) or [`count_when`](Self::count_when).
+    ///
+    /// ```
+    /// use axum::{body::Bytes, routing::post, Router};
+    /// use tower_redis_ratelimit::{metered::RequestBytes, RateLimitLayer};
+    ///
+    /// async fn upload(body: Bytes) -> String {
+    ///     format!("{} bytes stored\n", body.len())
+    /// }
+    ///
+    /// // 1 MB of uploads an hour per client address.
+    /// let layer = RateLimitLayer::builder()
+    ///     .policy("1000000/1h")
+    ///     .request_bytes(RequestBytes::new())
+    ///     .build()?;
+    /// let app: Router = Router::new().route("/upload", post(upload)).layer(layer);
+    /// # Ok::<(), tower_redis_ratelimit::BuildError>(())
+    /// ```
+    pub fn request_bytes(mut self, bytes: RequestBytes) -> RateLimitLayerBuilder<K, St, Metered> {
+        self.settings.request_bytes = Some(bytes);
+        self.settings.options.unit = Unit::ContentBytes;
+        RateLimitLayerBuilder {
+            key: self.key,
+            store: self.store,
+            settings: self.settings,
+            bodies: PhantomData,
         }
     }
 
@@ -537,10 +627,11 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
     }
 
     /// Checks the configuration and builds the layer.
-    pub fn build(self) -> Result<RateLimitLayer<K, St>, BuildError>
+    pub fn build(self) -> Result<RateLimitLayer<K, St, M>, BuildError>
     where
         St: Store,
     {
+        self.settings.metering_alone()?;
         let compiler = self.settings.compiler(&self.store);
         let falls_back = matches!(self.settings.options.failure_mode, FailureMode::Fallback(_));
         let Settings {
@@ -552,6 +643,7 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
             usage,
             missing_key,
             deny_cache,
+            request_bytes,
             // Read by the compiler above.
             options: _,
         } = self.settings;
@@ -563,6 +655,13 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
         let metering = usage.map(|report| {
             Arc::new(Metering {
                 report,
+                ledger: Arc::clone(&ledger),
+                in_flight: Arc::clone(&in_flight),
+            })
+        });
+        let steps = request_bytes.map(|bytes| {
+            Arc::new(Steps {
+                step: bytes.step,
                 ledger: Arc::clone(&ledger),
                 in_flight: Arc::clone(&in_flight),
             })
@@ -584,7 +683,9 @@ impl<K, St> RateLimitLayerBuilder<K, St> {
                 ledger,
                 deny_cache,
                 seen: falls_back.then(|| Arc::new(Seen::new(SEEN_CAPACITY))),
+                steps,
             }),
+            bodies: PhantomData,
         })
     }
 }
@@ -663,10 +764,45 @@ mod tests {
     }
 
     #[test]
+    fn request_bytes_takes_no_cost_or_usage_and_a_step_every_limit_admits() {
+        let metered = || {
+            RateLimitLayer::builder()
+                .policy("1000000/1h")
+                .request_bytes(RequestBytes::new())
+        };
+        assert!(metered().build().is_ok());
+        let cost = metered().cost(|_| 5).build();
+        assert!(matches!(cost, Err(BuildError::RequestBytes(_))), "{cost:?}");
+        let usage = metered().usage(UsageReport::new()).build();
+        assert!(
+            matches!(usage, Err(BuildError::RequestBytes(_))),
+            "{usage:?}"
+        );
+        let outcome = metered().count_when(|_| true).build();
+        assert!(matches!(outcome, Err(BuildError::RequestBytes(_))));
+        let zero = metered().request_bytes(RequestBytes::new().step(0)).build();
+        assert!(matches!(zero, Err(BuildError::RequestBytes(_))), "{zero:?}");
+        // A step over the smallest count of a rule's policy could never be admitted.
+        let small = Policy::new("avatars", ["10000/1m".parse().unwrap()]).unwrap();
+        let over = metered().rule(Rule::new(small).path("/avatar")).build();
+        let Err(BuildError::Unsupported { policy, why }) = over else {
+            panic!("{over:?}");
+        };
+        assert_eq!(policy, "avatars");
+        assert!(why.contains("65536"), "{why}");
+        let fits = RateLimitLayer::builder()
+            .policy("10000/1m")
+            .request_bytes(RequestBytes::new().step(10_000))
+            .build();
+        assert!(fits.is_ok());
+    }
+
+    #[test]
     fn layer_is_clone_send_sync() {
         fn check<T: Clone + Send + Sync + 'static>() {}
         check::<RateLimitLayer>();
         #[cfg(feature = "redis")]
         check::<RateLimitLayer<crate::key::Header, crate::RedisStore>>();
+        check::<RateLimitLayer<PeerIp, MemoryStore, Metered>>();
     }
 }

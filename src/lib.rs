@@ -18,6 +18,7 @@ mod ids;
 pub mod key;
 mod layer;
 mod ledger;
+pub mod metered;
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
 pub mod metrics;
 mod model;

@@ -1,5 +1,6 @@
 //! [`RateLimit`]: the service the layer wraps around yours.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -9,6 +10,7 @@ use tower_service::Service;
 use crate::admission::{Admission, Admitted, Limiter};
 use crate::body::ResponseBody;
 use crate::future::ResponseFuture;
+use crate::metered::{Bodies, Whole};
 use crate::{KeyExtractor, Store};
 
 /// Rate-limits requests to the inner service `S`; made by
@@ -18,27 +20,33 @@ use crate::{KeyExtractor, Store};
 /// (`429` with `Retry-After`). Readiness is `S`'s: `poll_ready` asks `S`, and `call` moves the
 /// service that was made ready into the response future, leaving a clone in its place, so the
 /// readiness is not lost while the store decides.
-pub struct RateLimit<S, K, St> {
+///
+/// `M` says what `S` gets as a request's body: the client's own (`Whole`, the default), or a
+/// [`MeteredBody`](crate::metered::MeteredBody) of it, for a layer built with
+/// [`request_bytes`](crate::RateLimitLayerBuilder::request_bytes).
+pub struct RateLimit<S, K, St, M = Whole> {
     inner: S,
     limiter: Arc<Limiter<K, St>>,
+    bodies: PhantomData<fn() -> M>,
 }
 
-impl<S, K, St> RateLimit<S, K, St> {
+impl<S, K, St, M> RateLimit<S, K, St, M> {
     pub(crate) fn new(inner: S, limiter: Arc<Limiter<K, St>>) -> Self {
-        RateLimit { inner, limiter }
-    }
-}
-
-impl<S: Clone, K, St> Clone for RateLimit<S, K, St> {
-    fn clone(&self) -> Self {
         RateLimit {
-            inner: self.inner.clone(),
-            limiter: Arc::clone(&self.limiter),
+            inner,
+            limiter,
+            bodies: PhantomData,
         }
     }
 }
 
-impl<S: std::fmt::Debug, K, St> std::fmt::Debug for RateLimit<S, K, St> {
+impl<S: Clone, K, St, M> Clone for RateLimit<S, K, St, M> {
+    fn clone(&self) -> Self {
+        RateLimit::new(self.inner.clone(), Arc::clone(&self.limiter))
+    }
+}
+
+impl<S: std::fmt::Debug, K, St, M> std::fmt::Debug for RateLimit<S, K, St, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
@@ -47,22 +55,24 @@ impl<S: std::fmt::Debug, K, St> std::fmt::Debug for RateLimit<S, K, St> {
     }
 }
 
-impl<S, K, St, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, St>
+impl<S, K, St, M, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, St, M>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+    M: Bodies<ReqB>,
+    S: Service<Request<M::Body>, Response = Response<ResB>> + Clone,
     K: KeyExtractor<ReqB>,
     St: Store,
 {
     type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, ReqB, St>;
+    type Future = ResponseFuture<S, ReqB, St, M>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, mut request: Request<ReqB>) -> Self::Future {
-        match self.limiter.admit(&mut request) {
+        let declared = M::declared(&request);
+        match self.limiter.admit(&mut request, declared) {
             Admission::Pass => {
                 ResponseFuture::calling(&mut self.inner, request, Admitted::default())
             }
@@ -75,7 +85,7 @@ where
     }
 }
 
-impl<S: Clone, K, St> RateLimit<S, K, St> {
+impl<S: Clone, K, St, M> RateLimit<S, K, St, M> {
     /// The inner service that `poll_ready` made ready, for a response future to call later,
     /// leaving a clone in its place.
     fn take_ready(&mut self) -> S {

@@ -18,6 +18,7 @@ use crate::deny_cache::{DenyCache, Stamp};
 use crate::ledger::post::Ledger;
 use crate::ledger::slots::Holds;
 use crate::ledger::tab::Metering;
+use crate::metered::Steps;
 use crate::metrics::Started;
 use crate::response::{grpc_content_type, MissingKey, Responder, Tally};
 use crate::rules::{PlanFn, RequestHead, RuleTable};
@@ -49,6 +50,8 @@ pub(crate) struct Limiter<K, St> {
     /// Under [`FailureMode::Fallback`](crate::FailureMode::Fallback), the keys the store last
     /// refused or spent, which the fallback store refuses too.
     pub(crate) seen: Option<Arc<Seen>>,
+    /// How request bodies are metered, when the layer meters them.
+    pub(crate) steps: Option<Arc<Steps>>,
 }
 
 impl<K, St> Limiter<K, St> {
@@ -58,8 +61,15 @@ impl<K, St> Limiter<K, St> {
         table.responder(head, self.plan.as_deref()).cloned()
     }
 
-    /// The cost of the request with head `head`.
-    pub(crate) fn cost(&self, head: &RequestHead<'_>) -> u32 {
+    /// The cost of the request with head `head`; on a layer that meters request bodies, its
+    /// `declared` length (capped at `u32::MAX`, reserved whole), or one step when it declares
+    /// none.
+    pub(crate) fn cost(&self, head: &RequestHead<'_>, declared: Option<u64>) -> u32 {
+        if let Some(steps) = &self.steps {
+            return declared.map_or(steps.step, |length| {
+                u32::try_from(length).unwrap_or(u32::MAX)
+            });
+        }
         self.cost
             .as_ref()
             .map_or(self.default_cost, |cost| cost(head))
@@ -67,8 +77,13 @@ impl<K, St> Limiter<K, St> {
 }
 
 impl<K, St: Store> Limiter<K, St> {
-    /// Admits `request`, or answers it, or says what it waits for.
-    pub(crate) fn admit<B>(&self, request: &mut Request<B>) -> Admission<St::Future>
+    /// Admits `request` (its body of `declared` length, when the layer meters bodies), or
+    /// answers it, or says what it waits for.
+    pub(crate) fn admit<B>(
+        &self,
+        request: &mut Request<B>,
+        declared: Option<u64>,
+    ) -> Admission<St::Future>
     where
         K: KeyExtractor<B>,
     {
@@ -91,7 +106,7 @@ impl<K, St: Store> Limiter<K, St> {
         if self.allow.contains(&key) {
             return undecided(responder, Undecided::AllowListed);
         }
-        let cost = self.cost(&head);
+        let cost = self.cost(&head, declared);
         let deny_cache = match self.cached(&responder, &key, cost, grpc.as_ref()) {
             Cached::Miss(deny_cache) => deny_cache,
             Cached::Hit(refusal) => return Admission::Answer(refusal),
@@ -109,6 +124,7 @@ impl<K, St: Store> Limiter<K, St> {
             grpc,
             deny_cache,
             seen: self.seen.clone(),
+            steps: self.steps.clone(),
         };
         self.ask(query)
     }
@@ -261,7 +277,7 @@ mod tests {
             .build()
             .unwrap();
         let mut request = user("ann");
-        let admission = layer.limiter().admit(&mut request);
+        let admission = layer.limiter().admit(&mut request, None);
         assert!(matches!(admission, Admission::Pass));
         assert!(request.extensions().get::<Decisions>().is_none());
     }
@@ -269,7 +285,7 @@ mod tests {
     #[test]
     fn the_store_admits_then_refuses_with_fields_and_a_decision() {
         let layer = builder().policy("1/1m").build().unwrap();
-        let Admission::Call(mut admitted) = layer.limiter().admit(&mut user("ann")) else {
+        let Admission::Call(mut admitted) = layer.limiter().admit(&mut user("ann"), None) else {
             panic!("the first request is admitted at once by the memory store");
         };
         let mut request = user("ann");
@@ -277,11 +293,11 @@ mod tests {
         let decisions = request.extensions().get::<Decisions>().unwrap();
         assert_eq!(decisions.get("default").unwrap().remaining(), 0);
         assert!(admitted.fields.is_some());
-        let refused = layer.limiter().admit(&mut user("ann"));
+        let refused = layer.limiter().admit(&mut user("ann"), None);
         assert_eq!(answered(refused), Some(StatusCode::TOO_MANY_REQUESTS));
         // Another key has its own count.
         assert!(matches!(
-            layer.limiter().admit(&mut user("bob")),
+            layer.limiter().admit(&mut user("bob"), None),
             Admission::Call(_)
         ));
     }
@@ -289,7 +305,7 @@ mod tests {
     #[test]
     fn a_missing_key_is_refused_let_through_or_counted_as_told() {
         let reject = builder().policy("1/1m").build().unwrap();
-        let answer = reject.limiter().admit(&mut user(""));
+        let answer = reject.limiter().admit(&mut user(""), None);
         assert_eq!(answered(answer), Some(StatusCode::BAD_REQUEST));
 
         let allow = builder()
@@ -298,7 +314,7 @@ mod tests {
             .build()
             .unwrap();
         for _ in 0..3 {
-            let why = undecided_because(allow.limiter().admit(&mut user("")));
+            let why = undecided_because(allow.limiter().admit(&mut user(""), None));
             assert_eq!(why, [("default".to_owned(), Undecided::MissingKey)]);
         }
 
@@ -308,10 +324,10 @@ mod tests {
             .build()
             .unwrap();
         assert!(matches!(
-            shared.limiter().admit(&mut user("")),
+            shared.limiter().admit(&mut user(""), None),
             Admission::Call(_)
         ));
-        let second = shared.limiter().admit(&mut user(""));
+        let second = shared.limiter().admit(&mut user(""), None);
         assert_eq!(answered(second), Some(StatusCode::TOO_MANY_REQUESTS));
     }
 
@@ -319,11 +335,11 @@ mod tests {
     fn an_allow_listed_key_is_never_counted() {
         let layer = builder().policy("1/1m").allow_key("ops").build().unwrap();
         for _ in 0..3 {
-            let why = undecided_because(layer.limiter().admit(&mut user("ops")));
+            let why = undecided_because(layer.limiter().admit(&mut user("ops"), None));
             assert_eq!(why, [("default".to_owned(), Undecided::AllowListed)]);
         }
         assert!(matches!(
-            layer.limiter().admit(&mut user("ann")),
+            layer.limiter().admit(&mut user("ann"), None),
             Admission::Call(_)
         ));
     }
@@ -339,10 +355,10 @@ mod tests {
             .unwrap();
         let limiter = layer.limiter();
         assert!(matches!(
-            limiter.admit(&mut user("ann")),
+            limiter.admit(&mut user("ann"), None),
             Admission::Call(_)
         ));
-        let refused = limiter.admit(&mut user("ann"));
+        let refused = limiter.admit(&mut user("ann"), None);
         assert_eq!(answered(refused), Some(StatusCode::TOO_MANY_REQUESTS));
         // The store forgets the key; the cache, asked first, still refuses it.
         let policy = layer.policy().unwrap();
@@ -350,7 +366,7 @@ mod tests {
             .reset(&Key::from("ann"), &policy)
             .into_inner()
             .unwrap();
-        let cached = limiter.admit(&mut user("ann"));
+        let cached = limiter.admit(&mut user("ann"), None);
         assert_eq!(answered(cached), Some(StatusCode::TOO_MANY_REQUESTS));
     }
 
@@ -361,12 +377,12 @@ mod tests {
             .count_when(|head| head.status == StatusCode::UNAUTHORIZED)
             .build()
             .unwrap();
-        let Admission::Call(attempt) = layer.limiter().admit(&mut user("ann")) else {
+        let Admission::Call(attempt) = layer.limiter().admit(&mut user("ann"), None) else {
             panic!("the first attempt is admitted");
         };
         assert!(attempt.receipt.tab.is_some());
         // Its outcome is not in: a second attempt finds no unit left.
-        let second = layer.limiter().admit(&mut user("ann"));
+        let second = layer.limiter().admit(&mut user("ann"), None);
         assert_eq!(answered(second), Some(StatusCode::TOO_MANY_REQUESTS));
     }
 
@@ -380,7 +396,7 @@ mod tests {
         let limiter = layer.limiter();
         let mut held = Vec::new();
         for _ in 0..2 {
-            let Admission::Call(mut admitted) = limiter.admit(&mut user("ann")) else {
+            let Admission::Call(mut admitted) = limiter.admit(&mut user("ann"), None) else {
                 panic!("a slot is free");
             };
             assert!(admitted.receipt.slot.is_some());
@@ -402,16 +418,16 @@ mod tests {
             held.push(admitted);
         }
         // Both slots held: refused for a slot, whatever the rate.
-        let refused = limiter.admit(&mut user("ann"));
+        let refused = limiter.admit(&mut user("ann"), None);
         assert_eq!(answered(refused), Some(StatusCode::TOO_MANY_REQUESTS));
         // Another key has its own slots; a slot released admits again.
         assert!(matches!(
-            limiter.admit(&mut user("bob")),
+            limiter.admit(&mut user("bob"), None),
             Admission::Call(_)
         ));
         drop(held.pop());
         assert!(matches!(
-            limiter.admit(&mut user("ann")),
+            limiter.admit(&mut user("ann"), None),
             Admission::Call(_)
         ));
     }
@@ -446,7 +462,7 @@ mod tests {
                 .unwrap();
             let limiter = layer.limiter();
             // A request that may wait asks the store as a waiter, so its decision comes later.
-            let Admission::Later(first) = limiter.admit(&mut user("ann")) else {
+            let Admission::Later(first) = limiter.admit(&mut user("ann"), None) else {
                 panic!("a request that may wait is decided later");
             };
             let mut first = std::pin::pin!(Deciding::new(first, ()));
@@ -455,7 +471,7 @@ mod tests {
                 panic!("the first request takes the slot");
             };
             assert!(first.receipt.slot.is_some());
-            let Admission::Later(second) = limiter.admit(&mut user("ann")) else {
+            let Admission::Later(second) = limiter.admit(&mut user("ann"), None) else {
                 panic!("the second waits for the slot");
             };
             let mut second = Box::pin(Deciding::new(second, ()));

@@ -21,6 +21,7 @@ use crate::ledger::post::{Ledger, StoreLedger};
 use crate::ledger::slots::Holds;
 use crate::ledger::tab::{Metering, Tab};
 use crate::ledger::Receipt;
+use crate::metered::{Flow, Meter, Opening, Steps};
 use crate::metrics::{Report, Started};
 use crate::response::{FailureMode, Responder, Tally};
 use crate::usage::UsageMeter;
@@ -45,6 +46,8 @@ pub(crate) struct Query {
     pub(crate) holds: Option<(Arc<Holds>, Arc<dyn Ledger>)>,
     /// Under [`FailureMode::Fallback`], the keys the layer's store last refused or spent.
     pub(crate) seen: Option<Arc<Seen>>,
+    /// How the request's body is metered, when the layer meters request bodies.
+    pub(crate) steps: Option<Arc<Steps>>,
 }
 
 impl Query {
@@ -94,8 +97,9 @@ impl Query {
     /// fallback to keep while the store fails.
     fn note(&self, d: &Decision) {
         if let Some(seen) = &self.seen {
-            // Usage is settled after the response: the units of an admission may come back.
-            let settled = self.usage.is_some();
+            // Usage is settled after the response, and a metered body refunds what it did not
+            // use: the units of an admission may come back.
+            let settled = self.usage.is_some() || self.steps.is_some();
             seen.note(&self.key, &self.responder.policy, self.cost, d, settled);
         }
     }
@@ -121,7 +125,7 @@ impl Query {
             error = %crate::chain::Chain(error),
             "rate-limit store failed; deciding locally"
         );
-        let owes = self.usage.is_some() || self.holds.is_some();
+        let owes = self.usage.is_some() || self.holds.is_some() || self.steps.is_some();
         let ledger = owes.then(|| Arc::new(StoreLedger(local.clone())) as Arc<dyn Ledger>);
         let seen = self.seen.as_ref();
         if let Some(refusal) = seen.and_then(|seen| seen.refusal(&self.key, policy, self.cost)) {
@@ -139,6 +143,7 @@ impl Query {
             let ledger = fallback.clone().unwrap_or_else(|| Arc::clone(ledger));
             holds.hold(&self.key, &self.responder, ledger, d)
         });
+        let (meter, flow) = self.meter(d, fallback.clone()).unzip();
         Admitted {
             fields: (!options.hide_allowed_headers).then(|| (d, self.responder.clone())),
             receipt: Receipt {
@@ -146,6 +151,8 @@ impl Query {
                 slot,
             },
             entry: self.entry(d),
+            meter,
+            flow,
         }
     }
 
@@ -179,6 +186,8 @@ impl Query {
         // Counted by outcome, a request over a soft limit, which reserved nothing, is still
         // charged when it matches: failures past the captcha add up.
         let counted = !options.shadow && self.counts_outcomes();
+        // Its body is metered still: its steps are decided and recorded, and passed over too.
+        let (meter, flow) = self.meter(d, fallback.clone()).unzip();
         Admitted {
             fields: Some((d, self.responder.clone())),
             receipt: Receipt {
@@ -186,6 +195,8 @@ impl Query {
                 slot: None,
             },
             entry: self.entry(d),
+            meter,
+            flow,
         }
     }
 
@@ -328,6 +339,21 @@ impl Query {
         ))
     }
 
+    /// The metering of the body of a request `d` admitted (or passed over), when the layer
+    /// meters request bodies: stepped and refunded with the fallback store when it decided.
+    fn meter(&self, d: Decision, fallback: Fallback) -> Option<(Meter, Arc<Flow>)> {
+        let steps = self.steps.as_ref()?;
+        Some(Meter::open(Opening {
+            steps,
+            key: self.key.clone(),
+            responder: Arc::clone(&self.responder),
+            fallback,
+            deny_cache: self.deny_cache.as_ref().map(|(cache, _)| cache.clone()),
+            grpc: self.grpc.clone(),
+            first: d,
+        }))
+    }
+
     /// The layer's entry for the request's decisions: the decision `d`.
     fn entry(&self, d: Decision) -> Option<(Arc<Responder>, Mark)> {
         Some((Arc::clone(&self.responder), Mark::Decided(d)))
@@ -358,6 +384,7 @@ mod tests {
             usage: None,
             holds: None,
             seen: None,
+            steps: None,
         }
     }
 

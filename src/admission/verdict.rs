@@ -10,6 +10,7 @@ use http_body_util::Full;
 
 use crate::decisions::Mark;
 use crate::ledger::Receipt;
+use crate::metered::{Flow, Meter};
 use crate::response::Responder;
 use crate::{Decision, Undecided};
 
@@ -33,6 +34,10 @@ pub(crate) struct Admitted {
     pub(crate) receipt: Receipt,
     /// The layer's entry for the request's decisions: its decision, or why there was none.
     pub(crate) entry: Option<(Arc<Responder>, Mark)>,
+    /// The metering of the request's body, when the layer meters them: handed to the body.
+    pub(crate) meter: Option<Meter>,
+    /// What the meter shares with the response future: whether the body was cut.
+    pub(crate) flow: Option<Arc<Flow>>,
 }
 
 impl Admitted {

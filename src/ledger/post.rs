@@ -32,18 +32,14 @@ pub(crate) trait Ledger: Send + Sync {
 
     /// Decides and records a step of `units` of a metered body for `key` under `policy`
     /// (`Engine::step`): by the limits alone, no penalty box, no slot, no attempt.
-    // The metered bodies that call it are not built yet.
-    #[cfg_attr(not(test), allow(dead_code))]
     fn step(&self, key: &Key, policy: &Policy, units: u32) -> Stepping;
 
     /// What a decision of `units` would answer now, recording nothing (`Store::peek`): at a
     /// cut, whether and when the whole body would fit.
-    #[cfg_attr(not(test), allow(dead_code))]
     fn peek(&self, key: &Key, policy: &Policy, units: u32) -> Stepping;
 }
 
 /// A decision a metered body asked its [`Ledger`] for: made in place, or to wait for.
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) enum Stepping {
     /// Made without waiting (the memory store, a Redis lease): no allocation.
     Now(Result<Decision, StoreError>),

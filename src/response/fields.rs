@@ -7,7 +7,7 @@ use std::time::Duration;
 use http::header::{HeaderName, HeaderValue};
 use http::HeaderMap;
 
-use super::responder::{Options, Responder};
+use super::responder::{Options, Responder, Unit};
 use crate::{Decision, Policy};
 
 /// The `RateLimit-Policy` header field name.
@@ -32,6 +32,12 @@ impl Responder {
             .iter()
             .zip(&limit_names)
             .map(|(l, name)| format!("\"{name}\";q={};w={}", l.count(), ceil_secs(l.window())))
+            .map(|item| match options.unit {
+                // The draft's quota unit for bytes of content (its registry's
+                // `content-bytes`); `request`, the default, goes without saying.
+                Unit::ContentBytes => item + ";qu=\"content-bytes\"",
+                Unit::Requests => item,
+            })
             .collect();
         // The concurrency limit, after the rate limits (its decisions' index), in the draft's
         // quota unit for it.

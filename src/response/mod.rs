@@ -14,7 +14,8 @@
 //!
 //! `RateLimit-Policy` lists every limit of the policy (a multi-limit policy names each limit
 //! `<policy>-<window>`, e.g. `"api-1h"`; a concurrency limit comes last, as
-//! `"api-concurrency";q=2;qu="concurrent-requests"`), with the counts of the request's plan, or only the
+//! `"api-concurrency";q=2;qu="concurrent-requests"`; the limits of a layer that meters
+//! request bodies carry `qu="content-bytes"`), with the counts of the request's plan, or only the
 //! limit of the decision, at the count it was decided by, when an override in the store
 //! changed it (see [`store::Overrides`](crate::store::Overrides)); `RateLimit` describes the limit of the
 //! [`Decision`](crate::Decision): the one that refused, or the tightest after admitting.
@@ -41,7 +42,7 @@ pub use fields::{RATELIMIT, RATELIMIT_POLICY};
 pub use refusal::{answer, Refused};
 
 pub(crate) use refusal::grpc_content_type;
-pub(crate) use responder::{Options, Responder, Tally};
+pub(crate) use responder::{Options, Responder, Tally, Unit};
 
 /// What the layer does when a request yields no key.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -81,8 +82,8 @@ pub enum FailureMode {
     ///   refused until that limit's [`reset_after`](crate::Decision::reset_after), the `t` of
     ///   the `RateLimit` field it was given (for GCRA, when its bucket has drained, up to a
     ///   window; for the sliding window counter, when both counted windows have, up to two:
-    ///   later than Redis would let one more in; not on a layer that settles usage or counts
-    ///   by outcome, where an admission's units may come back): the local store is not asked,
+    ///   later than Redis would let one more in; not on a layer that settles usage, counts
+    ///   by outcome or meters request bodies, where an admission's units may come back): the local store is not asked,
     ///   and the refusal tells what is left of that time, never 0 and never early.
     /// - Any other key (one this instance has not seen refused or spent, or whose time has
     ///   passed) is decided by the local store, which has seen nothing of it: a client may get

@@ -10,7 +10,7 @@ use http::{HeaderMap, Response, StatusCode};
 use http_body_util::Full;
 
 use super::fields::{ceil_secs, value, RATELIMIT};
-use super::responder::{Options, Responder};
+use super::responder::{Options, Responder, Unit};
 use crate::{Decision, KeyError, Policy};
 
 /// Marks a response that a layer of this crate answered itself, without calling the service
@@ -130,13 +130,19 @@ fn refused<B>(mut response: Response<B>) -> Response<B> {
 }
 
 impl Responder {
-    /// The `429 Too Many Requests` answer to a refused request.
+    /// The `429 Too Many Requests` answer to a refused request; `413 Content Too Large`, with
+    /// no `Retry-After`, for a request body larger than a limit in bytes itself.
     pub(crate) fn rejection(
         &self,
         decision: &Decision,
         grpc: Option<&HeaderValue>,
     ) -> Response<Full<Bytes>> {
         let retry = decision.retry_after().map(ceil_secs);
+        // A body in bytes larger than the limit itself: no wait helps, HTTP's 413 says so.
+        let too_large = self.options.unit == Unit::ContentBytes
+            && retry.is_none()
+            && decision.limit() > 0
+            && !decision.is_concurrency_limit();
         let mut response = match (&self.options.on_rejection, grpc) {
             (_, Some(content_type)) => {
                 let message = match decision.is_concurrency_limit() {
@@ -161,10 +167,19 @@ impl Responder {
                     .concat(),
                     // A limit of 0: an override blocks the key (`store::Override::Block`).
                     None if decision.limit() == 0 => "Too Many Requests: blocked\n".into(),
+                    None if too_large => format!(
+                        "Content Too Large: the request body exceeds the limit \"{}\" ({} per {} s) itself\n",
+                        self.policy.name(),
+                        decision.limit(),
+                        ceil_secs(decision.window()),
+                    ),
                     None => "Too Many Requests: this request exceeds the limit itself\n".into(),
                 };
                 let mut response = Response::new(Bytes::from(text));
-                *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+                *response.status_mut() = match too_large {
+                    true => StatusCode::PAYLOAD_TOO_LARGE,
+                    false => StatusCode::TOO_MANY_REQUESTS,
+                };
                 response.headers_mut().insert(
                     CONTENT_TYPE,
                     HeaderValue::from_static("text/plain; charset=utf-8"),

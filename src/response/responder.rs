@@ -33,8 +33,21 @@ pub(crate) struct Options {
     /// Requests are counted by their outcome (`RateLimitLayerBuilder::count_when`): the
     /// layer's policies keep attempts in flight apart (`Policy::counting_attempts`).
     pub(crate) counts_outcomes: bool,
+    /// What the layer's policies count: requests, or bytes of request body.
+    pub(crate) unit: Unit,
     #[cfg(feature = "redis")]
     pub(crate) unique: Option<crate::unique::UniqueClients>,
+}
+
+/// What a layer's policies count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Unit {
+    /// Requests, or the units of a cost or a usage (the draft's `request`, its default).
+    #[default]
+    Requests,
+    /// Bytes of request body (`RateLimitLayerBuilder::request_bytes`): a body larger than a
+    /// limit itself is `413 Content Too Large`.
+    ContentBytes,
 }
 
 /// What became of a decided request, for the counts operators see.

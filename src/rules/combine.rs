@@ -19,6 +19,8 @@ pub(crate) struct Capabilities {
     pub(crate) soft: bool,
     /// Whether the layer puts its decisions into the requests.
     pub(crate) decisions: bool,
+    /// The step of a layer that meters request bodies, which every limit must admit.
+    pub(crate) step: Option<u32>,
     /// Whether the layer's store can decide a policy.
     pub(crate) supports: Box<Supports>,
     /// How the layer reports usage, whose step must fit each policy.
@@ -67,16 +69,21 @@ impl Capabilities {
         Ok(())
     }
 
-    /// A usage step must be admissible under the policy and each plan's limits
-    /// ([`UsageReport::step`](crate::usage::UsageReport::step)).
+    /// A step, of a usage report ([`UsageReport::step`](crate::usage::UsageReport::step)) or
+    /// of a layer that meters request bodies, must be admissible under the policy and each
+    /// plan's limits: a step larger than a limit's count could never be admitted, and every
+    /// body past its first credit would be cut.
     fn step_fits(&self, policy: &Policy, plans: &Plans) -> Result<(), BuildError> {
-        let Some(report) = &self.usage else {
-            return Ok(());
-        };
         let plans = plans.iter().map(|(_, plan)| plan);
-        std::iter::once(policy)
-            .chain(plans)
-            .try_for_each(|policy| report.check_step(policy))
+        for policy in std::iter::once(policy).chain(plans) {
+            if let Some(report) = &self.usage {
+                report.check_step(policy)?;
+            }
+            if let Some(step) = self.step {
+                request_step_fits(step, policy)?;
+            }
+        }
+        Ok(())
     }
 
     /// A soft limit passes a request over it on, so the handler must be able to see its
@@ -91,6 +98,22 @@ impl Capabilities {
             });
         }
         Ok(())
+    }
+}
+
+/// A request body's step (`RequestBytes::step`) of `step` bytes fits `policy` when no limit
+/// that admits anything counts fewer (a limit of 0 refuses steps of every size alike).
+fn request_step_fits(step: u32, policy: &Policy) -> Result<(), BuildError> {
+    let counts = policy.limits().iter().map(|l| l.count()).filter(|&c| c > 0);
+    match counts.min() {
+        Some(count) if u64::from(step) > count => Err(BuildError::Unsupported {
+            policy: policy.name().to_owned(),
+            why: format!(
+                "a step of {step} bytes is more than the limit of {count}: make the step \
+                 (RequestBytes::step) at most the smallest count"
+            ),
+        }),
+        _ => Ok(()),
     }
 }
 
