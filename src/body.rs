@@ -109,78 +109,11 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project().kind.project() {
             KindProj::Inner {
-                mut body,
+                body,
                 receipt,
                 held,
                 ending,
-            } => loop {
-                match ending.take() {
-                    Some(Ending::Last(last)) => {
-                        *ending = Some(Ending::Done);
-                        return Poll::Ready(Some(last));
-                    }
-                    Some(Ending::Done) => {
-                        *ending = Some(Ending::Done);
-                        return Poll::Ready(None);
-                    }
-                    None => {}
-                }
-                // A frame held for its step: it passes, or the response is cut.
-                if let (Some(owed), Some(_)) = (receipt.as_mut(), held.as_ref()) {
-                    let gate = std::task::ready!(owed.gate(cx));
-                    let frame = held.take();
-                    match (gate, frame) {
-                        (Gate::Pass, Some(frame)) => {
-                            if body.is_end_stream() {
-                                owed.ended();
-                            }
-                            return Poll::Ready(Some(Ok(frame)));
-                        }
-                        (Gate::Cut(last), _) => cut(receipt, ending, last),
-                        (Gate::Pass, None) => {}
-                    }
-                    continue;
-                }
-                let frame = std::task::ready!(body.as_mut().poll_frame(cx));
-                let Some(owed) = receipt else {
-                    return Poll::Ready(frame.map(|frame| frame.map_err(Into::into)));
-                };
-                let frame = match frame {
-                    Some(Ok(frame)) => frame,
-                    // The end, or an error: the request is done; settle now (dropping the
-                    // receipt does).
-                    None => {
-                        owed.ended();
-                        *receipt = None;
-                        return Poll::Ready(None);
-                    }
-                    Some(Err(error)) => {
-                        *receipt = None;
-                        return Poll::Ready(Some(Err(error.into())));
-                    }
-                };
-                if let Some(trailers) = frame.trailers_ref() {
-                    owed.read_trailers(trailers);
-                    owed.ended();
-                }
-                let len = match frame.data_ref() {
-                    Some(data) if owed.metered() => data.len(),
-                    _ => return Poll::Ready(Some(Ok(frame))),
-                };
-                match owed.frame(len, cx) {
-                    Poll::Ready(Gate::Pass) => {
-                        if body.is_end_stream() {
-                            owed.ended();
-                        }
-                        return Poll::Ready(Some(Ok(frame)));
-                    }
-                    Poll::Ready(Gate::Cut(last)) => cut(receipt, ending, last),
-                    Poll::Pending => {
-                        *held = Some(frame);
-                        return Poll::Pending;
-                    }
-                }
-            },
+            } => poll_inner(body, receipt, held, ending, cx),
             KindProj::Own { body } => Pin::new(body)
                 .poll_frame(cx)
                 .map_err(|never| match never {}),
@@ -211,6 +144,96 @@ where
             } => SizeHint::default(),
             Kind::Inner { body, .. } => body.size_hint(),
             Kind::Own { body } => body.size_hint(),
+        }
+    }
+}
+
+type Polled = Poll<Option<Result<Frame<Bytes>, BoxError>>>;
+
+/// The inner service's body, metered where its receipt says so: a frame the credit covers
+/// passes; one that is short waits (`held`) for its step; a refused step cuts the response.
+fn poll_inner<B>(
+    mut body: Pin<&mut B>,
+    receipt: &mut Option<Receipt>,
+    held: &mut Option<Frame<Bytes>>,
+    ending: &mut Option<Ending>,
+    cx: &mut Context<'_>,
+) -> Polled
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    loop {
+        if let Some(last) = next_ending(ending) {
+            return Poll::Ready(last);
+        }
+        // A frame held for its step: it passes, or the response is cut.
+        if let (Some(owed), Some(_)) = (receipt.as_mut(), held.as_ref()) {
+            let gate = std::task::ready!(owed.gate(cx));
+            match (gate, held.take()) {
+                (Gate::Pass, Some(frame)) => {
+                    if body.is_end_stream() {
+                        owed.ended();
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                (Gate::Cut(last), _) => cut(receipt, ending, last),
+                (Gate::Pass, None) => {}
+            }
+            continue;
+        }
+        let frame = std::task::ready!(body.as_mut().poll_frame(cx));
+        let Some(owed) = receipt else {
+            return Poll::Ready(frame.map(|frame| frame.map_err(Into::into)));
+        };
+        let frame = match frame {
+            Some(Ok(frame)) => frame,
+            // The end, or an error: the request is done; settle now (dropping the receipt
+            // does).
+            None => {
+                owed.ended();
+                *receipt = None;
+                return Poll::Ready(None);
+            }
+            Some(Err(error)) => {
+                *receipt = None;
+                return Poll::Ready(Some(Err(error.into())));
+            }
+        };
+        if let Some(trailers) = frame.trailers_ref() {
+            owed.read_trailers(trailers);
+            owed.ended();
+        }
+        let len = match frame.data_ref() {
+            Some(data) if owed.metered() => data.len(),
+            _ => return Poll::Ready(Some(Ok(frame))),
+        };
+        match owed.frame(len, cx) {
+            Poll::Ready(Gate::Pass) => {
+                if body.is_end_stream() {
+                    owed.ended();
+                }
+                return Poll::Ready(Some(Ok(frame)));
+            }
+            Poll::Ready(Gate::Cut(last)) => cut(receipt, ending, last),
+            Poll::Pending => {
+                *held = Some(frame);
+                return Poll::Pending;
+            }
+        }
+    }
+}
+
+/// What a cut response yields next: its last frame or error once, then its end.
+fn next_ending(ending: &mut Option<Ending>) -> Option<Option<Result<Frame<Bytes>, BoxError>>> {
+    match ending.take()? {
+        Ending::Last(last) => {
+            *ending = Some(Ending::Done);
+            Some(Some(last))
+        }
+        Ending::Done => {
+            *ending = Some(Ending::Done);
+            Some(None)
         }
     }
 }

@@ -213,42 +213,48 @@ impl Stream {
                 );
                 return Some(Gate::Cut(self.quota_finale(cut, about.cut)));
             }
-            Err(error) => {
-                Report::store_error(policy);
-                tracing::warn!(
-                    target: "tower_redis_ratelimit",
-                    policy = policy.name(),
-                    key = %about.key.loggable(),
-                    error = %crate::chain::Chain(&error),
-                    mode = ?options.failure_mode,
-                    "rate-limit store failed to decide a response's step"
-                );
-                let local = match &options.failure_mode {
-                    FailureMode::Fallback(local) if waiting.decider.is_none() => local,
-                    // The local store failed too: passed, as a failure of the store under
-                    // `Open`.
-                    FailureMode::Fallback(_) => {
-                        self.credit.failed(waiting.asked, &FailureMode::Open);
-                        return self.pass(waiting.units);
-                    }
-                    mode => {
-                        return match self.credit.failed(waiting.asked, mode) {
-                            OnFailure::Cut => Some(Gate::Cut(self.unavailable(error, about.cut))),
-                            OnFailure::Pass | OnFailure::Fallback => self.pass(waiting.units),
-                        };
-                    }
-                };
-                let ledger: Arc<dyn Ledger> = Arc::new(StoreLedger(local.clone()));
-                let stepping = ledger.step(about.key, policy, waiting.asked);
-                self.waiting = Some(Waiting {
-                    stepping: Mutex::new(stepping),
-                    decider: Some(ledger),
-                    ..waiting
-                });
-                return None;
-            }
+            Err(error) => return self.failed(waiting, error, about),
         }
         self.pass(waiting.units)
+    }
+
+    /// What a step the store could not decide means, by the layer's failure mode; `None` when
+    /// it is asked again, of the fallback's local store.
+    fn failed(&mut self, waiting: Waiting, error: StoreError, about: &About<'_>) -> Option<Gate> {
+        let policy = &about.responder.policy;
+        let options = &about.responder.options;
+        Report::store_error(policy);
+        tracing::warn!(
+            target: "tower_redis_ratelimit",
+            policy = policy.name(),
+            key = %about.key.loggable(),
+            error = %crate::chain::Chain(&error),
+            mode = ?options.failure_mode,
+            "rate-limit store failed to decide a response's step"
+        );
+        let local = match &options.failure_mode {
+            FailureMode::Fallback(local) if waiting.decider.is_none() => local,
+            // The local store failed too: passed, as a failure of the store under
+            // `Open`.
+            FailureMode::Fallback(_) => {
+                self.credit.failed(waiting.asked, &FailureMode::Open);
+                return self.pass(waiting.units);
+            }
+            mode => {
+                return match self.credit.failed(waiting.asked, mode) {
+                    OnFailure::Cut => Some(Gate::Cut(self.unavailable(error, about.cut))),
+                    OnFailure::Pass | OnFailure::Fallback => self.pass(waiting.units),
+                };
+            }
+        };
+        let ledger: Arc<dyn Ledger> = Arc::new(StoreLedger(local.clone()));
+        let stepping = ledger.step(about.key, policy, waiting.asked);
+        self.waiting = Some(Waiting {
+            stepping: Mutex::new(stepping),
+            decider: Some(ledger),
+            ..waiting
+        });
+        None
     }
 
     /// The frame of `units` passes on the credit, which now covers it.
