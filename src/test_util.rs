@@ -112,6 +112,24 @@ impl<St: Store> FaultyStore<St> {
         &self.store
     }
 
+    /// A decision made in place by `ask`, as the wrapped store would make it: none where it
+    /// answers from a worker (`remote`), a failure in place where a local store is down.
+    fn decide_now<F>(&self, ask: F) -> Option<Result<Decision, StoreError>>
+    where
+        F: FnOnce(&St) -> Option<Result<Decision, StoreError>>,
+    {
+        if self.remote.is_some() {
+            return None;
+        }
+        match self.down.load(Ordering::SeqCst) {
+            true => self
+                .store
+                .is_local()
+                .then_some(Err(StoreError::Unavailable)),
+            false => ask(&self.store),
+        }
+    }
+
     /// The decision `ask` makes of the store: a failure while told to fail, else asked in
     /// place or of the remote store's task.
     fn decide<F>(&self, ask: F) -> FaultyFuture<Decision>
@@ -201,16 +219,7 @@ impl<St: Store> Engine for FaultyStore<St> {
         policy: &Policy,
         units: u32,
     ) -> Option<Result<Decision, StoreError>> {
-        if self.remote.is_some() {
-            return None;
-        }
-        match self.down.load(Ordering::SeqCst) {
-            true => self
-                .store
-                .is_local()
-                .then_some(Err(StoreError::Unavailable)),
-            false => self.store.step_now(key, policy, units),
-        }
+        self.decide_now(|store| store.step_now(key, policy, units))
     }
 
     fn check_now(
@@ -219,16 +228,7 @@ impl<St: Store> Engine for FaultyStore<St> {
         policy: &Policy,
         cost: u32,
     ) -> Option<Result<Decision, StoreError>> {
-        if self.remote.is_some() {
-            return None;
-        }
-        match self.down.load(Ordering::SeqCst) {
-            true => self
-                .store
-                .is_local()
-                .then_some(Err(StoreError::Unavailable)),
-            false => self.store.check_now(key, policy, cost),
-        }
+        self.decide_now(|store| store.check_now(key, policy, cost))
     }
 
     fn settle_now(
