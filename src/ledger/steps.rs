@@ -27,6 +27,8 @@ pub(crate) struct Credit {
     before: Option<Decision>,
     /// The units used so far (passed to the handler or sent to the client).
     passed: u64,
+    /// Of `passed`, the units that passed uncounted, not charged yet.
+    unrecorded: u64,
 }
 
 /// What a body does when a step's decision failed (the store could not answer), by the
@@ -57,6 +59,7 @@ impl Credit {
             last: first,
             before: None,
             passed: 0,
+            unrecorded: 0,
         }
     }
 
@@ -64,7 +67,9 @@ impl Credit {
     pub(crate) fn cover(&mut self, units: u64) -> u64 {
         let covered = units.min(self.left);
         self.left -= covered;
-        self.uncounted = self.uncounted.saturating_sub(covered);
+        let uncounted = covered.min(self.uncounted);
+        self.uncounted -= uncounted;
+        self.unrecorded = self.unrecorded.saturating_add(uncounted);
         self.passed = self.passed.saturating_add(covered);
         covered
     }
@@ -110,6 +115,15 @@ impl Credit {
     /// The units used so far.
     pub(crate) fn passed(&self) -> u64 {
         self.passed
+    }
+
+    /// The charge of the units that passed uncounted (on the last admitted decision; none
+    /// where no decision admitted anything), once: taking it resets it.
+    pub(crate) fn unrecorded(&mut self) -> Option<Settlement> {
+        match std::mem::take(&mut self.unrecorded) {
+            0 => None,
+            units => Settlement::charge(&self.last, units),
+        }
     }
 
     /// The refunds of the unused credit: from the last decision, within what it recorded,

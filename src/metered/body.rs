@@ -80,6 +80,20 @@ where
                 *this.asking = meter.decided(asked, outcome);
                 continue;
             }
+            if meter.is_reading() {
+                // A refused body is read on, unpassed, to learn its size for the answer.
+                this.held.take();
+                let done = match ready!(this.inner.as_mut().poll_frame(cx)) {
+                    Some(Ok(frame)) => frame
+                        .data_ref()
+                        .is_some_and(|data| meter.read(data.len() as u64)),
+                    None | Some(Err(_)) => true,
+                };
+                if done {
+                    *this.asking = meter.read_all();
+                }
+                continue;
+            }
             if let Some(mut data) = this.held.take() {
                 let covered = meter.cover(data.len() as u64) as usize;
                 if covered == data.len() {

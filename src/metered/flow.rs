@@ -100,6 +100,17 @@ pub struct Meter {
     in_flight: Arc<InFlight>,
     deny_cache: Option<DenyCache>,
     credit: Credit,
+    /// Set once a step is refused: the body is read on, unpassed, to learn its size.
+    reading: Option<Reading>,
+}
+
+/// A refused body read to its end (or past the count that refused it) before the cut, so
+/// that the answer is about the whole body: `413` when it can never fit, else a
+/// `Retry-After` after which all of it is admitted.
+struct Reading {
+    refused: Decision,
+    /// The body's bytes so far: passed, held, and read since the refusal.
+    seen: u64,
 }
 
 impl std::fmt::Debug for Meter {
@@ -141,6 +152,7 @@ impl Meter {
             in_flight: Arc::clone(&steps.in_flight),
             deny_cache: opening.deny_cache,
             credit: Credit::new(steps.step, opening.first),
+            reading: None,
         };
         (meter, flow)
     }
@@ -158,7 +170,11 @@ impl Meter {
     /// Asks a step for a frame of which `held` bytes are not covered: decided in place
     /// where the store needs no waiting, else the decision to poll.
     pub(crate) fn step(&mut self, held: u64) -> Option<Asking> {
-        let units = self.credit.ask(held, false);
+        self.ask(self.credit.ask(held, false), held)
+    }
+
+    /// Asks a step of `units` for a frame of which `held` bytes are not covered.
+    fn ask(&mut self, units: u32, held: u64) -> Option<Asking> {
         let policy = &self.flow.responder.policy;
         match self.ledger.step(&self.key, policy, units) {
             Stepping::Now(outcome) => self.stepped(units, held, outcome),
@@ -215,25 +231,56 @@ impl Meter {
                 self.credit.failed(units, &FailureMode::Open);
                 None
             }
+            // A step larger than what is left was refused: a step of what is left (at most
+            // the bytes waiting) fits, so a body near the quota gets all of it. Each such step
+            // asks fewer units than the last, so the asking ends.
+            Ok(d) if d.remaining() > 0 && d.remaining() < u64::from(units) && held > 0 => {
+                let units = d.remaining().min(held);
+                self.ask(u32::try_from(units).unwrap_or(u32::MAX), held)
+            }
             Ok(d) => {
-                // What a retry of the body seen so far needs, against a state that still holds
-                // what passed of it.
-                let whole = self.credit.passed().saturating_add(held);
-                let whole = u32::try_from(whole).unwrap_or(u32::MAX);
-                match self.ledger.peek(&self.key, &responder.policy, whole) {
-                    Stepping::Now(peek) => {
-                        self.cut_by(d, peek);
-                        None
-                    }
-                    Stepping::Later(future) => Some(Asking {
-                        units,
-                        held,
-                        refused: Some(d),
-                        future,
-                    }),
-                }
+                let seen = self.credit.passed().saturating_add(held);
+                self.reading = Some(Reading { refused: d, seen });
+                None
             }
             Err(error) => self.failed(units, held, &error),
+        }
+    }
+
+    /// Whether the body is being read on after a refused step, before it is cut.
+    pub(crate) fn is_reading(&self) -> bool {
+        self.reading.is_some()
+    }
+
+    /// Counts `bytes` read on after the refusal; whether the body is now known to be more
+    /// than the refusing limit counts (no need to read further).
+    pub(crate) fn read(&mut self, bytes: u64) -> bool {
+        let Some(reading) = self.reading.as_mut() else {
+            return true;
+        };
+        reading.seen = reading.seen.saturating_add(bytes);
+        reading.seen > reading.refused.limit()
+    }
+
+    /// Ends the reading (the body ended, failed, or outgrew the count): asks what a retry of
+    /// the whole body would get, against a state that still holds what passed of it.
+    pub(crate) fn read_all(&mut self) -> Option<Asking> {
+        let Reading { refused, seen } = self.reading.take()?;
+        let whole = u32::try_from(seen).unwrap_or(u32::MAX);
+        match self
+            .ledger
+            .peek(&self.key, &self.flow.responder.policy, whole)
+        {
+            Stepping::Now(peek) => {
+                self.cut_by(refused, peek);
+                None
+            }
+            Stepping::Later(future) => Some(Asking {
+                units: whole,
+                held: 0,
+                refused: Some(refused),
+                future,
+            }),
         }
     }
 
@@ -289,9 +336,18 @@ impl Meter {
         let _ = self.flow.cut.set(Cut::Quota(answer, exceeded));
     }
 
-    /// Refunds the credit left, once: at the body's end, or when it is dropped.
+    /// Settles the credit, once: at the body's end, or when it is dropped. The unused part is
+    /// refunded; what passed uncounted (a soft or shadow limit's refused steps, a store
+    /// failure under `FailureMode::Open`) is charged, as a response's is.
     pub(crate) fn refund(&mut self) {
-        for settlement in self.credit.unused().into_iter().flatten() {
+        let unrecorded = self.credit.unrecorded();
+        for settlement in self
+            .credit
+            .unused()
+            .into_iter()
+            .chain([unrecorded])
+            .flatten()
+        {
             let (key, responder) = (self.key.clone(), Arc::clone(&self.flow.responder));
             let posting = Posting::new(key, responder, settlement, self.deny_cache.clone());
             self.ledger.settle(posting, &self.in_flight);

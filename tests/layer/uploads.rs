@@ -282,11 +282,12 @@ async fn an_axum_extractor_error_becomes_the_layers_answer() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn the_cut_retry_after_is_true() {
+async fn the_cut_retry_after_is_true_for_the_whole_body() {
     let (store, policy, handler) = (MemoryStore::new(), uploads("200000/1m"), Handler::new());
     let polled = Arc::new(AtomicUsize::new(0));
-    // 60 000 bytes at 0 s and at 20 s: a step of the next upload fits again at 60 s, when the
-    // first ages out; what that upload had sent when it was cut fits only at 80 s.
+    // 60 000 bytes at 0 s and at 20 s; at 30 s a chunked upload of 150 000 passes what is
+    // left (80 000) and is cut. Its whole body fits only once all three have aged out, at
+    // 90 s: a step, or what the body had sent when it was cut, would fit sooner.
     for wait in [20, 10] {
         let sent = send(
             &store,
@@ -306,31 +307,35 @@ async fn the_cut_retry_after_is_true() {
     )
     .await;
     assert_eq!(cut.status(), StatusCode::TOO_MANY_REQUESTS);
-    let wait = retry_after(&cut).expect("a wait helps");
-    assert_eq!(wait, 50, "what passed and the frame held fit at 80 s");
-    let passed = handler.got()[2].error.as_ref().unwrap().passed();
-    // A retry of what the body had sent when it was cut: what passed, and the frame held.
-    let retry = || {
-        let length = passed + 16 * 1024;
-        let polled = Arc::new(AtomicUsize::new(0));
-        let mut request = post(upload(length as usize, 16 * 1024, &polled));
-        request.headers_mut().insert(CONTENT_LENGTH, length.into());
-        request
-    };
-    tokio::time::advance(Duration::from_secs(wait - 1)).await;
-    let early = send(&store, &policy, &handler, retry()).await;
     assert_eq!(
-        early.status(),
-        StatusCode::TOO_MANY_REQUESTS,
-        "a second early"
+        handler.got()[2].bytes,
+        80_000,
+        "a body near the quota gets all of it"
     );
+    let wait = retry_after(&cut).expect("a wait helps");
+    assert_eq!(wait, 60, "the whole body fits at 90 s");
+    // A second early, the whole body would not fit (looked at, recording nothing).
+    tokio::time::advance(Duration::from_secs(wait - 1)).await;
+    let early = store
+        .peek(&Key::from("ann"), &policy, 150_000)
+        .await
+        .unwrap();
+    assert!(!early.is_allowed(), "a second early");
+    // At Retry-After, the same chunked upload again reaches its handler whole.
     tokio::time::advance(Duration::from_secs(1)).await;
-    let retried = send(&store, &policy, &handler, retry()).await;
+    let retried = send(
+        &store,
+        &policy,
+        &handler,
+        post(upload(150_000, 16 * 1024, &polled)),
+    )
+    .await;
     assert_eq!(
         retried.status(),
         StatusCode::OK,
         "at Retry-After ({wait} s)"
     );
+    assert_eq!(handler.got()[3].bytes, 150_000);
 }
 
 #[tokio::test(start_paused = true)]
@@ -371,10 +376,14 @@ async fn steps_neither_box_nor_take_a_slot() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_soft_limit_passes_a_refused_step_on() {
+async fn a_soft_limit_passes_a_refused_step_on_and_charges_it() {
+    // GCRA, whose drain time tells what was charged: 100 000 drain in an hour.
+    let policy = uploads("100000/1h").with_algorithm(tower_redis_ratelimit::Algorithm::Gcra);
+    let store = MemoryStore::new();
     let layer = RateLimitLayer::builder()
         .key(user())
-        .rule(tower_redis_ratelimit::Rule::new(uploads("100000/1h")).soft())
+        .store(store.clone())
+        .rule(tower_redis_ratelimit::Rule::new(policy.clone()).soft())
         .request_bytes(RequestBytes::new())
         .build()
         .unwrap();
@@ -382,6 +391,14 @@ async fn a_soft_limit_passes_a_refused_step_on() {
     let response = through(layer, &handler, post(upload(300_000, 16 * 1024, &polled))).await;
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(handler.got()[0].bytes, 300_000, "a step was refused");
+    // What passed over the limit is charged when the body ends, as a response's is: the
+    // 300 000 drain for three hours, less the hour's first 100 000.
+    let look = store.peek(&Key::from("ann"), &policy, 1).await.unwrap();
+    let wait = look.retry_after().expect("refused");
+    assert!(
+        wait > Duration::from_secs(7100),
+        "what passed uncounted was not charged: {wait:?}"
+    );
 }
 
 /// A chunked upload that makes the store fail once its first step has passed.
@@ -483,7 +500,28 @@ async fn no_declared_length_is_metered_not_refused() {
     let got = &handler.got()[0];
     assert!(got.bytes > 900_000 && got.bytes <= 1_000_000, "{got:?}");
     assert!(got.error.is_some());
+    // Read on past the cut, the body proved larger than the count: it can never fit.
+    assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    // A chunked body that fits the count but not what is left is told when all of it fits.
+    let (store, handler) = (MemoryStore::new(), Handler::new());
+    let first = send(
+        &store,
+        &policy,
+        &handler,
+        post(upload(600_000, 16 * 1024, &polled)),
+    )
+    .await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let response = send(
+        &store,
+        &policy,
+        &handler,
+        post(upload(600_000, 16 * 1024, &polled)),
+    )
+    .await;
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(handler.got()[1].bytes, 400_000, "the rest of the count");
+    assert_eq!(retry_after(&response), Some(3600));
     // An empty body costs nothing.
     let empty = send(&store, &policy, &handler, post(Full::new(Bytes::new()))).await;
     assert_eq!(empty.status(), StatusCode::OK);
