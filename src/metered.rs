@@ -6,11 +6,14 @@
 //! A request is admitted for its declared length (`Content-Length`, else the body's exact
 //! size hint), reserved whole; a body that declares none is admitted for one step, and asks
 //! the store for another step (by the limits alone: it neither boxes the key nor takes a
-//! concurrency slot) each time its frames have used what was admitted. When a step is refused
-//! the body is cut: the handler's next poll gets a [`QuotaExceeded`](crate::usage::QuotaExceeded)
-//! error, and the response the handler makes of it is replaced by the layer's answer: `413
-//! Content Too Large` when the upload can never fit, `429` with a true `Retry-After` when a
-//! wait helps, `503` when the store failed and the layer fails closed. What was admitted and
+//! concurrency slot) each time its frames have used what was admitted; a refused step is asked
+//! again for what is left, so that a body near the quota gets all of it. Once nothing is left
+//! the body is cut: it is read on, passing nothing more, to its end or until it has proved
+//! larger than the count, so that the answer is about the whole body; the handler's next poll
+//! gets a [`QuotaExceeded`](crate::usage::QuotaExceeded) error, and the response the handler
+//! makes of it is replaced by the layer's answer: `413 Content Too Large` when the upload can
+//! never fit, `429` with a `Retry-After` after which all of it is admitted when a wait helps,
+//! `503` when the store failed and the layer fails closed. What was admitted and
 //! not used (at most one step, or what a declared length reserved beyond the body) is refunded
 //! when the body ends or is dropped.
 //!
