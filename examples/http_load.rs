@@ -26,11 +26,20 @@
 //! | `flood_nocache` | this crate, `RedisStore`, every request on one key already over `1/1h`, no deny cache |
 //! | `flood_cache` | the same flood with the default deny cache |
 //! | `instant_store` | this crate, GCRA, with a store that answers at once from a task of its own: the cost of waiting for any store elsewhere, without the store's work; the ceiling of the Redis configurations |
+//! | `upload_cost` | this crate, the default `MemoryStore`, `1000000000000/1h` per key, each request costing its `Content-Length` (1 without one), decided once before the body is read |
+//! | `upload_metered` | the same limit over the bytes of request bodies (`request_bytes(RequestBytes::new())`): a declared length is reserved whole, a chunked body is decided 64 KiB at a time as it streams |
 //!
 //! Every request carries `x-client: c<n>`, `n` cycling over `--keys` values (one key for the
 //! floods), and every limit is high enough that no request of the other configurations is
 //! refused; the run counts the answers other than 200 to show it. Each worker of the load
 //! keeps one HTTP/1.1 connection and sends its next request when the previous one is answered.
+//! Requests are `GET /`, or with `--upload BYTES` a `POST /` of that many bytes, sent with a
+//! `Content-Length` or, with `--chunked`, chunked; the route answers a `POST` with the length
+//! of its body, read frame by frame. Compare the two upload configurations with, e.g.:
+//!
+//! ```text
+//! cargo run --release --example http_load -- --only upload_cost,upload_metered --upload 1048576 --chunked
+//! ```
 //!
 //! The harness starts its own `redis-server` (`$REDIS_SERVER` or `redis-server` from `PATH`)
 //! on a free loopback port and stops it on exit, unless `REDIS_URL` is set; it sends `FLUSHALL`
@@ -49,7 +58,7 @@
 //! each one's median over rounds, and its throughput ratios to the bare route and to its rival
 //! of the same round (medians of the per-round ratios; the rival is `tower_governor` for the
 //! memory store and `fred_peer` for the Redis store, the comparisons the performance targets
-//! name).
+//! name, and `upload_cost` for `upload_metered`).
 //!
 //! Flags: `--duration SECS` (measured time per configuration and round, default 5),
 //! `--warmup SECS` (default 1), `--concurrency N` (default 32), `--keys N` (default 1000),
@@ -61,7 +70,7 @@
 //! where the load, the app and Redis share a few cores, the app's threads otherwise preempt
 //! Redis in the middle of its calls, and every request of those calls waits, as it would not
 //! for a Redis on cores of its own; configurations that give Redis more work per request lose
-//! more to it), `--out DIR` (default
+//! more to it), `--upload BYTES` and `--chunked` (above), `--out DIR` (default
 //! `target/http_load`), `--only a,b`.
 //!
 //! Writes `DIR/results.csv` (one row per configuration and round), `DIR/summary.csv` (the
@@ -86,9 +95,9 @@ use fred::prelude::{ClientLike, Config as FredConfig};
 use fred::types::{Builder as FredBuilder, InfoKind};
 use governor::middleware::NoOpMiddleware;
 use hdrhistogram::Histogram;
-use http::header::HOST;
+use http::header::{HOST, TRANSFER_ENCODING};
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use plotters::prelude::*;
@@ -103,11 +112,12 @@ use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::KeyExtractor;
 use tower_governor::{GovernorError, GovernorLayer};
 use tower_rate_limit_fred::KeyResolver;
+use tower_redis_ratelimit::metered::RequestBytes;
 use tower_redis_ratelimit::store::Leases;
 use tower_redis_ratelimit::store::{Override, Scope};
 use tower_redis_ratelimit::test_util::FaultyStore;
 use tower_redis_ratelimit::{
-    Algorithm, Header, Key, MemoryStore, Policy, RateLimitLayer, RedisStore,
+    Algorithm, Header, Key, MemoryStore, Policy, RateLimitLayer, RedisStore, RequestHead,
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -128,6 +138,8 @@ const LEASE_LIMIT: &str = "60000000/1m";
 const FLOOD_LIMIT: &str = "1/1h";
 /// The one key of the floods.
 const FLOOD_KEY: &str = "flood";
+/// A terabyte an hour per key: bytes no upload of the load comes near.
+const UPLOAD_LIMIT: &str = "1000000000000/1h";
 
 #[tokio::main]
 async fn main() -> Result<(), Error> {
@@ -183,6 +195,8 @@ struct Args {
     in_flight: Option<usize>,
     /// The niceness of the scratch Redis's processes, if set.
     redis_nice: Option<i32>,
+    /// The body of every request, if they are uploads.
+    upload: Option<Upload>,
     out: PathBuf,
     only: Vec<Scenario>,
 }
@@ -200,9 +214,11 @@ impl Args {
             cluster_tags: RedisStore::DEFAULT_CLUSTER_TAGS,
             in_flight: None,
             redis_nice: None,
+            upload: None,
             out: PathBuf::from("target/http_load"),
             only: Scenario::ALL.to_vec(),
         };
+        let (mut upload, mut chunked) = (None, false);
         while let Some(flag) = flags.next() {
             let mut value = || flags.next().ok_or(format!("{flag} needs a value"));
             match flag.as_str() {
@@ -220,6 +236,8 @@ impl Args {
                     let nice = nice.parse().map_err(|_| format!("--redis-nice {nice:?}"))?;
                     args.redis_nice = Some(nice);
                 }
+                "--upload" => upload = Some(positive(&flag, &value()?)?),
+                "--chunked" => chunked = true,
                 "--out" => args.out = PathBuf::from(value()?),
                 "--only" => {
                     args.only = value()?
@@ -232,6 +250,14 @@ impl Args {
                 }
             }
         }
+        args.upload = match (upload, chunked) {
+            (Some(bytes), _) => Some(Upload {
+                body: Bytes::from(vec![b'x'; bytes]),
+                chunked,
+            }),
+            (None, true) => return Err("--chunked needs --upload".into()),
+            (None, false) => None,
+        };
         Ok(args)
     }
 
@@ -247,8 +273,19 @@ impl Args {
                 r.url, self.pool
             )
         });
+        let requests = match &self.upload {
+            Some(upload) => format!(
+                "POST of {} bytes ({})",
+                upload.body.len(),
+                match upload.chunked {
+                    true => "chunked",
+                    false => "Content-Length",
+                }
+            ),
+            None => "GET".to_owned(),
+        };
         format!(
-            "{} workers, {} keys, {} round(s) of {:.1} s per configuration after {:.1} s of warm-up; {redis}",
+            "{} workers, {} keys, {requests}, {} round(s) of {:.1} s per configuration after {:.1} s of warm-up; {redis}",
             self.concurrency,
             self.keys,
             self.rounds,
@@ -294,15 +331,19 @@ enum Scenario {
     FloodNocache,
     FloodCache,
     InstantStore,
+    UploadCost,
+    UploadMetered,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 17] = [
+    const ALL: [Scenario; 19] = [
         Scenario::Bare,
         Scenario::Memory,
         Scenario::MemoryGcra,
         Scenario::TowerGovernor,
         Scenario::InstantStore,
+        Scenario::UploadCost,
+        Scenario::UploadMetered,
         Scenario::RedisLog,
         Scenario::RedisLogLean,
         Scenario::RedisGcra,
@@ -336,6 +377,8 @@ impl Scenario {
             Scenario::FloodNocache => "flood_nocache",
             Scenario::FloodCache => "flood_cache",
             Scenario::InstantStore => "instant_store",
+            Scenario::UploadCost => "upload_cost",
+            Scenario::UploadMetered => "upload_metered",
         }
     }
 
@@ -347,6 +390,8 @@ impl Scenario {
                 | Scenario::MemoryGcra
                 | Scenario::TowerGovernor
                 | Scenario::InstantStore
+                | Scenario::UploadCost
+                | Scenario::UploadMetered
         )
     }
 
@@ -366,6 +411,8 @@ impl Scenario {
             // What leases are for: in-process speed with a limit shared through Redis.
             Scenario::RedisGcraLease | Scenario::RedisFwLease => Some(Scenario::MemoryGcra),
             Scenario::RedisLogLease => Some(Scenario::Memory),
+            // What metering bodies costs over one decision from the declared length.
+            Scenario::UploadMetered => Some(Scenario::UploadCost),
             _ => None,
         }
     }
@@ -374,9 +421,10 @@ impl Scenario {
         matches!(self, Scenario::FloodNocache | Scenario::FloodCache)
     }
 
-    /// The hello-world route behind this configuration's limiter, with fresh limiter state.
+    /// The hello-world route (and the upload one) behind this configuration's limiter, with
+    /// fresh limiter state.
     fn app(self, redis: Option<&RedisBackend>) -> Result<Router, Error> {
-        let route = Router::new().route("/", get(|| async { "hello" }));
+        let route = Router::new().route("/", get(|| async { "hello" }).post(body_length));
         let redis = || redis.ok_or("this configuration needs Redis");
         let ours = || RateLimitLayer::builder().key(client_key());
         let ours_on_redis = || Ok::<_, &str>(ours().store(redis()?.store.clone()));
@@ -439,8 +487,32 @@ impl Scenario {
                 let ours = ours().store(FaultyStore::new(MemoryStore::new()).remote());
                 route.layer(ours.policy(policy(HIGH_LIMIT, Algorithm::Gcra)?).build()?)
             }
+            Scenario::UploadCost => {
+                route.layer(ours().policy(UPLOAD_LIMIT).cost(declared_length).build()?)
+            }
+            Scenario::UploadMetered => {
+                let ours = ours().request_bytes(RequestBytes::new());
+                route.layer(ours.policy(UPLOAD_LIMIT).build()?)
+            }
         })
     }
+}
+
+/// The upload route: reads the body frame by frame, keeping none of it, and answers its length.
+async fn body_length(mut body: Body) -> Result<String, StatusCode> {
+    let mut length = 0;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|_| StatusCode::BAD_REQUEST)?;
+        length += frame.data_ref().map_or(0, Bytes::len);
+    }
+    Ok(length.to_string())
+}
+
+/// A request's `Content-Length` as its cost, 1 when it declares none (or one past `u32`).
+fn declared_length(head: &RequestHead<'_>) -> u32 {
+    let length = head.headers.get(http::header::CONTENT_LENGTH);
+    let length = length.and_then(|value| value.to_str().ok()?.parse().ok());
+    length.unwrap_or(1)
 }
 
 impl FromStr for Scenario {
@@ -668,14 +740,17 @@ async fn measure(
     };
     if scenario.is_flood() {
         // The first request is admitted and puts the key over its limit.
-        Connection::open(server.addr).await?.get(&keys[0]).await?;
+        Connection::open(server.addr)
+            .await?
+            .send(&keys[0], None)
+            .await?;
     }
     let start = Instant::now() + args.warmup;
     let window = Window {
         start,
         end: start + args.duration,
     };
-    let workers = spawn_workers(server.addr, keys.into(), args.concurrency, window);
+    let workers = spawn_workers(server.addr, keys.into(), args, window);
 
     let inspected = redis.filter(|_| scenario.uses_redis());
     tokio::time::sleep_until(window.start).await;
@@ -733,9 +808,17 @@ impl Server {
     }
 }
 
+/// The body of every request of an upload load.
+#[derive(Clone)]
+struct Upload {
+    body: Bytes,
+    /// Sent chunked rather than with a `Content-Length`.
+    chunked: bool,
+}
+
 /// One keep-alive HTTP/1.1 connection.
 struct Connection {
-    sender: SendRequest<Empty<Bytes>>,
+    sender: SendRequest<Full<Bytes>>,
 }
 
 impl Connection {
@@ -747,12 +830,27 @@ impl Connection {
         Ok(Connection { sender })
     }
 
-    /// `GET /` as client `key`; reads the whole answer.
-    async fn get(&mut self, key: &HeaderValue) -> Result<StatusCode, Error> {
-        let request = Request::get("/")
+    /// `GET /` as client `key`, or `POST /` of `upload`; reads the whole answer.
+    async fn send(
+        &mut self,
+        key: &HeaderValue,
+        upload: Option<&Upload>,
+    ) -> Result<StatusCode, Error> {
+        let request = Request::builder()
             .header(HOST, "127.0.0.1")
-            .header(CLIENT_HEADER, key)
-            .body(Empty::new())?;
+            .header(CLIENT_HEADER, key);
+        let request = match upload {
+            // hyper sends a body of known size with a `Content-Length`, unless told to chunk it.
+            Some(Upload { body, chunked }) => {
+                let request = request.method(http::Method::POST).uri("/");
+                let request = match chunked {
+                    true => request.header(TRANSFER_ENCODING, "chunked"),
+                    false => request,
+                };
+                request.body(Full::new(body.clone()))?
+            }
+            None => request.uri("/").body(Full::default())?,
+        };
         self.sender.ready().await?;
         let response = self.sender.send_request(request).await?;
         let status = response.status();
@@ -766,12 +864,14 @@ impl Connection {
 fn spawn_workers(
     addr: SocketAddr,
     keys: Arc<[HeaderValue]>,
-    concurrency: usize,
+    args: &Args,
     window: Window,
 ) -> Vec<JoinHandle<Result<Load, Error>>> {
+    let concurrency = args.concurrency;
     (0..concurrency)
         .map(|first| {
             let keys = Arc::clone(&keys);
+            let upload = args.upload.clone();
             tokio::spawn(async move {
                 let mut connection = Connection::open(addr).await?;
                 let mut load = Load::default();
@@ -780,7 +880,8 @@ fn spawn_workers(
                     if sent >= window.end {
                         break;
                     }
-                    let status = connection.get(&keys[n % keys.len()]).await?;
+                    let key = &keys[n % keys.len()];
+                    let status = connection.send(key, upload.as_ref()).await?;
                     if sent >= window.start {
                         load.record(status, sent.elapsed());
                     }
