@@ -36,6 +36,7 @@ use super::nodes::{self};
 use crate::model::Algorithm;
 use crate::store::redis::overrides::Known;
 use crate::store::redis::placement::Place;
+use crate::store::redis::scripts::Tier;
 use crate::store::redis::wire::{self, answer, check_length, Answered, Heads, SlotOp, HEAD};
 
 /// Sends decisions: at once while a call permit of the request's lane is free, else through
@@ -195,7 +196,7 @@ impl Batcher {
         args: Vec<u8>,
         patience: Duration,
     ) -> Answered {
-        let script = self.settings.scripts.of(algorithm);
+        let script = self.settings.scripts.of(algorithm, Tier::Full);
         let keys = vec![Key::from(place.key)];
         let overrides = self.settings.overrides_of(place.lane);
         let (head, args) = args.split_at(HEAD.min(args.len()));

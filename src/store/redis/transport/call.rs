@@ -25,7 +25,7 @@ use super::ask;
 use super::nodes::{self, Nodes};
 use crate::model::Algorithm;
 use crate::store::redis::overrides::Known;
-use crate::store::redis::scripts::Scripts;
+use crate::store::redis::scripts::{Scripts, Tier};
 use crate::store::redis::wire::{self, answer, check_length, Answered, Heads, SlotOp, HEAD};
 
 /// One request waiting for its answer.
@@ -423,7 +423,7 @@ async fn run(
     algorithm: Algorithm,
     laid: Laid,
 ) -> Result<Bytes, Error> {
-    let script = settings.scripts.of(algorithm);
+    let script = settings.scripts.of(algorithm, Tier::Full);
     let Laid {
         keys,
         args,
