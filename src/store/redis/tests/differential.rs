@@ -742,6 +742,7 @@ fn the_scripts_decide_as_the_algorithms_over_the_whole_range() {
         }
     }
     runtime.block_on(the_plain_log_sends_on(&scripts));
+    runtime.block_on(both_logs_trim_an_old_set_alike(&scripts));
 
     let mut runner = TestRunner::new(Cases {
         cases: 320,
@@ -814,4 +815,34 @@ async fn the_plain_log_sends_on(scripts: &Scripts) {
         FULL_PATH
     );
     assert_eq!(zcard("old").await.unwrap(), 1, "nothing recorded");
+}
+
+/// A set whose newest event is further back than twice the longest window is trimmed whole by
+/// either tier, so that an admission writes the same member (total 1) on both.
+async fn both_logs_trim_an_old_set_alike(scripts: &Scripts) {
+    let windows = [Window::new(10, 60_000_000)];
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    let old = now - 3 * 60_000_000;
+    for (key, tier) in [("trim full", Tier::Full), ("trim plain", Tier::Plain)] {
+        let zadd = CustomCommand::new_static("ZADD", ClusterHash::FirstKey, false);
+        let member = format!("{old}:{:016}:5", 5);
+        let args: Vec<Value> = vec![key.into(), (old as i64).into(), member.into()];
+        scripts.client.custom::<i64, _>(zadd, args).await.unwrap();
+        let script = (Algorithm::SlidingLog, tier);
+        let reply = scripts.eval(script, key, 1, Record::Admit, -1, &windows, &None);
+        let reply = reply.await.expect("EVAL");
+        let int = |i: usize| i64::from_le_bytes(reply[8 * i..8 * i + 8].try_into().unwrap());
+        assert_eq!((int(0), int(2)), (1, 9), "admitted, 9 left ({tier:?})");
+        let zrange = CustomCommand::new_static("ZRANGE", ClusterHash::FirstKey, false);
+        let all: Vec<Value> = vec![key.into(), 0.into(), (-1).into()];
+        let members: Vec<String> = scripts.client.custom(zrange, all).await.unwrap();
+        assert_eq!(members.len(), 1, "{members:?} ({tier:?})");
+        assert!(
+            members[0].ends_with(&format!(":{:016}:1", 1)),
+            "{members:?} ({tier:?})"
+        );
+    }
 }
