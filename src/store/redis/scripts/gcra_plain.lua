@@ -29,144 +29,133 @@ local MAX_BUCKET = 1125899906842624
 -- of cost and the drain per us, in GCRA units (entries past its n are left over, never read).
 local counts, windows, scales, backlogs, weights, drains = {}, {}, {}, {}, {}, {}
 
--- Each limit's backlog at t from `state` (false: none), into `backlogs`: returns the limit that
--- refuses with the latest retry (nil: none) and its retry, the fewest whole units that fit in
--- any limit (for a lease), the stamp to write, the state's own stamp (false: no state), and
--- whether a limit was written under another weight; then the state's header (its creation
--- time and last lease's time).
-local function weigh(state, n, cost, record, t, h)
-  local state_byte, stamp, written, reweighed = 1, t, false, false
-  local denied, denied_retry, room = nil, nil, nil
-  for i = 1, n do
-    local c, w, g = counts[i], windows[i], scales[i]
-    local u, d = w / g, c / g
-    weights[i], drains[i] = u, d
-    if u * c > MAX_BUCKET then
-      error('GCRA bucket out of range: ' .. c .. ' per ' .. w .. ' us')
-    end
-    local b = 0
-    if state then
-      local at, left, from
-      at, left, from, state_byte = sunpack('<lll', state, state_byte)
-      stamp, written = math.max(stamp, at), at
-      if from ~= u then
-        left, reweighed = reweigh(left, from, u), true
-      end
-      b = math.max(left - math.max(t - at, 0) * d, 0)
-    end
-    backlogs[i] = b
-    local capacity = (w - h) * d
-    local new = b + cost * u
-    if new > capacity then
-      local retry = -2
-      if cost * u <= capacity then
-        retry = math.ceil((new - capacity) / d)
-      end
-      if later(retry, denied_retry) then
-        denied, denied_retry = i, retry
-      end
-    elseif record == LEASE then
-      local fit = math.floor((capacity - b) / u)
-      if room == nil or fit < room then
-        room = fit
-      end
-    end
-  end
-  local born, leased = now, 0
-  if state then
-    born, leased = sunpack('<ll', state, state_byte)
-  end
-  return denied, denied_retry, room, stamp, written, reweighed, born, leased
-end
-
--- A refused request's key kept until its backlog drains under the counts at hand (gcra.lua),
--- where the expiry the last write set (at least the longest window after the state's stamp
--- `written`) may not cover that.
-local function keep_refused(key, n, t, written, reweighed)
-  local drained = 0
-  for i = 1, n do
-    drained = math.max(drained, math.ceil(backlogs[i] / drains[i]))
-  end
-  if not reweighed and t + drained <= written + windows[n] then
-    return
-  end
-  local ms = math.ceil(drained / 1000)
-  local left = redis.call('PTTL', key)
-  if left >= 0 and left < ms then
-    redis.call('PEXPIRE', key, ms)
-  end
-end
-
--- Records `cost` units in every limit, stamped `stamp`, with the state's header.
-local function record_units(key, n, cost, stamp, born, leased)
-  local value
-  for i = 1, n do
-    backlogs[i] = math.min(backlogs[i] + cost * weights[i], MAX_UNITS)
-  end
-  if n == 1 then
-    value = spack('<lllll', stamp, backlogs[1], weights[1], born, leased)
-  else
-    local parts = {}
-    for i = 1, n do
-      parts[i] = spack('<lll', stamp, backlogs[i], weights[i])
-    end
-    parts[n + 1] = spack('<ll', born, leased)
-    value = table.concat(parts)
-  end
-  -- The longest window, later by a stamp past now, longer under an override's counts
-  -- (gcra.lua).
-  local ttl = windows[n] + math.max(stamp - now, 0)
-  if stretch_num > stretch_den then
-    ttl = math.min(math.ceil(ttl * stretch_num / stretch_den), 1125899906842624)
-  end
-  redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
-end
-
--- Decides a look, an admission or a lease of `cost` at t (up to `want` units for a lease),
--- with headroom h; returns its answer.
-local function decide(key, n, cost, record, t, want, h)
-  local state = redis.call('GET', key)
-  if state and #state ~= 24 * n + 16 then
-    state = nil
-  end
-  local denied, denied_retry, room, stamp, written, reweighed, born, leased =
-    weigh(state, n, cost, record, t, h)
-  local allowed, reported, retry = 0, denied, denied_retry
-  if denied ~= nil and state then
-    keep_refused(key, n, t, written, reweighed)
-  end
-  if denied == nil then
-    allowed, retry = 1, -1
-    if record ~= LOOK then
-      if record == LEASE then
-        local take = math.min(want, room)
-        allowed, cost, leased = 1 + take - cost, take, now
-      end
-      record_units(key, n, cost, stamp, born, leased)
-    end
-    local least
-    for i = 1, n do
-      local remaining = math.floor(((windows[i] - h) * drains[i] - backlogs[i]) / weights[i])
-      if least == nil or remaining < least then
-        least, reported = remaining, i
-      end
-    end
-  end
-  local w, b = windows[reported], backlogs[reported]
-  local u, d = weights[reported], drains[reported]
-  return spack('<llllll', allowed, reported - 1, math.max(math.floor(((w - h) * d - b) / u), 0),
-    math.ceil(b / d), retry, overridden and counts[reported] or -1)
-end
-
+-- One loop, no function of its own: see plain.lua (functions are made anew by every call).
 for k = 1, #KEYS do
-  local n, cost, record, t, want, h, answer = next_plain(counts, windows, scales)
+  local key = KEYS[k]
+  local n, cost, record, t, want, h, answer, overridden, stretch_num, stretch_den
+  next_byte, n, cost, record, t, want, h, answer, overridden, stretch_num, stretch_den =
+    next_plain(requests, next_byte, counts, windows, scales)
+  if t < 0 then
+    t = now
+  end
   if answer then
     reply[k] = answer
   elseif n == 0 then
-    reply[k] = NO_LIMITS
+    -- As prelude.lua's NO_LIMITS: admitted, nothing recorded.
+    reply[k] = spack('<llllll', 1, 0, 0, 0, -1, -1)
   else
-    reply[k] = decide(KEYS[k], n, cost, record, t, want, h)
+    local state = redis.call('GET', key)
+    if state and #state ~= 24 * n + 16 then
+      state = nil
+    end
+
+    -- Each limit's backlog at t, and the limit that refuses with the latest retry; `room`, the
+    -- fewest whole units that fit in any limit (a lease's); the stamp to write (t, or the
+    -- state's own where later), the state's own (`written`, false: none), and whether a limit
+    -- was written under another weight (reweighed, as gcra.lua).
+    local state_byte, stamp, written, reweighed = 1, t, false, false
+    local denied, denied_retry, room = nil, nil, nil
+    for i = 1, n do
+      local c, w, g = counts[i], windows[i], scales[i]
+      local u, d = w / g, c / g
+      weights[i], drains[i] = u, d
+      if u * c > MAX_BUCKET then
+        error('GCRA bucket out of range: ' .. c .. ' per ' .. w .. ' us')
+      end
+      local b = 0
+      if state then
+        local at, left, from
+        at, left, from, state_byte = sunpack('<lll', state, state_byte)
+        stamp, written = math.max(stamp, at), at
+        if from ~= u then
+          left, reweighed = reweigh(left, from, u), true
+        end
+        b = math.max(left - math.max(t - at, 0) * d, 0)
+      end
+      backlogs[i] = b
+      local capacity = (w - h) * d
+      local new = b + cost * u
+      if new > capacity then
+        local retry = -2
+        if cost * u <= capacity then
+          retry = math.ceil((new - capacity) / d)
+        end
+        if later(retry, denied_retry) then
+          denied, denied_retry = i, retry
+        end
+      elseif record == LEASE then
+        local fit = math.floor((capacity - b) / u)
+        if room == nil or fit < room then
+          room = fit
+        end
+      end
+    end
+    -- The header: when the state was created, when a lease was last taken from it.
+    local born, leased = now, 0
+    if state then
+      born, leased = sunpack('<ll', state, state_byte)
+    end
+
+    local allowed, reported, retry = 0, denied, denied_retry
+    if denied ~= nil and state then
+      -- Refused: the key kept until its backlog drains under the counts at hand (gcra.lua),
+      -- where the expiry the last write set (at least the longest window after the state's
+      -- stamp) may not cover that.
+      local drained = 0
+      for i = 1, n do
+        drained = math.max(drained, math.ceil(backlogs[i] / drains[i]))
+      end
+      if reweighed or t + drained > written + windows[n] then
+        local ms = math.ceil(drained / 1000)
+        local left = redis.call('PTTL', key)
+        if left >= 0 and left < ms then
+          redis.call('PEXPIRE', key, ms)
+        end
+      end
+    end
+    if denied == nil then
+      allowed, retry = 1, -1
+      if record ~= LOOK then
+        if record == LEASE then
+          local take = math.min(want, room)
+          allowed, cost, leased = 1 + take - cost, take, now
+        end
+        local value
+        for i = 1, n do
+          backlogs[i] = math.min(backlogs[i] + cost * weights[i], MAX_UNITS)
+        end
+        if n == 1 then
+          value = spack('<lllll', stamp, backlogs[1], weights[1], born, leased)
+        else
+          local parts = {}
+          for i = 1, n do
+            parts[i] = spack('<lll', stamp, backlogs[i], weights[i])
+          end
+          parts[n + 1] = spack('<ll', born, leased)
+          value = table.concat(parts)
+        end
+        -- The longest window, later by a stamp past now, longer under an override's counts
+        -- (gcra.lua).
+        local ttl = windows[n] + math.max(stamp - now, 0)
+        if stretch_num > stretch_den then
+          ttl = math.min(math.ceil(ttl * stretch_num / stretch_den), 1125899906842624)
+        end
+        redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
+      end
+      local least
+      for i = 1, n do
+        local remaining = math.floor(((windows[i] - h) * drains[i] - backlogs[i]) / weights[i])
+        if least == nil or remaining < least then
+          least, reported = remaining, i
+        end
+      end
+    end
+    local w, b = windows[reported], backlogs[reported]
+    local u, d = weights[reported], drains[reported]
+    reply[k] = spack('<llllll', allowed, reported - 1, math.max(math.floor(((w - h) * d - b) / u), 0),
+      math.ceil(b / d), retry, overridden and counts[reported] or -1)
   end
 end
 
-return finish()
+reply[#reply + 1] = spack('<ll', now, NOT_READ)
+return table.concat(reply)

@@ -36,8 +36,11 @@
 -- window, the units in (t - w, t], and the time of the first event of (t - w, t] (false: none).
 local counts, windows, pasts, firsts = {}, {}, {}, {}
 
--- When (t - w, t], which holds `past` units from the event `first_t` on, has room for `cost`
--- (sliding_log.lua, `past_frees`).
+-- When (t - w, t], which holds `past` units from the event `first_t` on (its total before it
+-- `first_before`), has room for `cost` (at most c), as far as its own events go: t when it
+-- has room, else e + w for the first event e, oldest first, whose running total covers the
+-- units that must leave, read in pages (sliding_log.lua, `past_frees`). It captures only
+-- log_events.lua's `event` and exact.lua's `text` (plain.lua says why).
 local function past_frees(key, t, c, w, cost, past, first_t, first_total, first_before)
   if past + cost <= c then
     return t
@@ -46,10 +49,10 @@ local function past_frees(key, t, c, w, cost, past, first_t, first_total, first_
   if first_total >= need then
     return first_t + w
   end
-  local offset, size = 1, min(need - first_total, 32)
+  local offset, size = 1, math.min(need - first_total, 32)
   while true do
-    local page = call('ZRANGEBYSCORE', key, text(t - w + 1), text(t), 'LIMIT', text(offset),
-      text(size))
+    local page = redis.call('ZRANGEBYSCORE', key, text(t - w + 1), text(t), 'LIMIT',
+      text(offset), text(size))
     if #page == 0 then
       return t
     end
@@ -59,152 +62,135 @@ local function past_frees(key, t, c, w, cost, past, first_t, first_total, first_
         return time + w
       end
     end
-    offset, size = offset + #page, min(size * 2, 1024)
+    offset, size = offset + #page, math.min(size * 2, 1024)
   end
 end
 
--- Limit (c, w) at t for a request of `cost`, where no event is after t and `upto` is the total
--- through the newest event (nil: the set is empty): the units in (t - w, t], the time of its
--- first event (false: none), and the earliest time the limit could admit the request (false
--- when it does now, -2 when no wait helps), as sliding_log.lua's `limit_at`.
-local function limit_at(key, t, c, w, cost, upto)
-  local past, first_t, first_total, first_before = 0, false, 0, 0
-  if upto ~= nil then
-    local first = call('ZRANGEBYSCORE', key, text(t - w + 1), text(t), 'LIMIT', '0', '1')[1]
-    if first then
-      local weight
-      first_t, first_total, weight = event(first)
-      first_before = first_total - weight
-      past = upto - first_before
-    end
-  end
-  if past + cost <= c then
-    return past, first_t, false
-  end
-  if cost > c then
-    return past, first_t, -2
-  end
-  local leaves = t + w
-  if first_t then
-    leaves = first_t + w
-  end
-  local frees = past_frees(key, t, c, w, cost, past, first_t, first_total, first_before)
-  return past, first_t, max(leaves, frees)
-end
-
--- The newest event's time and total (nil, nil: an empty set), after the trim (see the
--- header); false when the set needs the full tier.
-local function newest_of(key, t, longest)
-  local newest = call('ZRANGE', key, '-1', '-1')[1]
-  if newest == nil then
-    return nil, nil
-  end
-  if not is_event(newest) then
-    return false
-  end
-  local newest_t, newest_total = event(newest)
-  if newest_t > t then
-    return false
-  end
-  local cutoff = now - 2 * longest
-  if cutoff >= 0 and math.floor(newest_t / longest) < math.floor(now / longest) then
-    call('ZREMRANGEBYSCORE', key, '-inf', text(cutoff))
-    if newest_t <= cutoff then
-      return nil, nil
-    end
-  end
-  return newest_t, newest_total
-end
-
--- The units an admitted request records (a lease: as many as fit, up to want), and its
--- `allowed`.
-local function recorded(n, cost, record, want)
-  if record == LEASE then
-    local take = want
-    for i = 1, n do
-      take = min(take, counts[i] - pasts[i])
-    end
-    return take, 1 + take - cost
-  end
-  local largest = 0
-  for i = 1, n do
-    largest = max(largest, counts[i])
-  end
-  return min(cost, largest + 1), 1
-end
-
--- Decides a look, an admission or a lease of `cost` at t (up to `want` units for a lease);
--- returns its answer, or FULL_PATH.
-local function decide(key, n, cost, record, t, want)
-  local longest = windows[n]
-  local newest_t, upto = newest_of(key, t, longest)
-  if newest_t == false then
-    return FULL_PATH
-  end
-  local denied, denied_retry = nil, nil
-  for i = 1, n do
-    local lower
-    pasts[i], firsts[i], lower = limit_at(key, t, counts[i], windows[i], cost, upto)
-    if lower then
-      local retry = -2
-      if lower ~= -2 then
-        retry = lower - t
-      end
-      if later(retry, denied_retry) then
-        denied, denied_retry = i, retry
-      end
-    end
-  end
-  local allowed, reported, retry = 0, denied, denied_retry
-  if denied == nil then
-    allowed, retry = 1, -1
-    if record ~= LOOK then
-      cost, allowed = recorded(n, cost, record, want)
-    end
-    if record ~= LOOK and cost > 0 then
-      if upto ~= nil and upto + cost > MAX_UNITS then
-        return FULL_PATH
-      end
-      call('ZADD', key, text(t), member(t, (upto or 0) + cost, cost))
-      for i = 1, n do
-        pasts[i] = pasts[i] + cost
-        if not firsts[i] then
-          firsts[i] = t
-        end
-      end
-      call('PEXPIREAT', key, text(math.ceil((max(t, now) + 2 * longest) / 1000)))
-    end
-    local least
-    for i = 1, n do
-      local remaining = max(counts[i] - pasts[i], 0)
-      if least == nil or remaining < least then
-        least, reported = remaining, i
-      end
-    end
-  end
-  local c, w = counts[reported], windows[reported]
-  local reset = 0
-  if firsts[reported] then
-    reset = firsts[reported] + w - t
-  end
-  return spack('<llllll', allowed, reported - 1, max(c - pasts[reported], 0), reset, retry,
-    overridden and counts[reported] or -1)
-end
-
+-- One loop, no other function of its own: see plain.lua (functions are made anew by every
+-- call). Each request: the newest event and the trim, then each limit (sliding_log.lua's
+-- `limit_at` where no event is after t), then the record and the answer.
 for k = 1, #KEYS do
-  local n, cost, record, t, want, headroom, answer = next_plain(counts, windows, nil)
+  local key = KEYS[k]
+  local n, cost, record, t, want, headroom, answer, overridden
+  next_byte, n, cost, record, t, want, headroom, answer, overridden =
+    next_plain(requests, next_byte, counts, windows, nil)
   if answer then
     reply[k] = answer
   elseif n == 0 then
-    reply[k] = NO_LIMITS
-  elseif t < now - windows[n] - headroom then
-    reply[k] = FULL_PATH
+    -- As prelude.lua's NO_LIMITS: admitted, nothing recorded.
+    reply[k] = spack('<llllll', 1, 0, 0, 0, -1, -1)
+  elseif t >= 0 and t < now - windows[n] - headroom then
+    -- Further back than the longest window (sliding_log.lua's TOO_OLD).
+    reply[k] = spack('<llllll', 0, FULL_PATH, 0, 0, -2, -1)
   else
+    if t < 0 then
+      t = now
+    end
+    -- A leasing store's windows, read `headroom` longer (sliding_log.lua, "Leases").
     for i = 1, n do
       windows[i] = windows[i] + headroom
     end
-    reply[k] = decide(KEYS[k], n, cost, record, t, want)
+    local longest = windows[n]
+    -- The newest event's time and total (nil: an empty set); `full` where the set needs the
+    -- full tier (see the header).
+    local newest_t, upto, full = nil, nil, false
+    local newest = call('ZRANGE', key, '-1', '-1')[1]
+    if newest then
+      full = not is_event(newest)
+      if not full then
+        newest_t, upto = event(newest)
+        full = newest_t > t
+      end
+    end
+    local cutoff = now - 2 * longest
+    if newest_t and not full and cutoff >= 0
+      and math.floor(newest_t / longest) < math.floor(now / longest) then
+      call('ZREMRANGEBYSCORE', key, '-inf', text(cutoff))
+      if newest_t <= cutoff then
+        newest_t, upto = nil, nil
+      end
+    end
+
+    -- Each limit: the units in (t - w, t] and its first event; the limit that refuses with
+    -- the latest retry (-2, no wait helps, the latest of all).
+    local denied, denied_retry = nil, nil
+    for i = 1, full and 0 or n do
+      local c, w = counts[i], windows[i]
+      local past, first_t, first_total, first_before = 0, false, 0, 0
+      if newest_t then
+        local first = call('ZRANGEBYSCORE', key, text(t - w + 1), text(t), 'LIMIT', '0', '1')[1]
+        if first then
+          local weight
+          first_t, first_total, weight = event(first)
+          first_before = first_total - weight
+          past = upto - first_before
+        end
+      end
+      pasts[i], firsts[i] = past, first_t
+      if past + cost > c then
+        local retry = -2
+        if cost <= c then
+          local frees = past_frees(key, t, c, w, cost, past, first_t, first_total, first_before)
+          retry = max(first_t and first_t + w or t + w, frees) - t
+        end
+        if later(retry, denied_retry) then
+          denied, denied_retry = i, retry
+        end
+      end
+    end
+
+    -- Admitted: the units it records (a lease: as many as fit in every limit, up to want; an
+    -- admission: at most one more than the largest count, sliding_log.lua), unless that takes
+    -- the totals past MAX_UNITS; then the limit with the fewest units left.
+    local allowed, reported, retry = 0, denied, denied_retry
+    if not full and denied == nil then
+      allowed, retry = 1, -1
+      if record == LEASE then
+        local take = want
+        for i = 1, n do
+          take = min(take, counts[i] - pasts[i])
+        end
+        allowed, cost = 1 + take - cost, take
+      elseif record ~= LOOK then
+        local largest = 0
+        for i = 1, n do
+          largest = max(largest, counts[i])
+        end
+        cost = min(cost, largest + 1)
+      end
+      if record ~= LOOK and cost > 0 then
+        full = upto ~= nil and upto + cost > MAX_UNITS
+      end
+      if record ~= LOOK and cost > 0 and not full then
+        local at = text(t)
+        call('ZADD', key, at, member(t, (upto or 0) + cost, cost))
+        for i = 1, n do
+          pasts[i] = pasts[i] + cost
+          if not firsts[i] then
+            firsts[i] = t
+          end
+        end
+        call('PEXPIREAT', key, text(math.ceil((max(t, now) + 2 * longest) / 1000)))
+      end
+      local least
+      for i = 1, n do
+        local remaining = max(counts[i] - pasts[i], 0)
+        if least == nil or remaining < least then
+          least, reported = remaining, i
+        end
+      end
+    end
+
+    if full then
+      reply[k] = spack('<llllll', 0, FULL_PATH, 0, 0, -2, -1)
+    else
+      local c, w, first = counts[reported], windows[reported], firsts[reported]
+      local reset = first and first + w - t or 0
+      reply[k] = spack('<llllll', allowed, reported - 1, max(c - pasts[reported], 0), reset,
+        retry, overridden and c or -1)
+    end
   end
 end
 
-return finish()
+reply[#reply + 1] = spack('<ll', now, NOT_READ)
+return table.concat(reply)
