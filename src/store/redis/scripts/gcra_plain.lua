@@ -30,6 +30,8 @@ local MAX_BUCKET = 1125899906842624
 local counts, windows, scales, backlogs, weights, drains = {}, {}, {}, {}, {}, {}
 
 -- One loop, no function of its own: see plain.lua (functions are made anew by every call).
+-- Locals for what the loop calls in every request spare it a global lookup each time.
+local floor, ceil, max, min, call = math.floor, math.ceil, math.max, math.min, redis.call
 for k = 1, #KEYS do
   local key = KEYS[k]
   local n, cost, record, t, want, h, answer, overridden, stretch_num, stretch_den
@@ -44,7 +46,7 @@ for k = 1, #KEYS do
     -- As prelude.lua's NO_LIMITS: admitted, nothing recorded.
     reply[k] = spack('<llllll', 1, 0, 0, 0, -1, -1)
   else
-    local state = redis.call('GET', key)
+    local state = call('GET', key)
     if state and #state ~= 24 * n + 16 then
       state = nil
     end
@@ -66,11 +68,11 @@ for k = 1, #KEYS do
       if state then
         local at, left, from
         at, left, from, state_byte = sunpack('<lll', state, state_byte)
-        stamp, written = math.max(stamp, at), at
+        stamp, written = max(stamp, at), at
         if from ~= u then
           left, reweighed = reweigh(left, from, u), true
         end
-        b = math.max(left - math.max(t - at, 0) * d, 0)
+        b = max(left - max(t - at, 0) * d, 0)
       end
       backlogs[i] = b
       local capacity = (w - h) * d
@@ -78,13 +80,13 @@ for k = 1, #KEYS do
       if new > capacity then
         local retry = -2
         if cost * u <= capacity then
-          retry = math.ceil((new - capacity) / d)
+          retry = ceil((new - capacity) / d)
         end
         if later(retry, denied_retry) then
           denied, denied_retry = i, retry
         end
       elseif record == LEASE then
-        local fit = math.floor((capacity - b) / u)
+        local fit = floor((capacity - b) / u)
         if room == nil or fit < room then
           room = fit
         end
@@ -103,13 +105,13 @@ for k = 1, #KEYS do
       -- stamp) may not cover that.
       local drained = 0
       for i = 1, n do
-        drained = math.max(drained, math.ceil(backlogs[i] / drains[i]))
+        drained = max(drained, ceil(backlogs[i] / drains[i]))
       end
       if reweighed or t + drained > written + windows[n] then
-        local ms = math.ceil(drained / 1000)
-        local left = redis.call('PTTL', key)
+        local ms = ceil(drained / 1000)
+        local left = call('PTTL', key)
         if left >= 0 and left < ms then
-          redis.call('PEXPIRE', key, ms)
+          call('PEXPIRE', key, ms)
         end
       end
     end
@@ -117,12 +119,12 @@ for k = 1, #KEYS do
       allowed, retry = 1, -1
       if record ~= LOOK then
         if record == LEASE then
-          local take = math.min(want, room)
+          local take = min(want, room)
           allowed, cost, leased = 1 + take - cost, take, now
         end
         local value
         for i = 1, n do
-          backlogs[i] = math.min(backlogs[i] + cost * weights[i], MAX_UNITS)
+          backlogs[i] = min(backlogs[i] + cost * weights[i], MAX_UNITS)
         end
         if n == 1 then
           value = spack('<lllll', stamp, backlogs[1], weights[1], born, leased)
@@ -136,15 +138,15 @@ for k = 1, #KEYS do
         end
         -- The longest window, later by a stamp past now, longer under an override's counts
         -- (gcra.lua).
-        local ttl = windows[n] + math.max(stamp - now, 0)
+        local ttl = windows[n] + max(stamp - now, 0)
         if stretch_num > stretch_den then
-          ttl = math.min(math.ceil(ttl * stretch_num / stretch_den), 1125899906842624)
+          ttl = min(ceil(ttl * stretch_num / stretch_den), 1125899906842624)
         end
-        redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
+        call('PSETEX', key, text(ceil(ttl / 1000)), value)
       end
       local least
       for i = 1, n do
-        local remaining = math.floor(((windows[i] - h) * drains[i] - backlogs[i]) / weights[i])
+        local remaining = floor(((windows[i] - h) * drains[i] - backlogs[i]) / weights[i])
         if least == nil or remaining < least then
           least, reported = remaining, i
         end
@@ -152,8 +154,8 @@ for k = 1, #KEYS do
     end
     local w, b = windows[reported], backlogs[reported]
     local u, d = weights[reported], drains[reported]
-    reply[k] = spack('<llllll', allowed, reported - 1, math.max(math.floor(((w - h) * d - b) / u), 0),
-      math.ceil(b / d), retry, overridden and counts[reported] or -1)
+    reply[k] = spack('<llllll', allowed, reported - 1, max(floor(((w - h) * d - b) / u), 0),
+      ceil(b / d), retry, overridden and counts[reported] or -1)
   end
 end
 
