@@ -20,9 +20,10 @@
 -- MAX_UNITS, and an event time further back than the longest window (which sliding_log.lua
 -- answers TOO_OLD). It answers so before it writes anything.
 --
--- Commands: the newest event first (ZRANGE -1 -1); none: the set is empty, and an admission
--- is ZADD and PEXPIREAT alone. Else the first event of each window (ZRANGEBYSCORE LIMIT 0 1),
--- then ZADD and PEXPIREAT: four on a warm key (sliding_log.lua: five).
+-- Commands: the newest event first (ZRANGE -1 -1); where the set is empty, or its newest
+-- event is older than every window, an admission is ZADD and PEXPIREAT alone. Else the first
+-- event of each window that holds the newest (ZRANGEBYSCORE LIMIT 0 1), then ZADD and
+-- PEXPIREAT: four on a warm key (sliding_log.lua: five), three on a cold one.
 -- Trim: sliding_log.lua trims events at or before twice the longest window L (with headroom)
 -- before now in every decision. This tier trims the same range once per span of L of Redis
 -- time, when the newest event is in an earlier span than now, and where the newest event
@@ -117,7 +118,8 @@ for k = 1, #KEYS do
     for i = 1, full and 0 or n do
       local c, w = counts[i], windows[i]
       local past, first_t, first_total, first_before = 0, false, 0, 0
-      if newest_t then
+      -- Read only where the newest event is in the window: else it holds none.
+      if newest_t and newest_t > t - w then
         local first = call('ZRANGEBYSCORE', key, text(t - w + 1), text(t), 'LIMIT', '0', '1')[1]
         if first then
           local weight
