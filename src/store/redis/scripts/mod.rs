@@ -138,10 +138,6 @@ impl Scripts {
 
     /// Whether `algorithm` has a plain script of its own, which decides a plain request for
     /// less than its full script does (else [`Tier::Plain`] is the full script).
-    #[cfg_attr(
-        not(test),
-        expect(dead_code, reason = "the store sends every request to the full tier")
-    )]
     pub(crate) fn has_plain(algorithm: Algorithm) -> bool {
         matches!(algorithm, Algorithm::SlidingLog | Algorithm::Gcra)
     }
