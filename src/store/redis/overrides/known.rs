@@ -374,6 +374,8 @@ impl Known {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn api() -> Policy {
@@ -434,5 +436,85 @@ mod tests {
         assert_eq!(blocked.kind(), (BLOCK, &[][..]));
         assert_eq!(at_7.kind(), (COUNTS, &[[99, 1]][..]));
         assert_eq!(Resolution::Unknown.kind(), (NONE, &[][..]));
+    }
+
+    /// A lane confirmed by a full call at generation 0 (no override), under token 5.
+    fn confirmed_at(known: &Known, sent: Instant) -> Resolution {
+        known.learn(0, EMPTY, std::iter::empty(), Some((sent, 5)));
+        Resolution::At {
+            generation: EMPTY,
+            applies: Applies::Nothing,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_confirmation_lets_the_plain_tier_decide_for_less_than_follow_from_its_send() {
+        let known = Known::new(1);
+        let policy = api();
+        let all = policy.owner().all_id();
+        // Nothing confirmed yet: full.
+        assert!(!known.plain_ok(0, &Resolution::Unknown, 5));
+        let sent = Instant::now();
+        tokio::time::advance(Duration::from_millis(40)).await;
+        let resolution = confirmed_at(&known, sent);
+        assert_eq!(known.resolve(0, "k", all, 0, &policy), resolution);
+        assert!(known.plain_ok(0, &resolution, 5));
+        // Counted from the call's send, not its reply.
+        tokio::time::advance(FOLLOW - Duration::from_millis(41)).await;
+        assert!(known.plain_ok(0, &resolution, 5));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(!known.plain_ok(0, &resolution, 5));
+        // A reply to a call sent before the latest confirmation confirms nothing newer.
+        known.learn(0, EMPTY, std::iter::empty(), Some((sent, 5)));
+        assert!(!known.plain_ok(0, &resolution, 5));
+        known.learn(0, EMPTY, std::iter::empty(), Some((Instant::now(), 5)));
+        assert!(known.plain_ok(0, &resolution, 5));
+        // A plain call's reply (no send) confirms nothing.
+        tokio::time::advance(FOLLOW).await;
+        known.learn(0, EMPTY, std::iter::empty(), None);
+        assert!(!known.plain_ok(0, &resolution, 5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_change_of_the_limits_version_ends_a_confirmation_at_once() {
+        let known = Known::new(1);
+        let resolution = confirmed_at(&known, Instant::now());
+        assert!(known.plain_ok(0, &resolution, 5));
+        // Another version was read since the confirming call was sent.
+        assert!(!known.plain_ok(0, &resolution, 6));
+        // The version unread for too long (`Limits::token`), even where it was 5 before.
+        assert!(!known.plain_ok(0, &resolution, UNCONFIRMED));
+        known.learn(
+            0,
+            EMPTY,
+            std::iter::empty(),
+            Some((Instant::now(), UNCONFIRMED)),
+        );
+        assert!(!known.plain_ok(0, &resolution, UNCONFIRMED));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_a_resolution_at_the_confirmed_generation_goes_plain() {
+        let known = Known::new(2);
+        let policy = api();
+        let all = policy.owner().all_id();
+        let all_text = all.to_string();
+        let own = counts(policy.override_id(), 99);
+        let fields = [(&b"k"[..], Some(&own[..])), (all_text.as_bytes(), None)];
+        known.learn(0, 7, fields.into_iter(), Some((Instant::now(), 5)));
+        let at_7 = known.resolve(0, "k", all, 0, &policy);
+        assert!(matches!(at_7, Resolution::At { generation: 7, .. }));
+        assert!(known.plain_ok(0, &at_7, 5));
+        // A field the call did not read: unknown, so full.
+        let unknown = known.resolve(0, "j", all, 0, &policy);
+        assert_eq!(unknown, Resolution::Unknown);
+        assert!(!known.plain_ok(0, &unknown, 5));
+        // Another lane is not confirmed by this one's call.
+        assert!(!known.plain_ok(1, &at_7, 5));
+        // A full call sent later confirms generation 8: what was resolved at 7 goes full.
+        tokio::time::advance(Duration::from_millis(1)).await;
+        known.learn(0, 8, std::iter::empty(), Some((Instant::now(), 5)));
+        assert!(!known.plain_ok(0, &at_7, 5));
+        assert_eq!(known.resolve(0, "k", all, 0, &policy), Resolution::Unknown);
     }
 }
