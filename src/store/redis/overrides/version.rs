@@ -35,8 +35,8 @@ use crate::store::UNCONFIRMED_LIMITS as UNCONFIRMED;
 /// the deny cache by a reading of the limits version no older than this ([`STALE`]).
 pub(in crate::store::redis) const FOLLOW: Duration = Duration::from_millis(250);
 
-/// How often a store reads the limits version: twice per [`FOLLOW`], so that one slow read
-/// does not stop a healthy instance.
+/// How often a store reads the limits version: twice per [`FOLLOW`], so that a healthy
+/// instance whose one read fails or is slow still has an answered read within [`STALE`].
 pub(in crate::store::redis) const WATCH: Duration =
     Duration::from_millis(FOLLOW.as_millis() as u64 / 2);
 
@@ -226,6 +226,15 @@ mod tests {
         // One sent after it: the hash is gone.
         tokio::time::advance(Duration::from_micros(20)).await;
         assert_eq!(limits.seen(reading(None, 0), at(50)), Change::Lost);
+    }
+
+    #[test]
+    fn leases_cached_refusals_and_plain_decisions_follow_within_one_bound() {
+        // The promise (`docs/promises.md`), one figure for every path.
+        assert_eq!(FOLLOW, Duration::from_millis(250));
+        assert_eq!(STALE, FOLLOW);
+        // Two reads per bound: one read that fails does not stop a healthy instance.
+        assert_eq!(WATCH * 2, FOLLOW);
     }
 
     #[tokio::test(start_paused = true)]
