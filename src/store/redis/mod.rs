@@ -160,7 +160,7 @@ impl Inner {
         units: (u64, u64),
         at: i64,
         record: Record,
-        late: Option<GiveBack>,
+        late: Option<Arc<GiveBack>>,
     ) -> Result<Answer, StoreError> {
         super::in_range(policy)?;
         let resolution = wire::resolve(policy, &place, self.batcher.known());
@@ -459,15 +459,21 @@ impl RedisStore {
     /// What reads the answer to a decision of `cost` under `policy` (at event time `at`, or
     /// now) that its caller never read ([`GiveBack::late`]). `units` is the decision's cost
     /// and the attempt it is (0: none), whose settle the refund is.
-    fn give_back_late(&self, key: &Key, policy: &Policy, units: (u32, u64), at: i64) -> GiveBack {
+    fn give_back_late(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        units: (u32, u64),
+        at: i64,
+    ) -> Arc<GiveBack> {
         // Weak: a store dropped meanwhile gives nothing back (its tasks end with it).
-        GiveBack {
+        Arc::new(GiveBack {
             inner: Arc::downgrade(&self.inner),
             key: key.clone(),
             policy: policy.clone(),
             units,
             at,
-        }
+        })
     }
 
     /// Gives back every unit this instance holds in leases and takes no more: decisions go to
@@ -640,9 +646,8 @@ impl Store for RedisStore {
 }
 
 /// What gives back the units recorded by a decision whose answer its caller never read
-/// ([`late`](Self::late)); cloned for a plain request, whose second call (on the full tier)
-/// needs one of its own.
-#[derive(Clone)]
+/// ([`late`](Self::late)); shared (`Arc`) so that a plain request, whose second call (on the
+/// full tier) needs one of its own, copies nothing, and a decision's future holds a pointer.
 struct GiveBack {
     inner: Weak<Inner>,
     key: Key,
@@ -659,18 +664,20 @@ impl GiveBack {
     /// checks as any refund (the state that recorded them, by the admission's time). A slot it
     /// took goes back through `Unheld`. An answer that decided nothing (the plain tier's
     /// [`FULL_PATH`](wire::FULL_PATH)) gives nothing back.
-    fn late(self) -> Late {
-        let GiveBack {
-            inner,
-            key,
-            policy,
-            units: (cost, attempt),
-            at,
-        } = self;
+    fn late(self: Arc<Self>) -> Late {
         Box::new(move |answered| {
+            let GiveBack {
+                inner,
+                key,
+                policy,
+                units: (cost, attempt),
+                at,
+            } = &*self;
+            let (cost, attempt, at) = (*cost, *attempt, *at);
             let (Ok(answer), Some(inner)) = (answered, inner.upgrade()) else {
                 return;
             };
+            let (key, policy) = (key.clone(), policy.clone());
             let store = RedisStore { inner };
             let Ok(verdict) = answer.verdict(&policy) else {
                 return;
