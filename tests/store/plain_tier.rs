@@ -7,6 +7,7 @@
 use std::time::{Duration, Instant};
 
 use crate::support::{command_calls, evalsha_calls, RedisServer};
+use tower_redis_ratelimit::store::Leases;
 use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store};
 
 /// How long the plain tier goes by the overrides a full call confirmed (`docs/promises.md`).
@@ -79,6 +80,31 @@ async fn a_policy_with_a_box_or_slots_is_decided_by_the_full_scripts() {
         assert!(
             calls >= 100 && reads == calls,
             "{calls} calls, {reads} reads"
+        );
+    }
+}
+
+/// A leasing store's lease calls, each a call of its own outside the batches, go to the plain
+/// scripts too: the reads of the hash of overrides stay at about one per 250 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_calls_go_to_the_plain_scripts() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder(server.url())
+        .leases(Leases::new())
+        .connect()
+        .await
+        .unwrap();
+    for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
+        let policy = Policy::new("api", ["100000/1m".parse().unwrap()])
+            .unwrap()
+            .with_algorithm(algorithm);
+        let (calls, reads, took) = decide(&server, &store, &policy, 20_000).await;
+        let confirmations = took.as_millis() as u64 / FOLLOW.as_millis() as u64 + 2;
+        eprintln!("{algorithm:?}: {calls} calls, {reads} reads in {took:?}");
+        assert!(calls >= 20, "{algorithm:?}: {calls} calls");
+        assert!(
+            reads <= confirmations,
+            "{algorithm:?}: {reads} reads of the overrides in {calls} calls over {took:?}"
         );
     }
 }

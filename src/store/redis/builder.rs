@@ -344,6 +344,7 @@ impl RedisStoreBuilder {
                 scripts,
                 known: overrides::Known::new(lanes),
                 limits: Arc::clone(&limits),
+                plain: self.plain_scripts,
                 max_batch: self.max_batch,
                 // Without batching, waiting for a call permit gains nothing: send everything at
                 // once, as fred pipelines it.
@@ -373,7 +374,6 @@ impl RedisStoreBuilder {
                 .collect(),
             leases: self.leases.map(lease::Leasing::new),
             limits,
-            plain: self.plain_scripts,
             waiting: Default::default(),
             next_slot: AtomicU64::new(random_start()),
             claims: Default::default(),

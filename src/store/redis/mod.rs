@@ -93,8 +93,6 @@ struct Inner {
     leases: Option<lease::Leasing>,
     /// What this store knows of the limits version in Redis (`overrides/version.rs`).
     limits: Arc<overrides::Limits>,
-    /// Whether plain requests go to the plain tier (`RedisStoreBuilder::plain_scripts`).
-    plain: bool,
     /// The id of the next concurrency slot taken: from a random start per store, so that
     /// instances sharing Redis take different ids, below 2^52 (exact in Lua's doubles).
     next_slot: AtomicU64,
@@ -201,7 +199,7 @@ impl Inner {
         record: &Record,
         resolution: &overrides::Resolution,
     ) -> Tier {
-        let plain = self.plain
+        let plain = self.batcher.plain()
             && Scripts::has_plain(policy.algorithm())
             && wire::plain_eligible(record, policy, attempt, at)
             && (self.batcher.known()).plain_ok(place.lane, resolution, self.limits.token());

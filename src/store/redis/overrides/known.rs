@@ -240,15 +240,25 @@ impl Known {
         resolution: &Resolution,
         token: u64,
     ) -> bool {
-        let Resolution::At { generation, .. } = resolution else {
-            return false;
-        };
+        match resolution {
+            Resolution::At { generation, .. } => self.plain_ok_at(lane, *generation, token),
+            Resolution::Unknown => false,
+        }
+    }
+
+    /// [`plain_ok`](Self::plain_ok) of a request resolved at generation `generation`.
+    pub(in crate::store::redis) fn plain_ok_at(
+        &self,
+        lane: usize,
+        generation: i64,
+        token: u64,
+    ) -> bool {
         let confirmed = &self.confirmed[lane % self.confirmed.len()];
         let sent = confirmed.sent.load(Ordering::Acquire);
         let now = self.micros(Instant::now()) + 1;
         sent != 0
             && now < sent.saturating_add(FOLLOW.as_micros() as u64)
-            && confirmed.generation.load(Ordering::Acquire) == *generation
+            && confirmed.generation.load(Ordering::Acquire) == generation
             && token != UNCONFIRMED
             && confirmed.token.load(Ordering::Acquire) == token
     }

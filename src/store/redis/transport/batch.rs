@@ -191,6 +191,10 @@ impl Batcher {
     /// comes (see `lease/`). In a cluster, redirections are followed as a few at most; a
     /// hash slot that keeps moving, or keys split by a migration (`TRYAGAIN`), fail the call
     /// (nothing ran).
+    ///
+    /// A look, admission or lease that the plain tier decides goes there while the lane's
+    /// overrides are confirmed ([`Settings::tier`]), and again to the full tier where the
+    /// plain one answers [`FULL_PATH`](wire::FULL_PATH).
     pub(crate) async fn decide_patiently(
         &self,
         place: Place,
@@ -198,19 +202,52 @@ impl Batcher {
         args: Vec<u8>,
         patience: Duration,
     ) -> Answered {
-        let script = self.settings.scripts.of(algorithm, Tier::Full);
-        let keys = vec![Key::from(place.key)];
-        let overrides = self.settings.overrides_of(place.lane);
+        let tier = self.settings.tier(place.lane, algorithm, &args);
+        let key = Key::from(place.key);
         let (head, args) = args.split_at(HEAD.min(args.len()));
         let mut heads = Heads::with_capacity(1);
         heads.push(head, args);
-        let args = Bytes::copy_from_slice(args);
-        let argv = wire::argv(args, overrides, heads.bytes(), Vec::new());
-        let sent = self.settings.sent_now();
-        let values: Bytes = self.evalsha_patiently(script, keys, argv, patience).await?;
+        let (args, heads) = (Bytes::copy_from_slice(args), heads.bytes());
+        let call = |tier| {
+            let script = ScriptId { algorithm, tier };
+            let argv = wire::argv(
+                args.clone(),
+                self.settings.overrides_of(place.lane),
+                heads.clone(),
+                Vec::new(),
+            );
+            self.call_patiently(place.lane, key.clone(), script, argv, patience)
+        };
+        let answer = call(tier).await?;
+        match tier == Tier::Plain && answer.ints[1] == wire::FULL_PATH {
+            true => call(Tier::Full).await,
+            false => Ok(answer),
+        }
+    }
+
+    /// One call of `script` for the request of `key` in lane `lane`, with arguments `argv`,
+    /// waiting up to `patience` ([`decide_patiently`](Self::decide_patiently)).
+    async fn call_patiently(
+        &self,
+        lane: usize,
+        key: Key,
+        script: ScriptId,
+        argv: Vec<Value>,
+        patience: Duration,
+    ) -> Answered {
+        let sent = (script.tier == Tier::Full).then(|| self.settings.sent_now());
+        let lua = self.settings.scripts.of(script.algorithm, script.tier);
+        let values: Bytes = self
+            .evalsha_patiently(lua, vec![key], argv, patience)
+            .await?;
         check_length(&values, 1, 0)?;
-        self.settings.learn(place.lane, &values, (1, 0), Some(sent));
+        self.settings.learn(lane, &values, (1, 0), sent);
         Ok(answer(&values, 1, 0))
+    }
+
+    /// Whether plain requests go to the plain tier (`RedisStoreBuilder::plain_scripts`).
+    pub(crate) fn plain(&self) -> bool {
+        self.settings.plain
     }
 
     /// The override fields this store's calls have read (`overrides/known.rs`).

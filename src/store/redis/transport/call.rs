@@ -138,6 +138,8 @@ pub(crate) struct Settings {
     /// What the store knows of the limits version (`overrides/version.rs`): a full call
     /// confirms its lane's overrides under the version's token when it was sent.
     pub(crate) limits: Arc<Limits>,
+    /// Whether plain requests go to the plain tier (`RedisStoreBuilder::plain_scripts`).
+    pub(crate) plain: bool,
     pub(crate) max_batch: usize,
     /// The call permits of each lane: how many of its calls may be under way at once.
     pub(crate) in_flight: usize,
@@ -166,6 +168,22 @@ impl Settings {
     ) {
         let (generation, fields) = wire::read(values, decisions, slot_ops);
         self.known.learn(lane, generation, fields.flatten(), sent);
+    }
+
+    /// The tier of a request of lane `lane` under `algorithm` encoded as `args`
+    /// ([`wire::encode_for`]): the plain one where it decides such a request
+    /// ([`wire::plain_generation`]) and the overrides the request was resolved by are
+    /// confirmed (`overrides/known.rs`, "The plain tier"), else the full one.
+    pub(crate) fn tier(&self, lane: usize, algorithm: Algorithm, args: &[u8]) -> Tier {
+        let plain = self.plain
+            && Scripts::has_plain(algorithm)
+            && wire::plain_generation(args).is_some_and(|generation| {
+                (self.known).plain_ok_at(lane, generation, self.limits.token())
+            });
+        match plain {
+            true => Tier::Plain,
+            false => Tier::Full,
+        }
     }
 
     /// Now and the limits version's token now, taken as a full call is sent: what its reply
