@@ -10,9 +10,11 @@
 //! Which override decides: [`Scope`].
 //!
 //! On Redis an override lives in a hash per hash tag, in the hash slot of the keys it governs
-//! (`src/store/redis/overrides/`), and the decision's own script reads it in the same call:
-//! no round trip of its own, batching unchanged. The memory store keeps them in this process
-//! (`override_table.rs`).
+//! (`src/store/redis/overrides/`), and the decision's own script reads it in the same call
+//! (no round trip of its own, batching unchanged), or, for a plain decision, goes by what the
+//! store read within the last 250 ms: every instance follows a change within 250 ms of the
+//! call that made it. The memory store keeps them in this process (`override_table.rs`) and
+//! follows a change at once.
 
 use std::fmt;
 use std::str::FromStr;

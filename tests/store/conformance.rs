@@ -6,7 +6,7 @@ use crate::support::conformance::{self, SCENARIOS};
 use crate::support::RedisServer;
 use crate::support::ALGORITHMS;
 use tower_redis_ratelimit::test_util::tokio_clock_at;
-use tower_redis_ratelimit::MemoryStore;
+use tower_redis_ratelimit::{MemoryStore, RedisStore};
 
 /// A memory store whose virtual clock starts at the epoch, a boundary of every window.
 fn memory() -> MemoryStore {
@@ -23,13 +23,17 @@ async fn memory_store_passes_every_scenario() {
 }
 
 /// Scenarios run concurrently, each on its own server, so the whole table takes one scenario's
-/// real time.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_store_passes_every_scenario() {
+/// real time. `plain`: whether plain requests go to the plain scripts (the default) or every
+/// request to the full ones.
+async fn redis_store_passes(plain: bool) {
     let servers: Vec<RedisServer> = SCENARIOS.iter().map(|_| RedisServer::start()).collect();
     let mut runs = Vec::new();
     for (server, scenario) in servers.iter().zip(SCENARIOS) {
-        let store = server.store().await;
+        let store = RedisStore::builder(server.url())
+            .plain_scripts(plain)
+            .connect()
+            .await
+            .expect("connect store");
         runs.push(tokio::spawn(async move {
             conformance::run(&store, scenario, Duration::from_millis(60)).await;
         }));
@@ -37,6 +41,16 @@ async fn redis_store_passes_every_scenario() {
     for run in runs {
         run.await.unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_passes_every_scenario() {
+    redis_store_passes(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_passes_every_scenario_on_the_full_scripts_alone() {
+    redis_store_passes(false).await;
 }
 
 #[tokio::test]

@@ -8,6 +8,7 @@ mod batching;
 mod conformance;
 mod event_time;
 mod leases;
+mod plain_tier;
 mod settlement;
 mod sliding_log;
 mod steps;

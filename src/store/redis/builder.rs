@@ -37,6 +37,8 @@ pub struct RedisStoreBuilder {
     retry_interval: Duration,
     leases: Option<Leases>,
     cluster_tags: usize,
+    /// Whether plain requests go to the plain tier ([`plain_scripts`](Self::plain_scripts)).
+    plain_scripts: bool,
     #[cfg(feature = "tls")]
     tls: Option<fred::types::config::TlsConnector>,
 }
@@ -54,9 +56,21 @@ impl RedisStoreBuilder {
             retry_interval: Duration::from_millis(500),
             leases: None,
             cluster_tags: RedisStore::DEFAULT_CLUSTER_TAGS,
+            plain_scripts: true,
             #[cfg(feature = "tls")]
             tls: None,
         }
+    }
+
+    /// Whether looks, admissions and leases of a policy without penalty box, concurrency
+    /// limit or attempts go to the plain scripts, which do only what such a decision needs
+    /// (on by default); off, every request runs the full scripts. For tests and measurements
+    /// that compare the two: both decide alike.
+    #[cfg(feature = "test-util")]
+    #[doc(hidden)]
+    pub fn plain_scripts(mut self, on: bool) -> Self {
+        self.plain_scripts = on;
+        self
     }
 
     /// Takes shares of each busy key's budget from Redis ahead of need (leases) and decides
@@ -314,6 +328,7 @@ impl RedisStoreBuilder {
             None => Placement::PerClient,
         };
         let lanes = placement.lanes();
+        let limits = Arc::new(overrides::Limits::new());
         let batcher = Batcher::spawn(
             lanes,
             Settings {
@@ -328,6 +343,8 @@ impl RedisStoreBuilder {
                 },
                 scripts,
                 known: overrides::Known::new(lanes),
+                limits: Arc::clone(&limits),
+                plain: self.plain_scripts,
                 max_batch: self.max_batch,
                 // Without batching, waiting for a call permit gains nothing: send everything at
                 // once, as fred pipelines it.
@@ -356,7 +373,7 @@ impl RedisStoreBuilder {
                 .map(|_| Breaker::new(self.retry_interval))
                 .collect(),
             leases: self.leases.map(lease::Leasing::new),
-            limits: overrides::Limits::new(),
+            limits,
             waiting: Default::default(),
             next_slot: AtomicU64::new(random_start()),
             claims: Default::default(),

@@ -13,7 +13,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime};
 
 use fred::prelude::KeysInterface;
@@ -35,8 +35,9 @@ pub use builder::RedisStoreBuilder;
 pub use lease::Leases;
 
 use placement::{Place, Placement};
+use scripts::{Scripts, Tier};
 use transport::batch::Batcher;
-use transport::call::Late;
+use transport::call::{Late, ScriptId};
 use transport::health::{is_outage, Breaker};
 use wire::{Answer, Answered, Record, SlotOp};
 
@@ -91,7 +92,7 @@ struct Inner {
     /// Set when the store leases ([`RedisStoreBuilder::leases`]).
     leases: Option<lease::Leasing>,
     /// What this store knows of the limits version in Redis (`overrides/version.rs`).
-    limits: overrides::Limits,
+    limits: Arc<overrides::Limits>,
     /// The id of the next concurrency slot taken: from a random start per store, so that
     /// instances sharing Redis take different ids, below 2^52 (exact in Lua's doubles).
     next_slot: AtomicU64,
@@ -146,6 +147,10 @@ impl Inner {
 
     /// [`decide`](Self::decide), with `late` reading the reply if it comes after the budget
     /// (or after the caller went away): see `transport/call.rs`, "Replies after the budget".
+    ///
+    /// A request goes to the plain tier where [`tier`](Self::tier) says so; one that the plain
+    /// tier answers [`FULL_PATH`](wire::FULL_PATH) (it recorded nothing) goes again to the
+    /// full tier, within the same budget.
     async fn decide_or_late(
         &self,
         place: Place,
@@ -153,14 +158,55 @@ impl Inner {
         units: (u64, u64),
         at: i64,
         record: Record,
-        late: Option<Late>,
+        late: Option<Arc<GiveBack>>,
     ) -> Result<Answer, StoreError> {
         super::in_range(policy)?;
-        let args = wire::encode_for(policy, &place, units, record, at, self.batcher.known());
-        // The budget covers the whole decision: the queue, the call and a script reload.
-        let lane = place.lane;
-        let decision = self.batcher.decide(place, policy.algorithm(), args, late);
+        let resolution = wire::resolve(policy, &place, self.batcher.known());
+        let tier = self.tier(&place, policy, (units.1, at), &record, &resolution);
+        let args = wire::encode_with(policy, &place, units, record, at, &resolution);
+        let args = bytes::Bytes::from(args);
+        let (lane, algorithm) = (place.lane, policy.algorithm());
+        // Shared bytes: a second call costs no copy of the key.
+        let key = fred::types::Key::from(place.key);
+        // The budget covers the whole decision: the queue, the calls and a script reload.
+        let decision = async {
+            if tier == Tier::Plain {
+                let plain = ScriptId { algorithm, tier };
+                let first = late.clone().map(GiveBack::late);
+                let answer = (self.batcher)
+                    .decide(lane, key.clone(), plain, args.clone(), first)
+                    .await?;
+                if answer.ints[1] != wire::FULL_PATH {
+                    return Ok(answer);
+                }
+            }
+            let full = ScriptId::full(algorithm);
+            let late = late.map(GiveBack::late);
+            self.batcher.decide(lane, key, full, args, late).await
+        };
         self.guarded(lane, decision).await
+    }
+
+    /// The tier that decides a request of `record` under `policy` at `place`, as `attempt`
+    /// (0: none) at event time `at` (-1: now), whose override is `resolution`: the plain
+    /// tier where it decides such a request (`wire::plain_eligible`) and the lane's
+    /// overrides are confirmed (`overrides/known.rs`, "The plain tier"), else the full one.
+    fn tier(
+        &self,
+        place: &Place,
+        policy: &Policy,
+        (attempt, at): (u64, i64),
+        record: &Record,
+        resolution: &overrides::Resolution,
+    ) -> Tier {
+        let plain = self.batcher.plain()
+            && Scripts::has_plain(policy.algorithm())
+            && wire::plain_eligible(record, policy, attempt, at)
+            && (self.batcher.known()).plain_ok(place.lane, resolution, self.limits.token());
+        match plain {
+            true => Tier::Plain,
+            false => Tier::Full,
+        }
     }
 
     /// A new concurrency slot id.
@@ -409,53 +455,22 @@ impl RedisStore {
     }
 
     /// What reads the answer to a decision of `cost` under `policy` (at event time `at`, or
-    /// now) that its caller never read (it took longer than the time budget, or the caller
-    /// went away): the units an admission recorded then are ones no request accounts for (the
-    /// caller saw a failure, and the layer followed its failure mode), so they are refunded,
-    /// as a refused request's would be, under the same checks as any refund (the state that
-    /// recorded them, by the admission's time). A slot it took goes back through `Unheld`.
-    /// `units` is the decision's cost and the attempt it is (0: none), whose settle the
-    /// refund is.
-    fn give_back_late(&self, key: &Key, policy: &Policy, units: (u32, u64), at: i64) -> Late {
-        let (cost, attempt) = units;
+    /// now) that its caller never read ([`GiveBack::late`]). `units` is the decision's cost
+    /// and the attempt it is (0: none), whose settle the refund is.
+    fn give_back_late(
+        &self,
+        key: &Key,
+        policy: &Policy,
+        units: (u32, u64),
+        at: i64,
+    ) -> Arc<GiveBack> {
         // Weak: a store dropped meanwhile gives nothing back (its tasks end with it).
-        let (inner, key, policy) = (Arc::downgrade(&self.inner), key.clone(), policy.clone());
-        Box::new(move |answered| {
-            let (Ok(answer), Some(inner)) = (answered, inner.upgrade()) else {
-                return;
-            };
-            let store = RedisStore { inner };
-            let Ok(verdict) = answer.verdict(&policy) else {
-                return;
-            };
-            let decision = verdict
-                .decision(&policy)
-                .recorded_at(Some(decided_at(&answer, at)), cost.into())
-                .as_attempt(attempt);
-            let Some(refund) = Settlement::refund(&decision, cost.into()) else {
-                return;
-            };
-            tracing::debug!(
-                target: "tower_redis_ratelimit",
-                policy = policy.name(),
-                key = %key.loggable(),
-                units = cost,
-                "a decision answered after its time budget: the units it recorded are given back"
-            );
-            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-                return;
-            };
-            runtime.spawn(async move {
-                if let Err(error) = store.settle_units(&key, &policy, refund, false).await {
-                    tracing::warn!(
-                        target: "tower_redis_ratelimit",
-                        policy = policy.name(),
-                        key = %key.loggable(),
-                        error = %crate::chain::Chain(&error),
-                        "the refund of a decision answered after its time budget failed"
-                    );
-                }
-            });
+        Arc::new(GiveBack {
+            inner: Arc::downgrade(&self.inner),
+            key: key.clone(),
+            policy: policy.clone(),
+            units,
+            at,
         })
     }
 
@@ -625,6 +640,75 @@ impl Store for RedisStore {
             });
         }
         self.settle_units(key, policy, settlement, true)
+    }
+}
+
+/// What gives back the units recorded by a decision whose answer its caller never read
+/// ([`late`](Self::late)); shared (`Arc`) so that a plain request, whose second call (on the
+/// full tier) needs one of its own, copies nothing, and a decision's future holds a pointer.
+struct GiveBack {
+    inner: Weak<Inner>,
+    key: Key,
+    policy: Policy,
+    units: (u32, u64),
+    at: i64,
+}
+
+impl GiveBack {
+    /// What reads the answer to the decision that its caller never read (it took longer than
+    /// the time budget, or the caller went away): the units an admission recorded then are
+    /// ones no request accounts for (the caller saw a failure, and the layer followed its
+    /// failure mode), so they are refunded, as a refused request's would be, under the same
+    /// checks as any refund (the state that recorded them, by the admission's time). A slot it
+    /// took goes back through `Unheld`. An answer that decided nothing (the plain tier's
+    /// [`FULL_PATH`](wire::FULL_PATH)) gives nothing back.
+    fn late(self: Arc<Self>) -> Late {
+        Box::new(move |answered| {
+            let GiveBack {
+                inner,
+                key,
+                policy,
+                units: (cost, attempt),
+                at,
+            } = &*self;
+            let (cost, attempt, at) = (*cost, *attempt, *at);
+            let (Ok(answer), Some(inner)) = (answered, inner.upgrade()) else {
+                return;
+            };
+            let (key, policy) = (key.clone(), policy.clone());
+            let store = RedisStore { inner };
+            let Ok(verdict) = answer.verdict(&policy) else {
+                return;
+            };
+            let decision = verdict
+                .decision(&policy)
+                .recorded_at(Some(decided_at(&answer, at)), cost.into())
+                .as_attempt(attempt);
+            let Some(refund) = Settlement::refund(&decision, cost.into()) else {
+                return;
+            };
+            tracing::debug!(
+                target: "tower_redis_ratelimit",
+                policy = policy.name(),
+                key = %key.loggable(),
+                units = cost,
+                "a decision answered after its time budget: the units it recorded are given back"
+            );
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                return;
+            };
+            runtime.spawn(async move {
+                if let Err(error) = store.settle_units(&key, &policy, refund, false).await {
+                    tracing::warn!(
+                        target: "tower_redis_ratelimit",
+                        policy = policy.name(),
+                        key = %key.loggable(),
+                        error = %crate::chain::Chain(&error),
+                        "the refund of a decision answered after its time budget failed"
+                    );
+                }
+            });
+        })
     }
 }
 

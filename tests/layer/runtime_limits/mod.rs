@@ -13,8 +13,8 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use crate::support::http::{api_key, instance, keyed, passes, served, LayerBody};
 use crate::support::time::Time;
-use crate::support::RedisServer;
 use crate::support::ALGORITHMS;
+use crate::support::{command_calls, RedisServer};
 use tower_redis_ratelimit::store::{ManualClock, Override, OverrideError, Overrides, Scope};
 use tower_redis_ratelimit::{
     Algorithm, Decision, Key, Limit, MemoryStore, Policy, PolicyError, RedisStore, Store,

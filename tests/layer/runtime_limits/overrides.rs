@@ -130,8 +130,7 @@ async fn overrides_on_redis() {
     }
 }
 
-/// Two instances on one Redis: what one sets, the other decides by at once (the override is
-/// read in the decision's own script call).
+/// Two instances on one Redis: what one sets, the other decides by, reading it back as set.
 #[tokio::test]
 async fn an_override_set_by_one_instance_governs_the_others() {
     let server = RedisServer::start();
@@ -144,11 +143,139 @@ async fn an_override_set_by_one_instance_governs_the_others() {
         .set(&sms, &Scope::Key(phone.clone()), &eight)
         .await
         .unwrap();
+    // Past the bound on following an override (see below).
+    tokio::time::sleep(FOLLOW).await;
     assert_eq!(admitted(&b, &phone, &sms, 6).await, 3);
     assert_eq!(
         b.overrides().get(&sms, &Scope::Key(phone)).await.unwrap(),
         Some(eight)
     );
+}
+
+/// The bound on following an override (`docs/promises.md`).
+const FOLLOW: Duration = Duration::from_millis(250);
+
+/// Two instances on one Redis. B decides a key every millisecond, on the plain scripts (which
+/// read no override: B reads the hash about once per 250 ms, not once per call), while A
+/// blocks the key. Every decision B starts 250 ms or more after A's `set` returned is refused:
+/// B follows within the bound, whether its next read of the limits version or the end of its
+/// lane's confirmation comes first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_deciding_on_the_plain_scripts_follows_an_override_within_250_ms() {
+    let server = RedisServer::start();
+    let (a, b): (RedisStore, RedisStore) = (server.store().await, server.store().await);
+    let redis = server.client().await;
+    for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
+        let sms = Policy::new("sms", [hourly(1_000_000)])
+            .unwrap()
+            .with_algorithm(algorithm);
+        let phone = Key::from(format!("+44770090{algorithm:?}"));
+        // B on the plain scripts: far fewer reads of the overrides than decisions.
+        let reads = command_calls(&redis, "hlen").await;
+        let started = tokio::time::Instant::now();
+        for _ in 0..100 {
+            assert!(check(&b, &phone, &sms).await.is_allowed());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let reads = command_calls(&redis, "hlen").await - reads;
+        let most = started.elapsed().as_millis() / FOLLOW.as_millis() + 2;
+        assert!(reads as u128 <= most, "{algorithm:?}: {reads} reads");
+
+        a.overrides()
+            .set(&sms, &Scope::Key(phone.clone()), &Override::Block)
+            .await
+            .unwrap();
+        let returned = tokio::time::Instant::now();
+        let (last_admitted, first_refused) = follow(&b, &phone, &sms, returned).await;
+        assert!(
+            last_admitted.is_none_or(|start| start < FOLLOW),
+            "{algorithm:?}: admitted a decision started {last_admitted:?} after the block \
+             (first refused {first_refused:?})"
+        );
+        assert!(first_refused.is_some(), "{algorithm:?}");
+    }
+}
+
+/// Decisions of `key` under `policy` through `store`, each timed from before it starts
+/// (since `from`), until 3 × [`FOLLOW`] after `from`: the start of the last one admitted and
+/// of the first one refused.
+async fn follow(
+    store: &RedisStore,
+    key: &Key,
+    policy: &Policy,
+    from: tokio::time::Instant,
+) -> (Option<Duration>, Option<Duration>) {
+    let (mut last_admitted, mut first_refused) = (None, None);
+    while from.elapsed() < 3 * FOLLOW {
+        let start = from.elapsed();
+        match check(store, key, policy).await.is_allowed() {
+            true => last_admitted = Some(start),
+            false => first_refused = first_refused.or(Some(start)),
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    (last_admitted, first_refused)
+}
+
+/// Copies the one override in the hash of overrides to `scratch`: the hash's name, the
+/// field and the value.
+const KEEP: &str = "for _, k in ipairs(redis.call('KEYS', '*')) do
+  if redis.call('TYPE', k).ok == 'hash' and redis.call('HEXISTS', k, '') == 1 then
+    local all = redis.call('HGETALL', k)
+    for i = 1, #all, 2 do
+      if all[i] ~= '' then
+        redis.call('HSET', KEYS[1], 'hash', k, 'field', all[i], 'value', all[i + 1])
+        return 1
+      end
+    end
+  end
+end
+return 0";
+
+/// Writes the override kept by [`KEEP`] back, and moves the hash's generation, as a write
+/// does, but raises no limits version: what a Redis Cluster's writer that died between its
+/// hash writes and its raise leaves behind.
+const UNANNOUNCED: &str = "local kept = redis.call('HMGET', KEYS[1], 'hash', 'field', 'value')
+redis.call('HSET', kept[1], kept[2], kept[3])
+local t = redis.call('TIME')
+redis.call('HSET', kept[1], '', string.format('%d', tonumber(t[1]) * 1000000 + tonumber(t[2])))
+return 1";
+
+/// An override written without its announcement (the limits version unchanged, as a Redis
+/// Cluster writer that died between its hash writes and its raise leaves it): an instance
+/// deciding on the plain scripts still follows it within 250 ms, once the full call that
+/// confirmed its lane is that old.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_override_written_without_its_announcement_is_followed_within_250_ms() {
+    use fred::interfaces::LuaInterface;
+
+    let server = RedisServer::start();
+    let (a, b): (RedisStore, RedisStore) = (server.store().await, server.store().await);
+    let redis = server.client().await;
+    let sms = Policy::new("sms", [hourly(1_000_000)]).unwrap();
+    let (phone, scope) = (
+        Key::from("+447700900999"),
+        Scope::Key(Key::from("+447700900999")),
+    );
+    // The block's field and value, kept aside; then no override at all.
+    let overrides = a.overrides();
+    overrides.set(&sms, &scope, &Override::Block).await.unwrap();
+    let kept: i64 = redis.eval(KEEP, vec!["scratch"], ()).await.unwrap();
+    assert_eq!(kept, 1);
+    assert!(overrides.remove(&sms, &scope).await.unwrap());
+    let removed = tokio::time::Instant::now();
+    let (admitted, _) = follow(&b, &phone, &sms, removed).await;
+    assert!(admitted.is_some_and(|start| start >= 2 * FOLLOW));
+
+    let _: i64 = redis.eval(UNANNOUNCED, vec!["scratch"], ()).await.unwrap();
+    let written = tokio::time::Instant::now();
+    let (last_admitted, first_refused) = follow(&b, &phone, &sms, written).await;
+    assert!(
+        last_admitted.is_none_or(|start| start < FOLLOW),
+        "admitted a decision started {last_admitted:?} after the write (first refused \
+         {first_refused:?})"
+    );
+    assert!(first_refused.is_some());
 }
 
 #[tokio::test]

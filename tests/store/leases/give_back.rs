@@ -110,7 +110,9 @@ async fn with_redis_gone_leases_are_served_until_they_expire_then_the_failure_mo
         }
     }
     eprintln!("after the kill: {served} served from leases, {failed} failed");
-    assert!(served > 50, "leased units are served while Redis is gone");
+    // Served until 250 ms after the last answered read of the limits version, which is sent
+    // every 125 ms: at least 125 ms of 5 ms ticks.
+    assert!(served > 15, "leased units are served while Redis is gone");
     assert_eq!(served_late, 0, "nothing is served once the leases expired");
     assert!(
         failed > 100,

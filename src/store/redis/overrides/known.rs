@@ -18,13 +18,28 @@
 //! A hash without a generation holds no override (none was written, or Redis lost its data):
 //! generation 0, where every field is known to be empty. The cache is bounded
 //! ([`CAPACITY`] fields); a field it does not hold is read by the script, as before.
+//!
+//! **The plain tier** (`scripts/plain.lua`) reads no hash: it goes by the override the
+//! arguments carry. So a request goes there only while its lane's overrides are *confirmed*
+//! ([`Known::plain_ok`]): a full call sent less than [`FOLLOW`] ago read the generation the
+//! request's resolution was made at, and the limits version has not changed since that call
+//! was sent. A full call reads the hash after its send, so every change made before the send
+//! is in what it confirmed; a change made since is either announced (the version moves, and
+//! the lane goes full at once) or not yet (a cluster writer between its hash writes and its
+//! raise), and then the confirmation runs out within [`FOLLOW`] and the next full call reads
+//! it. Either way a plain decision starting [`FOLLOW`] or more after an override was written
+//! goes by it. A lane unconfirmed goes full, which confirms it again: one full call per lane
+//! per [`FOLLOW`] under steady traffic.
 
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use quick_cache::Equivalent;
+use tokio::time::Instant;
 
+use super::version::FOLLOW;
+use crate::store::UNCONFIRMED_LIMITS as UNCONFIRMED;
 use crate::Policy;
 
 /// The most fields kept, over every lane: about a hundred bytes each.
@@ -171,6 +186,28 @@ impl Resolution {
 pub(in crate::store::redis) struct Known {
     generations: Vec<AtomicI64>,
     fields: quick_cache::sync::Cache<Field, (i64, Value)>,
+    /// Each lane's latest confirmation by a full call ([`Known::plain_ok`]).
+    confirmed: Vec<Confirmed>,
+    /// Held while a confirmation is written, so that writes do not interleave.
+    confirming: Mutex<()>,
+    /// Times are µs since this instant, on tokio's clock (paused time in tests).
+    origin: Instant,
+}
+
+/// What a full call to a lane read of its hash, and when it was sent.
+///
+/// Written generation and token first, then `sent` (release), under [`Known::confirming`];
+/// read `sent` first (acquire). A reader that sees a write's `sent` sees its generation and
+/// token, or a later write's, whose call was sent later still: either way the hash was at
+/// the generation it reads at some time after the `sent` it read.
+#[derive(Default)]
+struct Confirmed {
+    /// When the call was sent, µs since [`Known::origin`], plus one (0: never).
+    sent: AtomicU64,
+    /// The generation it read.
+    generation: AtomicI64,
+    /// The limits version's token (`version.rs`) when it was sent.
+    token: AtomicU64,
 }
 
 impl std::fmt::Debug for Known {
@@ -186,7 +223,65 @@ impl Known {
         Known {
             generations: (0..lanes.max(1)).map(|_| AtomicI64::new(UNKNOWN)).collect(),
             fields: quick_cache::sync::Cache::new(CAPACITY),
+            confirmed: (0..lanes.max(1)).map(|_| Confirmed::default()).collect(),
+            confirming: Mutex::new(()),
+            origin: Instant::now(),
         }
+    }
+
+    /// Whether a request of lane `lane` resolved as `resolution` may go to the plain tier,
+    /// which goes by the resolution without reading the hash (see the module's "The plain
+    /// tier"): the resolution is known, a full call sent less than [`FOLLOW`] ago read the
+    /// generation it was made at, and the limits version's `token` now (`Limits::token`) is
+    /// the one of when that call was sent, and confirmed.
+    pub(in crate::store::redis) fn plain_ok(
+        &self,
+        lane: usize,
+        resolution: &Resolution,
+        token: u64,
+    ) -> bool {
+        match resolution {
+            Resolution::At { generation, .. } => self.plain_ok_at(lane, *generation, token),
+            Resolution::Unknown => false,
+        }
+    }
+
+    /// [`plain_ok`](Self::plain_ok) of a request resolved at generation `generation`.
+    pub(in crate::store::redis) fn plain_ok_at(
+        &self,
+        lane: usize,
+        generation: i64,
+        token: u64,
+    ) -> bool {
+        let confirmed = &self.confirmed[lane % self.confirmed.len()];
+        let sent = confirmed.sent.load(Ordering::Acquire);
+        let now = self.micros(Instant::now()) + 1;
+        sent != 0
+            && now < sent.saturating_add(FOLLOW.as_micros() as u64)
+            && confirmed.generation.load(Ordering::Acquire) == generation
+            && token != UNCONFIRMED
+            && confirmed.token.load(Ordering::Acquire) == token
+    }
+
+    /// µs from [`origin`](Self::origin) to `at` (0 before it).
+    fn micros(&self, at: Instant) -> u64 {
+        let since = at.saturating_duration_since(self.origin);
+        u64::try_from(since.as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// Records that a full call to lane `lane` sent at `sent`, when the limits version's token
+    /// was `token`, read generation `generation`; a call sent before the latest confirmation
+    /// adds nothing.
+    fn confirm(&self, lane: usize, generation: i64, (sent, token): (Instant, u64)) {
+        let confirmed = &self.confirmed[lane % self.confirmed.len()];
+        let sent = self.micros(sent) + 1;
+        let _writing = self.confirming.lock().unwrap_or_else(|e| e.into_inner());
+        if sent <= confirmed.sent.load(Ordering::Acquire) {
+            return;
+        }
+        confirmed.generation.store(generation, Ordering::Release);
+        confirmed.token.store(token, Ordering::Release);
+        confirmed.sent.store(sent, Ordering::Release);
     }
 
     fn generation(&self, lane: usize) -> &AtomicI64 {
@@ -242,17 +337,34 @@ impl Known {
     }
 
     /// Takes in what a call to lane `lane` read: the hash's generation, and the fields it
-    /// read with their values (`None`: absent), all in one script run.
+    /// read with their values (`None`: absent), all in one script run. `sent`: for a full
+    /// call, when it was sent and the limits version's token then, which confirm the lane
+    /// for the plain tier ([`plain_ok`](Self::plain_ok)).
     pub(in crate::store::redis) fn learn<'a>(
         &self,
         lane: usize,
         generation: i64,
         fields: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+        sent: Option<(Instant, u64)>,
     ) {
         if generation == UNKNOWN {
             return;
         }
         self.generation(lane).store(generation, Ordering::Release);
+        self.learn_fields(lane, generation, fields);
+        // After the fields, so that a resolution at this generation finds them.
+        if let Some(sent) = sent {
+            self.confirm(lane, generation, sent);
+        }
+    }
+
+    /// The fields part of [`learn`](Self::learn).
+    fn learn_fields<'a>(
+        &self,
+        lane: usize,
+        generation: i64,
+        fields: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+    ) {
         if generation == EMPTY {
             return;
         }
@@ -272,6 +384,8 @@ impl Known {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn api() -> Policy {
@@ -293,7 +407,7 @@ mod tests {
         let all_text = all.to_string();
         assert_eq!(known.resolve(0, "k", all, 0, &policy), Resolution::Unknown);
         // An empty hash: nothing applies, whatever the fields.
-        known.learn(0, EMPTY, std::iter::empty());
+        known.learn(0, EMPTY, std::iter::empty(), None);
         let nothing = Resolution::At {
             generation: EMPTY,
             applies: Applies::Nothing,
@@ -301,7 +415,7 @@ mod tests {
         assert_eq!(known.resolve(0, "k", all, 0, &policy), nothing);
         let own = counts(policy.override_id(), 99);
         let fields = [(&b"k"[..], Some(&own[..])), (all_text.as_bytes(), None)];
-        known.learn(0, 7, fields.into_iter());
+        known.learn(0, 7, fields.into_iter(), None);
         let limits: Arc<[[i64; 2]]> = Arc::from(vec![[99, 1]]);
         let at_7 = Resolution::At {
             generation: 7,
@@ -311,7 +425,7 @@ mod tests {
         // Another key's field was not read: the script reads it.
         assert_eq!(known.resolve(0, "j", all, 0, &policy), Resolution::Unknown);
         // A later generation makes everything read before unknown.
-        known.learn(0, 8, std::iter::empty());
+        known.learn(0, 8, std::iter::empty(), None);
         assert_eq!(known.resolve(0, "k", all, 0, &policy), Resolution::Unknown);
         // Counts set for another identity are passed over, as the script does.
         let other = counts(policy.override_id() + 1, 5);
@@ -323,7 +437,7 @@ mod tests {
             (&b"k"[..], Some(&other[..])),
             (all_text.as_bytes(), Some(&block[..])),
         ];
-        known.learn(0, 9, fields.into_iter());
+        known.learn(0, 9, fields.into_iter(), None);
         let blocked = Resolution::At {
             generation: 9,
             applies: Applies::Block,
@@ -332,5 +446,85 @@ mod tests {
         assert_eq!(blocked.kind(), (BLOCK, &[][..]));
         assert_eq!(at_7.kind(), (COUNTS, &[[99, 1]][..]));
         assert_eq!(Resolution::Unknown.kind(), (NONE, &[][..]));
+    }
+
+    /// A lane confirmed by a full call at generation 0 (no override), under token 5.
+    fn confirmed_at(known: &Known, sent: Instant) -> Resolution {
+        known.learn(0, EMPTY, std::iter::empty(), Some((sent, 5)));
+        Resolution::At {
+            generation: EMPTY,
+            applies: Applies::Nothing,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_confirmation_lets_the_plain_tier_decide_for_less_than_follow_from_its_send() {
+        let known = Known::new(1);
+        let policy = api();
+        let all = policy.owner().all_id();
+        // Nothing confirmed yet: full.
+        assert!(!known.plain_ok(0, &Resolution::Unknown, 5));
+        let sent = Instant::now();
+        tokio::time::advance(Duration::from_millis(40)).await;
+        let resolution = confirmed_at(&known, sent);
+        assert_eq!(known.resolve(0, "k", all, 0, &policy), resolution);
+        assert!(known.plain_ok(0, &resolution, 5));
+        // Counted from the call's send, not its reply.
+        tokio::time::advance(FOLLOW - Duration::from_millis(41)).await;
+        assert!(known.plain_ok(0, &resolution, 5));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(!known.plain_ok(0, &resolution, 5));
+        // A reply to a call sent before the latest confirmation confirms nothing newer.
+        known.learn(0, EMPTY, std::iter::empty(), Some((sent, 5)));
+        assert!(!known.plain_ok(0, &resolution, 5));
+        known.learn(0, EMPTY, std::iter::empty(), Some((Instant::now(), 5)));
+        assert!(known.plain_ok(0, &resolution, 5));
+        // A plain call's reply (no send) confirms nothing.
+        tokio::time::advance(FOLLOW).await;
+        known.learn(0, EMPTY, std::iter::empty(), None);
+        assert!(!known.plain_ok(0, &resolution, 5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_change_of_the_limits_version_ends_a_confirmation_at_once() {
+        let known = Known::new(1);
+        let resolution = confirmed_at(&known, Instant::now());
+        assert!(known.plain_ok(0, &resolution, 5));
+        // Another version was read since the confirming call was sent.
+        assert!(!known.plain_ok(0, &resolution, 6));
+        // The version unread for too long (`Limits::token`), even where it was 5 before.
+        assert!(!known.plain_ok(0, &resolution, UNCONFIRMED));
+        known.learn(
+            0,
+            EMPTY,
+            std::iter::empty(),
+            Some((Instant::now(), UNCONFIRMED)),
+        );
+        assert!(!known.plain_ok(0, &resolution, UNCONFIRMED));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_a_resolution_at_the_confirmed_generation_goes_plain() {
+        let known = Known::new(2);
+        let policy = api();
+        let all = policy.owner().all_id();
+        let all_text = all.to_string();
+        let own = counts(policy.override_id(), 99);
+        let fields = [(&b"k"[..], Some(&own[..])), (all_text.as_bytes(), None)];
+        known.learn(0, 7, fields.into_iter(), Some((Instant::now(), 5)));
+        let at_7 = known.resolve(0, "k", all, 0, &policy);
+        assert!(matches!(at_7, Resolution::At { generation: 7, .. }));
+        assert!(known.plain_ok(0, &at_7, 5));
+        // A field the call did not read: unknown, so full.
+        let unknown = known.resolve(0, "j", all, 0, &policy);
+        assert_eq!(unknown, Resolution::Unknown);
+        assert!(!known.plain_ok(0, &unknown, 5));
+        // Another lane is not confirmed by this one's call.
+        assert!(!known.plain_ok(1, &at_7, 5));
+        // A full call sent later confirms generation 8: what was resolved at 7 goes full.
+        tokio::time::advance(Duration::from_millis(1)).await;
+        known.learn(0, 8, std::iter::empty(), Some((Instant::now(), 5)));
+        assert!(!known.plain_ok(0, &at_7, 5));
+        assert_eq!(known.resolve(0, "k", all, 0, &policy), Resolution::Unknown);
     }
 }

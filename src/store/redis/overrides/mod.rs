@@ -7,7 +7,7 @@
 //! them). What a value holds: `value.rs`.
 //!
 //! Every change also raises the limits version (`version.rs`), which each store reads every
-//! quarter second to follow changes made through other instances (`write.rs` says how a write
+//! 125 ms to follow changes made through other instances (`write.rs` says how a write
 //! and its announcement are ordered).
 
 use fred::clients::Client;
@@ -34,8 +34,8 @@ use crate::{Policy, StoreError};
 
 impl RedisStore {
     /// The store's overrides: limits changed at run time for a key, a plan or a whole policy, kept in
-    /// Redis and read by every instance's decisions from the next one on (see
-    /// [`Overrides`]).
+    /// Redis and followed by every instance: a decision that starts 250 ms or more after the
+    /// call that set one returned goes by it (see [`Overrides`]).
     pub fn overrides(&self) -> Overrides {
         Overrides::new(std::sync::Arc::new(self.clone()))
     }

@@ -28,13 +28,21 @@ use tokio::time::{Instant, MissedTickBehavior};
 use super::super::Inner;
 use crate::store::UNCONFIRMED_LIMITS as UNCONFIRMED;
 
-/// How often a store reads the limits version.
-pub(in crate::store::redis) const WATCH: Duration = Duration::from_millis(250);
+/// The bound on following an override (`docs/promises.md`): a decision, a lease's spend or a
+/// cached refusal that starts this long or more after an override call returned goes by it,
+/// on every instance, reachable or not. Each path meets it on its own: Redis's plain tier by
+/// a confirmation of the overrides no older than this (`known.rs`, `plain_ok`), leases and
+/// the deny cache by a reading of the limits version no older than this ([`STALE`]).
+pub(in crate::store::redis) const FOLLOW: Duration = Duration::from_millis(250);
+
+/// How often a store reads the limits version: twice per [`FOLLOW`], so that a healthy
+/// instance whose one read fails or is slow still has an answered read within [`STALE`].
+pub(in crate::store::redis) const WATCH: Duration =
+    Duration::from_millis(FOLLOW.as_millis() as u64 / 2);
 
 /// How old an instance's last answered read of the version may be (from its send) before it
-/// stops deciding by what it keeps locally: twice [`WATCH`], so that one slow read does not
-/// stop a healthy instance.
-pub(in crate::store::redis) const STALE: Duration = Duration::from_millis(500);
+/// stops deciding by what it keeps locally: [`FOLLOW`], the bound itself.
+pub(in crate::store::redis) const STALE: Duration = FOLLOW;
 
 /// The key of the limits version of the stores using `prefix`.
 pub(super) fn limits_key(prefix: &str) -> String {
@@ -218,6 +226,15 @@ mod tests {
         // One sent after it: the hash is gone.
         tokio::time::advance(Duration::from_micros(20)).await;
         assert_eq!(limits.seen(reading(None, 0), at(50)), Change::Lost);
+    }
+
+    #[test]
+    fn leases_cached_refusals_and_plain_decisions_follow_within_one_bound() {
+        // The promise (`docs/promises.md`), one figure for every path.
+        assert_eq!(FOLLOW, Duration::from_millis(250));
+        assert_eq!(STALE, FOLLOW);
+        // Two reads per bound: one read that fails does not stop a healthy instance.
+        assert_eq!(WATCH * 2, FOLLOW);
     }
 
     #[tokio::test(start_paused = true)]

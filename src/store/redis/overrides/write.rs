@@ -6,7 +6,7 @@
 //! that ran was announced, even where its reply was lost to a timeout. In a Redis Cluster the
 //! version lives in its own hash slot, so the store raises it after the writes; where a write
 //! may have been sent and no reply confirmed it, the store writes it again under the same
-//! stamp and raises the version every quarter second until Redis answers: the retry is
+//! stamp and raises the version every 125 ms until Redis answers: the retry is
 //! refused where the first try landed, and the raise announces whatever landed. A write to
 //! every lane (a policy's or a plan's override) tries every lane even where one fails, so a
 //! primary that is gone delays only the keys it holds.
@@ -179,7 +179,7 @@ async fn bump(inner: &Inner) -> Result<Reading, StoreError> {
     Ok(Reading { epoch, version })
 }
 
-/// Writes `write` again under its `stamp`, and then raises the version, every quarter second
+/// Writes `write` again under its `stamp`, and then raises the version, every [`WATCH`]
 /// until Redis answers or the store is dropped. A write in a Cluster whose reply was lost may
 /// land after the version was raised; the retry is answered only once the first try can
 /// change nothing more (the same stamp is refused), so the raise after it announces whatever

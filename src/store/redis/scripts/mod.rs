@@ -33,16 +33,48 @@ macro_rules! script {
             include_str!($file)
         )
     };
+    (plain, $file:literal) => {
+        concat!(
+            include_str!("exact.lua"),
+            include_str!("plain.lua"),
+            include_str!($file)
+        )
+    };
+    (plain log, $file:literal) => {
+        concat!(
+            include_str!("exact.lua"),
+            include_str!("plain.lua"),
+            include_str!("log_events.lua"),
+            include_str!($file)
+        )
+    };
 }
 
-/// The text of `algorithm`'s script. GCRA and the sliding log do without the driver, for
-/// speed (their headers say why).
-pub(crate) const fn source(algorithm: Algorithm) -> &'static str {
-    match algorithm {
-        Algorithm::SlidingLog => script!(log, "sliding_log.lua"),
-        Algorithm::SlidingWindow => script!(driver, "sliding_window.lua"),
-        Algorithm::FixedWindow => script!(driver, "fixed_window.lua"),
-        Algorithm::Gcra => script!("gcra.lua"),
+/// Which of an algorithm's scripts decides a request. Both read the same arguments and keep
+/// the same state byte for byte, so that a key's requests may go to either, one by one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Tier {
+    /// Looks, admissions and leases of a policy that uses no penalty box, slot, attempt or
+    /// line, with the override its arguments carry (`plain.lua`): such a decision pays for
+    /// none of those features, nor for reading the hash of overrides. What it does not
+    /// decide it answers [`FULL_PATH`](crate::store::redis::wire::FULL_PATH), recording
+    /// nothing. Its reply's generation is "not read".
+    Plain,
+    /// Every request, every feature (`prelude.lua`).
+    Full,
+}
+
+/// The text of `algorithm`'s script of `tier`. GCRA and the sliding log do without the
+/// driver, for speed (their headers say why). The counters have no plain script yet: their
+/// plain tier is the full script, which takes the same arguments.
+pub(crate) const fn source(algorithm: Algorithm, tier: Tier) -> &'static str {
+    match (algorithm, tier) {
+        (Algorithm::SlidingLog, Tier::Plain) => script!(plain log, "sliding_log_plain.lua"),
+        (Algorithm::SlidingLog, Tier::Full) => script!(log, "sliding_log.lua"),
+        (Algorithm::SlidingWindow, _) => script!(driver, "sliding_window.lua"),
+        (Algorithm::FixedWindow, _) => script!(driver, "fixed_window.lua"),
+        (Algorithm::Gcra, Tier::Plain) => script!(plain, "gcra_plain.lua"),
+        (Algorithm::Gcra, Tier::Full) => script!("gcra.lua"),
     }
 }
 
@@ -65,6 +97,9 @@ pub(crate) struct Scripts {
     sliding_window: Script,
     fixed_window: Script,
     gcra: Script,
+    /// The plain tier of the sliding log and of GCRA ([`Tier::Plain`]).
+    sliding_log_plain: Script,
+    gcra_plain: Script,
     /// `scripts/return.lua`.
     pub(crate) returns: Script,
     /// `scripts/line.lua`.
@@ -73,34 +108,49 @@ pub(crate) struct Scripts {
 
 impl Scripts {
     pub(crate) fn new() -> Scripts {
-        let script = |algorithm| Script::from_lua(source(algorithm));
+        let script = |algorithm| Script::from_lua(source(algorithm, Tier::Full));
+        let plain = |algorithm| Script::from_lua(source(algorithm, Tier::Plain));
         Scripts {
             sliding_log: script(Algorithm::SlidingLog),
             sliding_window: script(Algorithm::SlidingWindow),
             fixed_window: script(Algorithm::FixedWindow),
             gcra: script(Algorithm::Gcra),
+            sliding_log_plain: plain(Algorithm::SlidingLog),
+            gcra_plain: plain(Algorithm::Gcra),
             returns: Script::from_lua(RETURN),
             line: Script::from_lua(LINE),
         }
     }
 
-    /// The script that decides `algorithm`'s requests (any of them takes slot operations).
-    pub(crate) fn of(&self, algorithm: Algorithm) -> &Script {
-        match algorithm {
-            Algorithm::SlidingLog => &self.sliding_log,
-            Algorithm::SlidingWindow => &self.sliding_window,
-            Algorithm::FixedWindow => &self.fixed_window,
-            Algorithm::Gcra => &self.gcra,
+    /// The script of `tier` that decides `algorithm`'s requests (a full one takes slot
+    /// operations; a plain one none). An algorithm without a plain script
+    /// ([`has_plain`](Self::has_plain)) answers its full one for both tiers.
+    pub(crate) fn of(&self, algorithm: Algorithm, tier: Tier) -> &Script {
+        match (algorithm, tier) {
+            (Algorithm::SlidingLog, Tier::Plain) => &self.sliding_log_plain,
+            (Algorithm::SlidingLog, Tier::Full) => &self.sliding_log,
+            (Algorithm::SlidingWindow, _) => &self.sliding_window,
+            (Algorithm::FixedWindow, _) => &self.fixed_window,
+            (Algorithm::Gcra, Tier::Plain) => &self.gcra_plain,
+            (Algorithm::Gcra, Tier::Full) => &self.gcra,
         }
     }
 
+    /// Whether `algorithm` has a plain script of its own, which decides a plain request for
+    /// less than its full script does (else [`Tier::Plain`] is the full script).
+    pub(crate) fn has_plain(algorithm: Algorithm) -> bool {
+        matches!(algorithm, Algorithm::SlidingLog | Algorithm::Gcra)
+    }
+
     /// The scripts that decide, which the store loads when it connects.
-    pub(crate) fn deciding(&self) -> [&Script; 4] {
+    pub(crate) fn deciding(&self) -> [&Script; 6] {
         [
             &self.sliding_log,
             &self.sliding_window,
             &self.fixed_window,
             &self.gcra,
+            &self.sliding_log_plain,
+            &self.gcra_plain,
         ]
     }
 }

@@ -10,6 +10,11 @@
 //! longest window before its own time, keeps every event on both sides. Windows are a minute
 //! or longer, so that no key expires in the real time a case takes.
 //!
+//! Every case runs three ways: every request on the full scripts, every request on the plain
+//! tier (`scripts/plain.lua`; what it does not decide it answers `FULL_PATH`, and the request
+//! goes to the full script, as the store sends it on), and the two tiers in turn, step by step,
+//! so that each reads the state the other wrote. All three decide as the model.
+//!
 //! The range covers what the parser accepts: counts up to 2^50, windows from a minute to ten
 //! years, costs up to `u32::MAX`, usage up to `u64::MAX` (2^53 ± 1, 2^63 included); the
 //! monthly budget that once wrapped (`5000000/30d`, a million at a time) is a fixed case.
@@ -29,7 +34,8 @@ use crate::model::{
     sliding_window::SlidingWindow, window_start, Algorithm, AlgorithmState, Outcome, Refund,
     Settle, Window,
 };
-use crate::store::redis::wire::{self, Record};
+use crate::store::redis::scripts::{self, Tier};
+use crate::store::redis::wire::{self, Record, FULL_PATH, INT};
 use crate::{Limit, Policy};
 
 /// A `redis-server` of this test's own on a free port, killed when dropped.
@@ -73,10 +79,43 @@ enum Op {
     /// A refund of up to this many units of the `n`-th admitted request (modulo their number),
     /// once per request.
     Refund(usize, u64),
-    /// Other counts for the same windows from now on (`Policy::with_limits`), the first of
-    /// these for the first limit and so on.
-    Recount(Vec<u64>),
+    /// Other counts for the same windows from now on, the first of these for the first limit
+    /// and so on: the policy's own (`Policy::with_limits`), an override's that the arguments
+    /// carry (kind COUNTS, `prelude.lua`), or the override gone (its counts unused).
+    Recount(Vec<u64>, Counts),
 }
+
+/// Whose counts an [`Op::Recount`] changes.
+#[derive(Debug, Clone, Copy)]
+enum Counts {
+    Own,
+    Override,
+    NoOverride,
+}
+
+/// Which scripts a case's requests go to (see the module's docs).
+#[derive(Debug, Clone, Copy)]
+enum Ways {
+    Full,
+    Plain,
+    /// The plain tier for even steps, the full scripts for odd ones, and the look after each
+    /// step on the other.
+    Alternate,
+}
+
+impl Ways {
+    fn tier(self, step: usize) -> Tier {
+        match self {
+            Ways::Full => Tier::Full,
+            Ways::Plain => Tier::Plain,
+            Ways::Alternate if step.is_multiple_of(2) => Tier::Plain,
+            Ways::Alternate => Tier::Full,
+        }
+    }
+}
+
+/// The counts of an override that the arguments carry: count and scale of each limit.
+type Overriding = Option<Vec<[i64; 2]>>;
 
 /// The state of one key on the Rust side, as the memory store keeps it.
 enum Model {
@@ -124,24 +163,52 @@ impl<L: AlgorithmState> Lim for L {
     }
 }
 
-/// The scripts' side: one connection, one key per case.
+/// The scripts' side: one connection, one key per case, and what the plain tier did.
 struct Scripts {
     client: fred::clients::Client,
+    /// Requests the plain tier decided, settlements it sent on to the full scripts, and
+    /// decisions it sent on.
+    plain: std::cell::Cell<u64>,
+    sent_on: std::cell::Cell<u64>,
+    decisions_sent_on: std::cell::Cell<u64>,
+}
+
+/// A request's arguments (`wire::encode`) carrying `overriding` counts as an override the store
+/// knows at generation 0 (the hash of overrides does not exist: `prelude.lua` trusts it).
+fn encode(
+    cost: u64,
+    record: Record,
+    t: i64,
+    windows: &[Window],
+    overriding: &Overriding,
+) -> Vec<u8> {
+    let mut args = wire::encode(cost, record, t, [0; 4], windows);
+    if let Some(counts) = overriding {
+        // known (the 9th integer) and kind (the 10th): COUNTS, then the counts last.
+        args[8 * INT..9 * INT].copy_from_slice(&0i64.to_le_bytes());
+        args[9 * INT..10 * INT].copy_from_slice(&(-2i64).to_le_bytes());
+        for value in counts.iter().flatten() {
+            args.extend_from_slice(&value.to_le_bytes());
+        }
+    }
+    args
 }
 
 impl Scripts {
-    /// The script's reply to one request at `t` (-1: now), or its error.
+    /// The reply of `tier`'s script to one request at `t` (-1: now), or its error.
+    #[allow(clippy::too_many_arguments)]
     async fn eval(
         &self,
-        algorithm: Algorithm,
+        (algorithm, tier): (Algorithm, Tier),
         key: &str,
         cost: u64,
         record: Record,
         t: i64,
         windows: &[Window],
+        overriding: &Overriding,
     ) -> Result<Bytes, fred::error::Error> {
-        let script = crate::store::redis::scripts::source(algorithm);
-        let args = wire::encode(cost, record, t, [0; 4], windows);
+        let script = scripts::source(algorithm, tier);
+        let args = encode(cost, record, t, windows, overriding);
         let eval = CustomCommand::new_static("EVAL", ClusterHash::FirstKey, false);
         // No override is ever set: the hash of overrides does not exist.
         let values = vec![
@@ -155,20 +222,38 @@ impl Scripts {
         self.client.custom(eval, values).await
     }
 
+    /// The outcome of one request at `t` on `tier`, sent on to the full script where the plain
+    /// tier answers `FULL_PATH` (as the store does).
+    #[allow(clippy::too_many_arguments)]
     async fn call(
         &self,
-        algorithm: Algorithm,
+        (algorithm, tier): (Algorithm, Tier),
         key: &str,
         cost: u64,
         record: Record,
         t: u64,
         windows: &[Window],
+        overriding: &Overriding,
     ) -> Outcome {
-        let reply = self
-            .eval(algorithm, key, cost, record, t as i64, windows)
-            .await;
-        let reply = reply.expect("EVAL");
-        let int = |i: usize| i64::from_le_bytes(reply[8 * i..8 * i + 8].try_into().unwrap());
+        let t = t as i64;
+        let eval = |tier| self.eval((algorithm, tier), key, cost, record, t, windows, overriding);
+        let mut reply = eval(tier).await.expect("EVAL");
+        let int = |reply: &Bytes, i: usize| {
+            i64::from_le_bytes(reply[8 * i..8 * i + 8].try_into().unwrap())
+        };
+        if tier == Tier::Plain && scripts::Scripts::has_plain(algorithm) {
+            if int(&reply, 1) == FULL_PATH {
+                let sent_on = match record {
+                    Record::Settle { .. } => &self.sent_on,
+                    _ => &self.decisions_sent_on,
+                };
+                sent_on.set(sent_on.get() + 1);
+                reply = eval(Tier::Full).await.expect("EVAL");
+            } else {
+                self.plain.set(self.plain.get() + 1);
+            }
+        }
+        let int = |i: usize| int(&reply, i);
         let retry = int(4);
         Outcome {
             allowed: int(0) >= 1,
@@ -251,19 +336,25 @@ struct Tally {
     charges: u64,
     refunds: u64,
     recounts: u64,
+    /// Changes of an override's counts (set or gone).
+    overrides: u64,
 }
 
-/// Runs one case on both sides; `key` names its Redis key.
+/// Runs one case on both sides three ways ([`Ways`]); `key` names its Redis keys.
 async fn run(
     scripts: &Scripts,
     key: &str,
     case: &Case,
     tally: &std::cell::Cell<Tally>,
 ) -> Result<(), TestCaseError> {
-    let mut counts = tally.get();
-    let result = run_counted(scripts, key, case, &mut counts).await;
-    tally.set(counts);
-    result
+    for ways in [Ways::Full, Ways::Plain, Ways::Alternate] {
+        let mut counts = tally.get();
+        let key = format!("{key} {ways:?}");
+        let result = run_counted(scripts, &key, case, &mut counts, ways).await;
+        tally.set(counts);
+        result?;
+    }
+    Ok(())
 }
 
 async fn run_counted(
@@ -271,6 +362,7 @@ async fn run_counted(
     key: &str,
     case: &Case,
     tally: &mut Tally,
+    ways: Ways,
 ) -> Result<(), TestCaseError> {
     tally.cases += 1;
     let limits = case
@@ -286,7 +378,12 @@ async fn run_counted(
         return Ok(()); // refused by both stores, tested apart
     }
     let mut policy = policy;
-    let mut windows = policy.windows().to_vec();
+    // The policy's own windows, which the arguments carry; the override that decides instead
+    // where one is set; and the windows the model decides by (the override's, or the own).
+    let mut own = policy.windows().to_vec();
+    let mut over: Option<Policy> = None;
+    let mut overriding: Overriding = None;
+    let mut windows = own.clone();
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
@@ -298,7 +395,9 @@ async fn run_counted(
     let mut admitted: Vec<Option<(u64, u64, usize)>> = vec![];
     for (step, (gap, op)) in case.steps.iter().enumerate() {
         t += gap;
-        let at = format!("step {step} at +{} us: {op:?}", t);
+        let at = format!("step {step} at +{} us: {op:?} ({ways:?})", t);
+        let script = (case.algorithm, ways.tier(step));
+        let (sent, carried) = (&own[..], &overriding);
         match *op {
             Op::Check(cost) => {
                 let cost = u64::from(cost);
@@ -306,7 +405,7 @@ async fn run_counted(
                 let allowed_by_model = history.admits(case.algorithm, t, windows, cost);
                 let ours = state.with(|s| s.decide(t, windows, cost, true));
                 let theirs = scripts
-                    .call(case.algorithm, key, cost, Record::Admit, t, windows)
+                    .call(script, key, cost, Record::Admit, t, sent, carried)
                     .await;
                 prop_assert_eq!(ours, theirs, "{}", at);
                 tally.admitted += u64::from(ours.allowed);
@@ -337,7 +436,7 @@ async fn run_counted(
                     drains: -1,
                 };
                 scripts
-                    .call(case.algorithm, key, units, record, t, windows)
+                    .call(script, key, units, record, t, sent, carried)
                     .await;
                 // The log records an event of at most the largest count and one (no decision
                 // under these counts tells more), and counts it so after a change of counts.
@@ -357,7 +456,13 @@ async fn run_counted(
                     _ => false,
                 };
             }
-            Op::Recount(ref counts) => {
+            Op::Recount(_, Counts::NoOverride) => {
+                let gone = over.take().is_some();
+                tally.overrides += u64::from(gone);
+                history.recounted |= gone && case.algorithm == Algorithm::Gcra;
+                windows = own.clone();
+            }
+            Op::Recount(ref counts, whose) => {
                 let limits = policy.limits().iter().zip(counts).map(|(limit, &count)| {
                     Limit::new(count, limit.window()).expect("counts in range")
                 });
@@ -365,7 +470,10 @@ async fn run_counted(
                 if other.out_of_range().is_some() {
                     continue;
                 }
-                tally.recounts += 1;
+                match whose {
+                    Counts::Override => tally.overrides += 1,
+                    _ => tally.recounts += 1,
+                }
                 // Only GCRA's state depends on the counts (its units are count-scaled).
                 history.recounted |= match case.algorithm {
                     Algorithm::Gcra => true,
@@ -373,8 +481,13 @@ async fn run_counted(
                         false
                     }
                 };
-                policy = other;
-                windows = policy.windows().to_vec();
+                if matches!(whose, Counts::Override) {
+                    over = Some(other);
+                } else {
+                    policy = other;
+                    own = policy.windows().to_vec();
+                }
+                windows = over.as_ref().unwrap_or(&policy).windows().to_vec();
             }
             Op::Refund(n, units) => {
                 let windows = &windows[..];
@@ -403,7 +516,7 @@ async fn run_counted(
                     drains: -1,
                 };
                 scripts
-                    .call(case.algorithm, key, units, record, t, windows)
+                    .call(script, key, units, record, t, sent, carried)
                     .await;
                 // As if the request had cost less from the start: what a refund may free.
                 if recorded > 0 {
@@ -411,11 +524,21 @@ async fn run_counted(
                 }
             }
         }
-        // Both sides hold the same state: a look at it agrees.
+        overriding = over.as_ref().map(|over| {
+            let counts = over
+                .windows()
+                .iter()
+                .map(|w| [w.count as i64, w.scale as i64]);
+            counts.collect()
+        });
+        // Both sides hold the same state: a look at it agrees (alternating, on the other tier).
         let windows = &windows[..];
         let ours = state.with(|s| s.decide(t, windows, 1, false));
         let look = Record::Look { headroom: 0 };
-        let theirs = scripts.call(case.algorithm, key, 1, look, t, windows).await;
+        let script = (case.algorithm, ways.tier(step + 1));
+        let theirs = scripts
+            .call(script, key, 1, look, t, &own, &overriding)
+            .await;
         prop_assert_eq!(ours, theirs, "look after {}", at);
     }
     Ok(())
@@ -470,7 +593,11 @@ fn op() -> impl Strategy<Value = Op> {
         ].prop_map(Op::Check),
         1 => usage().prop_map(Op::Charge),
         2 => (any::<usize>(), 0u64..u64::from(u32::MAX)).prop_map(|(n, u)| Op::Refund(n, u)),
-        1 => proptest::collection::vec(count(), 3).prop_map(Op::Recount),
+        1 => (proptest::collection::vec(count(), 3), prop_oneof![
+            2 => Just(Counts::Own),
+            2 => Just(Counts::Override),
+            1 => Just(Counts::NoOverride),
+        ]).prop_map(|(counts, whose)| Op::Recount(counts, whose)),
     ]
 }
 
@@ -548,7 +675,12 @@ fn the_scripts_decide_as_the_algorithms_over_the_whole_range() {
             .unwrap();
         for _ in 0..100 {
             if client.init().await.is_ok() {
-                return Scripts { client };
+                return Scripts {
+                    client,
+                    plain: Default::default(),
+                    sent_on: Default::default(),
+                    decisions_sent_on: Default::default(),
+                };
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -601,11 +733,16 @@ fn the_scripts_decide_as_the_algorithms_over_the_whole_range() {
         (Algorithm::Gcra, Window::new(1_000_003, 30 * 86_400_000_000)),
     ];
     for (algorithm, window) in out_of_range {
-        let reply =
-            runtime.block_on(scripts.eval(algorithm, "range", 1, Record::Admit, -1, &[window]));
-        let error = reply.expect_err("refused");
-        assert!(error.details().contains("out of range"), "{error:?}");
+        for tier in [Tier::Full, Tier::Plain] {
+            let script = (algorithm, tier);
+            let windows = [window];
+            let reply = scripts.eval(script, "range", 1, Record::Admit, -1, &windows, &None);
+            let error = runtime.block_on(reply).expect_err("refused");
+            assert!(error.details().contains("out of range"), "{error:?}");
+        }
     }
+    runtime.block_on(the_plain_log_sends_on(&scripts));
+    runtime.block_on(both_logs_trim_an_old_set_alike(&scripts));
 
     let mut runner = TestRunner::new(Cases {
         cases: 320,
@@ -621,8 +758,91 @@ fn the_scripts_decide_as_the_algorithms_over_the_whole_range() {
         panic!("{failure}");
     }
     let tally = tally.get();
-    eprintln!("{tally:?}");
+    let (plain, sent_on) = (scripts.plain.get(), scripts.sent_on.get());
+    let decisions_sent_on = scripts.decisions_sent_on.get();
+    eprintln!(
+        "{tally:?}; the plain tier decided {plain} requests, and sent on {sent_on} \
+         settlements and {decisions_sent_on} decisions"
+    );
+    // The checks and looks of the plain and alternating runs of GCRA and the log go plain,
+    // and their charges and refunds are sent on.
+    assert!(
+        plain > 2000 && sent_on > 200,
+        "{plain}, {sent_on}: {tally:?}"
+    );
+    assert!(tally.overrides > 100, "{tally:?}");
     assert!(tally.admitted > 500 && tally.refused > 500, "{tally:?}");
     assert!(tally.charges > 200 && tally.refunds > 150, "{tally:?}");
     assert!(tally.recounts > 100, "{tally:?}");
+}
+
+/// The plain log sends on what it does not decide, recording nothing: a request before the
+/// newest event (a scheduled one), and a set of an earlier version's members ("<time>:<n>").
+async fn the_plain_log_sends_on(scripts: &Scripts) {
+    let windows = [Window::new(10, 60_000_000)];
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    let later = now + 3_600_000_000;
+    let (full, plain) = (
+        (Algorithm::SlidingLog, Tier::Full),
+        (Algorithm::SlidingLog, Tier::Plain),
+    );
+    let zcard = |key: &'static str| {
+        let command = CustomCommand::new_static("ZCARD", ClusterHash::FirstKey, false);
+        scripts.client.custom::<i64, _>(command, vec![key])
+    };
+    let admit = Record::Admit;
+    let logged = scripts.eval(full, "scheduled", 1, admit, later as i64, &windows, &None);
+    logged.await.expect("EVAL");
+    let before = (later - 1_000) as i64;
+    let reply = scripts.eval(plain, "scheduled", 1, admit, before, &windows, &None);
+    let reply = reply.await.expect("EVAL");
+    assert_eq!(
+        i64::from_le_bytes(reply[8..16].try_into().unwrap()),
+        FULL_PATH
+    );
+    assert_eq!(zcard("scheduled").await.unwrap(), 1, "nothing recorded");
+
+    let zadd = CustomCommand::new_static("ZADD", ClusterHash::FirstKey, false);
+    let old: Vec<Value> = vec!["old".into(), (now as i64).into(), format!("{now}:1").into()];
+    scripts.client.custom::<i64, _>(zadd, old).await.unwrap();
+    let reply = scripts.eval(plain, "old", 1, admit, -1, &windows, &None);
+    let reply = reply.await.expect("EVAL");
+    assert_eq!(
+        i64::from_le_bytes(reply[8..16].try_into().unwrap()),
+        FULL_PATH
+    );
+    assert_eq!(zcard("old").await.unwrap(), 1, "nothing recorded");
+}
+
+/// A set whose newest event is further back than twice the longest window is trimmed whole by
+/// either tier, so that an admission writes the same member (total 1) on both.
+async fn both_logs_trim_an_old_set_alike(scripts: &Scripts) {
+    let windows = [Window::new(10, 60_000_000)];
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    let old = now - 3 * 60_000_000;
+    for (key, tier) in [("trim full", Tier::Full), ("trim plain", Tier::Plain)] {
+        let zadd = CustomCommand::new_static("ZADD", ClusterHash::FirstKey, false);
+        let member = format!("{old}:{:016}:5", 5);
+        let args: Vec<Value> = vec![key.into(), (old as i64).into(), member.into()];
+        scripts.client.custom::<i64, _>(zadd, args).await.unwrap();
+        let script = (Algorithm::SlidingLog, tier);
+        let reply = scripts.eval(script, key, 1, Record::Admit, -1, &windows, &None);
+        let reply = reply.await.expect("EVAL");
+        let int = |i: usize| i64::from_le_bytes(reply[8 * i..8 * i + 8].try_into().unwrap());
+        assert_eq!((int(0), int(2)), (1, 9), "admitted, 9 left ({tier:?})");
+        let zrange = CustomCommand::new_static("ZRANGE", ClusterHash::FirstKey, false);
+        let all: Vec<Value> = vec![key.into(), 0.into(), (-1).into()];
+        let members: Vec<String> = scripts.client.custom(zrange, all).await.unwrap();
+        assert_eq!(members.len(), 1, "{members:?} ({tier:?})");
+        assert!(
+            members[0].ends_with(&format!(":{:016}:1", 1)),
+            "{members:?} ({tier:?})"
+        );
+    }
 }

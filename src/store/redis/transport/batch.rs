@@ -30,12 +30,14 @@ use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use super::call::{
-    out_of_time, send, start, Job, Laid, Late, Redis, Requester, Settings, Then, Unread, Work,
+    out_of_time, send, start, Job, Laid, Late, Redis, Requester, ScriptId, Settings, Then, Unread,
+    Work,
 };
 use super::nodes::{self};
 use crate::model::Algorithm;
 use crate::store::redis::overrides::Known;
 use crate::store::redis::placement::Place;
+use crate::store::redis::scripts::Tier;
 use crate::store::redis::wire::{self, answer, check_length, Answered, Heads, SlotOp, HEAD};
 
 /// Sends decisions: at once while a call permit of the request's lane is free, else through
@@ -75,21 +77,22 @@ impl Batcher {
         Batcher { lanes, settings }
     }
 
-    /// Decides one request at `place`: `args` encoded by [`wire::encode_for`]. When the
-    /// request stops waiting before the reply comes (the budget ran out, or it went away),
-    /// `late` reads the reply (see `call.rs`, "Replies after the budget").
+    /// Decides one request of `key` in lane `lane` with `script`: `args` encoded by
+    /// [`wire::encode_for`]. When the request stops waiting before the reply comes (the budget
+    /// ran out, or it went away), `late` reads the reply (see `call.rs`, "Replies after the
+    /// budget"). fred's key type shares the text, so copies of it (a retry's, a second
+    /// call's) cost no copy of it.
     pub(crate) async fn decide(
         &self,
-        place: Place,
-        algorithm: Algorithm,
-        args: Vec<u8>,
+        lane: usize,
+        key: Key,
+        script: ScriptId,
+        args: Bytes,
         late: Option<Late>,
     ) -> Answered {
-        let work = Work::Decide(Bytes::from(args));
-        let index = place.lane % self.lanes.len();
+        let work = Work::Decide(args);
+        let index = lane % self.lanes.len();
         let lane = &self.lanes[index];
-        // fred's key type shares the text, so copies of it (a retry's) cost no copy of it.
-        let key = Key::from(place.key);
         // A free permit means nothing is waiting: no batch to join, so go at once.
         if let Ok(permit) = Arc::clone(&lane.permits).try_acquire_owned() {
             // Boxed (`start`) because fred's call future takes kilobytes: inline, it would
@@ -98,7 +101,7 @@ impl Batcher {
             let call = start(
                 Arc::clone(&self.settings),
                 index,
-                algorithm,
+                script,
                 Laid::of(key, work),
             );
             let mut unread = Unread::new(call, 1);
@@ -112,7 +115,7 @@ impl Batcher {
         }
         let (reply, answer) = oneshot::channel();
         let job = Job {
-            algorithm,
+            script,
             key,
             work,
             reply: Requester::Waiting(reply, late),
@@ -135,7 +138,7 @@ impl Batcher {
     pub(crate) fn keep_then(&self, place: Place, algorithm: Algorithm, op: SlotOp, then: Then) {
         let lane = &self.lanes[place.lane % self.lanes.len()];
         let job = Job {
-            algorithm,
+            script: ScriptId::full(algorithm),
             key: Key::from(place.key),
             work: Work::Slot(op),
             reply: Requester::Then(then),
@@ -188,6 +191,10 @@ impl Batcher {
     /// comes (see `lease/`). In a cluster, redirections are followed as a few at most; a
     /// hash slot that keeps moving, or keys split by a migration (`TRYAGAIN`), fail the call
     /// (nothing ran).
+    ///
+    /// A look, admission or lease that the plain tier decides goes there while the lane's
+    /// overrides are confirmed ([`Settings::tier`]), and again to the full tier where the
+    /// plain one answers [`FULL_PATH`](wire::FULL_PATH).
     pub(crate) async fn decide_patiently(
         &self,
         place: Place,
@@ -195,18 +202,52 @@ impl Batcher {
         args: Vec<u8>,
         patience: Duration,
     ) -> Answered {
-        let script = self.settings.scripts.of(algorithm);
-        let keys = vec![Key::from(place.key)];
-        let overrides = self.settings.overrides_of(place.lane);
+        let tier = self.settings.tier(place.lane, algorithm, &args);
+        let key = Key::from(place.key);
         let (head, args) = args.split_at(HEAD.min(args.len()));
         let mut heads = Heads::with_capacity(1);
         heads.push(head, args);
-        let args = Bytes::copy_from_slice(args);
-        let argv = wire::argv(args, overrides, heads.bytes(), Vec::new());
-        let values: Bytes = self.evalsha_patiently(script, keys, argv, patience).await?;
+        let (args, heads) = (Bytes::copy_from_slice(args), heads.bytes());
+        let call = |tier| {
+            let script = ScriptId { algorithm, tier };
+            let argv = wire::argv(
+                args.clone(),
+                self.settings.overrides_of(place.lane),
+                heads.clone(),
+                Vec::new(),
+            );
+            self.call_patiently(place.lane, key.clone(), script, argv, patience)
+        };
+        let answer = call(tier).await?;
+        match tier == Tier::Plain && answer.ints[1] == wire::FULL_PATH {
+            true => call(Tier::Full).await,
+            false => Ok(answer),
+        }
+    }
+
+    /// One call of `script` for the request of `key` in lane `lane`, with arguments `argv`,
+    /// waiting up to `patience` ([`decide_patiently`](Self::decide_patiently)).
+    async fn call_patiently(
+        &self,
+        lane: usize,
+        key: Key,
+        script: ScriptId,
+        argv: Vec<Value>,
+        patience: Duration,
+    ) -> Answered {
+        let sent = (script.tier == Tier::Full).then(|| self.settings.sent_now());
+        let lua = self.settings.scripts.of(script.algorithm, script.tier);
+        let values: Bytes = self
+            .evalsha_patiently(lua, vec![key], argv, patience)
+            .await?;
         check_length(&values, 1, 0)?;
-        self.settings.learn(place.lane, &values, 1, 0);
+        self.settings.learn(lane, &values, (1, 0), sent);
         Ok(answer(&values, 1, 0))
+    }
+
+    /// Whether plain requests go to the plain tier (`RedisStoreBuilder::plain_scripts`).
+    pub(crate) fn plain(&self) -> bool {
+        self.settings.plain
     }
 
     /// The override fields this store's calls have read (`overrides/known.rs`).
@@ -318,8 +359,8 @@ async fn gather(jobs: &mpsc::UnboundedReceiver<Job>, passes: usize, max_batch: u
     }
 }
 
-/// Splits a batch into calls: one per algorithm (each has its own script) and, in a cluster,
-/// per hash slot.
+/// Splits a batch into calls: one per script (each algorithm's of each tier) and, in a
+/// cluster, per hash slot.
 fn groups(batch: Vec<Job>, clustered: bool) -> Vec<Vec<Job>> {
     let hash_slot = |job: &Job| match clustered {
         true => fred::util::redis_keyslot(job.key.as_bytes()),
@@ -327,23 +368,23 @@ fn groups(batch: Vec<Job>, clustered: bool) -> Vec<Vec<Job>> {
     };
     // Usually one call takes the whole batch, which then needs no sorting out.
     if let Some(first) = batch.first() {
-        let (algorithm, first_slot) = (first.algorithm, hash_slot(first));
+        let (script, first_slot) = (first.script, hash_slot(first));
         if batch
             .iter()
-            .all(|job| job.algorithm == algorithm && hash_slot(job) == first_slot)
+            .all(|job| job.script == script && hash_slot(job) == first_slot)
         {
             return vec![batch];
         }
     }
-    let mut groups: Vec<(Algorithm, u16, Vec<Job>)> = Vec::new();
+    let mut groups: Vec<(ScriptId, u16, Vec<Job>)> = Vec::new();
     for job in batch {
         let hash_slot = hash_slot(&job);
         match groups
             .iter_mut()
-            .find(|(a, s, _)| *a == job.algorithm && *s == hash_slot)
+            .find(|(a, s, _)| *a == job.script && *s == hash_slot)
         {
             Some((_, _, group)) => group.push(job),
-            None => groups.push((job.algorithm, hash_slot, vec![job])),
+            None => groups.push((job.script, hash_slot, vec![job])),
         }
     }
     groups.into_iter().map(|(_, _, group)| group).collect()
@@ -356,7 +397,7 @@ mod tests {
 
     fn job(algorithm: Algorithm, key: &str) -> Job {
         Job {
-            algorithm,
+            script: ScriptId::full(algorithm),
             key: Key::from(key),
             work: Work::Decide(Bytes::new()),
             reply: Requester::Waiting(oneshot::channel().0, None),
@@ -373,7 +414,7 @@ mod tests {
     #[test]
     fn slot_operations_follow_the_decisions_and_answer_a_byte_each() {
         let job = |key: &str, work| Job {
-            algorithm: Algorithm::Gcra,
+            script: ScriptId::full(Algorithm::Gcra),
             key: Key::from(key),
             work,
             reply: Requester::Waiting(oneshot::channel().0, None),

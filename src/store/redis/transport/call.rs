@@ -21,16 +21,36 @@ use fred::types::config::Options;
 use fred::types::{Key, Value};
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
+use tokio::time::Instant;
+
 use super::ask;
 use super::nodes::{self, Nodes};
 use crate::model::Algorithm;
-use crate::store::redis::overrides::Known;
-use crate::store::redis::scripts::Scripts;
+use crate::store::redis::overrides::{Known, Limits};
+use crate::store::redis::scripts::{Scripts, Tier};
 use crate::store::redis::wire::{self, answer, check_length, Answered, Heads, SlotOp, HEAD};
+
+/// Which script decides a request: its policy's algorithm's, of a tier. A call holds
+/// requests of one script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ScriptId {
+    pub(crate) algorithm: Algorithm,
+    pub(crate) tier: Tier,
+}
+
+impl ScriptId {
+    /// `algorithm`'s full script, which decides every request and takes slot operations.
+    pub(crate) fn full(algorithm: Algorithm) -> ScriptId {
+        ScriptId {
+            algorithm,
+            tier: Tier::Full,
+        }
+    }
+}
 
 /// One request waiting for its answer.
 pub(crate) struct Job {
-    pub(crate) algorithm: Algorithm,
+    pub(crate) script: ScriptId,
     pub(crate) key: Key,
     pub(crate) work: Work,
     pub(crate) reply: Requester,
@@ -115,6 +135,11 @@ pub(crate) struct Settings {
     /// The override fields the calls read, which later decisions resolve by
     /// (`overrides/known.rs`).
     pub(crate) known: Known,
+    /// What the store knows of the limits version (`overrides/version.rs`): a full call
+    /// confirms its lane's overrides under the version's token when it was sent.
+    pub(crate) limits: Arc<Limits>,
+    /// Whether plain requests go to the plain tier (`RedisStoreBuilder::plain_scripts`).
+    pub(crate) plain: bool,
     pub(crate) max_batch: usize,
     /// The call permits of each lane: how many of its calls may be under way at once.
     pub(crate) in_flight: usize,
@@ -132,10 +157,39 @@ impl Settings {
     }
 
     /// Keeps what a whole reply `values` of a call to lane `lane` read of the lane's hash of
-    /// overrides.
-    pub(crate) fn learn(&self, lane: usize, values: &[u8], decisions: usize, slot_ops: usize) {
+    /// overrides; `sent`, for a full call, when it was sent and the limits version's token
+    /// then ([`sent_now`](Self::sent_now)), which confirm the lane for the plain tier.
+    pub(crate) fn learn(
+        &self,
+        lane: usize,
+        values: &[u8],
+        (decisions, slot_ops): (usize, usize),
+        sent: Option<(Instant, u64)>,
+    ) {
         let (generation, fields) = wire::read(values, decisions, slot_ops);
-        self.known.learn(lane, generation, fields.flatten());
+        self.known.learn(lane, generation, fields.flatten(), sent);
+    }
+
+    /// The tier of a request of lane `lane` under `algorithm` encoded as `args`
+    /// ([`wire::encode_for`]): the plain one where it decides such a request
+    /// ([`wire::plain_generation`]) and the overrides the request was resolved by are
+    /// confirmed (`overrides/known.rs`, "The plain tier"), else the full one.
+    pub(crate) fn tier(&self, lane: usize, algorithm: Algorithm, args: &[u8]) -> Tier {
+        let plain = self.plain
+            && Scripts::has_plain(algorithm)
+            && wire::plain_generation(args).is_some_and(|generation| {
+                (self.known).plain_ok_at(lane, generation, self.limits.token())
+            });
+        match plain {
+            true => Tier::Plain,
+            false => Tier::Full,
+        }
+    }
+
+    /// Now and the limits version's token now, taken as a full call is sent: what its reply
+    /// confirms is no older ([`learn`](Self::learn)).
+    pub(crate) fn sent_now(&self) -> (Instant, u64) {
+        (Instant::now(), self.limits.token())
     }
 }
 
@@ -234,7 +288,7 @@ pub(crate) async fn send(
     settings: Arc<Settings>,
     _permit: Arc<OwnedSemaphorePermit>,
 ) {
-    let Some(algorithm) = group.first().map(|job| job.algorithm) else {
+    let Some(script) = group.first().map(|job| job.script) else {
         return;
     };
     // In the reply's order (`Laid::jobs`), so that the requests kept below line up with it.
@@ -251,7 +305,7 @@ pub(crate) async fn send(
     };
     let (laid, mut replies) = Laid::jobs(group);
     let decisions = laid.decisions;
-    let reply = call_reading_late(&settings, lane, algorithm, laid, &mut replies).await;
+    let reply = call_reading_late(&settings, lane, script, laid, &mut replies).await;
     if let Some(kept) = kept {
         let first = &kept[0].0;
         if reply.as_ref().is_err_and(is_split) && kept.iter().any(|(key, _)| key != first) {
@@ -259,13 +313,13 @@ pub(crate) async fn send(
                 .into_iter()
                 .zip(replies)
                 .map(|((key, work), reply)| Job {
-                    algorithm,
+                    script,
                     key,
                     work,
                     reply,
                 })
                 .collect();
-            send_by_key(&settings, lane, algorithm, jobs).await;
+            send_by_key(&settings, lane, script, jobs).await;
             return;
         }
     }
@@ -280,7 +334,7 @@ pub(crate) async fn send(
 pub(crate) async fn send_by_key(
     settings: &Arc<Settings>,
     lane: usize,
-    algorithm: Algorithm,
+    script: ScriptId,
     jobs: Vec<Job>,
 ) {
     let mut parts: Vec<Vec<Job>> = Vec::new();
@@ -297,7 +351,7 @@ pub(crate) async fn send_by_key(
             tokio::spawn(async move {
                 let (laid, mut replies) = Laid::jobs(part);
                 let decisions = laid.decisions;
-                let reply = call_reading_late(&settings, lane, algorithm, laid, &mut replies).await;
+                let reply = call_reading_late(&settings, lane, script, laid, &mut replies).await;
                 deliver(reply, decisions, replies);
             })
         })
@@ -308,22 +362,18 @@ pub(crate) async fn send_by_key(
     }
 }
 
-/// Runs the algorithm's script for the requests `laid` out for lane `lane`, within the time
-/// budget; the reply has six integers per decision, the time, then a byte per slot
+/// Runs `script` for the requests `laid` out for lane `lane`, within the time budget; the reply has six integers per decision, the time, then a byte per slot
 /// operation. `replies` are the requests in the reply's order: when the budget runs out,
 /// those that read their reply late ([`Late`]) get it from a task that waits on for the call.
 pub(crate) async fn call_reading_late(
     settings: &Arc<Settings>,
     lane: usize,
-    algorithm: Algorithm,
+    script: ScriptId,
     laid: Laid,
     replies: &mut [Requester],
 ) -> Result<Bytes, Error> {
     let decisions = laid.decisions;
-    let mut unread = Unread::new(
-        start(Arc::clone(settings), lane, algorithm, laid),
-        decisions,
-    );
+    let mut unread = Unread::new(start(Arc::clone(settings), lane, script, laid), decisions);
     let reply = unread.within(settings).await;
     if reply.is_none() {
         let late = replies.iter_mut().enumerate();
@@ -405,25 +455,17 @@ pub(crate) fn out_of_time() -> Error {
     Error::new(ErrorKind::Timeout, "no reply within the time budget")
 }
 
-/// Starts the algorithm's script for the requests `laid` out for lane `lane`, waiting for its
-/// reply up to [`LATE_PATIENCE`] (the time budget is the caller's: see [`Unread`]).
-pub(crate) fn start(
-    settings: Arc<Settings>,
-    lane: usize,
-    algorithm: Algorithm,
-    laid: Laid,
-) -> Pending {
-    Box::pin(async move { run(&settings, lane, algorithm, laid).await })
+/// Starts `script` for the requests `laid` out for lane `lane`, waiting for its reply up to
+/// [`LATE_PATIENCE`] (the time budget is the caller's: see [`Unread`]).
+pub(crate) fn start(settings: Arc<Settings>, lane: usize, script: ScriptId, laid: Laid) -> Pending {
+    Box::pin(async move { run(&settings, lane, script, laid).await })
 }
 
-/// [`start`]'s call.
-async fn run(
-    settings: &Settings,
-    lane: usize,
-    algorithm: Algorithm,
-    laid: Laid,
-) -> Result<Bytes, Error> {
-    let script = settings.scripts.of(algorithm);
+/// [`start`]'s call. A full call's reply confirms the lane's overrides as of its send
+/// (`overrides/known.rs`, "The plain tier"); a plain call's reads none.
+async fn run(settings: &Settings, lane: usize, id: ScriptId, laid: Laid) -> Result<Bytes, Error> {
+    let script = settings.scripts.of(id.algorithm, id.tier);
+    let sent = (id.tier == Tier::Full).then(|| settings.sent_now());
     let Laid {
         keys,
         args,
@@ -474,7 +516,7 @@ async fn run(
         Err(_) => return Err(out_of_time()),
     };
     check_length(&values, decisions, slot_ops)?;
-    settings.learn(lane, &values, decisions, slot_ops);
+    settings.learn(lane, &values, (decisions, slot_ops), sent);
     Ok(values)
 }
 

@@ -31,6 +31,19 @@ const BUSY: i64 = -1;
 /// (`TOO_OLD` in `sliding_log.lua`): [`StoreError::EventTooOld`].
 const TOO_OLD: i64 = -3;
 
+/// The limit index of a request the plain tier does not decide (`FULL_PATH` in `plain.lua`):
+/// nothing was decided and nothing recorded, and the store decides the request again with the
+/// full script ([`Tier::Full`](crate::store::redis::scripts::Tier::Full)). Its answer is
+/// `0 FULL_PATH 0 0 -2 -1`.
+pub(crate) const FULL_PATH: i64 = -4;
+
+/// The generation of the hash of overrides in a plain script's reply (`plain.lua`): the call
+/// did not read the hash, so its reply teaches the store nothing ([`read`]).
+const NOT_READ: i64 = -2;
+
+/// The generation [`read`] gives where the reply does not say it: Redis refused the read.
+const NOT_KNOWN: i64 = -1;
+
 /// The retry of an admitted request (`-1` in `prelude.lua`'s reply).
 const RETRY_ADMITTED: i64 = -1;
 
@@ -72,14 +85,19 @@ pub(crate) fn check_length(values: &[u8], decisions: usize, slot_ops: usize) -> 
 }
 
 /// What a call read of its lane's hash of overrides: the hash's generation (`-1`: Redis
-/// refused the read; `0`: the hash holds none), and each field the call read with its value
-/// (`None`: absent), from a reply that [`check_length`] found whole.
+/// refused the read, or the call did not read it, as a plain script does; `0`: the hash holds
+/// none), and each field the call read with its value (`None`: absent), from a reply that
+/// [`check_length`] found whole. A generation of `-1` teaches the store nothing
+/// (`overrides/known.rs`, `learn`).
 pub(crate) fn read(values: &[u8], decisions: usize, slot_ops: usize) -> (i64, Fields<'_>) {
     let at = (6 * decisions + 1) * INT;
     let generation = values
         .get(at..at + INT)
         .and_then(|int| int.try_into().ok())
-        .map_or(-1, i64::from_le_bytes);
+        .map_or(NOT_KNOWN, i64::from_le_bytes);
+    if generation == NOT_READ {
+        return (NOT_KNOWN, Fields::new(&[]));
+    }
     let tail = values.get(at + INT + slot_ops..).unwrap_or_default();
     (generation, Fields::new(tail))
 }
@@ -245,6 +263,9 @@ impl Answer {
                 })
             }
             TOO_OLD => return Err(StoreError::EventTooOld),
+            // Not decided: the store sends such a request on to the full tier before it reads
+            // a verdict.
+            FULL_PATH => return Err(bad()),
             SLOTS_FULL => {
                 let full = Full {
                     left: non_negative(reset_after)?,
@@ -281,5 +302,53 @@ impl Answer {
             slots_full: None,
             busy: allowed == BUSY,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plain script's reply to two decisions: twelve integers, Redis `TIME`, and the
+    /// generation it did not read.
+    fn plain_reply() -> Vec<u8> {
+        let ints = [
+            1,
+            0,
+            9,
+            100,
+            -1,
+            -1,
+            0,
+            FULL_PATH,
+            0,
+            0,
+            -2,
+            -1,
+            1_700_000_000,
+            NOT_READ,
+        ];
+        ints.iter().flat_map(|v: &i64| v.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn a_plain_reply_is_whole_and_teaches_nothing_of_the_overrides() {
+        let reply = plain_reply();
+        check_length(&reply, 2, 0).expect("six integers each, the time and the generation");
+        let (generation, fields) = read(&reply, 2, 0);
+        assert_eq!(generation, NOT_KNOWN);
+        assert_eq!(fields.count(), Some(0));
+        assert_eq!(answer(&reply, 2, 1).ints[1], FULL_PATH);
+    }
+
+    #[test]
+    fn a_full_path_answer_is_no_verdict() {
+        let limit = crate::Limit::new(1, std::time::Duration::from_secs(1)).unwrap();
+        let policy = Policy::new("p", [limit]).unwrap();
+        let answer = answer(&plain_reply(), 2, 1);
+        assert!(
+            answer.verdict(&policy).is_err(),
+            "the store decides it again"
+        );
     }
 }

@@ -316,14 +316,65 @@ fn encode_into(
 pub(crate) fn encode_for(
     policy: &Policy,
     place: &Place,
-    (cost, attempt): (u64, u64),
+    units: (u64, u64),
     record: Record,
     at: i64,
     known: &Known,
 ) -> Vec<u8> {
+    let resolution = resolve(policy, place, known);
+    encode_with(policy, place, units, record, at, &resolution)
+}
+
+/// The override that applies to a request under `policy` for its key at `place`, where this
+/// instance knows it (`overrides/known.rs`).
+pub(crate) fn resolve(policy: &Policy, place: &Place, known: &Known) -> Resolution {
     let [keep, all, plan] = overrides::head(place, policy);
     let key_field = place.key.get(..keep as usize).unwrap_or(&place.key);
-    let resolution = known.resolve(place.lane, key_field, all, plan, policy);
+    known.resolve(place.lane, key_field, all, plan, policy)
+}
+
+/// Whether the plain tier (`scripts/plain.lua`) decides a request of `record` under `policy`,
+/// as attempt `attempt` (0: none), at event time `at` (-1: now): a look, an admission, a
+/// lease or a step, at now, with no penalty box (a step is sent without one), no concurrency
+/// slot and no attempt. Where its overrides are known too ([`Known::plain_ok`]), the store
+/// sends it there.
+pub(crate) fn plain_eligible(record: &Record, policy: &Policy, attempt: u64, at: i64) -> bool {
+    let boxed = policy.block_micros() != 0;
+    let fits = match record {
+        Record::Look { .. } | Record::Admit | Record::Lease { .. } => !boxed,
+        Record::Step { .. } => true,
+        Record::Settle { .. } | Record::Take { .. } | Record::Reserve { .. } => false,
+    };
+    fits && attempt == 0 && at < 0 && policy.concurrency_limit().is_none()
+}
+
+/// The generation of the hash of overrides a request encoded as `args` ([`encode_for`], its
+/// [`HEAD`] first) was resolved at, where the plain tier decides it: a look, an admission or a
+/// lease, at now, with no penalty box and no attempt, whose override is known (what
+/// [`plain_eligible`] says of the request before it is encoded; a concurrency slot is its own
+/// mode). `None` otherwise.
+pub(crate) fn plain_generation(args: &[u8]) -> Option<i64> {
+    let int = |i: usize| {
+        let at = HEAD + i * INT;
+        let bytes = args.get(at..at + INT)?.try_into().ok()?;
+        Some(i64::from_le_bytes(bytes))
+    };
+    let modes = [Mode::Look, Mode::Admit, Mode::Lease].map(|mode| mode as i64);
+    let fits = modes.contains(&int(2)?) && int(3)? < 0 && int(5)? == 0 && int(10)? == 0;
+    let generation = int(8)?;
+    (fits && generation >= 0).then_some(generation)
+}
+
+/// [`encode_for`] with the override `resolution` found by [`resolve`].
+pub(crate) fn encode_with(
+    policy: &Policy,
+    place: &Place,
+    (cost, attempt): (u64, u64),
+    record: Record,
+    at: i64,
+    resolution: &Resolution,
+) -> Vec<u8> {
+    let [keep, all, plan] = overrides::head(place, policy);
     // A step is decided by the limits alone: sent with no penalty box to meet or set.
     let block = match record {
         Record::Step { .. } => 0,
@@ -333,8 +384,9 @@ pub(crate) fn encode_for(
     let windows = policy.windows();
     let mut args = Vec::with_capacity(HEAD + encoded_len(&record, cost, windows));
     args.extend_from_slice(&clamp(keep).to_le_bytes());
-    let known = &resolution;
-    encode_into(&mut args, cost, record, at, terms, windows, known, attempt);
+    encode_into(
+        &mut args, cost, record, at, terms, windows, resolution, attempt,
+    );
     args
 }
 
