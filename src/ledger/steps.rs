@@ -98,13 +98,20 @@ impl Credit {
     pub(crate) fn failed(&mut self, units: u32, mode: &FailureMode) -> OnFailure {
         match mode {
             FailureMode::Open => {
-                self.left = self.left.saturating_add(units.into());
-                self.uncounted = self.uncounted.saturating_add(units.into());
+                self.uncounted(units);
                 OnFailure::Pass
             }
             FailureMode::Closed => OnFailure::Cut,
             FailureMode::Fallback(_) => OnFailure::Fallback,
         }
+    }
+
+    /// Adds `units` that pass without a decision recording them (a refused step under a soft
+    /// or shadow limit, a step the store could not decide under [`FailureMode::Open`]): used
+    /// first, never refunded, charged by [`unrecorded`](Self::unrecorded) once used.
+    pub(crate) fn uncounted(&mut self, units: u32) {
+        self.left = self.left.saturating_add(units.into());
+        self.uncounted = self.uncounted.saturating_add(units.into());
     }
 
     /// The units admitted and not used yet: what a frame may use without a step.

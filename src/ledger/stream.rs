@@ -184,7 +184,7 @@ impl Stream {
                 let before = std::mem::replace(&mut self.deciders[0], waiting.decider);
                 self.deciders[1] = before;
             }
-            Ok(d) if options.soft || options.shadow => {
+            Ok(_) if options.soft || options.shadow => {
                 tracing::debug!(
                     target: "tower_redis_ratelimit",
                     policy = policy.name(),
@@ -193,8 +193,7 @@ impl Stream {
                     "a response's step exceeds the limit; passed on (soft limit or shadow mode)"
                 );
                 // Passed uncounted, and charged when the response ends.
-                let _ = d;
-                self.credit.failed(waiting.asked, &FailureMode::Open);
+                self.credit.uncounted(waiting.asked);
             }
             Ok(d) => {
                 let cut = QuotaExceeded::new(
@@ -237,7 +236,7 @@ impl Stream {
             // The local store failed too: passed, as a failure of the store under
             // `Open`.
             FailureMode::Fallback(_) => {
-                self.credit.failed(waiting.asked, &FailureMode::Open);
+                self.credit.uncounted(waiting.asked);
                 return self.pass(waiting.units);
             }
             mode => {

@@ -228,7 +228,7 @@ impl Meter {
                 );
                 options.tally(&responder.policy, &self.key, Tally::Denied);
                 // Recorded nothing: the step's units pass uncounted.
-                self.credit.failed(units, &FailureMode::Open);
+                self.credit.uncounted(units);
                 None
             }
             // A step larger than what is left was refused: a step of what is left (at most
