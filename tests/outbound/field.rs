@@ -266,10 +266,13 @@ async fn finish_times(
 
 /// Four workers, each with a store of its own, start together with `calls` calls each, one
 /// after the other, at `count/1s` on `algorithm`: they finish within 10 % of the run's length
-/// of each other. (GCRA's burst lets `2·count − 1` through in the first second: its stand-in
-/// allows twice the count. Past it, its turns are `1/count` s apart, so the workers' last
-/// calls are at least three of those apart.) Prints when each worker's calls arrived, per
-/// second, and the run's length.
+/// of each other. On GCRA a fifth client first spends the burst (`count` turns at once, its
+/// stand-in allowing twice the count in a second), so that the workers start in its paced
+/// turns, `1/count` s apart in reservation order, and their last calls are at least three of
+/// those apart. (A race for the burst itself goes to whoever is back first, and on a loaded
+/// machine one way: 13, 12, 7 and 6 of it, last calls 0.75 s apart in 7.06 s; docs/outbound.md,
+/// "Turns at one instant".) Prints when each worker's calls arrived, per second, and the run's
+/// length.
 async fn four_workers_finish_together(algorithm: Algorithm, count: usize, calls: usize) {
     let server = RedisServer::start();
     let most = match algorithm {
@@ -283,6 +286,12 @@ async fn four_workers_finish_together(algorithm: Algorithm, count: usize, calls:
     let mut clients = Vec::new();
     for _ in 0..4 {
         clients.push(worker(&server.url(), policy.clone(), |b| b).await);
+    }
+    if algorithm == Algorithm::Gcra {
+        let primer = worker(&server.url(), policy.clone(), |b| b).await;
+        for _ in 0..count + 2 {
+            crate::fleet::numbered(primer.clone(), addr, 4).await;
+        }
     }
     let start = Instant::now();
     let workers: Vec<_> = clients
@@ -326,7 +335,7 @@ async fn four_workers_finish_together_on_the_log() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_workers_finish_together_on_gcra() {
-    four_workers_finish_together(Algorithm::Gcra, 20, 40).await;
+    four_workers_finish_together(Algorithm::Gcra, 20, 20).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
