@@ -161,18 +161,25 @@ async fn four_workers_share_the_upstream_limit_through_redis() {
     assert!(took <= Duration::from_secs(12).mul_f64(1.15), "{took:?}");
     assert!(spread <= Duration::from_secs(1), "{spread:?}");
     // Arrival order follows reservation order: a call handed to its layer 50 ms (far more than
-    // its reservation takes) before another has reserved first, and arrives first.
+    // its reservation takes) before another has reserved first, so its turn is no later, and
+    // it leaves within the margin (50 ms) of its turn: it arrives no later than the margin
+    // after the other. (Calls whose turns share an instant, a window's burst, race within it.)
+    let margin = Duration::from_millis(50);
     let arrived = |n: u64| arrivals.iter().find(|a| a.2 == n).map(|a| a.0).unwrap();
     let ordered: Vec<_> = sent
         .iter()
         .flat_map(|a| sent.iter().map(move |b| (a, b)))
         .filter(|(a, b)| a.1 + Duration::from_millis(50) < b.1)
         .collect();
-    let overtaken = ordered
-        .iter()
-        .filter(|(a, b)| arrived(a.0) > arrived(b.0))
-        .count();
-    eprintln!("{overtaken} of {} ordered pairs overtaken", ordered.len());
+    let behind = |(a, b): &&(&(u64, Instant), &(u64, Instant))| {
+        arrived(a.0).saturating_duration_since(arrived(b.0))
+    };
+    let most_behind = ordered.iter().map(|p| behind(&p)).max().unwrap_or_default();
+    let overtaken = ordered.iter().filter(|p| behind(p) > margin).count();
+    eprintln!(
+        "{overtaken} of {} ordered pairs overtaken by more than the margin; the most: {most_behind:?}",
+        ordered.len()
+    );
     assert_eq!(
         overtaken, 0,
         "calls that arrived before one reserved earlier"
@@ -228,7 +235,10 @@ async fn cancelling_half_of_the_waiting_calls_keeps_the_rest_at_the_full_rate_on
     );
     assert_eq!(refused, 0);
     assert!(fullest <= 10, "{fullest} in one second");
-    assert!(rate >= 9.0, "{rate:.2} per second after the cancellations");
+    // At the full rate the 27 or so calls left take the bursts of the next three windows (about
+    // 10 per second); with the cancelled calls' turns kept, half of those turns would go unused
+    // (about 5 per second).
+    assert!(rate >= 8.0, "{rate:.2} per second after the cancellations");
     // Nothing is left in the line: every reservation went out or left (a change to the line
     // that fails is sent again every 100 ms).
     tokio::time::sleep(Duration::from_secs(1)).await;
