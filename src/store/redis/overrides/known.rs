@@ -30,6 +30,14 @@
 //! it. Either way a plain decision starting [`FOLLOW`] or more after an override was written
 //! goes by it. A lane unconfirmed goes full, which confirms it again: one full call per lane
 //! per [`FOLLOW`] under steady traffic.
+//!
+//! A plain call may also be run late: held in a stalled connection, it reaches Redis after
+//! its budget has run out. So it carries the confirmation ([`Known::confirmation`]): the
+//! generation confirmed and the Redis time [`FOLLOW`] after the confirming call ran, and the
+//! plain script sends to the full tier every request resolved at another generation, and every
+//! request at all once Redis's clock has passed that time. A write after the confirming call
+//! ran is on the same Redis's clock later than it, so a plain decision that Redis runs
+//! [`FOLLOW`] or more after an override was written goes by it too, however late its call.
 
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -51,6 +59,10 @@ const EMPTY: i64 = 0;
 /// The generation of a lane not heard from yet, or whose hash Redis refused to read: nothing
 /// is known there.
 const UNKNOWN: i64 = -1;
+
+/// The generation a plain call carries where its lane is not confirmed (`plain.lua`): no
+/// request's, so that the plain tier decides none of them.
+const NOT_CONFIRMED: i64 = -2;
 
 /// The kinds of an override's value (`overrides/value.rs`), and of a resolution that found
 /// none (`prelude.lua`, "Overrides").
@@ -208,6 +220,8 @@ struct Confirmed {
     generation: AtomicI64,
     /// The limits version's token (`version.rs`) when it was sent.
     token: AtomicU64,
+    /// Redis's time (µs) [`FOLLOW`] after the call ran: the plain tier decides nothing later.
+    until: AtomicI64,
 }
 
 impl std::fmt::Debug for Known {
@@ -263,6 +277,21 @@ impl Known {
             && confirmed.token.load(Ordering::Acquire) == token
     }
 
+    /// What a plain call of lane `lane` carries, made now under the limits version's `token`:
+    /// the generation its latest confirmation read and the Redis time until which the plain
+    /// tier may decide by it (see the module's "The plain tier"), or, where the lane is not
+    /// confirmed now, [`NOT_CONFIRMED`] and 0, which send every request to the full tier.
+    /// Read as one, so that the time is never another confirmation's.
+    pub(in crate::store::redis) fn confirmation(&self, lane: usize, token: u64) -> (i64, i64) {
+        let confirmed = &self.confirmed[lane % self.confirmed.len()];
+        let _reading = self.confirming.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = confirmed.generation.load(Ordering::Acquire);
+        match self.plain_ok_at(lane, generation, token) {
+            true => (generation, confirmed.until.load(Ordering::Acquire)),
+            false => (NOT_CONFIRMED, 0),
+        }
+    }
+
     /// µs from [`origin`](Self::origin) to `at` (0 before it).
     fn micros(&self, at: Instant) -> u64 {
         let since = at.saturating_duration_since(self.origin);
@@ -270,17 +299,19 @@ impl Known {
     }
 
     /// Records that a full call to lane `lane` sent at `sent`, when the limits version's token
-    /// was `token`, read generation `generation`; a call sent before the latest confirmation
-    /// adds nothing.
-    fn confirm(&self, lane: usize, generation: i64, (sent, token): (Instant, u64)) {
+    /// was `token`, read generation `generation` at Redis time `time` (µs); a call sent before
+    /// the latest confirmation adds nothing.
+    fn confirm(&self, lane: usize, (generation, time): (i64, i64), (sent, token): (Instant, u64)) {
         let confirmed = &self.confirmed[lane % self.confirmed.len()];
         let sent = self.micros(sent) + 1;
         let _writing = self.confirming.lock().unwrap_or_else(|e| e.into_inner());
         if sent <= confirmed.sent.load(Ordering::Acquire) {
             return;
         }
+        let until = time.saturating_add(FOLLOW.as_micros() as i64);
         confirmed.generation.store(generation, Ordering::Release);
         confirmed.token.store(token, Ordering::Release);
+        confirmed.until.store(until, Ordering::Release);
         confirmed.sent.store(sent, Ordering::Release);
     }
 
@@ -336,14 +367,14 @@ impl Known {
         }
     }
 
-    /// Takes in what a call to lane `lane` read: the hash's generation, and the fields it
-    /// read with their values (`None`: absent), all in one script run. `sent`: for a full
-    /// call, when it was sent and the limits version's token then, which confirm the lane
-    /// for the plain tier ([`plain_ok`](Self::plain_ok)).
+    /// Takes in what a call to lane `lane` read: the hash's generation and Redis's time (µs)
+    /// then, and the fields it read with their values (`None`: absent), all in one script
+    /// run. `sent`: for a full call, when it was sent and the limits version's token then,
+    /// which confirm the lane for the plain tier ([`plain_ok`](Self::plain_ok)).
     pub(in crate::store::redis) fn learn<'a>(
         &self,
         lane: usize,
-        generation: i64,
+        (generation, time): (i64, i64),
         fields: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
         sent: Option<(Instant, u64)>,
     ) {
@@ -354,7 +385,7 @@ impl Known {
         self.learn_fields(lane, generation, fields);
         // After the fields, so that a resolution at this generation finds them.
         if let Some(sent) = sent {
-            self.confirm(lane, generation, sent);
+            self.confirm(lane, (generation, time), sent);
         }
     }
 
@@ -407,7 +438,7 @@ mod tests {
         let all_text = all.to_string();
         assert_eq!(known.resolve(0, "k", all, 0, &policy), Resolution::Unknown);
         // An empty hash: nothing applies, whatever the fields.
-        known.learn(0, EMPTY, std::iter::empty(), None);
+        known.learn(0, (EMPTY, 0), std::iter::empty(), None);
         let nothing = Resolution::At {
             generation: EMPTY,
             applies: Applies::Nothing,
@@ -415,7 +446,7 @@ mod tests {
         assert_eq!(known.resolve(0, "k", all, 0, &policy), nothing);
         let own = counts(policy.override_id(), 99);
         let fields = [(&b"k"[..], Some(&own[..])), (all_text.as_bytes(), None)];
-        known.learn(0, 7, fields.into_iter(), None);
+        known.learn(0, (7, 0), fields.into_iter(), None);
         let limits: Arc<[[i64; 2]]> = Arc::from(vec![[99, 1]]);
         let at_7 = Resolution::At {
             generation: 7,
@@ -425,7 +456,7 @@ mod tests {
         // Another key's field was not read: the script reads it.
         assert_eq!(known.resolve(0, "j", all, 0, &policy), Resolution::Unknown);
         // A later generation makes everything read before unknown.
-        known.learn(0, 8, std::iter::empty(), None);
+        known.learn(0, (8, 0), std::iter::empty(), None);
         assert_eq!(known.resolve(0, "k", all, 0, &policy), Resolution::Unknown);
         // Counts set for another identity are passed over, as the script does.
         let other = counts(policy.override_id() + 1, 5);
@@ -437,7 +468,7 @@ mod tests {
             (&b"k"[..], Some(&other[..])),
             (all_text.as_bytes(), Some(&block[..])),
         ];
-        known.learn(0, 9, fields.into_iter(), None);
+        known.learn(0, (9, 0), fields.into_iter(), None);
         let blocked = Resolution::At {
             generation: 9,
             applies: Applies::Block,
@@ -450,7 +481,7 @@ mod tests {
 
     /// A lane confirmed by a full call at generation 0 (no override), under token 5.
     fn confirmed_at(known: &Known, sent: Instant) -> Resolution {
-        known.learn(0, EMPTY, std::iter::empty(), Some((sent, 5)));
+        known.learn(0, (EMPTY, 0), std::iter::empty(), Some((sent, 5)));
         Resolution::At {
             generation: EMPTY,
             applies: Applies::Nothing,
@@ -475,14 +506,34 @@ mod tests {
         tokio::time::advance(Duration::from_millis(1)).await;
         assert!(!known.plain_ok(0, &resolution, 5));
         // A reply to a call sent before the latest confirmation confirms nothing newer.
-        known.learn(0, EMPTY, std::iter::empty(), Some((sent, 5)));
+        known.learn(0, (EMPTY, 0), std::iter::empty(), Some((sent, 5)));
         assert!(!known.plain_ok(0, &resolution, 5));
-        known.learn(0, EMPTY, std::iter::empty(), Some((Instant::now(), 5)));
+        known.learn(0, (EMPTY, 0), std::iter::empty(), Some((Instant::now(), 5)));
         assert!(known.plain_ok(0, &resolution, 5));
         // A plain call's reply (no send) confirms nothing.
         tokio::time::advance(FOLLOW).await;
-        known.learn(0, EMPTY, std::iter::empty(), None);
+        known.learn(0, (EMPTY, 0), std::iter::empty(), None);
         assert!(!known.plain_ok(0, &resolution, 5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_plain_call_carries_the_generation_confirmed_until_follow_after_redis_ran_it() {
+        let known = Known::new(1);
+        assert_eq!(known.confirmation(0, 5), (NOT_CONFIRMED, 0));
+        // Sent now; Redis ran it at its time 1 000 000 µs.
+        known.learn(
+            0,
+            (7, 1_000_000),
+            std::iter::empty(),
+            Some((Instant::now(), 5)),
+        );
+        let until = 1_000_000 + FOLLOW.as_micros() as i64;
+        assert_eq!(known.confirmation(0, 5), (7, until));
+        // Another limits version since: none.
+        assert_eq!(known.confirmation(0, 6), (NOT_CONFIRMED, 0));
+        // Out of date here: none, whatever Redis's time.
+        tokio::time::advance(FOLLOW).await;
+        assert_eq!(known.confirmation(0, 5), (NOT_CONFIRMED, 0));
     }
 
     #[tokio::test(start_paused = true)]
@@ -496,7 +547,7 @@ mod tests {
         assert!(!known.plain_ok(0, &resolution, UNCONFIRMED));
         known.learn(
             0,
-            EMPTY,
+            (EMPTY, 0),
             std::iter::empty(),
             Some((Instant::now(), UNCONFIRMED)),
         );
@@ -511,7 +562,7 @@ mod tests {
         let all_text = all.to_string();
         let own = counts(policy.override_id(), 99);
         let fields = [(&b"k"[..], Some(&own[..])), (all_text.as_bytes(), None)];
-        known.learn(0, 7, fields.into_iter(), Some((Instant::now(), 5)));
+        known.learn(0, (7, 0), fields.into_iter(), Some((Instant::now(), 5)));
         let at_7 = known.resolve(0, "k", all, 0, &policy);
         assert!(matches!(at_7, Resolution::At { generation: 7, .. }));
         assert!(known.plain_ok(0, &at_7, 5));
@@ -523,7 +574,7 @@ mod tests {
         assert!(!known.plain_ok(1, &at_7, 5));
         // A full call sent later confirms generation 8: what was resolved at 7 goes full.
         tokio::time::advance(Duration::from_millis(1)).await;
-        known.learn(0, 8, std::iter::empty(), Some((Instant::now(), 5)));
+        known.learn(0, (8, 0), std::iter::empty(), Some((Instant::now(), 5)));
         assert!(!known.plain_ok(0, &at_7, 5));
         assert_eq!(known.resolve(0, "k", all, 0, &policy), Resolution::Unknown);
     }

@@ -14,7 +14,8 @@
 -- override's the arguments carry (a backlog written under other counts is reweighed, as
 -- gcra.lua does), with the headroom a leasing store keeps.
 -- Sends to the full tier (FULL_PATH): what plain.lua sends (settlements, slots,
--- reservations, penalty boxes, attempts); no GCRA state needs the full tier.
+-- reservations, penalty boxes, attempts, what its confirmation does not cover); no GCRA state
+-- needs the full tier.
 --
 -- Writes: as gcra.lua for those modes. A refusal extends the key's expiry (PTTL, PEXPIRE) as
 -- gcra.lua does, but only where the write that set it may not cover the backlog's drain under
@@ -36,7 +37,7 @@ for k = 1, #KEYS do
   local key = KEYS[k]
   local n, cost, record, t, want, h, answer, overridden, stretch_num, stretch_den
   next_byte, n, cost, record, t, want, h, answer, overridden, stretch_num, stretch_den =
-    next_plain(requests, next_byte, counts, windows, scales)
+    next_plain(requests, next_byte, confirmed, counts, windows, scales)
   if t < 0 then
     t = now
   end

@@ -13,16 +13,24 @@
 --           record, event time (-1: now), override id, penalty box, policy-wide and plan
 --           fields, known, kind and attempt, then the mode's own arguments, the limits, and,
 --           where kind is COUNTS, the override's counts (prelude.lua, ARGV[1])
--- ARGV[2..] as prelude.lua, and ignored: this tier reads no hash of overrides and takes no
+-- ARGV[2]   the lane's confirmation (src/store/redis/overrides/known.rs, "The plain tier"):
+--           two integers, the generation of the hash of overrides a full call read, and the
+--           Redis time in us until which a request resolved at it is decided here (-2 and 0:
+--           none is)
+-- ARGV[3..] as prelude.lua, and ignored: this tier reads no hash of overrides and takes no
 --           slot operation
 --
 -- What it handles: LOOK, ADMIT and LEASE (a step of a metered body is sent as one of those),
 -- at the event time given (-1: now), with no penalty box (0, or an event time, which no box
 -- refuses), no attempt, and the override the arguments carry (kind NONE, BLOCK, or COUNTS with
 -- their counts): `known` is not checked against the hash, which is the store's to follow
--- (the store sends a request here only while it knows the overrides that apply).
+-- (the store sends a request here only while it knows the overrides that apply), but against
+-- the confirmation ARGV[2] carries, so that a call run late (held in a stalled connection)
+-- decides nothing by overrides that may have changed since.
 -- What it sends to the full tier: every other request (SETTLE, TAKE, RESERVE, a penalty box,
--- an attempt), and the cases each algorithm's plain file names, are answered FULL_PATH
+-- an attempt), every request resolved at another generation than the one confirmed, every
+-- request once Redis's time has reached the confirmation's, and the cases each algorithm's
+-- plain file names, are answered FULL_PATH
 -- (limit index -4: 0 FULL_PATH 0 0 -2 -1): not decided, nothing recorded; the store decides
 -- such a request again with the full script (wire/reply.rs, FULL_PATH).
 --
@@ -46,6 +54,15 @@ end
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local spack, sunpack = struct.pack, struct.unpack
+-- The generation this call decides by: the one confirmed, until its time (see the header);
+-- past it, or without a confirmation, none (-2 is no request's).
+local confirmed = -2
+if #ARGV[2] == 16 then
+  local generation, ends = sunpack('<ll', ARGV[2])
+  if now < ends then
+    confirmed = generation
+  end
+end
 -- The arguments, read from next_byte on, and the answers so far (one string per request).
 local requests, next_byte = ARGV[1], 1
 local reply = {}
@@ -60,21 +77,23 @@ local FULL_PATH, NOT_READ = -4, -2
 -- locals costs several times more to make than one that does not, about what a decision's
 -- arithmetic costs. Answers are packed where they are given, for the same reason.
 
--- Reads the request whose arguments start at byte `at` of `requests`: returns the byte after
--- them, its number of limits n, cost, mode, event time (-1: now), want (the cost unless a
--- lease or a look), headroom (0 for an admission), its answer when this tier does not decide
--- it or an override blocks it (else false), and whether an override's counts decide it with
--- the largest ratio of such a count to the policy's own, num / den, at least 1 (prelude.lua,
--- `stretch_num`); puts each limit's count (an override's, if one applies), window and scale in
--- `counts[i]`, `windows[i]` and `scales[i]` (`scales` may be nil).
-local function next_plain(requests, at, counts, windows, scales)
+-- Reads the request whose arguments start at byte `at` of `requests`, in a call that decides
+-- by generation `confirmed`: returns the byte after them, its number of limits n, cost, mode,
+-- event time (-1: now), want (the cost unless a lease or a look), headroom (0 for an
+-- admission), its answer when this tier does not decide it or an override blocks it (else
+-- false), and whether an override's counts decide it with the largest ratio of such a count
+-- to the policy's own, num / den, at least 1 (prelude.lua, `stretch_num`); puts each limit's
+-- count (an override's, if one applies), window and scale in `counts[i]`, `windows[i]` and
+-- `scales[i]` (`scales` may be nil).
+local function next_plain(requests, at, confirmed, counts, windows, scales)
   local sunpack = struct.unpack
   local LOOK, LEASE, SETTLE, TAKE, RESERVE = 0, 2, 3, 4, 5
   local BLOCK, COUNTS = -1, -2
   -- The largest count and the longest window (prelude.lua).
   local MAX_COUNT, MAX_WINDOW = 1125899906842624, 315360000000000
-  local n, cost, record, t, box, kind, attempt, _
-  n, cost, record, t, _, box, _, _, _, kind, attempt, at = sunpack('<lllllllllll', requests, at)
+  local n, cost, record, t, box, known, kind, attempt, _
+  n, cost, record, t, _, box, _, _, known, kind, attempt, at =
+    sunpack('<lllllllllll', requests, at)
   local want, headroom = cost, 0
   if record == LOOK or record == LEASE then
     want, headroom, at = sunpack('<ll', requests, at)
@@ -113,7 +132,7 @@ local function next_plain(requests, at, counts, windows, scales)
     end
   end
   local answer = false
-  if record > LEASE or attempt > 0 or (box > 0 and t < 0) then
+  if record > LEASE or attempt > 0 or (box > 0 and t < 0) or known ~= confirmed then
     -- FULL_PATH (see the header).
     answer = struct.pack('<llllll', 0, -4, 0, 0, -2, -1)
   elseif kind == BLOCK then

@@ -74,7 +74,7 @@ for k = 1, #KEYS do
   local key = KEYS[k]
   local n, cost, record, t, want, headroom, answer, overridden
   next_byte, n, cost, record, t, want, headroom, answer, overridden =
-    next_plain(requests, next_byte, counts, windows, nil)
+    next_plain(requests, next_byte, confirmed, counts, windows, nil)
   if answer then
     reply[k] = answer
   elseif n == 0 then

@@ -210,13 +210,21 @@ impl Scripts {
         let script = scripts::source(algorithm, tier);
         let args = encode(cost, record, t, windows, overriding);
         let eval = CustomCommand::new_static("EVAL", ClusterHash::FirstKey, false);
-        // No override is ever set: the hash of overrides does not exist.
+        // No override is ever set: the hash of overrides does not exist. The plain tier is
+        // confirmed at the request's own generation, for ever.
+        let overrides = match tier {
+            Tier::Full => Value::from("overrides"),
+            Tier::Plain => {
+                let known = &args[8 * INT..9 * INT];
+                Value::Bytes(Bytes::from([known, &i64::MAX.to_le_bytes()].concat()))
+            }
+        };
         let values = vec![
             Value::from(script),
             Value::from(1),
             Value::from(key),
             Value::Bytes(Bytes::from(args)),
-            Value::from("overrides"),
+            overrides,
             Value::Bytes(Bytes::new()),
         ];
         self.client.custom(eval, values).await

@@ -212,7 +212,7 @@ impl Batcher {
             let script = ScriptId { algorithm, tier };
             let argv = wire::argv(
                 args.clone(),
-                self.settings.overrides_of(place.lane),
+                self.settings.overrides_for(place.lane, tier),
                 heads.clone(),
                 Vec::new(),
             );
@@ -477,7 +477,7 @@ mod tests {
             Some((&b"k"[..], Some(&b"v1"[..]))),
             Some((&b"123"[..], None)),
         ];
-        assert_eq!((generation, fields), (5, expected.to_vec()));
+        assert_eq!((generation, fields), ((5, 42), expected.to_vec()));
         assert_eq!(answer(&read, 2, 2).ints[0], 1);
         let decided = answer(&values, 2, 1);
         assert_eq!((decided.ints, decided.time), ([6, 7, 8, 9, 10, 11], 42));

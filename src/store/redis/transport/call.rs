@@ -151,9 +151,21 @@ pub(crate) struct Settings {
 }
 
 impl Settings {
-    /// The name of lane `lane`'s hash of overrides, as its calls pass it.
-    pub(crate) fn overrides_of(&self, lane: usize) -> Value {
-        self.overrides[lane % self.overrides.len()].clone()
+    /// The second argument of a call of `tier` to lane `lane`: for the full tier the name of
+    /// the lane's hash of overrides, which it reads; for the plain tier, which reads none, the
+    /// lane's confirmation now ([`Known::confirmation`]), so that Redis decides by it only
+    /// at the generation confirmed and until the Redis time it names (`scripts/plain.lua`).
+    pub(crate) fn overrides_for(&self, lane: usize, tier: Tier) -> Value {
+        match tier {
+            Tier::Full => self.overrides[lane % self.overrides.len()].clone(),
+            Tier::Plain => {
+                let (generation, until) = self.known.confirmation(lane, self.limits.token());
+                let mut bytes = Vec::with_capacity(2 * 8);
+                bytes.extend_from_slice(&generation.to_le_bytes());
+                bytes.extend_from_slice(&until.to_le_bytes());
+                Value::Bytes(Bytes::from(bytes))
+            }
+        }
     }
 
     /// Keeps what a whole reply `values` of a call to lane `lane` read of the lane's hash of
@@ -166,8 +178,8 @@ impl Settings {
         (decisions, slot_ops): (usize, usize),
         sent: Option<(Instant, u64)>,
     ) {
-        let (generation, fields) = wire::read(values, decisions, slot_ops);
-        self.known.learn(lane, generation, fields.flatten(), sent);
+        let (read, fields) = wire::read(values, decisions, slot_ops);
+        self.known.learn(lane, read, fields.flatten(), sent);
     }
 
     /// The tier of a request of lane `lane` under `algorithm` encoded as `args`
@@ -477,7 +489,7 @@ async fn run(settings: &Settings, lane: usize, id: ScriptId, laid: Laid) -> Resu
     // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
     let one_key = keys.iter().all(|key| *key == keys[0]);
     let (args, heads) = (Bytes::from(args), heads.bytes());
-    let argv = wire::argv(args, settings.overrides_of(lane), heads, ops);
+    let argv = wire::argv(args, settings.overrides_for(lane, id.tier), heads, ops);
     // Each command waits for its reply up to the patience of a late reply, not the pool's
     // budget, so that a reply after the budget is still read (see `Unread`).
     let options = Options {

@@ -86,20 +86,22 @@ pub(crate) fn check_length(values: &[u8], decisions: usize, slot_ops: usize) -> 
 
 /// What a call read of its lane's hash of overrides: the hash's generation (`-1`: Redis
 /// refused the read, or the call did not read it, as a plain script does; `0`: the hash holds
-/// none), and each field the call read with its value (`None`: absent), from a reply that
-/// [`check_length`] found whole. A generation of `-1` teaches the store nothing
-/// (`overrides/known.rs`, `learn`).
-pub(crate) fn read(values: &[u8], decisions: usize, slot_ops: usize) -> (i64, Fields<'_>) {
+/// none) and Redis's time (µs) then, and each field the call read with its value (`None`:
+/// absent), from a reply that [`check_length`] found whole. A generation of `-1` teaches the
+/// store nothing (`overrides/known.rs`, `learn`).
+pub(crate) fn read(values: &[u8], decisions: usize, slot_ops: usize) -> ((i64, i64), Fields<'_>) {
+    let int = |at: usize| {
+        let bytes = values.get(at..at + INT)?.try_into().ok()?;
+        Some(i64::from_le_bytes(bytes))
+    };
     let at = (6 * decisions + 1) * INT;
-    let generation = values
-        .get(at..at + INT)
-        .and_then(|int| int.try_into().ok())
-        .map_or(NOT_KNOWN, i64::from_le_bytes);
+    let time = int(at - INT).unwrap_or(0);
+    let generation = int(at).unwrap_or(NOT_KNOWN);
     if generation == NOT_READ {
-        return (NOT_KNOWN, Fields::new(&[]));
+        return ((NOT_KNOWN, time), Fields::new(&[]));
     }
     let tail = values.get(at + INT + slot_ops..).unwrap_or_default();
-    (generation, Fields::new(tail))
+    ((generation, time), Fields::new(tail))
 }
 
 /// The fields a call read (`prelude.lua`, "Reply"): nothing, or their number, then for each
@@ -335,8 +337,8 @@ mod tests {
     fn a_plain_reply_is_whole_and_teaches_nothing_of_the_overrides() {
         let reply = plain_reply();
         check_length(&reply, 2, 0).expect("six integers each, the time and the generation");
-        let (generation, fields) = read(&reply, 2, 0);
-        assert_eq!(generation, NOT_KNOWN);
+        let (read, fields) = read(&reply, 2, 0);
+        assert_eq!(read, (NOT_KNOWN, 1_700_000_000));
         assert_eq!(fields.count(), Some(0));
         assert_eq!(answer(&reply, 2, 1).ints[1], FULL_PATH);
     }
