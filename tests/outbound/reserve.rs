@@ -725,6 +725,24 @@ async fn tickets_out_of_range_are_refused_on_redis() {
     tickets_out_of_range_are_refused(&server.store().await).await;
 }
 
+/// A store whose time budget is past the longest it reads a reply (10 s) reserves.
+#[tokio::test]
+async fn a_store_with_a_budget_past_ten_seconds_reserves() {
+    let server = crate::support::RedisServer::start();
+    let store = tower_redis_ratelimit::RedisStore::builder(server.url())
+        .timeout(Duration::from_secs(30))
+        .connect()
+        .await
+        .unwrap();
+    let policy = policy("10/1s", Algorithm::SlidingLog);
+    let reserved = store.reserve(
+        &Key::from("k"),
+        &policy,
+        layer_ticket(Duration::from_secs(5)),
+    );
+    assert!(reserved.await.unwrap().is_allowed());
+}
+
 /// A reservation waits for Redis past the decisions' time budget (250 ms), up to its own
 /// `max_wait`: with Redis busy for 600 ms (`DEBUG SLEEP` on another connection) it gets its
 /// turn, where a decision fails. A Redis that is gone still fails it, with the store's error.

@@ -22,9 +22,9 @@ const PATIENCE: Duration = Duration::from_secs(3);
 
 /// How long a reservation waits for its reply: its `max_wait` (it would wait that long for its
 /// turn anyway), at least the store's time budget and at most [`LATE_PATIENCE`], the longest
-/// the store reads any reply.
+/// the store reads any reply (which bounds a time budget set longer, too).
 fn budget(inner: &Inner, ticket: &Ticket) -> Duration {
-    ticket.max_wait.clamp(inner.timeout, LATE_PATIENCE)
+    ticket.max_wait.max(inner.timeout).min(LATE_PATIENCE)
 }
 
 impl Reserve for RedisStore {
