@@ -52,7 +52,7 @@
 //! the work Redis does and `evals/req` the round trips (every store here only sends scripts).
 //! `cpu app` and `cpu redis` are the cores this process and Redis kept busy, `cpu µs/req` the
 //! CPU time both spent per request (on a machine it keeps fully busy, a configuration's
-//! throughput is inversely proportional to it); `allocs/req` the
+//! throughput is inversely proportional to it), `redis µs/req` Redis's part of it; `allocs/req` the
 //! heap allocations of this process (server, load and limiter) per request, counted by a
 //! global allocator that each thread counts in separately.
 //!
@@ -1284,6 +1284,8 @@ struct Measurement {
     allocations_per_request: f64,
     /// CPU time per request, of this process and Redis together, in µs.
     cpu_us_per_request: Option<f64>,
+    /// Redis's CPU time per request, in µs.
+    redis_us_per_request: Option<f64>,
 }
 
 impl Measurement {
@@ -1330,6 +1332,7 @@ impl Measurement {
             allocations_per_request: after.allocations.saturating_sub(before.allocations) as f64
                 / requests,
             cpu_us_per_request: app_cpu.map(|cpu| (cpu + redis_cpu) * 1e6 / requests),
+            redis_us_per_request: redis.map(|_| redis_cpu * 1e6 / requests),
         }
     }
 
@@ -1423,6 +1426,7 @@ struct Summary {
     redis_cores: Option<f64>,
     allocations_per_request: f64,
     cpu_us_per_request: Option<f64>,
+    redis_us_per_request: Option<f64>,
     /// Medians of the rounds' [`Spread`].
     keys: f64,
     busiest_key_rps: f64,
@@ -1459,6 +1463,7 @@ impl Summary {
             redis_cores: median_of(&|m| m.redis_cores),
             allocations_per_request: median_of(&|m| Some(m.allocations_per_request)).unwrap_or(0.0),
             cpu_us_per_request: median_of(&|m| m.cpu_us_per_request),
+            redis_us_per_request: median_of(&|m| m.redis_us_per_request),
         }
     }
 
@@ -1498,7 +1503,7 @@ fn or_dash(value: Option<f64>, digits: usize) -> String {
 
 fn table(summaries: &[Summary]) -> String {
     let mut out = format!(
-        "{:<22} {:>9} {:>6} {:>6} {:>8} {:>8} {:>8} {:>6} {:>8} {:>9} {:>7} {:>9} {:>10} {:>10} {:>8} {:>10} {:>14} {:>6}\n",
+        "{:<22} {:>9} {:>6} {:>6} {:>8} {:>8} {:>8} {:>6} {:>8} {:>9} {:>7} {:>9} {:>10} {:>12} {:>10} {:>8} {:>10} {:>14} {:>6}\n",
         "config",
         "req/s",
         "×bare",
@@ -1512,6 +1517,7 @@ fn table(summaries: &[Summary]) -> String {
         "cpu app",
         "cpu redis",
         "cpu µs/req",
+        "redis µs/req",
         "allocs/req",
         "keys",
         "key req/s",
@@ -1521,7 +1527,7 @@ fn table(summaries: &[Summary]) -> String {
     for s in summaries {
         let _ = writeln!(
             out,
-            "{:<22} {:>9.0} {:>6} {:>6} {:>8.0} {:>8.0} {:>8} {:>6.1} {:>8} {:>9} {:>7} {:>9} {:>10} {:>10.1} {:>8.0} {:>10.3} {:>14} {:>6.0}",
+            "{:<22} {:>9.0} {:>6} {:>6} {:>8.0} {:>8.0} {:>8} {:>6.1} {:>8} {:>9} {:>7} {:>9} {:>10} {:>12} {:>10.1} {:>8.0} {:>10.3} {:>14} {:>6.0}",
             s.label(),
             s.rps,
             or_dash(s.ratio_to_bare, 2),
@@ -1535,6 +1541,7 @@ fn table(summaries: &[Summary]) -> String {
             or_dash(s.app_cores, 2),
             or_dash(s.redis_cores, 2),
             or_dash(s.cpu_us_per_request, 1),
+            or_dash(s.redis_us_per_request, 2),
             s.allocations_per_request,
             s.keys,
             s.busiest_key_rps,
@@ -1546,7 +1553,7 @@ fn table(summaries: &[Summary]) -> String {
         "\nMedians over rounds; non-200 and 429 % over all rounds. ×bare and ×rival are medians of \
          per-round ratios,\n×rival to tower_governor (memory store) or fred_peer (Redis store). \
          cmds/req counts the commands\nLua scripts run, evals/req the EVALSHA round trips; cpu: \
-         cores busy (app: this process, server and\nload together); cpu µs/req: CPU time of both per request; allocs/req: heap allocations of\nthis process per request. Rows `name/dist` ran on that key distribution, ratios within it.\nkey req/s: the busiest key's rate (every key's, round-robin); key req/period: that times the\nlease period (1 s), \"not hot\" on a hot row under 10; hot %: requests whose key saw 10 or more\nper lease period.\n",
+         cores busy (app: this process, server and\nload together); cpu µs/req: CPU time of both per request (redis µs/req: of Redis); allocs/req: heap allocations of\nthis process per request. Rows `name/dist` ran on that key distribution, ratios within it.\nkey req/s: the busiest key's rate (every key's, round-robin); key req/period: that times the\nlease period (1 s), \"not hot\" on a hot row under 10; hot %: requests whose key saw 10 or more\nper lease period.\n",
     );
     out
 }
@@ -1566,12 +1573,12 @@ fn write_outputs(dir: &Path, results: &[Measurement], summaries: &[Summary]) -> 
 fn results_csv(results: &[Measurement]) -> String {
     let mut csv = "config,round,requests,non_ok,seconds,rps,p50_us,p99_us,redis_cmds_per_req,\
                    ratio_to_bare,status_429,redis_evals_per_req,app_cores,redis_cores,ratio_to_rival,\
-                   allocs_per_req,cpu_us_per_req,keys,busiest_key_rps,hot_share\n"
+                   allocs_per_req,cpu_us_per_req,keys,busiest_key_rps,hot_share,redis_us_per_req\n"
         .to_owned();
     for m in results {
         let _ = writeln!(
             csv,
-            "{},{},{},{},{:.3},{:.1},{},{},{},{},{},{},{},{},{},{:.2},{},{},{:.3},{:.4}",
+            "{},{},{},{},{:.3},{:.1},{},{},{},{},{},{},{},{},{},{:.2},{},{},{:.3},{:.4},{}",
             m.label(),
             m.round,
             m.requests,
@@ -1592,6 +1599,7 @@ fn results_csv(results: &[Measurement]) -> String {
             m.spread.keys,
             m.spread.busiest_key_rps,
             m.spread.hot_share,
+            or_empty(m.redis_us_per_request, 3),
         );
     }
     csv
@@ -1600,12 +1608,12 @@ fn results_csv(results: &[Measurement]) -> String {
 fn summary_csv(summaries: &[Summary]) -> String {
     let mut csv = "config,rounds,requests,non_ok,status_429,rps,p50_us,p99_us,\
                    redis_cmds_per_req,ratio_to_bare,redis_evals_per_req,app_cores,redis_cores,\
-                   ratio_to_rival,allocs_per_req,cpu_us_per_req,keys,busiest_key_rps,hot_share\n"
+                   ratio_to_rival,allocs_per_req,cpu_us_per_req,keys,busiest_key_rps,hot_share,redis_us_per_req\n"
         .to_owned();
     for s in summaries {
         let _ = writeln!(
             csv,
-            "{},{},{},{},{},{:.1},{:.0},{:.0},{},{},{},{},{},{},{:.2},{},{:.0},{:.3},{:.4}",
+            "{},{},{},{},{},{:.1},{:.0},{:.0},{},{},{},{},{},{},{:.2},{},{:.0},{:.3},{:.4},{}",
             s.label(),
             s.rounds,
             s.requests,
@@ -1625,6 +1633,7 @@ fn summary_csv(summaries: &[Summary]) -> String {
             s.keys,
             s.busiest_key_rps,
             s.hot_share,
+            or_empty(s.redis_us_per_request, 3),
         );
     }
     csv
