@@ -126,8 +126,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use support::keys::{Distribution, KeyCount, AUTO_WARMUP_KEYS, HOT_PER_PERIOD, LEASE_PERIOD};
 use support::redis::{Admin, Scratch};
 use support::{process_cpu_seconds, redis_cpu_seconds, CountingAllocator};
 use tokio::net::{TcpListener, TcpStream};
@@ -147,6 +146,9 @@ use tower_redis_ratelimit::{
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// The keys of a load, as header values.
+type KeySet = support::keys::KeySet<HeaderValue>;
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
@@ -359,226 +361,6 @@ fn positive(flag: &str, text: &str) -> Result<usize, Error> {
         Ok(n) if n > 0 => Ok(n),
         _ => Err(format!("{flag} takes a whole number above 0, not {text:?}").into()),
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Key distributions
-
-/// The lease period of the leasing configurations (the default): a key's rate times it says
-/// whether a lease would serve several requests.
-const LEASE_PERIOD: Duration = Leases::DEFAULT_PERIOD;
-/// Requests per lease period from which a key counts as hot.
-const HOT_PER_PERIOD: f64 = 10.0;
-/// The most requests per second a key of a load sized by `--keys auto` sees.
-const COLD_KEY_RATE: f64 = 0.1;
-/// Keys of the warm-up that sizes `--keys auto`, named `w<n>` so that the measured keys stay
-/// cold.
-const AUTO_WARMUP_KEYS: usize = 10_000;
-/// Zipf's exponent when `--distribution zipf` names none.
-const ZIPF_S: f64 = 1.1;
-
-/// How a load's requests spread over its keys, named by the rate each key sees.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Distribution {
-    /// Round-robin over `--keys` (default 1 000): the run without `--distribution`.
-    Uniform,
-    /// Round-robin over few keys (default 100), each busy enough for leases to pay.
-    Hot,
-    /// Round-robin over so many keys (default `auto`) that each sees at most 0.1 request a
-    /// second: most production keys.
-    Cold,
-    /// Zipf's law with this exponent over `--keys` (default 100 000): key `n` (from 1) gets a
-    /// share proportional to `n^-s`, a few hot keys and a long cold tail.
-    Zipf(f64),
-}
-
-impl Distribution {
-    fn parse_list(text: &str) -> Result<Vec<Distribution>, Error> {
-        text.split(',').map(Distribution::parse).collect()
-    }
-
-    fn parse(text: &str) -> Result<Distribution, Error> {
-        let exponent = |s: &str| s.parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0);
-        match text.trim() {
-            "hot" => Ok(Distribution::Hot),
-            "cold" => Ok(Distribution::Cold),
-            "zipf" => Ok(Distribution::Zipf(ZIPF_S)),
-            other => other
-                .strip_prefix("zipf:")
-                .and_then(exponent)
-                .map(Distribution::Zipf)
-                .ok_or_else(|| {
-                    format!("--distribution takes hot, cold or zipf[:S], not {other:?}").into()
-                }),
-        }
-    }
-
-    fn default_keys(self) -> KeyCount {
-        match self {
-            Distribution::Uniform => KeyCount::Fixed(1000),
-            Distribution::Hot => KeyCount::Fixed(100),
-            Distribution::Cold => KeyCount::Auto,
-            Distribution::Zipf(_) => KeyCount::Fixed(100_000),
-        }
-    }
-
-    /// What row names carry after the configuration's: nothing for the default load.
-    fn suffix(self) -> String {
-        match self {
-            Distribution::Uniform => String::new(),
-            Distribution::Hot => "/hot".to_owned(),
-            Distribution::Cold => "/cold".to_owned(),
-            Distribution::Zipf(s) if s == ZIPF_S => "/zipf".to_owned(),
-            Distribution::Zipf(s) => format!("/zipf:{s}"),
-        }
-    }
-
-    fn describe(self, keys: KeyCount) -> String {
-        let keys = match keys {
-            KeyCount::Fixed(n) => format!("{n} keys"),
-            KeyCount::Auto => format!(
-                "keys sized from each warm-up's throughput for at most {COLD_KEY_RATE} req/s each"
-            ),
-        };
-        match self {
-            Distribution::Uniform => keys,
-            Distribution::Hot => format!("hot: {keys} round-robin"),
-            Distribution::Cold => format!("cold: {keys} round-robin"),
-            Distribution::Zipf(s) => format!("zipf (s = {s}): {keys}"),
-        }
-    }
-}
-
-/// `--keys`: a number, or `auto`.
-#[derive(Debug, Clone, Copy)]
-enum KeyCount {
-    Fixed(usize),
-    /// Ten times the configuration's warm-up throughput, rounded up to a power of ten.
-    Auto,
-}
-
-impl KeyCount {
-    fn parse(text: &str) -> Result<KeyCount, Error> {
-        match text {
-            "auto" => Ok(KeyCount::Auto),
-            n => Ok(KeyCount::Fixed(positive("--keys", n)?)),
-        }
-    }
-
-    /// Keys enough that `rps` requests per second give each at most `COLD_KEY_RATE`.
-    fn auto(rps: f64) -> usize {
-        let needed = (rps / COLD_KEY_RATE).max(1.0);
-        10usize.pow(needed.log10().ceil() as u32)
-    }
-}
-
-/// The keys of one load, and how its workers pick among them.
-#[derive(Clone)]
-struct KeySet {
-    values: Arc<[HeaderValue]>,
-    /// Zipf's cumulative shares over `values`, hottest first; `None` for round-robin.
-    cumulative: Option<Arc<[f64]>>,
-}
-
-impl KeySet {
-    /// `count` keys named `<prefix><n>`.
-    fn named(prefix: &str, count: usize, distribution: Distribution) -> Result<KeySet, Error> {
-        let values = (0..count)
-            .map(|n| HeaderValue::try_from(format!("{prefix}{n}")))
-            .collect::<Result<_, _>>()?;
-        let cumulative = match distribution {
-            Distribution::Zipf(s) => Some(zipf_cumulative(count, s)),
-            _ => None,
-        };
-        Ok(KeySet { values, cumulative })
-    }
-
-    fn one(value: HeaderValue) -> KeySet {
-        KeySet {
-            values: [value].into(),
-            cumulative: None,
-        }
-    }
-
-    /// The share of the requests that the busiest key gets.
-    fn top_share(&self) -> f64 {
-        match &self.cumulative {
-            Some(cumulative) => cumulative[0],
-            None => 1.0 / self.values.len() as f64,
-        }
-    }
-
-    /// The share of the requests that go to keys seeing at least `HOT_PER_PERIOD` requests
-    /// per lease period, at `rps` requests per second in all.
-    fn hot_share(&self, rps: f64) -> f64 {
-        let hot = |share: f64| share * rps * LEASE_PERIOD.as_secs_f64() >= HOT_PER_PERIOD;
-        let Some(cumulative) = &self.cumulative else {
-            return f64::from(u8::from(hot(self.top_share())));
-        };
-        // Shares fall with the rank: the hot keys come first.
-        let mut before = 0.0;
-        let shares = cumulative
-            .iter()
-            .map(|&c| c - std::mem::replace(&mut before, c));
-        shares.take_while(|&share| hot(share)).sum()
-    }
-
-    /// Worker `worker` of `workers`: round-robin from its own first key, or its own seeded
-    /// draws from Zipf's law.
-    fn picker(&self, worker: usize, workers: usize) -> Picker {
-        match &self.cumulative {
-            None => Picker::RoundRobin {
-                next: worker,
-                step: workers,
-            },
-            Some(cumulative) => Picker::Zipf {
-                cumulative: Arc::clone(cumulative),
-                rng: SmallRng::seed_from_u64(worker as u64),
-            },
-        }
-    }
-}
-
-/// How one worker picks its next key.
-enum Picker {
-    /// Keys `next`, `next + step`, ... modulo the number of keys: the workers together cycle
-    /// over all of them.
-    RoundRobin { next: usize, step: usize },
-    /// A key by a uniform draw located in the cumulative shares (binary search).
-    Zipf {
-        cumulative: Arc<[f64]>,
-        rng: SmallRng,
-    },
-}
-
-impl Picker {
-    fn next(&mut self, keys: usize) -> usize {
-        match self {
-            Picker::RoundRobin { next, step } => {
-                let n = *next % keys;
-                *next += *step;
-                n
-            }
-            Picker::Zipf { cumulative, rng } => {
-                let draw: f64 = rng.random();
-                cumulative.partition_point(|&c| c <= draw).min(keys - 1)
-            }
-        }
-    }
-}
-
-/// Zipf's law over `keys` ranks with exponent `s`: the share of ranks `1..=n` at `n - 1`,
-/// built once per load (100 000 keys: 800 KB).
-fn zipf_cumulative(keys: usize, s: f64) -> Arc<[f64]> {
-    let mut total = 0.0;
-    let mut cumulative: Vec<f64> = (1..=keys)
-        .map(|rank| {
-            total += (rank as f64).powf(-s);
-            total
-        })
-        .collect();
-    cumulative.iter_mut().for_each(|c| *c /= total);
-    cumulative.into()
 }
 
 // ---------------------------------------------------------------------------------------------
