@@ -57,7 +57,8 @@
 //! global allocator that each thread counts in separately.
 //!
 //! `--distribution hot,cold,zipf[:S]` (any of them, comma-separated) runs every configuration on
-//! each key distribution, named by the rate a key sees, and names its rows `config/hot`, ...:
+//! each key distribution, named by the rate a key sees (`examples/support/keys.rs`, which
+//! `store_load` shares), and names its rows `config/hot`, ...:
 //!
 //! - `hot`: round-robin over `--keys` (default 100), few enough that each key sees at least 10
 //!   requests per lease period (1 s, the default); the table shows the busiest key's requests

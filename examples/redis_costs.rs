@@ -284,7 +284,9 @@ async fn measure(
     decisions: usize,
 ) -> Result<Costs, Error> {
     redis.client.flushall::<()>(false).await?;
+    // A generous time budget: a busy machine or callgrind's Redis may answer late.
     let store = RedisStore::builder(&redis.url)
+        .timeout(Duration::from_secs(5))
         .max_batch(batch)
         .plain_scripts(feature == Feature::Plain)
         .connect()

@@ -32,6 +32,18 @@
 //! and every decision measured is its key's first (no key is decided before); `zipf`, 100 000
 //! keys drawn by Zipf's law with exponent `S` (default 1.1), each task with its own seeded
 //! generator. The output then names the distribution, the keys and the busiest key's rate.
+//!
+//! With `STORE_LOAD_DECISIONS=n` the measured phase makes exactly `n` decisions instead of
+//! running 4 s, for counting this process's instructions: the difference between two counts
+//! (`valgrind --tool=callgrind`, which does not follow the `redis-server` it starts), over the
+//! difference of their `n`, is the app side's instructions per decision:
+//!
+//! ```text
+//! for n in 20000 60000; do
+//!   STORE_LOAD_DECISIONS=$n valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+//!     target/release/examples/store_load gcra --distribution cold
+//! done
+//! ```
 
 mod support;
 
@@ -124,7 +136,11 @@ async fn main() -> Result<(), Error> {
     let evals_before = evalsha_calls(&admin).await?;
     let (allocations_before, bytes_before) = support::CountingAllocator::totals();
     let started = Instant::now();
-    let (_, n) = decide_for(&limiter, ("c", &keys), RUN).await?;
+    let length = match std::env::var("STORE_LOAD_DECISIONS") {
+        Ok(n) => Length::Decisions(n.parse().map_err(|_| "STORE_LOAD_DECISIONS=<n>")?),
+        Err(_) => Length::For(RUN),
+    };
+    let (_, n) = decide_for(&limiter, ("c", &keys), length).await?;
     let seconds = started.elapsed().as_secs_f64();
     let (allocations_after, bytes_after) = support::CountingAllocator::totals();
     let (allocations, bytes) = (
@@ -206,30 +222,46 @@ async fn key_set(
         KeyCount::Fixed(n) => n,
         KeyCount::Auto => {
             let warmup = Spread::new(AUTO_WARMUP_KEYS, Distribution::Uniform);
-            KeyCount::auto(decide_for(limiter, ("w", &warmup), WARMUP).await?.0)
+            let length = Length::For(WARMUP);
+            KeyCount::auto(decide_for(limiter, ("w", &warmup), length).await?.0)
         }
     };
     Ok(Spread::new(count, distribution))
 }
 
-/// Decides for `run` by `TASKS` tasks, each picking keys `<prefix><n>` as [`Spread::picker`]
-/// says;
-/// answers the decisions per second and the decisions made.
+/// How long a load runs.
+#[derive(Clone, Copy)]
+enum Length {
+    For(Duration),
+    /// Exactly this many decisions, however long they take (`STORE_LOAD_DECISIONS`).
+    Decisions(u64),
+}
+
+/// Decides by `TASKS` tasks for `length`, each picking keys `<prefix><n>` as
+/// [`Spread::picker`] says; answers the decisions per second and the decisions made.
 async fn decide_for(
     limiter: &Limiter,
     (prefix, keys): (&str, &Spread),
-    run: Duration,
+    length: Length,
 ) -> Result<(f64, u64), Error> {
     let decided = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
-    let tasks: Vec<_> = (0..TASKS)
+    let tasks: Vec<_> = (0..TASKS as u64)
         .map(|t| {
             let (limiter, decided, stop) = (limiter.clone(), decided.clone(), stop.clone());
-            let (mut picker, count) = (keys.picker(t, TASKS), keys.count);
+            let (mut picker, count) = (keys.picker(t as usize, TASKS), keys.count);
             let prefix = prefix.to_owned();
+            // The task's share of a fixed number of decisions.
+            let quota = match length {
+                Length::For(_) => u64::MAX,
+                Length::Decisions(n) => n / TASKS as u64 + u64::from(t < n % TASKS as u64),
+            };
             tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
+                for _ in 0..quota {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
                     let key = format!("{prefix}{}", picker.next(count));
                     limiter.decide(key).await?;
                     decided.fetch_add(1, Ordering::Relaxed);
@@ -238,8 +270,10 @@ async fn decide_for(
             })
         })
         .collect();
-    tokio::time::sleep(run).await;
-    stop.store(true, Ordering::Relaxed);
+    if let Length::For(run) = length {
+        tokio::time::sleep(run).await;
+        stop.store(true, Ordering::Relaxed);
+    }
     for task in tasks {
         task.await??;
     }
