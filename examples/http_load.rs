@@ -52,18 +52,41 @@
 //! the work Redis does and `evals/req` the round trips (every store here only sends scripts).
 //! `cpu app` and `cpu redis` are the cores this process and Redis kept busy, `cpu µs/req` the
 //! CPU time both spent per request (on a machine it keeps fully busy, a configuration's
-//! throughput is inversely proportional to it); `allocs/req` the
+//! throughput is inversely proportional to it), `redis µs/req` Redis's part of it; `allocs/req` the
 //! heap allocations of this process (server, load and limiter) per request, counted by a
 //! global allocator that each thread counts in separately.
 //!
+//! `--distribution hot,cold,zipf[:S]` (any of them, comma-separated) runs every configuration on
+//! each key distribution, named by the rate a key sees (`examples/support/keys.rs`, which
+//! `store_load` shares), and names its rows `config/hot`, ...:
+//!
+//! - `hot`: round-robin over `--keys` (default 100), few enough that each key sees at least 10
+//!   requests per lease period (1 s, the default); the table shows the busiest key's requests
+//!   per lease period and marks a hot row under 10 "not hot";
+//! - `cold`: round-robin over `--keys` (default `auto`: ten times the configuration's warm-up
+//!   throughput, rounded up to a power of ten, so that each key sees at most 0.1 request per
+//!   second; the warm-up runs on keys of its own, `w<n>`, which the measured phase never sends);
+//! - `zipf` (`zipf:S` for an exponent other than 1.1): over `--keys` (default 100 000), key `n`
+//!   (from 1) drawn with a probability proportional to `n^-S`, each worker with a random
+//!   generator of its own, seeded by its index, so every run draws the same keys.
+//!
+//! Without `--distribution`, keys go round-robin over `--keys` (default 1000) as above. The
+//! table shows each row's key count, the busiest key's rate, and the share of requests whose
+//! key saw at least 10 per lease period (where a lease would serve several requests).
+//!
+//! ```text
+//! cargo run --release --example http_load -- --only bare,memory,redis_gcra_lean,redis_gcra_lease,fred_peer --distribution hot,cold,zipf
+//! ```
+//!
 //! Configurations run interleaved (round 1 runs each once, then round 2, ...); the table shows
 //! each one's median over rounds, and its throughput ratios to the bare route and to its rival
-//! of the same round (medians of the per-round ratios; the rival is `tower_governor` for the
+//! of the same round and distribution (medians of the per-round ratios; the rival is `tower_governor` for the
 //! memory store and `fred_peer` for the Redis store, the comparisons the performance targets
 //! name, and `upload_cost` for `upload_metered`).
 //!
 //! Flags: `--duration SECS` (measured time per configuration and round, default 5),
-//! `--warmup SECS` (default 1), `--concurrency N` (default 32), `--keys N` (default 1000),
+//! `--warmup SECS` (default 1), `--concurrency N` (default 32), `--keys N|auto` (above),
+//! `--distribution` (above),
 //! `--rounds R` (default 3), `--pool N` (Redis connections of each Redis limiter, default 4),
 //! `--cluster N` (start a Redis Cluster of `N` primaries instead of one server; `REDIS_URL` may
 //! also name one, `redis-cluster://...`), `--cluster-tags N` and `--in-flight N` (this crate's
@@ -104,6 +127,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+use support::keys::{Distribution, KeyCount, AUTO_WARMUP_KEYS, HOT_PER_PERIOD, LEASE_PERIOD};
 use support::redis::{Admin, Scratch};
 use support::{process_cpu_seconds, redis_cpu_seconds, CountingAllocator};
 use tokio::net::{TcpListener, TcpStream};
@@ -123,6 +147,9 @@ use tower_redis_ratelimit::{
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// The keys of a load, as header values.
+type KeySet = support::keys::KeySet<HeaderValue>;
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
@@ -161,19 +188,24 @@ async fn run(args: Args) -> Result<(), Error> {
     println!("{}", args.describe(redis.as_ref()));
     let mut results = Vec::new();
     for round in 1..=args.rounds {
-        let mut this_round = Vec::new();
-        for &scenario in &args.only {
-            let measurement = measure(scenario, round, &args, redis.as_ref()).await?;
-            eprintln!("{}", measurement.progress_line());
-            this_round.push(measurement);
+        for &distribution in &args.distributions {
+            let mut this_round = Vec::new();
+            for &scenario in &args.only {
+                let run = (scenario, distribution, round);
+                let measurement = measure(run, &args, redis.as_ref()).await?;
+                eprintln!("{}", measurement.progress_line());
+                this_round.push(measurement);
+            }
+            // Ratios within one distribution and round.
+            set_ratios(&mut this_round);
+            results.extend(this_round);
         }
-        set_ratios(&mut this_round);
-        results.extend(this_round);
     }
     let summaries: Vec<Summary> = args
-        .only
+        .distributions
         .iter()
-        .map(|&s| Summary::of(s, &results))
+        .flat_map(|&d| args.only.iter().map(move |&s| (s, d)))
+        .map(|(s, d)| Summary::of(s, d, &results))
         .collect();
     println!("\n{}", table(&summaries));
     write_outputs(&args.out, &results, &summaries)
@@ -186,7 +218,10 @@ struct Args {
     duration: Duration,
     warmup: Duration,
     concurrency: usize,
-    keys: usize,
+    /// `--keys`, or `None` for each distribution's own default.
+    keys: Option<KeyCount>,
+    /// `--distribution`: each configuration runs on each of these, in each round.
+    distributions: Vec<Distribution>,
     rounds: usize,
     pool: usize,
     /// Primaries of the scratch Redis Cluster; 0 for a single server.
@@ -209,7 +244,8 @@ impl Args {
             duration: Duration::from_secs(5),
             warmup: Duration::from_secs(1),
             concurrency: 32,
-            keys: 1000,
+            keys: None,
+            distributions: vec![Distribution::Uniform],
             rounds: 3,
             pool: 4,
             cluster: 0,
@@ -231,7 +267,8 @@ impl Args {
                 "--duration" => args.duration = seconds(&value()?)?,
                 "--warmup" => args.warmup = seconds(&value()?)?,
                 "--concurrency" => args.concurrency = positive(&flag, &value()?)?,
-                "--keys" => args.keys = positive(&flag, &value()?)?,
+                "--keys" => args.keys = Some(KeyCount::parse(&value()?)?),
+                "--distribution" => args.distributions = Distribution::parse_list(&value()?)?,
                 "--rounds" => args.rounds = positive(&flag, &value()?)?,
                 "--pool" => args.pool = positive(&flag, &value()?)?,
                 "--cluster" => args.cluster = positive(&flag, &value()?)?,
@@ -290,14 +327,26 @@ impl Args {
             ),
             None => "GET".to_owned(),
         };
+        let keys: Vec<String> = self
+            .distributions
+            .iter()
+            .map(|&d| d.describe(self.keys_of(d)))
+            .collect();
         format!(
-            "{} workers, {} keys, {requests}, {} round(s) of {:.1} s per configuration after {:.1} s of warm-up; {redis}",
+            "{} workers, {}, {requests}, {} round(s) of {:.1} s per configuration after {:.1} s of warm-up; {redis}",
             self.concurrency,
-            self.keys,
+            keys.join("; "),
             self.rounds,
             self.duration.as_secs_f64(),
             self.warmup.as_secs_f64(),
         )
+    }
+}
+
+impl Args {
+    /// How many keys a load of `distribution` spreads over: `--keys`, or its default.
+    fn keys_of(&self, distribution: Distribution) -> KeyCount {
+        self.keys.unwrap_or(distribution.default_keys())
     }
 }
 
@@ -733,8 +782,7 @@ async fn set_overrides(redis: &RedisBackend, n: usize) -> Result<(), Error> {
 }
 
 async fn measure(
-    scenario: Scenario,
-    round: usize,
+    (scenario, distribution, round): (Scenario, Distribution, usize),
     args: &Args,
     redis: Option<&RedisBackend>,
 ) -> Result<Measurement, Error> {
@@ -742,28 +790,15 @@ async fn measure(
         redis.flush().await?;
     }
     if let (Scenario::RedisGcraOverrides, Some(redis)) = (scenario, redis) {
-        set_overrides(redis, args.keys.min(1000)).await?;
+        let keys = match args.keys_of(distribution) {
+            KeyCount::Fixed(n) => n.min(1000),
+            KeyCount::Auto => 1000,
+        };
+        set_overrides(redis, keys).await?;
     }
     let server = Server::start(scenario.app(redis)?).await?;
-    let keys = match scenario.is_flood() {
-        true => vec![HeaderValue::from_static(FLOOD_KEY)],
-        false => (0..args.keys)
-            .map(|n| HeaderValue::try_from(format!("c{n}")))
-            .collect::<Result<_, _>>()?,
-    };
-    if scenario.is_flood() {
-        // The first request is admitted and puts the key over its limit.
-        Connection::open(server.addr)
-            .await?
-            .send(&keys[0], None)
-            .await?;
-    }
-    let start = Instant::now() + args.warmup;
-    let window = Window {
-        start,
-        end: start + args.duration,
-    };
-    let workers = spawn_workers(server.addr, keys.into(), args, window);
+    let (keys, window) = prepare_load(scenario, distribution, args, server.addr).await?;
+    let workers = spawn_workers(server.addr, &keys, args, window);
 
     let inspected = redis.filter(|_| scenario.uses_redis());
     tokio::time::sleep_until(window.start).await;
@@ -774,14 +809,56 @@ async fn measure(
     }
     let after = Counters::read(inspected).await?;
     server.stop().await;
-    Ok(Measurement::new(
-        scenario,
-        round,
-        args.duration,
-        load,
-        before,
-        after,
-    ))
+    let measurement = Measurement::new(scenario, round, args.duration, load, before, after);
+    Ok(measurement.with_spread(distribution, &keys))
+}
+
+/// The keys of `scenario`'s load on `distribution`, and when its measured phase runs: after a
+/// warm-up by the workers that go on to measure, or with `--keys auto` after a warm-up of its
+/// own, on other keys, whose throughput sizes the key set.
+async fn prepare_load(
+    scenario: Scenario,
+    distribution: Distribution,
+    args: &Args,
+    addr: SocketAddr,
+) -> Result<(KeySet, Window), Error> {
+    let window = |warmup: Duration| {
+        let start = Instant::now() + warmup;
+        let end = start + args.duration;
+        Window { start, end }
+    };
+    if scenario.is_flood() {
+        let keys = KeySet::one(HeaderValue::from_static(FLOOD_KEY));
+        // The first request is admitted and puts the key over its limit.
+        let mut connection = Connection::open(addr).await?;
+        connection.send(&keys.values[0], None).await?;
+        return Ok((keys, window(args.warmup)));
+    }
+    let (count, warmup) = match args.keys_of(distribution) {
+        KeyCount::Fixed(n) => (n, args.warmup),
+        KeyCount::Auto => {
+            let rps = warm_up(addr, args).await?;
+            // Time for the measuring workers to connect.
+            (KeyCount::auto(rps), Duration::from_millis(100))
+        }
+    };
+    let keys = KeySet::named("c", count, distribution)?;
+    Ok((keys, window(warmup)))
+}
+
+/// Loads `addr` for `--warmup` on keys of its own, round-robin, and answers its throughput.
+async fn warm_up(addr: SocketAddr, args: &Args) -> Result<f64, Error> {
+    let keys = KeySet::named("w", AUTO_WARMUP_KEYS, Distribution::Uniform)?;
+    let start = Instant::now();
+    let window = Window {
+        start,
+        end: start + args.warmup,
+    };
+    let mut load = Load::default();
+    for worker in spawn_workers(addr, &keys, args, window) {
+        load.add(worker.await??);
+    }
+    Ok(load.requests as f64 / args.warmup.as_secs_f64().max(1e-3))
 }
 
 /// When requests count: those sent in `start..end`.
@@ -872,28 +949,29 @@ impl Connection {
     }
 }
 
-/// `concurrency` workers, each on its own connection; worker `w` sends keys `w`, `w +
-/// concurrency`, ... (modulo the number of keys), so together they cycle over all of them.
+/// `concurrency` workers, each on its own connection, each picking its keys as
+/// [`KeySet::picker`] says.
 fn spawn_workers(
     addr: SocketAddr,
-    keys: Arc<[HeaderValue]>,
+    keys: &KeySet,
     args: &Args,
     window: Window,
 ) -> Vec<JoinHandle<Result<Load, Error>>> {
     let concurrency = args.concurrency;
     (0..concurrency)
-        .map(|first| {
-            let keys = Arc::clone(&keys);
+        .map(|worker| {
+            let mut picker = keys.picker(worker, concurrency);
+            let keys = Arc::clone(&keys.values);
             let upload = args.upload.clone();
             tokio::spawn(async move {
                 let mut connection = Connection::open(addr).await?;
                 let mut load = Load::default();
-                for n in (first..).step_by(concurrency) {
+                loop {
                     let sent = Instant::now();
                     if sent >= window.end {
                         break;
                     }
-                    let key = &keys[n % keys.len()];
+                    let key = &keys[picker.next(keys.len())];
                     let status = connection.send(key, upload.as_ref()).await?;
                     if sent >= window.start {
                         load.record(status, sent.elapsed());
@@ -971,6 +1049,7 @@ impl Counters {
 struct Measurement {
     scenario: Scenario,
     round: usize,
+    spread: Spread,
     requests: u64,
     non_ok: u64,
     too_many: u64,
@@ -988,6 +1067,8 @@ struct Measurement {
     allocations_per_request: f64,
     /// CPU time per request, of this process and Redis together, in µs.
     cpu_us_per_request: Option<f64>,
+    /// Redis's CPU time per request, in µs.
+    redis_us_per_request: Option<f64>,
 }
 
 impl Measurement {
@@ -1010,6 +1091,12 @@ impl Measurement {
         Measurement {
             scenario,
             round,
+            spread: Spread {
+                distribution: Distribution::Uniform,
+                keys: 0,
+                busiest_key_rps: 0.0,
+                hot_share: 0.0,
+            },
             requests: load.requests,
             non_ok: load.non_ok,
             too_many: load.too_many,
@@ -1028,20 +1115,53 @@ impl Measurement {
             allocations_per_request: after.allocations.saturating_sub(before.allocations) as f64
                 / requests,
             cpu_us_per_request: app_cpu.map(|cpu| (cpu + redis_cpu) * 1e6 / requests),
+            redis_us_per_request: redis.map(|_| redis_cpu * 1e6 / requests),
         }
+    }
+
+    /// The same, with how its load spread over `keys`.
+    fn with_spread(mut self, distribution: Distribution, keys: &KeySet) -> Measurement {
+        self.spread = Spread {
+            distribution,
+            keys: keys.values.len(),
+            busiest_key_rps: self.rps * keys.top_share(),
+            hot_share: keys.hot_share(self.rps),
+        };
+        self
+    }
+
+    fn label(&self) -> String {
+        label(self.scenario, self.spread.distribution)
     }
 
     fn progress_line(&self) -> String {
         format!(
-            "round {} {:<15} {:>9.0} req/s  p50 {:>6} µs  p99 {:>6} µs  non-200 {}",
+            "round {} {:<20} {:>9.0} req/s  p50 {:>6} µs  p99 {:>6} µs  non-200 {}  keys {}",
             self.round,
-            self.scenario.name(),
+            self.label(),
             self.rps,
             self.p50_us,
             self.p99_us,
-            self.non_ok
+            self.non_ok,
+            self.spread.keys,
         )
     }
+}
+
+/// How a measured load spread over its keys.
+#[derive(Debug, Clone, Copy)]
+struct Spread {
+    distribution: Distribution,
+    keys: usize,
+    /// Requests per second of the busiest key (every key's, round-robin).
+    busiest_key_rps: f64,
+    /// The share of the requests whose key saw at least `HOT_PER_PERIOD` per lease period.
+    hot_share: f64,
+}
+
+/// A row's name: the configuration's, and the distribution's after a `/`.
+fn label(scenario: Scenario, distribution: Distribution) -> String {
+    format!("{}{}", scenario.name(), distribution.suffix())
 }
 
 /// What Redis did per request sent.
@@ -1073,6 +1193,7 @@ fn set_ratios(round: &mut [Measurement]) {
 /// A configuration's medians over rounds; answer counts are totals.
 struct Summary {
     scenario: Scenario,
+    distribution: Distribution,
     rounds: usize,
     requests: u64,
     non_ok: u64,
@@ -1088,16 +1209,28 @@ struct Summary {
     redis_cores: Option<f64>,
     allocations_per_request: f64,
     cpu_us_per_request: Option<f64>,
+    redis_us_per_request: Option<f64>,
+    /// Medians of the rounds' [`Spread`].
+    keys: f64,
+    busiest_key_rps: f64,
+    hot_share: f64,
 }
 
 impl Summary {
-    fn of(scenario: Scenario, results: &[Measurement]) -> Summary {
-        let rounds: Vec<&Measurement> = results.iter().filter(|m| m.scenario == scenario).collect();
+    fn of(scenario: Scenario, distribution: Distribution, results: &[Measurement]) -> Summary {
+        let rounds: Vec<&Measurement> = results
+            .iter()
+            .filter(|m| m.scenario == scenario && m.spread.distribution == distribution)
+            .collect();
         let median_of = |f: &dyn Fn(&Measurement) -> Option<f64>| {
             median(rounds.iter().filter_map(|m| f(m)).collect())
         };
         Summary {
             scenario,
+            distribution,
+            keys: median_of(&|m| Some(m.spread.keys as f64)).unwrap_or(0.0),
+            busiest_key_rps: median_of(&|m| Some(m.spread.busiest_key_rps)).unwrap_or(0.0),
+            hot_share: median_of(&|m| Some(m.spread.hot_share)).unwrap_or(0.0),
             rounds: rounds.len(),
             requests: rounds.iter().map(|m| m.requests).sum(),
             non_ok: rounds.iter().map(|m| m.non_ok).sum(),
@@ -1113,6 +1246,20 @@ impl Summary {
             redis_cores: median_of(&|m| m.redis_cores),
             allocations_per_request: median_of(&|m| Some(m.allocations_per_request)).unwrap_or(0.0),
             cpu_us_per_request: median_of(&|m| m.cpu_us_per_request),
+            redis_us_per_request: median_of(&|m| m.redis_us_per_request),
+        }
+    }
+
+    fn label(&self) -> String {
+        label(self.scenario, self.distribution)
+    }
+
+    /// The busiest key's requests per lease period, marked when a hot load's keys are not.
+    fn per_period(&self) -> String {
+        let per_period = self.busiest_key_rps * LEASE_PERIOD.as_secs_f64();
+        match self.distribution == Distribution::Hot && per_period < HOT_PER_PERIOD {
+            true => format!("{per_period:.2} not hot"),
+            false => format!("{per_period:.2}"),
         }
     }
 
@@ -1139,7 +1286,7 @@ fn or_dash(value: Option<f64>, digits: usize) -> String {
 
 fn table(summaries: &[Summary]) -> String {
     let mut out = format!(
-        "{:<15} {:>9} {:>6} {:>6} {:>8} {:>8} {:>8} {:>6} {:>8} {:>9} {:>7} {:>9} {:>10} {:>10}\n",
+        "{:<22} {:>9} {:>6} {:>6} {:>8} {:>8} {:>8} {:>6} {:>8} {:>9} {:>7} {:>9} {:>10} {:>12} {:>10} {:>8} {:>10} {:>14} {:>6}\n",
         "config",
         "req/s",
         "×bare",
@@ -1153,13 +1300,18 @@ fn table(summaries: &[Summary]) -> String {
         "cpu app",
         "cpu redis",
         "cpu µs/req",
-        "allocs/req"
+        "redis µs/req",
+        "allocs/req",
+        "keys",
+        "key req/s",
+        "key req/period",
+        "hot %"
     );
     for s in summaries {
         let _ = writeln!(
             out,
-            "{:<15} {:>9.0} {:>6} {:>6} {:>8.0} {:>8.0} {:>8} {:>6.1} {:>8} {:>9} {:>7} {:>9} {:>10} {:>10.1}",
-            s.scenario.name(),
+            "{:<22} {:>9.0} {:>6} {:>6} {:>8.0} {:>8.0} {:>8} {:>6.1} {:>8} {:>9} {:>7} {:>9} {:>10} {:>12} {:>10.1} {:>8.0} {:>10.3} {:>14} {:>6.0}",
+            s.label(),
             s.rps,
             or_dash(s.ratio_to_bare, 2),
             or_dash(s.ratio_to_rival, 2),
@@ -1172,14 +1324,19 @@ fn table(summaries: &[Summary]) -> String {
             or_dash(s.app_cores, 2),
             or_dash(s.redis_cores, 2),
             or_dash(s.cpu_us_per_request, 1),
+            or_dash(s.redis_us_per_request, 2),
             s.allocations_per_request,
+            s.keys,
+            s.busiest_key_rps,
+            s.per_period(),
+            s.hot_share * 100.0,
         );
     }
     out.push_str(
         "\nMedians over rounds; non-200 and 429 % over all rounds. ×bare and ×rival are medians of \
          per-round ratios,\n×rival to tower_governor (memory store) or fred_peer (Redis store). \
          cmds/req counts the commands\nLua scripts run, evals/req the EVALSHA round trips; cpu: \
-         cores busy (app: this process, server and\nload together); cpu µs/req: CPU time of both per request; allocs/req: heap allocations of\nthis process per request.\n",
+         cores busy (app: this process, server and\nload together); cpu µs/req: CPU time of both per request (redis µs/req: of Redis); allocs/req: heap allocations of\nthis process per request. Rows `name/dist` ran on that key distribution, ratios within it.\nkey req/s: the busiest key's rate (every key's, round-robin); key req/period: that times the\nlease period (1 s), \"not hot\" on a hot row under 10; hot %: requests whose key saw 10 or more\nper lease period.\n",
     );
     out
 }
@@ -1199,13 +1356,13 @@ fn write_outputs(dir: &Path, results: &[Measurement], summaries: &[Summary]) -> 
 fn results_csv(results: &[Measurement]) -> String {
     let mut csv = "config,round,requests,non_ok,seconds,rps,p50_us,p99_us,redis_cmds_per_req,\
                    ratio_to_bare,status_429,redis_evals_per_req,app_cores,redis_cores,ratio_to_rival,\
-                   allocs_per_req,cpu_us_per_req\n"
+                   allocs_per_req,cpu_us_per_req,keys,busiest_key_rps,hot_share,redis_us_per_req\n"
         .to_owned();
     for m in results {
         let _ = writeln!(
             csv,
-            "{},{},{},{},{:.3},{:.1},{},{},{},{},{},{},{},{},{},{:.2},{}",
-            m.scenario.name(),
+            "{},{},{},{},{:.3},{:.1},{},{},{},{},{},{},{},{},{},{:.2},{},{},{:.3},{:.4},{}",
+            m.label(),
             m.round,
             m.requests,
             m.non_ok,
@@ -1222,6 +1379,10 @@ fn results_csv(results: &[Measurement]) -> String {
             or_empty(m.ratio_to_rival, 4),
             m.allocations_per_request,
             or_empty(m.cpu_us_per_request, 2),
+            m.spread.keys,
+            m.spread.busiest_key_rps,
+            m.spread.hot_share,
+            or_empty(m.redis_us_per_request, 3),
         );
     }
     csv
@@ -1230,13 +1391,13 @@ fn results_csv(results: &[Measurement]) -> String {
 fn summary_csv(summaries: &[Summary]) -> String {
     let mut csv = "config,rounds,requests,non_ok,status_429,rps,p50_us,p99_us,\
                    redis_cmds_per_req,ratio_to_bare,redis_evals_per_req,app_cores,redis_cores,\
-                   ratio_to_rival,allocs_per_req,cpu_us_per_req\n"
+                   ratio_to_rival,allocs_per_req,cpu_us_per_req,keys,busiest_key_rps,hot_share,redis_us_per_req\n"
         .to_owned();
     for s in summaries {
         let _ = writeln!(
             csv,
-            "{},{},{},{},{},{:.1},{:.0},{:.0},{},{},{},{},{},{},{:.2},{}",
-            s.scenario.name(),
+            "{},{},{},{},{},{:.1},{:.0},{:.0},{},{},{},{},{},{},{:.2},{},{:.0},{:.3},{:.4},{}",
+            s.label(),
             s.rounds,
             s.requests,
             s.non_ok,
@@ -1252,6 +1413,10 @@ fn summary_csv(summaries: &[Summary]) -> String {
             or_empty(s.ratio_to_rival, 4),
             s.allocations_per_request,
             or_empty(s.cpu_us_per_request, 2),
+            s.keys,
+            s.busiest_key_rps,
+            s.hot_share,
+            or_empty(s.redis_us_per_request, 3),
         );
     }
     csv
@@ -1269,7 +1434,8 @@ fn chart(path: &Path, summaries: &[Summary]) -> Result<(), Error> {
     let root = SVGBackend::new(path, (900, height)).into_drawing_area();
     root.fill(&WHITE)?;
     let (top, bottom) = root.split_vertically(height / 2);
-    let names = || summaries.iter().map(|s| s.scenario.name());
+    let labels: Vec<String> = summaries.iter().map(Summary::label).collect();
+    let names = || labels.iter().map(String::as_str);
     let relative = summaries.iter().all(|s| s.ratio_to_bare.is_some());
     let throughput = match relative {
         true => Bars {

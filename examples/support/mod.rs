@@ -1,5 +1,7 @@
-//! CPU and allocation readings shared by the load examples (`http_load`, `store_load`).
+//! CPU and allocation readings shared by the load examples (`http_load`, `store_load`), their
+//! key distributions (`keys`) and their Redis (`redis`).
 
+pub mod keys;
 pub mod redis;
 
 use std::alloc::{GlobalAlloc, Layout, System};
