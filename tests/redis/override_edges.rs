@@ -384,11 +384,7 @@ async fn followed_at_once(a: &RedisStore, b: &RedisStore, api: &Policy, key: &st
 async fn an_instance_never_decides_by_an_override_that_changed_since_it_read_it() {
     let server = RedisServer::start();
     let a = server.store().await;
-    let b = RedisStore::builder(server.url())
-        .plain_scripts(false)
-        .connect()
-        .await
-        .unwrap();
+    let b = server.full_scripts_store().await;
     for algorithm in crate::support::ALGORITHMS {
         let api = Policy::new("api", ["100/1h".parse().unwrap()])
             .unwrap()
@@ -408,11 +404,7 @@ async fn an_instance_never_decides_by_an_override_that_changed_since_it_read_it(
 async fn after_a_flush_an_instance_never_decides_by_what_it_read_before() {
     let server = RedisServer::start();
     let a = server.store().await;
-    let b = RedisStore::builder(server.url())
-        .plain_scripts(false)
-        .connect()
-        .await
-        .unwrap();
+    let b = server.full_scripts_store().await;
     let api = Policy::new("api", ["100/1h".parse().unwrap()]).unwrap();
     let (vip, scope) = (Key::from("vip"), Scope::Key(Key::from("vip")));
     let five = Override::Limits(vec!["5/1h".parse().unwrap()]);

@@ -45,11 +45,7 @@ async fn decide(
 async fn plain_requests_read_the_overrides_once_per_quarter_second_not_per_call() {
     let server = RedisServer::start();
     let plain = server.store().await;
-    let full = RedisStore::builder(server.url())
-        .plain_scripts(false)
-        .connect()
-        .await
-        .unwrap();
+    let full = server.full_scripts_store().await;
     for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
         let policy = Policy::new("api", ["1000000/1h".parse().unwrap()])
             .unwrap()

@@ -687,11 +687,7 @@ async fn plain_and_full_leave_the_same_state() {
     let server = RedisServer::start();
     let admin = server.client().await;
     let plain = server.store().await;
-    let full = RedisStore::builder(server.url())
-        .plain_scripts(false)
-        .connect()
-        .await
-        .unwrap();
+    let full = server.full_scripts_store().await;
     let mut broke = Vec::new();
     let mut x: u64 = 99991;
     let mut rand = move || {
@@ -871,11 +867,7 @@ async fn both_tiers_under_one_clock_leave_the_same_bytes() {
     let server = RedisServer::start();
     let admin = server.client().await;
     let plain = server.store().await;
-    let full = RedisStore::builder(server.url())
-        .plain_scripts(false)
-        .connect()
-        .await
-        .unwrap();
+    let full = server.full_scripts_store().await;
     let mut broke = Vec::new();
     for algorithm in [Algorithm::Gcra, Algorithm::SlidingLog] {
         let policy = Policy::new("one", ["20/10s".parse().unwrap(), "60/1m".parse().unwrap()])

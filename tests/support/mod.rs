@@ -167,6 +167,16 @@ impl RedisServer {
             .expect("connect store")
     }
 
+    /// A store connected to this server that runs the full scripts alone
+    /// (`RedisStoreBuilder::plain_scripts(false)`).
+    pub async fn full_scripts_store(&self) -> RedisStore {
+        RedisStore::builder(self.url())
+            .plain_scripts(false)
+            .connect()
+            .await
+            .expect("connect store")
+    }
+
     /// A plain fred client, to inspect what the store wrote.
     pub async fn client(&self) -> Client {
         client(&self.url()).await
