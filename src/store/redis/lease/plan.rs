@@ -239,6 +239,31 @@ impl Plan {
     }
 }
 
+/// A key takes its first lease when a lease would serve at least this many requests of one
+/// unit: its use over the last period (the lease's size), at most the plan's cap, reaches it.
+/// A lease is a script call decided alone plus, often, a give-back, about two calls, where a
+/// decision in Redis costs a share of one batched call: below this, leasing costs Redis more
+/// than it saves. A policy whose cap is under it is never leased.
+pub(crate) const HOT: u64 = 8;
+
+/// A key that holds leases keeps fetching them while a lease would serve at least this many
+/// requests; below, it stops (the leases it holds are spent until they expire, and the rest
+/// is given back), and it must reach [`HOT`] again to lease. Half of `HOT`, so that a key
+/// whose rate hovers near one threshold does not switch every period.
+pub(crate) const COLD: u64 = 4;
+
+impl Plan {
+    /// The units a request of `cost` that needs Redis asks for, when a lease pays: the key's
+    /// use over the last period (`estimate`), at most the cap, when that reaches [`HOT`] (or
+    /// [`COLD`] for a key `leasing` already) and is more than the cost. `None`: a decision of
+    /// its cost alone.
+    pub(crate) fn lease_size(&self, estimate: u64, cost: u64, leasing: bool) -> Option<u64> {
+        let want = estimate.min(self.cap);
+        let least = if leasing { COLD } else { HOT };
+        (want >= least && want > cost).then_some(want)
+    }
+}
+
 /// A lease's units are spent up to `h` after they were sent for, as this instance's clock
 /// measures it, and Redis's headroom allows `h` as Redis's clock measures it: a lease that
 /// allows for the headroom ends a hundredth of `h` sooner, far more than two clocks' rates
@@ -271,6 +296,31 @@ mod tests {
     fn policy(limit: &str, algorithm: Algorithm) -> Policy {
         let policy: Policy = limit.parse().unwrap();
         policy.with_algorithm(algorithm)
+    }
+
+    #[test]
+    fn a_key_leases_from_eight_units_a_period_and_stops_under_four() {
+        let plan = Leases::new()
+            .plan(&policy("1000/1s", Algorithm::Gcra))
+            .unwrap();
+        assert_eq!(plan.cap, 100);
+        // The warm key: 2 requests per period never lease.
+        assert_eq!(plan.lease_size(2, 1, false), None);
+        assert_eq!(plan.lease_size(7, 1, false), None);
+        assert_eq!(plan.lease_size(8, 1, false), Some(8));
+        assert_eq!(plan.lease_size(20, 1, false), Some(20));
+        assert_eq!(plan.lease_size(500, 1, false), Some(100), "capped");
+        // Once leasing, it goes on down to four.
+        assert_eq!(plan.lease_size(5, 1, true), Some(5));
+        assert_eq!(plan.lease_size(4, 1, true), Some(4));
+        assert_eq!(plan.lease_size(3, 1, true), None);
+        assert_eq!(plan.lease_size(9, 9, false), None, "no more than the cost");
+        // A cap under eight never leases.
+        let small = Leases::new()
+            .plan(&policy("70/1s", Algorithm::Gcra))
+            .unwrap();
+        assert_eq!(small.cap, 7);
+        assert_eq!(small.lease_size(1_000, 1, false), None);
     }
 
     #[test]
