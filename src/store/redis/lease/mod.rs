@@ -9,6 +9,15 @@
 //! (`scripts/return.lua`) when the key goes idle, when the lease expires, and on
 //! [`RedisStore::drain`](super::RedisStore::drain).
 //!
+//! **Only keys a lease pays for lease.** A lease is a call decided alone, and often a
+//! give-back: it pays only when it serves several requests. Each key's use over the last
+//! period is counted in a fixed table (`heat.rs`); a key takes its first lease when a lease
+//! would serve at least [`HOT`](plan::HOT) units, keeps leasing down to [`COLD`](plan::COLD),
+//! and below spends or gives back what it holds and leaves the book. A key that does not lease
+//! (most keys of a large key space) has no entry in the book: its requests are decided in
+//! Redis, batched, as without leases, and `check_now` answers for it without a lock. Heat
+//! changes only who fetches: every decision of a leased policy keeps its headroom.
+//!
 //! **Never over the limit.** Units are taken before they are spent, so Redis always counts at
 //! least what the fleet admitted. What keeps the count true for spending *later* than taking:
 //! - fixed and sliding window counters: a lease expires when the current window of its

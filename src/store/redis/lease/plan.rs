@@ -63,15 +63,20 @@ impl Leases {
     }
 
     /// The largest lease, as a share of the policy's smallest count (default 0.1), so that
-    /// instances cannot starve each other. A policy whose share is under 2 units is not
-    /// leased: each of its requests goes to Redis, exactly as without leases.
+    /// instances cannot starve each other. A key takes leases only while a lease would serve
+    /// at least 8 units of requests (its use over the last period, up to this share), so a
+    /// policy whose share is under 8 units takes none: each of its requests goes to Redis, as
+    /// a cold key's do (`docs/leases.md`, "The path of a request").
     pub fn max_share(mut self, share: f64) -> Self {
         self.max_share = share;
         self
     }
 
     /// The most keys holding leases at once (default 100 000); past it, the least recently
-    /// used key's lease is dropped unspent (counted as used, never admitted twice).
+    /// used key's lease is dropped unspent (counted as used, never admitted twice). It also
+    /// sizes the table that counts each key's recent use to decide which keys lease: one
+    /// 8-byte cell per key, rounded up to a power of two, 2^10 to 2^20 cells (1 MiB by
+    /// default).
     pub fn max_keys(mut self, keys: u64) -> Self {
         self.max_keys = keys;
         self

@@ -416,16 +416,19 @@ proptest! {
 /// Traffic in phases: hot ones (a request every 0 to 8 ms among the phase's instances, far
 /// above `HOT` per period of 250 ms) and cold ones (every
 /// 60 to 400 ms, under `COLD` per period), each phase on a random subset of the instances,
-/// so that each instance's key heats and cools at its own points. The sweeper runs after every
+/// so that each instance's key heats and cools at its own points, with heavy requests now and
+/// then. The sweeper runs after every
 /// gap of a quarter period or more, as the store's does, and at random besides.
 fn phases() -> impl Strategy<Value = Vec<Step>> {
     let phase = (any::<bool>(), 5usize..80, 1usize..16).prop_flat_map(|(hot, n, mask)| {
         let gap = if hot { 0u64..8_000 } else { 60_000u64..400_000 };
         let members: Vec<usize> = (0..4).filter(|i| mask & (1 << i) != 0).collect();
+        // Now and then a heavy request, decided alone when no lease would be larger than it.
+        let cost = prop_oneof![4 => 1u64..3, 1 => 8u64..40];
         let step = (
             gap,
             proptest::sample::select(members),
-            1u64..3,
+            cost,
             (0u64..60_000, 0u64..60_000),
             proptest::bool::weighted(0.05),
         );
