@@ -81,15 +81,7 @@ async fn a_leasing_store_takes_a_boxed_sliding_log() {
 async fn a_lease_covers_every_limit_of_a_policy_and_costs() {
     let server = RedisServer::start();
     let client = server.client().await;
-    // A share of 0.25: leases of up to 10 units of 40, so that the key leases (at least 8).
-    let shared = || {
-        leasing_with(
-            server.url(),
-            Leases::new().max_share(0.25),
-            Duration::from_millis(200),
-        )
-    };
-    let stores = [shared().await, shared().await];
+    let stores = [leasing(server.url()).await, leasing(server.url()).await];
     // Hour and day windows: no window ends during the test.
     let policy = Policy::new(
         "multi",

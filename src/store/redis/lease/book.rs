@@ -226,8 +226,8 @@ mod tests {
     fn an_empty_entry_goes_when_idle_or_cooling() {
         let mut e = KeyBook::default();
         e.used(100 * MS);
-        assert!(!e.can_go(100 * MS, 25 * MS, 4), "busy, and at COLD");
-        assert!(e.can_go(100 * MS, 25 * MS, 3), "under COLD");
+        assert!(!e.can_go(100 * MS, 25 * MS, 3), "busy, and at COLD");
+        assert!(e.can_go(100 * MS, 25 * MS, 2), "under COLD");
         assert!(e.can_go(125 * MS, 25 * MS, 40), "idle");
         e.granted(grant(1, PERIOD, 0), outcome(0));
         assert!(!e.can_go(PERIOD - 1, 25 * MS, 0), "holds a unit");
@@ -237,9 +237,9 @@ mod tests {
     fn a_cooling_key_stops_prefetching() {
         let e = KeyBook::default();
         assert_eq!(e.should_prefetch(0, 40, 1_000), Some(40));
-        assert_eq!(e.should_prefetch(0, 4, 1_000), Some(4), "at COLD");
-        assert_eq!(e.should_prefetch(0, 3, 1_000), None, "under COLD: cooling");
-        assert_eq!(e.should_prefetch(0, 40, 3), None, "a cap under COLD");
+        assert_eq!(e.should_prefetch(0, 3, 1_000), Some(3), "at COLD");
+        assert_eq!(e.should_prefetch(0, 2, 1_000), None, "under COLD: cooling");
+        assert_eq!(e.should_prefetch(0, 40, 2), None, "a cap under COLD");
     }
 
     #[test]

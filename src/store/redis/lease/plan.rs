@@ -64,8 +64,8 @@ impl Leases {
 
     /// The largest lease, as a share of the policy's smallest count (default 0.1), so that
     /// instances cannot starve each other. A key takes leases only while a lease would serve
-    /// at least 8 units of requests (its use over the last period, up to this share), so a
-    /// policy whose share is under 8 units takes none: each of its requests goes to Redis, as
+    /// at least 4 units of requests (its use over the last period, up to this share), so a
+    /// policy whose share is under 4 units takes none: each of its requests goes to Redis, as
     /// a cold key's do (`docs/leases.md`, "The path of a request").
     pub fn max_share(mut self, share: f64) -> Self {
         self.max_share = share;
@@ -246,16 +246,19 @@ impl Plan {
 
 /// A key takes its first lease when a lease would serve at least this many requests of one
 /// unit: its use over the last period (the lease's size), at most the plan's cap, reaches it.
-/// A lease is a script call decided alone plus, often, a give-back, about two calls, where a
-/// decision in Redis costs a share of one batched call: below this, leasing costs Redis more
-/// than it saves. A policy whose cap is under it is never leased.
-pub(crate) const HOT: u64 = 8;
+/// A lease is a script call decided alone plus, often, a give-back, where a decision in Redis
+/// costs a share of one batched call: measured with `http_load` (GCRA, leases of 1 s), leases
+/// cost Redis more than they saved at about 2 units a period per key, and saved a little at
+/// 4 and about half at 6 to 7 (`docs/leases.md`, "Which keys lease"). A policy whose cap is
+/// under it is never leased.
+pub(crate) const HOT: u64 = 4;
 
 /// A key that holds leases keeps fetching them while a lease would serve at least this many
 /// requests; below, it stops (the leases it holds are spent until they expire, and the rest
-/// is given back), and it must reach [`HOT`] again to lease. Half of `HOT`, so that a key
-/// whose rate hovers near one threshold does not switch every period.
-pub(crate) const COLD: u64 = 4;
+/// is given back), and it must reach [`HOT`] again to lease. Under `HOT`, so that a key whose
+/// rate hovers at the threshold does not switch every period; not under 3, where a lease no
+/// longer pays.
+pub(crate) const COLD: u64 = 3;
 
 impl Plan {
     /// The units a request of `cost` that needs Redis asks for, when a lease pays: the key's
@@ -304,27 +307,26 @@ mod tests {
     }
 
     #[test]
-    fn a_key_leases_from_eight_units_a_period_and_stops_under_four() {
+    fn a_key_leases_from_four_units_a_period_and_stops_under_three() {
         let plan = Leases::new()
             .plan(&policy("1000/1s", Algorithm::Gcra))
             .unwrap();
         assert_eq!(plan.cap, 100);
-        // The warm key: 2 requests per period never lease.
+        // A warm key, 2 or 3 units per period, never leases.
         assert_eq!(plan.lease_size(2, 1, false), None);
-        assert_eq!(plan.lease_size(7, 1, false), None);
-        assert_eq!(plan.lease_size(8, 1, false), Some(8));
+        assert_eq!(plan.lease_size(3, 1, false), None);
+        assert_eq!(plan.lease_size(4, 1, false), Some(4));
         assert_eq!(plan.lease_size(20, 1, false), Some(20));
         assert_eq!(plan.lease_size(500, 1, false), Some(100), "capped");
-        // Once leasing, it goes on down to four.
-        assert_eq!(plan.lease_size(5, 1, true), Some(5));
-        assert_eq!(plan.lease_size(4, 1, true), Some(4));
-        assert_eq!(plan.lease_size(3, 1, true), None);
+        // Once leasing, it goes on down to three.
+        assert_eq!(plan.lease_size(3, 1, true), Some(3));
+        assert_eq!(plan.lease_size(2, 1, true), None);
         assert_eq!(plan.lease_size(9, 9, false), None, "no more than the cost");
-        // A cap under eight never leases.
+        // A cap under four never leases.
         let small = Leases::new()
-            .plan(&policy("70/1s", Algorithm::Gcra))
+            .plan(&policy("30/1s", Algorithm::Gcra))
             .unwrap();
-        assert_eq!(small.cap, 7);
+        assert_eq!(small.cap, 3);
         assert_eq!(small.lease_size(1_000, 1, false), None);
     }
 
