@@ -115,8 +115,9 @@ impl Leasing {
         let out = f(&mut held.entry);
         locked.insert(key, policy.terms_id(), now, u64::MAX, held);
         // Under the shard's lock, as the bit is cleared when the entry goes (`returns`). A
-        // cell pinned by another key's leases leaves it unset: this key's grants are then
-        // spent only by `check`, and given back when they expire.
+        // cell pinned by another key's leases (a race: this key read as hot just before) leaves
+        // it unset: this key then reads as cold, spends none of its grants, and the sweeper
+        // gives them back when they expire (fewer admitted, never more).
         self.heat.pin(place, now, length);
         out
     }
