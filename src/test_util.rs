@@ -450,3 +450,10 @@ pub fn pool(store: &crate::RedisStore) -> &fred::clients::Pool {
 pub fn redis_key(store: &crate::RedisStore, key: &Key, policy: &Policy) -> String {
     store.redis_key(key, policy)
 }
+
+/// How many keys hold an entry in the store's lease book: the keys that lease (a cold key has
+/// none).
+#[cfg(feature = "redis")]
+pub fn leasing_keys(store: &crate::RedisStore) -> u64 {
+    store.leasing_keys()
+}

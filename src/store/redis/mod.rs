@@ -364,6 +364,12 @@ impl RedisStore {
         RedisStoreBuilder::new(url.into())
     }
 
+    /// How many keys hold an entry in the lease book (0 without leases).
+    #[cfg(feature = "test-util")]
+    pub(crate) fn leasing_keys(&self) -> u64 {
+        lease::leasing_keys(&self.inner)
+    }
+
     /// The Redis key holding the state of `key` under `policy`.
     ///
     /// Useful to inspect or clear state by hand.

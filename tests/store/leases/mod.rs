@@ -5,6 +5,7 @@
 mod charges;
 mod fleet;
 mod give_back;
+mod heat;
 mod policies;
 
 use std::collections::BTreeMap;

@@ -6,6 +6,7 @@
 
 use std::collections::VecDeque;
 
+use super::plan::COLD;
 use crate::model::Outcome;
 
 /// Units taken from Redis in one call.
@@ -26,50 +27,11 @@ pub(crate) struct Return {
     pub(crate) granted: i64,
 }
 
-/// Units used in the last `period`, estimated as the sliding window counter does: the
-/// current period's count plus the previous one's, weighted by the share of it still inside.
-#[derive(Debug, Clone, Copy, Default)]
-struct RecentUse {
-    start: u64,
-    current: u64,
-    previous: u64,
-}
-
-impl RecentUse {
-    fn roll(&mut self, now: u64, period: u64) {
-        let start = now - now % period;
-        if start == self.start {
-            return;
-        }
-        self.previous = if start == self.start + period {
-            self.current
-        } else {
-            0
-        };
-        self.current = 0;
-        self.start = start;
-    }
-
-    fn add(&mut self, now: u64, period: u64, units: u64) {
-        self.roll(now, period);
-        self.current += units;
-    }
-
-    /// Units used in the `period` before `now`.
-    fn estimate(&mut self, now: u64, period: u64) -> u64 {
-        self.roll(now, period);
-        let inside = period - (now - self.start);
-        let weighted = u128::from(self.previous) * u128::from(inside) / u128::from(period);
-        self.current + weighted as u64
-    }
-}
-
 /// What one instance holds for one key under one policy.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct KeyBook {
     /// Oldest first; a second one arrives when the next lease is fetched ahead of need.
     grants: VecDeque<Grant>,
-    usage: RecentUse,
     /// Whether a lease is being fetched for this key.
     pub(crate) fetching: bool,
     /// Local time of the last request.
@@ -87,9 +49,8 @@ pub(crate) struct KeyBook {
 }
 
 impl KeyBook {
-    /// Counts a request of `cost` at `now` towards the rate leases follow.
-    pub(crate) fn used(&mut self, now: u64, period: u64, cost: u64) {
-        self.usage.add(now, period, cost);
+    /// Notes a request at `now` (the rate leases follow is counted in the heat table).
+    pub(crate) fn used(&mut self, now: u64) {
         self.last_used = now;
     }
 
@@ -141,22 +102,16 @@ impl KeyBook {
             .sum()
     }
 
-    /// How many units to ask for when this key needs Redis for a request of `cost`: what it
-    /// used in the last `period` (so that a lease lasts about that long), at most `cap`;
-    /// `cost` alone (a plain decision) for a key that used less.
-    pub(crate) fn want(&mut self, now: u64, period: u64, cost: u64, cap: u64) -> u64 {
-        self.usage.estimate(now, period).min(cap).max(cost)
-    }
-
-    /// Whether to fetch the next lease now, ahead of need: none is being fetched, this key is
-    /// busy enough to lease (`want` above one unit), and the units left would last less than a
-    /// quarter of the period at the recent rate.
-    pub(crate) fn should_prefetch(&mut self, now: u64, period: u64, cap: u64) -> Option<u64> {
-        if self.fetching {
+    /// Whether to fetch the next lease now, ahead of need, and how many units: none is being
+    /// fetched, the key is still busy enough to lease (its use over the last period,
+    /// `estimate`, at most `cap`, is [`COLD`] or more: below, it is cooling and its leases run
+    /// out), and the units left would last less than a quarter of the period at that rate.
+    pub(crate) fn should_prefetch(&self, now: u64, estimate: u64, cap: u64) -> Option<u64> {
+        let want = estimate.min(cap);
+        if self.fetching || want < COLD {
             return None;
         }
-        let want = self.want(now, period, 1, cap);
-        (want > 1 && self.units(now) * 4 < want).then_some(want)
+        (self.units(now) * 4 < want).then_some(want)
     }
 
     /// Adds a grant of `units` (beyond the request that fetched it), and remembers what Redis
@@ -225,9 +180,17 @@ impl KeyBook {
         out
     }
 
-    /// Whether nothing is held or being fetched, so the entry can go.
+    /// Whether nothing is held or being fetched.
     pub(crate) fn is_empty(&self) -> bool {
         self.grants.is_empty() && !self.fetching
+    }
+
+    /// Whether the entry can go at `now`: nothing held or being fetched, and the key either
+    /// idle for `idle` or cooling (its use over the last period, `estimate`, under [`COLD`]:
+    /// a lease would no longer pay). A key that goes reads as cold until it is hot again.
+    pub(crate) fn can_go(&self, now: u64, idle: u64, estimate: u64) -> bool {
+        let idle = now.saturating_sub(self.last_used) >= idle;
+        self.is_empty() && (idle || estimate < COLD)
     }
 }
 
@@ -260,27 +223,23 @@ mod tests {
     }
 
     #[test]
-    fn a_cold_key_asks_for_its_cost_alone() {
+    fn an_empty_entry_goes_when_idle_or_cooling() {
         let mut e = KeyBook::default();
-        e.used(0, PERIOD, 1);
-        assert_eq!(e.want(0, PERIOD, 1, 100), 1);
-        assert_eq!(e.take(0, 1), None, "nothing leased yet");
-        assert_eq!(e.should_prefetch(0, PERIOD, 100), None);
+        e.used(100 * MS);
+        assert!(!e.can_go(100 * MS, 25 * MS, 3), "busy, and at COLD");
+        assert!(e.can_go(100 * MS, 25 * MS, 2), "under COLD");
+        assert!(e.can_go(125 * MS, 25 * MS, 40), "idle");
+        e.granted(grant(1, PERIOD, 0), outcome(0));
+        assert!(!e.can_go(PERIOD - 1, 25 * MS, 0), "holds a unit");
     }
 
     #[test]
-    fn lease_size_follows_the_rate_up_to_the_cap() {
-        let mut e = KeyBook::default();
-        // 50 requests in the last period, evenly spread.
-        for i in 0..50 {
-            e.used(i * 20 * MS, PERIOD, 1);
-        }
-        assert_eq!(e.want(PERIOD - MS, PERIOD, 1, 100), 50);
-        assert_eq!(e.want(PERIOD - MS, PERIOD, 1, 20), 20, "capped");
-        // Half a period later, half of the last period's use still counts.
-        assert_eq!(e.want(PERIOD + PERIOD / 2, PERIOD, 1, 100), 25);
-        // Two idle periods later the key is cold again.
-        assert_eq!(e.want(3 * PERIOD, PERIOD, 1, 100), 1);
+    fn a_cooling_key_stops_prefetching() {
+        let e = KeyBook::default();
+        assert_eq!(e.should_prefetch(0, 40, 1_000), Some(40));
+        assert_eq!(e.should_prefetch(0, 3, 1_000), Some(3), "at COLD");
+        assert_eq!(e.should_prefetch(0, 2, 1_000), None, "under COLD: cooling");
+        assert_eq!(e.should_prefetch(0, 40, 2), None, "a cap under COLD");
     }
 
     #[test]
@@ -319,7 +278,7 @@ mod tests {
     #[test]
     fn gives_back_expired_grants_and_everything_when_idle() {
         let mut e = KeyBook::default();
-        e.used(0, PERIOD, 1);
+        e.used(0);
         for (units, expires, granted) in [(3, 100 * MS, 1), (5, 900 * MS, 2)] {
             let grant = Grant {
                 units,
@@ -336,7 +295,7 @@ mod tests {
                 granted: 1
             }]
         );
-        e.used(200 * MS, PERIOD, 1);
+        e.used(200 * MS);
         // Idle for `idle` after its last request at 200 ms.
         assert_eq!(e.returns(400 * MS, 250 * MS, false), []);
         assert_eq!(
@@ -352,9 +311,6 @@ mod tests {
     #[test]
     fn prefetches_when_a_quarter_period_of_units_is_left() {
         let mut e = KeyBook::default();
-        for i in 0..40 {
-            e.used(i * 25 * MS, PERIOD, 1);
-        }
         let grant = Grant {
             units: 11,
             expires: 2 * PERIOD,
@@ -362,11 +318,11 @@ mod tests {
         };
         e.granted(grant, outcome(0));
         let now = PERIOD - MS;
-        assert_eq!(e.should_prefetch(now, PERIOD, 1_000), None, "11 of 40 left");
+        assert_eq!(e.should_prefetch(now, 40, 1_000), None, "11 of 40 left");
         e.take(now, 2);
-        assert_eq!(e.should_prefetch(now, PERIOD, 1_000), Some(40));
+        assert_eq!(e.should_prefetch(now, 40, 1_000), Some(40));
         e.fetching = true;
-        assert_eq!(e.should_prefetch(now, PERIOD, 1_000), None, "one at a time");
+        assert_eq!(e.should_prefetch(now, 40, 1_000), None, "one at a time");
     }
 
     fn grant(units: u64, expires: u64, granted: i64) -> Grant {
@@ -474,21 +430,17 @@ mod tests {
     #[test]
     fn prefetches_only_below_a_quarter() {
         let mut e = KeyBook::default();
-        for i in 0..40 {
-            e.used(i * 25 * MS, PERIOD, 1);
-        }
         e.granted(grant(10, 2 * PERIOD, 0), outcome(0));
         let now = PERIOD - MS;
-        assert_eq!(e.want(now, PERIOD, 1, 1_000), 40);
-        assert_eq!(e.should_prefetch(now, PERIOD, 1_000), None, "10 of 40 left");
+        assert_eq!(e.should_prefetch(now, 40, 1_000), None, "10 of 40 left");
         e.take(now, 1);
-        assert_eq!(e.should_prefetch(now, PERIOD, 1_000), Some(40), "9 of 40");
+        assert_eq!(e.should_prefetch(now, 40, 1_000), Some(40), "9 of 40");
     }
 
     #[test]
     fn a_fill_ends_the_grants_made_until_then_and_gives_them_back() {
         let mut e = KeyBook::default();
-        e.used(0, PERIOD, 1);
+        e.used(0);
         e.granted(grant(4, PERIOD, 10), outcome(0));
         e.granted(grant(6, PERIOD, 20), outcome(0));
         e.fill(10);
@@ -521,7 +473,7 @@ mod tests {
     #[test]
     fn a_grant_landing_after_a_fill_it_ran_before_is_never_spent() {
         let mut e = KeyBook::default();
-        e.used(0, PERIOD, 1);
+        e.used(0);
         e.fetching = true;
         // The settlement's reply (Redis time 50) is read before the fetch's (Redis time 40).
         e.fill(50);

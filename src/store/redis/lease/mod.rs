@@ -9,6 +9,15 @@
 //! (`scripts/return.lua`) when the key goes idle, when the lease expires, and on
 //! [`RedisStore::drain`](super::RedisStore::drain).
 //!
+//! **Only keys a lease pays for lease.** A lease is a call decided alone, and often a
+//! give-back: it pays only when it serves several requests. Each key's use over the last
+//! period is counted in a fixed table (`heat.rs`); a key takes its first lease when a lease
+//! would serve at least [`HOT`](plan::HOT) units, keeps leasing down to [`COLD`](plan::COLD),
+//! and below spends or gives back what it holds and leaves the book. A key that does not lease
+//! (most keys of a large key space) has no entry in the book: its requests are decided in
+//! Redis, batched, as without leases, and `check_now` answers for it without a lock. Heat
+//! changes only who fetches: every decision of a leased policy keeps its headroom.
+//!
 //! **Never over the limit.** Units are taken before they are spent, so Redis always counts at
 //! least what the fleet admitted. What keeps the count true for spending *later* than taking:
 //! - fixed and sliding window counters: a lease expires when the current window of its
@@ -51,6 +60,7 @@ use crate::store::redis::wire::{self, Answer, Answered, Record};
 use crate::{Decision, Key, Policy, StoreError};
 
 pub(crate) mod book;
+pub(crate) mod heat;
 mod plan;
 mod state;
 
@@ -82,13 +92,19 @@ pub(super) fn check_now(
         return None;
     }
     let now = state.now();
-    let (outcome, granted, prefetch) = state.with(key, policy, |entry| {
+    let place = state.place(key, policy);
+    // A key without leases (the cold ones, most keys) has no book entry: not even a lock.
+    if !state.heat.read(place, now, plan.period).leasing {
+        return None;
+    }
+    let (outcome, granted, prefetch) = state.leased(key, policy, place, |entry| {
         let (outcome, granted) = entry.take(now, cost.into())?;
-        entry.used(now, plan.period, cost.into());
-        let prefetch = entry.should_prefetch(now, plan.period, plan.cap);
+        entry.used(now);
+        let estimate = state.heat.touch(place, now, plan.period, cost.into());
+        let prefetch = entry.should_prefetch(now, estimate.estimate, plan.cap);
         entry.fetching |= prefetch.is_some();
         Some((outcome, granted, prefetch))
-    })?;
+    })??;
     if let Some(want) = prefetch {
         take(inner, plan, key, policy, 0, want, None);
     }
@@ -167,12 +183,16 @@ pub(super) fn peek_now(
     cost: u32,
 ) -> Option<Decision> {
     let state = inner.leases.as_ref()?;
-    state.settings.plan(policy)?;
+    let plan = state.settings.plan(policy)?;
     if !spending(inner, state) {
         return None;
     }
     let now = state.now();
-    let outcome = state.with(key, policy, |entry| entry.peek(now, cost.into()))?;
+    let place = state.place(key, policy);
+    if !state.heat.read(place, now, plan.period).leasing {
+        return None;
+    }
+    let outcome = state.existing(key, policy, |entry| entry.peek(now, cost.into()))??;
     let decided = i64::try_from(now).unwrap_or(0);
     Some(Decision::from_outcome(outcome, policy).decided_at(decided))
 }
@@ -230,23 +250,7 @@ pub(super) async fn check(
     let state = state(&inner)?;
     let now = state.now();
     let drained = !spending(&inner, state);
-    let step = state.with(&key, &policy, |entry| {
-        entry.used(now, plan.period, cost.into());
-        if drained {
-            return Source::Redis { behind: false };
-        }
-        if let Some((outcome, granted)) = entry.take(now, cost.into()) {
-            return Source::Spent(outcome, granted);
-        }
-        let want = entry.want(now, plan.period, cost.into(), plan.cap);
-        if want > u64::from(cost) && !entry.fetching {
-            entry.fetching = true;
-            return Source::Lease(want);
-        }
-        Source::Redis {
-            behind: entry.fetching,
-        }
-    });
+    let step = source(state, plan, (&key, &policy, cost), now, drained);
     let decided = i64::try_from(now).unwrap_or(0);
     match step {
         Source::Spent(outcome, granted) => {
@@ -263,7 +267,10 @@ pub(super) async fn check(
                 return Ok(decision);
             }
             let now = state.now();
-            match state.with(&key, &policy, |entry| entry.take(now, cost.into())) {
+            match state
+                .existing(&key, &policy, |entry| entry.take(now, cost.into()))
+                .flatten()
+            {
                 Some((outcome, granted)) => {
                     let decided = i64::try_from(now).unwrap_or(0);
                     Ok(spent(outcome, granted, &policy, cost).decided_at(decided))
@@ -274,9 +281,46 @@ pub(super) async fn check(
     }
 }
 
+/// Where the request of `cost` that [`check`] decides at `now` goes: a key whose recent use
+/// says that a lease would not pay (cold, and not leasing) goes to Redis without a book entry;
+/// a hot one spends from its lease, or takes one. Either way its use is counted in the heat
+/// table first.
+fn source(
+    state: &Leasing,
+    plan: Plan,
+    (key, policy, cost): (&Key, &Policy, u32),
+    now: u64,
+    drained: bool,
+) -> Source {
+    let place = state.place(key, policy);
+    let heat = state.heat.touch(place, now, plan.period, cost.into());
+    let lease = plan.lease_size(heat.estimate, cost.into(), heat.leasing);
+    if !heat.leasing && (drained || lease.is_none()) {
+        return Source::Redis { behind: false };
+    }
+    state.with(key, policy, plan.period, |entry| {
+        entry.used(now);
+        if drained {
+            return Source::Redis { behind: false };
+        }
+        if let Some((outcome, granted)) = entry.take(now, cost.into()) {
+            return Source::Spent(outcome, granted);
+        }
+        match lease {
+            Some(want) if !entry.fetching => {
+                entry.fetching = true;
+                Source::Lease(want)
+            }
+            _ => Source::Redis {
+                behind: entry.fetching,
+            },
+        }
+    })
+}
+
 /// Waits up to `budget` for the lease being fetched for `key` to be booked; whether it was.
 async fn landed(state: &Leasing, key: &Key, policy: &Policy, budget: Duration) -> bool {
-    let fetching = || state.with(key, policy, |entry| entry.fetching);
+    let fetching = || state.existing(key, policy, |entry| entry.fetching) == Some(true);
     until_landed(state, budget, || !fetching()).await
 }
 
@@ -311,7 +355,7 @@ async fn decide(
         .decide(place, policy, (cost.into(), 0), -1, record)
         .await?;
     let verdict = answer.verdict(policy)?;
-    state.with(key, policy, |entry| {
+    state.existing(key, policy, |entry| {
         entry.answered(verdict.outcome, answer.time)
     });
     let decision = verdict.decision(policy).decided_at(answer.time);
@@ -364,7 +408,7 @@ fn take(
         return false;
     };
     if inner.breaker(inner.placement.lane(key, policy)).is_open() {
-        state.with(key, policy, |entry| entry.fetching = false);
+        state.existing(key, policy, |entry| entry.fetching = false);
         return false;
     }
     state.taking.fetch_add(1, Ordering::AcqRel);
@@ -388,7 +432,7 @@ fn take(
         let Some(state) = inner.leases.as_ref() else {
             return;
         };
-        state.with(&key, &policy, |entry| {
+        state.with(&key, &policy, plan.period, |entry| {
             entry.fetching = false;
             if let Some(granted) = granted {
                 let lease = Lease { plan, sent, cost };
@@ -479,12 +523,13 @@ pub(super) async fn return_unused(store: &RedisStore, all: bool) -> Result<u64, 
 }
 
 /// Takes out of the book, at `now`, the units of expired leases, and all of those of idle keys
-/// (or of every key when `all`), as give-backs to send; forgets the keys left idle and empty.
+/// (or of every key when `all`), as give-backs to send; forgets the keys left empty that are
+/// idle or cooling ([`KeyBook::can_go`]), clearing their leasing bit.
 fn returns(store: &RedisStore, state: &Leasing, now: u64, all: bool) -> Vec<Due> {
     let mut due = Vec::new();
     state.book.retain(|key, held| {
         let plan = state.settings.plan(&held.policy);
-        let idle = plan.map_or(0, |p| p.period / 4);
+        let (idle, length) = plan.map_or((0, 1), |p| (p.period / 4, p.period));
         for Return { units, granted } in held.entry.returns(now, idle, all) {
             let policy = &held.policy;
             let windows = policy.windows();
@@ -496,9 +541,20 @@ fn returns(store: &RedisStore, state: &Leasing, now: u64, all: bool) -> Vec<Due>
                 until: now + micros(policy.longest_window()),
             });
         }
-        !(held.entry.is_empty() && now.saturating_sub(held.entry.last_used) >= idle)
+        let estimate = state.heat.read(held.place, now, length).estimate;
+        let gone = held.entry.can_go(now, idle, estimate);
+        if gone {
+            state.heat.unpin(held.place);
+        }
+        !gone
     });
     due
+}
+
+/// The keys with an entry in the lease book (the keys that lease), for tests.
+#[cfg(feature = "test-util")]
+pub(super) fn leasing_keys(inner: &Inner) -> u64 {
+    inner.leases.as_ref().map_or(0, Leasing::keys)
 }
 
 /// Sends the give-backs `due`, as few calls as their hash slots allow; returns the units given

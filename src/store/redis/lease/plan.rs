@@ -63,15 +63,20 @@ impl Leases {
     }
 
     /// The largest lease, as a share of the policy's smallest count (default 0.1), so that
-    /// instances cannot starve each other. A policy whose share is under 2 units is not
-    /// leased: each of its requests goes to Redis, exactly as without leases.
+    /// instances cannot starve each other. A key takes leases only while a lease would serve
+    /// at least 4 units of requests (its use over the last period, up to this share), so a
+    /// policy whose share is under 4 units takes none: each of its requests goes to Redis, as
+    /// a cold key's do (`docs/leases.md`, "The path of a request").
     pub fn max_share(mut self, share: f64) -> Self {
         self.max_share = share;
         self
     }
 
     /// The most keys holding leases at once (default 100 000); past it, the least recently
-    /// used key's lease is dropped unspent (counted as used, never admitted twice).
+    /// used key's lease is dropped unspent (counted as used, never admitted twice). It also
+    /// sizes the table that counts each key's recent use to decide which keys lease: one
+    /// 8-byte cell per key, rounded up to a power of two, 2^10 to 2^20 cells (1 MiB by
+    /// default).
     pub fn max_keys(mut self, keys: u64) -> Self {
         self.max_keys = keys;
         self
@@ -239,6 +244,34 @@ impl Plan {
     }
 }
 
+/// A key takes its first lease when a lease would serve at least this many requests of one
+/// unit: its use over the last period (the lease's size), at most the plan's cap, reaches it.
+/// A lease is a script call decided alone plus, often, a give-back, where a decision in Redis
+/// costs a share of one batched call: measured with `http_load` (GCRA, leases of 1 s), leases
+/// cost Redis more than they saved at about 2 units a period per key, and saved a little at
+/// 4 and about half at 6 to 7 (`docs/leases.md`, "Which keys lease"). A policy whose cap is
+/// under it is never leased.
+pub(crate) const HOT: u64 = 4;
+
+/// A key that holds leases keeps fetching them while a lease would serve at least this many
+/// requests; below, it stops (the leases it holds are spent until they expire, and the rest
+/// is given back), and it must reach [`HOT`] again to lease. Under `HOT`, so that a key whose
+/// rate hovers at the threshold does not switch every period; not under 3, where a lease no
+/// longer pays.
+pub(crate) const COLD: u64 = 3;
+
+impl Plan {
+    /// The units a request of `cost` that needs Redis asks for, when a lease pays: the key's
+    /// use over the last period (`estimate`), at most the cap, when that reaches [`HOT`] (or
+    /// [`COLD`] for a key `leasing` already) and is more than the cost. `None`: a decision of
+    /// its cost alone.
+    pub(crate) fn lease_size(&self, estimate: u64, cost: u64, leasing: bool) -> Option<u64> {
+        let want = estimate.min(self.cap);
+        let least = if leasing { COLD } else { HOT };
+        (want >= least && want > cost).then_some(want)
+    }
+}
+
 /// A lease's units are spent up to `h` after they were sent for, as this instance's clock
 /// measures it, and Redis's headroom allows `h` as Redis's clock measures it: a lease that
 /// allows for the headroom ends a hundredth of `h` sooner, far more than two clocks' rates
@@ -271,6 +304,30 @@ mod tests {
     fn policy(limit: &str, algorithm: Algorithm) -> Policy {
         let policy: Policy = limit.parse().unwrap();
         policy.with_algorithm(algorithm)
+    }
+
+    #[test]
+    fn a_key_leases_from_four_units_a_period_and_stops_under_three() {
+        let plan = Leases::new()
+            .plan(&policy("1000/1s", Algorithm::Gcra))
+            .unwrap();
+        assert_eq!(plan.cap, 100);
+        // A warm key, 2 or 3 units per period, never leases.
+        assert_eq!(plan.lease_size(2, 1, false), None);
+        assert_eq!(plan.lease_size(3, 1, false), None);
+        assert_eq!(plan.lease_size(4, 1, false), Some(4));
+        assert_eq!(plan.lease_size(20, 1, false), Some(20));
+        assert_eq!(plan.lease_size(500, 1, false), Some(100), "capped");
+        // Once leasing, it goes on down to three.
+        assert_eq!(plan.lease_size(3, 1, true), Some(3));
+        assert_eq!(plan.lease_size(2, 1, true), None);
+        assert_eq!(plan.lease_size(9, 9, false), None, "no more than the cost");
+        // A cap under four never leases.
+        let small = Leases::new()
+            .plan(&policy("30/1s", Algorithm::Gcra))
+            .unwrap();
+        assert_eq!(small.cap, 3);
+        assert_eq!(small.lease_size(1_000, 1, false), None);
     }
 
     #[test]

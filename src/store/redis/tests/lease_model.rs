@@ -6,6 +6,7 @@
 use proptest::prelude::*;
 
 use super::super::lease::book::{Grant, KeyBook};
+use super::super::lease::heat::{Heat, Place};
 use super::super::lease::{Leases, Plan};
 use crate::model::{window_start, Algorithm, Outcome};
 use crate::Policy;
@@ -114,103 +115,223 @@ fn leased(algorithm: Algorithm, c: u64, w: u64) -> (Policy, Plan) {
     (policy, plan)
 }
 
-/// Runs `steps` and returns the (time, units, instance) admitted.
-fn simulate(
-    algorithm: Algorithm,
+/// What a run of the model admitted, `(time, units, instance)`, and how often an instance's
+/// key switched: `heated`, from cold (no book entry) to leasing; `cooled`, back.
+#[derive(Debug, Default)]
+struct Run {
+    admitted: Vec<(u64, u64, usize)>,
+    heated: u64,
+    cooled: u64,
+    /// Script calls: decisions in Redis and lease calls (fetches ahead of need included).
+    calls: u64,
+    /// Of those, the calls that asked for more units than their request's cost.
+    leases: u64,
+}
+
+/// One instance: its heat table (the key's cell there) and its book entry, kept only while the
+/// key leases (its leasing bit is set), as `lease/mod.rs` does.
+struct Instance {
+    heat: Heat,
+    place: Place,
+    entry: KeyBook,
+}
+
+/// The instances of a run, the model of Redis, and what they did, on a virtual clock.
+struct Fleet {
+    policy: Policy,
+    plan: Plan,
     c: u64,
     w: u64,
-    instances: usize,
-    steps: &[Step],
-) -> Vec<(u64, u64, usize)> {
-    let (policy, plan) = leased(algorithm, c, w);
-    let mut redis = match algorithm {
-        Algorithm::Gcra => Model::Gcra(0, 0),
-        Algorithm::SlidingLog => Model::Log(Vec::new()),
-        // The counters (the cases run the fixed window).
-        Algorithm::FixedWindow | Algorithm::SlidingWindow => Model::Fixed(0, 0),
-    };
-    let mut entries = vec![KeyBook::default(); instances];
-    let mut fetches: Vec<Fetch> = Vec::new();
-    let mut admitted = Vec::new();
-    let mut now = 0;
-    let answer = Outcome {
-        allowed: true,
-        index: 0,
-        remaining: 0,
-        reset_after: 0,
-        retry_after: None,
-    };
-    for &(gap, instance, cost, run_delay, land_delay, sweep) in steps {
-        now += gap;
-        // Redis runs the prefetches due, then their replies land, in time order.
-        fetches.sort_by_key(|f| f.runs);
-        for f in fetches
+    redis: Model,
+    instances: Vec<Instance>,
+    fetches: Vec<Fetch>,
+    run: Run,
+    now: u64,
+}
+
+impl Fleet {
+    fn new(algorithm: Algorithm, c: u64, w: u64, instances: usize) -> Fleet {
+        let (policy, plan) = leased(algorithm, c, w);
+        let redis = match algorithm {
+            Algorithm::Gcra => Model::Gcra(0, 0),
+            Algorithm::SlidingLog => Model::Log(Vec::new()),
+            // The counters (the cases run the fixed window).
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => Model::Fixed(0, 0),
+        };
+        let key = crate::Key::from("k");
+        let instances = (0..instances)
+            .map(|_| {
+                let heat = Heat::new(1);
+                let place = heat.place(&key, policy.terms_id());
+                let entry = KeyBook::default();
+                Instance { heat, place, entry }
+            })
+            .collect();
+        Fleet {
+            policy,
+            plan,
+            c,
+            w,
+            redis,
+            instances,
+            fetches: Vec::new(),
+            run: Run::default(),
+            now: 0,
+        }
+    }
+
+    /// Redis runs the prefetches due at `now`, then their replies land, in time order.
+    fn land(&mut self, now: u64) {
+        let (c, w, h) = (self.c, self.w, self.plan.headroom);
+        self.fetches.sort_by_key(|f| f.runs);
+        for f in self
+            .fetches
             .iter_mut()
             .filter(|f| f.runs <= now && f.taken.is_none())
         {
-            let taken = redis
-                .lease(f.runs, c, w, 0, f.want, plan.headroom)
-                .unwrap_or(0);
+            let taken = self.redis.lease(f.runs, c, w, 0, f.want, h).unwrap_or(0);
             f.taken = Some((taken, f.runs));
         }
-        fetches.retain(|f| {
+        let (policy, plan, instances) = (&self.policy, &self.plan, &mut self.instances);
+        self.fetches.retain(|f| {
             if f.lands > now {
                 return true;
             }
             let (units, granted) = f.taken.unwrap_or((0, 0));
-            let entry = &mut entries[f.instance];
+            let entry = &mut instances[f.instance].entry;
             entry.fetching = false;
             let grant = Grant {
                 units,
-                expires: plan.expiry(&policy, f.sent, granted as i64),
+                expires: plan.expiry(policy, f.sent, granted as i64),
                 granted: granted as i64,
             };
-            entry.granted(grant, answer);
+            entry.granted(grant, ANSWER);
             false
         });
-        if sweep {
-            for entry in entries.iter_mut() {
-                for r in entry.returns(now, plan.period / 4, false) {
-                    redis.return_units(now, c, w, r.units, r.granted as u64);
-                }
+    }
+
+    /// The sweeper of every instance at `now`: gives back expired and idle units, and forgets
+    /// a key left empty that is idle or cooling, clearing its leasing bit.
+    fn sweep(&mut self, now: u64) {
+        let (c, w, period) = (self.c, self.w, self.plan.period);
+        for i in self.instances.iter_mut() {
+            for r in i.entry.returns(now, period / 4, false) {
+                self.redis
+                    .return_units(now, c, w, r.units, r.granted as u64);
             }
-        }
-        let instance = instance % instances;
-        let entry = &mut entries[instance];
-        if entry.take(now, cost).is_some() {
-            admitted.push((now, cost, instance));
-            entry.used(now, plan.period, cost);
-            if let Some(want) = entry.should_prefetch(now, plan.period, plan.cap) {
-                entry.fetching = true;
-                fetches.push(Fetch {
-                    instance,
-                    sent: now,
-                    runs: now + run_delay,
-                    lands: now + run_delay + land_delay,
-                    want,
-                    taken: None,
-                });
+            let reading = i.heat.read(i.place, now, period);
+            if reading.leasing && i.entry.can_go(now, period / 4, reading.estimate) {
+                i.heat.unpin(i.place);
+                i.entry = KeyBook::default();
+                self.run.cooled += 1;
             }
-            continue;
-        }
-        entry.used(now, plan.period, cost);
-        let want = entry.want(now, plan.period, cost, plan.cap);
-        let lease = want > cost && !entry.fetching;
-        let ask = if lease { want } else { cost };
-        if let Some(taken) = redis.lease(now, c, w, cost, ask, plan.headroom) {
-            admitted.push((now, cost, instance));
-            let grant = Grant {
-                units: taken - cost,
-                expires: plan.expiry(&policy, now, now as i64),
-                granted: now as i64,
-            };
-            entry.granted(grant, answer);
         }
     }
-    admitted
+
+    /// `check_now`: spends from the lease of a key that leases, maybe fetching ahead; whether
+    /// it answered.
+    fn check_now(&mut self, now: u64, instance: usize, cost: u64, delays: (u64, u64)) -> bool {
+        let plan = self.plan;
+        let i = &mut self.instances[instance];
+        if !i.heat.read(i.place, now, plan.period).leasing || i.entry.take(now, cost).is_none() {
+            return false;
+        }
+        self.run.admitted.push((now, cost, instance));
+        i.entry.used(now);
+        let estimate = i.heat.touch(i.place, now, plan.period, cost).estimate;
+        if let Some(want) = i.entry.should_prefetch(now, estimate, plan.cap) {
+            i.entry.fetching = true;
+            self.run.calls += 1;
+            self.run.leases += 1;
+            self.fetches.push(Fetch {
+                instance,
+                sent: now,
+                runs: now + delays.0,
+                lands: now + delays.0 + delays.1,
+                want,
+                taken: None,
+            });
+        }
+        true
+    }
+
+    /// `check`: a cold key is decided alone and gets no entry; a hot one takes a lease unless
+    /// one is on its way.
+    fn check(&mut self, now: u64, instance: usize, cost: u64) {
+        let (plan, c, w) = (self.plan, self.c, self.w);
+        let i = &mut self.instances[instance];
+        let heat = i.heat.touch(i.place, now, plan.period, cost);
+        let lease = plan.lease_size(heat.estimate, cost, heat.leasing);
+        self.run.calls += 1;
+        if !heat.leasing && lease.is_none() {
+            if self
+                .redis
+                .lease(now, c, w, cost, cost, plan.headroom)
+                .is_some()
+            {
+                self.run.admitted.push((now, cost, instance));
+            }
+            return;
+        }
+        if !heat.leasing {
+            assert!(i.heat.pin(i.place, now, plan.period), "one key per table");
+            self.run.heated += 1;
+        }
+        i.entry.used(now);
+        let ask = lease.filter(|_| !i.entry.fetching).unwrap_or(cost);
+        self.run.leases += u64::from(ask > cost);
+        if let Some(taken) = self.redis.lease(now, c, w, cost, ask, plan.headroom) {
+            self.run.admitted.push((now, cost, instance));
+            let grant = Grant {
+                units: taken - cost,
+                expires: plan.expiry(&self.policy, now, now as i64),
+                granted: now as i64,
+            };
+            i.entry.granted(grant, ANSWER);
+        }
+    }
+}
+
+/// What the model answers: only the units matter here.
+const ANSWER: Outcome = Outcome {
+    allowed: true,
+    index: 0,
+    remaining: 0,
+    reset_after: 0,
+    retry_after: None,
+};
+
+/// Runs `steps` on `instances` instances deciding with the store's heat rule.
+fn simulate(algorithm: Algorithm, c: u64, w: u64, instances: usize, steps: &[Step]) -> Run {
+    let mut fleet = Fleet::new(algorithm, c, w, instances);
+    for &step in steps {
+        fleet.step(step);
+    }
+    fleet.run
+}
+
+impl Fleet {
+    /// One step: the gap passes, the replies due land, the sweeper runs if asked, and the
+    /// request is decided as the layer does (`check_now`, else `check`).
+    fn step(&mut self, (gap, instance, cost, run_delay, land_delay, sweep): Step) {
+        self.now += gap;
+        let now = self.now;
+        self.land(now);
+        if sweep {
+            self.sweep(now);
+        }
+        let instance = instance % self.instances.len();
+        if !self.check_now(now, instance, cost, (run_delay, land_delay)) {
+            self.check(now, instance, cost);
+        }
+    }
 }
 
 const W: u64 = 1_000_000;
+
+/// The limits the cases draw: with a share of 0.25, a cap of 8 to 29 units, so that a key
+/// busy enough leases (`HOT` is 4).
+const COUNTS: std::ops::Range<u64> = 32..120;
 
 fn steps() -> impl Strategy<Value = Vec<Step>> {
     proptest::collection::vec(
@@ -233,7 +354,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
 /// units of 1 among the others' `burst`, `early` before the lease expires. `steps` rarely
 /// builds it, so without this only `held_lease` would notice a bucket missing its headroom.
 fn held_leases() -> impl Strategy<Value = (u64, Vec<Step>)> {
-    (8u64..60).prop_flat_map(|c| {
+    COUNTS.prop_flat_map(|c| {
         let (policy, plan) = leased(Algorithm::Gcra, c, W);
         let (cap, period) = (plan.cap, plan.period);
         // How long a lease taken at 0 lasts.
@@ -272,31 +393,164 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
     #[test]
-    fn fixed_windows_never_admit_more_than_the_limit(c in 8u64..60, steps in steps()) {
-        let admitted = simulate(Algorithm::FixedWindow, c, W, 4, &steps);
-        let mut per_window = std::collections::BTreeMap::new();
-        for (t, units, _) in admitted {
-            *per_window.entry(window_start(t, W)).or_insert(0) += units;
-        }
-        for (start, units) in per_window {
-            prop_assert!(units <= c, "{units} > {c} in the window at {start}");
-        }
+    fn fixed_windows_never_admit_more_than_the_limit(c in COUNTS, steps in steps()) {
+        fits_each_fixed_window(c, &simulate(Algorithm::FixedWindow, c, W, 4, &steps).admitted)?;
     }
 
     #[test]
-    fn sliding_log_windows_never_hold_more_than_the_limit(c in 8u64..60, steps in steps()) {
-        fits_every_window(c, &simulate(Algorithm::SlidingLog, c, W, 4, &steps))?;
+    fn sliding_log_windows_never_hold_more_than_the_limit(c in COUNTS, steps in steps()) {
+        fits_every_window(c, &simulate(Algorithm::SlidingLog, c, W, 4, &steps).admitted)?;
     }
 
     #[test]
-    fn gcra_admissions_fit_the_bucket(c in 8u64..60, steps in steps()) {
-        fits_the_bucket(c, &simulate(Algorithm::Gcra, c, W, 4, &steps))?;
+    fn gcra_admissions_fit_the_bucket(c in COUNTS, steps in steps()) {
+        fits_the_bucket(c, &simulate(Algorithm::Gcra, c, W, 4, &steps).admitted)?;
     }
 
     #[test]
     fn gcra_leases_held_through_a_drain_fit_the_bucket((c, steps) in held_leases()) {
-        fits_the_bucket(c, &simulate(Algorithm::Gcra, c, W, 4, &steps))?;
+        fits_the_bucket(c, &simulate(Algorithm::Gcra, c, W, 4, &steps).admitted)?;
     }
+}
+
+/// Traffic in phases: hot ones (a request every 0 to 8 ms among the phase's instances, far
+/// above `HOT` per period of 250 ms) and cold ones (every
+/// 60 to 400 ms, under `COLD` per period), each phase on a random subset of the instances,
+/// so that each instance's key heats and cools at its own points, with heavy requests now and
+/// then. The sweeper runs after every
+/// gap of a quarter period or more, as the store's does, and at random besides.
+fn phases() -> impl Strategy<Value = Vec<Step>> {
+    let phase = (any::<bool>(), 5usize..80, 1usize..16).prop_flat_map(|(hot, n, mask)| {
+        let gap = if hot { 0u64..8_000 } else { 60_000u64..400_000 };
+        let members: Vec<usize> = (0..4).filter(|i| mask & (1 << i) != 0).collect();
+        // Now and then a heavy request, decided alone when no lease would be larger than it.
+        let cost = prop_oneof![4 => 1u64..3, 1 => 8u64..40];
+        let step = (
+            gap,
+            proptest::sample::select(members),
+            cost,
+            (0u64..60_000, 0u64..60_000),
+            proptest::bool::weighted(0.05),
+        );
+        proptest::collection::vec(step, n).prop_map(|steps| {
+            let step = |(gap, i, cost, (runs, lands), sweep)| {
+                (gap, i, cost, runs, lands, sweep || gap >= 62_500)
+            };
+            steps.into_iter().map(step).collect::<Vec<Step>>()
+        })
+    });
+    proptest::collection::vec(phase, 2..10).prop_map(|phases| phases.concat())
+}
+
+/// Whether `admitted` holds what `algorithm` promises for a limit of `c` per [`W`].
+fn holds(
+    algorithm: Algorithm,
+    c: u64,
+    admitted: &[(u64, u64, usize)],
+) -> Result<(), TestCaseError> {
+    match algorithm {
+        Algorithm::Gcra => fits_the_bucket(c, admitted),
+        Algorithm::SlidingLog => fits_every_window(c, admitted),
+        Algorithm::FixedWindow | Algorithm::SlidingWindow => fits_each_fixed_window(c, admitted),
+    }
+}
+
+/// The never-over property with keys that switch: each instance's key goes from plain
+/// decisions to leases and back many times per case (tallied: both ways, at least once per case
+/// on average), and the admissions still fit the limit. The headroom is a property of the
+/// policy, so that what a lease spends late is allowed for by every decision, leased or not.
+#[test]
+fn keys_that_switch_between_leases_and_plain_decisions_never_go_over() {
+    use proptest::test_runner::{Config, TestRunner};
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingLog,
+        Algorithm::Gcra,
+    ] {
+        let mut runner = TestRunner::new(Config::with_cases(200));
+        let tally = std::cell::Cell::new((0u64, 0u64, 0u64));
+        let case = |(c, steps): (u64, Vec<Step>)| {
+            let run = simulate(algorithm, c, W, 4, &steps);
+            let (heated, cooled, cases) = tally.get();
+            tally.set((heated + run.heated, cooled + run.cooled, cases + 1));
+            holds(algorithm, c, &run.admitted)
+        };
+        if let Err(e) = runner.run(&(COUNTS, phases()), case) {
+            panic!("{algorithm:?}: {e}");
+        }
+        let (heated, cooled, cases) = tally.get();
+        eprintln!("{algorithm:?}: {cases} cases, {heated} switches to leases, {cooled} back");
+        assert!(
+            heated >= cases && cooled >= cases,
+            "{algorithm:?}: {heated} switches to leases and {cooled} back in {cases} cases"
+        );
+    }
+}
+
+/// `n` requests of 1 from instance 0, `gap` µs apart, the sweeper running every `sweep`-th.
+fn paced(n: usize, gap: u64, sweep: usize) -> Vec<Step> {
+    (0..n).map(|i| (gap, 0, 1, 0, 0, i % sweep == 0)).collect()
+}
+
+/// The warm key never leases: a key at 2 units per period (GCRA 400/1s, leases of up
+/// to 100 units for 250 ms) is decided in Redis, one call a request; at 20 per period it
+/// leases, and Redis sees fewer than one call per five requests.
+#[test]
+fn a_key_leases_at_twenty_units_a_period_and_never_at_two() {
+    let warm = simulate(Algorithm::Gcra, 400, W, 1, &paced(200, 125_000, 1));
+    eprintln!(
+        "2 a period: {warm:?}",
+        warm = (warm.calls, warm.leases, warm.heated)
+    );
+    assert_eq!((warm.heated, warm.leases, warm.calls), (0, 0, 200));
+    let hot = simulate(Algorithm::Gcra, 400, W, 1, &paced(200, 12_500, 5));
+    eprintln!(
+        "20 a period: {hot:?}",
+        hot = (hot.calls, hot.leases, hot.heated)
+    );
+    assert_eq!(hot.heated, 1);
+    assert!(hot.calls * 5 < 200, "{} calls for 200 requests", hot.calls);
+}
+
+/// A key that cools from 20 units a period to 1 stops fetching leases, spends or gives back
+/// what it holds, and once the sweeper runs, right at a request (so the key is not idle: it
+/// is cooling), its entry and leasing bit are gone; Redis then counts exactly the units
+/// admitted (a fixed window of a minute, leases of up to 10 000 units for 1 s).
+#[test]
+fn a_cooling_key_stops_leasing_and_gives_its_units_back() {
+    let mut fleet = Fleet::new(Algorithm::FixedWindow, 40_000, 60 * W, 1);
+    paced(100, 50_000, 5)
+        .into_iter()
+        .for_each(|s| fleet.step(s));
+    assert_eq!(fleet.run.heated, 1, "the hot key leases");
+    // No sweep meanwhile: the sweeper would find the key idle between two requests.
+    let trickle = [(W, 0, 1, 0, 0, false); 20];
+    trickle[..3].iter().for_each(|&s| fleet.step(s));
+    let leases = fleet.run.leases;
+    trickle[3..].iter().for_each(|&s| fleet.step(s));
+    let late = fleet.run.leases - leases;
+    eprintln!("{late} leases taken at one unit a period");
+    assert_eq!(late, 0, "a cooling key fetched {late} leases");
+    fleet.sweep(fleet.now);
+    let i = &fleet.instances[0];
+    let leasing = i.heat.read(i.place, fleet.now, W).leasing;
+    eprintln!("swept: {} cooled, leasing bit {leasing}", fleet.run.cooled);
+    assert_eq!(fleet.run.cooled, 1, "the cooled key keeps its entry");
+    assert!(i.entry.is_empty() && !leasing);
+    let admitted: u64 = fleet.run.admitted.iter().map(|&(_, k, _)| k).sum();
+    assert!(matches!(fleet.redis, Model::Fixed(_, count) if count == admitted));
+}
+
+/// Whether no fixed window of [`W`] holds more than `c` units admitted.
+fn fits_each_fixed_window(c: u64, admitted: &[(u64, u64, usize)]) -> Result<(), TestCaseError> {
+    let mut per_window = std::collections::BTreeMap::new();
+    for &(t, units, _) in admitted {
+        *per_window.entry(window_start(t, W)).or_insert(0) += units;
+    }
+    for (start, units) in per_window {
+        prop_assert!(units <= c, "{units} > {c} in the window at {start}");
+    }
+    Ok(())
 }
 
 /// Whether `admitted` fits a leaky bucket of `c` per `W`: for every s <= t, units admitted in
@@ -337,8 +591,9 @@ fn fits_every_window(c: u64, admitted: &[(u64, u64, usize)]) -> Result<(), TestC
 /// it holds just before the lease expires, while the others fill the key just after `t0`'s
 /// event has left a window of `W`.
 ///
-/// - At 0, instance 0 asks for `cap` units in one request, decided alone (a cold key asks for
-///   its cost), so that its use over the last `period` is `cap` at `t0 = period`.
+/// - At 0, instance 0 asks for `cap` units in one request, decided alone (a lease of no more
+///   than the cost is no lease), so that its use over the last `period` is `cap` at
+///   `t0 = period`.
 /// - At `t0`, a request of 1 from instance 0 leases `cap` units (it spends 1, holds `cap - 1`).
 /// - At `t1`, 1 µs before the lease expires, instance 0 spends its `cap - 1` units.
 /// - At `t0 + W + 1`, when neither the warm-up nor the lease is in `(now − W, now]`, the
@@ -370,11 +625,11 @@ fn units_of(admitted: &[(u64, u64, usize)], which: impl Fn(u64, usize) -> bool) 
     picked.map(|&(_, units, _)| units).sum()
 }
 
-/// The cases of the late-spending tests: 2 to 4 instances, `c` from 8 to 59, the plan of `c`
+/// The cases of the late-spending tests: 2 to 4 instances, `c` in [`COUNTS`], the plan of `c`
 /// per `W` under `algorithm`, and `t1`, the last µs of a lease taken at `plan.period`.
 fn late_spending_cases(algorithm: Algorithm) -> impl Iterator<Item = (usize, u64, Plan, u64)> {
     (2..=4).flat_map(move |instances| {
-        (8u64..60).map(move |c| {
+        COUNTS.map(move |c| {
             let (policy, plan) = leased(algorithm, c, W);
             let t1 = plan.expiry(&policy, plan.period, plan.period as i64) - 1;
             (instances, c, plan, t1)
@@ -386,7 +641,7 @@ fn late_spending_cases(algorithm: Algorithm) -> impl Iterator<Item = (usize, u64
 fn the_log_counts_a_lease_spent_late_in_every_window_it_is_spent_in() {
     for (instances, c, plan, t1) in late_spending_cases(Algorithm::SlidingLog) {
         let steps = late_spender(c, instances);
-        let admitted = simulate(Algorithm::SlidingLog, c, W, instances, &steps);
+        let admitted = simulate(Algorithm::SlidingLog, c, W, instances, &steps).admitted;
         if let Err(e) = fits_every_window(c, &admitted) {
             panic!("{instances} instances, c = {c}: {e}");
         }
@@ -402,8 +657,9 @@ fn the_log_counts_a_lease_spent_late_in_every_window_it_is_spent_in() {
 /// The interleaving GCRA's headroom is for, which random traffic rarely builds: instance 0
 /// holds a full lease through a drain while the others fill the bucket, then spends it late.
 ///
-/// - At 0, instance 0 asks for `cap` units in one request, decided alone (a cold key asks for
-///   its cost), so that its use over the last `period` is `cap` at `t0 = period`.
+/// - At 0, instance 0 asks for `cap` units in one request, decided alone (a lease of no more
+///   than the cost is no lease), so that its use over the last `period` is `cap` at
+///   `t0 = period`.
 /// - At `t0`, a request of 1 from instance 0 leases `cap` units (it spends 1, holds `cap - 1`).
 ///   The warm-up has drained by then (`cap` is at most `c / 4`, `h = period = w / 4`), so the
 ///   bucket holds the lease alone.
@@ -414,9 +670,8 @@ fn the_log_counts_a_lease_spent_late_in_every_window_it_is_spent_in() {
 ///
 /// Without the headroom the others take the whole burst at `t1` but what the lease's last µs
 /// of drain leaves (`c - 1` units when `c / 4` is whole, `c` otherwise), and the instant admits
-/// `c + cap - 2` or `c + cap - 1`: more than `c` for every `c` here but 8 (`cap - 1 = 1` held
-/// unit against the one unit lost). With it they take at most `(w - h) * c / w`, and the
-/// `h * c / w >= cap` units kept free are what instance 0 spends.
+/// `c + cap - 2` or `c + cap - 1`: more than `c` for every `c` here. With it they take at most
+/// `(w - h) * c / w`, and the `h * c / w >= cap` units kept free are what instance 0 spends.
 fn held_lease(c: u64, instances: usize) -> Vec<Step> {
     let (policy, plan) = leased(Algorithm::Gcra, c, W);
     let t0 = plan.period;
@@ -434,7 +689,8 @@ fn held_lease(c: u64, instances: usize) -> Vec<Step> {
 #[test]
 fn gcra_keeps_room_for_a_lease_spent_late_after_a_burst() {
     for (instances, c, plan, t1) in late_spending_cases(Algorithm::Gcra) {
-        let admitted = simulate(Algorithm::Gcra, c, W, instances, &held_lease(c, instances));
+        let steps = held_lease(c, instances);
+        let admitted = simulate(Algorithm::Gcra, c, W, instances, &steps).admitted;
         if let Err(e) = fits_the_bucket(c, &admitted) {
             panic!("{instances} instances, c = {c}: {e}");
         }
