@@ -44,7 +44,7 @@ pub(crate) struct Heat {
 
 /// Where a key's use is counted: its cell and its fingerprint there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Place {
+pub(crate) struct Spot {
     cell: usize,
     fingerprint: u64,
 }
@@ -123,9 +123,9 @@ impl Heat {
     }
 
     /// Where `key` under `policy` (its terms' id, as the book keys it) is counted.
-    pub(crate) fn place(&self, key: &Key, policy: Id<'_>) -> Place {
+    pub(crate) fn spot(&self, key: &Key, policy: Id<'_>) -> Spot {
         let hash = self.hasher.hash_one((policy.hash, key.as_str()));
-        Place {
+        Spot {
             cell: (hash as usize) & (self.cells.len() - 1),
             fingerprint: hash >> 49,
         }
@@ -134,8 +134,8 @@ impl Heat {
     /// Counts `units` used at `now` (µs) in periods of `length` µs; returns the use of the
     /// last period, these units included. A cell held by another key is taken over, unless it
     /// is pinned (leasing): then nothing is counted and the key reads as cold.
-    pub(crate) fn touch(&self, place: Place, now: u64, length: u64, units: u64) -> Reading {
-        self.update(place, now, length, |cell| {
+    pub(crate) fn touch(&self, spot: Spot, now: u64, length: u64, units: u64) -> Reading {
+        self.update(spot, now, length, |cell| {
             cell.current = (cell.current + units).min(COUNT);
         })
         .unwrap_or(Reading {
@@ -146,9 +146,9 @@ impl Heat {
 
     /// What the cell says of the key at `now`, counting nothing; a key whose cell is held by
     /// another reads as cold and not leasing.
-    pub(crate) fn read(&self, place: Place, now: u64, length: u64) -> Reading {
-        let cell = Cell::unpack(self.cells[place.cell].load(Ordering::Acquire));
-        if cell.fingerprint != place.fingerprint {
+    pub(crate) fn read(&self, spot: Spot, now: u64, length: u64) -> Reading {
+        let cell = Cell::unpack(self.cells[spot.cell].load(Ordering::Acquire));
+        if cell.fingerprint != spot.fingerprint {
             return Reading {
                 estimate: 0,
                 leasing: false,
@@ -163,16 +163,16 @@ impl Heat {
 
     /// Sets the key's leasing bit, pinning the cell to it; whether it is set. It is not when
     /// the cell is pinned by another key's leases.
-    pub(crate) fn pin(&self, place: Place, now: u64, length: u64) -> bool {
-        let pinned = self.update(place, now, length, |cell| cell.leasing = true);
+    pub(crate) fn pin(&self, spot: Spot, now: u64, length: u64) -> bool {
+        let pinned = self.update(spot, now, length, |cell| cell.leasing = true);
         pinned.is_some_and(|reading| reading.leasing)
     }
 
     /// Clears the key's leasing bit (its book entry is gone), if the cell is the key's.
-    pub(crate) fn unpin(&self, place: Place) {
-        let slot = &self.cells[place.cell];
-        let _ = slot.fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
-            let ours = Cell::unpack(word).fingerprint == place.fingerprint;
+    pub(crate) fn unpin(&self, spot: Spot) {
+        let atomic = &self.cells[spot.cell];
+        let _ = atomic.fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
+            let ours = Cell::unpack(word).fingerprint == spot.fingerprint;
             (ours && word & LEASING != 0).then_some(word & !LEASING)
         });
     }
@@ -181,22 +181,22 @@ impl Heat {
     /// key's is not pinned; the reading after, or `None` when the cell is pinned by another.
     fn update(
         &self,
-        place: Place,
+        spot: Spot,
         now: u64,
         length: u64,
         change: impl Fn(&mut Cell),
     ) -> Option<Reading> {
-        let slot = &self.cells[place.cell];
+        let atomic = &self.cells[spot.cell];
         let period = (now / length) & COUNT;
-        let mut word = slot.load(Ordering::Acquire);
+        let mut word = atomic.load(Ordering::Acquire);
         loop {
             let old = Cell::unpack(word);
-            let mut cell = match old.fingerprint == place.fingerprint {
+            let mut cell = match old.fingerprint == spot.fingerprint {
                 true => old.rolled(period),
                 false if old.leasing => return None,
                 false => Cell {
                     leasing: false,
-                    fingerprint: place.fingerprint,
+                    fingerprint: spot.fingerprint,
                     period,
                     current: 0,
                     previous: 0,
@@ -207,8 +207,12 @@ impl Heat {
                 estimate: cell.estimate(now, length),
                 leasing: cell.leasing,
             };
-            match slot.compare_exchange_weak(word, cell.pack(), Ordering::AcqRel, Ordering::Acquire)
-            {
+            match atomic.compare_exchange_weak(
+                word,
+                cell.pack(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => return Some(reading),
                 Err(now_there) => word = now_there,
             }
@@ -231,45 +235,45 @@ mod tests {
     #[test]
     fn the_estimate_rises_with_use_and_decays_over_two_periods() {
         let (heat, policy) = table();
-        let place = heat.place(&Key::from("k"), policy.terms_id());
+        let spot = heat.spot(&Key::from("k"), policy.terms_id());
         // 20 units spread over one period.
         let mut last = 0;
         for i in 0..20 {
-            last = heat.touch(place, i * 5 * MS, PERIOD, 1).estimate;
+            last = heat.touch(spot, i * 5 * MS, PERIOD, 1).estimate;
         }
         assert_eq!(last, 20);
-        assert_eq!(heat.read(place, PERIOD - 1, PERIOD).estimate, 20);
+        assert_eq!(heat.read(spot, PERIOD - 1, PERIOD).estimate, 20);
         // Half way through the next period, half of the last one's use still counts.
-        assert_eq!(heat.read(place, PERIOD + PERIOD / 2, PERIOD).estimate, 10);
-        assert_eq!(heat.read(place, 2 * PERIOD - MS, PERIOD).estimate, 0);
+        assert_eq!(heat.read(spot, PERIOD + PERIOD / 2, PERIOD).estimate, 10);
+        assert_eq!(heat.read(spot, 2 * PERIOD - MS, PERIOD).estimate, 0);
         // Two periods on, nothing is left.
-        assert_eq!(heat.read(place, 2 * PERIOD, PERIOD).estimate, 0);
-        assert_eq!(heat.touch(place, 3 * PERIOD, PERIOD, 1).estimate, 1);
+        assert_eq!(heat.read(spot, 2 * PERIOD, PERIOD).estimate, 0);
+        assert_eq!(heat.touch(spot, 3 * PERIOD, PERIOD, 1).estimate, 1);
     }
 
     #[test]
     fn a_period_long_past_is_forgotten() {
         let (heat, policy) = table();
-        let place = heat.place(&Key::from("k"), policy.terms_id());
-        heat.touch(place, 0, PERIOD, 50);
-        assert_eq!(heat.read(place, 5 * PERIOD, PERIOD).estimate, 0);
-        assert_eq!(heat.touch(place, 5 * PERIOD + 1, PERIOD, 1).estimate, 1);
+        let spot = heat.spot(&Key::from("k"), policy.terms_id());
+        heat.touch(spot, 0, PERIOD, 50);
+        assert_eq!(heat.read(spot, 5 * PERIOD, PERIOD).estimate, 0);
+        assert_eq!(heat.touch(spot, 5 * PERIOD + 1, PERIOD, 1).estimate, 1);
     }
 
     #[test]
     fn counts_saturate() {
         let (heat, policy) = table();
-        let place = heat.place(&Key::from("k"), policy.terms_id());
-        heat.touch(place, 0, PERIOD, 60_000);
-        assert_eq!(heat.touch(place, 0, PERIOD, 60_000).estimate, COUNT);
-        assert_eq!(heat.touch(place, PERIOD, PERIOD, COUNT).estimate, 2 * COUNT);
+        let spot = heat.spot(&Key::from("k"), policy.terms_id());
+        heat.touch(spot, 0, PERIOD, 60_000);
+        assert_eq!(heat.touch(spot, 0, PERIOD, 60_000).estimate, COUNT);
+        assert_eq!(heat.touch(spot, PERIOD, PERIOD, COUNT).estimate, 2 * COUNT);
     }
 
     /// Two keys in one cell: the second's fingerprint differs.
-    fn collision(heat: &Heat, policy: &Policy) -> (Place, Place) {
-        let first = heat.place(&Key::from("k0"), policy.terms_id());
+    fn collision(heat: &Heat, policy: &Policy) -> (Spot, Spot) {
+        let first = heat.spot(&Key::from("k0"), policy.terms_id());
         let other = (1..100_000)
-            .map(|i| heat.place(&Key::from(format!("k{i}")), policy.terms_id()))
+            .map(|i| heat.spot(&Key::from(format!("k{i}")), policy.terms_id()))
             .find(|p| p.cell == first.cell && p.fingerprint != first.fingerprint)
             .expect("1024 cells: a key among 100 000 shares the first one's");
         (first, other)

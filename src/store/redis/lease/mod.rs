@@ -92,15 +92,15 @@ pub(super) fn check_now(
         return None;
     }
     let now = state.now();
-    let place = state.place(key, policy);
+    let spot = state.spot(key, policy);
     // A key without leases (the cold ones, most keys) has no book entry: not even a lock.
-    if !state.heat.read(place, now, plan.period).leasing {
+    if !state.heat.read(spot, now, plan.period).leasing {
         return None;
     }
-    let (outcome, granted, prefetch) = state.leased(key, policy, place, |entry| {
+    let (outcome, granted, prefetch) = state.leased(key, policy, spot, |entry| {
         let (outcome, granted) = entry.take(now, cost.into())?;
         entry.used(now);
-        let estimate = state.heat.touch(place, now, plan.period, cost.into());
+        let estimate = state.heat.touch(spot, now, plan.period, cost.into());
         let prefetch = entry.should_prefetch(now, estimate.estimate, plan.cap);
         entry.fetching |= prefetch.is_some();
         Some((outcome, granted, prefetch))
@@ -188,8 +188,8 @@ pub(super) fn peek_now(
         return None;
     }
     let now = state.now();
-    let place = state.place(key, policy);
-    if !state.heat.read(place, now, plan.period).leasing {
+    let spot = state.spot(key, policy);
+    if !state.heat.read(spot, now, plan.period).leasing {
         return None;
     }
     let outcome = state.existing(key, policy, |entry| entry.peek(now, cost.into()))??;
@@ -292,8 +292,8 @@ fn source(
     now: u64,
     drained: bool,
 ) -> Source {
-    let place = state.place(key, policy);
-    let heat = state.heat.touch(place, now, plan.period, cost.into());
+    let spot = state.spot(key, policy);
+    let heat = state.heat.touch(spot, now, plan.period, cost.into());
     let lease = plan.lease_size(heat.estimate, cost.into(), heat.leasing);
     if !heat.leasing && (drained || lease.is_none()) {
         return Source::Redis { behind: false };
@@ -541,10 +541,10 @@ fn returns(store: &RedisStore, state: &Leasing, now: u64, all: bool) -> Vec<Due>
                 until: now + micros(policy.longest_window()),
             });
         }
-        let estimate = state.heat.read(held.place, now, length).estimate;
+        let estimate = state.heat.read(held.spot, now, length).estimate;
         let gone = held.entry.can_go(now, idle, estimate);
         if gone {
-            state.heat.unpin(held.place);
+            state.heat.unpin(held.spot);
         }
         !gone
     });

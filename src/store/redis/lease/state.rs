@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use tokio::sync::Notify;
 
 use super::book::KeyBook;
-use super::heat::{Heat, Place};
+use super::heat::{Heat, Spot};
 use super::plan::Leases;
 use crate::model::micros;
 use crate::shards::{Pinning, Shards};
@@ -47,7 +47,7 @@ pub(crate) struct Due {
 /// One key's leases, with the policy they are for and the key's cell in the heat table.
 pub(crate) struct KeyLeases {
     pub(crate) policy: Policy,
-    pub(crate) place: Place,
+    pub(crate) spot: Spot,
     pub(crate) entry: KeyBook,
 }
 
@@ -87,8 +87,8 @@ impl Leasing {
     }
 
     /// Where the heat table counts `key` under `policy`.
-    pub(crate) fn place(&self, key: &Key, policy: &Policy) -> Place {
-        self.heat.place(key, policy.terms_id())
+    pub(crate) fn spot(&self, key: &Key, policy: &Policy) -> Spot {
+        self.heat.spot(key, policy.terms_id())
     }
 
     /// Runs `f` on the entry of `key` under `policy`, made if missing, for a key that leases:
@@ -106,10 +106,10 @@ impl Leasing {
         if let Some(found) = locked.get(key, policy.terms_id(), now) {
             return f(&mut found.value.entry);
         }
-        let place = self.place(key, policy);
+        let spot = self.spot(key, policy);
         let mut held = KeyLeases {
             policy: policy.clone(),
-            place,
+            spot,
             entry: KeyBook::default(),
         };
         let out = f(&mut held.entry);
@@ -118,7 +118,7 @@ impl Leasing {
         // cell pinned by another key's leases (a race: this key read as hot just before) leaves
         // it unset: this key then reads as cold, spends none of its grants, and the sweeper
         // gives them back when they expire (fewer admitted, never more).
-        self.heat.pin(place, now, length);
+        self.heat.pin(spot, now, length);
         out
     }
 
@@ -136,20 +136,20 @@ impl Leasing {
         Some(f(&mut found.value.entry))
     }
 
-    /// Runs `f` on the entry of `key` under `policy`, whose leasing bit at `place` is set; when
+    /// Runs `f` on the entry of `key` under `policy`, whose leasing bit at `spot` is set; when
     /// the entry is gone (the book evicted it to make room), clears the bit instead, under the
     /// shard's lock, so that the key reads as cold again.
     pub(crate) fn leased<T>(
         &self,
         key: &Key,
         policy: &Policy,
-        place: Place,
+        spot: Spot,
         f: impl FnOnce(&mut KeyBook) -> T,
     ) -> Option<T> {
         let now = self.now();
         let mut locked = self.book.lock(key, policy.terms_id());
         let Some(found) = locked.get(key, policy.terms_id(), now) else {
-            self.heat.unpin(place);
+            self.heat.unpin(spot);
             return None;
         };
         Some(f(&mut found.value.entry))

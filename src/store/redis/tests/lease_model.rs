@@ -6,7 +6,7 @@
 use proptest::prelude::*;
 
 use super::super::lease::book::{Grant, KeyBook};
-use super::super::lease::heat::{Heat, Place};
+use super::super::lease::heat::{Heat, Spot};
 use super::super::lease::{Leases, Plan};
 use crate::model::{window_start, Algorithm, Outcome};
 use crate::Policy;
@@ -132,7 +132,7 @@ struct Run {
 /// key leases (its leasing bit is set), as `lease/mod.rs` does.
 struct Instance {
     heat: Heat,
-    place: Place,
+    spot: Spot,
     entry: KeyBook,
 }
 
@@ -162,9 +162,9 @@ impl Fleet {
         let instances = (0..instances)
             .map(|_| {
                 let heat = Heat::new(1);
-                let place = heat.place(&key, policy.terms_id());
+                let spot = heat.spot(&key, policy.terms_id());
                 let entry = KeyBook::default();
-                Instance { heat, place, entry }
+                Instance { heat, spot, entry }
             })
             .collect();
         Fleet {
@@ -219,9 +219,9 @@ impl Fleet {
                 self.redis
                     .return_units(now, c, w, r.units, r.granted as u64);
             }
-            let reading = i.heat.read(i.place, now, period);
+            let reading = i.heat.read(i.spot, now, period);
             if reading.leasing && i.entry.can_go(now, period / 4, reading.estimate) {
-                i.heat.unpin(i.place);
+                i.heat.unpin(i.spot);
                 i.entry = KeyBook::default();
                 self.run.cooled += 1;
             }
@@ -233,12 +233,12 @@ impl Fleet {
     fn check_now(&mut self, now: u64, instance: usize, cost: u64, delays: (u64, u64)) -> bool {
         let plan = self.plan;
         let i = &mut self.instances[instance];
-        if !i.heat.read(i.place, now, plan.period).leasing || i.entry.take(now, cost).is_none() {
+        if !i.heat.read(i.spot, now, plan.period).leasing || i.entry.take(now, cost).is_none() {
             return false;
         }
         self.run.admitted.push((now, cost, instance));
         i.entry.used(now);
-        let estimate = i.heat.touch(i.place, now, plan.period, cost).estimate;
+        let estimate = i.heat.touch(i.spot, now, plan.period, cost).estimate;
         if let Some(want) = i.entry.should_prefetch(now, estimate, plan.cap) {
             i.entry.fetching = true;
             self.run.calls += 1;
@@ -260,7 +260,7 @@ impl Fleet {
     fn check(&mut self, now: u64, instance: usize, cost: u64) {
         let (plan, c, w) = (self.plan, self.c, self.w);
         let i = &mut self.instances[instance];
-        let heat = i.heat.touch(i.place, now, plan.period, cost);
+        let heat = i.heat.touch(i.spot, now, plan.period, cost);
         let lease = plan.lease_size(heat.estimate, cost, heat.leasing);
         self.run.calls += 1;
         if !heat.leasing && lease.is_none() {
@@ -274,7 +274,7 @@ impl Fleet {
             return;
         }
         if !heat.leasing {
-            assert!(i.heat.pin(i.place, now, plan.period), "one key per table");
+            assert!(i.heat.pin(i.spot, now, plan.period), "one key per table");
             self.run.heated += 1;
         }
         i.entry.used(now);
@@ -533,7 +533,7 @@ fn a_cooling_key_stops_leasing_and_gives_its_units_back() {
     assert_eq!(late, 0, "a cooling key fetched {late} leases");
     fleet.sweep(fleet.now);
     let i = &fleet.instances[0];
-    let leasing = i.heat.read(i.place, fleet.now, W).leasing;
+    let leasing = i.heat.read(i.spot, fleet.now, W).leasing;
     eprintln!("swept: {} cooled, leasing bit {leasing}", fleet.run.cooled);
     assert_eq!(fleet.run.cooled, 1, "the cooled key keeps its entry");
     assert!(i.entry.is_empty() && !leasing);
