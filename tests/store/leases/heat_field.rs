@@ -647,3 +647,192 @@ async fn a_key_between_the_thresholds_does_not_flap() {
         steady.switches
     );
 }
+
+/// Instances that disagree about a key's heat: one sends a request every 5 ms (20 a period: it
+/// leases), four others one every 100 ms each (one a period each: they never lease, and probe
+/// the log continuously) on a sliding log `100/1s`: no second ending at an admission holds more than 100, the units of
+/// the hot instance's leases timed where they were spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cold_instances_beside_a_leasing_one_never_overfill_the_log() {
+    let server = RedisServer::start();
+    let client = server.client().await;
+    let stores: Vec<RedisStore> =
+        futures::future::join_all((0..5).map(|_| short_leases(server.url()))).await;
+    let policy = log("100/1s");
+    let run = Duration::from_secs(6);
+    let before = evalsha_calls(&client).await;
+    let mut cold = Vec::new();
+    for store in &stores[1..] {
+        let (store, policy) = (store.clone(), policy.clone());
+        cold.push(tokio::spawn(async move {
+            let key = Key::from("swing");
+            let end = micros_now() + run.as_micros() as u64;
+            let (mut times, mut leased) = (Vec::new(), 0u64);
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            while micros_now() < end {
+                tick.tick().await;
+                let (spent, from_lease) = spent_leased(&store, &key, &policy).await;
+                times.extend(spent);
+                leased += u64::from(from_lease);
+            }
+            (times, leased, leasing_keys(&store))
+        }));
+    }
+    let (mut times, sent, hot_leased) = steady_spent(&stores[0], &policy, run, 5).await;
+    let hot_admitted = times.len();
+    let (mut cold_leased, mut cold_entries) = (0, 0);
+    for task in cold {
+        let (more, leased, entries) = task.await.unwrap();
+        times.extend(more);
+        (cold_leased, cold_entries) = (cold_leased + leased, cold_entries + entries);
+    }
+    times.sort_unstable();
+    let calls = evalsha_calls(&client).await - before;
+    let (most, at) = fullest(&times, 1_000_000);
+    eprintln!(
+        "hot instance: {sent} decisions ({hot_leased} from leases), {hot_admitted} admitted; \
+         cold instances: {} admitted, {cold_leased} from leases, {cold_entries} entries; \
+         fullest second {most} (over: {}) ending {at}; {calls} EVALSHA",
+        times.len() - hot_admitted,
+        most.saturating_sub(100)
+    );
+    assert!(most <= 100, "{most} units in a second of a 100/1s log");
+}
+
+/// Requests of `key` "swing" every `every_ms` through `store` for `run`: as [`swinging_spent`].
+async fn steady_spent(
+    store: &RedisStore,
+    policy: &Policy,
+    run: Duration,
+    every_ms: u64,
+) -> (Vec<u64>, u64, u64) {
+    let key = Key::from("swing");
+    let end = micros_now() + run.as_micros() as u64;
+    let (mut times, mut sent, mut leased) = (Vec::new(), 0, 0);
+    let mut tick = tokio::time::interval(Duration::from_millis(every_ms));
+    while micros_now() < end {
+        tick.tick().await;
+        sent += 1;
+        let (spent, from_lease) = spent_leased(store, &key, policy).await;
+        times.extend(spent);
+        leased += u64::from(from_lease);
+    }
+    times.sort_unstable();
+    (times, sent, leased)
+}
+
+/// The count of the fixed window now in Redis for `key` (0 when none).
+async fn fixed_count(client: &Client, store: &RedisStore, key: &Key, policy: &Policy) -> u64 {
+    let raw: Option<Vec<u8>> = client.get(redis_key(store, key, policy)).await.unwrap();
+    raw.map_or(0, |raw| u64::from_le_bytes(raw[8..16].try_into().unwrap()))
+}
+
+/// 300 requests of `key`, one every 4 ms, as the layer sends them; returns those admitted and
+/// the store errors.
+async fn hot_with_errors(store: &RedisStore, key: &Key, policy: &Policy) -> (u64, u64) {
+    let (mut admitted, mut errors) = (0, 0);
+    let mut tick = tokio::time::interval(Duration::from_millis(4));
+    for _ in 0..300 {
+        tick.tick().await;
+        let outcome = match store.check_now(key, policy, 1) {
+            Some(outcome) => outcome,
+            None => store.check(key, policy, 1).await,
+        };
+        match outcome {
+            Ok(d) => admitted += u64::from(d.is_allowed()),
+            Err(_) => errors += 1,
+        }
+    }
+    (admitted, errors)
+}
+
+/// `Store::reset` of a hot key holding leases of a fixed window `100/1m`, and a Redis restart
+/// while another such key cools (30 ms after its last request, its lease still held), each followed by 300 requests, one every 4 ms: after each,
+/// the key admits at most the count plus the units it held (`docs/leases.md`, "Refunds,
+/// give-backs, resets and restarts"), and at least the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_and_a_restart_of_a_leasing_key_admit_the_count_plus_its_leases() {
+    within_one_minute(Duration::from_secs(15)).await;
+    let mut server = RedisServer::start();
+    let client = server.client().await;
+    let store = short_leases(server.url()).await;
+    let policy = fixed("100/1m");
+    let every = Duration::from_millis(4);
+    let key = Key::from("reset");
+    let admitted = paced(&store, &key, &policy, 40, every).await;
+    let held = fixed_count(&client, &store, &key, &policy).await - admitted;
+    store.reset(&key, &policy).await.unwrap();
+    let (after_reset, _) = hot_with_errors(&store, &key, &policy).await;
+    eprintln!("reset: {admitted} admitted, {held} held at the reset; {after_reset} of 300 after");
+    let key = Key::from("restart");
+    let admitted = paced(&store, &key, &policy, 40, every).await;
+    // Cooling: no request for 30 ms, its lease not yet expired nor given back.
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let held_at_restart = fixed_count(&client, &store, &key, &policy).await - admitted;
+    server.restart();
+    let client = server.client().await;
+    let (after_restart, errors) = hot_with_errors(&store, &key, &policy).await;
+    let counted = fixed_count(&client, &store, &key, &policy).await;
+    eprintln!(
+        "restart: {admitted} admitted hot, {held_at_restart} held at the restart 30 ms later; {after_restart} of 300 after it ({errors} errors), Redis counts {counted}; \
+         {} entries",
+        leasing_keys(&store)
+    );
+    assert!(
+        after_reset <= 100 + held,
+        "{after_reset} after a reset holding {held}"
+    );
+    assert!(after_reset >= 100, "{after_reset} after a reset");
+    assert!(
+        after_restart <= 100 + held_at_restart,
+        "{after_restart} after a restart holding {held_at_restart}"
+    );
+    assert!(after_restart >= 90, "{after_restart} after the restart");
+}
+
+/// 600 keys, all hot (10 requests a period of 1 s each, sent round the keys in turn), in a
+/// heat table of 1 024 cells (`max_keys(1024)`): a key whose cell another key's leases pin
+/// reads as cold and never leases, but each cell should have one key leasing, so about
+/// 1024 * (1 - e^(-600/1024)) = 455 keys hold an entry. About as many as are alone in their
+/// cell (600 * e^(-599/1024) = 334) do: two hot keys that share a cell not yet pinned take it
+/// over from each other at each request, each starting from 0, and neither reaches `HOT`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "hot keys that share a heat cell and alternate never lease: 318 to 345 of 600 hot \
+            keys in 1024 cells held an entry (0.19 to 0.20 EVALSHA a request), about the 334 \
+            alone in their cell, where one key per occupied cell (about 455) would lease"]
+async fn hot_keys_sharing_cells_in_a_small_heat_table() {
+    within_one_minute(Duration::from_secs(10)).await;
+    let server = RedisServer::start();
+    let client = server.client().await;
+    let leases = Leases::new().max_keys(1024);
+    let store = Arc::new(leasing_with(server.url(), leases, Duration::from_secs(1)).await);
+    let policy = Arc::new(fixed("1000000/1m"));
+    let before = evalsha_calls(&client).await;
+    let mut sent = 0;
+    for _ in 0..30 {
+        let started = tokio::time::Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for worker in 0..20 {
+            let (store, policy) = (Arc::clone(&store), Arc::clone(&policy));
+            tasks.spawn(async move {
+                for i in (worker..600).step_by(20) {
+                    admit(&store, &Key::from(format!("hot-{i}")), &policy, 1).await;
+                }
+            });
+        }
+        while tasks.join_next().await.is_some() {}
+        sent += 600;
+        tokio::time::sleep(Duration::from_millis(100).saturating_sub(started.elapsed())).await;
+    }
+    let calls = evalsha_calls(&client).await - before;
+    let entries = leasing_keys(&store);
+    eprintln!(
+        "600 hot keys in 1024 cells: {entries} hold an entry; {calls} EVALSHA for {sent} \
+         requests ({:.3} a request)",
+        calls as f64 / sent as f64
+    );
+    assert!(
+        entries >= 410,
+        "{entries} of 600 hot keys lease, about 455 cells hold one"
+    );
+}
