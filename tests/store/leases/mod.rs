@@ -6,6 +6,7 @@ mod charges;
 mod fleet;
 mod give_back;
 mod heat;
+mod heat_field;
 mod policies;
 
 use std::collections::BTreeMap;

@@ -12,8 +12,14 @@
 //! counts are for (mod 2^16), and two saturating 16-bit counts, this period's and the previous
 //! one's, from which the use over the last period is estimated as the sliding window counter
 //! does. A request costs one load and one compare-and-swap: no lock, no allocation. Keys whose
-//! hashes meet in a cell share it: the newcomer takes it over (starting from 0), unless the
-//! cell's leasing bit is set, which pins it to the key that holds an entry in the book, so that
+//! hashes meet in a cell contend for it, as a heavy-hitter sketch's counters do: a request of
+//! another key takes one unit from the holder's counts, with a chance of `2^-n` where `n` is
+//! what the holder counted over the last two periods, and takes the cell over (starting from
+//! 0) once they are both 0. So a busy key keeps its cell against a churn of keys that pass
+//! once (the churn of a large cold key space, where every cell sees many keys), and of two busy
+//! keys the one that holds the cell keeps it, where taking the cell at every request would
+//! leave both counting from 0 for ever. A cell whose leasing bit is set is never taken: it pins
+//! the cell to the key that holds an entry in the book, so that
 //! [`Store::check_now`](crate::Store::check_now) always finds the leases a key holds. An estimate
 //! that is wrong (a key idle for exactly 2^16 periods reads its old count once, as the period's
 //! index wraps) only changes who fetches units, never a bound: every decision of a leased
@@ -132,16 +138,13 @@ impl Heat {
     }
 
     /// Counts `units` used at `now` (µs) in periods of `length` µs; returns the use of the
-    /// last period, these units included. A cell held by another key is taken over, unless it
-    /// is pinned (leasing): then nothing is counted and the key reads as cold.
+    /// last period, these units included. A cell held by another key is contended for (see
+    /// the module): taken over once its counts are spent, unless it is pinned (leasing); till
+    /// then nothing is counted and the key reads as cold.
     pub(crate) fn touch(&self, spot: Spot, now: u64, length: u64, units: u64) -> Reading {
-        self.update(spot, now, length, |cell| {
-            cell.current = (cell.current + units).min(COUNT);
-        })
-        .unwrap_or(Reading {
-            estimate: 0,
-            leasing: false,
-        })
+        let count = |cell: &mut Cell| cell.current = (cell.current + units).min(COUNT);
+        self.update(spot, now, length, Contend::Yes, count)
+            .unwrap_or(NOT_HELD)
     }
 
     /// What the cell says of the key at `now`, counting nothing; a key whose cell is held by
@@ -149,10 +152,7 @@ impl Heat {
     pub(crate) fn read(&self, spot: Spot, now: u64, length: u64) -> Reading {
         let cell = Cell::unpack(self.cells[spot.cell].load(Ordering::Acquire));
         if cell.fingerprint != spot.fingerprint {
-            return Reading {
-                estimate: 0,
-                leasing: false,
-            };
+            return NOT_HELD;
         }
         let cell = cell.rolled((now / length) & COUNT);
         Reading {
@@ -164,7 +164,7 @@ impl Heat {
     /// Sets the key's leasing bit, pinning the cell to it; whether it is set. It is not when
     /// the cell is pinned by another key's leases.
     pub(crate) fn pin(&self, spot: Spot, now: u64, length: u64) -> bool {
-        let pinned = self.update(spot, now, length, |cell| cell.leasing = true);
+        let pinned = self.update(spot, now, length, Contend::No, |cell| cell.leasing = true);
         pinned.is_some_and(|reading| reading.leasing)
     }
 
@@ -177,13 +177,15 @@ impl Heat {
         });
     }
 
-    /// Applies `change` to the key's cell, seen at `now`, taking the cell over if another
-    /// key's is not pinned; the reading after, or `None` when the cell is pinned by another.
+    /// Applies `change` to the key's cell, seen at `now`; where another key holds the cell,
+    /// unpinned, takes it over if its counts are spent, else (with `contend`) may take a unit
+    /// from them (see the module). The reading after, or `None` when the cell stays another's.
     fn update(
         &self,
         spot: Spot,
         now: u64,
         length: u64,
+        contend: Contend,
         change: impl Fn(&mut Cell),
     ) -> Option<Reading> {
         let atomic = &self.cells[spot.cell];
@@ -191,18 +193,14 @@ impl Heat {
         let mut word = atomic.load(Ordering::Acquire);
         loop {
             let old = Cell::unpack(word);
-            let mut cell = match old.fingerprint == spot.fingerprint {
-                true => old.rolled(period),
+            let (mut cell, ours) = match old.fingerprint == spot.fingerprint {
+                true => (old.rolled(period), true),
                 false if old.leasing => return None,
-                false => Cell {
-                    leasing: false,
-                    fingerprint: spot.fingerprint,
-                    period,
-                    current: 0,
-                    previous: 0,
-                },
+                false => self.contended(old.rolled(period), spot, now, contend),
             };
-            change(&mut cell);
+            if ours {
+                change(&mut cell);
+            }
             let reading = Reading {
                 estimate: cell.estimate(now, length),
                 leasing: cell.leasing,
@@ -213,12 +211,49 @@ impl Heat {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => return Some(reading),
+                Ok(_) => return ours.then_some(reading),
                 Err(now_there) => word = now_there,
             }
         }
     }
+
+    /// A cell `held` by another key, unpinned and rolled to now, that the key at `spot` asks
+    /// for: a fresh cell of its own where the holder's counts are spent, else the holder's,
+    /// less a unit with a chance of `2^-n` (`n` its counts) where `contend` says so; whether
+    /// the cell is now the asker's.
+    fn contended(&self, mut held: Cell, spot: Spot, now: u64, contend: Contend) -> (Cell, bool) {
+        let counts = held.current + held.previous;
+        if counts == 0 {
+            let fresh = Cell {
+                fingerprint: spot.fingerprint,
+                ..held
+            };
+            return (fresh, true);
+        }
+        // A draw of `counts` fair coins, all heads: the hash of the moment and the asker.
+        let draw = self.hasher.hash_one((now, spot.fingerprint, held.pack()));
+        if contend == Contend::Yes && u64::from(draw.trailing_zeros()) >= counts {
+            match held.current > 0 {
+                true => held.current -= 1,
+                false => held.previous -= 1,
+            }
+        }
+        (held, false)
+    }
 }
+
+/// Whether a request of a key whose cell another holds contends for it (a use), or not (a pin).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Contend {
+    Yes,
+    No,
+}
+
+/// What a key reads whose cell another key holds: no use, not leasing.
+const NOT_HELD: Reading = Reading {
+    estimate: 0,
+    leasing: false,
+};
 
 #[cfg(test)]
 mod tests {
@@ -280,12 +315,75 @@ mod tests {
     }
 
     #[test]
-    fn a_key_sharing_a_cell_takes_it_over() {
+    fn a_key_sharing_a_cell_takes_it_over_once_the_holders_counts_are_spent() {
         let (heat, policy) = table();
         let (first, other) = collision(&heat, &policy);
-        assert_eq!(heat.touch(first, 0, PERIOD, 30).estimate, 30);
-        assert_eq!(heat.touch(other, 0, PERIOD, 1).estimate, 1, "starts at 0");
-        assert_eq!(heat.read(first, 0, PERIOD).estimate, 0, "the first lost it");
+        assert_eq!(heat.touch(first, 0, PERIOD, 1).estimate, 1);
+        // The holder's one unit goes at the first request with a chance of one half.
+        let mut asked = 0;
+        while heat.read(first, asked, PERIOD).estimate > 0 {
+            assert_eq!(heat.touch(other, asked, PERIOD, 1), NOT_HELD, "held");
+            asked += 1;
+            assert!(asked < 64, "a unit in 64 draws");
+        }
+        assert_eq!(
+            heat.touch(other, asked, PERIOD, 1).estimate,
+            1,
+            "starts at 0"
+        );
+        assert_eq!(
+            heat.read(first, asked, PERIOD).estimate,
+            0,
+            "the first lost it"
+        );
+        // A cell idle for two periods is spent: taken at once.
+        assert_eq!(heat.touch(first, 3 * PERIOD, PERIOD, 1).estimate, 1);
+    }
+
+    /// A busy key, 10 units a period, in a cell that 5 other keys a period pass through, each
+    /// once (the churn of a cold key space: 1 000 000 keys at 0.05 a second over the default
+    /// 131 072 cells is 0.4 a cell and second): from its second period on, the busy key reads
+    /// at least `HOT`. Taking the cell at every request of another key, it read as little as 1.
+    #[test]
+    fn a_busy_key_keeps_its_cell_against_a_churn_of_keys_passing_once() {
+        let (heat, policy) = table();
+        let busy = heat.spot(&Key::from("busy"), policy.terms_id());
+        let passing: Vec<Spot> = (0..1_000_000)
+            .map(|i| heat.spot(&Key::from(format!("c{i}")), policy.terms_id()))
+            .filter(|p| p.cell == busy.cell && p.fingerprint != busy.fingerprint)
+            .take(50)
+            .collect();
+        assert_eq!(passing.len(), 50);
+        let mut least = u64::MAX;
+        for period in 0..10 {
+            for i in 0..15 {
+                let now = period * PERIOD + i * (PERIOD / 15);
+                if i % 3 == 2 {
+                    heat.touch(passing[(period * 5 + i / 3) as usize], now, PERIOD, 1);
+                    continue;
+                }
+                let estimate = heat.touch(busy, now, PERIOD, 1).estimate;
+                if period > 0 {
+                    least = least.min(estimate);
+                }
+            }
+        }
+        assert!(least >= crate::store::redis::lease::plan::HOT, "{least}");
+    }
+
+    /// Two keys as busy as each other in one cell: the one that holds it keeps it, where
+    /// taking the cell at every request would leave both at 1.
+    #[test]
+    fn of_two_busy_keys_in_a_cell_one_keeps_it() {
+        let (heat, policy) = table();
+        let (first, other) = collision(&heat, &policy);
+        let mut seen = (0, 0);
+        for i in 0..200 {
+            let now = i * (PERIOD / 20);
+            seen.0 = seen.0.max(heat.touch(first, now, PERIOD, 1).estimate);
+            seen.1 = seen.1.max(heat.touch(other, now, PERIOD, 1).estimate);
+        }
+        assert!(seen.0.max(seen.1) >= 10, "{seen:?}");
     }
 
     #[test]
@@ -305,7 +403,8 @@ mod tests {
         assert_eq!((first_reading.estimate, first_reading.leasing), (30, true));
         heat.unpin(first);
         assert!(!heat.read(first, 0, PERIOD).leasing);
-        assert_eq!(heat.touch(other, 0, PERIOD, 5).estimate, 5);
-        assert!(heat.pin(other, 0, PERIOD));
+        // Unpinned, the cell is contended for: the first's 30 units are spent two periods on.
+        assert_eq!(heat.touch(other, 2 * PERIOD, PERIOD, 5).estimate, 5);
+        assert!(heat.pin(other, 2 * PERIOD, PERIOD));
     }
 }
