@@ -278,18 +278,12 @@ fn gateway() -> Router {
     use tower_redis_ratelimit::usage::{Usage, UsageReport};
     use tower_redis_ratelimit::{Decisions, Policy};
 
-    let read = BodyFieldLayer::builder("user")
-        .number("max_tokens")
-        .build()
-        .unwrap();
+    let read = crate::support::gateway::body_fields();
     let limit = RateLimitLayer::builder()
         .key(read.key())
         .store(MemoryStore::new())
         .policy(Policy::new("tokens", ["10000/1m".parse().unwrap()]).unwrap())
-        .cost(|head| {
-            let asked = BodyFields::of(head).and_then(|fields| fields.number("max_tokens"));
-            asked.map_or(100, |n| u32::try_from(n).unwrap_or(u32::MAX))
-        })
+        .cost(crate::support::gateway::max_tokens)
         .usage(UsageReport::new())
         .build()
         .unwrap();

@@ -289,22 +289,15 @@ fn a_step_that_no_limit_admits_is_a_build_error() {
 async fn max_tokens_reserved_then_settled_to_usage() {
     use axum::routing::post;
     use axum::{Extension, Router};
-    use tower_redis_ratelimit::key::body::{BodyFieldLayer, BodyFields};
     use tower_redis_ratelimit::Decisions;
 
     let (store, tokens) = (MemoryStore::new(), policy("tokens", "10000/1m"));
-    let read = BodyFieldLayer::builder("user")
-        .number("max_tokens")
-        .build()
-        .unwrap();
+    let read = crate::support::gateway::body_fields();
     let limit = RateLimitLayer::builder()
         .key(read.key())
         .store(store.clone())
         .policy(tokens.clone())
-        .cost(|head| {
-            let asked = BodyFields::of(head).and_then(|fields| fields.number("max_tokens"));
-            asked.map_or(100, |n| u32::try_from(n).unwrap_or(u32::MAX))
-        })
+        .cost(crate::support::gateway::max_tokens)
         .usage(UsageReport::new().step(500))
         .build()
         .unwrap();

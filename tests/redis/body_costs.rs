@@ -11,7 +11,7 @@ use axum::Router;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-use tower_redis_ratelimit::key::body::{BodyFieldLayer, BodyFields, BodyKey};
+use tower_redis_ratelimit::key::body::BodyKey;
 use tower_redis_ratelimit::usage::{Usage, UsageReport};
 use tower_redis_ratelimit::{Decisions, Key, Policy, RateLimitLayer, RedisStore, Store};
 
@@ -25,18 +25,12 @@ fn tokens() -> Policy {
 /// (100 when absent), settled to the 300 tokens the handler reports. Returns the router and
 /// the layer, whose `settled` waits for the settle to reach Redis.
 fn instance(store: RedisStore) -> (Router, RateLimitLayer<BodyKey, RedisStore>) {
-    let read = BodyFieldLayer::builder("user")
-        .number("max_tokens")
-        .build()
-        .unwrap();
+    let read = crate::support::gateway::body_fields();
     let limit = RateLimitLayer::builder()
         .key(read.key())
         .store(store)
         .policy(tokens())
-        .cost(|head| {
-            let asked = BodyFields::of(head).and_then(|fields| fields.number("max_tokens"));
-            asked.map_or(100, |n| u32::try_from(n).unwrap_or(u32::MAX))
-        })
+        .cost(crate::support::gateway::max_tokens)
         .usage(UsageReport::new())
         .build()
         .unwrap();

@@ -4,6 +4,7 @@
 pub mod cluster;
 pub mod conformance;
 pub mod delay;
+pub mod gateway;
 pub mod http;
 pub mod load;
 #[cfg(feature = "metrics")]
