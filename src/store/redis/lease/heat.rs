@@ -196,7 +196,16 @@ impl Heat {
             let (mut cell, ours) = match old.fingerprint == spot.fingerprint {
                 true => (old.rolled(period), true),
                 false if old.leasing => return None,
-                false => self.contended(old.rolled(period), spot, now, contend),
+                false => {
+                    let held = old.rolled(period);
+                    let (cell, ours) = self.contended(held, spot, now, contend);
+                    // Nothing taken from the holder: nothing to write (a roll is every
+                    // reader's own).
+                    if !ours && cell == held {
+                        return None;
+                    }
+                    (cell, ours)
+                }
             };
             if ours {
                 change(&mut cell);
