@@ -6,18 +6,6 @@
 use super::*;
 use tower_redis_ratelimit::test_util::leasing_keys;
 
-/// Leases of a 100 ms period: 20 requests a period is 200 per second.
-async fn tenth_of_a_second(url: String) -> RedisStore {
-    let leases = Leases::new().period(Duration::from_millis(100));
-    leasing_with(url, leases, Duration::from_secs(1)).await
-}
-
-/// The count of the fixed window now in Redis for `key` (0 when none).
-async fn counted(client: &Client, store: &RedisStore, key: &Key, policy: &Policy) -> u64 {
-    let raw: Option<Vec<u8>> = client.get(redis_key(store, key, policy)).await.unwrap();
-    raw.map_or(0, |raw| u64::from_le_bytes(raw[8..16].try_into().unwrap()))
-}
-
 /// Sends `n` requests of `key`, one every `every`, as the layer does; returns those admitted
 /// and the script calls Redis ran meanwhile.
 async fn paced_calls(
@@ -49,7 +37,7 @@ async fn a_key_leases_at_twenty_units_a_period_and_never_at_two() {
     for _ in 0..40 {
         admitted += u64::from(admit(&store, &warm, &policy, 1).await);
         assert_eq!(leasing_keys(&store), 0, "the warm key has a lease entry");
-        assert_eq!(counted(&client, &store, &warm, &policy).await, admitted);
+        assert_eq!(fixed_count(&client, &store, &warm, &policy).await, admitted);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let calls = evalsha_calls(&client).await - before;
@@ -77,7 +65,7 @@ async fn a_cooling_key_gives_its_leases_back_and_goes_to_redis() {
     let (key, policy) = (Key::from("cooling"), fixed("1000000/1m"));
     let every = Duration::from_millis(5);
     let (mut admitted, calls) = paced_calls(&client, &store, (&key, &policy), 200, every).await;
-    let held = counted(&client, &store, &key, &policy).await - admitted;
+    let held = fixed_count(&client, &store, &key, &policy).await - admitted;
     eprintln!("hot: {admitted} admitted, {calls} script calls, {held} units held");
     assert!(held > 0 && leasing_keys(&store) == 1, "the hot key leases");
     let slow = Duration::from_millis(500);
@@ -86,7 +74,7 @@ async fn a_cooling_key_gives_its_leases_back_and_goes_to_redis() {
     tokio::time::sleep(slow).await;
     let (cold, calls) = paced_calls(&client, &store, (&key, &policy), 4, slow).await;
     admitted += cold;
-    let count = counted(&client, &store, &key, &policy).await;
+    let count = fixed_count(&client, &store, &key, &policy).await;
     let entries = leasing_keys(&store);
     eprintln!("cold: {cold} admitted, {calls} script calls; Redis counts {count} of {admitted}");
     assert_eq!(calls, 4, "one call a request: no lease, no give-back");

@@ -8,12 +8,6 @@ use super::*;
 use tower_redis_ratelimit::store::{Override, Scope};
 use tower_redis_ratelimit::test_util::leasing_keys;
 
-/// Leases of a 100 ms period.
-async fn short_leases(url: String) -> RedisStore {
-    let leases = Leases::new().period(Duration::from_millis(100));
-    leasing_with(url, leases, Duration::from_secs(1)).await
-}
-
 /// Whether a swinging client is in its hot phase `at` µs after `start`: 200 ms hot (a request
 /// every 4 ms, 25 a period), then 300 ms cold (one every 150 ms, under one a period).
 fn hot_phase(start: u64, at: u64) -> bool {
@@ -103,7 +97,7 @@ async fn a_swinging_key_never_overfills_the_sliding_log_on_three_instances() {
     let server = RedisServer::start();
     let client = server.client().await;
     let stores: Vec<RedisStore> =
-        futures::future::join_all((0..3).map(|_| short_leases(server.url()))).await;
+        futures::future::join_all((0..3).map(|_| tenth_of_a_second(server.url()))).await;
     let policy = log("150/1s");
     let before = evalsha_calls(&client).await;
     let (times, sent, leased) = swinging_spent(&stores, &policy, Duration::from_secs(6)).await;
@@ -126,7 +120,7 @@ async fn a_swinging_key_keeps_gcra_within_its_bucket_on_three_instances() {
     let server = RedisServer::start();
     let client = server.client().await;
     let stores: Vec<RedisStore> =
-        futures::future::join_all((0..3).map(|_| short_leases(server.url()))).await;
+        futures::future::join_all((0..3).map(|_| tenth_of_a_second(server.url()))).await;
     let policy = gcra("100/1s");
     let before = evalsha_calls(&client).await;
     let (times, sent, leased) = swinging_spent(&stores, &policy, Duration::from_secs(6)).await;
@@ -155,7 +149,7 @@ async fn a_swinging_key_never_overfills_a_fixed_window_on_three_instances() {
     let server = RedisServer::start();
     let client = server.client().await;
     let stores: Vec<RedisStore> =
-        futures::future::join_all((0..3).map(|_| short_leases(server.url()))).await;
+        futures::future::join_all((0..3).map(|_| tenth_of_a_second(server.url()))).await;
     let policy = fixed("150/1s");
     const WINDOW: u64 = 1_000_000;
     let begin = micros_now();
@@ -218,7 +212,7 @@ async fn a_swinging_key_never_overfills_a_fixed_window_on_three_instances() {
 async fn a_plain_twin_reads_the_swinging_leased_policy_of_its_name() {
     let server = RedisServer::start();
     let stores: Vec<RedisStore> =
-        futures::future::join_all((0..3).map(|_| short_leases(server.url()))).await;
+        futures::future::join_all((0..3).map(|_| tenth_of_a_second(server.url()))).await;
     let big = named("twin", "1000/1s", Algorithm::SlidingLog);
     let small = named("twin", "10/1s", Algorithm::SlidingLog);
     let run = Duration::from_secs(5);
@@ -405,7 +399,7 @@ async fn a_flush_while_a_key_cools_admits_at_most_the_count_plus_its_leases() {
     within_one_minute(Duration::from_secs(12)).await;
     let server = RedisServer::start();
     let client = server.client().await;
-    let store = short_leases(server.url()).await;
+    let store = tenth_of_a_second(server.url()).await;
     let (key, policy) = (Key::from("cooling"), fixed("100/1m"));
     let mut admitted = paced(&store, &key, &policy, 40, Duration::from_millis(4)).await;
     let count: Option<Vec<u8>> = client.get(redis_key(&store, &key, &policy)).await.unwrap();
@@ -438,7 +432,7 @@ async fn a_flush_while_a_key_cools_admits_at_most_the_count_plus_its_leases() {
 async fn an_override_cut_while_a_key_is_hot_holds_within_250_ms() {
     within_one_minute(Duration::from_secs(12)).await;
     let server = RedisServer::start();
-    let store = short_leases(server.url()).await;
+    let store = tenth_of_a_second(server.url()).await;
     let (key, policy) = (
         Key::from("cut"),
         named("cut", "1000/1m", Algorithm::FixedWindow),
@@ -471,7 +465,7 @@ async fn a_stall_while_a_key_heats_never_overfills_the_window() {
     let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
     let client = server.client().await;
     let stores: Vec<RedisStore> =
-        futures::future::join_all((0..2).map(|_| short_leases(server.url()))).await;
+        futures::future::join_all((0..2).map(|_| tenth_of_a_second(server.url()))).await;
     let policy = fixed("200/1m");
     let mut tasks = Vec::new();
     for store in &stores {
@@ -601,7 +595,7 @@ fn five_then_one() -> Vec<Duration> {
 async fn a_key_at_the_threshold_costs_no_more_commands_than_without_leases() {
     let server = RedisServer::start();
     let client = server.client().await;
-    let leased = short_leases(server.url()).await;
+    let leased = tenth_of_a_second(server.url()).await;
     let plain = RedisStore::builder(server.url()).connect().await.unwrap();
     let steady = |us: u64| vec![Duration::from_micros(us)];
     let rates: [(&str, Vec<Duration>); 5] = [
@@ -639,7 +633,7 @@ async fn a_key_at_the_threshold_costs_no_more_commands_than_without_leases() {
 async fn a_key_between_the_thresholds_does_not_flap() {
     let server = RedisServer::start();
     let client = server.client().await;
-    let leased = short_leases(server.url()).await;
+    let leased = tenth_of_a_second(server.url()).await;
     let swinging = at_rate(&client, &leased, "5,1 a period", &five_then_one()).await;
     let between = [Duration::from_micros(28_571)];
     let steady = at_rate(&client, &leased, "3.5 a period", &between).await;
@@ -661,7 +655,7 @@ async fn cold_instances_beside_a_leasing_one_never_overfill_the_log() {
     let server = RedisServer::start();
     let client = server.client().await;
     let stores: Vec<RedisStore> =
-        futures::future::join_all((0..5).map(|_| short_leases(server.url()))).await;
+        futures::future::join_all((0..5).map(|_| tenth_of_a_second(server.url()))).await;
     let policy = log("100/1s");
     let run = Duration::from_secs(6);
     let before = evalsha_calls(&client).await;
@@ -725,12 +719,6 @@ async fn steady_spent(
     (times, sent, leased)
 }
 
-/// The count of the fixed window now in Redis for `key` (0 when none).
-async fn fixed_count(client: &Client, store: &RedisStore, key: &Key, policy: &Policy) -> u64 {
-    let raw: Option<Vec<u8>> = client.get(redis_key(store, key, policy)).await.unwrap();
-    raw.map_or(0, |raw| u64::from_le_bytes(raw[8..16].try_into().unwrap()))
-}
-
 /// 300 requests of `key`, one every 4 ms, as the layer sends them; returns those admitted and
 /// the store errors.
 async fn hot_with_errors(store: &RedisStore, key: &Key, policy: &Policy) -> (u64, u64) {
@@ -759,7 +747,7 @@ async fn a_reset_and_a_restart_of_a_leasing_key_admit_the_count_plus_its_leases(
     within_one_minute(Duration::from_secs(15)).await;
     let mut server = RedisServer::start();
     let client = server.client().await;
-    let store = short_leases(server.url()).await;
+    let store = tenth_of_a_second(server.url()).await;
     let policy = fixed("100/1m");
     let every = Duration::from_millis(4);
     let key = Key::from("reset");

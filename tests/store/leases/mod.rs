@@ -79,6 +79,18 @@ async fn leasing_with(url: String, leases: Leases, timeout: Duration) -> RedisSt
         .unwrap()
 }
 
+/// A store with leases of a 100 ms period (20 requests a period is 200 a second).
+async fn tenth_of_a_second(url: String) -> RedisStore {
+    let leases = Leases::new().period(Duration::from_millis(100));
+    leasing_with(url, leases, Duration::from_secs(1)).await
+}
+
+/// The count of the fixed window now in Redis for `key` (0 when none).
+async fn fixed_count(client: &Client, store: &RedisStore, key: &Key, policy: &Policy) -> u64 {
+    let raw: Option<Vec<u8>> = client.get(redis_key(store, key, policy)).await.unwrap();
+    raw.map_or(0, |raw| u64::from_le_bytes(raw[8..16].try_into().unwrap()))
+}
+
 /// Blocks the Redis behind `client` for `seconds` (`DEBUG SLEEP`, which needs a server started
 /// with `--enable-debug-command local`); returns when it answers again.
 async fn stall(client: &Client, seconds: f64) {
