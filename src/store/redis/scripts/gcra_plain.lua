@@ -46,7 +46,58 @@ for k = 1, #KEYS do
   elseif n == 0 then
     -- As prelude.lua's NO_LIMITS: admitted, nothing recorded.
     reply[k] = spack('<llllll', 1, 0, 0, 0, -1, -1)
+  elseif n == 1 then
+    -- One limit, as most policies have: the loop below for n = 1, in locals (it costs about a
+    -- seventh less than the tables; measured with callgrind as the header of plain.lua says).
+    local c, w = counts[1], windows[1]
+    local u, d = w / scales[1], c / scales[1]
+    if u * c > MAX_BUCKET then
+      error('GCRA bucket out of range: ' .. c .. ' per ' .. w .. ' us')
+    end
+    local state = call('GET', key)
+    local b, stamp, written, reweighed, born, leased = 0, t, false, false, now, 0
+    if state and #state == 40 then
+      local left, from
+      written, left, from, born, leased = sunpack('<lllll', state)
+      stamp = max(t, written)
+      if from ~= u then
+        left, reweighed = reweigh(left, from, u), true
+      end
+      b = max(left - max(t - written, 0) * d, 0)
+    end
+    local capacity = (w - h) * d
+    local new = b + cost * u
+    local allowed, retry = 1, -1
+    if new > capacity then
+      allowed, retry = 0, -2
+      if cost * u <= capacity then
+        retry = ceil((new - capacity) / d)
+      end
+      -- The expiry, as the loop below.
+      local drained = ceil(b / d)
+      if written and (reweighed or t + drained > written + w) then
+        local ms = ceil(drained / 1000)
+        local left = call('PTTL', key)
+        if left >= 0 and left < ms then
+          call('PEXPIRE', key, ms)
+        end
+      end
+    elseif record ~= LOOK then
+      if record == LEASE then
+        local take = min(want, floor((capacity - b) / u))
+        allowed, cost, leased = 1 + take - cost, take, now
+      end
+      b = min(b + cost * u, MAX_UNITS)
+      local ttl = w + max(stamp - now, 0)
+      if stretch_num > stretch_den then
+        ttl = min(ceil(ttl * stretch_num / stretch_den), 1125899906842624)
+      end
+      call('PSETEX', key, text(ceil(ttl / 1000)), spack('<lllll', stamp, b, u, born, leased))
+    end
+    reply[k] = spack('<llllll', allowed, 0, max(floor((capacity - b) / u), 0), ceil(b / d), retry,
+      overridden and c or -1)
   else
+    -- Two limits or more.
     local state = call('GET', key)
     if state and #state ~= 24 * n + 16 then
       state = nil
@@ -123,20 +174,13 @@ for k = 1, #KEYS do
           local take = min(want, room)
           allowed, cost, leased = 1 + take - cost, take, now
         end
-        local value
+        local parts = {}
         for i = 1, n do
           backlogs[i] = min(backlogs[i] + cost * weights[i], MAX_UNITS)
+          parts[i] = spack('<lll', stamp, backlogs[i], weights[i])
         end
-        if n == 1 then
-          value = spack('<lllll', stamp, backlogs[1], weights[1], born, leased)
-        else
-          local parts = {}
-          for i = 1, n do
-            parts[i] = spack('<lll', stamp, backlogs[i], weights[i])
-          end
-          parts[n + 1] = spack('<ll', born, leased)
-          value = table.concat(parts)
-        end
+        parts[n + 1] = spack('<ll', born, leased)
+        local value = table.concat(parts)
         -- The longest window, later by a stamp past now, longer under an override's counts
         -- (gcra.lua).
         local ttl = windows[n] + max(stamp - now, 0)
