@@ -52,7 +52,7 @@ if redis.replicate_commands then
 end
 
 local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now = time[1] * 1000000 + time[2]
 local spack, sunpack = struct.pack, struct.unpack
 -- The generation this call decides by: the one confirmed, until its time (see the header);
 -- past it, or without a confirmation, none (-2 is no request's).

@@ -168,7 +168,7 @@ if redis.replicate_commands then
 end
 
 local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now = time[1] * 1000000 + time[2]
 local spack, sunpack = struct.pack, struct.unpack
 -- The arguments, read from next_byte on, and the answers so far (one string per request).
 local requests, next_byte = ARGV[1], 1

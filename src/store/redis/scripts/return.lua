@@ -34,7 +34,7 @@
 -- State of another shape (the policy changed) is left alone. Writes keep the key's expiry.
 
 local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now = time[1] * 1000000 + time[2]
 local spack, sunpack = struct.pack, struct.unpack
 local args, next_byte = ARGV[1], 1
 -- The algorithms whose state a give-back applies to, and the integers per limit of each.
