@@ -29,6 +29,16 @@
 //! answers `200`, so each attempt's settle is a refund); for a line, the reservation
 //! (`Reserve::reserve`) and the look at its turn that takes it out of the line.
 //!
+//! Two rows set each algorithm's figures beside what no script can go under and beside the
+//! peer the performance targets name:
+//!
+//! - `floor`: a script that makes the commands of the plain tier's admission for each of its
+//!   keys and nothing else (`support/floor_gcra.lua`, `support/floor_log.lua`: no arguments
+//!   read, no decision, nothing packed), in calls of 8 keys and of 1;
+//! - `peer`: `tower-rate-limit-fred` 2.1 (GCRA in a script of `TIME`, `GET` and `SET … PX`,
+//!   one call per decision, pipelined by `fred`), at capacity 65 535 and 1 per ms, as
+//!   `http_load`'s `fred_peer`; the same row under both algorithms.
+//!
 //! With `--callgrind`, the same rows run a second time on a `redis-server` under
 //! `valgrind --tool=callgrind` (fewer decisions: it runs about 50 times slower), and each row
 //! gets redis-server's instructions per decision, counted between `callgrind_control -z` and
@@ -51,6 +61,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use fred::prelude::{Client, ClientLike, Config};
+use fred::types::scripts::Script;
 use fred::types::InfoKind;
 use http::{HeaderName, HeaderValue, Request, Response};
 use http_body_util::{BodyExt, Full};
@@ -88,9 +99,14 @@ enum Feature {
     Attempts,
     /// An outbound line: each request reserves its turn, then looks at it and leaves.
     Line,
+    /// The floor: a script that makes the plain tier's commands for each key and decides
+    /// nothing (`support/floor_gcra.lua`, `support/floor_log.lua`), in calls of a batch of keys.
+    Floor,
+    /// The peer, `tower-rate-limit-fred` (GCRA): its script, a call per decision.
+    Peer,
 }
 
-const FEATURES: [(Feature, &str); 7] = [
+const FEATURES: [(Feature, &str); 9] = [
     (Feature::Plain, "plain policy, plain scripts"),
     (Feature::Full, "plain policy, full scripts"),
     (Feature::Override, "+ an override"),
@@ -98,7 +114,14 @@ const FEATURES: [(Feature, &str); 7] = [
     (Feature::Slots, "+ slots (take and release)"),
     (Feature::Attempts, "+ attempts (count_when)"),
     (Feature::Line, "+ a line (reserve and look)"),
+    (Feature::Floor, "floor: the commands alone"),
+    (Feature::Peer, "peer: tower-rate-limit-fred (GCRA)"),
 ];
+
+/// Whether a row is measured: the peer makes a call per decision, and has one row.
+fn has_row(feature: Feature, batch: usize) -> bool {
+    feature != Feature::Peer || batch == 1
+}
 
 const ALGORITHMS: [(Algorithm, &str); 2] = [
     (Algorithm::Gcra, "GCRA"),
@@ -152,7 +175,7 @@ async fn main() -> Result<(), Error> {
             let mut row = 0;
             for (algorithm, _) in ALGORITHMS {
                 for (feature, _) in FEATURES {
-                    for batch in BATCHES {
+                    for batch in BATCHES.into_iter().filter(|&b| has_row(feature, b)) {
                         let costs = measure(&redis, algorithm, feature, batch, DECISIONS).await?;
                         match measured.get_mut(row) {
                             Some(rounds) => rounds.push(costs),
@@ -172,7 +195,7 @@ async fn main() -> Result<(), Error> {
         let mut row = rows.iter_mut();
         for (algorithm, _) in ALGORITHMS {
             for (feature, _) in FEATURES {
-                for batch in BATCHES {
+                for batch in BATCHES.into_iter().filter(|&b| has_row(feature, b)) {
                     let decisions = CALLGRIND_DECISIONS;
                     let costs = measure(&redis, algorithm, feature, batch, decisions).await?;
                     let into = row.next().ok_or("a row more under callgrind")?;
@@ -213,8 +236,8 @@ fn flags(mut args: impl Iterator<Item = String>) -> Result<(usize, bool), Error>
 fn row_names() -> Vec<(&'static str, &'static str, usize)> {
     let mut names = Vec::new();
     for (_, algorithm) in ALGORITHMS {
-        for (_, feature) in FEATURES {
-            for batch in BATCHES {
+        for (kind, feature) in FEATURES {
+            for batch in BATCHES.into_iter().filter(|&b| has_row(kind, b)) {
                 names.push((algorithm, feature, batch));
             }
         }
@@ -291,7 +314,7 @@ async fn measure(
         .plain_scripts(feature == Feature::Plain)
         .connect()
         .await?;
-    let decider = Decider::new(store, algorithm, feature).await?;
+    let decider = Decider::new(store, redis.client.clone(), algorithm, feature, batch).await?;
     decider.run(0, KEYS, 1).await?;
     redis.reset().await?;
     let before = redis.cpu_seconds().await?;
@@ -328,10 +351,21 @@ struct Decider {
     policy: Policy,
     feature: Feature,
     layer: Option<RateLimitLayer<Header, RedisStore>>,
+    /// The client of the floor's and the peer's calls.
+    client: Client,
+    /// The floor's script, and the keys of each of its calls.
+    floor: Option<Script>,
+    batch: usize,
 }
 
 impl Decider {
-    async fn new(store: RedisStore, algorithm: Algorithm, feature: Feature) -> Result<Self, Error> {
+    async fn new(
+        store: RedisStore,
+        client: Client,
+        algorithm: Algorithm,
+        feature: Feature,
+        batch: usize,
+    ) -> Result<Self, Error> {
         let mut policy = Policy::new("costs", [LIMIT.parse()?])?.with_algorithm(algorithm);
         match feature {
             Feature::PenaltyBox => policy = policy.block_for(Duration::from_secs(60))?,
@@ -362,23 +396,34 @@ impl Decider {
             ),
             _ => None,
         };
+        let floor = (feature == Feature::Floor).then(|| match algorithm {
+            Algorithm::SlidingLog => Script::from_lua(include_str!("support/floor_log.lua")),
+            _ => Script::from_lua(include_str!("support/floor_gcra.lua")),
+        });
         Ok(Decider {
             store,
             policy,
             feature,
             layer,
+            client,
+            floor,
+            batch,
         })
     }
 
     /// `decisions` decisions by `tasks` tasks, each going round the keys; ticket ids from
-    /// `first` on.
+    /// `first` on. The floor's calls take `batch` keys each.
     async fn run(&self, first: usize, decisions: usize, tasks: usize) -> Result<(), Error> {
         let mut running = Vec::new();
+        let each = if self.floor.is_some() { self.batch } else { 1 };
         for t in 0..tasks {
             let decider = self.clone();
             running.push(tokio::spawn(async move {
-                for n in (t..decisions).step_by(tasks) {
-                    decider.decide(n % KEYS, (first + n) as u64).await?;
+                for n in (t * each..decisions).step_by(tasks * each) {
+                    match &decider.floor {
+                        Some(script) => decider.floor(script, n..decisions.min(n + each)).await?,
+                        None => decider.decide(n % KEYS, (first + n) as u64).await?,
+                    }
                 }
                 Ok::<_, Error>(())
             }));
@@ -412,11 +457,25 @@ impl Decider {
                 assert!(decision.is_allowed());
                 store.look(&key, policy, ticket).await?;
             }
+            (Feature::Peer, _) => {
+                let every = Duration::from_millis(1);
+                let refused = tower_rate_limit_fred::rate_limit(&self.client, name, 65_535, every);
+                assert!(refused.await?.is_none());
+            }
             _ => {
                 let decision = store.check(&Key::from(name), policy, 1).await?;
                 assert!(decision.is_allowed());
             }
         }
+        Ok(())
+    }
+
+    /// One call of the floor's script over the keys of decisions `range`.
+    async fn floor(&self, script: &Script, range: std::ops::Range<usize>) -> Result<(), Error> {
+        let keys: Vec<String> = range.map(|n| format!("c{}", n % KEYS)).collect();
+        let n = keys.len();
+        let reply: Bytes = script.evalsha_with_reload(&self.client, keys, ()).await?;
+        assert_eq!(reply.len(), 48 * n + 16);
         Ok(())
     }
 }
