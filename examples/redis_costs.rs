@@ -6,6 +6,7 @@
 //! ```text
 //! cargo run --release --all-features --example redis_costs -- --rounds 3
 //! cargo run --release --all-features --example redis_costs -- --rounds 3 --callgrind
+//! cargo run --release --all-features --example redis_costs -- --lua-ops
 //! ```
 //!
 //! Each row starts from an empty Redis (`FLUSHALL`) and a store of its own, decides each of
@@ -45,6 +46,12 @@
 //! `-d`. Instruction counts do not move with the load of the machine, where times do by
 //! 10-20 %. One ratio turns them into µs: the sum of the rows' Redis CPU µs per decision of the
 //! first pass over the sum of their instructions per decision (both passes in one run).
+//!
+//! With `--lua-ops` instead, it prints what single Lua operations cost `redis-server` in
+//! instructions under callgrind (`support/lua_op.lua`): `tonumber` of a time's digits, the same
+//! made a number by arithmetic, `string.sub`, `string.find`, `string.format('%d')`,
+//! `struct.pack` and `struct.unpack` of three integers, a table write and a new table. These
+//! say what a decision's Lua work costs beside its commands (`docs/performance.md`).
 //!
 //! It starts its own `redis-server` (`$REDIS_SERVER` or `redis-server` from `PATH`; with
 //! `--callgrind`, `valgrind` and `callgrind_control` from `PATH` too) on free loopback ports.
@@ -166,7 +173,10 @@ impl Costs {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Error> {
-    let (rounds, callgrind) = flags(std::env::args().skip(1))?;
+    let (rounds, callgrind, ops) = flags(std::env::args().skip(1))?;
+    if ops {
+        return lua_ops().await;
+    }
     let mut measured: Vec<Vec<Costs>> = Vec::new();
     {
         let scratch = support::redis::Scratch::start(0)?;
@@ -213,12 +223,13 @@ async fn main() -> Result<(), Error> {
     Ok(())
 }
 
-/// `--rounds R` (default 3) and `--callgrind`.
-fn flags(mut args: impl Iterator<Item = String>) -> Result<(usize, bool), Error> {
-    let (mut rounds, mut callgrind) = (3, false);
+/// `--rounds R` (default 3), `--callgrind` and `--lua-ops`.
+fn flags(mut args: impl Iterator<Item = String>) -> Result<(usize, bool, bool), Error> {
+    let (mut rounds, mut callgrind, mut ops) = (3, false, false);
     while let Some(flag) = args.next() {
         match flag.as_str() {
             "--callgrind" => callgrind = true,
+            "--lua-ops" => ops = true,
             "--rounds" => {
                 rounds = args
                     .next()
@@ -229,7 +240,57 @@ fn flags(mut args: impl Iterator<Item = String>) -> Result<(usize, bool), Error>
             other => return Err(format!("unknown flag {other:?}; see the example's doc").into()),
         }
     }
-    Ok((rounds, callgrind))
+    Ok((rounds, callgrind, ops))
+}
+
+/// The Lua operations of `--lua-ops`, each a statement of `support/lua_op.lua`'s loop.
+const LUA_OPS: [(&str, &str); 9] = [
+    ("a loop pass, nothing else", "local x = i"),
+    ("tonumber(digits)", "local x = tonumber(digits)"),
+    ("digits + 0", "local x = digits + 0"),
+    ("string.sub (16 bytes)", "local x = sub(member, 18, 33)"),
+    (
+        "string.find (plain)",
+        "local x = find(member, ':', 1, true)",
+    ),
+    (
+        "string.format('%d', ...)",
+        "local x = format('%d', 1795900542147172 + i)",
+    ),
+    (
+        "struct.pack('<lll', ...)",
+        "local x = spack('<lll', i, 2, 3)",
+    ),
+    (
+        "struct.unpack('<lll', ...)",
+        "local a, b, c = sunpack('<lll', packed)",
+    ),
+    ("a table write, a new table", "t[i] = {}"),
+];
+
+/// `--lua-ops`: each of [`LUA_OPS`] run 0 and 2 000 times in a call, 5 calls each, on a
+/// `redis-server` under callgrind; prints the instructions per run.
+async fn lua_ops() -> Result<(), Error> {
+    const RUNS: u32 = 2_000;
+    let server = Callgrind::start()?;
+    let redis = Redis::connect(&server.url(), Some(&server)).await?;
+    println!("| Lua operation | redis-server instructions per run |\n|---|---|");
+    for (name, op) in LUA_OPS {
+        let script = Script::from_lua(include_str!("support/lua_op.lua").replace("{{op}}", op));
+        let mut counted = [0.0; 2];
+        for (runs, into) in [0, RUNS].into_iter().zip(&mut counted) {
+            redis.reset().await?;
+            for _ in 0..5 {
+                let _: i64 = script.evalsha_with_reload(&redis.client, (), runs).await?;
+            }
+            *into = redis.instructions()?.ok_or("no count")? / 5.0;
+        }
+        println!(
+            "| `{name}` | {:.0} |",
+            (counted[1] - counted[0]) / f64::from(RUNS)
+        );
+    }
+    Ok(())
 }
 
 /// Every row's name, in the order of the measurement.
