@@ -47,8 +47,8 @@ for k = 1, #KEYS do
     -- As prelude.lua's NO_LIMITS: admitted, nothing recorded.
     reply[k] = spack('<llllll', 1, 0, 0, 0, -1, -1)
   elseif n == 1 then
-    -- One limit, as most policies have: the loop below for n = 1, in locals (it costs about a
-    -- seventh less than the tables; measured with callgrind as the header of plain.lua says).
+    -- One limit, as most policies have: the loop below for n = 1, in locals, which costs Redis
+    -- about 9 % fewer instructions a decision than the tables (examples/redis_costs.rs).
     local c, w = counts[1], windows[1]
     local u, d = w / scales[1], c / scales[1]
     if u * c > MAX_BUCKET then

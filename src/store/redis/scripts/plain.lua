@@ -44,8 +44,8 @@
 -- one that captures none, and a constant packed at the top is packed in every call (struct.pack
 -- costs about what a decision's arithmetic does). So the algorithm's file decides in one loop,
 -- the functions here capture nothing, and answers are packed where they are given. Measured
--- with callgrind on redis-server 7.0, one request per call: GCRA 0.55 and the log 0.57 of the
--- full script's instructions; eight per call, 0.79 and 0.81.
+-- with callgrind on redis-server 7.0 (examples/redis_costs.rs), one request per call: GCRA
+-- 0.53 and the log 0.62 of the full script's instructions; eight per call, 0.73 and 0.82.
 
 if redis.replicate_commands then
   redis.replicate_commands()
