@@ -9,6 +9,7 @@ mod conformance;
 mod event_time;
 mod leases;
 mod plain_tier;
+mod plain_tier_fast;
 mod plain_tier_field;
 mod settlement;
 mod sliding_log;
