@@ -118,8 +118,9 @@ impl RedisStoreBuilder {
     /// The most requests decided by one script call (default
     /// [`RedisStore::DEFAULT_MAX_BATCH`]). At most [`max_in_flight`](Self::max_in_flight)
     /// calls are under way at once; requests that arrive meanwhile leave together when a call
-    /// returns, which saves Redis and the client a command's fixed cost per request. A lone
-    /// request is sent at once. `1` sends every request in its own call, at once, with no
+    /// returns, which saves Redis and the client a command's fixed cost per request. Up to as
+    /// many give-backs or renewals of concurrency slots ride with them. A lone request is sent
+    /// at once. `1` sends every request in its own call, at once, with no
     /// limit on the calls under way.
     pub fn max_batch(mut self, max_batch: usize) -> Self {
         self.max_batch = max_batch;

@@ -5,8 +5,9 @@
 //! `TIME`) and costs the client a command's round through fred, on top of the work per key.
 //! Under load, many decisions wait at once; sending them as one call pays that price once.
 //! At most `in_flight` calls are under way at a time; requests that arrive meanwhile queue
-//! and leave together, up to `max_batch` per call, as soon as a call returns. A lone request
-//! waits for nothing: with a call permit free, it leaves at once in a batch of one.
+//! and leave together, up to `max_batch` decisions per call (and as many concurrency slots'
+//! give-backs or renewals, see [`Batch`]), as soon as a call returns. A lone request waits for
+//! nothing: with a call permit free, it leaves at once in a batch of one.
 //!
 //! The scripts decide the requests of a batch one after the other, each exactly as a call of
 //! its own would, so a batch changes no decision. In Redis Cluster, a call holds keys of one
@@ -308,25 +309,35 @@ async fn dispatch(
     settings: Arc<Settings>,
 ) {
     let clustered = matches!(settings.redis, Redis::Cluster(_));
+    // A request taken from the queue that did not fit the last batch: the next one's first.
+    let mut left = None;
     loop {
         // Wait for a free call permit first, so that requests queue up while all are taken.
         let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
             return;
         };
-        let Some(first) = jobs.recv().await else {
-            return;
+        let first = match left.take() {
+            Some(job) => job,
+            None => match jobs.recv().await {
+                Some(job) => job,
+                None => return,
+            },
         };
         gather(&jobs, settings.gather, settings.max_batch).await;
-        let mut batch = Vec::with_capacity(settings.max_batch.min(jobs.len() + 1));
+        let mut batch = Batch::new(settings.max_batch, jobs.len() + 1);
         batch.push(first);
-        while batch.len() < settings.max_batch {
+        while !batch.is_full() {
             match jobs.try_recv() {
-                Ok(job) => batch.push(job),
+                Ok(job) if batch.fits(&job) => batch.push(job),
+                Ok(job) => {
+                    left = Some(job);
+                    break;
+                }
                 Err(_) => break,
             }
         }
         let permit = Arc::new(permit);
-        for group in groups(batch, clustered) {
+        for group in groups(batch.jobs, clustered) {
             tokio::spawn(send(
                 lane,
                 group,
@@ -334,6 +345,47 @@ async fn dispatch(
                 Arc::clone(&permit),
             ));
         }
+    }
+}
+
+/// The requests of one call being gathered: up to `max_batch` decisions, and up to as many
+/// slot operations riding with them. A give-back or renewal of a concurrency slot is a
+/// command or two in Redis, a fraction of a decision; counted as a decision, the give-backs a
+/// layer sends after each response would take half of every call and double the calls.
+struct Batch {
+    jobs: Vec<Job>,
+    decisions: usize,
+    slot_ops: usize,
+    max_batch: usize,
+}
+
+impl Batch {
+    fn new(max_batch: usize, queued: usize) -> Batch {
+        Batch {
+            jobs: Vec::with_capacity((2 * max_batch).min(queued)),
+            decisions: 0,
+            slot_ops: 0,
+            max_batch,
+        }
+    }
+
+    fn fits(&self, job: &Job) -> bool {
+        match job.work.is_slot() {
+            true => self.slot_ops < self.max_batch,
+            false => self.decisions < self.max_batch,
+        }
+    }
+
+    fn push(&mut self, job: Job) {
+        match job.work.is_slot() {
+            true => self.slot_ops += 1,
+            false => self.decisions += 1,
+        }
+        self.jobs.push(job);
+    }
+
+    fn is_full(&self) -> bool {
+        self.decisions >= self.max_batch && self.slot_ops >= self.max_batch
     }
 }
 
@@ -409,6 +461,29 @@ mod tests {
             .iter()
             .map(|g| g.iter().map(|j| j.key.as_str().unwrap_or("")).collect())
             .collect()
+    }
+
+    #[test]
+    fn slot_operations_ride_with_a_full_batch_of_decisions() {
+        let op = |key: &str| Job {
+            work: Work::Slot(SlotOp::Release { id: 1, held: 0 }),
+            ..job(Algorithm::Gcra, key)
+        };
+        let mut batch = Batch::new(2, 10);
+        for key in ["a", "b"] {
+            assert!(batch.fits(&job(Algorithm::Gcra, key)));
+            batch.push(job(Algorithm::Gcra, key));
+        }
+        // Two decisions fill it for decisions, not for give-backs.
+        assert!(!batch.fits(&job(Algorithm::Gcra, "c")));
+        assert!(!batch.is_full());
+        for key in ["a", "b"] {
+            assert!(batch.fits(&op(key)));
+            batch.push(op(key));
+        }
+        assert!(!batch.fits(&op("c")));
+        assert!(batch.is_full());
+        assert_eq!(batch.jobs.len(), 4);
     }
 
     #[test]
