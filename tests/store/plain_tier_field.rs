@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use crate::support::cluster::RedisCluster;
 use crate::support::proxy::Proxy;
+use crate::support::time::redis_now;
 use crate::support::{command_calls, RedisServer};
 use bytes::Bytes;
 use fred::prelude::*;
@@ -250,15 +251,6 @@ async fn cluster_follows_overrides_on_every_slot_and_is_never_over() {
         }
     }
     assert!(broke.is_empty(), "{broke:?}");
-}
-
-/// The Redis time now, in µs.
-async fn redis_now(client: &Client) -> i64 {
-    let time: Vec<String> = client
-        .eval("return redis.call('TIME')", Vec::<String>::new(), ())
-        .await
-        .unwrap();
-    time[0].parse::<i64>().unwrap() * 1_000_000 + time[1].parse::<i64>().unwrap()
 }
 
 /// (2) A stalled connection around an override's write. Three stores behind their own

@@ -58,3 +58,14 @@ impl Time {
         }
     }
 }
+
+/// Redis's time now, in µs (`TIME`), for tests that compare what scripts did with Redis's
+/// clock rather than this process's.
+pub async fn redis_now(client: &fred::prelude::Client) -> i64 {
+    use fred::prelude::LuaInterface;
+    let time: Vec<String> = client
+        .eval("return redis.call('TIME')", Vec::<String>::new(), ())
+        .await
+        .unwrap();
+    time[0].parse::<i64>().unwrap() * 1_000_000 + time[1].parse::<i64>().unwrap()
+}

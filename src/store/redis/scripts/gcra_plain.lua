@@ -30,8 +30,17 @@ local MAX_BUCKET = 1125899906842624
 -- of cost and the drain per us, in GCRA units (entries past its n are left over, never read).
 local counts, windows, scales, backlogs, weights, drains = {}, {}, {}, {}, {}, {}
 
--- One loop, no function of its own: see plain.lua (functions are made anew by every call).
--- Locals for what the loop calls in every request spare it a global lookup each time.
+-- A refused key kept for `ms` more, where its expiry is sooner (gcra.lua). It captures nothing,
+-- as plain.lua's functions (functions are made anew by every call).
+local function keep_for(key, ms)
+  local left = redis.call('PTTL', key)
+  if left >= 0 and left < ms then
+    redis.call('PEXPIRE', key, ms)
+  end
+end
+
+-- One loop besides: see plain.lua. Locals for what the loop calls in every request spare it a
+-- global lookup each time.
 local floor, ceil, max, min, call = math.floor, math.ceil, math.max, math.min, redis.call
 for k = 1, #KEYS do
   local key = KEYS[k]
@@ -76,11 +85,7 @@ for k = 1, #KEYS do
       -- The expiry, as the loop below.
       local drained = ceil(b / d)
       if written and (reweighed or t + drained > written + w) then
-        local ms = ceil(drained / 1000)
-        local left = call('PTTL', key)
-        if left >= 0 and left < ms then
-          call('PEXPIRE', key, ms)
-        end
+        keep_for(key, ceil(drained / 1000))
       end
     elseif record ~= LOOK then
       if record == LEASE then
@@ -160,11 +165,7 @@ for k = 1, #KEYS do
         drained = max(drained, ceil(backlogs[i] / drains[i]))
       end
       if reweighed or t + drained > written + windows[n] then
-        local ms = ceil(drained / 1000)
-        local left = call('PTTL', key)
-        if left >= 0 and left < ms then
-          call('PEXPIRE', key, ms)
-        end
+        keep_for(key, ceil(drained / 1000))
       end
     end
     if denied == nil then
