@@ -5,6 +5,7 @@
 //! The memory store runs on tokio's paused clock; Redis tests use the test's own
 //! `redis-server` and real time with short lifetimes and wide margins.
 
+mod batched_releases;
 mod outages;
 mod slots;
 mod waiting;
