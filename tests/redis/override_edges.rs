@@ -439,11 +439,20 @@ async fn after_the_last_override_is_removed_decisions_read_no_field() {
     assert!(store.overrides().remove(&api, &scope).await.unwrap());
     let admin = server.client().await;
     let before = crate::support::command_calls(&admin, "hmget").await;
+    let started = std::time::Instant::now();
     for i in 0..200 {
         let key = Key::from(format!("k{i}"));
         assert!(store.check(&key, &api, 1).await.unwrap().is_allowed());
     }
-    assert_eq!(crate::support::command_calls(&admin, "hmget").await, before);
+    let hmgets = crate::support::command_calls(&admin, "hmget").await - before;
+    // The only `HMGET`s left are the limits version's own reads, one every 125 ms
+    // (`docs/operations.md`), which a busy machine makes room for during the 200 decisions.
+    let version_reads = started.elapsed().as_millis() as u64 / 125 + 1;
+    assert!(
+        hmgets <= version_reads,
+        "{hmgets} HMGETs in {:?}, at most {version_reads} of them the version's",
+        started.elapsed()
+    );
 }
 
 /// A hash of overrides without its generation (restored in part, or its field `""` deleted by
