@@ -7,7 +7,6 @@
 
 use super::*;
 use crate::support::evalsha_calls;
-use tower_redis_ratelimit::test_util::redis_key;
 
 /// A store at `url` batching up to `max_batch` decisions a call.
 async fn batching(url: &str, max_batch: usize) -> RedisStore {
@@ -18,14 +17,18 @@ async fn batching(url: &str, max_batch: usize) -> RedisStore {
         .expect("connect store")
 }
 
-/// How many slots of `key` under `policy` Redis holds now (`ZCARD` of its slots set).
-async fn slots_held(server: &RedisServer, key: &str, policy: &Policy) -> u64 {
-    let store = server.store().await;
-    let slots = format!("{}:slots", redis_key(&store, &Key::from(key), policy));
-    let client = server.client().await;
-    fred::interfaces::SortedSetsInterface::zcard(&client, &slots)
-        .await
-        .unwrap()
+/// `count` requests of `key` sent at once to `held` (whose handler streams until dropped),
+/// each asserted admitted; their responses hold their slots until dropped.
+async fn hold<S>(held: &S, key: &str, count: usize) -> Vec<S::Response>
+where
+    S: Service<Request<()>, Response = Response<tower_redis_ratelimit::body::ResponseBody<Body>>>
+        + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let responses = join_all((0..count).map(|_| held.clone().oneshot(request(key)))).await;
+    let responses: Vec<_> = responses.into_iter().map(Result::unwrap).collect();
+    assert!(responses.iter().all(|r| r.status() == StatusCode::OK));
+    responses
 }
 
 /// Counts each status once: (admitted, refused), asserting there is no other.
@@ -62,27 +65,7 @@ async fn never_more_than_the_cap_in_flight_with_give_backs_in_batches_on_redis()
             .map(|l| l.layer(streaming(Arc::clone(&seen), Duration::from_millis(2))))
             .collect();
         let calls = evalsha_calls(&client).await;
-        let admitted = Arc::new(AtomicUsize::new(0));
-        let clients = (0..30).map(|i| {
-            let service = services[i % services.len()].clone();
-            let admitted = Arc::clone(&admitted);
-            async move {
-                let mut statuses = Vec::new();
-                while admitted.load(Ordering::SeqCst) < 120 {
-                    let response = service.clone().oneshot(request("k")).await.unwrap();
-                    let status = response.status();
-                    response.into_body().collect().await.unwrap();
-                    if status == StatusCode::OK {
-                        admitted.fetch_add(1, Ordering::SeqCst);
-                    } else {
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                    }
-                    statuses.push(status);
-                }
-                statuses
-            }
-        });
-        let statuses: Vec<StatusCode> = join_all(clients).await.concat();
+        let statuses = keep_asking(&services, "k", 30, 120, Duration::from_millis(1)).await;
         for layer in &layers {
             assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
         }
@@ -120,9 +103,7 @@ async fn a_burst_of_give_backs_loses_none_and_answers_each_request_once_on_redis
     let held = layer.layer(endless());
     let seen = Arc::new(InFlight::default());
     let short = layer.layer(streaming(Arc::clone(&seen), Duration::from_millis(1)));
-    let responses = join_all((0..64).map(|_| held.clone().oneshot(request("k")))).await;
-    let responses: Vec<_> = responses.into_iter().map(Result::unwrap).collect();
-    assert!(responses.iter().all(|r| r.status() == StatusCode::OK));
+    let responses = hold(&held, "k", 64).await;
     assert_eq!(slots_held(&server, "k", &policy).await, 64);
     let calls = evalsha_calls(&client).await;
     drop(responses);
@@ -174,9 +155,7 @@ async fn a_burst_of_decisions_with_few_give_backs_decides_each_once_on_redis() {
     let held = layer.layer(endless());
     let seen = Arc::new(InFlight::default());
     let short = layer.layer(streaming(Arc::clone(&seen), Duration::from_millis(1)));
-    let responses = join_all((0..8).map(|_| held.clone().oneshot(request("a")))).await;
-    let responses: Vec<_> = responses.into_iter().map(Result::unwrap).collect();
-    assert!(responses.iter().all(|r| r.status() == StatusCode::OK));
+    let responses = hold(&held, "a", 8).await;
     let calls = evalsha_calls(&client).await;
     drop(responses);
     let statuses = fire(std::slice::from_ref(&short), "b", 300).await;
@@ -210,9 +189,7 @@ async fn a_request_behind_a_queue_of_give_backs_is_decided_promptly_on_redis() {
         let held = layer.layer(endless());
         let (mut took, mut calls) = (Vec::new(), Vec::new());
         for _ in 0..60 {
-            let responses = join_all((0..64).map(|_| held.clone().oneshot(request("a")))).await;
-            let responses: Vec<_> = responses.into_iter().map(Result::unwrap).collect();
-            assert!(responses.iter().all(|r| r.status() == StatusCode::OK));
+            let responses = hold(&held, "a", 64).await;
             let before = evalsha_calls(&client).await;
             drop(responses);
             // Let the give-backs reach the store's queue first.

@@ -164,6 +164,54 @@ where
     join_all(calls).await
 }
 
+/// `clients` clients spread over `services`, each asking for `key` again (after `pause` when
+/// refused) until `until` requests have been admitted in all, reading every admitted body to
+/// its end; returns every status.
+async fn keep_asking<S>(
+    services: &[S],
+    key: &str,
+    clients: usize,
+    until: usize,
+    pause: Duration,
+) -> Vec<StatusCode>
+where
+    S: Service<Request<()>, Response = Response<tower_redis_ratelimit::body::ResponseBody<Body>>>
+        + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let admitted = AtomicUsize::new(0);
+    let clients = (0..clients).map(|i| {
+        let service = services[i % services.len()].clone();
+        let admitted = &admitted;
+        async move {
+            let mut statuses = Vec::new();
+            while admitted.load(Ordering::SeqCst) < until {
+                let response = service.clone().oneshot(request(key)).await.unwrap();
+                let status = response.status();
+                response.into_body().collect().await.unwrap();
+                if status == StatusCode::OK {
+                    admitted.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    tokio::time::sleep(pause).await;
+                }
+                statuses.push(status);
+            }
+            statuses
+        }
+    });
+    join_all(clients).await.concat()
+}
+
+/// How many slots of `key` under `policy` Redis holds now (`ZCARD` of its slots set).
+async fn slots_held(server: &RedisServer, key: &str, policy: &Policy) -> u64 {
+    let store = server.store().await;
+    let state = tower_redis_ratelimit::test_util::redis_key(&store, &Key::from(key), policy);
+    let client = server.client().await;
+    fred::interfaces::SortedSetsInterface::zcard(&client, format!("{state}:slots"))
+        .await
+        .unwrap()
+}
+
 /// Asserts the fleet's outcome: every request answered 200 or 429, at least `cap` admitted,
 /// and never more than `cap` streaming at once.
 fn check_fleet(statuses: &[StatusCode], seen: &InFlight, cap: usize, label: &str) {

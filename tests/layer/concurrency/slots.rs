@@ -192,38 +192,12 @@ async fn a_fleet_of_four_redis_stores_never_streams_more_than_the_limit() {
     check_fleet(&statuses, &seen, 2, "redis, at once");
     // Then 40 clients that keep asking until 60 streams have run: slots given back on one
     // instance are taken on another, and the limit holds throughout.
-    let admitted = Arc::new(AtomicUsize::new(0));
-    let clients = (0..40).map(|i| {
-        let service = services[i % services.len()].clone();
-        let admitted = Arc::clone(&admitted);
-        async move {
-            let mut statuses = Vec::new();
-            while admitted.load(Ordering::SeqCst) < 60 {
-                let response = service.clone().oneshot(request("k")).await.unwrap();
-                let status = response.status();
-                response.into_body().collect().await.unwrap();
-                if status == StatusCode::OK {
-                    admitted.fetch_add(1, Ordering::SeqCst);
-                } else {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                statuses.push(status);
-            }
-            statuses
-        }
-    });
-    let statuses: Vec<StatusCode> = join_all(clients).await.concat();
+    let statuses = keep_asking(&services, "k", 40, 60, Duration::from_millis(5)).await;
     for layer in &layers {
         assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
     }
     check_fleet(&statuses, &seen, 2, "redis, clients that keep asking");
-    let store = server.store().await;
-    let slots = format!("{}:slots", redis_key(&store, &Key::from("k"), &policy));
-    let client = server.client().await;
-    let held: u64 = fred::interfaces::SortedSetsInterface::zcard(&client, &slots)
-        .await
-        .unwrap();
-    assert_eq!(held, 0, "slots left in {slots}");
+    assert_eq!(slots_held(&server, "k", &policy).await, 0, "slots left");
 }
 
 #[tokio::test]
@@ -610,11 +584,7 @@ async fn a_policy_without_rate_limits_is_decided_by_its_slots_alone() {
         .await
         .unwrap();
     assert_eq!(kept, 0, "no rate state in {state}");
-    let slots = format!("{state}:slots");
-    let held: u64 = fred::interfaces::SortedSetsInterface::zcard(&client, &slots)
-        .await
-        .unwrap();
-    assert_eq!(held, 0, "slots left in {slots}");
+    assert_eq!(slots_held(&server, "k", &policy).await, 0, "slots left");
 }
 
 /// A key blocked by an override, under a policy without rate limits, is refused as blocked on
