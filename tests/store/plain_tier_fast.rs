@@ -526,8 +526,8 @@ async fn stores_on_both_tiers_leased_or_not_never_admit_past_the_bucket() {
 /// refusal was sent, less 2 ms): the same
 /// weight draining slower (30/1s read as 10/1s: 3 s; 90/1s as 10/1s: 9 s) and another weight
 /// (10/1s read as 7/1s, reweighed: about 1.43 s). Then a key with no traffic vanishes after its
-/// window: one admission of `5/300ms` on each script, and of `3/300ms` through a store on
-/// each tier, leave nothing 450 ms later.
+/// window (rounded up to an eighth of it): one admission of `5/300ms` on each script, and of
+/// `3/300ms` through a store on each tier, leave nothing 450 ms later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_live_until_their_backlog_drains_and_vanish_when_idle() {
     let server = RedisServer::start();
@@ -630,9 +630,97 @@ async fn keys_live_until_their_backlog_drains_and_vanish_when_idle() {
     eprintln!(
         "idle keys {idle:?}: PTTL after one admission {ttls:?} ms; left 450 ms later {left:?}"
     );
-    // -2: gone already, as a busy machine may read it; -1 would be a key kept for ever.
-    if left.iter().any(|e| *e != 0) || ttls.iter().any(|t| *t == -1 || *t > 300) {
+    // -2: gone already, as a busy machine may read it; -1 would be a key kept for ever. A
+    // write's expiry is rounded up to an eighth of the window (`exact.lua`, `expires_at`):
+    // 37 ms of 300.
+    if left.iter().any(|e| *e != 0) || ttls.iter().any(|t| *t == -1 || *t > 300 + 37) {
         broke.push(format!("idle: PTTLs {ttls:?}, left {left:?}"));
+    }
+    assert!(broke.is_empty(), "{broke:#?}");
+}
+
+/// (5) The expiry writes keep (`exact.lua`, `expires_at`): on each of the three GCRA scripts, a
+/// key of `100/300ms` admitted every 10 ms for 40 admissions expires, after each, no sooner than
+/// the window after it and at most an eighth of the window (37 ms) and a few ms of Redis's clock
+/// later; most admissions keep the expiry the one before set (SET KEEPTTL), and every eighth of
+/// the window one sets it. Then a give-back (`return.lua`) 150 ms after a lease, which stamps
+/// the state at its own time, moves the key's expiry to the window after it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_keep_an_expiry_that_covers_the_window_after_them() {
+    let server = RedisServer::start();
+    let client = server.client().await;
+    let mut sources = gcra_sources().to_vec();
+    sources.push(on_clock(&format!("{EXACT}{LOG_EVENTS}{RETURN}")));
+    let shas = load(&client, &sources).await;
+    let window = 300_000i64;
+    let request = |mode| Request {
+        limits: vec![(100, window)],
+        cost: 1,
+        mode,
+        t: -1,
+        want: 5,
+        h: 0,
+        counts: None,
+    };
+    // The window after `now` (µs), in ms of Redis time: the least expiry a write at `now` needs.
+    let least = |now: i64| (now + window + 999) / 1000;
+    let mut broke = Vec::new();
+    for (j, sha) in shas[..3].iter().enumerate() {
+        let key = format!("{{fast}}:kept-{j}");
+        let (mut kept, mut set, mut last) = (0, 0, -2);
+        for _ in 0..40 {
+            let now = redis_now(&client).await;
+            set_clock(&client, now).await;
+            let reply = run(&client, sha, j == 2, &key, request(ADMIT).encode()).await;
+            let expires = state(&client, &key).await.1;
+            let admitted = reply.as_ref().is_ok_and(|r| six(r)[0] == 1);
+            if !admitted || expires < least(now) || expires > least(now) + 37 + 5 {
+                broke.push(format!(
+                    "{}: {reply:?} at {now}: expires at {expires} ms, at least {}",
+                    GCRA_NAMES[j],
+                    least(now)
+                ));
+            }
+            if expires == last {
+                kept += 1;
+            } else {
+                set += 1;
+            }
+            last = expires;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        eprintln!(
+            "{}: {kept} admissions kept the expiry, {set} set it",
+            GCRA_NAMES[j]
+        );
+        if kept < 5 || set < 3 {
+            broke.push(format!("{}: kept {kept}, set {set}", GCRA_NAMES[j]));
+        }
+    }
+    let key = "{fast}:kept-lease";
+    let granted = redis_now(&client).await;
+    set_clock(&client, granted).await;
+    let lease = run(&client, &shas[0], false, key, request(LEASE).encode()).await;
+    assert!(lease.as_ref().is_ok_and(|r| six(r)[0] > 1), "{lease:?}");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let now = redis_now(&client).await;
+    set_clock(&client, now).await;
+    let ints = [3i64, 1, 2, granted, 100, window, gcd(100, window)];
+    let args: Vec<u8> = ints.iter().flat_map(|i| i.to_le_bytes()).collect();
+    let changed: i64 = client
+        .evalsha(&shas[3], vec![key], Value::Bytes(Bytes::from(args)))
+        .await
+        .unwrap();
+    let expires = state(&client, key).await.1;
+    eprintln!(
+        "give-back at {now}: changed {changed}, expires at {expires} ms, at least {}",
+        least(now)
+    );
+    if changed != 1 || expires < least(now) {
+        broke.push(format!(
+            "give-back: changed {changed}, expires {expires} < {}",
+            least(now)
+        ));
     }
     assert!(broke.is_empty(), "{broke:#?}");
 }

@@ -1,7 +1,8 @@
 -- Integers in Lua: exact arithmetic past 2^53, where Lua's doubles stop being exact, and the
 -- decimal text of an integer handed to Redis. Prepended to every script (before prelude.lua,
 -- and to return.lua), for the products of counts and times (sliding_window.lua) and GCRA's
--- change of units (gcra.lua, return.lua). The Rust does the same in 128-bit integers.
+-- change of units (gcra.lua, return.lua). The Rust does the same in 128-bit integers. Also
+-- the expiry of GCRA state, which gcra.lua, gcra_plain.lua and return.lua all write.
 
 -- The decimal text of the integer x, made once per call: Redis prints every Lua number it
 -- receives with "%.17g", which costs more than the command itself (prelude.lua, "Cost").
@@ -13,6 +14,27 @@ local function text(x)
     texts[x] = s
   end
   return s
+end
+
+-- When a GCRA key that must last until `until_us` (an integer of Redis time, us) expires, in
+-- ms of Redis time: `until_us` rounded up to a multiple of an eighth of the longest window
+-- `window` in whole ms (at least 1 ms).
+-- Every write of GCRA state sets its key to expire at expires_at(x, window) for some x at or
+-- after the state's stamp plus that window (or keeps an expiry at least that), so that the
+-- expiry of a key is at least expires_at(stamp + window, window) for the stamp its state
+-- holds. A write whose own expiry rounds to that keeps the key's (SET KEEPTTL), which costs
+-- Redis fewer instructions than setting one (gcra_plain.lua, "Writes"); the price is a key
+-- kept up to an eighth of its window longer.
+-- Integers only, and no `math` (a global, which Redis's Lua reads through a metatable, and
+-- whose functions are calls into C): `%` rounds in the virtual machine, and every value here is
+-- exact in a double.
+local function expires_at(until_us, window)
+  local quantum = (window - window % 8000) / 8
+  if quantum < 1000 then
+    quantum = 1000
+  end
+  local x = until_us + quantum - 1
+  return (x - x % quantum) / 1000
 end
 
 -- The most units a state holds (2^52; MAX_UNITS in src/model/mod.rs): counts, totals and

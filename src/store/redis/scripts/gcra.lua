@@ -55,7 +55,8 @@
 -- Writes: an admitted request, or a settlement, stores every limit's new backlog and sets the
 -- key to expire once every bucket has drained: after the longest window, or longer where a
 -- charge overfilled a bucket, or where an override's counts decided (its units weigh more
--- under the policy's own, once it is removed: prelude.lua, `stretch_num`).
+-- under the policy's own, once it is removed: prelude.lua, `stretch_num`); that time rounded
+-- up as exact.lua's `expires_at` says.
 -- A refusal extends the key's expiry to when its backlog drains under the counts at hand,
 -- where that is later (counts lower than those it was written under).
 
@@ -89,7 +90,7 @@ for k = 1, REQUESTS do
     -- The time the state is written at: `t`, or the state's own where that is later (made for
     -- the end of a pause, prelude.lua RESERVE), whose backlog has not drained at all by `t`,
     -- so that it drains from there and not from `t`.
-    local stamp = t
+    local stamp, written = t, false
     for i = 1, n do
       local c, w, g, at, left = counts[i], windows[i], scales[i]
       local u, d = w / g, c / g
@@ -101,7 +102,7 @@ for k = 1, REQUESTS do
       if state then
         local from
         at, left, from, state_byte = sunpack('<lll', state, state_byte)
-        stamp = math.max(stamp, at)
+        stamp, written = math.max(stamp, at), at
         if from ~= u then
           left = reweigh(left, from, u)
         end
@@ -222,7 +223,15 @@ for k = 1, REQUESTS do
         if stretch_num > stretch_den then
           ttl = math.min(math.ceil(ttl * stretch_num / stretch_den), 1125899906842624)
         end
-        redis.call('PSETEX', key, text(math.ceil(ttl / 1000)), value)
+        -- Where the expiry rounds to the one the state's stamp guarantees, the key keeps its
+        -- own (exact.lua, `expires_at`), as gcra_plain.lua's writes do.
+        local w = windows[n]
+        local at = expires_at(now + ttl, w)
+        if written and stretch_num <= stretch_den and at <= expires_at(written + w, w) then
+          redis.call('SET', key, value, 'KEEPTTL')
+        else
+          redis.call('SET', key, value, 'PXAT', text(at))
+        end
       end
       local least
       for i = 1, n do

@@ -31,7 +31,9 @@
 -- - the sliding log: a lease is one event at the time it was granted, and the units leave it
 --   (log_events.lua, `lighten`). Its time is the log's header: a set made again after the
 --   grant (a reset, a restart) holds no event of that microsecond, and is left alone.
--- State of another shape (the policy changed) is left alone. Writes keep the key's expiry.
+-- State of another shape (the policy changed) is left alone. Writes keep the key's expiry, but
+-- extend a GCRA key's where it is sooner than exact.lua's `expires_at` for the state's new
+-- stamp (now), which the plain tier's writes rely on (gcra_plain.lua, "Writes").
 
 local time = redis.call('TIME')
 local now = time[1] * 1000000 + time[2]
@@ -85,7 +87,15 @@ local function give_back(key, algorithm, n, units, granted)
         values[at + 1], values[at + 2], values[at + 3] = now, math.max(backlog - weight, 0), u
       end
     end
-    redis.call('SET', key, spack('<' .. string.rep('l', size), unpack(values)), 'KEEPTTL')
+    local value = spack('<' .. string.rep('l', size), unpack(values))
+    -- GCRA state now stamped `now`: its key must expire no sooner than exact.lua's
+    -- `expires_at` for that stamp, as every write of GCRA state keeps it.
+    local at = algorithm == GCRA and expires_at(now + windows[n], windows[n]) or nil
+    if at and redis.call('PTTL', key) < at - now / 1000 then
+      redis.call('SET', key, value, 'PXAT', text(at))
+    else
+      redis.call('SET', key, value, 'KEEPTTL')
+    end
     return 1
   end
   return 0
