@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use crate::support::time::redis_now;
-use crate::support::RedisServer;
+use crate::support::{command_calls, RedisServer};
 use bytes::Bytes;
 use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
@@ -218,12 +218,16 @@ fn six(reply: &[u8]) -> [i64; 6] {
 /// which their expiries differ by.
 async fn state(client: &Client, key: &str) -> (Option<Bytes>, i64) {
     let value: Option<Bytes> = client.get(key).await.unwrap();
+    (value, expiry(client, key).await)
+}
+
+/// When a key of any type expires (`PEXPIRETIME`, as [`state`]).
+async fn expiry(client: &Client, key: &str) -> i64 {
     let expires = CustomCommand::new_static("PEXPIRETIME", ClusterHash::FirstKey, false);
-    let at: i64 = client
+    client
         .custom(expires, vec![Value::from(key)])
         .await
-        .unwrap();
-    (value, at)
+        .unwrap()
 }
 
 /// A seeded generator (the same sequence in every run).
@@ -639,19 +643,64 @@ async fn keys_live_until_their_backlog_drains_and_vanish_when_idle() {
     assert!(broke.is_empty(), "{broke:#?}");
 }
 
-/// (5) The expiry writes keep (`exact.lua`, `expires_at`): on each of the three GCRA scripts, a
-/// key of `100/300ms` admitted every 10 ms for 40 admissions expires, after each, no sooner than
-/// the window after it and at most an eighth of the window (37 ms) and a few ms of Redis's clock
-/// later; most admissions keep the expiry the one before set (SET KEEPTTL), and every eighth of
-/// the window one sets it. Then a give-back (`return.lua`) 150 ms after a lease, which stamps
-/// the state at its own time, moves the key's expiry to the window after it too.
+/// Admits `request` on `key` with script `sha` (`full`: the full tier's arguments) 40 times,
+/// 10 ms apart, each on Redis's time: after each, the key must expire no sooner than `span` µs
+/// after it, and no later than that rounded up to an eighth of the window (`exact.lua`,
+/// `expires_at`: 37 ms of 300) and 5 ms of Redis's clock. The script sets the expiry with
+/// `command` (`INFO commandstats`), as many times as the expiry moved, and at least 5 of the
+/// admissions must keep it. Pushes what broke onto `broke`.
+async fn admit_and_read_expiries(
+    client: &Client,
+    (sha, full, name): (&str, bool, &str),
+    key: &str,
+    request: &Request,
+    (span, command): (i64, &str),
+    broke: &mut Vec<String>,
+) {
+    let (mut kept, mut set, mut last) = (0, 0, -2);
+    let calls = command_calls(client, command).await;
+    for _ in 0..40 {
+        let now = redis_now(client).await;
+        set_clock(client, now).await;
+        let reply = run(client, sha, full, key, request.encode()).await;
+        let expires = expiry(client, key).await;
+        let least = (now + span + 999) / 1000;
+        let admitted = reply.as_ref().is_ok_and(|r| six(r)[0] == 1);
+        if !admitted || expires < least || expires > least + 37 + 5 {
+            broke.push(format!(
+                "{name}: {reply:?} at {now}: expires at {expires} ms, at least {least}"
+            ));
+        }
+        if expires == last {
+            kept += 1;
+        } else {
+            set += 1;
+        }
+        last = expires;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let calls = command_calls(client, command).await - calls;
+    eprintln!("{name}: {kept} admissions kept the expiry, {set} moved it with {calls} {command}");
+    if kept < 5 || set < 3 || calls != set as u64 {
+        broke.push(format!(
+            "{name}: kept {kept}, moved {set}, {calls} {command}"
+        ));
+    }
+}
+
+/// (5) The expiry writes keep (`exact.lua`, `expires_at`): a key of `100/300ms` admitted every
+/// 10 ms, 40 times, on each of the three GCRA scripts (expiring the window after each
+/// admission) and on both sliding-log scripts (twice the window), with the expiry read after
+/// each (`admit_and_read_expiries`): most admissions keep the expiry the one before set (SET
+/// KEEPTTL, no PEXPIREAT), and every eighth of the window one sets it (PSETEX, PEXPIREAT). Then a give-back
+/// (`return.lua`) 150 ms after a GCRA lease, which stamps the state at its own time, moves the
+/// key's expiry to the window after it too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_keep_an_expiry_that_covers_the_window_after_them() {
     let server = RedisServer::start();
     let client = server.client().await;
-    let mut sources = gcra_sources().to_vec();
-    sources.push(on_clock(&format!("{EXACT}{LOG_EVENTS}{RETURN}")));
-    let shas = load(&client, &sources).await;
+    let gcra = load(&client, &gcra_sources()).await;
+    let log = load(&client, &log_sources()[..2]).await;
     let window = 300_000i64;
     let request = |mode| Request {
         limits: vec![(100, window)],
@@ -662,45 +711,28 @@ async fn writes_keep_an_expiry_that_covers_the_window_after_them() {
         h: 0,
         counts: None,
     };
-    // The window after `now` (µs), in ms of Redis time: the least expiry a write at `now` needs.
-    let least = |now: i64| (now + window + 999) / 1000;
     let mut broke = Vec::new();
-    for (j, sha) in shas[..3].iter().enumerate() {
+    for (j, sha) in gcra.iter().enumerate() {
+        let script = (sha.as_str(), j == 2, GCRA_NAMES[j]);
         let key = format!("{{fast}}:kept-{j}");
-        let (mut kept, mut set, mut last) = (0, 0, -2);
-        for _ in 0..40 {
-            let now = redis_now(&client).await;
-            set_clock(&client, now).await;
-            let reply = run(&client, sha, j == 2, &key, request(ADMIT).encode()).await;
-            let expires = state(&client, &key).await.1;
-            let admitted = reply.as_ref().is_ok_and(|r| six(r)[0] == 1);
-            if !admitted || expires < least(now) || expires > least(now) + 37 + 5 {
-                broke.push(format!(
-                    "{}: {reply:?} at {now}: expires at {expires} ms, at least {}",
-                    GCRA_NAMES[j],
-                    least(now)
-                ));
-            }
-            if expires == last {
-                kept += 1;
-            } else {
-                set += 1;
-            }
-            last = expires;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        eprintln!(
-            "{}: {kept} admissions kept the expiry, {set} set it",
-            GCRA_NAMES[j]
-        );
-        if kept < 5 || set < 3 {
-            broke.push(format!("{}: kept {kept}, set {set}", GCRA_NAMES[j]));
-        }
+        let expiry = (window, "psetex");
+        admit_and_read_expiries(&client, script, &key, &request(ADMIT), expiry, &mut broke).await;
     }
+    for (j, name) in ["log plain", "log full"].into_iter().enumerate() {
+        let script = (log[j].as_str(), j == 1, name);
+        let key = format!("{{fast}}:kept-log{j}");
+        let expiry = (2 * window, "pexpireat");
+        admit_and_read_expiries(&client, script, &key, &request(ADMIT), expiry, &mut broke).await;
+    }
+    let give_back = load(
+        &client,
+        &[on_clock(&format!("{EXACT}{LOG_EVENTS}{RETURN}"))],
+    )
+    .await;
     let key = "{fast}:kept-lease";
     let granted = redis_now(&client).await;
     set_clock(&client, granted).await;
-    let lease = run(&client, &shas[0], false, key, request(LEASE).encode()).await;
+    let lease = run(&client, &gcra[0], false, key, request(LEASE).encode()).await;
     assert!(lease.as_ref().is_ok_and(|r| six(r)[0] > 1), "{lease:?}");
     tokio::time::sleep(Duration::from_millis(150)).await;
     let now = redis_now(&client).await;
@@ -708,18 +740,15 @@ async fn writes_keep_an_expiry_that_covers_the_window_after_them() {
     let ints = [3i64, 1, 2, granted, 100, window, gcd(100, window)];
     let args: Vec<u8> = ints.iter().flat_map(|i| i.to_le_bytes()).collect();
     let changed: i64 = client
-        .evalsha(&shas[3], vec![key], Value::Bytes(Bytes::from(args)))
+        .evalsha(&give_back[0], vec![key], Value::Bytes(Bytes::from(args)))
         .await
         .unwrap();
     let expires = state(&client, key).await.1;
-    eprintln!(
-        "give-back at {now}: changed {changed}, expires at {expires} ms, at least {}",
-        least(now)
-    );
-    if changed != 1 || expires < least(now) {
+    let least = (now + window + 999) / 1000;
+    eprintln!("give-back at {now}: changed {changed}, expires at {expires} ms, at least {least}");
+    if changed != 1 || expires < least {
         broke.push(format!(
-            "give-back: changed {changed}, expires {expires} < {}",
-            least(now)
+            "give-back: changed {changed}, expires {expires} < {least}"
         ));
     }
     assert!(broke.is_empty(), "{broke:#?}");

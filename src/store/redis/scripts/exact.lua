@@ -24,7 +24,9 @@ end
 -- expiry of a key is at least expires_at(stamp + window, window) for the stamp its state
 -- holds. A write whose own expiry rounds to that keeps the key's (SET KEEPTTL), which costs
 -- Redis fewer instructions than setting one (gcra_plain.lua, "Writes"); the price is a key
--- kept up to an eighth of its window longer.
+-- kept up to an eighth of its window longer. GCRA writes set it with PSETEX, which costs Redis
+-- less than SET PXAT, for the ms from this call's time on (at - (now - now % 1000) / 1000):
+-- from Redis's time when the command runs, no sooner.
 -- Integers only, and no `math` (a global, which Redis's Lua reads through a metatable, and
 -- whose functions are calls into C): `%` rounds in the virtual machine, and every value here is
 -- exact in a double.

@@ -230,7 +230,7 @@ for k = 1, REQUESTS do
         if written and stretch_num <= stretch_den and at <= expires_at(written + w, w) then
           redis.call('SET', key, value, 'KEEPTTL')
         else
-          redis.call('SET', key, value, 'PXAT', text(at))
+          redis.call('PSETEX', key, text(at - (now - now % 1000) / 1000), value)
         end
       end
       local least

@@ -92,7 +92,7 @@ local function give_back(key, algorithm, n, units, granted)
     -- `expires_at` for that stamp, as every write of GCRA state keeps it.
     local at = algorithm == GCRA and expires_at(now + windows[n], windows[n]) or nil
     if at and redis.call('PTTL', key) < at - now / 1000 then
-      redis.call('SET', key, value, 'PXAT', text(at))
+      redis.call('PSETEX', key, text(at - (now - now % 1000) / 1000), value)
     else
       redis.call('SET', key, value, 'KEEPTTL')
     end

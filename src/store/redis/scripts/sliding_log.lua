@@ -54,7 +54,8 @@
 -- to the totals of the members after it (scheduled events, or later ones than a past event
 -- time: rewritten, which with a refund's are the only writes that grow with the set), and
 -- sets the key to expire twice
--- the longest window after its latest event (or now). Totals stay below 2^52, exact in Lua's doubles: a
+-- the longest window after its latest event (or now), rounded up to an eighth of the policy's
+-- longest window (exact.lua, `expires_at`), unless it keeps an expiry at least that. Totals stay below 2^52, exact in Lua's doubles: a
 -- request that would pass that first takes the total before the oldest member off every
 -- member.
 --
@@ -68,6 +69,9 @@
 -- window, units in (t - w, t], the most any window (a, a + w] containing t holds, and the time
 -- of the first event of (t - w, t] (false: none).
 local counts, windows, pasts, fullests, firsts = {}, {}, {}, {}, {}
+-- The request's longest window as its policy has it, without a leasing store's headroom: what
+-- the key's expiry is rounded by (exact.lua, `expires_at`).
+local bare_longest = 0
 
 -- The running total through the last event at or before `at` (a score), or false when
 -- there is none.
@@ -312,8 +316,16 @@ local function decide(key, n, cost, record, t, want)
           firsts[i] = t
         end
       end
+      -- The expiry: twice the longest window after the newest event (or now), rounded up as
+      -- exact.lua's `expires_at` says, where the one the newest event before guarantees (at
+      -- least twice the policy's longest window after it, so rounded) is sooner; else the key
+      -- keeps its own (sliding_log_plain.lua, "Expiry").
+      local before_t = newest_t
       newest_t = max(newest_t or t, t)
-      call('PEXPIREAT', key, text(math.ceil((max(newest_t, now) + 2 * longest) / 1000)))
+      local expires = expires_at(max(newest_t, now) + 2 * longest, bare_longest)
+      if not before_t or expires > expires_at(before_t + 2 * bare_longest, bare_longest) then
+        call('PEXPIREAT', key, text(expires))
+      end
     end
     local least
     for i = 1, n do
@@ -391,6 +403,7 @@ for k = 1, REQUESTS do
   else
     -- A leasing store's units may be spent up to `headroom` after they were logged: every
     -- window is read that much longer (see "Leases").
+    bare_longest = windows[n]
     for i = 1, n do
       windows[i] = windows[i] + headroom
     end

@@ -22,16 +22,23 @@
 --
 -- Commands: the newest event first (ZRANGE -1 -1); where the set is empty, or its newest
 -- event is older than every window, an admission is ZADD and PEXPIREAT alone. Else the first
--- event of each window that holds the newest (ZRANGEBYSCORE LIMIT 0 1), then ZADD and
--- PEXPIREAT: four on a warm key (sliding_log.lua: five), three on a cold one.
+-- event of each window that holds the newest (ZRANGEBYSCORE LIMIT 0 1), then ZADD, and
+-- PEXPIREAT where the expiry moves (see "Expiry"): three or four on a warm key
+-- (sliding_log.lua: four or five), three on a cold one.
 -- Trim: sliding_log.lua trims events at or before twice the longest window L (with headroom)
 -- before now in every decision. This tier trims the same range once per span of L of Redis
 -- time, when the newest event is in an earlier span than now, and where the newest event
 -- itself is that old (the set holds nothing a decision reads). Windows are read by score and
 -- never reach that far back, so the events left over change no decision, and the totals of
 -- the members kept are the same either way; a busy key keeps up to 3 L of events instead of
--- 2 L. The expiry is set on every admission, as sliding_log.lua does (an older writer's
--- expiry must not drop events that its reads need).
+-- 2 L.
+-- Expiry: every admission sets the key to expire twice the longest window L after the event
+-- (or now, where later), rounded up to an eighth of the policy's longest window W (L less a
+-- leasing store's headroom; exact.lua, `expires_at`), as sliding_log.lua does, so that a key
+-- expires no sooner than expires_at(e + 2 W, W) for its newest event e, whichever store wrote
+-- it, headroom or not. An admission whose expiry rounds to no later than that guarantee for
+-- the newest event before it keeps the key's (no PEXPIREAT): on a key admitted again within
+-- an eighth of its window, most admissions, one command fewer each.
 
 -- Per limit of the request at hand (entries past its n are left over and never read): count,
 -- window, the units in (t - w, t], and the time of the first event of (t - w, t] (false: none).
@@ -87,7 +94,9 @@ for k = 1, #KEYS do
     if t < 0 then
       t = now
     end
-    -- A leasing store's windows, read `headroom` longer (sliding_log.lua, "Leases").
+    -- A leasing store's windows, read `headroom` longer (sliding_log.lua, "Leases"); the
+    -- policy's own longest rounds the expiry (see the header).
+    local bare_longest = windows[n]
     for i = 1, n do
       windows[i] = windows[i] + headroom
     end
@@ -172,7 +181,19 @@ for k = 1, #KEYS do
             firsts[i] = t
           end
         end
-        call('PEXPIREAT', key, text(math.ceil((max(t, now) + 2 * longest) / 1000)))
+        -- exact.lua's `expires_at`, inline (a call of a Lua function costs Redis more than
+        -- this whole expiry), for the time the write needs and for the one the newest event
+        -- before it guarantees (see the header).
+        local quantum = (bare_longest - bare_longest % 8000) / 8
+        if quantum < 1000 then
+          quantum = 1000
+        end
+        local expires = max(t, now) + 2 * longest + quantum - 1
+        expires = expires - expires % quantum
+        local kept = newest_t and newest_t + 2 * bare_longest + quantum - 1
+        if not kept or expires > kept - kept % quantum then
+          call('PEXPIREAT', key, text(expires / 1000))
+        end
       end
       local least
       for i = 1, n do
