@@ -451,7 +451,12 @@ impl Decider {
             _ => {}
         }
         if feature == Feature::Override {
-            let far = Override::Limits(vec!["2000000/1s".parse()?]);
+            // Twice the limit's count, over the same window.
+            let own: tower_redis_ratelimit::Limit = limit().parse()?;
+            let far = Override::Limits(vec![tower_redis_ratelimit::Limit::new(
+                own.count() * 2,
+                own.window(),
+            )?]);
             for i in 0..KEYS {
                 let key = Scope::Key(Key::from(format!("c{i}")));
                 store.overrides().set(&policy, &key, &far).await?;
