@@ -241,7 +241,9 @@ fn flags(mut args: impl Iterator<Item = String>) -> Result<(usize, bool, bool), 
             "--callgrind" => callgrind = true,
             "--lua-ops" => ops = true,
             "--limit" => {
-                let text = args.next().ok_or("--limit takes a limit, such as 1000000/10s")?;
+                let text = args
+                    .next()
+                    .ok_or("--limit takes a limit, such as 1000000/10s")?;
                 text.parse::<tower_redis_ratelimit::Limit>()
                     .map_err(|e| format!("--limit {text:?}: {e}"))?;
                 LIMIT.set(text).map_err(|_| "--limit given twice")?;
