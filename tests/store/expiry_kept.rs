@@ -39,6 +39,8 @@ fn expires_at(until_us: i64, window: i64) -> i64 {
 /// (`None`: no key), its expiry (`PEXPIRETIME`) and Redis TIME (µs).
 struct GcraRead {
     state: Option<(i64, i64, i64)>,
+    /// Backlog and weight of every limit, shortest window first.
+    limits: Vec<(i64, i64)>,
     expires: i64,
     now: i64,
 }
@@ -56,8 +58,11 @@ async fn read_gcra(client: &Client, key: &str) -> GcraRead {
     };
     let int = |i: usize| i64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().unwrap());
     let state = (bytes.len() >= 24).then(|| (int(0), int(1), int(2)));
+    let n = bytes.len().saturating_sub(16) / 24;
+    let limits = (0..n).map(|i| (int(3 * i + 1), int(3 * i + 2))).collect();
     GcraRead {
         state,
+        limits,
         expires: reply[1].as_i64().unwrap(),
         now: reply[2].as_i64().unwrap(),
     }
@@ -234,44 +239,86 @@ fn policy_window(text: &str) -> i64 {
     }
 }
 
-/// (2) One GCRA key of `20/1s` through all four stores (plain and full tier, leasing and not)
-/// in a seeded sequence of 90 steps: admissions of 1 to 3 units under the policy's counts,
-/// under raised counts (`40/1s`, `Policy::with_limits`) and lowered ones (`10/1s`), charges
-/// (up to past the bucket) and refunds of admitted requests (`Store::settle`), reservations
+/// (2) One GCRA key through all four stores (plain and full tier, leasing and not) in a
+/// seeded sequence of 90 steps: admissions of 1 to 3 units under the policy's counts, under
+/// raised counts (twice, `Policy::with_limits`) and lowered ones (half), charges (up to past
+/// the bucket) and refunds of admitted requests (`Store::settle`), reservations
 /// (`Reserve::reserve`, recorded past the bucket), bursts of 12 (a leasing store leases, and
-/// gives back what it left), resets, and pauses of up to 200 ms.
-/// After every step the key exists until its backlog drains under the counts it was written
-/// under, and no sooner than `expires_at(stamp + W)`. Then, after the last step, time passes
-/// to 30 ms before the drain, and the key is still there.
+/// gives back what it left), resets, and pauses of up to 200 ms. After every step the key
+/// exists until every limit's backlog drains under the counts it was written under, and no
+/// sooner than `expires_at(stamp + W)`. Then, on the key reset, 8 admissions through the
+/// plain tier 150 ms apart keep it too, and time passes to 30 ms before the drain, and the
+/// key is still there. One limit (`20/1s`: `gcra_plain.lua`'s
+/// one-limit path), and two (`10/250ms` and `20/1s`: its loop, `write`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gcra_key_lives_until_its_backlog_drains_through_mixed_stores_and_steps() {
+    let one = [&["20/1s"][..], &["40/1s"], &["10/1s"]];
+    gcra_sequence("gcra-seq", one, 53).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gcra_key_of_two_limits_lives_until_both_backlogs_drain() {
+    let two = [
+        &["10/250ms", "20/1s"][..],
+        &["20/250ms", "40/1s"],
+        &["5/250ms", "10/1s"],
+    ];
+    gcra_sequence("gcra-seq-two", two, 54).await;
+}
+
+/// Test (2) on `key` with the policy's limits, raised and lowered (`sets`, each shortest
+/// window first, the same windows), from `seed`.
+async fn gcra_sequence(name: &str, sets: [&[&str]; 3], seed: u64) {
     let server = RedisServer::start();
     let client = server.client().await;
     let stores = four_stores(&server).await;
-    let window = 1_000_000i64;
-    let base = Policy::new("seq", [limit("20/1s")])
+    let limits = |set: &[&str]| set.iter().map(|l| limit(l)).collect::<Vec<_>>();
+    let base = Policy::new("seq", limits(sets[0]))
         .unwrap()
         .with_algorithm(Algorithm::Gcra);
     let policies = [
-        (20i64, base.clone()),
-        (40, with_limits(&base, [limit("40/1s")]).unwrap()),
-        (10, with_limits(&base, [limit("10/1s")]).unwrap()),
+        (sets[0].join("+"), base.clone()),
+        (
+            sets[1].join("+"),
+            with_limits(&base, limits(sets[1])).unwrap(),
+        ),
+        (
+            sets[2].join("+"),
+            with_limits(&base, limits(sets[2])).unwrap(),
+        ),
     ];
-    // The count a state's weight was written under (u = w / gcd(c, w)).
-    let count_of = |u: i64| match u {
-        50_000 => 20,
-        25_000 => 40,
-        100_000 => 10,
-        _ => panic!("weight {u}"),
-    };
-    let key = Key::from("gcra-seq");
+    let windows: Vec<i64> = sets[0].iter().map(|l| policy_window(l)).collect();
+    let window = *windows.last().unwrap();
+    // The count a limit's weight was written under (u = w / gcd(c, w)), by window and weight.
+    let mut counts = HashMap::new();
+    for set in sets {
+        for l in set {
+            let (c, w): (i64, i64) = (
+                l.split('/').next().unwrap().parse().unwrap(),
+                policy_window(l),
+            );
+            let g = (1..=c).rev().find(|g| c % g == 0 && w % g == 0).unwrap();
+            counts.insert((w, w / g), c);
+        }
+    }
+    let key = Key::from(name);
     let redis = redis_key(&stores[0].1, &key, &base);
-    let mut rng = Lcg(53);
+    let mut rng = Lcg(seed);
     let mut last: Option<(usize, usize, Decision)> = None;
     let (mut admitted, mut refused, mut settled, mut resets, mut kept) = (0, 0, 0, 0, 0);
     let mut reserved = 0;
     let mut previous = -2;
     let mut broke = Vec::new();
+    // When the state read drains: its stamp plus the longest drain of its limits.
+    let drained = |read: &GcraRead| {
+        let (stamp, _, _) = read.state?;
+        let mut longest = 0;
+        for (i, &(b, u)) in read.limits.iter().enumerate() {
+            let c = counts[&(windows[i], u)];
+            longest = longest.max(drain(b, u, c, windows[i]));
+        }
+        Some((stamp, stamp + longest))
+    };
     for step in 0..90u64 {
         let s = rng.next(4) as usize;
         let (name, store) = (&stores[s].0, &stores[s].1);
@@ -297,7 +344,7 @@ async fn gcra_key_lives_until_its_backlog_drains_through_mixed_stores_and_steps(
                 } else {
                     refused += 1;
                 }
-                format!("{name}: check {cost} under {}/1s", policies[p].0)
+                format!("{name}: check {cost} under {}", policies[p].0)
             }
             7 | 8 => match &last {
                 Some((s, p, d)) => {
@@ -353,12 +400,12 @@ async fn gcra_key_lives_until_its_backlog_drains_through_mixed_stores_and_steps(
         };
         tokio::time::sleep(Duration::from_millis(rng.next(30))).await;
         let read = read_gcra(&client, &redis).await;
-        if let Some((stamp, b, u)) = read.state {
-            let needed = stamp + drain(b, u, count_of(u), window);
+        if let Some((stamp, needed)) = drained(&read) {
             let least = expires_at(stamp + window, window);
             if read.expires * 1000 < needed || read.expires < least || read.expires < 0 {
                 broke.push(format!(
-                    "step {step} ({what}): stamp {stamp}, backlog {b} of weight {u}: expires at {} ms, needs {} (invariant {least})",
+                    "step {step} ({what}): stamp {stamp}, backlogs and weights {:?}: expires at {} ms, needs {} (invariant {least})",
+                    read.limits,
                     read.expires,
                     (needed + 999) / 1000
                 ));
@@ -369,11 +416,28 @@ async fn gcra_key_lives_until_its_backlog_drains_through_mixed_stores_and_steps(
             previous = read.expires;
         }
     }
+    // Then the plain tier alone on a fresh key (a reset), admissions 150 ms apart (over a
+    // quantum of 125 ms): each moves the expiry it needs past the one the stamp before it
+    // guarantees.
+    stores[0].1.reset(&key, &base).await.unwrap();
+    for step in 0..8 {
+        let d = stores[0].1.check(&key, &base, 1).await.unwrap();
+        let read = read_gcra(&client, &redis).await;
+        let (stamp, _) = drained(&read).expect("state");
+        let least = expires_at(stamp + window, window);
+        if !d.is_allowed() || read.expires < least {
+            broke.push(format!(
+                "plain step {step}: admitted {}, stamp {stamp}: expires at {} ms, invariant {least}",
+                d.is_allowed(),
+                read.expires
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
     // The last state: still there 30 ms before its backlog has drained.
     let read = read_gcra(&client, &redis).await;
     let mut tail = String::from("no state at the end");
-    if let Some((stamp, b, u)) = read.state {
-        let needed = stamp + drain(b, u, count_of(u), window);
+    if let Some((_, needed)) = drained(&read) {
         let wait = needed - 30_000 - read.now;
         if wait > 0 {
             tokio::time::sleep(Duration::from_micros(wait as u64)).await;
@@ -388,7 +452,7 @@ async fn gcra_key_lives_until_its_backlog_drains_through_mixed_stores_and_steps(
         }
     }
     eprintln!(
-        "gcra sequence: {admitted} admitted, {refused} refused, {reserved} reserved, {settled} settled, {resets} resets; {kept} reads saw the expiry the read before did; {tail}"
+        "{name}: {admitted} admitted, {refused} refused, {reserved} reserved, {settled} settled, {resets} resets; {kept} reads saw the expiry the read before did; {tail}"
     );
     assert!(broke.is_empty(), "{broke:#?}");
 }
@@ -924,5 +988,90 @@ async fn gcra_give_back_keeps_the_key_a_window_after_its_new_stamp() {
         leased == 1 && moved,
         "no lease given back: leasing {leased}, stamp moved {moved}"
     );
+    assert!(broke.is_empty(), "{broke:#?}");
+}
+
+/// (9) An override that raises a key's counts, then is removed: a GCRA key of `10/1s` filled
+/// to `30/1s` (an override for the key) holds a backlog that drains in 3 s under the
+/// policy's own counts, which every write under the override keeps it for (`stretch_num`:
+/// it always sets the expiry), on the plain and the full tier. After each admission, and
+/// after the override is removed and a request is refused, the key expires no sooner than
+/// that drain; 30 ms before it, the key is still there, and a request of the whole count is
+/// still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gcra_key_filled_under_raised_counts_lives_until_it_drains_under_the_policys() {
+    use tower_redis_ratelimit::store::{Override, Scope};
+    let server = RedisServer::start();
+    let client = server.client().await;
+    let (count, window) = (10i64, 1_000_000i64);
+    let policy = Policy::new("stretch", [limit("10/1s")])
+        .unwrap()
+        .with_algorithm(Algorithm::Gcra);
+    let mut broke = Vec::new();
+    for (name, store) in [
+        ("plain", server.store().await),
+        ("full", server.full_scripts_store().await),
+    ] {
+        let key = Key::from(format!("stretch-{name}"));
+        let redis = redis_key(&store, &key, &policy);
+        let scope = Scope::Key(key.clone());
+        let raise = Override::Limits(vec![limit("30/1s")]);
+        store
+            .overrides()
+            .set(&policy, &scope, &raise)
+            .await
+            .unwrap();
+        let mut steps = Vec::new();
+        for _ in 0..6 {
+            let d = store.check(&key, &policy, 5).await.unwrap();
+            steps.push((
+                format!("admitted {} under 30/1s", d.is_allowed()),
+                read_gcra(&client, &redis).await,
+            ));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        store.overrides().remove(&policy, &scope).await.unwrap();
+        let d = store.check(&key, &policy, 1).await.unwrap();
+        steps.push((
+            format!("admitted {} under 10/1s", d.is_allowed()),
+            read_gcra(&client, &redis).await,
+        ));
+        let mut needed = 0;
+        for (what, read) in &steps {
+            let Some((stamp, b, u)) = read.state else {
+                broke.push(format!("{name} {what}: no state"));
+                continue;
+            };
+            // Under the policy's own counts.
+            needed = stamp + drain(b, u, count, window);
+            if read.expires * 1000 < needed {
+                broke.push(format!(
+                    "{name} {what}: expires at {} ms before its drain under 10/1s at {} ms",
+                    read.expires,
+                    (needed + 999) / 1000
+                ));
+            }
+        }
+        let now = steps.last().unwrap().1.now;
+        let wait = needed - 30_000 - now;
+        if wait > 0 {
+            tokio::time::sleep(Duration::from_micros(wait as u64)).await;
+        }
+        let exists: i64 = client.exists(&redis).await.unwrap();
+        // The whole count fits only once the backlog has drained.
+        let late = store.check(&key, &policy, 10).await.unwrap();
+        eprintln!(
+            "{name}: {:?}; drains {} ms after the last step: 30 ms before, exists {exists}, admitted {}",
+            steps.iter().map(|(w, r)| (w.clone(), r.expires)).collect::<Vec<_>>(),
+            (needed - now) / 1000,
+            late.is_allowed()
+        );
+        if exists != 1 || late.is_allowed() {
+            broke.push(format!(
+                "{name}: 30 ms before the drain: exists {exists}, admitted {}",
+                late.is_allowed()
+            ));
+        }
+    }
     assert!(broke.is_empty(), "{broke:#?}");
 }
