@@ -7,6 +7,7 @@ mod support;
 mod batching;
 mod conformance;
 mod event_time;
+mod expiry_kept;
 mod leases;
 mod plain_tier;
 mod plain_tier_fast;
