@@ -21,7 +21,7 @@
 -- rounds to the one its state guarantees (exact.lua, `expires_at`: the last write's, at least
 -- its stamp plus the longest window, rounded up to an eighth of that window) keeps the key's
 -- expiry (SET KEEPTTL): on a key busy enough to be written again within an eighth of its
--- window, most writes, each about 7 000 Redis instructions cheaper than one that sets it
+-- window, most writes, each about 5 500 Redis instructions cheaper than one that sets it
 -- (examples/redis_costs.rs). Under an override's counts (a longer expiry), or without state,
 -- the write sets the expiry. A refusal extends the key's expiry (PTTL, PEXPIRE) as
 -- gcra.lua does, but only where the write that set it may not cover the backlog's drain under
@@ -119,7 +119,7 @@ for k = 1, #KEYS do
         allowed, cost, leased = 1 + take - cost, take, now
       end
       b = min(b + cost * u, MAX_UNITS)
-      -- As `write` below, inline (a call of a Lua function costs Redis more than this whole
+      -- As `write` above, inline (a call of a Lua function costs Redis more than this whole
       -- expiry): exact.lua's `expires_at` in us, for the time the write needs and for the one
       -- the state's stamp guarantees.
       local value = spack('<lllll', stamp, b, u, born, leased)
