@@ -241,6 +241,63 @@ fn policy_window(text: &str) -> i64 {
     }
 }
 
+/// Settles the last admitted decision `last` of a sequence (the store that made it, its policy
+/// and the decision) on `key`: a charge or a refund of `units`. Returns whether a settlement
+/// was sent, and what the step did.
+async fn settle_last(
+    key: &Key,
+    last: Option<(&(&'static str, RedisStore), &Policy, &Decision)>,
+    charge: bool,
+    units: u64,
+) -> (bool, String) {
+    let Some(((name, store), policy, d)) = last else {
+        return (false, "nothing to settle".into());
+    };
+    let settlement = if charge {
+        Settlement::charge(d, units)
+    } else {
+        Settlement::refund(d, units)
+    };
+    let sent = settlement.is_some();
+    if let Some(settlement) = settlement {
+        store.settle(key, policy, settlement).await.unwrap();
+    }
+    let kind = if charge { "charge" } else { "refund" };
+    (sent, format!("{name}: settle {kind} {units}"))
+}
+
+/// Resets `key` through `store` one time in three: what the step did, or `None`.
+async fn reset_sometimes(
+    rng: &mut Lcg,
+    (name, store): (&str, &RedisStore),
+    key: &Key,
+    policy: &Policy,
+) -> Option<String> {
+    if rng.next(3) != 0 {
+        return None;
+    }
+    store.reset(key, policy).await.unwrap();
+    Some(format!("{name}: reset"))
+}
+
+/// A pause of 50 to 200 ms between a sequence's steps.
+async fn pause(rng: &mut Lcg) -> String {
+    let ms = 50 + rng.next(150);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    format!("pause {ms} ms")
+}
+
+/// Waits until 30 ms before `needed` (µs of Redis time; `now` the last read of it), then
+/// whether `redis` still exists, and whether there was time to wait at all.
+async fn exists_before(client: &Client, redis: &str, needed: i64, now: i64) -> (bool, bool) {
+    let wait = needed - 30_000 - now;
+    if wait > 0 {
+        tokio::time::sleep(Duration::from_micros(wait as u64)).await;
+    }
+    let exists: i64 = client.exists(redis).await.unwrap();
+    (exists == 1, wait > 0)
+}
+
 /// (2) One GCRA key through all four stores (plain and full tier, leasing and not) in a
 /// seeded sequence of 90 steps: admissions of 1 to 3 units under the policy's counts, under
 /// raised counts (twice, `Policy::with_limits`) and lowered ones (half), charges (up to past
@@ -348,40 +405,23 @@ async fn gcra_sequence(name: &str, sets: [&[&str]; 3], seed: u64) {
                 }
                 format!("{name}: check {cost} under {}", policies[p].0)
             }
-            7 | 8 => match &last {
-                Some((s, p, d)) => {
-                    // Up to past the bucket: a charge that overfills it.
-                    let units = 1 + rng.next(30);
-                    let settlement = if op == 7 {
-                        Settlement::charge(d, units)
-                    } else {
-                        Settlement::refund(d, units)
-                    };
-                    if let Some(settlement) = settlement {
-                        stores[*s]
-                            .1
-                            .settle(&key, &policies[*p].1, settlement)
-                            .await
-                            .unwrap();
-                        settled += 1;
-                    }
-                    format!(
-                        "{}: settle {} {units}",
-                        stores[*s].0,
-                        if op == 7 { "charge" } else { "refund" }
-                    )
-                }
-                None => "nothing to settle".into(),
-            },
+            7 | 8 => {
+                // Up to past the bucket: a charge that overfills it.
+                let units = 1 + rng.next(30);
+                let last = last
+                    .as_ref()
+                    .map(|(s, p, d)| (&stores[*s], &policies[*p].1, d));
+                let (done, what) = settle_last(&key, last, op == 7, units).await;
+                settled += usize::from(done);
+                what
+            }
             9 => {
-                if rng.next(3) == 0 {
-                    store.reset(&key, &base).await.unwrap();
+                let what = reset_sometimes(&mut rng, (name, store), &key, &base).await;
+                if what.is_some() {
                     resets += 1;
                     last = None;
-                    format!("{name}: reset")
-                } else {
-                    "no reset".into()
                 }
+                what.unwrap_or_else(|| "no reset".into())
             }
             10 => {
                 // A reservation: recorded past the bucket (the backlog is the line).
@@ -394,11 +434,7 @@ async fn gcra_sequence(name: &str, sets: [&[&str]; 3], seed: u64) {
                 reserved += usize::from(d.as_ref().is_ok_and(|d| d.is_allowed()));
                 format!("{name}: reserve {cost}: {:?}", d.map(|d| d.is_allowed()))
             }
-            _ => {
-                let ms = 50 + rng.next(150);
-                tokio::time::sleep(Duration::from_millis(ms)).await;
-                format!("pause {ms} ms")
-            }
+            _ => pause(&mut rng).await,
         };
         tokio::time::sleep(Duration::from_millis(rng.next(30))).await;
         let read = read_gcra(&client, &redis).await;
@@ -444,16 +480,12 @@ async fn gcra_sequence(name: &str, sets: [&[&str]; 3], seed: u64) {
     let read = read_gcra(&client, &redis).await;
     let mut tail = String::from("no state at the end");
     if let Some((_, needed)) = drained(&read) {
-        let wait = needed - 30_000 - read.now;
-        if wait > 0 {
-            tokio::time::sleep(Duration::from_micros(wait as u64)).await;
-        }
-        let exists: i64 = client.exists(&redis).await.unwrap();
+        let (exists, waited) = exists_before(&client, &redis, needed, read.now).await;
         tail = format!(
             "drains {} ms after the last step; exists 30 ms before: {exists}",
             (needed - read.now) / 1000
         );
-        if wait > 0 && exists != 1 {
+        if waited && !exists {
             broke.push(format!("gone before its backlog drained: {tail}"));
         }
     }
@@ -522,45 +554,22 @@ async fn log_key_lives_twice_the_window_after_its_newest_event_through_mixed_sto
                 }
                 format!("{name}: check {cost} {at}")
             }
-            8 | 9 => match &last {
-                Some((s, d)) => {
-                    let units = 1 + rng.next(3);
-                    let settlement = if op == 8 {
-                        Settlement::charge(d, units)
-                    } else {
-                        Settlement::refund(d, units)
-                    };
-                    if let Some(settlement) = settlement {
-                        stores[*s]
-                            .1
-                            .settle(&key, &policy, settlement)
-                            .await
-                            .unwrap();
-                        settled += 1;
-                    }
-                    format!(
-                        "{}: settle {} {units}",
-                        stores[*s].0,
-                        if op == 8 { "charge" } else { "refund" }
-                    )
-                }
-                None => "nothing to settle".into(),
-            },
+            8 | 9 => {
+                let units = 1 + rng.next(3);
+                let last = last.as_ref().map(|(s, d)| (&stores[*s], &policy, d));
+                let (done, what) = settle_last(&key, last, op == 8, units).await;
+                settled += usize::from(done);
+                what
+            }
             10 => {
-                if rng.next(3) == 0 {
-                    store.reset(&key, &policy).await.unwrap();
+                let what = reset_sometimes(&mut rng, (name, store), &key, &policy).await;
+                if what.is_some() {
                     resets += 1;
                     last = None;
-                    format!("{name}: reset")
-                } else {
-                    "no reset".into()
                 }
+                what.unwrap_or_else(|| "no reset".into())
             }
-            _ => {
-                let ms = 50 + rng.next(150);
-                tokio::time::sleep(Duration::from_millis(ms)).await;
-                format!("pause {ms} ms")
-            }
+            _ => pause(&mut rng).await,
         };
         tokio::time::sleep(Duration::from_millis(rng.next(30))).await;
         let (newest, expires, _) = read_log(&client, &redis).await;
@@ -601,16 +610,12 @@ async fn log_key_lives_twice_the_window_after_its_newest_event_through_mixed_sto
     let mut tail = String::from("no events at the end");
     if let Some(e) = newest {
         let needed = e + 2 * window;
-        let wait = needed - 30_000 - now;
-        if wait > 0 {
-            tokio::time::sleep(Duration::from_micros(wait as u64)).await;
-        }
-        let exists: i64 = client.exists(&redis).await.unwrap();
+        let (exists, waited) = exists_before(&client, &redis, needed, now).await;
         tail = format!(
             "newest event + 2 W is {} ms after the last step; exists 30 ms before: {exists}",
             (needed - now) / 1000
         );
-        if wait > 0 && exists != 1 {
+        if waited && !exists {
             broke.push(format!("gone before newest + 2 W: {tail}"));
         }
     }
