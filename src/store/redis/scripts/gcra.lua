@@ -226,12 +226,8 @@ for k = 1, REQUESTS do
         -- Where the expiry rounds to the one the state's stamp guarantees, the key keeps its
         -- own (exact.lua, `expires_at`), as gcra_plain.lua's writes do.
         local w = windows[n]
-        local at = expires_at(now + ttl, w)
-        if written and stretch_num <= stretch_den and at <= expires_at(written + w, w) then
-          redis.call('SET', key, value, 'KEEPTTL')
-        else
-          redis.call('PSETEX', key, text(at - (now - now % 1000) / 1000), value)
-        end
+        local kept = written and stretch_num <= stretch_den and expires_at(written + w, w)
+        write_gcra(key, value, now, expires_at(now + ttl, w), kept)
       end
       local least
       for i = 1, n do

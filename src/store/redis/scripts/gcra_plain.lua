@@ -49,20 +49,16 @@ end
 -- none) under the longest window `w`, at Redis time `now`: to expire after the longest window,
 -- later by a stamp past now, longer under an override's counts (gcra.lua), rounded up as
 -- exact.lua's `expires_at` says. Where the key has state and the expiry rounds to the one that
--- state guarantees, the key keeps its own (see the header). It captures only `text` and
--- `expires_at`.
+-- state guarantees, the key keeps its own (see the header; exact.lua, `write_gcra`). It
+-- captures only exact.lua's `expires_at` and `write_gcra`.
 local function write(key, value, now, stamp, written, w, stretch_num, stretch_den)
   local ttl = w + math.max(stamp - now, 0)
   local stretched = stretch_num > stretch_den
   if stretched then
     ttl = math.min(math.ceil(ttl * stretch_num / stretch_den), 1125899906842624)
   end
-  local at = expires_at(now + ttl, w)
-  if written and not stretched and at <= expires_at(written + w, w) then
-    redis.call('SET', key, value, 'KEEPTTL')
-  else
-    redis.call('PSETEX', key, text(at - (now - now % 1000) / 1000), value)
-  end
+  local kept = written and not stretched and expires_at(written + w, w)
+  write_gcra(key, value, now, expires_at(now + ttl, w), kept)
 end
 
 -- One loop besides: see plain.lua. Locals for what the loop calls in every request spare it a
@@ -121,7 +117,7 @@ for k = 1, #KEYS do
       b = min(b + cost * u, MAX_UNITS)
       -- As `write` above, inline (a call of a Lua function costs Redis more than this whole
       -- expiry): exact.lua's `expires_at` in us, for the time the write needs and for the one
-      -- the state's stamp guarantees.
+      -- the state's stamp guarantees, and its `write_gcra`.
       local value = spack('<lllll', stamp, b, u, born, leased)
       local quantum = (w - w % 8000) / 8
       if quantum < 1000 then

@@ -88,11 +88,12 @@ local function give_back(key, algorithm, n, units, granted)
       end
     end
     local value = spack('<' .. string.rep('l', size), unpack(values))
-    -- GCRA state now stamped `now`: its key must expire no sooner than exact.lua's
-    -- `expires_at` for that stamp, as every write of GCRA state keeps it.
-    local at = algorithm == GCRA and expires_at(now + windows[n], windows[n]) or nil
-    if at and redis.call('PTTL', key) < at - now / 1000 then
-      redis.call('PSETEX', key, text(at - (now - now % 1000) / 1000), value)
+    if algorithm == GCRA then
+      -- GCRA state now stamped `now`: its key must expire no sooner than exact.lua's
+      -- `expires_at` for that stamp, as every write of GCRA state keeps it; the expiry it has
+      -- (PTTL) is kept where it covers that.
+      local w = windows[n]
+      write_gcra(key, value, now, expires_at(now + w, w), now / 1000 + redis.call('PTTL', key))
     else
       redis.call('SET', key, value, 'KEEPTTL')
     end

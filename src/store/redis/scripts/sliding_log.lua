@@ -53,11 +53,10 @@
 -- request of positive cost adds one member after those at or before its time, adds its cost
 -- to the totals of the members after it (scheduled events, or later ones than a past event
 -- time: rewritten, which with a refund's are the only writes that grow with the set), and
--- sets the key to expire twice
--- the longest window after its latest event (or now), rounded up to an eighth of the policy's
--- longest window (exact.lua, `expires_at`), unless it keeps an expiry at least that. Totals stay below 2^52, exact in Lua's doubles: a
--- request that would pass that first takes the total before the oldest member off every
--- member.
+-- sets the key to expire twice the longest window after its latest event (or now), rounded up
+-- to an eighth of the policy's longest window (exact.lua, `expires_at`), unless it keeps an
+-- expiry at least that. Totals stay below 2^52, exact in Lua's doubles: a request that would
+-- pass that first takes the total before the oldest member off every member.
 --
 -- Retry: the earliest time the request fits every limit at once, given every event, before
 -- and after t (sliding_log.rs explains it): per limit, e + w for the first event e after
