@@ -31,6 +31,29 @@ where
     responses
 }
 
+/// Drops the held `responses` (their give-backs queue) as `count` requests of `key` go to
+/// `short` at once: their statuses, once every slot operation of `layer` has settled, and the
+/// script calls the server behind `client` ran meanwhile.
+async fn fire_as_they_end<S, R>(
+    client: &fred::prelude::Client,
+    layer: &RateLimitLayer<Header, RedisStore>,
+    responses: Vec<R>,
+    short: &S,
+    key: &str,
+    count: usize,
+) -> (Vec<StatusCode>, u64)
+where
+    S: Service<Request<()>, Response = Response<tower_redis_ratelimit::body::ResponseBody<Body>>>
+        + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let calls = evalsha_calls(client).await;
+    drop(responses);
+    let statuses = fire(std::slice::from_ref(short), key, count).await;
+    assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
+    (statuses, evalsha_calls(client).await - calls)
+}
+
 /// Counts each status once: (admitted, refused), asserting there is no other.
 fn tally(statuses: &[StatusCode], label: &str) -> (usize, usize) {
     let ok = statuses.iter().filter(|s| **s == StatusCode::OK).count();
@@ -93,23 +116,14 @@ async fn never_more_than_the_cap_in_flight_with_give_backs_in_batches_on_redis()
 async fn a_burst_of_give_backs_loses_none_and_answers_each_request_once_on_redis() {
     let server = RedisServer::start();
     let client = server.client().await;
-    let policy = Policy::new("gives", ["190/1m".parse().unwrap()])
-        .unwrap()
-        .concurrency(64)
-        .unwrap()
-        .slot_expiry(Duration::from_secs(10))
-        .unwrap();
+    let policy = rated_streams("gives", "190/1m", 64, Duration::from_secs(10));
     let layer = limited(batching(&server.url(), 8).await, policy.clone());
     let held = layer.layer(endless());
     let seen = Arc::new(InFlight::default());
     let short = layer.layer(streaming(Arc::clone(&seen), Duration::from_millis(1)));
     let responses = hold(&held, "k", 64).await;
     assert_eq!(slots_held(&server, "k", &policy).await, 64);
-    let calls = evalsha_calls(&client).await;
-    drop(responses);
-    let statuses = fire(std::slice::from_ref(&short), "k", 8).await;
-    assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
-    let calls = evalsha_calls(&client).await - calls;
+    let (statuses, calls) = fire_as_they_end(&client, &layer, responses, &short, "k", 8).await;
     let (ok, refused) = tally(&statuses, "during the give-backs");
     println!("64 give-backs and 8 requests: {ok} admitted, {refused} refused, {calls} calls");
     assert_eq!(slots_held(&server, "k", &policy).await, 0);
@@ -145,22 +159,13 @@ async fn a_burst_of_give_backs_loses_none_and_answers_each_request_once_on_redis
 async fn a_burst_of_decisions_with_few_give_backs_decides_each_once_on_redis() {
     let server = RedisServer::start();
     let client = server.client().await;
-    let policy = Policy::new("many", ["100/1m".parse().unwrap()])
-        .unwrap()
-        .concurrency(1000)
-        .unwrap()
-        .slot_expiry(Duration::from_secs(10))
-        .unwrap();
+    let policy = rated_streams("many", "100/1m", 1000, Duration::from_secs(10));
     let layer = limited(batching(&server.url(), 8).await, policy.clone());
     let held = layer.layer(endless());
     let seen = Arc::new(InFlight::default());
     let short = layer.layer(streaming(Arc::clone(&seen), Duration::from_millis(1)));
     let responses = hold(&held, "a", 8).await;
-    let calls = evalsha_calls(&client).await;
-    drop(responses);
-    let statuses = fire(std::slice::from_ref(&short), "b", 300).await;
-    assert_eq!(layer.settled(Duration::from_secs(5)).await, 0);
-    let calls = evalsha_calls(&client).await - calls;
+    let (statuses, calls) = fire_as_they_end(&client, &layer, responses, &short, "b", 300).await;
     let (ok, refused) = tally(&statuses, "b");
     println!("300 requests and 8 give-backs: {ok} admitted, {refused} refused, {calls} calls");
     assert_eq!((ok, refused), (100, 200));

@@ -72,7 +72,13 @@ fn limited_waiting<St: Store>(
 
 /// A generous rate limit (never the one that refuses here) and `slots` in flight.
 fn streams(name: &str, slots: u32, expiry: Duration) -> Policy {
-    Policy::new(name, ["100000/1m".parse().unwrap()])
+    rated_streams(name, "100000/1m", slots, expiry)
+}
+
+/// A rate of `rate` and `slots` in flight, each slot expiring `expiry` after it was taken or
+/// last renewed.
+fn rated_streams(name: &str, rate: &str, slots: u32, expiry: Duration) -> Policy {
+    Policy::new(name, [rate.parse().unwrap()])
         .unwrap()
         .concurrency(slots)
         .unwrap()
