@@ -4,9 +4,9 @@
 -- these commands costs Redis less.
 --
 -- KEYS[k]   a key: read (GET) and written again with 40 bytes, as a state of one limit is,
---           keeping its expiry (SET KEEPTTL), as the plain tier writes a key it wrote within
---           the same eighth of its window (exact.lua, `expires_at`); the store's runs here
---           decide each key many times in that time
+--           keeping its expiry (SETRANGE over the 40 bytes, exact.lua's `write_gcra`), as the
+--           plain tier writes a key it wrote within the same eighth of its window (exact.lua,
+--           `expires_at`); the store's runs here decide each key many times in that time
 -- ARGV      none
 -- Reply     48 bytes per key (a decision's six integers' worth), then 16 (Redis TIME and a
 --           generation's worth), as the plain tier replies
@@ -15,7 +15,7 @@ redis.call('TIME')
 local reply = {}
 for k = 1, #KEYS do
   redis.call('GET', KEYS[k])
-  redis.call('SET', KEYS[k], '0123456789012345678901234567890123456789', 'KEEPTTL')
+  redis.call('SETRANGE', KEYS[k], '0', '0123456789012345678901234567890123456789')
   reply[k] = '012345678901234567890123456789012345678901234567'
 end
 reply[#reply + 1] = '0123456789012345'
