@@ -61,8 +61,10 @@ pub trait Store: Clone + Send + Sync + 'static + engine::Engine + reserve::Reser
     /// algorithms answer [`StoreError::Unsupported`]. A time up to the policy's longest window
     /// before now is decided against the log as it was (the log keeps events twice that
     /// long); one further back answers [`StoreError::EventTooOld`]. On a
-    /// [`RedisStore`] with leases, whose decisions read each window a lease period longer
-    /// (`docs/leases.md`), the bound is that longer window.
+    /// [`RedisStore`] with leases, whose decisions read each window longer by its headroom
+    /// `h` (`docs/leases.md`), the bound is that window less `h`, so that the longer windows
+    /// around the time read only events a store without leases sharing the key keeps too
+    /// (none at all in the past where `h` is the whole window).
     ///
     /// A refusal's [`retry_after`](Decision::retry_after) counts from `at`, not from now: the
     /// event moved that much later fits ([`Decision::retry_at`] is that instant). An event
@@ -159,8 +161,9 @@ pub enum StoreError {
     #[error("unsupported: {0}")]
     Unsupported(&'static str),
     /// An event time ([`Store::check_at`]) further back than the policy's longest window
-    /// before the store's now: the sliding log keeps what the windows around times up to that
-    /// far back need, and no more, so an older time could not be decided exactly.
+    /// before the store's now (less a leasing store's headroom): the sliding log keeps what
+    /// the windows around times up to that far back need, and no more, so an older time could
+    /// not be decided exactly.
     #[error("event time further back than the policy's longest window")]
     EventTooOld,
     /// A concurrency slot to renew is no longer held: it expired

@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use tower_redis_ratelimit::store::Leases;
 use tower_redis_ratelimit::test_util::{redis_key, with_limits, Reserve, Ticket};
 use tower_redis_ratelimit::{
-    Algorithm, Decision, Key, Limit, Policy, RedisStore, Settlement, Store,
+    Algorithm, Decision, Key, Limit, Policy, RedisStore, Settlement, Store, StoreError,
 };
 
 /// `exact.lua`'s `expires_at`: `until_us` rounded up to an eighth of `window` (whole ms, at
@@ -868,17 +868,16 @@ async fn a_hundred_thousand_cold_keys_leave_nothing() {
 }
 
 /// (7) A sliding-log key whose newest event e an unleased store wrote expires at
-/// `expires_at(e + 2 W)`, but a leasing store (period 100 ms, the headroom with `max_share`
-/// 0.5; L = W + 100 ms) decides event times up to L back (`Store::check_at`) and reads their
-/// windows L long: 20 ms after that expiry, an event time t = now - L + 40 ms, whose bare
-/// window (t - W, t] holds e, asks for the whole count again. Refused where the key still
-/// holds e (the same steps with a leasing store writing e, whose expiry is e + 2 L);
-/// admitted where it has gone, which puts twice the count in one window of W. The expiry
-/// before the rounding (`e + 2 W` from an unleased writer) lets e go as well: the rounding
-/// did not bring this.
+/// `expires_at(e + 2 W)`, and a leasing store (period 100 ms, the headroom h with `max_share`
+/// 0.5) reads every window `W + h` long. 20 ms after that expiry, an event time
+/// t = now - (W + h) + 40 ms, whose bare window (t - W, t] holds e, would read a window the
+/// key no longer holds, and admit the whole count again: twice the count in one window of W.
+/// The leasing store takes event times only up to `W - h` back (`sliding_log.lua`, "Event
+/// times"), so it answers `EventTooOld`, whoever wrote the key; an event time 40 ms inside
+/// that bound is decided. (With the bound at `W + h`, as it was, the key the unleased store
+/// wrote admitted the count again.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "over: a leasing store's event time reads events an unleased store's expiry (e + 2 W) let go"]
-async fn log_events_stay_for_a_leasing_stores_event_times_whoever_wrote_them() {
+async fn a_leasing_store_takes_event_times_only_as_far_back_as_every_writer_keeps_the_log() {
     let server = RedisServer::start();
     let client = server.client().await;
     let unleased = server.store().await;
@@ -900,28 +899,35 @@ async fn log_events_stay_for_a_leasing_stores_event_times_whoever_wrote_them() {
         let key = Key::from(format!("mixed-{name}"));
         let redis = redis_key(&leasing, &key, &policy);
         let first = writer.check(&key, &policy, 5).await.unwrap();
+        assert!(first.is_allowed(), "{first:?}");
         let (newest, expires, now) = read_log(&client, &redis).await;
         let e = newest.expect("the first event");
         // 20 ms after the key the unleased writer wrote has expired, on both keys.
         let expiry = expires_at(e + 2 * window, window);
         let wait = expiry * 1000 + 20_000 - now;
         tokio::time::sleep(Duration::from_micros(wait.max(0) as u64)).await;
-        let t = SystemTime::now() - Duration::from_micros((window + lease - 40_000) as u64);
+        let now = SystemTime::now();
+        let far = now - Duration::from_micros((window + lease - 40_000) as u64);
+        let near = now - Duration::from_micros((window - lease - 40_000) as u64);
         let exists: i64 = client.exists(&redis).await.unwrap();
-        let second = leasing.check_at(&key, &policy, 5, t).await;
-        let at = micros(t);
+        let old = leasing.check_at(&key, &policy, 5, far).await;
+        let inside = leasing.check_at(&key, &policy, 1, near).await;
+        let at = micros(far);
         eprintln!(
-            "{name} writer: e {e} admitted {}, key expires at {expires} ms; event time {at} (e + {} ms), the key exists {exists}: {:?}",
-            first.is_allowed(),
+            "{name} writer: e {e}, key expires at {expires} ms; event time {at} (e + {} ms), \
+             the key exists {exists}: {old:?}; {} ms back: {inside:?}",
             (at - e) / 1000,
-            second.as_ref().map(|d| d.is_allowed())
+            (micros(now) - micros(near)) / 1000
         );
         // e lies in (t - W, t]: a second admission of 5 puts 10 in that window.
         assert!(at - window < e && e <= at);
-        if second.is_ok_and(|d| d.is_allowed()) {
+        if !matches!(old, Err(StoreError::EventTooOld)) {
             broke.push(format!(
-                "{name} writer: admitted 5 more at {at}, within W of e {e}, key exists {exists}"
+                "{name} writer: {old:?} at {at}, within W of e {e}, key exists {exists}"
             ));
+        }
+        if !inside.as_ref().is_ok_and(|d| d.is_allowed()) {
+            broke.push(format!("{name} writer: {inside:?} inside the bound"));
         }
     }
     assert!(broke.is_empty(), "{broke:#?}");

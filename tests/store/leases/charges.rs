@@ -238,21 +238,25 @@ async fn a_refund_of_a_leased_request_frees_its_unit_on_the_log() {
 
 /// A settlement's reply reads the log's longer window too, so that a charge that fills the key
 /// in the window decisions read ends the lease, even while the shorter window still has room.
-/// An event of 500 units logged 10.3 s ago (in `(now − w − h, now]` for `1000/10s` and `h` =
-/// 1 s, not in `(now − w, now]`), a key warmed until it holds a lease, then a charge of what
-/// a peek says is left: the lease is spent no more (with the reply read in windows of `w`,
-/// 500 units still looked free and the lease went on).
+/// An event of 500 units logged 8.9 s back (a leasing store takes event times up to `w − h`
+/// back: 9 s for `1000/10s` and `h` = 1 s), 1.2 s later in `(now − w − h, now]`, not in
+/// `(now − w, now]`; a key warmed until it holds a lease, then a charge of what a peek says is
+/// left: the lease is spent no more (with the reply read in windows of `w`, 500 units still
+/// looked free and the lease went on).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_charge_that_fills_the_longer_window_ends_the_lease() {
     let server = RedisServer::start();
     let store = leasing(server.url()).await;
     let (key, policy) = (Key::from("longer"), log("1000/10s"));
-    let old = SystemTime::now() - Duration::from_millis(10_300);
+    let old = SystemTime::now() - Duration::from_millis(8_900);
     assert!(store
         .check_at(&key, &policy, 500, old)
         .await
         .unwrap()
         .is_allowed());
+    // The event leaves `(now − w, now]` 1.1 s after it was logged; the warming and the charge
+    // take well under the 0.9 s it then stays in the longer window.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
     paced(&store, &key, &policy, 30, Duration::from_millis(5)).await;
     let decision = store
         .check_now(&key, &policy, 1)

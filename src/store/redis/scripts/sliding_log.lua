@@ -20,8 +20,8 @@
 --           request: allowed (0 when refused; when admitted, 1 plus the units leased beyond
 --           the cost), limit index (0-based), remaining, reset_after (us), retry_after (us;
 --           -1 when admitted, -2 when no wait helps), the overriding count (-1: none); an
---           event time further back than the longest window answers limit index -3 (TOO_OLD)
---           and records nothing; then
+--           event time further back than the longest window less the headroom answers limit
+--           index -3 (TOO_OLD) and records nothing; then
 --           Redis TIME, the generation of the hash of overrides, a byte per slot operation,
 --           and the override fields read (prelude.lua)
 --
@@ -46,8 +46,11 @@
 -- weight 0: that key's counts can be off until it ages out, within one longest window.
 --
 -- Event times: decided by the limits alone (prelude.lua passes no penalty box for them), at
--- most the longest window read back (w + headroom; TOO_OLD further); members are kept twice
--- that, so that the windows around such a time read every event they held.
+-- most the longest window w less the headroom back (TOO_OLD further). A time t read in
+-- windows of w + headroom then reads nothing before now - 2 w, which every store keeps
+-- (members are trimmed at twice the longest window it reads, and a key expires twice that
+-- after its newest event), headroom or not: a store without leases may write the same key,
+-- and keeps no more than that. Without headroom, the bound is w.
 --
 -- Writes: members at or before twice the longest window before now are trimmed; an admitted
 -- request of positive cost adds one member after those at or before its time, adds its cost
@@ -378,8 +381,8 @@ local function reserve(key, n, cost, wait, from)
   return spack('<llllll', 0, index, remaining, reset, t - now, count)
 end
 
--- The answer to an event time further back than the longest window before now (its index,
--- TOO_OLD in wire/reply.rs).
+-- The answer to an event time further back than the longest window less the headroom (its
+-- index, TOO_OLD in wire/reply.rs).
 local TOO_OLD = spack('<llllll', 0, -3, 0, 0, -2, -1)
 
 for k = 1, REQUESTS do
@@ -390,9 +393,9 @@ for k = 1, REQUESTS do
     reply[k] = blocked
   elseif n == 0 then
     reply[k] = conclude(k, NO_LIMITS)
-  elseif event_time and t < now - windows[n] - headroom then
-    -- Further back than the longest window its decisions read (w + headroom): the set keeps
-    -- what windows around times up to that far back need, and no more.
+  elseif event_time and t < now - windows[n] + headroom then
+    -- Further back than w - headroom (see "Event times"): a window of w + headroom around
+    -- it reaches before now - 2 w, which a store without leases writing this key lets go.
     reply[k] = TOO_OLD
   elseif record == SETTLE and refund == 1 then
     if admitted >= 0 then

@@ -17,8 +17,8 @@
 -- Sends to the full tier (FULL_PATH), besides what plain.lua sends: a set whose newest event
 -- is after t (scheduled events: a reservation's, or an event time earlier than another), a
 -- set of an earlier version's members ("<time>:<n>"), a record that would take the totals past
--- MAX_UNITS, and an event time further back than the longest window (which sliding_log.lua
--- answers TOO_OLD). It answers so before it writes anything.
+-- MAX_UNITS, and an event time further back than the longest window less the headroom (which
+-- sliding_log.lua answers TOO_OLD, "Event times"). It answers so before it writes anything.
 --
 -- Commands: the newest event first (ZRANGE -1 -1); where the set is empty, or its newest
 -- event is older than every window, an admission is ZADD and PEXPIREAT alone. Else the first
@@ -87,8 +87,8 @@ for k = 1, #KEYS do
   elseif n == 0 then
     -- As prelude.lua's NO_LIMITS: admitted, nothing recorded.
     reply[k] = spack('<llllll', 1, 0, 0, 0, -1, -1)
-  elseif t >= 0 and t < now - windows[n] - headroom then
-    -- Further back than the longest window (sliding_log.lua's TOO_OLD).
+  elseif t >= 0 and t < now - windows[n] + headroom then
+    -- Further back than the longest window less the headroom (sliding_log.lua's TOO_OLD).
     reply[k] = spack('<llllll', 0, FULL_PATH, 0, 0, -2, -1)
   else
     if t < 0 then

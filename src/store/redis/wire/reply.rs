@@ -27,8 +27,9 @@ pub(crate) const SLOTS_FULL: i64 = -2;
 /// (`BUSY` in `prelude.lua`, "Attempts"): no failure, and no penalty box.
 const BUSY: i64 = -1;
 
-/// The limit index of an event time further back than the longest window before Redis' now
-/// (`TOO_OLD` in `sliding_log.lua`): [`StoreError::EventTooOld`].
+/// The limit index of an event time further back than the longest window (less a leasing
+/// store's headroom) before Redis' now (`TOO_OLD` in `sliding_log.lua`):
+/// [`StoreError::EventTooOld`].
 const TOO_OLD: i64 = -3;
 
 /// The limit index of a request the plain tier does not decide (`FULL_PATH` in `plain.lua`):
