@@ -21,8 +21,8 @@
 -- rounds to the one its state guarantees (exact.lua, `expires_at`: the last write's, at least
 -- its stamp plus the longest window, rounded up to an eighth of that window) keeps the key's
 -- expiry (SETRANGE over its state, exact.lua's `write_gcra`): on a key busy enough to be
--- written again within an eighth of its window, most writes, each about 7 800 Redis
--- instructions cheaper than one that sets it (examples/redis_costs.rs). Under an override's counts (a longer expiry), or without state,
+-- written again within an eighth of its window, most writes, each about 7 400 Redis
+-- instructions cheaper than one that sets it with PSETEX (docs/performance.md). Under an override's counts (a longer expiry), or without state,
 -- the write sets the expiry. A refusal extends the key's expiry (PTTL, PEXPIRE) as
 -- gcra.lua does, but only where the write that set it may not cover the backlog's drain under
 -- the counts at hand: a limit written under another weight, or a backlog that drains after
