@@ -20,7 +20,7 @@ use fred::prelude::*;
 use fred::types::{ClusterHash, CustomCommand};
 use tokio::time::Instant;
 use tower_redis_ratelimit::store::Leases;
-use tower_redis_ratelimit::test_util::redis_key;
+use tower_redis_ratelimit::test_util::{plain_args, redis_key};
 use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store};
 
 const EXACT: &str = include_str!("../../src/store/redis/scripts/exact.lua");
@@ -182,11 +182,16 @@ async fn run(
     key: &str,
     args: Vec<u8>,
 ) -> Result<Bytes, String> {
-    let second = if full {
-        Value::from("fast:overrides")
+    // A plain script is sent what the store sends it of the request, confirmed at the
+    // request's generation (0) for ever.
+    let (args, second) = if full {
+        (args, Value::from("fast:overrides"))
     } else {
         let confirmation = [0i64.to_le_bytes(), i64::MAX.to_le_bytes()].concat();
-        Value::Bytes(Bytes::from(confirmation))
+        (
+            plain_args(&args, 0),
+            Value::Bytes(Bytes::from(confirmation)),
+        )
     };
     let evalsha = CustomCommand::new_static("EVALSHA", ClusterHash::FirstKey, false);
     let values = vec![

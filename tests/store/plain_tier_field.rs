@@ -20,7 +20,7 @@ use fred::prelude::*;
 use tokio::task::block_in_place;
 use tokio::time::Instant;
 use tower_redis_ratelimit::store::{Override, Scope};
-use tower_redis_ratelimit::test_util::redis_key;
+use tower_redis_ratelimit::test_util::{plain_args, redis_key};
 use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store};
 
 /// The bound on following an override (`docs/promises.md`).
@@ -849,10 +849,10 @@ async fn evalsha_seen<F: std::future::Future<Output = ()>>(
         .collect()
 }
 
-/// (5b) One clock for both tiers: a plain call and a full call a store made, as `MONITOR`
-/// saw them, are replayed with `EVALSHA` (the plain script's and the full script's) on two
-/// keys that start from the same bytes (`COPY`), each request with the same event time and
-/// cost: the two keys' values are byte for byte the same after every request (GCRA: `GET`;
+/// (5b) One clock for both tiers: the full call a store made, as `MONITOR` saw it, is
+/// replayed with `EVALSHA` (on the plain script as the store sends a request there, and on the
+/// full script) on two keys that start from the same bytes (`COPY`), each request with the
+/// same event time and cost: the two keys' values are byte for byte the same after every request (GCRA: `GET`;
 /// the log: `ZRANGE ... WITHSCORES` and `DUMP`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_tiers_under_one_clock_leave_the_same_bytes() {
@@ -885,34 +885,38 @@ async fn both_tiers_under_one_clock_leave_the_same_bytes() {
         };
         let int = |a: &[u8], i: usize| i64::from_le_bytes(a[8 * i..8 * i + 8].try_into().unwrap());
         eprintln!(
-            "{algorithm:?}: {} calls seen, full sha {}, plain sha {}; the plain call's first ints {:?}",
+            "{algorithm:?}: {} calls seen, full sha {}, plain sha {}; the full call's first ints {:?}",
             calls.len(),
             String::from_utf8_lossy(&full_sha),
             String::from_utf8_lossy(&plain_call[1]),
-            (0..11).map(|i| int(&plain_call[4], i)).collect::<Vec<_>>()
+            (0..11).map(|i| int(&calls[0][4], i)).collect::<Vec<_>>()
         );
         let (x, y) = (
             format!("{{clock}}:x-{algorithm:?}"),
             format!("{{clock}}:y-{algorithm:?}"),
         );
-        // The second argument: the full call's (the hash's name), and for the plain call its
-        // confirmation made to last (the generation it was resolved at, for ever), since the
-        // replay runs past the one it carried.
+        // The full call's request, at each event time and cost, sent to the full script with
+        // its second argument (the hash's name), and to the plain script as the store sends it
+        // there (`test_util::plain_args`) with a confirmation made to last (the generation the
+        // request was resolved at, for ever), since the replay runs past the one the plain call
+        // carried.
         let hash_name = calls[0][5].clone();
-        let for_ever = [&plain_call[4][64..72], &i64::MAX.to_le_bytes()[..]].concat();
+        let generation = int(&calls[0][4], 8);
+        let for_ever = [generation.to_le_bytes(), i64::MAX.to_le_bytes()].concat();
         let run = |sha: Vec<u8>, target: String, at: i64, cost: i64| {
-            let mut args: Vec<Value> = plain_call[4..]
+            let mut args: Vec<Value> = calls[0][4..]
                 .iter()
                 .map(|a| Value::Bytes(Bytes::from(a.clone())))
                 .collect();
-            let mut first = plain_call[4].clone();
+            let mut first = calls[0][4].clone();
             first[8..16].copy_from_slice(&cost.to_le_bytes());
             first[24..32].copy_from_slice(&at.to_le_bytes());
+            let (first, second) = match sha == full_sha {
+                true => (first, hash_name.clone()),
+                false => (plain_args(&first, generation), for_ever.clone()),
+            };
             args[0] = Value::Bytes(Bytes::from(first));
-            args[1] = Value::Bytes(Bytes::from(match sha == full_sha {
-                true => hash_name.clone(),
-                false => for_ever.clone(),
-            }));
+            args[1] = Value::Bytes(Bytes::from(second));
             let admin = admin.clone();
             async move {
                 let sha = String::from_utf8(sha).unwrap();

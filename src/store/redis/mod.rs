@@ -49,6 +49,13 @@ use crate::model::Algorithm;
 use crate::settlement::Owed;
 use crate::{Decision, Key, Policy, Settlement};
 
+/// What a plain call carries of one request's full arguments ([`wire::plain_args`]), for the
+/// scripts' own tests (`test_util::plain_args`).
+#[cfg(feature = "test-util")]
+pub(crate) fn plain_args(full: &[u8], confirmed: i64) -> Vec<u8> {
+    wire::plain_args(full, 1, confirmed)
+}
+
 /// Rate-limit state in Redis, shared by every instance of a service.
 ///
 /// Decisions run the algorithm's Lua script (`EVALSHA`; under load one call decides a batch,

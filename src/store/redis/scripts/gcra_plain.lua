@@ -5,7 +5,7 @@
 --
 -- KEYS[k]   request k's state, exactly as gcra.lua keeps it (t b u per limit, then the
 --           creation time and the last lease's time), read and written alike
--- ARGV[1]   as gcra.lua (plain.lua says what this tier reads of it)
+-- ARGV[1]   as plain.lua says (a plain request: what gcra.lua reads of one, and no more)
 --
 -- Reply     as plain.lua: six integers per request (allowed, limit index, remaining,
 --           reset_after, retry_after, the overriding count), then Redis TIME and -2

@@ -50,8 +50,9 @@ macro_rules! script {
     };
 }
 
-/// Which of an algorithm's scripts decides a request. Both read the same arguments and keep
-/// the same state byte for byte, so that a key's requests may go to either, one by one.
+/// Which of an algorithm's scripts decides a request. Both read the same request (the plain
+/// tier what of its arguments it decides by, `wire/plain.rs`) and keep the same state byte for
+/// byte, so that a key's requests may go to either, one by one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Tier {
     /// Looks, admissions and leases of a policy that uses no penalty box, slot, attempt or
@@ -66,7 +67,8 @@ pub(crate) enum Tier {
 
 /// The text of `algorithm`'s script of `tier`. GCRA and the sliding log do without the
 /// driver, for speed (their headers say why). The counters have no plain script yet: their
-/// plain tier is the full script, which takes the same arguments.
+/// plain tier is the full script, which takes the full arguments (no request of theirs is
+/// sent plain: [`Scripts::has_plain`]).
 pub(crate) const fn source(algorithm: Algorithm, tier: Tier) -> &'static str {
     match (algorithm, tier) {
         (Algorithm::SlidingLog, Tier::Plain) => script!(plain log, "sliding_log_plain.lua"),

@@ -9,13 +9,16 @@
 --
 -- KEYS[k]   the state of request k, as the algorithm's full script keeps it (its header says
 --           the format); no slot operation's key
--- ARGV[1]   exactly as prelude.lua: for each request in turn, the eleven integers n, cost,
---           record, event time (-1: now), override id, penalty box, policy-wide and plan
---           fields, known, kind and attempt, then the mode's own arguments, the limits, and,
---           where kind is COUNTS, the override's counts (prelude.lua, ARGV[1])
+-- ARGV[1]   for each request in turn (src/store/redis/wire/plain.rs, which makes them from
+--           the full scripts' arguments, prelude.lua's ARGV[1]): the five integers n, cost,
+--           record, event time (-1: now) and kind, then a look's or a lease's want and
+--           headroom, count, window and scale of each limit, and, where kind is COUNTS, the
+--           override's count and scale of each limit. A request this tier must not decide
+--           (see below) is an admission at now of n = -1 and kind 0: -1 0 1 -1 0.
 -- ARGV[2]   the lane's confirmation (src/store/redis/overrides/known.rs, "The plain tier"):
---           two integers, the generation of the hash of overrides a full call read, and the
---           Redis time in us until which a request resolved at it is decided here (-2 and 0:
+--           two integers, the generation of the hash of overrides a full call read, which
+--           every request sent here was resolved at (the store sends one resolved at another
+--           as n = -1), and the Redis time in us until which they are decided here (-2 and 0:
 --           none is)
 -- ARGV[3..] as prelude.lua, and ignored: this tier reads no hash of overrides and takes no
 --           slot operation
@@ -23,14 +26,15 @@
 -- What it handles: LOOK, ADMIT and LEASE (a step of a metered body is sent as one of those),
 -- at the event time given (-1: now), with no penalty box (0, or an event time, which no box
 -- refuses), no attempt, and the override the arguments carry (kind NONE, BLOCK, or COUNTS with
--- their counts): `known` is not checked against the hash, which is the store's to follow
--- (the store sends a request here only while it knows the overrides that apply), but against
--- the confirmation ARGV[2] carries, so that a call run late (held in a stalled connection)
--- decides nothing by overrides that may have changed since.
+-- their counts), resolved at the generation the confirmation ARGV[2] carries: not checked
+-- against the hash, which is the store's to follow (the store sends a request here only while
+-- it knows the overrides that apply), but decided only until the confirmation's time, so that
+-- a call run late (held in a stalled connection) decides nothing by overrides that may have
+-- changed since.
 -- What it sends to the full tier: every other request (SETTLE, TAKE, RESERVE, a penalty box,
--- an attempt), every request resolved at another generation than the one confirmed, every
--- request once Redis's time has reached the confirmation's, and the cases each algorithm's
--- plain file names, are answered FULL_PATH
+-- an attempt, a request resolved at another generation than the one confirmed: each sent as
+-- n = -1), every request once Redis's time has reached the confirmation's, and the cases each
+-- algorithm's plain file names, are answered FULL_PATH
 -- (limit index -4: 0 FULL_PATH 0 0 -2 -1): not decided, nothing recorded; the store decides
 -- such a request again with the full script (wire/reply.rs, FULL_PATH).
 --
@@ -54,14 +58,11 @@ end
 local time = redis.call('TIME')
 local now = time[1] * 1000000 + time[2]
 local spack, sunpack = struct.pack, struct.unpack
--- The generation this call decides by: the one confirmed, until its time (see the header);
--- past it, or without a confirmation, none (-2 is no request's).
-local confirmed = -2
+-- Whether this call decides by the confirmation it carries: until its time (see the header).
+local confirmed = false
 if #ARGV[2] == 16 then
-  local generation, ends = sunpack('<ll', ARGV[2])
-  if now < ends then
-    confirmed = generation
-  end
+  local _, ends = sunpack('<ll', ARGV[2])
+  confirmed = now < ends
 end
 -- The arguments, read from next_byte on, and the answers so far (one string per request).
 local requests, next_byte = ARGV[1], 1
@@ -78,31 +79,24 @@ local FULL_PATH, NOT_READ = -4, -2
 -- arithmetic costs. Answers are packed where they are given, for the same reason.
 
 -- Reads the request whose arguments start at byte `at` of `requests`, in a call that decides
--- by generation `confirmed`: returns the byte after them, its number of limits n, cost, mode,
--- event time (-1: now), want (the cost unless a lease or a look), headroom (0 for an
--- admission), its answer when this tier does not decide it or an override blocks it (else
--- false), and whether an override's counts decide it with the largest ratio of such a count
--- to the policy's own, num / den, at least 1 (prelude.lua, `stretch_num`); puts each limit's
--- count (an override's, if one applies), window and scale in `counts[i]`, `windows[i]` and
--- `scales[i]` (`scales` may be nil).
+-- by its confirmation where `confirmed` (see the header): returns the byte after them, its
+-- number of limits n, cost, mode, event time (-1: now), want (the cost unless a lease or a
+-- look), headroom (0 for an admission), its answer when this tier does not decide it or an
+-- override blocks it (else false), and whether an override's counts decide it with the
+-- largest ratio of such a count to the policy's own, num / den, at least 1 (prelude.lua,
+-- `stretch_num`); puts each limit's count (an override's, if one applies), window and scale
+-- in `counts[i]`, `windows[i]` and `scales[i]` (`scales` may be nil).
 local function next_plain(requests, at, confirmed, counts, windows, scales)
   local sunpack = struct.unpack
-  local LOOK, LEASE, SETTLE, TAKE, RESERVE = 0, 2, 3, 4, 5
+  local LOOK, LEASE = 0, 2
   local BLOCK, COUNTS = -1, -2
   -- The largest count and the longest window (prelude.lua).
   local MAX_COUNT, MAX_WINDOW = 1125899906842624, 315360000000000
-  local n, cost, record, t, box, known, kind, attempt, _
-  n, cost, record, t, _, box, _, _, known, kind, attempt, at =
-    sunpack('<lllllllllll', requests, at)
+  local n, cost, record, t, kind
+  n, cost, record, t, kind, at = sunpack('<lllll', requests, at)
   local want, headroom = cost, 0
   if record == LOOK or record == LEASE then
     want, headroom, at = sunpack('<ll', requests, at)
-  elseif record == SETTLE then
-    at = at + 40
-  elseif record == TAKE then
-    at = at + 56
-  elseif record == RESERVE then
-    at = at + 32
   end
   local count, window, scale
   for i = 1, n do
@@ -132,7 +126,7 @@ local function next_plain(requests, at, confirmed, counts, windows, scales)
     end
   end
   local answer = false
-  if record > LEASE or attempt > 0 or (box > 0 and t < 0) or known ~= confirmed then
+  if n < 0 or not confirmed then
     -- FULL_PATH (see the header).
     answer = struct.pack('<llllll', 0, -4, 0, 0, -2, -1)
   elseif kind == BLOCK then

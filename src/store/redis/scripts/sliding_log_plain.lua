@@ -6,7 +6,8 @@
 --
 -- KEYS[k]   request k's sorted set of events, exactly as sliding_log.lua keeps it
 --           (log_events.lua spells the members), read and written alike
--- ARGV[1]   as sliding_log.lua (plain.lua says what this tier reads of it)
+-- ARGV[1]   as plain.lua says (a plain request: what sliding_log.lua reads of one, and no
+--           more)
 --
 -- Reply     as plain.lua: six integers per request (allowed, limit index, remaining,
 --           reset_after, retry_after, the overriding count), then Redis TIME and -2

@@ -208,15 +208,20 @@ impl Scripts {
         overriding: &Overriding,
     ) -> Result<Bytes, fred::error::Error> {
         let script = scripts::source(algorithm, tier);
-        let args = encode(cost, record, t, windows, overriding);
+        let mut args = encode(cost, record, t, windows, overriding);
         let eval = CustomCommand::new_static("EVAL", ClusterHash::FirstKey, false);
-        // No override is ever set: the hash of overrides does not exist. The plain tier is
-        // confirmed at the request's own generation, for ever.
-        let overrides = match tier {
-            Tier::Full => Value::from("overrides"),
-            Tier::Plain => {
+        // No override is ever set: the hash of overrides does not exist. The plain tier (of an
+        // algorithm that has one) is confirmed at the request's own generation, for ever, and
+        // sent what the store sends it of the request (`wire::plain_args`).
+        let plain = tier == Tier::Plain && scripts::Scripts::has_plain(algorithm);
+        let overrides = match plain {
+            false => Value::from("overrides"),
+            true => {
                 let known = &args[8 * INT..9 * INT];
-                Value::Bytes(Bytes::from([known, &i64::MAX.to_le_bytes()].concat()))
+                let generation = i64::from_le_bytes(known.try_into().unwrap());
+                let confirmation = [known, &i64::MAX.to_le_bytes()].concat();
+                args = wire::plain_args(&args, 1, generation);
+                Value::Bytes(Bytes::from(confirmation))
             }
         };
         let values = vec![

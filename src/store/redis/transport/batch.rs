@@ -208,15 +208,13 @@ impl Batcher {
         let (head, args) = args.split_at(HEAD.min(args.len()));
         let mut heads = Heads::with_capacity(1);
         heads.push(head, args);
-        let (args, heads) = (Bytes::copy_from_slice(args), heads.bytes());
+        let heads = heads.bytes();
         let call = |tier| {
             let script = ScriptId { algorithm, tier };
-            let argv = wire::argv(
-                args.clone(),
-                self.settings.overrides_for(place.lane, tier),
-                heads.clone(),
-                Vec::new(),
-            );
+            let (args, overrides) = self
+                .settings
+                .arguments(place.lane, script, args.to_vec(), 1);
+            let argv = wire::argv(args, overrides, heads.clone(), Vec::new());
             self.call_patiently(place.lane, key.clone(), script, argv, patience)
         };
         let answer = call(tier).await?;

@@ -151,19 +151,37 @@ pub(crate) struct Settings {
 }
 
 impl Settings {
-    /// The second argument of a call of `tier` to lane `lane`: for the full tier the name of
-    /// the lane's hash of overrides, which it reads; for the plain tier, which reads none, the
-    /// lane's confirmation now ([`Known::confirmation`]), so that Redis decides by it only
-    /// at the generation confirmed and until the Redis time it names (`scripts/plain.lua`).
-    pub(crate) fn overrides_for(&self, lane: usize, tier: Tier) -> Value {
-        match tier {
-            Tier::Full => self.overrides[lane % self.overrides.len()].clone(),
+    /// The first two arguments of a call of `script` to lane `lane` for the `decisions` requests
+    /// `args` holds, encoded for the full tier ([`wire::encode_for`], less their heads). For the
+    /// full tier, `args` as they are and the name of the lane's hash of overrides, which it
+    /// reads. For the plain tier, which reads none, their plain arguments
+    /// ([`wire::plain_args`]) and the lane's confirmation now ([`Known::confirmation`]): the
+    /// generation it read, which each request sent there was resolved at (one resolved at
+    /// another is sent to be answered `FULL_PATH`), and the Redis time until which the plain
+    /// tier decides by it (`scripts/plain.lua`).
+    pub(crate) fn arguments(
+        &self,
+        lane: usize,
+        script: ScriptId,
+        args: Vec<u8>,
+        decisions: usize,
+    ) -> (Bytes, Value) {
+        match script.tier {
+            Tier::Full => {
+                let overrides = self.overrides[lane % self.overrides.len()].clone();
+                (Bytes::from(args), overrides)
+            }
             Tier::Plain => {
                 let (generation, until) = self.known.confirmation(lane, self.limits.token());
                 let mut bytes = Vec::with_capacity(2 * 8);
                 bytes.extend_from_slice(&generation.to_le_bytes());
                 bytes.extend_from_slice(&until.to_le_bytes());
-                Value::Bytes(Bytes::from(bytes))
+                // The counters' plain tier is their full script (`scripts::source`).
+                let args = match Scripts::has_plain(script.algorithm) {
+                    true => wire::plain_args(&args, decisions, generation),
+                    false => args,
+                };
+                (Bytes::from(args), Value::Bytes(Bytes::from(bytes)))
             }
         }
     }
@@ -488,8 +506,8 @@ async fn run(settings: &Settings, lane: usize, id: ScriptId, laid: Laid) -> Resu
     let slot_ops = ops.len() / 2;
     // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
     let one_key = keys.iter().all(|key| *key == keys[0]);
-    let (args, heads) = (Bytes::from(args), heads.bytes());
-    let argv = wire::argv(args, settings.overrides_for(lane, id.tier), heads, ops);
+    let (args, overrides) = settings.arguments(lane, id, args, decisions);
+    let argv = wire::argv(args, overrides, heads.bytes(), ops);
     // Each command waits for its reply up to the patience of a late reply, not the pool's
     // budget, so that a reply after the budget is still read (see `Unread`).
     let options = Options {

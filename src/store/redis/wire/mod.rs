@@ -11,11 +11,14 @@
 //! Arguments and reply are 64-bit little-endian integers rather than Redis's text, so that
 //! Redis neither parses nor prints a number per field (`prelude.lua`, "Cost").
 //!
-//! `request.rs` encodes a call's keys and arguments, `reply.rs` reads its reply; the scripts
+//! `request.rs` encodes a call's keys and arguments, `plain.rs` what of a request's arguments
+//! a plain call carries (`scripts/plain.lua`), `reply.rs` reads its reply; the scripts
 //! themselves are in `scripts/`.
 
+mod plain;
 mod reply;
 mod request;
 
+pub(crate) use plain::*;
 pub(crate) use reply::*;
 pub(crate) use request::*;
