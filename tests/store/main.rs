@@ -8,6 +8,7 @@ mod batching;
 mod conformance;
 mod event_time;
 mod expiry_kept;
+mod field_attack56;
 mod leases;
 mod plain_tier;
 mod plain_tier_fast;
