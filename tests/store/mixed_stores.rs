@@ -1,8 +1,15 @@
-//! Attacks on two changes of the Redis store: GCRA writes that keep a key's expiry with
-//! `SETRANGE key 0 <state>` (which keeps stale trailing bytes on a longer value and makes a key
-//! without expiry where the key is missing), and a leasing store's event-time bound of `W − h`
-//! on the sliding log (`docs/leases.md`, "Event times"), with stores of other lease settings,
-//! and stores without leases, writing the same log.
+//! Stores of different settings writing one key: the plain and full tiers, leasing stores of
+//! different lease periods, and stores without leases.
+//! - GCRA: the write that keeps a key's expiry overwrites its state with `SETRANGE key 0`
+//!   (`exact.lua`, `write_gcra`), which would keep stale trailing bytes over a longer value and
+//!   make a key without expiry where the key is missing: every key keeps `24n + 16` bytes and
+//!   an expiry through mixed steps, and what a key costs written once and again.
+//! - The sliding log: a leasing store's bound on event times, `W − h` back (`docs/leases.md`,
+//!   "Event times"), at its edges and on keys with state; windows as units are spent, under one
+//!   lease setting, beside stores without leases deciding event times, and under mixed lease
+//!   settings, which `docs/leases.md` asks not to run (ignored tests show what they admit).
+//!
+//! Each test prints its figures (`--nocapture`).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
