@@ -16,7 +16,7 @@
 //! for another), which none reaches. Under callgrind Redis runs tens of times slower, and each
 //! key sees a decision every few hundred ms: a window of 10 s or more (`--limit 1000000/10s`)
 //! keeps them as busy, against an eighth of the window, as they are at native speed, where the
-//! scripts keep a busy key's expiry (`exact.lua`, `expires_at`). What Redis did in between (`CONFIG RESETSTAT` before, `INFO commandstats` and
+//! scripts keep a busy key's expiry (`expiry.lua`, `expires_at`). What Redis did in between (`CONFIG RESETSTAT` before, `INFO commandstats` and
 //! `INFO cpu` after) is divided by the decisions:
 //!
 //! - `calls`: `EVALSHA` calls (one round trip each): how many requests share a call;

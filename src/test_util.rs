@@ -451,8 +451,8 @@ pub fn redis_key(store: &crate::RedisStore, key: &Key, policy: &Policy) -> Strin
     store.redis_key(key, policy)
 }
 
-/// What a plain call carries (`scripts/plain.lua`, ARGV[1]) of one request's arguments as the
-/// full scripts read them (`scripts/prelude.lua`, ARGV[1]), in a call confirmed at generation
+/// What a plain call carries (`scripts/plain.lua`, `ARGV[1]`) of one request's arguments as the
+/// full scripts read them (`scripts/prelude.lua`, `ARGV[1]`), in a call confirmed at generation
 /// `confirmed`: a request the plain tier must not decide is sent to be answered `FULL_PATH`.
 #[cfg(feature = "redis")]
 pub fn plain_args(full: &[u8], confirmed: i64) -> Vec<u8> {

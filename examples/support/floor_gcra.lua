@@ -4,8 +4,8 @@
 -- these commands costs Redis less.
 --
 -- KEYS[k]   a key: read (GET) and written again with 40 bytes, as a state of one limit is,
---           keeping its expiry (SETRANGE over the 40 bytes, exact.lua's `write_gcra`), as the
---           plain tier writes a key it wrote within the same eighth of its window (exact.lua,
+--           keeping its expiry (SETRANGE over the 40 bytes, expiry.lua's `write_gcra`), as the
+--           plain tier writes a key it wrote within the same eighth of its window (expiry.lua,
 --           `expires_at`); the store's runs here decide each key many times in that time
 -- ARGV      none
 -- Reply     48 bytes per key (a decision's six integers' worth), then 16 (Redis TIME and a

@@ -266,7 +266,7 @@ impl AlgorithmState for SlidingLog {
     /// so which of its events gives them does not matter (on Redis a request admitted from a
     /// lease was logged in the lease's event). An event goes when it weighs nothing; the
     /// events after carry that much less in their totals. Nothing when no event has that time
-    /// (aged out, reset) or `at` is not known. As `scripts/log_events.lua`'s `lighten`.
+    /// (aged out, reset) or `at` is not known. As `scripts/log_lighten.lua`'s `lighten`.
     fn refund(&mut self, _: u64, _: &[Window], back: Refund) {
         let Some(at) = back.at else { return };
         let end = self.events.partition_point(|e| e.time <= at);

@@ -1,4 +1,4 @@
-//! Rounded expiries that busy keys keep (`exact.lua`, `expires_at`), against a real Redis and
+//! Rounded expiries that busy keys keep (`expiry.lua`, `expires_at`), against a real Redis and
 //! the store's own scripts on Redis's own clock (Redis TIME, as in production).
 //!
 //! What a key must keep, read after every step with one script (`GET` or the newest event,
@@ -27,7 +27,7 @@ use tower_redis_ratelimit::{
     Algorithm, Decision, Key, Limit, Policy, RedisStore, Settlement, Store, StoreError,
 };
 
-/// `exact.lua`'s `expires_at`: `until_us` rounded up to an eighth of `window` (whole ms, at
+/// `expiry.lua`'s `expires_at`: `until_us` rounded up to an eighth of `window` (whole ms, at
 /// least 1 ms), in ms.
 fn expires_at(until_us: i64, window: i64) -> i64 {
     let quantum = ((window - window % 8000) / 8).max(1000);

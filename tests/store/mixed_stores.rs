@@ -1,7 +1,7 @@
 //! Stores of different settings writing one key: the plain and full tiers, leasing stores of
 //! different lease periods, and stores without leases.
 //! - GCRA: the write that keeps a key's expiry overwrites its state with `SETRANGE key 0`
-//!   (`exact.lua`, `write_gcra`), which would keep stale trailing bytes over a longer value and
+//!   (`expiry.lua`, `write_gcra`), which would keep stale trailing bytes over a longer value and
 //!   make a key without expiry where the key is missing: every key keeps `24n + 16` bytes and
 //!   an expiry through mixed steps, and what a key costs written once and again.
 //! - The sliding log: a leasing store's bound on event times, `W − h` back (`docs/leases.md`,
@@ -701,7 +701,7 @@ async fn a_log_key_of_two_lease_periods_stays_within_every_window() {
     assert!(broke.is_empty(), "{broke:#?}");
 }
 
-/// The premises of the `SETRANGE` write (exact.lua, `write_gcra`): over a value of the same
+/// The premises of the `SETRANGE` write (expiry.lua, `write_gcra`): over a value of the same
 /// length it replaces every byte and keeps the expiry; over a longer one it leaves the old
 /// tail; on a missing key it makes one without expiry. So every caller must pass `kept` only
 /// for a key it has just read at the new value's length.

@@ -23,12 +23,14 @@ use tower_redis_ratelimit::store::Leases;
 use tower_redis_ratelimit::test_util::{plain_args, redis_key};
 use tower_redis_ratelimit::{Algorithm, Key, Policy, RedisStore, Store};
 
+const EXPIRY: &str = include_str!("../../src/store/redis/scripts/expiry.lua");
 const EXACT: &str = include_str!("../../src/store/redis/scripts/exact.lua");
 const PRELUDE: &str = include_str!("../../src/store/redis/scripts/prelude.lua");
 const PLAIN: &str = include_str!("../../src/store/redis/scripts/plain.lua");
 const GCRA: &str = include_str!("../../src/store/redis/scripts/gcra.lua");
 const GCRA_PLAIN: &str = include_str!("../../src/store/redis/scripts/gcra_plain.lua");
 const LOG_EVENTS: &str = include_str!("../../src/store/redis/scripts/log_events.lua");
+const LOG_LIGHTEN: &str = include_str!("../../src/store/redis/scripts/log_lighten.lua");
 const LOG: &str = include_str!("../../src/store/redis/scripts/sliding_log.lua");
 const LOG_PLAIN: &str = include_str!("../../src/store/redis/scripts/sliding_log_plain.lua");
 const RETURN: &str = include_str!("../../src/store/redis/scripts/return.lua");
@@ -40,6 +42,8 @@ const CLOCK: &str = "fast:clock";
 const LOOK: i64 = 0;
 const ADMIT: i64 = 1;
 const LEASE: i64 = 2;
+/// The limit index of a request a plain script does not decide (`plain.lua`).
+const FULL_PATH: i64 = -4;
 
 /// `source` with `from` replaced by `to`, which must occur exactly once.
 fn once(source: &str, from: &str, to: &str) -> String {
@@ -83,9 +87,9 @@ fn with_tonumber(source: &str) -> String {
 /// The GCRA scripts: the plain one (one limit in locals), the plain one with that branch taken
 /// out (one limit through the loop, as before), and the full one.
 fn gcra_sources() -> [String; 3] {
-    let fast = format!("{EXACT}{PLAIN}{GCRA_PLAIN}");
+    let fast = format!("{EXPIRY}{PLAIN}{GCRA_PLAIN}");
     let looped = once(&fast, "elseif n == 1 then", "elseif false then");
-    let full = format!("{EXACT}{PRELUDE}{GCRA}");
+    let full = format!("{EXPIRY}{EXACT}{PRELUDE}{GCRA}");
     [on_clock(&fast), on_clock(&looped), on_clock(&full)]
 }
 
@@ -265,6 +269,9 @@ struct Covered {
     two_limits: usize,
     errors: usize,
     expiry_extended: usize,
+    /// Requests a plain script sent on to the full one (`FULL_PATH`: a state written under
+    /// other counts).
+    sent_on: usize,
 }
 
 /// (1) GCRA, one limit, three scripts side by side on three keys that start from the same
@@ -275,8 +282,10 @@ struct Covered {
 /// leases, an override's counts above and below the policy's (a backlog reweighed, or the same
 /// weight draining slower), a request of two limits on the same key (a state of another
 /// length) now and then, buckets near the largest GCRA keeps and one past it (an error).
-/// After every request: the six decision integers, the value (`GET`) and the expiry
-/// (`PEXPIRETIME`, within the real time the three runs took) are the same on the three keys.
+/// A plain script sends a state written under other counts to the full one (`FULL_PATH`),
+/// which then decides it, as the store does. After every request: the six decision integers,
+/// the value (`GET`) and the expiry (`PEXPIRETIME`, within the real time the three runs took)
+/// are the same on the three keys.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_limit_gcra_decides_writes_and_expires_as_the_loop_and_the_full_script() {
     let server = RedisServer::start();
@@ -366,7 +375,12 @@ async fn one_limit_gcra_decides_writes_and_expires_as_the_loop_and_the_full_scri
             let started = redis_now(&client).await;
             for (j, sha) in shas.iter().enumerate() {
                 let before = state(&client, &keys[j]).await.1;
-                replies.push(run(&client, sha, j == 2, &keys[j], args.clone()).await);
+                let mut reply = run(&client, sha, j == 2, &keys[j], args.clone()).await;
+                if j < 2 && reply.as_ref().is_ok_and(|r| int(r, 1) == FULL_PATH) {
+                    covered.sent_on += 1;
+                    reply = run(&client, &shas[2], true, &keys[j], args.clone()).await;
+                }
+                replies.push(reply);
                 let after = state(&client, &keys[j]).await;
                 let value_kept = after.0 == state_before[j];
                 if j == 0 && after.1 > before && before >= 0 && value_kept {
@@ -452,6 +466,7 @@ async fn one_limit_gcra_decides_writes_and_expires_as_the_loop_and_the_full_scri
         differ.iter().take(3).collect::<Vec<_>>()
     );
     assert!(covered.refused > 100 && covered.admitted > 100 && covered.errors > 0);
+    assert!(covered.sent_on > 0 && covered.sent_on < covered.requests);
     assert!(differ.is_empty(), "{} differ", differ.len());
 }
 
@@ -640,7 +655,7 @@ async fn keys_live_until_their_backlog_drains_and_vanish_when_idle() {
         "idle keys {idle:?}: PTTL after one admission {ttls:?} ms; left 450 ms later {left:?}"
     );
     // -2: gone already, as a busy machine may read it; -1 would be a key kept for ever. A
-    // write's expiry is rounded up to an eighth of the window (`exact.lua`, `expires_at`):
+    // write's expiry is rounded up to an eighth of the window (`expiry.lua`, `expires_at`):
     // 37 ms of 300.
     if left.iter().any(|e| *e != 0) || ttls.iter().any(|t| *t == -1 || *t > 300 + 37) {
         broke.push(format!("idle: PTTLs {ttls:?}, left {left:?}"));
@@ -651,7 +666,7 @@ async fn keys_live_until_their_backlog_drains_and_vanish_when_idle() {
 /// Admits `request` on `key` with script `sha` (`full`: the full tier's arguments) 60 times,
 /// 10 ms apart, each on Redis's time: after each, the key must expire no sooner than `span` µs
 /// after the admission's time, and no later than `span` after the expiry was read, rounded up
-/// to an eighth of the window (`exact.lua`, `expires_at`: 100 ms of 800), and 2 ms. The script
+/// to an eighth of the window (`expiry.lua`, `expires_at`: 100 ms of 800), and 2 ms. The script
 /// sets the expiry with `command` (`INFO commandstats`) as many times as the expiry moved, and
 /// at least 5 of the admissions must keep it. Pushes what broke onto `broke`.
 async fn admit_and_read_expiries(
@@ -694,7 +709,7 @@ async fn admit_and_read_expiries(
     }
 }
 
-/// (5) The expiry writes keep (`exact.lua`, `expires_at`): a key of `100/800ms` admitted every
+/// (5) The expiry writes keep (`expiry.lua`, `expires_at`): a key of `100/800ms` admitted every
 /// 10 ms, 60 times, on each of the three GCRA scripts (expiring the window after each
 /// admission) and on both sliding-log scripts (twice the window), with the expiry read after
 /// each (`admit_and_read_expiries`): most admissions keep the expiry the one before set (SET
@@ -732,7 +747,9 @@ async fn writes_keep_an_expiry_that_covers_the_window_after_them() {
     }
     let give_back = load(
         &client,
-        &[on_clock(&format!("{EXACT}{LOG_EVENTS}{RETURN}"))],
+        &[on_clock(&format!(
+            "{EXPIRY}{EXACT}{LOG_EVENTS}{LOG_LIGHTEN}{RETURN}"
+        ))],
     )
     .await;
     let key = "{fast}:kept-lease";
@@ -763,9 +780,9 @@ async fn writes_keep_an_expiry_that_covers_the_window_after_them() {
 /// The sliding-log scripts on the clock: plain, full and give-back, as they are and as before
 /// (`with_tonumber`).
 fn log_sources() -> [String; 6] {
-    let plain = format!("{EXACT}{PLAIN}{LOG_EVENTS}{LOG_PLAIN}");
-    let full = format!("{EXACT}{PRELUDE}{LOG_EVENTS}{LOG}");
-    let give_back = format!("{EXACT}{LOG_EVENTS}{RETURN}");
+    let plain = format!("{EXPIRY}{PLAIN}{LOG_EVENTS}{LOG_PLAIN}");
+    let full = format!("{EXPIRY}{EXACT}{PRELUDE}{LOG_EVENTS}{LOG_LIGHTEN}{LOG}");
+    let give_back = format!("{EXPIRY}{EXACT}{LOG_EVENTS}{LOG_LIGHTEN}{RETURN}");
     [
         on_clock(&plain),
         on_clock(&full),
@@ -874,7 +891,7 @@ async fn old_log_members_read_as_before_by_decisions_and_give_backs() {
                     run(&client, full, true, key, args.clone()).await
                 };
                 if j % 2 == 0 {
-                    if reply.as_ref().is_ok_and(|r| int(r, 1) == -4) {
+                    if reply.as_ref().is_ok_and(|r| int(r, 1) == FULL_PATH) {
                         sent_on += 1;
                         reply = run(&client, full, true, key, args).await;
                     } else {

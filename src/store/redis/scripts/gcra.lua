@@ -56,7 +56,7 @@
 -- key to expire once every bucket has drained: after the longest window, or longer where a
 -- charge overfilled a bucket, or where an override's counts decided (its units weigh more
 -- under the policy's own, once it is removed: prelude.lua, `stretch_num`); that time rounded
--- up as exact.lua's `expires_at` says.
+-- up as expiry.lua's `expires_at` says.
 -- A refusal extends the key's expiry to when its backlog drains under the counts at hand,
 -- where that is later (counts lower than those it was written under).
 
@@ -224,7 +224,7 @@ for k = 1, REQUESTS do
           ttl = math.min(math.ceil(ttl * stretch_num / stretch_den), 1125899906842624)
         end
         -- Where the expiry rounds to the one the state's stamp guarantees, the key keeps its
-        -- own (exact.lua, `expires_at`), as gcra_plain.lua's writes do.
+        -- own (expiry.lua, `expires_at`), as gcra_plain.lua's writes do.
         local w = windows[n]
         local kept = written and stretch_num <= stretch_den and expires_at(written + w, w)
         write_gcra(key, value, now, expires_at(now + ttl, w), kept)

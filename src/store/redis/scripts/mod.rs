@@ -6,20 +6,25 @@ use fred::types::scripts::Script;
 
 use crate::model::Algorithm;
 
-/// A script: exact arithmetic past 2^53, the shared prelude (arguments, reply, `TIME`), then,
-/// for the algorithms that use it, the driver that combines limits (the counters) or the
-/// format of events (the sliding log), then the algorithm's own file.
+/// A script: integers as text and the keys' expiry, exact arithmetic past 2^53, the shared
+/// prelude (arguments, reply, `TIME`), then, for the algorithms that use it, the driver that
+/// combines limits (the counters) or the format of events (the sliding log), then the
+/// algorithm's own file. A plain script has the first and its own prelude (`plain.lua`), and
+/// no exact arithmetic.
 macro_rules! script {
     (log, $file:literal) => {
         concat!(
+            include_str!("expiry.lua"),
             include_str!("exact.lua"),
             include_str!("prelude.lua"),
             include_str!("log_events.lua"),
+            include_str!("log_lighten.lua"),
             include_str!($file)
         )
     };
     ($file:literal) => {
         concat!(
+            include_str!("expiry.lua"),
             include_str!("exact.lua"),
             include_str!("prelude.lua"),
             include_str!($file)
@@ -27,6 +32,7 @@ macro_rules! script {
     };
     (driver, $file:literal) => {
         concat!(
+            include_str!("expiry.lua"),
             include_str!("exact.lua"),
             include_str!("prelude.lua"),
             include_str!("common.lua"),
@@ -35,14 +41,14 @@ macro_rules! script {
     };
     (plain, $file:literal) => {
         concat!(
-            include_str!("exact.lua"),
+            include_str!("expiry.lua"),
             include_str!("plain.lua"),
             include_str!($file)
         )
     };
     (plain log, $file:literal) => {
         concat!(
-            include_str!("exact.lua"),
+            include_str!("expiry.lua"),
             include_str!("plain.lua"),
             include_str!("log_events.lua"),
             include_str!($file)
@@ -82,10 +88,12 @@ pub(crate) const fn source(algorithm: Algorithm, tier: Tier) -> &'static str {
 
 /// The text of `scripts/return.lua`, which gives leased units back: it decides nothing, so
 /// it goes without the prelude; it makes the sliding log's events lighter as the log's own
-/// script does (`scripts/log_events.lua`).
+/// script does (`scripts/log_lighten.lua`).
 const RETURN: &str = concat!(
+    include_str!("expiry.lua"),
     include_str!("exact.lua"),
     include_str!("log_events.lua"),
+    include_str!("log_lighten.lua"),
     include_str!("return.lua")
 );
 

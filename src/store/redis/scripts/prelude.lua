@@ -1,4 +1,4 @@
--- Prelude of every rate-limit script (after exact.lua): the algorithm's file (gcra.lua,
+-- Prelude of every rate-limit script (after expiry.lua and exact.lua): the algorithm's file (gcra.lua,
 -- sliding_log.lua), or common.lua's driver and then the algorithm's file (fixed and sliding
 -- window), is appended to it. One call decides a batch of requests, one after the other,
 -- exactly as if each were its own call, after its slot operations (give-backs and renewals of

@@ -1,7 +1,7 @@
 -- Gives back leased units that were never spent (src/store/redis/lease/ says when): for each
 -- key, removes them from the state they were added to, where that state still counts them.
--- Stands alone, without prelude.lua (exact.lua and log_events.lua before it): it decides
--- nothing.
+-- Stands alone, without prelude.lua (expiry.lua, exact.lua, log_events.lua and log_lighten.lua
+-- before it): it decides nothing.
 --
 -- KEYS[k]   the state of give-back k, as the algorithm's own script keeps it (gcra.lua,
 --           fixed_window.lua, sliding_window.lua)
@@ -29,10 +29,10 @@
 --   d = c / scale); that much leaves. A backlog written under other counts is first read in
 --   the lease's units (exact.lua's `reweigh`), and written back in them.
 -- - the sliding log: a lease is one event at the time it was granted, and the units leave it
---   (log_events.lua, `lighten`). Its time is the log's header: a set made again after the
+--   (log_lighten.lua, `lighten`). Its time is the log's header: a set made again after the
 --   grant (a reset, a restart) holds no event of that microsecond, and is left alone.
 -- State of another shape (the policy changed) is left alone. Writes keep the key's expiry, but
--- extend a GCRA key's where it is sooner than exact.lua's `expires_at` for the state's new
+-- extend a GCRA key's where it is sooner than expiry.lua's `expires_at` for the state's new
 -- stamp (now), which the plain tier's writes rely on (gcra_plain.lua, "Writes").
 
 local time = redis.call('TIME')
@@ -89,7 +89,7 @@ local function give_back(key, algorithm, n, units, granted)
     end
     local value = spack('<' .. string.rep('l', size), unpack(values))
     if algorithm == GCRA then
-      -- GCRA state now stamped `now`: its key must expire no sooner than exact.lua's
+      -- GCRA state now stamped `now`: its key must expire no sooner than expiry.lua's
       -- `expires_at` for that stamp, as every write of GCRA state keeps it; the expiry it has
       -- (PTTL) is kept where it covers that.
       local w = windows[n]

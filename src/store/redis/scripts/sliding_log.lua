@@ -36,7 +36,7 @@
 --
 -- Settlements: a charge is recorded as an admitted request of that cost, one event at now,
 -- whatever the limits say. A refund takes up to the units the settled request recorded off
--- the events of its admission time (log_events.lua, `lighten`; a request admitted from a
+-- the events of its admission time (log_lighten.lua, `lighten`; a request admitted from a
 -- lease was logged with it, at the lease's time). Nothing when they have aged out or the
 -- admission time is not known. The key's expiry stays.
 --
@@ -57,7 +57,7 @@
 -- to the totals of the members after it (scheduled events, or later ones than a past event
 -- time: rewritten, which with a refund's are the only writes that grow with the set), and
 -- sets the key to expire twice the longest window after its latest event (or now), rounded up
--- to an eighth of the policy's longest window (exact.lua, `expires_at`), unless it keeps an
+-- to an eighth of the policy's longest window (expiry.lua, `expires_at`), unless it keeps an
 -- expiry at least that. Totals stay below 2^52, exact in Lua's doubles: a request that would
 -- pass that first takes the total before the oldest member off every member.
 --
@@ -72,7 +72,7 @@
 -- of the first event of (t - w, t] (false: none).
 local counts, windows, pasts, fullests, firsts = {}, {}, {}, {}, {}
 -- The request's longest window as its policy has it, without a leasing store's headroom: what
--- the key's expiry is rounded by (exact.lua, `expires_at`).
+-- the key's expiry is rounded by (expiry.lua, `expires_at`).
 local bare_longest = 0
 
 -- The running total through the last event at or before `at` (a score), or false when
@@ -319,7 +319,7 @@ local function decide(key, n, cost, record, t, want)
         end
       end
       -- The expiry: twice the longest window after the newest event (or now), rounded up as
-      -- exact.lua's `expires_at` says, where the one the newest event before guarantees (at
+      -- expiry.lua's `expires_at` says, where the one the newest event before guarantees (at
       -- least twice the policy's longest window after it, so rounded) is sooner; else the key
       -- keeps its own (sliding_log_plain.lua, "Expiry").
       local before_t = newest_t

@@ -1,4 +1,4 @@
--- Sliding-window log on the plain tier (after exact.lua, plain.lua and log_events.lua):
+-- Sliding-window log on the plain tier (after expiry.lua, plain.lua and log_events.lua):
 -- sliding_log.lua's decision of a look, an admission or a lease where no event is after its
 -- time, and nothing else; src/model/sliding_log.rs is the same procedure and explains the math.
 -- A change to sliding_log.lua's decisions is made here in the same change: the differential
@@ -35,7 +35,7 @@
 -- 2 L.
 -- Expiry: every admission sets the key to expire twice the longest window L after the event
 -- (or now, where later), rounded up to an eighth of the policy's longest window W (L less a
--- leasing store's headroom; exact.lua, `expires_at`), as sliding_log.lua does, so that a key
+-- leasing store's headroom; expiry.lua, `expires_at`), as sliding_log.lua does, so that a key
 -- expires no sooner than expires_at(e + 2 W, W) for its newest event e, whichever store wrote
 -- it, headroom or not. An admission whose expiry rounds to no later than that guarantee for
 -- the newest event before it keeps the key's (no PEXPIREAT): on a key admitted again within
@@ -49,7 +49,7 @@ local counts, windows, pasts, firsts = {}, {}, {}, {}
 -- `first_before`), has room for `cost` (at most c), as far as its own events go: t when it
 -- has room, else e + w for the first event e, oldest first, whose running total covers the
 -- units that must leave, read in pages (sliding_log.lua, `past_frees`). It captures only
--- log_events.lua's `event` and exact.lua's `text` (plain.lua says why).
+-- log_events.lua's `event` and expiry.lua's `text` (plain.lua says why).
 local function past_frees(key, t, c, w, cost, past, first_t, first_total, first_before)
   if past + cost <= c then
     return t
@@ -182,7 +182,7 @@ for k = 1, #KEYS do
             firsts[i] = t
           end
         end
-        -- exact.lua's `expires_at`, inline (a call of a Lua function costs Redis more than
+        -- expiry.lua's `expires_at`, inline (a call of a Lua function costs Redis more than
         -- this whole expiry), for the time the write needs and for the one the newest event
         -- before it guarantees (see the header).
         local quantum = (bare_longest - bare_longest % 8000) / 8
