@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::support::seeded::Lcg;
 use crate::support::RedisServer;
 use bytes::Bytes;
 use fred::prelude::*;
@@ -92,19 +93,6 @@ async fn read_log(client: &Client, key: &str) -> (Option<i64>, i64, i64) {
 fn drain(b: i64, u: i64, count: i64, window: i64) -> i64 {
     let (num, den) = (b as i128 * window as i128, u as i128 * count as i128);
     ((num + den - 1) / den) as i64
-}
-
-/// A seeded generator (the same sequence in every run).
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self, below: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % below.max(1)
-    }
 }
 
 fn limit(text: &str) -> Limit {

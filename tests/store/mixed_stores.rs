@@ -13,6 +13,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::support::seeded::Lcg;
 use crate::support::RedisServer;
 use fred::prelude::*;
 use tower_redis_ratelimit::store::Leases;
@@ -27,19 +28,6 @@ fn limit(text: &str) -> Limit {
 
 fn micros(at: SystemTime) -> i64 {
     at.duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
-}
-
-/// A seeded generator (the same sequence in every run).
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self, below: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % below.max(1)
-    }
 }
 
 /// A store on `server`: plain tier on or off, and leases of `period` ms and `share` where given.
@@ -630,6 +618,23 @@ async fn mixed_log_of(
     (broke, summary)
 }
 
+/// [`mixed_log`] on two keys of `stores`, `steps` each, named and seeded by `cases`: one of
+/// `20/203ms`, one of `10/101ms` and `30/403ms`. Prints each summary; returns what went over.
+async fn windows_as_spent(
+    stores: &[(&'static str, RedisStore)],
+    cases: [(&str, u64); 2],
+    steps: u64,
+) -> Vec<String> {
+    let mut broke = Vec::new();
+    let shapes: [&[&str]; 2] = [&["20/203ms"], &["10/101ms", "30/403ms"]];
+    for ((name, seed), limits) in cases.into_iter().zip(shapes) {
+        let (b, summary) = mixed_log(name, stores, limits, seed, steps).await;
+        eprintln!("{summary}");
+        broke.extend(b);
+    }
+    broke
+}
+
 /// (B) Stores of the same lease settings, both tiers, on one log key, with event times down to
 /// the bound, refunds and resets: never more than a limit's count in any window, as spent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -639,15 +644,8 @@ async fn a_log_key_of_leasing_stores_of_one_setting_stays_within_every_window() 
         ("plain leased", store(&server, true, Some((100, 0.5))).await),
         ("full leased", store(&server, false, Some((100, 0.5))).await),
     ];
-    let mut broke = Vec::new();
-    for (name, limits, seed) in [
-        ("same-one", &["20/203ms"][..], 3u64),
-        ("same-two", &["10/101ms", "30/403ms"][..], 7),
-    ] {
-        let (b, summary) = mixed_log(name, &stores, limits, seed, 120).await;
-        eprintln!("{summary}");
-        broke.extend(b);
-    }
+    let cases = [("same-one", 3), ("same-two", 7)];
+    let broke = windows_as_spent(&stores, cases, 120).await;
     assert!(broke.is_empty(), "{broke:#?}");
 }
 
@@ -655,23 +653,16 @@ async fn a_log_key_of_leasing_stores_of_one_setting_stays_within_every_window() 
 /// a leased unit spent up to `h` after it was logged is not in the windows of `w` a store
 /// without leases (or a shorter headroom) reads, so such a fleet can put more than the count in
 /// one window as spent. `docs/leases.md` asks every instance to use the same lease settings
-/// (said there of GCRA's headroom; the sliding log's event-time bound was made so that a store
-/// without leases may write the same key): this measures what the mix admits.
+/// (the log's event times stay exact whoever shares the key, but not the units leases spend
+/// late): this measures what the mix admits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "over: a store without leases (or of a shorter headroom) on a leasing store's log key admits past the count in a window, as spent"]
 async fn a_log_key_of_mixed_lease_settings_stays_within_every_window() {
     let server = RedisServer::start();
     let mut stores = four_stores(&server).await;
     stores.push(("short leased", store(&server, true, Some((20, 0.5))).await));
-    let mut broke = Vec::new();
-    for (name, limits, seed) in [
-        ("mixed-one", &["20/203ms"][..], 3u64),
-        ("mixed-two", &["10/101ms", "30/403ms"][..], 7),
-    ] {
-        let (b, summary) = mixed_log(name, &stores, limits, seed, 160).await;
-        eprintln!("{summary}");
-        broke.extend(b);
-    }
+    let cases = [("mixed-one", 3), ("mixed-two", 7)];
+    let broke = windows_as_spent(&stores, cases, 160).await;
     assert!(broke.is_empty(), "{broke:#?}");
 }
 
@@ -689,15 +680,8 @@ async fn a_log_key_of_two_lease_periods_stays_within_every_window() {
         ("full leased", store(&server, false, Some((100, 0.5))).await),
         ("short leased", store(&server, true, Some((20, 0.5))).await),
     ];
-    let mut broke = Vec::new();
-    for (name, limits, seed) in [
-        ("periods-one", &["20/203ms"][..], 5u64),
-        ("periods-two", &["10/101ms", "30/403ms"][..], 9),
-    ] {
-        let (b, summary) = mixed_log(name, &stores, limits, seed, 160).await;
-        eprintln!("{summary}");
-        broke.extend(b);
-    }
+    let cases = [("periods-one", 5), ("periods-two", 9)];
+    let broke = windows_as_spent(&stores, cases, 160).await;
     assert!(broke.is_empty(), "{broke:#?}");
 }
 

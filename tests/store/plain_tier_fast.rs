@@ -13,6 +13,7 @@
 
 use std::time::Duration;
 
+use crate::support::seeded::Lcg;
 use crate::support::time::redis_now;
 use crate::support::{command_calls, RedisServer};
 use bytes::Bytes;
@@ -237,23 +238,6 @@ async fn expiry(client: &Client, key: &str) -> i64 {
         .custom(expires, vec![Value::from(key)])
         .await
         .unwrap()
-}
-
-/// A seeded generator (the same sequence in every run).
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self, below: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % below.max(1)
-    }
-
-    fn pick<T: Copy>(&mut self, from: &[T]) -> T {
-        from[self.next(from.len() as u64) as usize]
-    }
 }
 
 /// What a differential run covered.

@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod outage;
 pub mod proxy;
 pub mod scenarios;
+pub mod seeded;
 pub mod sentinel;
 pub mod time;
 
