@@ -10,6 +10,7 @@ mod event_time;
 mod expiry_kept;
 mod leases;
 mod mixed_stores;
+mod plain_arguments;
 mod plain_tier;
 mod plain_tier_fast;
 mod plain_tier_field;
