@@ -11,9 +11,11 @@
 //!
 //! Each test prints its figures (`--nocapture`).
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::monitor::evalsha_seen;
 use crate::support::time::redis_now;
 use crate::support::RedisServer;
 use bytes::Bytes;
@@ -29,70 +31,76 @@ const FOLLOW: Duration = Duration::from_millis(250);
 /// A sorted set's members with their scores.
 type Events = Vec<(String, f64)>;
 
-/// Reads a `redis-cli monitor` line's quoted arguments (redis-cli's escapes).
-fn monitor_args(line: &str) -> Vec<Vec<u8>> {
-    let bytes = line.as_bytes();
-    let start = line.find("] ").map_or(0, |i| i + 2);
-    let (mut args, mut i) = (Vec::new(), start);
-    while i < bytes.len() {
-        if bytes[i] != b'"' {
-            i += 1;
-            continue;
-        }
-        i += 1;
-        let mut arg = Vec::new();
-        while i < bytes.len() && bytes[i] != b'"' {
-            if bytes[i] == b'\\' {
-                i += 1;
-                match bytes[i] {
-                    b'x' => {
-                        let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap();
-                        arg.push(u8::from_str_radix(hex, 16).unwrap());
-                        i += 2;
-                    }
-                    b'n' => arg.push(b'\n'),
-                    b'r' => arg.push(b'\r'),
-                    b't' => arg.push(b'\t'),
-                    b'a' => arg.push(7),
-                    b'b' => arg.push(8),
-                    other => arg.push(other),
-                }
-            } else {
-                arg.push(bytes[i]);
-            }
-            i += 1;
-        }
-        args.push(arg);
-        i += 1;
-    }
-    args
+/// One decision's record: key number, round, and whether it was admitted (or its error).
+type Entry = (usize, usize, Result<bool, String>);
+
+/// Tasks checking keys `0..keys` of a policy through a store, one decision of cost 1 started
+/// every `every` per key, each on the key of the round at hand (`key(n, round)`), until
+/// stopped; every answer is recorded.
+struct Checks {
+    log: Arc<Mutex<Vec<Entry>>>,
+    stop: Arc<AtomicBool>,
+    round: Arc<AtomicUsize>,
+    handles: Vec<tokio::task::JoinHandle<()>>,
 }
 
-/// The `EVALSHA` calls Redis ran while `work` ran, as their arguments (from `MONITOR`).
-async fn evalsha_seen<F: std::future::Future<Output = ()>>(
-    port: u16,
-    work: F,
-) -> Vec<Vec<Vec<u8>>> {
-    let file = std::env::temp_dir().join(format!(
-        "plain-arguments-monitor-{}-{port}",
-        std::process::id()
-    ));
-    let mut monitor = std::process::Command::new("redis-cli")
-        .args(["-p", &port.to_string(), "monitor"])
-        .stdout(std::fs::File::create(&file).unwrap())
-        .spawn()
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    work.await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let _ = monitor.kill();
-    let _ = monitor.wait();
-    let text = std::fs::read_to_string(&file).unwrap();
-    let _ = std::fs::remove_file(&file);
-    text.lines()
-        .filter(|l| l.contains("] \"EVALSHA\""))
-        .map(monitor_args)
-        .collect()
+impl Checks {
+    fn start(
+        store: &RedisStore,
+        policy: &Policy,
+        keys: usize,
+        every: Duration,
+        key: fn(usize, usize) -> Key,
+    ) -> Checks {
+        let log: Arc<Mutex<Vec<Entry>>> = Arc::default();
+        let (stop, round) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let mut handles = Vec::new();
+        for n in 0..keys {
+            let (store, policy) = (store.clone(), policy.clone());
+            let (log, stop, round) = (Arc::clone(&log), Arc::clone(&stop), Arc::clone(&round));
+            handles.push(tokio::spawn(async move {
+                let mut inner = Vec::new();
+                while !stop.load(Relaxed) {
+                    let r = round.load(Relaxed);
+                    let (store, k, policy) = (store.clone(), key(n, r), policy.clone());
+                    let log = Arc::clone(&log);
+                    inner.push(tokio::spawn(async move {
+                        let got = store.check(&k, &policy, 1).await;
+                        let got = got.map(|g| g.is_allowed()).map_err(|e| e.to_string());
+                        log.lock().unwrap().push((n, r, got));
+                    }));
+                    tokio::time::sleep(every).await;
+                }
+                for h in inner {
+                    h.await.unwrap();
+                }
+            }));
+        }
+        Checks {
+            log,
+            stop,
+            round,
+            handles,
+        }
+    }
+
+    /// Moves the checks on to round `r`'s keys.
+    fn round(&self, r: usize) {
+        self.round.store(r, Relaxed);
+    }
+
+    /// Stops the checks, waits for every decision started, and answers the record.
+    async fn stop(self) -> Vec<Entry> {
+        self.stop.store(true, Relaxed);
+        for h in self.handles {
+            h.await.unwrap();
+        }
+        let log = self.log.lock().unwrap();
+        log.clone()
+    }
 }
 
 fn ints(bytes: &[u8]) -> Vec<i64> {
@@ -131,9 +139,32 @@ struct Request {
 }
 
 impl Request {
-    /// Whether the plain tier must send it to the full one.
-    fn full_path(&self) -> bool {
-        self.known != 0 || self.attempt != 0
+    /// Whether the plain tier must send it to the full one: resolved at another generation,
+    /// an attempt, or (GCRA) a key whose state `state` was written under other weights than
+    /// the request's counts give its `limits` (`gcra_plain.lua`: the full tier reweighs it).
+    fn full_path(&self, algorithm: Algorithm, state: Option<&[u8]>, limits: &[[i64; 3]]) -> bool {
+        let sent_full = self.known != 0 || self.attempt != 0;
+        let blocked = self.kind == -1;
+        let reweighed = algorithm == Algorithm::Gcra
+            && !blocked
+            && state.is_some_and(|state| {
+                let written = state.len() == 24 * limits.len() + 16;
+                written
+                    && (0..limits.len()).any(|j| {
+                        ints(&state[24 * j + 16..24 * j + 24])[0] != self.weight(limits, j)
+                    })
+            });
+        sent_full || reweighed
+    }
+
+    /// The GCRA weight of one unit of cost in limit `j` of `limits` under its counts: the
+    /// window over the scale of the count that applies (an override's where it sets one).
+    fn weight(&self, limits: &[[i64; 3]], j: usize) -> i64 {
+        let [_, window, scale] = limits[j];
+        match self.counts.get(j) {
+            Some(&c) if self.kind == -2 && c > 0 => window / gcd(c, window),
+            _ => window / scale,
+        }
     }
 
     /// Its full arguments (`prelude.lua`, ARGV[1]) at event time `at`, from a captured
@@ -176,7 +207,8 @@ impl Request {
 /// (each request's plain arguments one after the other), and each request alone to the full
 /// script on a twin key; a request answered `FULL_PATH` is then sent to the full script on
 /// its own key, as the store does. After every call the six replies and the twelve keys'
-/// bytes are alike, pair by pair, and `FULL_PATH` answers exactly the requests it must.
+/// bytes are alike, pair by pair, and `FULL_PATH` answers exactly the requests it must (GCRA:
+/// also those of a key whose state was written under other counts).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_of_every_mode_and_kind_leave_the_same_bytes_on_both_tiers() {
     let server = RedisServer::start();
@@ -283,6 +315,13 @@ async fn calls_of_every_mode_and_kind_leave_the_same_bytes_on_both_tiers() {
             let fulls: Vec<Vec<u8>> = requests.iter().map(|r| r.full(head, &limits, at)).collect();
             // The plain call: each request's plain arguments, in a call confirmed at 0.
             let plain_argv: Vec<u8> = fulls.iter().flat_map(|a| plain_args(a, 0)).collect();
+            // Each GCRA key's state before the call (the log's keys are sorted sets).
+            let mut states: Vec<Option<Bytes>> = vec![None; 6];
+            if algorithm == Algorithm::Gcra {
+                for (i, state) in states.iter_mut().enumerate() {
+                    *state = admin.get(x(i)).await.unwrap();
+                }
+            }
             let keys: Vec<String> = (0..6).map(x).collect();
             let rp = match evalsha(
                 plain_sha.clone(),
@@ -300,10 +339,10 @@ async fn calls_of_every_mode_and_kind_leave_the_same_bytes_on_both_tiers() {
             for (i, (r, args)) in requests.iter().zip(&fulls).enumerate() {
                 let mut answer_p = rp[48 * i..48 * i + 48].to_vec();
                 let is_full_path = ints(&answer_p)[1] == -4;
-                if is_full_path != r.full_path() {
+                let expected = r.full_path(algorithm, states[i].as_deref(), &limits);
+                if is_full_path != expected {
                     differ.push(format!(
-                        "#{round}.{i} FULL_PATH {is_full_path}, expected {}: {r:?}",
-                        r.full_path()
+                        "#{round}.{i} FULL_PATH {is_full_path}, expected {expected}: {r:?}"
                     ));
                 }
                 if is_full_path {
@@ -621,7 +660,6 @@ async fn every_kind_of_override_in_one_batch_is_followed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stall_around_overrides_of_every_kind_decides_nothing_by_old_counts() {
     use crate::support::proxy::Proxy;
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
     use tower_redis_ratelimit::test_util::redis_key;
     let server = RedisServer::start();
     let admin = server.client().await;
@@ -664,42 +702,11 @@ async fn a_stall_around_overrides_of_every_kind_decides_nothing_by_old_counts() 
         }
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    type Entry = (usize, usize, Result<bool, String>);
-    let log: Arc<Mutex<Vec<Entry>>> = Arc::default();
-    let (stop, round) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicUsize::new(0)),
-    );
-    let mut handles = Vec::new();
-    for n in 0..6 {
-        let (d, api, log, stop, round) = (
-            d.clone(),
-            api.clone(),
-            log.clone(),
-            stop.clone(),
-            round.clone(),
-        );
-        handles.push(tokio::spawn(async move {
-            let mut inner = Vec::new();
-            while !stop.load(Relaxed) {
-                let r = round.load(Relaxed);
-                let (d, k, api, log) = (d.clone(), key(n, r), api.clone(), log.clone());
-                inner.push(tokio::spawn(async move {
-                    let got = d.check(&k, &api, 1).await;
-                    let got = got.map(|g| g.is_allowed()).map_err(|e| e.to_string());
-                    log.lock().unwrap().push((n, r, got));
-                }));
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            for h in inner {
-                h.await.unwrap();
-            }
-        }));
-    }
+    let checks = Checks::start(&d, &api, 6, Duration::from_millis(2), key);
     // Each key's write: (round, key, Redis time just after it).
     let mut writes = Vec::new();
     for r in 0..rounds {
-        round.store(r, Relaxed);
+        checks.round(r);
         tokio::time::sleep(Duration::from_millis(400)).await;
         proxy.pause();
         tokio::time::sleep(Duration::from_millis(2)).await;
@@ -713,11 +720,7 @@ async fn a_stall_around_overrides_of_every_kind_decides_nothing_by_old_counts() 
         proxy.resume();
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    stop.store(true, Relaxed);
-    for h in handles {
-        h.await.unwrap();
-    }
-    let log = log.lock().unwrap().clone();
+    let log = checks.stop().await;
     let errors = log.iter().filter(|e| e.2.is_err()).count();
     let (mut late, mut after, mut latest, mut twice) = (0, 0, None::<i64>, Vec::new());
     let mut per_kind = [0usize; 3];
@@ -907,12 +910,12 @@ async fn a_lane_mixing_both_tiers_answers_as_the_full_scripts_alone() {
 /// again. Meanwhile about a thousand requests queue in D's lane behind the held call, those
 /// of the stall's first 250 ms resolved (no override) while the old generation was
 /// confirmed and sent to the plain tier. No event is recorded 250 ms or more after the block
-/// (three rounds, fresh keys each), and every key holds exactly as many events as D was told
+/// and before its removal 600 ms after the proxy passes traffic again (three rounds, fresh
+/// keys each), and every key holds exactly as many events as D was told
 /// admissions (nothing decided twice on its way from the plain tier to the full one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_queued_behind_a_stall_are_not_decided_by_their_old_resolution() {
     use crate::support::proxy::Proxy;
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
     use tower_redis_ratelimit::test_util::redis_key;
     let server = RedisServer::start();
     let admin = server.client().await;
@@ -929,42 +932,11 @@ async fn requests_queued_behind_a_stall_are_not_decided_by_their_old_resolution(
         .unwrap()
         .with_algorithm(Algorithm::SlidingLog);
     let key = |n: usize, round: usize| Key::from(format!("q{n}-{round}"));
-    type Entry = (usize, usize, Result<bool, String>);
-    let log: Arc<Mutex<Vec<Entry>>> = Arc::default();
-    let (stop, round) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicUsize::new(0)),
-    );
-    let mut handles = Vec::new();
-    for n in 0..4 {
-        let (d, api, log, stop, round) = (
-            d.clone(),
-            api.clone(),
-            log.clone(),
-            stop.clone(),
-            round.clone(),
-        );
-        handles.push(tokio::spawn(async move {
-            let mut inner = Vec::new();
-            while !stop.load(Relaxed) {
-                let r = round.load(Relaxed);
-                let (d, k, api, log) = (d.clone(), key(n, r), api.clone(), log.clone());
-                inner.push(tokio::spawn(async move {
-                    let got = d.check(&k, &api, 1).await;
-                    let got = got.map(|g| g.is_allowed()).map_err(|e| e.to_string());
-                    log.lock().unwrap().push((n, r, got));
-                }));
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-            for h in inner {
-                h.await.unwrap();
-            }
-        }));
-    }
+    let checks = Checks::start(&d, &api, 4, Duration::from_millis(1), key);
     let rounds = 3;
     let mut writes = Vec::new();
     for r in 0..rounds {
-        round.store(r, Relaxed);
+        checks.round(r);
         tokio::time::sleep(Duration::from_millis(400)).await;
         proxy.pause();
         tokio::time::sleep(Duration::from_millis(2)).await;
@@ -972,24 +944,23 @@ async fn requests_queued_behind_a_stall_are_not_decided_by_their_old_resolution(
             .set(&api, &Scope::All, &Override::Block)
             .await
             .unwrap();
-        writes.push(redis_now(&admin).await);
+        writes.push((redis_now(&admin).await, i64::MAX));
         tokio::time::sleep(Duration::from_millis(1000)).await;
         proxy.resume();
         tokio::time::sleep(Duration::from_millis(600)).await;
+        // Events from here on may be admitted again: the block is being removed.
+        let removing = redis_now(&admin).await;
         a.overrides().remove(&api, &Scope::All).await.unwrap();
+        writes.last_mut().unwrap().1 = removing;
     }
-    stop.store(true, Relaxed);
-    for h in handles {
-        h.await.unwrap();
-    }
-    let log = log.lock().unwrap().clone();
+    let log = checks.stop().await;
     let errors = log.iter().filter(|e| e.2.is_err()).count();
     let (mut after, mut late, mut latest, mut apart) = (0, 0, None::<i64>, Vec::new());
-    for (r, w_redis) in writes.iter().enumerate() {
+    for (r, &(w_redis, removing)) in writes.iter().enumerate() {
         for n in 0..4 {
             let rkey = redis_key(&d, &key(n, r), &api);
             let events: Events = admin
-                .zrangebyscore(&rkey, *w_redis as f64, f64::INFINITY, true, None)
+                .zrangebyscore(&rkey, w_redis as f64, (removing - 1) as f64, true, None)
                 .await
                 .unwrap();
             for (_, score) in &events {

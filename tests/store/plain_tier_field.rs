@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::support::cluster::RedisCluster;
+use crate::support::monitor::evalsha_seen;
 use crate::support::proxy::Proxy;
 use crate::support::time::redis_now;
 use crate::support::{command_calls, RedisServer};
@@ -784,76 +785,11 @@ async fn plain_and_full_leave_the_same_state() {
     assert!(broke.is_empty(), "{broke:?}");
 }
 
-/// Reads a `redis-cli monitor` line's quoted arguments (redis-cli's escapes: `\\`, `\"`, `\n`,
-/// `\r`, `\t`, `\a`, `\b`, `\xHH`).
-fn monitor_args(line: &str) -> Vec<Vec<u8>> {
-    let bytes = line.as_bytes();
-    let start = line.find("] ").map_or(0, |i| i + 2);
-    let (mut args, mut i) = (Vec::new(), start);
-    while i < bytes.len() {
-        if bytes[i] != b'"' {
-            i += 1;
-            continue;
-        }
-        i += 1;
-        let mut arg = Vec::new();
-        while i < bytes.len() && bytes[i] != b'"' {
-            if bytes[i] == b'\\' {
-                i += 1;
-                match bytes[i] {
-                    b'x' => {
-                        let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap();
-                        arg.push(u8::from_str_radix(hex, 16).unwrap());
-                        i += 2;
-                    }
-                    b'n' => arg.push(b'\n'),
-                    b'r' => arg.push(b'\r'),
-                    b't' => arg.push(b'\t'),
-                    b'a' => arg.push(7),
-                    b'b' => arg.push(8),
-                    other => arg.push(other),
-                }
-            } else {
-                arg.push(bytes[i]);
-            }
-            i += 1;
-        }
-        args.push(arg);
-        i += 1;
-    }
-    args
-}
-
-/// The `EVALSHA` calls Redis ran while `work` ran, as their arguments (from `MONITOR`).
-async fn evalsha_seen<F: std::future::Future<Output = ()>>(
-    port: u16,
-    work: F,
-) -> Vec<Vec<Vec<u8>>> {
-    let file =
-        std::env::temp_dir().join(format!("plain-tier-monitor-{}-{port}", std::process::id()));
-    let mut monitor = std::process::Command::new("redis-cli")
-        .args(["-p", &port.to_string(), "monitor"])
-        .stdout(std::fs::File::create(&file).unwrap())
-        .spawn()
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    work.await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let _ = monitor.kill();
-    let _ = monitor.wait();
-    let text = std::fs::read_to_string(&file).unwrap();
-    let _ = std::fs::remove_file(&file);
-    text.lines()
-        .filter(|l| l.contains("] \"EVALSHA\""))
-        .map(monitor_args)
-        .collect()
-}
-
 /// (5b) One clock for both tiers: the full call a store made, as `MONITOR` saw it, is
 /// replayed with `EVALSHA` (on the plain script as the store sends a request there, and on the
 /// full script) on two keys that start from the same bytes (`COPY`), each request with the
-/// same event time and cost: the two keys' values are byte for byte the same after every request (GCRA: `GET`;
-/// the log: `ZRANGE ... WITHSCORES` and `DUMP`).
+/// same event time and cost: the two keys' values are byte for byte the same after every
+/// request (GCRA: `GET`; the log: `ZRANGE ... WITHSCORES` and `DUMP`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_tiers_under_one_clock_leave_the_same_bytes() {
     let server = RedisServer::start();

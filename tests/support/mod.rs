@@ -9,6 +9,7 @@ pub mod http;
 pub mod load;
 #[cfg(feature = "metrics")]
 pub mod metrics;
+pub mod monitor;
 pub mod outage;
 pub mod proxy;
 pub mod scenarios;
