@@ -51,8 +51,8 @@
 -- plain decision never calls is not here: exact.lua's arithmetic past 2^53 (GCRA state written
 -- under other counts goes to the full tier, gcra_plain.lua) and log_lighten.lua's rewrites of
 -- the log (refunds and give-backs are the full tier's). Measured with
--- callgrind on redis-server 7.0 (examples/redis_costs.rs, docs/performance.md): GCRA 0.50 and
--- the log 0.56 of the full script's instructions at one request per call; eight per call, 0.63
+-- callgrind on redis-server 7.0 (examples/redis_costs.rs, docs/performance.md): GCRA 0.48 and
+-- the log 0.53 of the full script's instructions at one request per call; eight per call, 0.63
 -- and 0.76.
 
 if redis.replicate_commands then
