@@ -17,9 +17,11 @@
 -- reservations, penalty boxes, attempts, what its confirmation does not cover), and a state
 -- written under other counts than the request's (a limit of another weight: the policy's
 -- counts changed, or an override's came or went), which gcra.lua reweighs (exact.lua,
--- `reweigh`). The first decision after such a change goes there, and writes the state under
--- the counts at hand; so the plain scripts go without exact.lua, whose functions every call
--- would make anew (plain.lua, "Cost"). It answers so before it writes anything.
+-- `reweigh`). The decisions after such a change go there until one admits and writes the
+-- state under the counts at hand (a look or a refusal writes none: a key refused under
+-- lowered counts stays on the full tier until it admits again); so the plain scripts go
+-- without exact.lua, whose functions every call would make anew (plain.lua, "Cost"). It
+-- answers so before it writes anything.
 --
 -- Writes: as gcra.lua for those modes, but where the key has state, an admission whose expiry
 -- rounds to the one its state guarantees (expiry.lua, `expires_at`: the last write's, at least
