@@ -1,8 +1,9 @@
 -- Integers in Lua: exact arithmetic past 2^53, where Lua's doubles stop being exact.
--- Prepended to the full scripts (after expiry.lua, before prelude.lua) and to return.lua, for
--- the products of counts and times (sliding_window.lua) and GCRA's change of units (gcra.lua,
--- return.lua). The Rust does the same in 128-bit integers. The plain tier goes without it
--- (plain.lua, "Cost"): it sends a state written under other counts to the full tier.
+-- Prepended to the full scripts (after expiry.lua, before prelude.lua), to GCRA's plain script
+-- (before plain.lua) and to return.lua, for the products of counts and times
+-- (sliding_window.lua) and GCRA's change of units (gcra.lua, gcra_plain.lua, return.lua). The
+-- Rust does the same in 128-bit integers. The sliding log's plain script goes without it
+-- (plain.lua, "Cost").
 
 -- The most units a state holds (2^52; MAX_UNITS in src/model/mod.rs): counts, totals and
 -- backlogs saturate there, so that a sum of two stays below 2^53.

@@ -1,6 +1,6 @@
--- GCRA on the plain tier (after expiry.lua and plain.lua): gcra.lua's decision of a look, an
--- admission or a lease, and nothing else; src/model/gcra.rs is the same procedure and explains
--- the math. A change to gcra.lua's arithmetic is made here in the same change: the
+-- GCRA on the plain tier (after expiry.lua, exact.lua and plain.lua): gcra.lua's decision of a
+-- look, an admission or a lease, and nothing else; src/model/gcra.rs is the same procedure and
+-- explains the math. A change to gcra.lua's arithmetic is made here in the same change: the
 -- differential test (src/store/redis/tests/differential.rs) runs both against the model.
 --
 -- KEYS[k]   request k's state, exactly as gcra.lua keeps it (t b u per limit, then the
@@ -11,17 +11,13 @@
 --           reset_after, retry_after, the overriding count), then Redis TIME and -2
 --
 -- Handles: LOOK, ADMIT and LEASE, now or at an event time, under the policy's counts or the
--- override's the arguments carry, of a state written under those same counts, with the
--- headroom a leasing store keeps.
+-- override's the arguments carry (a backlog written under other counts is reweighed, as
+-- gcra.lua does, with exact.lua's arithmetic: deciding here costs a refused key under lowered
+-- counts, which writes no state, less than sending each of its refusals to the full tier),
+-- with the headroom a leasing store keeps.
 -- Sends to the full tier (FULL_PATH): what plain.lua sends (settlements, slots,
--- reservations, penalty boxes, attempts, what its confirmation does not cover), and a state
--- written under other counts than the request's (a limit of another weight: the policy's
--- counts changed, or an override's came or went), which gcra.lua reweighs (exact.lua,
--- `reweigh`). The decisions after such a change go there until one admits and writes the
--- state under the counts at hand (a look or a refusal writes none: a key refused under
--- lowered counts stays on the full tier until it admits again); so the plain scripts go
--- without exact.lua, whose functions every call would make anew (plain.lua, "Cost"). It
--- answers so before it writes anything.
+-- reservations, penalty boxes, attempts, what its confirmation does not cover); no GCRA state
+-- needs the full tier.
 --
 -- Writes: as gcra.lua for those modes, but where the key has state, an admission whose expiry
 -- rounds to the one its state guarantees (expiry.lua, `expires_at`: the last write's, at least
@@ -31,9 +27,10 @@
 -- instructions cheaper than one that sets it with PSETEX (docs/performance.md). Under an
 -- override's counts (a longer expiry), or without state, the write sets the expiry. A refusal
 -- extends the key's expiry (PTTL, PEXPIRE) as gcra.lua does, but only where the write that set
--- it may not cover the backlog's drain: a backlog that drains after the stamp plus the longest
--- window (which every write's expiry covers). Under the counts the state was written under
--- (the only ones decided here), that does not happen, and a refusal costs one GET.
+-- it may not cover the backlog's drain under the counts at hand: a limit written under another
+-- weight, or a backlog that drains after the stamp plus the longest window (which every
+-- write's expiry covers). Under the counts the state was written under, neither happens, and a
+-- refusal costs one GET.
 
 -- The largest bucket, in GCRA units (gcra.lua).
 local MAX_BUCKET = 1125899906842624
@@ -92,58 +89,56 @@ for k = 1, #KEYS do
       error('GCRA bucket out of range: ' .. c .. ' per ' .. w .. ' us')
     end
     local state = call('GET', key)
-    local b, stamp, written, from, born, leased = 0, t, false, u, now, 0
+    local b, stamp, written, reweighed, born, leased = 0, t, false, false, now, 0
     if state and #state == 40 then
-      local left
+      local left, from
       written, left, from, born, leased = sunpack('<lllll', state)
       stamp = max(t, written)
+      if from ~= u then
+        left, reweighed = reweigh(left, from, u), true
+      end
       b = max(left - max(t - written, 0) * d, 0)
     end
-    if from ~= u then
-      -- Written under other counts (see the header).
-      reply[k] = spack('<llllll', 0, FULL_PATH, 0, 0, -2, -1)
-    else
-      local capacity = (w - h) * d
-      local new = b + cost * u
-      local allowed, retry = 1, -1
-      if new > capacity then
-        allowed, retry = 0, -2
-        if cost * u <= capacity then
-          retry = ceil((new - capacity) / d)
-        end
-        -- The expiry, as the loop below.
-        local drained = ceil(b / d)
-        if written and t + drained > written + w then
-          keep_for(key, ceil(drained / 1000))
-        end
-      elseif record ~= LOOK then
-        if record == LEASE then
-          local take = min(want, floor((capacity - b) / u))
-          allowed, cost, leased = 1 + take - cost, take, now
-        end
-        b = min(b + cost * u, MAX_UNITS)
-        -- As `write` above, inline (a call of a Lua function costs Redis more than this whole
-        -- expiry): expiry.lua's `expires_at` in us, for the time the write needs and for the one
-        -- the state's stamp guarantees, and its `write_gcra`.
-        local value = spack('<lllll', stamp, b, u, born, leased)
-        local quantum = (w - w % 8000) / 8
-        if quantum < 1000 then
-          quantum = 1000
-        end
-        local at = now + w + max(stamp - now, 0) + quantum - 1
-        at = at - at % quantum
-        local kept = written and written + w + quantum - 1
-        if stretch_num > stretch_den then
-          write(key, value, now, stamp, false, w, stretch_num, stretch_den)
-        elseif kept and at <= kept - kept % quantum then
-          call('SETRANGE', key, '0', value)
-        else
-          call('PSETEX', key, text((at - now + now % 1000) / 1000), value)
-        end
+    local capacity = (w - h) * d
+    local new = b + cost * u
+    local allowed, retry = 1, -1
+    if new > capacity then
+      allowed, retry = 0, -2
+      if cost * u <= capacity then
+        retry = ceil((new - capacity) / d)
       end
-      local remaining = max(floor((capacity - b) / u), 0)
-      reply[k] = spack('<llllll', allowed, 0, remaining, ceil(b / d), retry, overridden and c or -1)
+      -- The expiry, as the loop below.
+      local drained = ceil(b / d)
+      if written and (reweighed or t + drained > written + w) then
+        keep_for(key, ceil(drained / 1000))
+      end
+    elseif record ~= LOOK then
+      if record == LEASE then
+        local take = min(want, floor((capacity - b) / u))
+        allowed, cost, leased = 1 + take - cost, take, now
+      end
+      b = min(b + cost * u, MAX_UNITS)
+      -- As `write` above, inline (a call of a Lua function costs Redis more than this whole
+      -- expiry): expiry.lua's `expires_at` in us, for the time the write needs and for the one
+      -- the state's stamp guarantees, and its `write_gcra`.
+      local value = spack('<lllll', stamp, b, u, born, leased)
+      local quantum = (w - w % 8000) / 8
+      if quantum < 1000 then
+        quantum = 1000
+      end
+      local at = now + w + max(stamp - now, 0) + quantum - 1
+      at = at - at % quantum
+      local kept = written and written + w + quantum - 1
+      if stretch_num > stretch_den then
+        write(key, value, now, stamp, false, w, stretch_num, stretch_den)
+      elseif kept and at <= kept - kept % quantum then
+        call('SETRANGE', key, '0', value)
+      else
+        call('PSETEX', key, text((at - now + now % 1000) / 1000), value)
+      end
     end
+    reply[k] = spack('<llllll', allowed, 0, max(floor((capacity - b) / u), 0), ceil(b / d), retry,
+      overridden and c or -1)
   else
     -- Two limits or more.
     local state = call('GET', key)
@@ -154,8 +149,8 @@ for k = 1, #KEYS do
     -- Each limit's backlog at t, and the limit that refuses with the latest retry; `room`, the
     -- fewest whole units that fit in any limit (a lease's); the stamp to write (t, or the
     -- state's own where later), the state's own (`written`, false: none), and whether a limit
-    -- was written under another weight (`other`: see the header).
-    local state_byte, stamp, written, other = 1, t, false, false
+    -- was written under another weight (reweighed, as gcra.lua).
+    local state_byte, stamp, written, reweighed = 1, t, false, false
     local denied, denied_retry, room = nil, nil, nil
     for i = 1, n do
       local c, w, g = counts[i], windows[i], scales[i]
@@ -169,7 +164,9 @@ for k = 1, #KEYS do
         local at, left, from
         at, left, from, state_byte = sunpack('<lll', state, state_byte)
         stamp, written = max(stamp, at), at
-        other = other or from ~= u
+        if from ~= u then
+          left, reweighed = reweigh(left, from, u), true
+        end
         b = max(left - max(t - at, 0) * d, 0)
       end
       backlogs[i] = b
@@ -196,50 +193,46 @@ for k = 1, #KEYS do
       born, leased = sunpack('<ll', state, state_byte)
     end
 
-    if other then
-      reply[k] = spack('<llllll', 0, FULL_PATH, 0, 0, -2, -1)
-    else
-      local allowed, reported, retry = 0, denied, denied_retry
-      if denied ~= nil and state then
-        -- Refused: the key kept until its backlog drains under the counts at hand (gcra.lua),
-        -- where the expiry the last write set (at least the longest window after the state's
-        -- stamp) may not cover that.
-        local drained = 0
-        for i = 1, n do
-          drained = max(drained, ceil(backlogs[i] / drains[i]))
-        end
-        if t + drained > written + windows[n] then
-          keep_for(key, ceil(drained / 1000))
-        end
+    local allowed, reported, retry = 0, denied, denied_retry
+    if denied ~= nil and state then
+      -- Refused: the key kept until its backlog drains under the counts at hand (gcra.lua),
+      -- where the expiry the last write set (at least the longest window after the state's
+      -- stamp) may not cover that.
+      local drained = 0
+      for i = 1, n do
+        drained = max(drained, ceil(backlogs[i] / drains[i]))
       end
-      if denied == nil then
-        allowed, retry = 1, -1
-        if record ~= LOOK then
-          if record == LEASE then
-            local take = min(want, room)
-            allowed, cost, leased = 1 + take - cost, take, now
-          end
-          local parts = {}
-          for i = 1, n do
-            backlogs[i] = min(backlogs[i] + cost * weights[i], MAX_UNITS)
-            parts[i] = spack('<lll', stamp, backlogs[i], weights[i])
-          end
-          parts[n + 1] = spack('<ll', born, leased)
-          write(key, table.concat(parts), now, stamp, written, windows[n], stretch_num, stretch_den)
-        end
-        local least
-        for i = 1, n do
-          local remaining = floor(((windows[i] - h) * drains[i] - backlogs[i]) / weights[i])
-          if least == nil or remaining < least then
-            least, reported = remaining, i
-          end
-        end
+      if reweighed or t + drained > written + windows[n] then
+        keep_for(key, ceil(drained / 1000))
       end
-      local w, b = windows[reported], backlogs[reported]
-      local u, d = weights[reported], drains[reported]
-      reply[k] = spack('<llllll', allowed, reported - 1, max(floor(((w - h) * d - b) / u), 0),
-        ceil(b / d), retry, overridden and counts[reported] or -1)
     end
+    if denied == nil then
+      allowed, retry = 1, -1
+      if record ~= LOOK then
+        if record == LEASE then
+          local take = min(want, room)
+          allowed, cost, leased = 1 + take - cost, take, now
+        end
+        local parts = {}
+        for i = 1, n do
+          backlogs[i] = min(backlogs[i] + cost * weights[i], MAX_UNITS)
+          parts[i] = spack('<lll', stamp, backlogs[i], weights[i])
+        end
+        parts[n + 1] = spack('<ll', born, leased)
+        write(key, table.concat(parts), now, stamp, written, windows[n], stretch_num, stretch_den)
+      end
+      local least
+      for i = 1, n do
+        local remaining = floor(((windows[i] - h) * drains[i] - backlogs[i]) / weights[i])
+        if least == nil or remaining < least then
+          least, reported = remaining, i
+        end
+      end
+    end
+    local w, b = windows[reported], backlogs[reported]
+    local u, d = weights[reported], drains[reported]
+    reply[k] = spack('<llllll', allowed, reported - 1, max(floor(((w - h) * d - b) / u), 0),
+      ceil(b / d), retry, overridden and counts[reported] or -1)
   end
 end
 

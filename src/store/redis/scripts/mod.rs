@@ -9,8 +9,8 @@ use crate::model::Algorithm;
 /// A script: integers as text and the keys' expiry, exact arithmetic past 2^53, the shared
 /// prelude (arguments, reply, `TIME`), then, for the algorithms that use it, the driver that
 /// combines limits (the counters) or the format of events (the sliding log), then the
-/// algorithm's own file. A plain script has the first and its own prelude (`plain.lua`), and
-/// no exact arithmetic.
+/// algorithm's own file. A plain script has its own prelude (`plain.lua`) instead, and the
+/// sliding log's no exact arithmetic.
 macro_rules! script {
     (log, $file:literal) => {
         concat!(
@@ -42,6 +42,7 @@ macro_rules! script {
     (plain, $file:literal) => {
         concat!(
             include_str!("expiry.lua"),
+            include_str!("exact.lua"),
             include_str!("plain.lua"),
             include_str!($file)
         )

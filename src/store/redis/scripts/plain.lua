@@ -1,4 +1,4 @@
--- Prelude of the plain tier (after expiry.lua): gcra_plain.lua, or log_events.lua and then
+-- Prelude of the plain tier (after expiry.lua, and exact.lua for GCRA): gcra_plain.lua, or log_events.lua and then
 -- sliding_log_plain.lua, is appended to it. A plain script decides what most requests are, a
 -- look, an admission or a lease of a policy that uses none of the features below, and nothing
 -- else, so that such a decision pays for no feature it does not use: it reads no hash of
@@ -48,9 +48,9 @@
 -- one that captures none, and a constant packed at the top is packed in every call (struct.pack
 -- costs about what a decision's arithmetic does). So the algorithm's file decides in one loop,
 -- the functions here capture nothing, answers are packed where they are given, and what a
--- plain decision never calls is not here: exact.lua's arithmetic past 2^53 (GCRA state written
--- under other counts goes to the full tier, gcra_plain.lua) and log_lighten.lua's rewrites of
--- the log (refunds and give-backs are the full tier's). Measured with
+-- plain decision never calls is not in the script: log_lighten.lua's rewrites of the log
+-- (refunds and give-backs are the full tier's), and, for the log, exact.lua's arithmetic past
+-- 2^53 (GCRA's plain script reweighs a state written under other counts with it). Measured with
 -- callgrind on redis-server 7.0 (examples/redis_costs.rs, docs/performance.md): GCRA 0.48 and
 -- the log 0.53 of the full script's instructions at one request per call; eight per call, 0.63
 -- and 0.76.
@@ -68,8 +68,6 @@ if #ARGV[2] == 16 then
   local _, ends = sunpack('<ll', ARGV[2])
   confirmed = now < ends
 end
--- The most units a state holds (exact.lua, which the plain tier goes without).
-local MAX_UNITS = 4503599627370496
 -- The arguments, read from next_byte on, and the answers so far (one string per request).
 local requests, next_byte = ARGV[1], 1
 local reply = {}

@@ -41,6 +41,9 @@
 -- the newest event before it keeps the key's (no PEXPIREAT): on a key admitted again within
 -- an eighth of its window, most admissions, one command fewer each.
 
+-- The most units a state holds (exact.lua, which the plain log goes without).
+local MAX_UNITS = 4503599627370496
+
 -- Per limit of the request at hand (entries past its n are left over and never read): count,
 -- window, the units in (t - w, t], and the time of the first event of (t - w, t] (false: none).
 local counts, windows, pasts, firsts = {}, {}, {}, {}
