@@ -46,7 +46,8 @@ end
 -- `kept` is given only for a key that holds state of the length of `value` (every caller has
 -- just read it): SETRANGE at 0 then overwrites all of it and keeps the expiry, as SET KEEPTTL
 -- would, and replies an integer where SET replies a status, which Redis hands Lua as a new
--- table: about 2 300 Redis instructions a decision fewer (examples/redis_costs.rs).
+-- table: about 1 900 Redis instructions a write fewer (the floor rows of
+-- examples/redis_costs.rs, docs/performance.md).
 local function write_gcra(key, value, now, at, kept)
   if kept and at <= kept then
     redis.call('SETRANGE', key, '0', value)

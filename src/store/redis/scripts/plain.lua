@@ -1,11 +1,11 @@
--- Prelude of the plain tier (after expiry.lua, and exact.lua for GCRA): gcra_plain.lua, or log_events.lua and then
--- sliding_log_plain.lua, is appended to it. A plain script decides what most requests are, a
--- look, an admission or a lease of a policy that uses none of the features below, and nothing
--- else, so that such a decision pays for no feature it does not use: it reads no hash of
--- overrides, and defines no penalty box, slot, attempt or line. The full scripts
--- (prelude.lua and the algorithm's file) decide everything, and the two tiers read and write
--- the same state byte for byte, so that a key may go from one to the other request by request
--- (src/store/redis/scripts/mod.rs, Tier).
+-- Prelude of the plain tier (after expiry.lua, and exact.lua for GCRA): gcra_plain.lua, or
+-- log_events.lua and then sliding_log_plain.lua, is appended to it. A plain script decides what
+-- most requests are, a look, an admission or a lease of a policy that uses none of the features
+-- below, and nothing else, so that such a decision pays for no feature it does not use: it
+-- reads no hash of overrides, and defines no penalty box, slot, attempt or line. The full
+-- scripts (prelude.lua and the algorithm's file) decide everything, and the two tiers read and
+-- write the same state byte for byte, so that a key may go from one to the other request by
+-- request (src/store/redis/scripts/mod.rs, Tier).
 --
 -- KEYS[k]   the state of request k, as the algorithm's full script keeps it (its header says
 --           the format); no slot operation's key
