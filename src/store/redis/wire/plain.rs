@@ -1,5 +1,7 @@
-//! The plain tier's arguments (`scripts/plain.lua`, ARGV[1]): what of a request's full
-//! arguments ([`encode_for`](super::encode_for)) a plain decision reads, and nothing else.
+//! The plain tier's arguments (`scripts/plain.lua`, ARGV[1]): which requests it decides
+//! ([`plain_generation`]) and what of a request's full arguments
+//! ([`encode_for`](super::encode_for)) a plain decision reads, and nothing else, both read
+//! from those arguments by one reader.
 //!
 //! A request is encoded once, for the full scripts, and kept so, since the plain tier sends
 //! on to the full one what it does not decide ([`FULL_PATH`](super::FULL_PATH)). A plain call
@@ -10,7 +12,7 @@
 //! script made of the fields left out are made here, against the generation the call's
 //! confirmation carries ([`plain_args`]).
 
-use super::request::{Mode, INT};
+use super::request::{Mode, HEAD, INT};
 
 /// The kinds of override a request carries (`prelude.lua`, "Overrides"): only counts add
 /// fields (a count and a scale per limit).
@@ -66,12 +68,31 @@ struct Full<'a> {
     rest: &'a [u8],
 }
 
+/// The generation of the hash of overrides a request encoded as `args` ([`encode_for`], its
+/// [`HEAD`] first) was resolved at, where the plain tier decides it: a look, an admission or a
+/// lease, at now, with no penalty box and no attempt, whose override is known (what
+/// [`plain_eligible`](super::plain_eligible) says of the request before it is encoded; a
+/// concurrency slot is its own mode). `None` otherwise.
+///
+/// [`encode_for`]: super::encode_for
+pub(crate) fn plain_generation(args: &[u8]) -> Option<i64> {
+    let (_, request) = one(args, HEAD)?;
+    let [_, _, _, t, _, block, _, _, known, _, _] = request.head;
+    (request.plain_mode() && t < 0 && block == 0 && known >= 0).then_some(known)
+}
+
 impl Full<'_> {
+    /// Whether its mode is one the plain tier decides, and it is no attempt.
+    fn plain_mode(&self) -> bool {
+        let [_, _, mode, _, _, _, _, _, _, _, attempt] = self.head;
+        let modes = [Mode::Look, Mode::Admit, Mode::Lease].map(|mode| mode as i64);
+        modes.contains(&mode) && attempt == 0
+    }
+
     /// Whether the plain tier decides it in a call confirmed at generation `confirmed`.
     fn decided(&self, confirmed: i64) -> bool {
-        let [_, _, mode, t, _, block, _, _, known, _, attempt] = self.head;
-        let modes = [Mode::Look, Mode::Admit, Mode::Lease].map(|mode| mode as i64);
-        modes.contains(&mode) && attempt == 0 && !(block > 0 && t < 0) && known == confirmed
+        let [_, _, _, t, _, block, _, _, known, _, _] = self.head;
+        self.plain_mode() && !(block > 0 && t < 0) && known == confirmed
     }
 
     /// Writes its plain arguments onto `out`.
@@ -160,6 +181,41 @@ mod tests {
         let admit = [vec![2, 2, Mode::Admit as i64, -1, 0], limits.clone()].concat();
         let leased = [vec![2, 1, Mode::Lease as i64, -1, 0, 5, 7], limits].concat();
         assert_eq!(plain, [admit, leased].concat());
+    }
+
+    /// A look, an admission or a lease at now with no box or attempt, resolved at a known
+    /// generation, is decided plain, at that generation; an unknown generation, an event time,
+    /// a penalty box and a settlement are not.
+    #[test]
+    fn which_requests_the_plain_tier_decides() {
+        let w = windows(&["10/1s"]);
+        let known = |mut args: Vec<u8>, generation: i64| {
+            args[8 * INT..9 * INT].copy_from_slice(&generation.to_le_bytes());
+            [vec![0; HEAD], args].concat()
+        };
+        let look = Record::Look { headroom: 0 };
+        let settle = Record::Settle {
+            refund: false,
+            admitted: 5,
+            recorded: 1,
+            headroom: 0,
+            drains: -1,
+        };
+        let admit = encode(1, Record::Admit, -1, [0; 4], &w);
+        assert_eq!(plain_generation(&known(admit.clone(), 3)), Some(3));
+        assert_eq!(
+            plain_generation(&known(encode(1, look, -1, [0; 4], &w), 0)),
+            Some(0)
+        );
+        assert_eq!(plain_generation(&[vec![0; HEAD], admit].concat()), None);
+        let at = encode(1, Record::Admit, 1_000, [0; 4], &w);
+        assert_eq!(plain_generation(&known(at, 3)), None);
+        let boxed = encode(1, Record::Admit, -1, [0, 1_000, 0, 0], &w);
+        assert_eq!(plain_generation(&known(boxed, 3)), None);
+        assert_eq!(
+            plain_generation(&known(encode(1, settle, -1, [0; 4], &w), 3)),
+            None
+        );
     }
 
     /// A request resolved at another generation than the call's, one with a penalty box at

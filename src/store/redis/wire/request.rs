@@ -348,23 +348,6 @@ pub(crate) fn plain_eligible(record: &Record, policy: &Policy, attempt: u64, at:
     fits && attempt == 0 && at < 0 && policy.concurrency_limit().is_none()
 }
 
-/// The generation of the hash of overrides a request encoded as `args` ([`encode_for`], its
-/// [`HEAD`] first) was resolved at, where the plain tier decides it: a look, an admission or a
-/// lease, at now, with no penalty box and no attempt, whose override is known (what
-/// [`plain_eligible`] says of the request before it is encoded; a concurrency slot is its own
-/// mode). `None` otherwise.
-pub(crate) fn plain_generation(args: &[u8]) -> Option<i64> {
-    let int = |i: usize| {
-        let at = HEAD + i * INT;
-        let bytes = args.get(at..at + INT)?.try_into().ok()?;
-        Some(i64::from_le_bytes(bytes))
-    };
-    let modes = [Mode::Look, Mode::Admit, Mode::Lease].map(|mode| mode as i64);
-    let fits = modes.contains(&int(2)?) && int(3)? < 0 && int(5)? == 0 && int(10)? == 0;
-    let generation = int(8)?;
-    (fits && generation >= 0).then_some(generation)
-}
-
 /// [`encode_for`] with the override `resolution` found by [`resolve`].
 pub(crate) fn encode_with(
     policy: &Policy,
