@@ -204,21 +204,18 @@ async fn slot_moved_under_load_loses_no_decision_and_keeps_limits_exact() {
     let begun_at = load.elapsed();
     let begun = Instant::now();
     block_in_place(|| cluster.begin_migration(slot, from, to));
-    let mut moved = 0;
-    loop {
-        // One key at a time, with load in between: for a while the clients' keys are split
-        // between the two primaries.
-        let n = block_in_place(|| cluster.migrate_keys(slot, from, to, 1));
-        if n == 0 {
-            break;
-        }
-        moved += n;
-        eprintln!(
-            "key {moved} moved {:?} after the move began",
-            load.elapsed() - begun_at
-        );
-        load.wait_for_requests(200).await;
-    }
+    // One key at a time, with load in between: for a while the clients' keys are split
+    // between the two primaries.
+    let during = &load;
+    let moved = cluster
+        .migrate_one_at_a_time(slot, from, to, |moved| {
+            eprintln!(
+                "key {moved} moved {:?} after the move began",
+                during.elapsed() - begun_at
+            );
+            during.wait_for_requests(200)
+        })
+        .await;
     block_in_place(|| cluster.finish_migration(slot, from, to));
     let finished_at = load.elapsed();
     let took = begun.elapsed();
@@ -327,15 +324,12 @@ async fn a_slot_moved_twice_keeps_limits_and_one_copy_of_each_key() {
     eprintln!("(admitted, failed) of 100 with the keys on B: {on_b:?}");
     // The operator moves the keys (`migrate_keys` asserts each MIGRATE answers OK), with
     // requests between the batches and after, while the slot is still migrating.
-    let mut moved = 0;
-    loop {
-        let n = block_in_place(|| cluster.migrate_keys(slot, b, c, 1));
-        if n == 0 {
-            break;
-        }
-        moved += n;
-        burst(&store, &policy, &clients, 5).await;
-    }
+    let (s, p, k) = (&store, &policy, &clients);
+    let moved = cluster
+        .migrate_one_at_a_time(slot, b, c, move |_| async move {
+            burst(s, p, k, 5).await;
+        })
+        .await;
     let on_c = burst(&store, &policy, &clients, 25).await;
     block_in_place(|| cluster.finish_migration(slot, b, c));
     let after = burst(&store, &policy, &clients, 25).await;

@@ -1020,15 +1020,9 @@ async fn a_slot_moved_under_plain_calls_of_every_kind_keeps_the_policys_count() 
         load.wait_for_requests(600).await;
         let begun = load.elapsed();
         block_in_place(|| cluster.begin_migration(slot, from, to));
-        let mut moved = 0;
-        loop {
-            let n = block_in_place(|| cluster.migrate_keys(slot, from, to, 1));
-            if n == 0 {
-                break;
-            }
-            moved += n;
-            load.wait_for_requests(150).await;
-        }
+        let moved = cluster
+            .migrate_one_at_a_time(slot, from, to, |_| load.wait_for_requests(150))
+            .await;
         block_in_place(|| cluster.finish_migration(slot, from, to));
         let finished = load.elapsed();
         load.wait_for_requests(5 * 2 * 300).await;

@@ -421,6 +421,30 @@ impl RedisCluster {
         }
     }
 
+    /// Moves the keys of `slot`, migrating from `from` to `to` ([`begin_migration`]), one at a
+    /// time, and awaits `between(moved)` after each, `moved` the keys moved so far, so that the
+    /// keys stay split between the two nodes while requests run; returns how many moved. Needs
+    /// tokio's multi-threaded runtime (each `MIGRATE` blocks in place).
+    ///
+    /// [`begin_migration`]: Self::begin_migration
+    pub async fn migrate_one_at_a_time<F: std::future::Future<Output = ()>>(
+        &self,
+        slot: u16,
+        from: usize,
+        to: usize,
+        mut between: impl FnMut(usize) -> F,
+    ) -> usize {
+        let mut moved = 0;
+        loop {
+            let n = tokio::task::block_in_place(|| self.migrate_keys(slot, from, to, 1));
+            if n == 0 {
+                return moved;
+            }
+            moved += n;
+            between(moved).await;
+        }
+    }
+
     /// Moves `slot` from `from` to `to`, keys in batches of `batch`.
     pub fn move_slot(&self, slot: u16, from: usize, to: usize, batch: usize) {
         self.begin_migration(slot, from, to);
