@@ -103,6 +103,22 @@ impl Checks {
     }
 }
 
+/// Store D of the stall tests: the plain tier, batches of at most eight and a 3 s budget,
+/// behind a proxy of its own to `server`, with at most `in_flight` calls under way where given.
+async fn behind_proxy(
+    server: &RedisServer,
+    in_flight: Option<usize>,
+) -> (RedisStore, crate::support::proxy::Proxy) {
+    let proxy = crate::support::proxy::Proxy::start(server.port()).await;
+    let mut builder = RedisStore::builder(proxy.url())
+        .max_batch(8)
+        .timeout(Duration::from_secs(3));
+    if let Some(in_flight) = in_flight {
+        builder = builder.max_in_flight(in_flight);
+    }
+    (builder.connect().await.unwrap(), proxy)
+}
+
 fn ints(bytes: &[u8]) -> Vec<i64> {
     bytes
         .chunks_exact(8)
@@ -629,18 +645,11 @@ async fn every_kind_of_override_in_one_batch_is_followed() {
 /// as many events as D was told admissions (no decision fails within the budget).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stall_around_overrides_of_every_kind_decides_nothing_by_old_counts() {
-    use crate::support::proxy::Proxy;
     use tower_redis_ratelimit::test_util::redis_key;
     let server = RedisServer::start();
     let admin = server.client().await;
     let a = server.store().await;
-    let proxy = Proxy::start(server.port()).await;
-    let d = RedisStore::builder(proxy.url())
-        .max_batch(8)
-        .timeout(Duration::from_secs(3))
-        .connect()
-        .await
-        .unwrap();
+    let (d, proxy) = behind_proxy(&server, None).await;
     let api = Policy::new(
         "stalled",
         [
@@ -885,19 +894,11 @@ async fn a_lane_mixing_both_tiers_answers_as_the_full_scripts_alone() {
 /// admissions (nothing decided twice on its way from the plain tier to the full one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_queued_behind_a_stall_are_not_decided_by_their_old_resolution() {
-    use crate::support::proxy::Proxy;
     use tower_redis_ratelimit::test_util::redis_key;
     let server = RedisServer::start();
     let admin = server.client().await;
     let a = server.store().await;
-    let proxy = Proxy::start(server.port()).await;
-    let d = RedisStore::builder(proxy.url())
-        .max_batch(8)
-        .max_in_flight(1)
-        .timeout(Duration::from_secs(3))
-        .connect()
-        .await
-        .unwrap();
+    let (d, proxy) = behind_proxy(&server, Some(1)).await;
     let api = Policy::new("queued", ["1000000/1h".parse().unwrap()])
         .unwrap()
         .with_algorithm(Algorithm::SlidingLog);
