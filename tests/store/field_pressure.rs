@@ -239,9 +239,9 @@ const KEPT: [&str; 3] = [
     "ratelimit:{overrides}:limits",
 ];
 
-/// The runs of each eviction policy: both algorithms on the plain tier, GCRA on the full
-/// scripts alone, and GCRA with leases.
-const RUNS: [Run; 4] = [
+/// The runs of each eviction policy: each algorithm on the plain tier, on the full scripts
+/// alone, and with leases.
+const RUNS: [Run; 6] = [
     Run {
         algorithm: Algorithm::Gcra,
         plain: true,
@@ -259,6 +259,16 @@ const RUNS: [Run; 4] = [
     },
     Run {
         algorithm: Algorithm::Gcra,
+        plain: true,
+        leases: true,
+    },
+    Run {
+        algorithm: Algorithm::SlidingLog,
+        plain: false,
+        leases: false,
+    },
+    Run {
+        algorithm: Algorithm::SlidingLog,
         plain: true,
         leases: true,
     },
@@ -289,9 +299,12 @@ async fn each_run(policy: &str, pace: Duration) -> Vec<(Run, Pressure)> {
 /// other than the overrides' without expiry.
 fn broken(policy: &str, run: Run, p: &Pressure, errors_allowed: bool) -> Vec<String> {
     let mut broke = Vec::new();
-    // The run reached memory pressure: Redis refused or evicted.
+    // The run reached memory pressure: Redis refused or evicted (except the sliding log under
+    // noeviction, which Redis lets past maxmemory: the ignored test (4)).
     let evicted: u64 = p.evicted.parse().unwrap_or(0);
-    if p.hot_tries != p.cold / 200 || (evicted == 0 && p.cold_errors == 0 && p.errors == "{}") {
+    let log_unheld = policy == "noeviction" && matches!(run.algorithm, Algorithm::SlidingLog);
+    let quiet = evicted == 0 && p.cold_errors == 0 && p.errors == "{}";
+    if p.hot_tries != p.cold / 200 || (quiet && !log_unheld) {
         broke.push(format!("{policy} {run:?}: no pressure reached: {p:?}"));
     }
     if p.hot_admitted > 10 {
@@ -340,7 +353,10 @@ async fn noeviction_fails_typed_is_never_over_and_recovers() {
     for (run, p) in each_run("noeviction", Duration::ZERO).await {
         broke.extend(broken("noeviction", run, &p, true));
         let kinds = p.errors.clone();
-        if !kinds.contains("OOM") || kinds.matches("Redis(").count() != 1 {
+        let gcra = matches!(run.algorithm, Algorithm::Gcra);
+        // Each kind (`"<kind>": <count>`) is Redis's OOM error.
+        let only_oom = kinds.matches("\": ").count() == kinds.matches("OOM command").count();
+        if (gcra && !kinds.contains("OOM")) || !only_oom {
             broke.push(format!(
                 "noeviction {run:?}: errors {kinds}, expected OOM alone"
             ));
@@ -424,8 +440,8 @@ async fn noeviction_fails_typed_is_never_over_and_recovers() {
 
 /// (2) `volatile-lru` and `volatile-ttl` at 3 MB: Redis evicts only keys with an expiry, so
 /// the overrides hash stays and the blocked key is never admitted, no decision fails, and
-/// every state key has an expiry. (The hot key's own state is evicted: the ignored test
-/// below.)
+/// every state key has an expiry, except with leases on the sliding log (the ignored test
+/// (7)). (The hot key's own state is evicted: the ignored test (3).)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn volatile_policies_keep_overrides_and_expiries() {
     let mut broke = Vec::new();
@@ -440,7 +456,9 @@ async fn volatile_policies_keep_overrides_and_expiries() {
                 .iter()
                 .filter(|k| !KEPT.contains(&k.as_str()))
                 .collect();
-            if !stray.is_empty() || p.without_ttl.len() != KEPT.len() {
+            // A leasing log key lost to eviction may be left without expiry: test (7).
+            let leasing_log = run.leases && matches!(run.algorithm, Algorithm::SlidingLog);
+            if (!stray.is_empty() && !leasing_log) || p.without_ttl.len() < KEPT.len() {
                 broke.push(format!(
                     "{policy} {run:?}: without expiry {:?}",
                     p.without_ttl
@@ -455,9 +473,9 @@ async fn volatile_policies_keep_overrides_and_expiries() {
 /// about 4 s: is the hot key ever over its 10 a minute, the blocked key admitted, or the
 /// counting log short of its admissions? Fast, on every policy: Redis evicts the limiter's
 /// state, and under `allkeys-lru` the overrides hash (all keys are one tick old on Redis's
-/// LRU clock). Paced: `volatile-ttl` still evicts the hot key (a key refused at its count
-/// is not written, so its expiry is the nearest), `allkeys-lru` the counting log; the
-/// `*-lru` policies keep the hot GCRA key.
+/// LRU clock). Paced, less often: `volatile-ttl` still evicts hot state (a key refused at its
+/// count is not written, so its expiry is among the nearest), `allkeys-lru` hot state, the
+/// counting log or the override; `volatile-lru` lost nothing in two paced runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "shows evicted state: the hot key admitted past its count (volatile-ttl, and every policy at full speed), the counting log losing events, the override lost under allkeys-lru"]
 async fn evicting_policies_keep_every_count() {
@@ -776,6 +794,71 @@ async fn an_overloaded_redis_is_never_over_on_either_tier() {
             || !kinds_ok
         {
             broke.push(format!("plain {plain}, stalls of {stall} s: {l:?}"));
+        }
+    }
+    assert!(broke.is_empty(), "{broke:#?}");
+}
+
+/// A sliding-log key's state, as a lease's give-back finds it after the key was lost (evicted,
+/// or deleted) and made again by a lease: does every log key keep an expiry after `drain`?
+async fn log_key_after_give_back(delete: bool) -> (i64, String, usize) {
+    use tower_redis_ratelimit::test_util::leasing_keys;
+    let server = RedisServer::start();
+    let admin = server.client().await;
+    let store = RedisStore::builder(server.url())
+        .leases(Leases::new())
+        .connect()
+        .await
+        .unwrap();
+    let policy = Policy::new("leased", ["1000/1m".parse().unwrap()])
+        .unwrap()
+        .with_algorithm(Algorithm::SlidingLog);
+    let key = Key::from("hot");
+    let name = redis_key(&store, &key, &policy);
+    // Hot: 400 requests, one a millisecond, until the key leases.
+    let mut admitted = 0;
+    for _ in 0..400 {
+        admitted += usize::from(store.check(&key, &policy, 1).await.unwrap().is_allowed());
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(leasing_keys(&store), 1, "the hot key leases");
+    if delete {
+        // As an eviction would: the key goes, and the next lease makes it again.
+        let _: i64 = admin.del(&name).await.unwrap();
+        for _ in 0..100 {
+            admitted += usize::from(store.check(&key, &policy, 1).await.unwrap().is_allowed());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    store.drain().await.unwrap();
+    let pttl: i64 = admin.pttl(&name).await.unwrap();
+    let members: Vec<String> = admin
+        .zrange(&name, 0, -1, None, false, None, false)
+        .await
+        .unwrap();
+    (pttl, members.join(" "), admitted)
+}
+
+/// (7) A sliding-log key lost while it leases (deleted here, as `allkeys-*` or `volatile-*`
+/// eviction deletes it) and made again by the next lease: after `drain` gives the unspent
+/// units back, does the key keep an expiry? Without the deletion it does (PTTL about 2 min);
+/// with it the key is left with PTTL -1, holding the lease's event, lighter, for ever. (A
+/// likely cause: `log_lighten.lua` removes the set's only member before adding it back
+/// lighter, and Redis deletes a sorted set left empty, expiry and all.) Seen under pressure
+/// too: `volatile-ttl`, the sliding log with leases, left the counting key without expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "shows a sliding-log key made again by a lease left without expiry (PTTL -1) after drain's give-back"]
+async fn a_log_key_made_again_by_a_lease_keeps_its_expiry() {
+    let mut broke = Vec::new();
+    for delete in [false, true] {
+        let (pttl, members, admitted) = log_key_after_give_back(delete).await;
+        eprintln!(
+            "deleted while leasing {delete}: PTTL {pttl}, {admitted} admitted, events {members}"
+        );
+        if pttl < 0 {
+            broke.push(format!(
+                "deleted while leasing {delete}: PTTL {pttl}, events {members}"
+            ));
         }
     }
     assert!(broke.is_empty(), "{broke:#?}");
