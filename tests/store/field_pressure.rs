@@ -345,7 +345,8 @@ fn broken(policy: &str, run: Run, p: &Pressure, errors_allowed: bool) -> Vec<Str
 /// nothing else; the hot key is never over its 10, the blocked key
 /// never admitted, the counting log holds exactly its admissions (an OOM'd call, re-sent or
 /// not, counts nothing twice); only the overrides' keys lack an expiry. Then, behind a layer,
-/// a new client is answered 503 under `Closed` and admitted under `Open` while Redis is full;
+/// a new client is answered 503 under `Closed`, admitted under `Open`, and held to the count by
+/// the local store under `Fallback` while Redis is full;
 /// with `maxmemory` raised, `Closed` admits again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn noeviction_fails_typed_is_never_over_and_recovers() {
@@ -418,6 +419,22 @@ async fn noeviction_fails_typed_is_never_over_and_recovers() {
         (503, 200),
         "Closed, Open while Redis is full"
     );
+    // Fallback: decided by the local store, at the policy's count (3 a minute here).
+    let three = Policy::new("three", ["3/1m".parse().unwrap()]).unwrap();
+    let fallback = crate::support::http::served(
+        tower_redis_ratelimit::RateLimitLayer::builder()
+            .policy(three)
+            .key(crate::support::http::api_key())
+            .store(store.clone())
+            .failure_mode(tower_redis_ratelimit::FailureMode::Fallback(
+                tower_redis_ratelimit::MemoryStore::new(),
+            ))
+            .build()
+            .unwrap(),
+    );
+    let local = crate::support::http::admitted(&fallback, "new-4", 6).await;
+    eprintln!("noeviction: Fallback admits {local} of 6 requests of a new client under 3 a minute");
+    assert_eq!(local, 3);
     let _: String = admin
         .custom(fred::cmd!("CONFIG"), vec!["SET", "maxmemory", "64mb"])
         .await
