@@ -48,6 +48,19 @@ pub async fn evalsha_seen<F: std::future::Future<Output = ()>>(
     port: u16,
     work: F,
 ) -> Vec<Vec<Vec<u8>>> {
+    evalsha_seen_at(port, work)
+        .await
+        .into_iter()
+        .map(|(_, args)| args)
+        .collect()
+}
+
+/// As [`evalsha_seen`], each call with the Redis time (µs since the epoch) at which Redis ran
+/// it, as `MONITOR` stamps it.
+pub async fn evalsha_seen_at<F: std::future::Future<Output = ()>>(
+    port: u16,
+    work: F,
+) -> Vec<(i64, Vec<Vec<u8>>)> {
     let file = std::env::temp_dir().join(format!("monitor-{}-{port}", std::process::id()));
     let mut monitor = std::process::Command::new("redis-cli")
         .args(["-p", &port.to_string(), "monitor"])
@@ -63,6 +76,16 @@ pub async fn evalsha_seen<F: std::future::Future<Output = ()>>(
     let _ = std::fs::remove_file(&file);
     text.lines()
         .filter(|l| l.contains("] \"EVALSHA\""))
-        .map(monitor_args)
+        .map(|l| (monitor_time(l), monitor_args(l)))
         .collect()
+}
+
+/// A `MONITOR` line's time stamp (`1700000000.123456 [0 ...`) in µs; -1 if it has none.
+fn monitor_time(line: &str) -> i64 {
+    let stamp = line.split_whitespace().next().unwrap_or("");
+    let (seconds, micros) = stamp.split_once('.').unwrap_or((stamp, "0"));
+    match (seconds.parse::<i64>(), micros.parse::<i64>()) {
+        (Ok(s), Ok(us)) => s * 1_000_000 + us,
+        _ => -1,
+    }
 }
