@@ -1080,3 +1080,48 @@ async fn gcra_key_filled_under_raised_counts_lives_until_it_drains_under_the_pol
     }
     assert!(broke.is_empty(), "{broke:#?}");
 }
+
+/// A log whose every event is ahead of a request (bookings ahead, then a request now): the
+/// full script moves the totals of the later events up (`log_lighten.lua`, `shift`), which
+/// removes every member before it adds them back, and Redis deletes a sorted set left empty,
+/// expiry and all. The key keeps an expiry through it, no sooner than twice the window after
+/// its newest event, and is gone after that.
+#[tokio::test]
+async fn a_log_whose_events_are_all_ahead_keeps_its_expiry_when_an_earlier_one_comes() {
+    let server = RedisServer::start();
+    let client = server.client().await;
+    let store = server.store().await;
+    let window = 200_000i64;
+    let policy = Policy::new("ahead", [limit("10/200ms")])
+        .unwrap()
+        .with_algorithm(Algorithm::SlidingLog);
+    let key = Key::from("booked-ahead");
+    let redis = redis_key(&store, &key, &policy);
+    let now = SystemTime::now();
+    for ahead in [150, 100] {
+        let at = now + Duration::from_millis(ahead);
+        let booked = store.check_at(&key, &policy, 1, at).await.unwrap();
+        assert!(booked.is_allowed(), "{booked:?}");
+    }
+    let d = store.check(&key, &policy, 1).await.unwrap();
+    assert!(d.is_allowed(), "{d:?}");
+    let (newest, expiry, redis_now) = read_log(&client, &redis).await;
+    let newest = newest.expect("the log holds its events");
+    eprintln!(
+        "newest event {} ms ahead of Redis, expiry {} ms ahead",
+        (newest - redis_now) / 1000,
+        expiry - redis_now / 1000
+    );
+    assert!(
+        expiry >= expires_at(newest + 2 * window, window),
+        "the key expires at {expiry} ms, before twice the window after its newest event ({} us)",
+        newest
+    );
+    // Gone once that has passed: an expiry, not a key left for ever.
+    tokio::time::sleep(Duration::from_millis(
+        (expiry - redis_now / 1000 + 100) as u64,
+    ))
+    .await;
+    let exists: i64 = client.exists(&redis).await.unwrap();
+    assert_eq!(exists, 0, "the key outlived its expiry");
+}

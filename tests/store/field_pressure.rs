@@ -457,8 +457,8 @@ async fn noeviction_fails_typed_is_never_over_and_recovers() {
 
 /// (2) `volatile-lru` and `volatile-ttl` at 3 MB: Redis evicts only keys with an expiry, so
 /// the overrides hash stays and the blocked key is never admitted, no decision fails, and
-/// every state key has an expiry, except with leases on the sliding log (the ignored test
-/// (7)). (The hot key's own state is evicted: the ignored test (3).)
+/// every state key has an expiry, with leases on the sliding log too (test (7)). (The hot
+/// key's own state is evicted: the ignored test (3).)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn volatile_policies_keep_overrides_and_expiries() {
     let mut broke = Vec::new();
@@ -473,9 +473,7 @@ async fn volatile_policies_keep_overrides_and_expiries() {
                 .iter()
                 .filter(|k| !KEPT.contains(&k.as_str()))
                 .collect();
-            // A leasing log key lost to eviction may be left without expiry: test (7).
-            let leasing_log = run.leases && matches!(run.algorithm, Algorithm::SlidingLog);
-            if (!stray.is_empty() && !leasing_log) || p.without_ttl.len() < KEPT.len() {
+            if !stray.is_empty() || p.without_ttl.len() < KEPT.len() {
                 broke.push(format!(
                     "{policy} {run:?}: without expiry {:?}",
                     p.without_ttl
@@ -858,13 +856,11 @@ async fn log_key_after_give_back(delete: bool) -> (i64, String, usize) {
 
 /// (7) A sliding-log key lost while it leases (deleted here, as `allkeys-*` or `volatile-*`
 /// eviction deletes it) and made again by the next lease: after `drain` gives the unspent
-/// units back, does the key keep an expiry? Without the deletion it does (PTTL about 2 min);
-/// with it the key is left with PTTL -1, holding the lease's event, lighter, for ever. (A
-/// likely cause: `log_lighten.lua` removes the set's only member before adding it back
-/// lighter, and Redis deletes a sorted set left empty, expiry and all.) Seen under pressure
-/// too: `volatile-ttl`, the sliding log with leases, left the counting key without expiry.
+/// units back, the key keeps an expiry, with the deletion and without (PTTL about 2 min).
+/// The give-back removes the set's only member before it adds it back lighter, and Redis
+/// deletes a sorted set left empty, expiry and all (`log_lighten.lua`, `restore_expiry`);
+/// without that restore the key is left with PTTL -1, for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "shows a sliding-log key made again by a lease left without expiry (PTTL -1) after drain's give-back"]
 async fn a_log_key_made_again_by_a_lease_keeps_its_expiry() {
     let mut broke = Vec::new();
     for delete in [false, true] {

@@ -4,9 +4,23 @@
 -- return.lua's; the plain tier, which records but never refunds, goes without it (plain.lua,
 -- "Cost"). Decides nothing; uses log_events.lua's locals (`call`, `min`, `event`, ...).
 
+-- Removing every member of a set deletes the set with its expiry, and members added back
+-- make it again without one, to last for ever: gives such a set back the expiry `ttl` (ms,
+-- PTTL before the removal; Redis's clock stands still within a script, so it is the same
+-- instant).
+local function restore_expiry(key, ttl)
+  if ttl > 0 and call('PTTL', key) == -1 then
+    call('PEXPIRE', key, ttl)
+  end
+end
+
 -- Moves the totals of `members` by delta: all are removed before any is added back, since a
--- moved member may spell one not moved yet.
+-- moved member may spell one not moved yet. The set keeps its expiry.
 local function shift(key, members, delta)
+  if #members == 0 then
+    return
+  end
+  local ttl = call('PTTL', key)
   for j = 1, #members, 1000 do
     call('ZREM', key, unpack(members, j, min(j + 999, #members)))
   end
@@ -20,13 +34,15 @@ local function shift(key, members, delta)
       batch = {}
     end
   end
+  restore_expiry(key, ttl)
 end
 
 -- Takes up to `units` off the events of time `at` (us), the last added first, and as much off
 -- the totals of every member after them; an event left weighing nothing is removed. Units of
 -- one microsecond weigh alike in every window, so which of its events gives them does not
 -- matter. Returns the units taken (0 when no event has that time: it has aged out, or the set
--- was made again since). Writes keep the key's expiry.
+-- was made again since). Writes keep the key's expiry, even where they empty the set before
+-- they fill it again.
 local function lighten(key, at, units)
   local time = text(at)
   local same = call('ZRANGEBYSCORE', key, time, time)
@@ -53,6 +69,7 @@ local function lighten(key, at, units)
       rewrite[#rewrite + 1] = same[j]
     end
   end
+  local ttl = call('PTTL', key)
   call('ZREM', key, unpack(rewrite))
   for j = from, #same do
     local give = gives[j]
@@ -65,5 +82,6 @@ local function lighten(key, at, units)
     end
   end
   shift(key, call('ZRANGEBYSCORE', key, '(' .. time, '+inf'), -taken)
+  restore_expiry(key, ttl)
   return taken
 end
