@@ -60,10 +60,6 @@ const EMPTY: i64 = 0;
 /// is known there.
 const UNKNOWN: i64 = -1;
 
-/// The generation a plain call carries where its lane is not confirmed (`plain.lua`): no
-/// request's, so that the plain tier decides none of them.
-const NOT_CONFIRMED: i64 = -2;
-
 /// The kinds of an override's value (`overrides/value.rs`), and of a resolution that found
 /// none (`prelude.lua`, "Overrides").
 const NONE: i64 = 0;
@@ -279,17 +275,19 @@ impl Known {
 
     /// What a plain call of lane `lane` carries, made now under the limits version's `token`:
     /// the generation its latest confirmation read and the Redis time until which the plain
-    /// tier may decide by it (see the module's "The plain tier"), or, where the lane is not
-    /// confirmed now, [`NOT_CONFIRMED`] and 0, which send every request to the full tier.
-    /// Read as one, so that the time is never another confirmation's.
-    pub(in crate::store::redis) fn confirmation(&self, lane: usize, token: u64) -> (i64, i64) {
+    /// tier may decide by it (see the module's "The plain tier"), or `None` where the lane is
+    /// not confirmed now, when the call goes to the full tier instead. Read as one, so that the
+    /// time is never another confirmation's.
+    pub(in crate::store::redis) fn confirmation(
+        &self,
+        lane: usize,
+        token: u64,
+    ) -> Option<(i64, i64)> {
         let confirmed = &self.confirmed[lane % self.confirmed.len()];
         let _reading = self.confirming.lock().unwrap_or_else(|e| e.into_inner());
         let generation = confirmed.generation.load(Ordering::Acquire);
-        match self.plain_ok_at(lane, generation, token) {
-            true => (generation, confirmed.until.load(Ordering::Acquire)),
-            false => (NOT_CONFIRMED, 0),
-        }
+        self.plain_ok_at(lane, generation, token)
+            .then(|| (generation, confirmed.until.load(Ordering::Acquire)))
     }
 
     /// µs from [`origin`](Self::origin) to `at` (0 before it).
@@ -519,7 +517,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_plain_call_carries_the_generation_confirmed_until_follow_after_redis_ran_it() {
         let known = Known::new(1);
-        assert_eq!(known.confirmation(0, 5), (NOT_CONFIRMED, 0));
+        assert_eq!(known.confirmation(0, 5), None);
         // Sent now; Redis ran it at its time 1 000 000 µs.
         known.learn(
             0,
@@ -528,12 +526,12 @@ mod tests {
             Some((Instant::now(), 5)),
         );
         let until = 1_000_000 + FOLLOW.as_micros() as i64;
-        assert_eq!(known.confirmation(0, 5), (7, until));
+        assert_eq!(known.confirmation(0, 5), Some((7, until)));
         // Another limits version since: none.
-        assert_eq!(known.confirmation(0, 6), (NOT_CONFIRMED, 0));
+        assert_eq!(known.confirmation(0, 6), None);
         // Out of date here: none, whatever Redis's time.
         tokio::time::advance(FOLLOW).await;
-        assert_eq!(known.confirmation(0, 5), (NOT_CONFIRMED, 0));
+        assert_eq!(known.confirmation(0, 5), None);
     }
 
     #[tokio::test(start_paused = true)]

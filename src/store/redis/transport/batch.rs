@@ -211,9 +211,8 @@ impl Batcher {
         let heads = heads.bytes();
         let call = |tier| {
             let script = ScriptId { algorithm, tier };
-            let (args, overrides) = self
-                .settings
-                .arguments(place.lane, script, args.to_vec(), 1);
+            let (script, args, overrides) =
+                (self.settings).arguments(place.lane, script, args.to_vec(), 1);
             let argv = wire::argv(args, overrides, heads.clone(), Vec::new());
             self.call_patiently(place.lane, key.clone(), script, argv, patience)
         };

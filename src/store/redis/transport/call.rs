@@ -151,39 +151,46 @@ pub(crate) struct Settings {
 }
 
 impl Settings {
-    /// The first two arguments of a call of `script` to lane `lane` for the `decisions` requests
-    /// `args` holds, encoded for the full tier ([`wire::encode_for`], less their heads). For the
-    /// full tier, `args` as they are and the name of the lane's hash of overrides, which it
-    /// reads. For the plain tier, which reads none, their plain arguments
-    /// ([`wire::plain_args`]) and the lane's confirmation now ([`Known::confirmation`]): the
-    /// generation it read, which each request sent there was resolved at (one resolved at
-    /// another is sent to be answered `FULL_PATH`), and the Redis time until which the plain
-    /// tier decides by it (`scripts/plain.lua`).
+    /// The script a call of `script` to lane `lane` runs as it is sent, and its first two
+    /// arguments, for the `decisions` requests `args` holds, encoded for the full tier
+    /// ([`wire::encode_for`], less their heads). For the full tier, `args` as they are and the
+    /// name of the lane's hash of overrides, which it reads. For the plain tier, which reads
+    /// none, their plain arguments ([`wire::plain_args`]) and the lane's confirmation now
+    /// ([`Known::confirmation`]): the generation it read, which each request sent there was
+    /// resolved at (one resolved at another is sent to be answered `FULL_PATH`), and the Redis
+    /// time until which the plain tier decides by it (`scripts/plain.lua`). A plain call whose
+    /// lane is no longer confirmed when it is sent (its requests chose the tier before they
+    /// queued for a call permit) runs the full script instead: the plain one would answer every
+    /// request `FULL_PATH`, and each would be sent again.
     pub(crate) fn arguments(
         &self,
         lane: usize,
         script: ScriptId,
         args: Vec<u8>,
         decisions: usize,
-    ) -> (Bytes, Value) {
-        match script.tier {
-            Tier::Full => {
-                let overrides = self.overrides[lane % self.overrides.len()].clone();
-                (Bytes::from(args), overrides)
-            }
-            Tier::Plain => {
-                let (generation, until) = self.known.confirmation(lane, self.limits.token());
-                let mut bytes = Vec::with_capacity(2 * 8);
-                bytes.extend_from_slice(&generation.to_le_bytes());
-                bytes.extend_from_slice(&until.to_le_bytes());
-                // The counters' plain tier is their full script (`scripts::source`).
-                let args = match Scripts::has_plain(script.algorithm) {
-                    true => wire::plain_args(&args, decisions, generation),
-                    false => args,
-                };
-                (Bytes::from(args), Value::Bytes(Bytes::from(bytes)))
-            }
-        }
+    ) -> (ScriptId, Bytes, Value) {
+        let confirmation = match script.tier {
+            Tier::Full => None,
+            Tier::Plain => self.known.confirmation(lane, self.limits.token()),
+        };
+        let Some((generation, until)) = confirmation else {
+            let overrides = self.overrides[lane % self.overrides.len()].clone();
+            return (
+                ScriptId::full(script.algorithm),
+                Bytes::from(args),
+                overrides,
+            );
+        };
+        let mut bytes = Vec::with_capacity(2 * 8);
+        bytes.extend_from_slice(&generation.to_le_bytes());
+        bytes.extend_from_slice(&until.to_le_bytes());
+        // The counters' plain tier is their full script (`scripts::source`).
+        let args = match Scripts::has_plain(script.algorithm) {
+            true => wire::plain_args(&args, decisions, generation),
+            false => args,
+        };
+        let confirmation = Value::Bytes(Bytes::from(bytes));
+        (script, Bytes::from(args), confirmation)
     }
 
     /// Keeps what a whole reply `values` of a call to lane `lane` read of the lane's hash of
@@ -494,8 +501,6 @@ pub(crate) fn start(settings: Arc<Settings>, lane: usize, script: ScriptId, laid
 /// [`start`]'s call. A full call's reply confirms the lane's overrides as of its send
 /// (`overrides/known.rs`, "The plain tier"); a plain call's reads none.
 async fn run(settings: &Settings, lane: usize, id: ScriptId, laid: Laid) -> Result<Bytes, Error> {
-    let script = settings.scripts.of(id.algorithm, id.tier);
-    let sent = (id.tier == Tier::Full).then(|| settings.sent_now());
     let Laid {
         keys,
         args,
@@ -506,7 +511,9 @@ async fn run(settings: &Settings, lane: usize, id: ScriptId, laid: Laid) -> Resu
     let slot_ops = ops.len() / 2;
     // A call of several keys that `TRYAGAIN` refuses is split by key instead (see `send`).
     let one_key = keys.iter().all(|key| *key == keys[0]);
-    let (args, overrides) = settings.arguments(lane, id, args, decisions);
+    let (id, args, overrides) = settings.arguments(lane, id, args, decisions);
+    let script = settings.scripts.of(id.algorithm, id.tier);
+    let sent = (id.tier == Tier::Full).then(|| settings.sent_now());
     let argv = wire::argv(args, overrides, heads.bytes(), ops);
     // Each command waits for its reply up to the patience of a late reply, not the pool's
     // budget, so that a reply after the budget is still read (see `Unread`).
