@@ -8,6 +8,7 @@ mod batching;
 mod conformance;
 mod event_time;
 mod expiry_kept;
+mod field_fixes;
 mod field_pressure;
 mod leases;
 mod mixed_stores;
