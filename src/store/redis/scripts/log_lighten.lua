@@ -6,10 +6,11 @@
 
 -- Removing every member of a set deletes the set with its expiry, and members added back
 -- make it again without one, to last for ever: gives such a set back the expiry `ttl` (ms,
--- PTTL before the removal; Redis's clock stands still within a script, so it is the same
--- instant).
+-- PTTL before the removal), from now, so no sooner than it had. PTTL is 0 in a key's last ms,
+-- when it still exists: PEXPIRE 0 then deletes the set, as its expiry would have a moment
+-- later.
 local function restore_expiry(key, ttl)
-  if ttl > 0 and call('PTTL', key) == -1 then
+  if ttl >= 0 and call('PTTL', key) == -1 then
     call('PEXPIRE', key, ttl)
   end
 end
