@@ -19,7 +19,8 @@
 --           two integers, the generation of the hash of overrides a full call read, which
 --           every request sent here was resolved at (the store sends one resolved at another
 --           as n = -1), and the Redis time in us until which they are decided here (-2 and 0:
---           none is)
+--           none is; the store sends a call it has no confirmation for to the full script
+--           instead, transport/call.rs, Settings::arguments)
 -- ARGV[3..] as prelude.lua, and ignored: this tier reads no hash of overrides and takes no
 --           slot operation
 --
