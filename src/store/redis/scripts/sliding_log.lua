@@ -52,7 +52,8 @@
 -- after its newest event), headroom or not: a store without leases may write the same key,
 -- and keeps no more than that. Without headroom, the bound is w.
 --
--- Writes: members at or before twice the longest window before now are trimmed; an admitted
+-- Writes: members at or before twice the longest window before now are trimmed, after every
+-- request of the call is decided (see `trims`); an admitted
 -- request of positive cost adds one member after those at or before its time, adds its cost
 -- to the totals of the members after it (scheduled events, or later ones than a past event
 -- time: rewritten, which with a refund's are the only writes that grow with the set), and
@@ -74,6 +75,13 @@ local counts, windows, pasts, fullests, firsts = {}, {}, {}, {}, {}
 -- The request's longest window as its policy has it, without a leasing store's headroom: what
 -- the key's expiry is rounded by (expiry.lua, `expires_at`).
 local bare_longest = 0
+-- The trims of the call, made once every request is decided: a key, then the score at or
+-- before which its members go, for each request. A trim is a write Redis never refuses for
+-- memory, and once a script has written, Redis lets its later writes past `maxmemory` too; so
+-- the first write of a call is an event's `ZADD`, which Redis refuses when it is out of memory
+-- at the call's start (`docs/operations.md`, "Memory"). Decisions read no member that old
+-- (see "Event times"): one whose set holds only such members decides as on an empty set.
+local trims = {}
 
 -- The running total through the last event at or before `at` (a score), or false when
 -- there is none.
@@ -215,10 +223,14 @@ local function decide(key, n, cost, record, t, want)
   local at = text(t)
 
   -- Events are kept twice the longest window: decisions are at times at most a longest window
-  -- before now, and read windows reaching one further back.
+  -- before now, and read windows reaching one further back. Trimmed once the call's requests
+  -- are decided (`trims`); the oldest member kept is the first after `kept`.
   local cutoff = now - 2 * longest
+  local kept = '-inf'
   if cutoff >= 0 then
-    call('ZREMRANGEBYSCORE', key, '-inf', text(cutoff))
+    kept = '(' .. text(cutoff)
+    trims[#trims + 1] = key
+    trims[#trims + 1] = cutoff
   end
   local newest_t, newest_total
   local newest = call('ZRANGE', key, '-1', '-1')[1]
@@ -228,6 +240,9 @@ local function decide(key, n, cost, record, t, want)
       call('DEL', key)
     else
       newest_t, newest_total = event(newest)
+      if cutoff >= 0 and newest_t <= cutoff then
+        newest_t, newest_total = nil, nil
+      end
     end
   end
   -- The total through the last event at or before t (nil: not read yet, false: no such event).
@@ -283,9 +298,10 @@ local function decide(key, n, cost, record, t, want)
     if record ~= LOOK and cost > 0 and newest_t ~= nil and newest_total + cost > MAX_UNITS then
       -- Totals restart from the oldest member; the log's units stay within MAX_UNITS
       -- (MAX_UNITS), the event weighing less if need be.
-      local _, total, weight = event(call('ZRANGE', key, '0', '0')[1])
+      local oldest = call('ZRANGEBYSCORE', key, kept, '+inf', 'LIMIT', '0', '1')[1]
+      local _, total, weight = event(oldest)
       local base = total - weight
-      shift(key, call('ZRANGE', key, '0', '-1'), -base)
+      shift(key, call('ZRANGEBYSCORE', key, kept, '+inf'), -base)
       newest_total = newest_total - base
       if upto then
         upto = upto - base
@@ -440,6 +456,10 @@ for k = 1, REQUESTS do
       reply[k] = conclude(k, reply[k])
     end
   end
+end
+
+for j = 1, #trims, 2 do
+  call('ZREMRANGEBYSCORE', trims[j], '-inf', text(trims[j + 1]))
 end
 
 return finish()

@@ -27,12 +27,13 @@
 -- PEXPIREAT where the expiry moves (see "Expiry"): three or four on a warm key
 -- (sliding_log.lua: four or five), three on a cold one.
 -- Trim: sliding_log.lua trims events at or before twice the longest window L (with headroom)
--- before now in every decision. This tier trims the same range once per span of L of Redis
--- time, when the newest event is in an earlier span than now, and where the newest event
--- itself is that old (the set holds nothing a decision reads). Windows are read by score and
--- never reach that far back, so the events left over change no decision, and the totals of
--- the members kept are the same either way; a busy key keeps up to 3 L of events instead of
--- 2 L.
+-- before now for every decision, once the call's requests are decided. This tier trims the
+-- same range once per span of L of Redis time, when the newest event is in an earlier span
+-- than now, also after the call's decisions (`trims`), and decides as on an empty set where
+-- the newest event itself is that old (the set holds nothing a decision reads). Windows are
+-- read by score and never reach that far back, so the events left over change no decision,
+-- and the totals of the members kept are the same either way; a busy key keeps up to 3 L of
+-- events instead of 2 L.
 -- Expiry: every admission sets the key to expire twice the longest window L after the event
 -- (or now, where later), rounded up to an eighth of the policy's longest window W (L less a
 -- leasing store's headroom; expiry.lua, `expires_at`), as sliding_log.lua does, so that a key
@@ -47,6 +48,11 @@ local MAX_UNITS = 4503599627370496
 -- Per limit of the request at hand (entries past its n are left over and never read): count,
 -- window, the units in (t - w, t], and the time of the first event of (t - w, t] (false: none).
 local counts, windows, pasts, firsts = {}, {}, {}, {}
+-- The trims of the call, made once every request is decided (key, then the score at or before
+-- which its members go), as sliding_log.lua's `trims`: so that the call's first write is an
+-- event's `ZADD`, which Redis refuses when it is out of memory (a trim first would let every
+-- later write of the call past `maxmemory`). Made by the first trim: most calls have none.
+local trims
 
 -- When (t - w, t], which holds `past` units from the event `first_t` on (its total before it
 -- `first_before`), has room for `cost` (at most c), as far as its own events go: t when it
@@ -119,7 +125,9 @@ for k = 1, #KEYS do
     local cutoff = now - 2 * longest
     if newest_t and not full and cutoff >= 0
       and math.floor(newest_t / longest) < math.floor(now / longest) then
-      call('ZREMRANGEBYSCORE', key, '-inf', text(cutoff))
+      trims = trims or {}
+      trims[#trims + 1] = key
+      trims[#trims + 1] = cutoff
       if newest_t <= cutoff then
         newest_t, upto = nil, nil
       end
@@ -217,6 +225,10 @@ for k = 1, #KEYS do
         retry, overridden and c or -1)
     end
   end
+end
+
+for j = 1, trims and #trims or 0, 2 do
+  call('ZREMRANGEBYSCORE', trims[j], '-inf', text(trims[j + 1]))
 end
 
 reply[#reply + 1] = spack('<ll', now, NOT_READ)
