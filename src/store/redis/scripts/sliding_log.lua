@@ -224,11 +224,9 @@ local function decide(key, n, cost, record, t, want)
 
   -- Events are kept twice the longest window: decisions are at times at most a longest window
   -- before now, and read windows reaching one further back. Trimmed once the call's requests
-  -- are decided (`trims`); the oldest member kept is the first after `kept`.
+  -- are decided (`trims`).
   local cutoff = now - 2 * longest
-  local kept = '-inf'
   if cutoff >= 0 then
-    kept = '(' .. text(cutoff)
     trims[#trims + 1] = key
     trims[#trims + 1] = cutoff
   end
@@ -296,8 +294,10 @@ local function decide(key, n, cost, record, t, want)
       cost = min(cost, largest + 1)
     end
     if record ~= LOOK and cost > 0 and newest_t ~= nil and newest_total + cost > MAX_UNITS then
-      -- Totals restart from the oldest member; the log's units stay within MAX_UNITS
-      -- (MAX_UNITS), the event weighing less if need be.
+      -- Totals restart from the oldest member kept (the first after the cutoff, which the
+      -- call trims once decided); the log's units stay within MAX_UNITS (MAX_UNITS), the
+      -- event weighing less if need be.
+      local kept = cutoff >= 0 and '(' .. text(cutoff) or '-inf'
       local oldest = call('ZRANGEBYSCORE', key, kept, '+inf', 'LIMIT', '0', '1')[1]
       local _, total, weight = event(oldest)
       local base = total - weight
