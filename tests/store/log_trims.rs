@@ -272,3 +272,102 @@ async fn a_rebase_beside_members_due_for_trimming_keeps_counts_on_redis_with_pla
     let store = server.store().await;
     both_shapes(&store, &server, "plain").await;
 }
+
+/// `10/4s`: a window of 4 s, whose key expires twice that after its newest event rounded up to
+/// 500 ms (an eighth of the window).
+fn small_policy() -> Policy {
+    "10/4s"
+        .parse::<Policy>()
+        .unwrap()
+        .with_algorithm(Algorithm::SlidingLog)
+}
+
+/// The 1-unit requests at now admitted until one is refused (at most 40).
+async fn admitted_until_refused<St: Store>(store: &St, key: &Key, policy: &Policy) -> usize {
+    let mut admitted = 0;
+    while admitted < 40 && check(store, key, policy, 1).await.is_allowed() {
+        admitted += 1;
+    }
+    admitted
+}
+
+/// A key whose every member is older than twice the window (8 s) but which has not expired
+/// yet (its expiry is rounded up), written by two requests of one call: A at an event time
+/// 1 s back, then B 3 s back, before A's event. A decides as on an empty set; B finds no
+/// member in its window and reads the total before its event while the old members (an event
+/// of 1 and a charge of 11, total 12) are still there. Then (4.5 s, 8.5 s] holds 2 units, and
+/// 8 more requests of 1 are admitted.
+#[tokio::test]
+async fn two_events_in_one_call_on_a_log_due_for_trimming_count_alike_on_memory() {
+    let start = Duration::from_secs(1_700_000_000) + Duration::from_millis(10);
+    let clock = ManualClock::from(UNIX_EPOCH + start);
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let time = Timeline::Manual(clock, start);
+    let (key, policy) = (Key::from("old"), small_policy());
+    let d = check(&store, &key, &policy, 1).await;
+    charge(&store, &key, &policy, &d, u64::MAX).await;
+    time.reach(8200).await;
+    let a = store
+        .check_at(&key, &policy, 1, time.at(7200))
+        .await
+        .unwrap();
+    let b = store
+        .check_at(&key, &policy, 1, time.at(5200))
+        .await
+        .unwrap();
+    assert!(a.is_allowed() && b.is_allowed(), "{a:?} {b:?}");
+    time.reach(8500).await;
+    let admitted = admitted_until_refused(&store, &key, &policy).await;
+    eprintln!("memory store: {admitted} admitted after the call");
+    assert_eq!(admitted, 8);
+}
+
+#[tokio::test]
+#[ignore = "fails at f79f2e2: the second event of the call takes the total of a member due for \
+            trimming (12) as the total before it, so the window reads 12 units fewer and admits \
+            20 where 8 fit (cargo test --all-features --test store log_trims -- --ignored \
+            --nocapture)"]
+async fn two_events_in_one_call_on_a_log_due_for_trimming_count_alike_on_redis() {
+    let server = RedisServer::start();
+    let client = server.client().await;
+    // One call under way at a time: requests that arrive meanwhile leave together, in order.
+    let store = RedisStore::builder(server.url())
+        .max_in_flight(1)
+        .connect()
+        .await
+        .unwrap();
+    let (key, policy) = (Key::from("old"), small_policy());
+    let rkey = redis_key(&store, &key, &policy);
+    // 10 ms after a multiple of 500 ms of Redis time: the key, whose newest member is then,
+    // expires 8.49 s later, and the call at 8.2 s finds it with every member older than 8 s.
+    let now = redis_now(&client).await;
+    let start = now - now % 500_000 + 510_000;
+    let time = Timeline::Redis(client.clone(), start);
+    time.reach(0).await;
+    let d = check(&store, &key, &policy, 1).await;
+    charge(&store, &key, &policy, &d, u64::MAX).await;
+    let old = members(&client, &rkey).await;
+    time.reach(8200).await;
+    let calls = crate::support::evalsha_calls(&client).await;
+    let other = Key::from("other");
+    let (_, a, b) = tokio::join!(
+        check(&store, &other, &policy, 1),
+        store.check_at(&key, &policy, 1, time.at(7200)),
+        store.check_at(&key, &policy, 1, time.at(5200)),
+    );
+    let calls = crate::support::evalsha_calls(&client).await - calls;
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let log = members(&client, &rkey).await;
+    let bad = unsound(&log);
+    time.reach(8500).await;
+    let admitted = admitted_until_refused(&store, &key, &policy).await;
+    eprintln!(
+        "redis: members before {old:?}; {calls} script calls for the three requests; A {} B {}; \
+         log after (us, total, weight) {log:?}, unsound {bad:?}; {admitted} admitted after",
+        a.is_allowed(),
+        b.is_allowed()
+    );
+    assert!(a.is_allowed() && b.is_allowed(), "{a:?} {b:?}");
+    assert_eq!(admitted, 8, "log after the call {log:?}, unsound {bad:?}");
+    assert!(bad.is_empty(), "{bad:?}");
+}
