@@ -371,3 +371,40 @@ async fn two_events_in_one_call_on_a_log_due_for_trimming_count_alike_on_redis()
     assert_eq!(admitted, 8, "log after the call {log:?}, unsound {bad:?}");
     assert!(bad.is_empty(), "{bad:?}");
 }
+
+/// The trims a reservation's call makes, one per decision as before they moved to the call's
+/// end: twelve reservations of 1 on `2/1s`, each waiting for the one before it (its call looks
+/// at the newest event's time, then at the retry, then logs there), on the full script.
+#[tokio::test]
+async fn a_reservation_trims_once_per_decision() {
+    use tower_redis_ratelimit::test_util::{Reserve, Ticket};
+    let server = RedisServer::start();
+    let client = server.client().await;
+    let store = server.full_scripts_store().await;
+    let (key, policy) = (
+        Key::from("reserved"),
+        "2/1s"
+            .parse::<Policy>()
+            .unwrap()
+            .with_algorithm(Algorithm::SlidingLog),
+    );
+    let mut per_call = Vec::new();
+    for id in 1..=12u64 {
+        let before = crate::support::command_calls(&client, "zremrangebyscore").await;
+        let calls = crate::support::evalsha_calls(&client).await;
+        let ticket = Ticket {
+            cost: 1,
+            ..Ticket::new(id, Duration::from_secs(10))
+        };
+        let d = store.reserve(&key, &policy, ticket).await.unwrap();
+        assert!(d.is_allowed(), "{d:?}");
+        let trims = crate::support::command_calls(&client, "zremrangebyscore").await - before;
+        assert_eq!(crate::support::evalsha_calls(&client).await - calls, 1);
+        per_call.push(trims);
+    }
+    eprintln!("ZREMRANGEBYSCORE per reservation call: {per_call:?}");
+    // The first two fit at once (a look, then the admission); the others look at the newest
+    // event's time, are refused, look again at the retry and log there.
+    assert!(per_call[..2].iter().all(|&n| n == 2), "{per_call:?}");
+    assert!(per_call[2..].iter().all(|&n| n <= 3), "{per_call:?}");
+}
