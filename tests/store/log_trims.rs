@@ -250,12 +250,10 @@ async fn both_shapes(store: &RedisStore, server: &RedisServer, name: &str) {
 }
 
 /// The full script: the event of 2 finds no member in its window, reads the total before it
-/// with the members of 0 still there, and must not take theirs (not rebased) for its own.
+/// with the members of 0 still there, and must not take theirs (not rebased) for its own
+/// (`sliding_log.lua`, `total_through` bounded by the cutoff; unbounded, the window read
+/// negative units and admitted past the count).
 #[tokio::test]
-#[ignore = "fails at f79f2e2: the rebase shifts only the members after the cutoff, then the \
-            event before a later member takes an untrimmed member's old total as the total \
-            before it; the window then reads negative units and admits past the count \
-            (cargo test --all-features --test store log_trims -- --ignored --nocapture)"]
 async fn a_rebase_beside_members_due_for_trimming_keeps_counts_on_redis() {
     let server = RedisServer::start();
     let store = server.full_scripts_store().await;
@@ -265,8 +263,6 @@ async fn a_rebase_beside_members_due_for_trimming_keeps_counts_on_redis() {
 /// The same on a store with the plain tier (event times and settlements go to the full
 /// script).
 #[tokio::test]
-#[ignore = "fails at f79f2e2 as a_rebase_beside_members_due_for_trimming_keeps_counts_on_redis \
-            (cargo test --all-features --test store log_trims -- --ignored --nocapture)"]
 async fn a_rebase_beside_members_due_for_trimming_keeps_counts_on_redis_with_plain_tier() {
     let server = RedisServer::start();
     let store = server.store().await;
@@ -323,10 +319,6 @@ async fn two_events_in_one_call_on_a_log_due_for_trimming_count_alike_on_memory(
 }
 
 #[tokio::test]
-#[ignore = "fails at f79f2e2: the second event of the call takes the total of a member due for \
-            trimming (12) as the total before it, so the window reads 12 units fewer and admits \
-            20 where 8 fit (cargo test --all-features --test store log_trims -- --ignored \
-            --nocapture)"]
 async fn two_events_in_one_call_on_a_log_due_for_trimming_count_alike_on_redis() {
     let server = RedisServer::start();
     let client = server.client().await;

@@ -83,10 +83,13 @@ local bare_longest = 0
 -- (see "Event times"): one whose set holds only such members decides as on an empty set.
 local trims = {}
 
--- The running total through the last event at or before `at` (a score), or false when
--- there is none.
-local function total_through(key, at)
-  local last = call('ZREVRANGEBYSCORE', key, at, '-inf', 'LIMIT', '0', '1')[1]
+-- The running total through the last event at or before `at` (a score) and after `kept` (a
+-- score bound: '-inf', or '(' and the cutoff of `trims`), or false when there is none. A
+-- member at or before the cutoff, left until the call's trims, may not fit the totals of the
+-- ones after it (a rebase moved only those; a request of the call decided as on an empty set
+-- restarted them), so a decision reads none.
+local function total_through(key, at, kept)
+  local last = call('ZREVRANGEBYSCORE', key, at, kept, 'LIMIT', '0', '1')[1]
   if last == nil then
     return false
   end
@@ -141,7 +144,8 @@ local function limit_at(key, t, c, w, cost, upto, newest_t)
       first_t, first_total, weight = event(first)
       first_before = first_total - weight
       if upto == nil then
-        upto = total_through(key, at)
+        -- `first` is after the cutoff: so is the last event at or before t.
+        upto = total_through(key, at, '-inf')
       end
       past = upto - first_before
     end
@@ -313,13 +317,15 @@ local function decide(key, n, cost, record, t, want)
       -- the oldest (all after t), else 0 (an empty set).
       local before = 0
       if newest_t ~= nil then
+        local kept = cutoff >= 0 and '(' .. text(cutoff) or '-inf'
         if upto == nil then
-          upto = total_through(key, at)
+          upto = total_through(key, at, kept)
         end
         if upto then
           before = upto
         else
-          local _, total, weight = event(call('ZRANGE', key, '0', '0')[1])
+          local oldest = call('ZRANGEBYSCORE', key, kept, '+inf', 'LIMIT', '0', '1')[1]
+          local _, total, weight = event(oldest)
           before = total - weight
         end
         if newest_t > t then
