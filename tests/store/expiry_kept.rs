@@ -15,9 +15,10 @@
 //! Each test prints its figures (`--nocapture`).
 
 use std::collections::HashMap;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use crate::support::seeded::Lcg;
+use crate::support::time::micros;
 use crate::support::RedisServer;
 use bytes::Bytes;
 use fred::prelude::*;
@@ -122,10 +123,6 @@ async fn four_stores(server: &RedisServer) -> Vec<(&'static str, RedisStore)> {
         stores.push((name, builder.connect().await.unwrap()));
     }
     stores
-}
-
-fn micros(at: SystemTime) -> i64 {
-    at.duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
 }
 
 /// (1) A GCRA write sets its expiry with PSETEX for the ms from the time its script read

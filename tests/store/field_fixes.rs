@@ -8,8 +8,9 @@
 //!
 //! Each test prints its figures (`--nocapture`).
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
+use crate::support::time::micros;
 use crate::support::RedisServer;
 use fred::prelude::*;
 use tower_redis_ratelimit::store::Leases;
@@ -210,10 +211,6 @@ async fn events_booked_ahead_then_earlier_ones_keep_the_expiry_at_every_step() {
         }
     }
     assert!(broke.is_empty(), "{broke:#?}");
-}
-
-fn micros(at: SystemTime) -> i64 {
-    at.duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
 }
 
 /// (3) A refund that lands in the last millisecond of its key's life. Redis counts a key
@@ -430,6 +427,52 @@ fn start_checks(
     })
 }
 
+/// What Redis holds of the events of keys `<name>-0` to `<name>-3` of `api` in `store`
+/// recorded at or after `written` (µs): how many, how many 250 ms or more after it, the
+/// latest (ms after it), and, where `count_apart`, each key whose events are not the
+/// admissions `log` told of it.
+struct EventsAfter {
+    after: usize,
+    late: usize,
+    latest: Option<i64>,
+    apart: Vec<String>,
+}
+
+async fn events_after(
+    admin: &Client,
+    (store, name, api): (&RedisStore, &str, &Policy),
+    written: i64,
+    log: &[Entry],
+    count_apart: bool,
+) -> EventsAfter {
+    let mut seen = EventsAfter {
+        after: 0,
+        late: 0,
+        latest: None,
+        apart: Vec::new(),
+    };
+    for n in 0..4 {
+        let rkey = redis_key(store, &Key::from(format!("{name}-{n}")), api);
+        let events: Vec<(String, f64)> = admin
+            .zrangebyscore(&rkey, written as f64, "+inf", true, None)
+            .await
+            .unwrap();
+        for (_, score) in &events {
+            let since = (*score as i64 - written) / 1000;
+            seen.after += 1;
+            seen.latest = seen.latest.max(Some(since));
+            seen.late += usize::from(since >= 250);
+        }
+        let all: i64 = admin.zcard(&rkey).await.unwrap();
+        let told = log.iter().filter(|e| e.0 == n && e.1 == Ok(true)).count();
+        if count_apart && all as usize != told {
+            seen.apart
+                .push(format!("key {n}: {all} events, {told} admissions"));
+        }
+    }
+    seen
+}
+
 /// (5) Plain calls re-tiered at send under a lowered count. Store D (plain tier, one call under
 /// way at a time, batches of at most eight, 3 s budget; with leases and without) behind a
 /// proxy decides four sliding-log keys of `1000000/1h`, one decision a ms each. After 400 ms
@@ -485,25 +528,12 @@ async fn queued_plain_calls_sent_unconfirmed_follow_a_lowered_count() {
         // Leases given back before the log is read.
         d.drain().await.unwrap();
         let errors = log.iter().filter(|e| e.1.is_err()).count();
-        let (mut after, mut late, mut latest, mut apart) = (0, 0, None::<i64>, Vec::new());
-        for n in 0..4 {
-            let rkey = redis_key(&d, &Key::from(format!("{name}-{n}")), &api);
-            let events: Vec<(String, f64)> = admin
-                .zrangebyscore(&rkey, written as f64, "+inf", true, None)
-                .await
-                .unwrap();
-            for (_, score) in &events {
-                let since = (*score as i64 - written) / 1000;
-                after += 1;
-                latest = latest.max(Some(since));
-                late += usize::from(since >= 250);
-            }
-            let all: i64 = admin.zcard(&rkey).await.unwrap();
-            let told = log.iter().filter(|e| e.0 == n && e.1 == Ok(true)).count();
-            if !leased && all as usize != told {
-                apart.push(format!("key {n}: {all} events, {told} admissions"));
-            }
-        }
+        let EventsAfter {
+            after,
+            late,
+            latest,
+            apart,
+        } = events_after(&admin, (&d, name, &api), written, &log, !leased).await;
         let admitted = log.iter().filter(|e| e.1 == Ok(true)).count();
         // Admissions told for decisions started 250 ms or more after the override was
         // written (with leases: from a lease's units, which Redis holds no event of).
@@ -582,25 +612,12 @@ async fn late_plain_calls_follow_a_block_and_count_once() {
                 .iter()
                 .filter(|e| e.1 == Ok(true) && e.2 >= written_here + ms(250))
                 .count();
-            let (mut after, mut late, mut latest, mut apart) = (0, 0, None::<i64>, Vec::new());
-            for n in 0..4 {
-                let rkey = redis_key(&d, &Key::from(format!("{name}-{n}")), &api);
-                let events: Vec<(String, f64)> = admin
-                    .zrangebyscore(&rkey, written as f64, "+inf", true, None)
-                    .await
-                    .unwrap();
-                for (_, score) in &events {
-                    let since = (*score as i64 - written) / 1000;
-                    after += 1;
-                    latest = latest.max(Some(since));
-                    late += usize::from(since >= 250);
-                }
-                let all: i64 = admin.zcard(&rkey).await.unwrap();
-                let told = log.iter().filter(|e| e.0 == n && e.1 == Ok(true)).count();
-                if all as usize != told {
-                    apart.push(format!("key {n}: {all} events, {told} admissions"));
-                }
-            }
+            let EventsAfter {
+                after,
+                late,
+                latest,
+                apart,
+            } = events_after(&admin, (&d, name, &api), written, &log, true).await;
             let line = format!(
                 "{name}: {} decisions ({calls} EVALSHA), {admitted} admitted, {errors} errors {kinds:?}, {told_late} admitted of those started 250 ms or more after the block; {after} events recorded after it, {late} of them 250 ms or more after it, the latest {latest:?} ms after it; apart: {apart:?}",
                 log.len()

@@ -11,9 +11,10 @@
 //!
 //! Each test prints its figures (`--nocapture`).
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use crate::support::seeded::Lcg;
+use crate::support::time::micros;
 use crate::support::RedisServer;
 use fred::prelude::*;
 use tower_redis_ratelimit::store::Leases;
@@ -24,10 +25,6 @@ use tower_redis_ratelimit::{
 
 fn limit(text: &str) -> Limit {
     text.parse().unwrap()
-}
-
-fn micros(at: SystemTime) -> i64 {
-    at.duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
 }
 
 /// A store on `server`: plain tier on or off, and leases of `period` ms and `share` where given.

@@ -69,3 +69,8 @@ pub async fn redis_now(client: &fred::prelude::Client) -> i64 {
         .unwrap();
     time[0].parse::<i64>().unwrap() * 1_000_000 + time[1].parse::<i64>().unwrap()
 }
+
+/// µs since the Unix epoch of `at`: how Redis `TIME` and the stores' event times count.
+pub fn micros(at: SystemTime) -> i64 {
+    at.duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
+}
