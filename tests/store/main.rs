@@ -11,6 +11,7 @@ mod expiry_kept;
 mod field_fixes;
 mod field_pressure;
 mod leases;
+mod log_seeded;
 mod log_trims;
 mod mixed_stores;
 mod plain_arguments;
