@@ -12,6 +12,7 @@
 
 use std::time::{Duration, UNIX_EPOCH};
 
+use crate::support::log::{members, unsound, Log};
 use crate::support::seeded::Lcg;
 use crate::support::time::redis_now;
 use crate::support::RedisServer;
@@ -124,35 +125,6 @@ fn plan(seed: u64, k: u64, mixed: bool) -> Vec<(u64, Step)> {
 /// A decision as the user sees it.
 fn seen(d: &Decision) -> (bool, u64, Option<Duration>) {
     (d.is_allowed(), d.remaining(), d.retry_after())
-}
-
-/// A log's members as (score in us, total, weight), oldest first.
-type Log = Vec<(i64, u64, u64)>;
-
-/// A log's members, read from Redis.
-async fn members(client: &Client, rkey: &str) -> Log {
-    let raw: Vec<(String, f64)> = client
-        .zrange(rkey, 0, -1, None, false, None, true)
-        .await
-        .unwrap();
-    raw.into_iter()
-        .map(|(m, score)| {
-            let parts: Vec<&str> = m.split(':').collect();
-            (
-                score as i64,
-                parts[1].parse().unwrap(),
-                parts[2].parse().unwrap(),
-            )
-        })
-        .collect()
-}
-
-/// The members whose total less weight is not the total of the member before.
-fn unsound(log: &[(i64, u64, u64)]) -> Vec<String> {
-    (1..log.len())
-        .filter(|&j| log[j].1.wrapping_sub(log[j].2) != log[j - 1].1)
-        .map(|j| format!("member {j} of {log:?}"))
-        .collect()
 }
 
 /// What a run counted.

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::support::log::{members, unsound};
 use crate::support::time::redis_now;
 use crate::support::RedisServer;
 use fred::prelude::*;
@@ -59,40 +60,6 @@ impl Timeline {
         };
         UNIX_EPOCH + start + Duration::from_millis(ms)
     }
-}
-
-/// A log's members as (score in us, total, weight), oldest first.
-async fn members(client: &Client, rkey: &str) -> Vec<(i64, u64, u64)> {
-    let raw: Vec<(String, f64)> = client
-        .zrange(rkey, 0, -1, None, false, None, true)
-        .await
-        .unwrap();
-    raw.into_iter()
-        .map(|(m, score)| {
-            let parts: Vec<&str> = m.split(':').collect();
-            (
-                score as i64,
-                parts[1].parse().unwrap(),
-                parts[2].parse().unwrap(),
-            )
-        })
-        .collect()
-}
-
-/// The members whose total less weight is not the total of the member before (0 for the
-/// first): a log on which window counts read wrong.
-fn unsound(log: &[(i64, u64, u64)]) -> Vec<String> {
-    let mut bad = Vec::new();
-    for j in 1..log.len() {
-        let (_, total, weight) = log[j];
-        if total.wrapping_sub(weight) != log[j - 1].1 {
-            bad.push(format!(
-                "member {j}: total {total} - weight {weight} != {}",
-                log[j - 1].1
-            ));
-        }
-    }
-    bad
 }
 
 /// What the scenario saw: the decision of the event that rebases, the remaining units after

@@ -7,6 +7,7 @@ pub mod delay;
 pub mod gateway;
 pub mod http;
 pub mod load;
+pub mod log;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 pub mod monitor;
