@@ -16,12 +16,16 @@ local function restore_expiry(key, ttl)
 end
 
 -- Moves the totals of `members` by delta: all are removed before any is added back, since a
--- moved member may spell one not moved yet. The set keeps its expiry.
-local function shift(key, members, delta)
+-- moved member may spell one not moved yet. The set keeps its expiry, or gets back `ttl`
+-- where given (PTTL before the caller's own rewrites of the set began).
+local function shift(key, members, delta, ttl)
   if #members == 0 then
+    if ttl then
+      restore_expiry(key, ttl)
+    end
     return
   end
-  local ttl = call('PTTL', key)
+  ttl = ttl or call('PTTL', key)
   for j = 1, #members, 1000 do
     call('ZREM', key, unpack(members, j, min(j + 999, #members)))
   end
@@ -82,7 +86,6 @@ local function lighten(key, at, units)
       end
     end
   end
-  shift(key, call('ZRANGEBYSCORE', key, '(' .. time, '+inf'), -taken)
-  restore_expiry(key, ttl)
+  shift(key, call('ZRANGEBYSCORE', key, '(' .. time, '+inf'), -taken, ttl)
   return taken
 end

@@ -297,11 +297,15 @@ local function decide(key, n, cost, record, t, want)
       end
       cost = min(cost, largest + 1)
     end
+    -- What a write reads of the set: the members after `kept`, those the call's trims keep
+    -- (see `total_through`).
+    local kept = '-inf'
+    if cutoff >= 0 and record ~= LOOK and cost > 0 and newest_t ~= nil then
+      kept = '(' .. text(cutoff)
+    end
     if record ~= LOOK and cost > 0 and newest_t ~= nil and newest_total + cost > MAX_UNITS then
-      -- Totals restart from the oldest member kept (the first after the cutoff, which the
-      -- call trims once decided); the log's units stay within MAX_UNITS (MAX_UNITS), the
-      -- event weighing less if need be.
-      local kept = cutoff >= 0 and '(' .. text(cutoff) or '-inf'
+      -- Totals restart from the oldest member kept; the log's units stay within MAX_UNITS
+      -- (MAX_UNITS), the event weighing less if need be.
       local oldest = call('ZRANGEBYSCORE', key, kept, '+inf', 'LIMIT', '0', '1')[1]
       local _, total, weight = event(oldest)
       local base = total - weight
@@ -317,7 +321,6 @@ local function decide(key, n, cost, record, t, want)
       -- the oldest (all after t), else 0 (an empty set).
       local before = 0
       if newest_t ~= nil then
-        local kept = cutoff >= 0 and '(' .. text(cutoff) or '-inf'
         if upto == nil then
           upto = total_through(key, at, kept)
         end
