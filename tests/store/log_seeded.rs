@@ -374,16 +374,22 @@ async fn compare(server: &RedisServer, store: &RedisStore, name: &str, seeds: &[
     assert!(failed.is_empty(), "{name}: {failed:#?}");
 }
 
+/// A store on `server` with one call in flight at a time, so that requests queued meanwhile
+/// leave together; the plain tier on or off.
+async fn one_call_at_a_time(server: &RedisServer, plain: bool) -> RedisStore {
+    RedisStore::builder(server.url())
+        .plain_scripts(plain)
+        .max_in_flight(1)
+        .connect()
+        .await
+        .unwrap()
+}
+
 /// The full scripts alone, one call in flight at a time.
 #[tokio::test]
 async fn seeded_sequences_decide_alike_on_redis_full_scripts_and_memory() {
     let server = RedisServer::start();
-    let store = RedisStore::builder(server.url())
-        .plain_scripts(false)
-        .max_in_flight(1)
-        .connect()
-        .await
-        .unwrap();
+    let store = one_call_at_a_time(&server, false).await;
     compare(&server, &store, "full", &[1], true).await;
 }
 
@@ -392,11 +398,7 @@ async fn seeded_sequences_decide_alike_on_redis_full_scripts_and_memory() {
 #[tokio::test]
 async fn seeded_sequences_decide_alike_on_redis_plain_tier_and_memory() {
     let server = RedisServer::start();
-    let store = RedisStore::builder(server.url())
-        .max_in_flight(1)
-        .connect()
-        .await
-        .unwrap();
+    let store = one_call_at_a_time(&server, true).await;
     compare(&server, &store, "plain", &[3], false).await;
 }
 
@@ -413,10 +415,6 @@ async fn seeded_sequences_decide_alike_on_redis_plain_tier_and_memory() {
             log_seeded::seeded_sequences_mixed -- --ignored --nocapture"]
 async fn seeded_sequences_mixed_in_one_call_on_redis_plain_tier_and_memory() {
     let server = RedisServer::start();
-    let store = RedisStore::builder(server.url())
-        .max_in_flight(1)
-        .connect()
-        .await
-        .unwrap();
+    let store = one_call_at_a_time(&server, true).await;
     compare(&server, &store, "plain mixed", &[3], true).await;
 }
